@@ -1,0 +1,50 @@
+"""Audio in, log-mel features out.
+
+Audio is read with soundfile (torchaudio's own loader needs FFmpeg from 2.9 on), mixed down to
+mono and resampled to 16 kHz; features are 80-dim log-mel frames, 25 ms windows every 10 ms.
+Normalization (global CMVN) and SpecAugment live in the model (``model.py``), so they run batched
+on the training device and a checkpoint carries its statistics.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+import torch
+import torchaudio
+
+__all__ = ["SAMPLE_RATE", "HOP_LENGTH", "load_audio", "LogMel"]
+
+SAMPLE_RATE = 16000
+HOP_LENGTH = 160  # 10 ms: 100 frames per second
+
+
+def load_audio(path: str | Path, sample_rate: int = SAMPLE_RATE) -> torch.Tensor:
+    """Read any soundfile-supported file as a mono float32 waveform ``(N,)`` at ``sample_rate``.
+
+    Raises ``RuntimeError`` naming the file when it cannot be decoded or holds no samples.
+    """
+    try:
+        data, sr = sf.read(str(path), dtype="float32", always_2d=True)  # (N, channels)
+    except Exception as e:  # soundfile raises LibsndfileError, RuntimeError, TypeError...
+        raise RuntimeError(f"cannot read audio {path}: {e}") from e
+    if data.shape[0] == 0:
+        raise RuntimeError(f"audio {path} holds no samples")
+    wav = torch.from_numpy(np.ascontiguousarray(data.mean(axis=1)))  # (N,)
+    if sr != sample_rate:
+        wav = torchaudio.functional.resample(wav, sr, sample_rate)
+    return wav
+
+
+class LogMel(torch.nn.Module):
+    """Waveform ``(N,)`` at 16 kHz -> log-mel features ``(T, n_mels)``, T = 1 + N // 160."""
+
+    def __init__(self, n_mels: int = 80):
+        super().__init__()
+        self.mel = torchaudio.transforms.MelSpectrogram(
+            sample_rate=SAMPLE_RATE, n_fft=400, win_length=400, hop_length=HOP_LENGTH, n_mels=n_mels)
+
+    @torch.no_grad()
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        return torch.log(self.mel(wav) + 1e-6).transpose(0, 1).contiguous()  # (T, n_mels)

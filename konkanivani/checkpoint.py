@@ -1,0 +1,124 @@
+"""Checkpoints that survive a crash: written to a temporary file, fsynced, renamed into place.
+
+Layout of an output directory::
+
+    step_0000160.pt   one per save (each epoch and every --save_every_steps), last N kept
+    latest.pt         the newest complete save
+    best.pt           the save with the lowest validation WER
+
+``latest.pt`` and ``best.pt`` are hard links to a step file where the file system allows it (no
+extra disk), copies otherwise; either way they are replaced by an atomic rename.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["CheckpointError", "FORMAT_VERSION", "save_checkpoint", "load_checkpoint", "point_to",
+           "prune_checkpoints", "resolve_resume", "step_checkpoint_name"]
+
+FORMAT_VERSION = 1
+_STEP_FILE = re.compile(r"step_(\d+)\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read; the message says which file and why."""
+
+
+def step_checkpoint_name(step: int) -> str:
+    return f"step_{step:07d}.pt"
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some file systems (and Windows) cannot open a directory
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
+    """Write ``state`` to ``path`` atomically: a reader sees the old file or the new one, never half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save({"format_version": FORMAT_VERSION, **state}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise CheckpointError(f"could not write checkpoint {path}: {e.strerror or e}; "
+                                  "the previous checkpoints are untouched") from e
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def point_to(target: str | Path, link: str | Path) -> None:
+    """Make ``link`` (e.g. latest.pt) the same file as ``target``, atomically."""
+    target, link = Path(target), Path(link)
+    tmp = link.with_name(f".{link.name}.tmp{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        try:
+            os.link(target, tmp)
+        except OSError:  # no hard links here (some network and FUSE mounts): copy instead
+            with open(target, "rb") as src, open(tmp, "wb") as dst:
+                shutil.copyfileobj(src, dst, 16 << 20)
+                dst.flush()
+                os.fsync(dst.fileno())
+        os.replace(tmp, link)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"could not update {link}: {e.strerror or e}") from e
+    _fsync_dir(link.parent)
+
+
+def prune_checkpoints(directory: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` step files; return the deleted paths."""
+    steps = sorted((int(m.group(1)), p) for p in Path(directory).glob("step_*.pt")
+                   if (m := _STEP_FILE.search(p.name)))
+    doomed = [p for _, p in steps[:max(0, len(steps) - keep)]]
+    for p in doomed:
+        p.unlink(missing_ok=True)
+    return doomed
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load a konkanivani checkpoint; ``CheckpointError`` with a plain reason if it is not one."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: the file is truncated, corrupt or not a "
+                              f"PyTorch checkpoint ({type(e).__name__})") from e
+    if not isinstance(state, dict) or "format_version" not in state:
+        raise CheckpointError(f"{path} is not a konkanivani checkpoint")
+    if state["format_version"] != FORMAT_VERSION:
+        raise CheckpointError(f"{path} has checkpoint format {state['format_version']}; this konkanivani "
+                              f"reads format {FORMAT_VERSION}")
+    return state
+
+
+def resolve_resume(resume: str, output_dir: str | Path) -> Path:
+    """``latest`` means ``OUTPUT_DIR/latest.pt``; anything else is a path."""
+    path = Path(output_dir) / "latest.pt" if resume == "latest" else Path(resume)
+    if not path.is_file():
+        raise CheckpointError(f"--resume {resume}: {path} does not exist")
+    return path

@@ -1,0 +1,130 @@
+"""Typed configuration: the model's dimensions (with named presets) and the training run.
+
+Every field of both dataclasses is also a command-line flag (see ``add_dataclass_args``); the
+resolved configs are stored in each checkpoint, so a checkpoint alone rebuilds its model.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+
+__all__ = ["ModelConfig", "TrainConfig", "PRESETS", "model_config_from_preset", "add_dataclass_args",
+           "dataclass_from_args"]
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass
+class ModelConfig:
+    """Dimensions of the Conformer encoder + Transformer decoder. ``vocab_size`` is set from the tokenizer."""
+
+    vocab_size: int = 0
+    n_mels: int = field(default=80, metadata=_help("log-mel bins per frame"))
+    d_model: int = field(default=192, metadata=_help("model width D (encoder and decoder)"))
+    n_heads: int = field(default=4, metadata=_help("attention heads H"))
+    ffn_dim: int = field(default=768, metadata=_help("hidden size of the feed-forward modules"))
+    encoder_layers: int = field(default=8, metadata=_help("Conformer blocks"))
+    decoder_layers: int = field(default=4, metadata=_help("Transformer decoder layers"))
+    conv_kernel: int = field(default=15, metadata=_help("depthwise convolution kernel (odd), in frames after subsampling"))
+    dropout: float = field(default=0.1, metadata=_help("dropout in every block"))
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "large": dict(d_model=256, n_heads=4, ffn_dim=1024, encoder_layers=12, decoder_layers=6),
+    "medium": dict(d_model=192, n_heads=4, ffn_dim=768, encoder_layers=8, decoder_layers=4),
+    "small": dict(d_model=128, n_heads=4, ffn_dim=512, encoder_layers=6, decoder_layers=3),
+    # For tests and smoke runs: trains in seconds on a laptop CPU.
+    "tiny": dict(d_model=48, n_heads=2, ffn_dim=96, encoder_layers=2, decoder_layers=1, conv_kernel=7),
+}
+
+
+def model_config_from_preset(preset: str, **overrides: Any) -> ModelConfig:
+    """``ModelConfig`` for a named preset; keyword overrides whose value is None are ignored."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    values = dict(PRESETS[preset])
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    cfg = ModelConfig(**values)
+    if cfg.d_model % cfg.n_heads or (cfg.d_model // cfg.n_heads) % 2:
+        raise ValueError(f"d_model={cfg.d_model} must split into {cfg.n_heads} heads of even width")
+    if cfg.conv_kernel % 2 == 0:
+        raise ValueError(f"conv_kernel must be odd, got {cfg.conv_kernel}")
+    return cfg
+
+
+@dataclass
+class TrainConfig:
+    """One training run. Defaults suit the demo corpus on a small GPU or a CPU."""
+
+    train_manifest: str = field(default="", metadata=_help("NeMo-style JSONL manifest for training"))
+    valid_manifest: str = field(default="", metadata=_help("JSONL manifest for validation"))
+    output_dir: str = field(default="checkpoints/run", metadata=_help("where checkpoints and logs go"))
+    preset: str = field(default="medium", metadata=_help("model size: " + ", ".join(PRESETS)))
+    tokenizer: str = field(default="", metadata=_help("existing SentencePiece .model (default: train one)"))
+    vocab_size: int = field(default=128, metadata=_help("SentencePiece vocabulary size when training one"))
+    tokenizer_type: str = field(default="unigram", metadata=_help("SentencePiece model type: unigram or bpe"))
+    epochs: int = field(default=20, metadata=_help("passes over the training set"))
+    max_steps: int = field(default=0, metadata=_help("stop after this many optimizer steps (0: no limit)"))
+    batch_size: int = field(default=8, metadata=_help("utterances per micro-batch"))
+    gradient_accumulation_steps: int = field(default=1, metadata=_help("micro-batches per optimizer step"))
+    lr: float = field(default=1e-3, metadata=_help("peak learning rate"))
+    warmup_steps: int = field(default=300, metadata=_help("linear warm-up, then inverse square-root decay"))
+    weight_decay: float = field(default=1e-2, metadata=_help("AdamW weight decay"))
+    grad_clip: float = field(default=5.0, metadata=_help("clip the gradient norm to this (0: off)"))
+    ctc_weight: float = field(default=0.3, metadata=_help("loss = w * CTC + (1 - w) * attention"))
+    label_smoothing: float = field(default=0.1, metadata=_help("label smoothing of the attention loss"))
+    spec_augment: bool = field(default=True, metadata=_help("time and frequency masks on training batches"))
+    mixed_precision: bool = field(default=False, metadata=_help(
+        "fp16 autocast + GradScaler on CUDA; bf16 on a CPU only where it computes bf16 natively"))
+    device: str = field(default="auto", metadata=_help("auto, cpu, cuda or cuda:N"))
+    num_workers: int = field(default=2, metadata=_help("DataLoader worker processes"))
+    empty_cache_every: int = field(default=50, metadata=_help(
+        "call torch.cuda.empty_cache() every N batches on CUDA (0: never)"))
+    save_every_steps: int = field(default=0, metadata=_help("also save every N optimizer steps (0: each epoch only)"))
+    keep_checkpoints: int = field(default=3, metadata=_help("step checkpoints to keep (latest.pt and best.pt are extra)"))
+    resume: str = field(default="", metadata=_help("checkpoint path, or 'latest' for OUTPUT_DIR/latest.pt"))
+    seed: int = field(default=1234, metadata=_help("seeds python, numpy and torch"))
+    max_duration: float = field(default=30.0, metadata=_help("skip utterances longer than this many seconds"))
+    log_every: int = field(default=10, metadata=_help("log training loss every N optimizer steps"))
+    progress: bool = field(default=True, metadata=_help("show tqdm progress bars"))
+
+
+def _flag_type(tp: Any) -> Any:
+    if get_origin(tp) is Union:  # Optional[X] -> X
+        tp = next(a for a in get_args(tp) if a is not type(None))
+    return tp
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, *, defaults: bool = True,
+                       skip: tuple[str, ...] = ()) -> None:
+    """Add one ``--field`` flag per dataclass field, typed from its annotation.
+
+    With ``defaults=False`` every flag defaults to None, meaning "not given" (used for model
+    dimensions, which fall back to the chosen preset). Booleans take ``--flag`` / ``--no-flag``.
+    """
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        tp = _flag_type(hints[f.name])
+        default = f.default if defaults else None
+        help_text = f.metadata.get("help", "")
+        if defaults and tp is not bool:
+            help_text += f" (default: {f.default!r})"
+        if tp is bool:
+            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=default,
+                                help=help_text)
+        else:
+            parser.add_argument(f"--{f.name}", type=tp, default=default, help=help_text)
+
+
+def dataclass_from_args(cls: type, args: argparse.Namespace, **extra: Any):
+    """Build ``cls`` from the parsed flags that name its fields."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    values.update(extra)
+    return cls(**values)

@@ -1,0 +1,198 @@
+"""Conformer encoder (Gulati et al., 2020), batch-first, pre-norm.
+
+Letters used for shapes across the package:
+    B batch, T input frames, T' frames after 4x subsampling, U tokens, D model width,
+    H attention heads, V vocabulary, F feature bins.
+
+Positional information enters through rotary embeddings (RoPE) on queries and keys: relative
+positions like Transformer-XL style attention, but still one fused ``scaled_dot_product_attention``
+call, which keeps memory low on small GPUs.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .masks import pad_mask, subsampled_lengths
+
+__all__ = ["RotaryEmbedding", "MultiHeadAttention", "FeedForward", "ConvolutionModule", "ConformerBlock",
+           "Conv2dSubsampling", "ConformerEncoder"]
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for rotary position embeddings of width ``head_dim``."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0):
+        super().__init__()
+        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.arange(length, device=device, dtype=torch.float32)
+        angles = torch.outer(t, self.inv_freq.to(device))  # (T, hd/2)
+        angles = torch.cat([angles, angles], dim=-1)  # (T, hd)
+        return angles.cos(), angles.sin()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention over ``scaled_dot_product_attention``; self- or cross-attention."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float):
+        super().__init__()
+        self.n_heads = n_heads
+        self.dropout = dropout
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.k_proj = nn.Linear(d_model, d_model)
+        self.v_proj = nn.Linear(d_model, d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def forward(self, query: torch.Tensor, memory: torch.Tensor, allowed: Optional[torch.Tensor] = None,
+                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """
+        Args:
+            query: ``(B, Tq, D)``.
+            memory: ``(B, Tk, D)``, the keys and values (``query`` itself for self-attention).
+            allowed: bool, broadcastable to ``(B, H, Tq, Tk)``, True where attention is allowed.
+            rope: ``(cos, sin)`` of shape ``(T, D/H)``, rotary tables (self-attention only).
+        Returns:
+            ``(B, Tq, D)``.
+        """
+        B, Tq, D = query.shape
+        Tk = memory.shape[1]
+        H = self.n_heads
+        q = self.q_proj(query).view(B, Tq, H, D // H).transpose(1, 2)  # (B, H, Tq, D/H)
+        k = self.k_proj(memory).view(B, Tk, H, D // H).transpose(1, 2)  # (B, H, Tk, D/H)
+        v = self.v_proj(memory).view(B, Tk, H, D // H).transpose(1, 2)  # (B, H, Tk, D/H)
+        if rope is not None:
+            cos, sin = rope
+            q, k = _rotate(q, cos[:Tq], sin[:Tq]), _rotate(k, cos[:Tk], sin[:Tk])
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed,
+                                             dropout_p=self.dropout if self.training else 0.0)
+        out = out.transpose(1, 2).reshape(B, Tq, D)  # (B, Tq, D)
+        return self.out_proj(out)
+
+
+class FeedForward(nn.Module):
+    """Pre-norm position-wise feed-forward with Swish."""
+
+    def __init__(self, d_model: int, ffn_dim: int, dropout: float):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.LayerNorm(d_model), nn.Linear(d_model, ffn_dim), nn.SiLU(), nn.Dropout(dropout),
+            nn.Linear(ffn_dim, d_model), nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class ConvolutionModule(nn.Module):
+    """Pointwise conv + GLU, depthwise conv, norm, Swish, pointwise conv.
+
+    LayerNorm rather than BatchNorm after the depthwise convolution: T4 recipes train with two
+    utterances per micro-batch, where batch statistics are noise.
+    """
+
+    def __init__(self, d_model: int, kernel_size: int, dropout: float):
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.pointwise_in = nn.Linear(d_model, 2 * d_model)
+        self.depthwise = nn.Conv1d(d_model, d_model, kernel_size, padding=kernel_size // 2, groups=d_model)
+        self.depthwise_norm = nn.LayerNorm(d_model)
+        self.pointwise_out = nn.Linear(d_model, d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(B, T', D)``, ``pad`` ``(B, T')`` True at padding -> ``(B, T', D)``."""
+        x = F.glu(self.pointwise_in(self.norm(x)), dim=-1)  # (B, T', D)
+        # Zero the padding so it does not leak into real frames near the end through the kernel.
+        x = x.masked_fill(pad.unsqueeze(-1), 0.0)
+        x = self.depthwise(x.transpose(1, 2)).transpose(1, 2)  # (B, D, T') conv, back to (B, T', D)
+        x = self.pointwise_out(F.silu(self.depthwise_norm(x)))
+        return self.dropout(x)
+
+
+class ConformerBlock(nn.Module):
+    """Half-step FFN, self-attention, convolution, half-step FFN, final norm."""
+
+    def __init__(self, d_model: int, n_heads: int, ffn_dim: int, conv_kernel: int, dropout: float):
+        super().__init__()
+        self.ffn1 = FeedForward(d_model, ffn_dim, dropout)
+        self.attn_norm = nn.LayerNorm(d_model)
+        self.attn = MultiHeadAttention(d_model, n_heads, dropout)
+        self.attn_dropout = nn.Dropout(dropout)
+        self.conv_module = ConvolutionModule(d_model, conv_kernel, dropout)
+        self.ffn2 = FeedForward(d_model, ffn_dim, dropout)
+        self.final_norm = nn.LayerNorm(d_model)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``x`` ``(B, T', D)``, ``pad`` ``(B, T')`` -> ``(B, T', D)``."""
+        x = x + 0.5 * self.ffn1(x)
+        h = self.attn_norm(x)
+        allowed = ~pad[:, None, None, :]  # (B, 1, 1, T'): every query may see every real frame
+        x = x + self.attn_dropout(self.attn(h, h, allowed, rope))
+        x = x + self.conv_module(x, pad)
+        x = x + 0.5 * self.ffn2(x)
+        return self.final_norm(x)
+
+
+class Conv2dSubsampling(nn.Module):
+    """Two stride-2 3x3 convolutions: ``(B, T, F)`` -> ``(B, T', D)`` with T' = ((T-1)//2 - 1)//2."""
+
+    def __init__(self, n_mels: int, d_model: int, dropout: float):
+        super().__init__()
+        self.conv = nn.Sequential(
+            nn.Conv2d(1, d_model, 3, stride=2), nn.ReLU(),
+            nn.Conv2d(d_model, d_model, 3, stride=2), nn.ReLU())
+        freq_out = ((n_mels - 1) // 2 - 1) // 2
+        self.out = nn.Linear(d_model * freq_out, d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.conv(x.unsqueeze(1))  # (B, D, T', F')
+        B, C, T, Fq = x.shape
+        x = self.out(x.transpose(1, 2).reshape(B, T, C * Fq))  # (B, T', D)
+        return self.dropout(x), subsampled_lengths(lengths)
+
+
+class ConformerEncoder(nn.Module):
+    """Log-mel features to encoder states.
+
+    Examples:
+        >>> enc = ConformerEncoder(ModelConfig(d_model=48, n_heads=2, ffn_dim=96, encoder_layers=2))
+        >>> out, lengths = enc(torch.randn(2, 100, 80), torch.tensor([100, 60]))
+        >>> out.shape, lengths.tolist()
+        (torch.Size([2, 24, 48]), [24, 14])
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.subsampling = Conv2dSubsampling(cfg.n_mels, cfg.d_model, cfg.dropout)
+        self.rotary = RotaryEmbedding(cfg.d_model // cfg.n_heads)
+        self.blocks = nn.ModuleList(
+            ConformerBlock(cfg.d_model, cfg.n_heads, cfg.ffn_dim, cfg.conv_kernel, cfg.dropout)
+            for _ in range(cfg.encoder_layers))
+
+    def forward(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """
+        Args:
+            feats: ``(B, T, F)`` normalized log-mel features.
+            feat_lens: ``(B,)`` int64 frame counts.
+        Returns:
+            ``(B, T', D)`` encoder states and ``(B,)`` their lengths.
+        """
+        x, lengths = self.subsampling(feats, feat_lens)
+        pad = pad_mask(lengths, x.shape[1])  # (B, T')
+        rope = self.rotary(x.shape[1], x.device)
+        for block in self.blocks:
+            x = block(x, pad, rope)
+        return x, lengths

@@ -1,0 +1,121 @@
+"""The hybrid CTC/attention model: CMVN, SpecAugment, Conformer encoder, CTC head, Transformer decoder."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import torchaudio
+from torch import nn
+
+from .conformer import ConformerEncoder
+from .config import ModelConfig
+from .decoder import TransformerDecoder
+from .tokenizer import BLANK_ID, SOS_EOS_ID
+
+__all__ = ["ASRModel", "LossOutput", "SpecAugment", "count_parameters"]
+
+IGNORE_ID = -1
+
+
+class LossOutput(NamedTuple):
+    """Losses summed over the utterances of a batch (divide by the utterance count for a mean)."""
+
+    loss: torch.Tensor  # ctc_weight * ctc + (1 - ctc_weight) * attention
+    ctc: torch.Tensor
+    attention: torch.Tensor
+
+
+class SpecAugment(nn.Module):
+    """Two frequency masks (up to 27 bins) and two time masks (up to 40 frames, at most 5% of the
+    utterance each), drawn independently per utterance."""
+
+    def __init__(self):
+        super().__init__()
+        self.freq_masks = nn.ModuleList(torchaudio.transforms.FrequencyMasking(27, iid_masks=True) for _ in range(2))
+        self.time_masks = nn.ModuleList(torchaudio.transforms.TimeMasking(40, iid_masks=True, p=0.05)
+                                        for _ in range(2))
+
+    def forward(self, feats: torch.Tensor) -> torch.Tensor:
+        x = feats.transpose(1, 2)  # (B, F, T), the layout torchaudio masks expect
+        for mask in [*self.freq_masks, *self.time_masks]:
+            x = mask(x)  # masked bins become 0, the mean after CMVN
+        return x.transpose(1, 2)
+
+
+class ASRModel(nn.Module):
+    """Examples:
+        >>> model = ASRModel(model_config_from_preset("tiny", vocab_size=40))
+        >>> out = model(torch.randn(2, 120, 80), torch.tensor([120, 90]),
+        ...             torch.tensor([[5, 6, 7], [8, 9, -1]]), torch.tensor([3, 2]))
+        >>> out.loss.shape
+        torch.Size([])
+    """
+
+    def __init__(self, cfg: ModelConfig, ctc_weight: float = 0.3, label_smoothing: float = 0.1):
+        super().__init__()
+        if cfg.vocab_size <= SOS_EOS_ID:
+            raise ValueError(f"vocab_size must exceed {SOS_EOS_ID}, got {cfg.vocab_size}")
+        self.cfg = cfg
+        self.ctc_weight = ctc_weight
+        self.label_smoothing = label_smoothing
+        # Global CMVN statistics from the training set, saved with the weights.
+        self.register_buffer("feat_mean", torch.zeros(cfg.n_mels))
+        self.register_buffer("feat_std", torch.ones(cfg.n_mels))
+        self.spec_augment = SpecAugment()
+        self.encoder = ConformerEncoder(cfg)
+        self.ctc_head = nn.Linear(cfg.d_model, cfg.vocab_size)
+        self.decoder = TransformerDecoder(cfg)
+
+    @torch.no_grad()
+    def set_cmvn(self, mean: torch.Tensor, std: torch.Tensor) -> None:
+        self.feat_mean.copy_(mean)
+        self.feat_std.copy_(std.clamp_min(1e-5))
+
+    def encode(self, feats: torch.Tensor, feat_lens: torch.Tensor,
+               spec_augment: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(B, T, F)`` raw log-mel -> ``(B, T', D)`` encoder states and ``(B,)`` lengths."""
+        x = (feats - self.feat_mean) / self.feat_std
+        if spec_augment and self.training:
+            x = self.spec_augment(x)
+        return self.encoder(x, feat_lens)
+
+    def ctc_log_probs(self, enc: torch.Tensor) -> torch.Tensor:
+        """``(B, T', D)`` -> ``(B, T', V)`` float32 log-probabilities."""
+        return F.log_softmax(self.ctc_head(enc).float(), dim=-1)
+
+    def forward(self, feats: torch.Tensor, feat_lens: torch.Tensor, tokens: torch.Tensor,
+                token_lens: torch.Tensor, spec_augment: bool = False) -> LossOutput:
+        """
+        Args:
+            feats: ``(B, T, F)`` log-mel features; feat_lens ``(B,)``.
+            tokens: ``(B, U)`` target ids padded with -1; token_lens ``(B,)``.
+            spec_augment: mask features (in training mode only).
+        Returns:
+            ``LossOutput`` of scalar sums over the batch.
+        """
+        enc, enc_lens = self.encode(feats, feat_lens, spec_augment)
+        return self.losses(enc, enc_lens, tokens, token_lens)
+
+    def losses(self, enc: torch.Tensor, enc_lens: torch.Tensor, tokens: torch.Tensor,
+               token_lens: torch.Tensor) -> LossOutput:
+        """CTC and label-smoothed attention losses from encoder states ``(B, T', D)``."""
+        # CTC in float32 (its recursions underflow in half precision); sum, then mean by the caller.
+        log_probs = self.ctc_log_probs(enc).transpose(0, 1)  # (T', B, V)
+        ctc = F.ctc_loss(log_probs, tokens.clamp_min(0), enc_lens, token_lens, blank=BLANK_ID,
+                         reduction="sum", zero_infinity=True)
+
+        B, U = tokens.shape
+        sos = tokens.new_full((B, 1), SOS_EOS_ID)
+        dec_in = torch.cat([sos, tokens.clamp_min(0)], dim=1)  # (B, U+1): <sos> y1 .. yU
+        target = torch.cat([tokens, tokens.new_full((B, 1), IGNORE_ID)], dim=1)  # (B, U+1)
+        target[torch.arange(B), token_lens] = SOS_EOS_ID  # y1 .. yU <eos>, then ignored padding
+        logits = self.decoder(dec_in, token_lens + 1, enc, enc_lens)  # (B, U+1, V)
+        attention = F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), ignore_index=IGNORE_ID,
+                                    label_smoothing=self.label_smoothing, reduction="sum")
+        loss = self.ctc_weight * ctc + (1.0 - self.ctc_weight) * attention
+        return LossOutput(loss, ctc, attention)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

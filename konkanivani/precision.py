@@ -1,0 +1,63 @@
+"""Choosing the autocast dtype: fp16 + GradScaler on CUDA, bf16 on a CPU only where it pays.
+
+A CPU's flags are a poor guide (a virtual machine may report ``avx512_bf16`` while its bf16
+matrix multiply runs at a fraction of fp32 speed), so a CPU is asked by timing: a short probe
+multiplies 256x256 matrices in both dtypes and bf16 is used only if it is no slower than half
+the fp32 speed.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["Precision", "resolve_precision", "cpu_bf16_speed_ratio"]
+
+
+@dataclass(frozen=True)
+class Precision:
+    dtype: Optional[torch.dtype]  # autocast dtype; None for plain fp32
+    use_scaler: bool  # GradScaler: fp16 only
+    note: str  # one line for the log
+
+    def autocast(self, device: torch.device):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=self.dtype)
+
+
+def _matmul_gflops(dtype: torch.dtype, size: int = 256, seconds: float = 0.05) -> float:
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    a @ b  # warm up
+    n, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        a @ b
+        n += 1
+    return 2 * size ** 3 * n / elapsed / 1e9
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_bf16_speed_ratio() -> float:
+    """bf16 / fp32 matmul throughput on this CPU (about 0.5 with native bf16, under 0.01 without)."""
+    fp32 = max(_matmul_gflops(torch.float32) for _ in range(2))
+    bf16 = max(_matmul_gflops(torch.bfloat16) for _ in range(2))
+    return bf16 / fp32
+
+
+def resolve_precision(device: torch.device, mixed_precision: bool) -> Precision:
+    if not mixed_precision:
+        return Precision(None, False, "precision: fp32")
+    if device.type == "cuda":
+        return Precision(torch.float16, True, "precision: fp16 autocast with GradScaler")
+    if device.type == "cpu":
+        ratio = cpu_bf16_speed_ratio()
+        if ratio >= 0.5:
+            return Precision(torch.bfloat16, False,
+                             f"precision: bf16 autocast (this CPU runs bf16 matmul at {ratio:.2f}x fp32)")
+        return Precision(None, False, f"--mixed_precision: this CPU has no fast bf16 (bf16 matmul at "
+                                      f"{ratio:.3f}x fp32 speed), training in fp32")
+    return Precision(None, False, f"--mixed_precision is not supported on {device.type}, training in fp32")

@@ -1,0 +1,347 @@
+"""The training loop, readable top to bottom: setup, then one loop over optimizer steps."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import random
+import time
+from collections import Counter
+from functools import partial
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from .audio import LogMel, load_audio
+from .checkpoint import (load_checkpoint, point_to, prune_checkpoints, resolve_resume, save_checkpoint,
+                         step_checkpoint_name)
+from .config import ModelConfig, TrainConfig, model_config_from_preset
+from .data import ASRDataset, Batch, LengthGroupedBatchSampler, Utterance, collate, load_utterances, read_manifest
+from .decode import ctc_greedy
+from .metrics import error_rates
+from .model import ASRModel, count_parameters
+from .precision import Precision, resolve_precision
+from .tokenizer import Tokenizer, train_tokenizer
+
+__all__ = ["train", "lr_factor", "forward_backward", "optimizer_step", "validate", "compute_cmvn",
+           "maybe_empty_cache", "resolve_device"]
+
+log = logging.getLogger("konkanivani")
+
+
+def lr_factor(step: int, warmup_steps: int) -> float:
+    """Multiplier of the peak LR after ``step`` optimizer steps: linear warm-up, then 1/sqrt decay.
+
+    A pure function of the step, so resuming needs only the step count.
+    """
+    step += 1
+    if warmup_steps <= 0:
+        return 1.0
+    return min(step / warmup_steps, math.sqrt(warmup_steps / step))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+    return device
+
+
+def maybe_empty_cache(device: torch.device, batches_done: int, every: int) -> bool:
+    """Release cached CUDA blocks every ``every`` batches, against fragmentation over long runs.
+    A no-op elsewhere. Returns whether the cache was emptied."""
+    if device.type != "cuda" or every <= 0 or batches_done % every:
+        return False
+    torch.cuda.empty_cache()
+    return True
+
+
+def compute_cmvn(utterances: list[Utterance], n_mels: int, max_utterances: int = 500,
+                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global mean and standard deviation of log-mel features over (a seeded sample of) the training set."""
+    sample = random.Random(seed).sample(utterances, min(max_utterances, len(utterances)))
+    log_mel = LogMel(n_mels)
+    total, total_sq, frames = torch.zeros(n_mels, dtype=torch.float64), torch.zeros(n_mels, dtype=torch.float64), 0
+    for utt in sample:
+        try:
+            feats = log_mel(load_audio(utt.audio_path)).double()  # (T, F)
+        except RuntimeError as e:
+            log.warning("%s: %s; left out of CMVN", utt.where, e)
+            continue
+        total += feats.sum(0)
+        total_sq += (feats ** 2).sum(0)
+        frames += feats.shape[0]
+    if frames == 0:
+        raise RuntimeError("no training audio could be read to compute feature statistics")
+    mean = total / frames
+    std = (total_sq / frames - mean ** 2).clamp_min(1e-10).sqrt()
+    return mean.float(), std.float()
+
+
+def forward_backward(model: ASRModel, micro_batches: list[Batch], device: torch.device, precision: Precision,
+                     scaler: torch.amp.GradScaler, spec_augment: bool) -> dict[str, float]:
+    """Accumulate gradients over ``micro_batches``, normalized by their total utterance count, so
+    that the update equals the one from a single batch holding all of them."""
+    n_utts = sum(len(b) for b in micro_batches)
+    sums = {"loss": 0.0, "ctc": 0.0, "attention": 0.0}
+    for batch in micro_batches:
+        batch = batch.to(device)
+        with precision.autocast(device):
+            out = model(batch.feats, batch.feat_lens, batch.tokens, batch.token_lens, spec_augment=spec_augment)
+        scaler.scale(out.loss / n_utts).backward()
+        for name, value in out._asdict().items():
+            sums[name] += value.item()
+    return {name: value / n_utts for name, value in sums.items()}
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                   grad_clip: float) -> float:
+    """Unscale, clip, step, update the scale, zero the gradients. Returns the gradient norm.
+
+    With fp16 the GradScaler skips a step whose gradients overflowed; in fp32/bf16 a non-finite
+    gradient skips the step here.
+    """
+    scaler.unscale_(optimizer)
+    params = [p for p in model.parameters() if p.grad is not None]
+    max_norm = grad_clip if grad_clip > 0 else float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    if math.isfinite(grad_norm) or scaler.is_enabled():
+        scaler.step(optimizer)
+    else:
+        log.warning("non-finite gradient norm; update skipped")
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+@torch.no_grad()
+def validate(model: ASRModel, loader: Iterable[Optional[Batch]], tokenizer: Tokenizer,
+             utterances: list[Utterance], device: torch.device, precision: Precision) -> dict[str, float]:
+    """Loss per utterance, and CER/WER of greedy CTC, in eval mode."""
+    model.eval()
+    loss_sum, n, refs, hyps = 0.0, 0, [], []
+    for batch in loader:
+        if batch is None:
+            continue
+        batch = batch.to(device)
+        with precision.autocast(device):
+            enc, enc_lens = model.encode(batch.feats, batch.feat_lens)
+            out = model.losses(enc, enc_lens, batch.tokens, batch.token_lens)
+        loss_sum += out.loss.item()
+        n += len(batch)
+        hyps += [tokenizer.decode(h) for h in ctc_greedy(model.ctc_log_probs(enc), enc_lens)]
+        refs += [utterances[i].text for i in batch.indices]
+    model.train()
+    return {"loss": loss_sum / max(n, 1), **error_rates(refs, hyps)}
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _log_skipped(name: str, path: str, kept: int, skipped: Counter) -> None:
+    if skipped:
+        reasons = ", ".join(f"{n} {reason}" for reason, n in skipped.most_common())
+        log.warning("%s manifest %s: %d utterances, %d rows skipped (%s)", name, path, kept,
+                    sum(skipped.values()), reasons)
+    else:
+        log.info("%s manifest %s: %d utterances", name, path, kept)
+
+
+def _loader(dataset: ASRDataset, sampler: LengthGroupedBatchSampler, cfg: TrainConfig,
+            device: torch.device) -> DataLoader:
+    workers = cfg.num_workers
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
+                      pin_memory=device.type == "cuda", persistent_workers=workers > 0,
+                      prefetch_factor=4 if workers > 0 else None)
+
+
+def train(cfg: TrainConfig, model_overrides: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Train (or resume) as ``cfg`` says. ``model_overrides`` replace preset dimensions (fresh runs only).
+
+    Returns a summary: final step, epoch, last validation metrics and the best WER.
+    """
+    # ---- setup ----------------------------------------------------------------------------
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    file_log = logging.FileHandler(out_dir / "train.log", encoding="utf-8")
+    file_log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.addHandler(file_log)
+    try:
+        return _train(cfg, model_overrides or {}, out_dir)
+    finally:
+        log.removeHandler(file_log)
+        file_log.close()
+
+
+def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    if cfg.gradient_accumulation_steps < 1:
+        raise ValueError("--gradient_accumulation_steps must be >= 1")
+    device = resolve_device(cfg.device)
+    _seed_everything(cfg.seed)
+    ckpt = load_checkpoint(resolve_resume(cfg.resume, out_dir)) if cfg.resume else None
+
+    # Tokenizer and model shape come from the checkpoint when resuming, so they cannot drift.
+    if ckpt is not None:
+        tokenizer = Tokenizer(ckpt["tokenizer"])
+        model_cfg = ModelConfig(**ckpt["model_config"])
+        if any(v is not None and getattr(model_cfg, k) != v for k, v in model_overrides.items()):
+            log.warning("model flags ignored on resume: the checkpoint's dimensions are used")
+    else:
+        if cfg.tokenizer:
+            tokenizer = Tokenizer.load(cfg.tokenizer)
+        else:
+            texts = [row.get("text") for _, row in read_manifest(cfg.train_manifest)]
+            tokenizer = train_tokenizer([t for t in texts if isinstance(t, str)], cfg.vocab_size, cfg.tokenizer_type)
+        tokenizer.save(out_dir / "tokenizer.model")
+        model_cfg = model_config_from_preset(cfg.preset, vocab_size=tokenizer.vocab_size, **model_overrides)
+
+    train_utts, skipped = load_utterances(cfg.train_manifest, tokenizer, cfg.max_duration)
+    _log_skipped("train", cfg.train_manifest, len(train_utts), skipped)
+    valid_utts, skipped = load_utterances(cfg.valid_manifest, tokenizer, cfg.max_duration)
+    _log_skipped("valid", cfg.valid_manifest, len(valid_utts), skipped)
+    if not train_utts or not valid_utts:
+        raise RuntimeError("no usable utterance in the " + ("training" if not train_utts else "validation")
+                           + " manifest; see the warnings above")
+
+    model = ASRModel(model_cfg, cfg.ctc_weight, cfg.label_smoothing)
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+    else:
+        model.set_cmvn(*compute_cmvn(train_utts, model_cfg.n_mels, seed=cfg.seed))
+    model.to(device)
+    n_enc, n_dec = count_parameters(model.encoder), count_parameters(model.decoder)
+    log.info("model: %s parameters (encoder %s, decoder %s); d_model=%d, %d encoder + %d decoder layers, "
+             "vocabulary %d", f"{count_parameters(model):,}", f"{n_enc:,}", f"{n_dec:,}", model_cfg.d_model,
+             model_cfg.encoder_layers, model_cfg.decoder_layers, model_cfg.vocab_size)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, warmup_steps=cfg.warmup_steps))
+    precision = resolve_precision(device, cfg.mixed_precision)
+    log.info("%s; device %s", precision.note, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision.use_scaler)
+
+    train_set, valid_set = ASRDataset(train_utts, model_cfg.n_mels), ASRDataset(valid_utts, model_cfg.n_mels)
+    sampler = LengthGroupedBatchSampler([u.duration for u in train_utts], cfg.batch_size, seed=cfg.seed)
+    valid_sampler = LengthGroupedBatchSampler([u.duration for u in valid_utts], cfg.batch_size, shuffle=False)
+    train_loader = _loader(train_set, sampler, cfg, device)
+    valid_loader = _loader(valid_set, valid_sampler, dataclasses.replace(cfg, num_workers=0), device)
+
+    step, epoch, batches_done, best_wer, valid_metrics = 0, 0, 0, float("inf"), {}
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        scaler.load_state_dict(ckpt["scaler"])
+        step, epoch, batches_done = ckpt["step"], ckpt["sampler"]["epoch"], ckpt["sampler"]["start"]
+        best_wer = ckpt["best_wer"]
+        _set_rng_state(ckpt["rng"])
+        log.info("resumed from %s at step %d (epoch %d, batch %d), lr %.3g", cfg.resume, step, epoch + 1,
+                 batches_done, scheduler.get_last_lr()[0])
+
+    metrics_file = open(out_dir / "metrics.jsonl", "a", encoding="utf-8")
+
+    def record(kind: str, **values: Any) -> None:
+        metrics_file.write(json.dumps({"kind": kind, "step": step, "epoch": epoch + 1, **values}) + "\n")
+        metrics_file.flush()
+
+    saved_step = -1
+
+    def save(is_best: bool = False) -> None:
+        nonlocal saved_step
+        state = {
+            "model_config": dataclasses.asdict(model_cfg), "train_config": dataclasses.asdict(cfg),
+            "tokenizer": tokenizer.model_proto, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "step": step,
+            "sampler": {"epoch": epoch, "start": batches_done}, "rng": _rng_state(),
+            "best_wer": best_wer, "valid_metrics": valid_metrics,
+        }
+        path = save_checkpoint(state, out_dir / step_checkpoint_name(step))
+        point_to(path, out_dir / "latest.pt")
+        if is_best:
+            point_to(path, out_dir / "best.pt")
+        prune_checkpoints(out_dir, cfg.keep_checkpoints)
+        saved_step = step
+        log.info("saved %s", path)
+
+    # ---- the loop -------------------------------------------------------------------------
+    accum = cfg.gradient_accumulation_steps
+    stop = cfg.max_steps > 0 and step >= cfg.max_steps
+    while epoch < cfg.epochs and not stop:
+        sampler.set_epoch(epoch, batches_done)
+        epoch_batches = batches_done + len(sampler)
+        model.train()
+        bar = tqdm(total=epoch_batches, initial=batches_done, desc=f"epoch {epoch + 1}/{cfg.epochs}",
+                   disable=not cfg.progress, dynamic_ncols=True, leave=False)
+        micro: list[Batch] = []
+        window_utts, window_start = 0, time.perf_counter()
+        for batch in train_loader:
+            batches_done += 1
+            bar.update()
+            maybe_empty_cache(device, batches_done, cfg.empty_cache_every)
+            if batch is not None:
+                micro.append(batch)
+            # An accumulation group closes after `accum` batches, or at the end of the epoch.
+            if (len(micro) < accum and batches_done < epoch_batches) or not micro:
+                continue
+            stats = forward_backward(model, micro, device, precision, scaler, cfg.spec_augment)
+            window_utts += sum(len(b) for b in micro)
+            micro = []
+            lr = scheduler.get_last_lr()[0]
+            grad_norm = optimizer_step(model, optimizer, scaler, cfg.grad_clip)
+            scheduler.step()
+            step += 1
+
+            speed = window_utts / (time.perf_counter() - window_start)
+            bar.set_postfix(loss=f"{stats['loss']:.3f}", lr=f"{lr:.2e}", utt_s=f"{speed:.1f}", refresh=False)
+            if step % cfg.log_every == 0:
+                record("train", lr=lr, grad_norm=grad_norm, utt_per_s=speed, **stats)
+                window_utts, window_start = 0, time.perf_counter()
+            if cfg.save_every_steps and step % cfg.save_every_steps == 0:
+                save()
+            if cfg.max_steps and step >= cfg.max_steps:
+                stop = True
+                break
+        bar.close()
+        if stop and batches_done < epoch_batches:
+            log.info("reached --max_steps %d in epoch %d", cfg.max_steps, epoch + 1)
+            if saved_step != step:
+                save()
+            break
+
+        valid_metrics = validate(model, valid_loader, tokenizer, valid_utts, device, precision)
+        record("valid", **valid_metrics)
+        is_best = valid_metrics["wer"] < best_wer
+        best_wer = min(best_wer, valid_metrics["wer"])
+        log.info("epoch %d step %d: valid loss %.3f  CER %.2f%%  WER %.2f%%%s", epoch + 1, step,
+                 valid_metrics["loss"], 100 * valid_metrics["cer"], 100 * valid_metrics["wer"],
+                 "  (best)" if is_best else "")
+        epoch, batches_done = epoch + 1, 0
+        save(is_best)
+
+    metrics_file.close()
+    return {"step": step, "epoch": epoch, "valid": valid_metrics, "best_wer": best_wer}
