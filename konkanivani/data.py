@@ -19,7 +19,7 @@ from torch.utils.data import Dataset, Sampler
 
 from .audio import HOP_LENGTH, SAMPLE_RATE, LogMel, load_audio
 from .masks import subsampled_lengths
-from .tokenizer import Tokenizer, normalize_text
+from .tokenizer import Tokenizer
 
 __all__ = ["ManifestError", "Utterance", "read_manifest", "load_utterances", "ASRDataset", "Batch", "collate",
            "LengthGroupedBatchSampler"]
@@ -87,7 +87,7 @@ def load_utterances(path: str | Path, tokenizer: Tokenizer, max_duration: float 
         if not isinstance(audio, str) or not audio:
             skip(where, "no audio_filepath")
             continue
-        if not isinstance(text, str) or not normalize_text(text):
+        if not isinstance(text, str) or not text.strip():
             skip(where, "empty text")
             continue
         audio_path = Path(audio) if Path(audio).is_absolute() else path.parent / audio

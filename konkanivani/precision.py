@@ -2,8 +2,10 @@
 
 A CPU's flags are a poor guide (a virtual machine may report ``avx512_bf16`` while its bf16
 matrix multiply runs at a fraction of fp32 speed), so a CPU is asked by timing: a short probe
-multiplies 256x256 matrices in both dtypes and bf16 is used only if it is no slower than half
-the fp32 speed.
+multiplies 256x256 matrices in both dtypes. Measured on two x86 machines: with native bf16
+(AVX512-BF16) bf16 matmul ran at 0.52x fp32 speed and a Conformer training step under bf16
+autocast was 1.4x faster than fp32; without it bf16 matmul ran at under 0.01x and the step was
+20-25x slower. bf16 is used when the ratio is at least 0.2, well between the two.
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ def resolve_precision(device: torch.device, mixed_precision: bool) -> Precision:
         return Precision(torch.float16, True, "precision: fp16 autocast with GradScaler")
     if device.type == "cpu":
         ratio = cpu_bf16_speed_ratio()
-        if ratio >= 0.5:
+        if ratio >= 0.2:
             return Precision(torch.bfloat16, False,
                              f"precision: bf16 autocast (this CPU runs bf16 matmul at {ratio:.2f}x fp32)")
         return Precision(None, False, f"--mixed_precision: this CPU has no fast bf16 (bf16 matmul at "

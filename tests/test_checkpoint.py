@@ -1,0 +1,63 @@
+import os
+
+import pytest
+import torch
+
+from konkanivani.checkpoint import (CheckpointError, load_checkpoint, point_to, prune_checkpoints, resolve_resume,
+                                    save_checkpoint, step_checkpoint_name)
+
+
+def _state(step):
+    return {"step": step, "model": {"w": torch.full((3,), float(step))}, "tokenizer": b"\x00\x01bytes",
+            "rng": {"python": (3, tuple(range(5)), None)}}
+
+
+def test_save_load_round_trip_and_no_temporary_left(tmp_path):
+    path = save_checkpoint(_state(5), tmp_path / step_checkpoint_name(5))
+    assert path.name == "step_0000005.pt"
+    state = load_checkpoint(path)
+    assert state["step"] == 5 and state["tokenizer"] == b"\x00\x01bytes"
+    assert torch.equal(state["model"]["w"], torch.full((3,), 5.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000005.pt"]
+
+
+def test_failed_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    path = tmp_path / "latest.pt"
+    save_checkpoint(_state(1), path)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        save_checkpoint(_state(2), path)
+    monkeypatch.undo()
+    assert load_checkpoint(path)["step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.pt"]
+
+
+def test_point_to_and_prune(tmp_path):
+    for step in (10, 20, 30, 40):
+        save_checkpoint(_state(step), tmp_path / step_checkpoint_name(step))
+    point_to(tmp_path / "step_0000020.pt", tmp_path / "best.pt")
+    point_to(tmp_path / "step_0000040.pt", tmp_path / "latest.pt")
+    deleted = prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in deleted) == ["step_0000010.pt", "step_0000020.pt"]
+    assert load_checkpoint(tmp_path / "best.pt")["step"] == 20  # survives its step file
+    assert load_checkpoint(resolve_resume("latest", tmp_path))["step"] == 40
+
+
+def test_truncated_or_foreign_files_give_clear_errors(tmp_path):
+    path = save_checkpoint(_state(3), tmp_path / "a.pt")
+    data = path.read_bytes()
+    (tmp_path / "cut.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated, corrupt"):
+        load_checkpoint(tmp_path / "cut.pt")
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
+    with pytest.raises(CheckpointError, match="not a konkanivani checkpoint"):
+        load_checkpoint(tmp_path / "other.pt")
+    torch.save({"format_version": 99}, tmp_path / "future.pt")
+    with pytest.raises(CheckpointError, match="format 99"):
+        load_checkpoint(tmp_path / "future.pt")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        resolve_resume("latest", tmp_path / "empty")

@@ -1,0 +1,120 @@
+import json
+import logging
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from konkanivani.data import (ASRDataset, LengthGroupedBatchSampler, ManifestError, collate, load_utterances,
+                              read_manifest)
+from konkanivani.tokenizer import train_tokenizer
+
+TEXTS = ["हांव घरा वता", "तूं कितें करता", "आमी पणजेक गेलें", "ताणें जेवण केलें"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(TEXTS, vocab_size=40)
+
+
+def _wav(path, seconds=1.0, sr=16000):
+    t = np.arange(int(seconds * sr)) / sr
+    sf.write(path, 0.3 * np.sin(2 * np.pi * 220 * t), sr)
+    return path
+
+
+def _manifest(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n" for r in rows),
+                    encoding="utf-8")
+    return path
+
+
+def test_bad_rows_are_skipped_named_and_counted(tmp_path, tokenizer, caplog):
+    _wav(tmp_path / "good.wav")
+    (tmp_path / "corrupt.wav").write_bytes(b"RIFF\x00\x00not really a wav file")
+    _wav(tmp_path / "short.wav", seconds=0.05)
+    manifest = _manifest(tmp_path / "m.jsonl", [
+        {"audio_filepath": "good.wav", "duration": 1.0, "text": TEXTS[0]},
+        {"audio_filepath": "missing.wav", "duration": 1.0, "text": TEXTS[1]},
+        {"audio_filepath": "corrupt.wav", "duration": 1.0, "text": TEXTS[1]},
+        {"audio_filepath": "good.wav", "duration": 1.0, "text": "   "},
+        {"audio_filepath": "good.wav", "duration": 1.0, "text": "।।, ?"},
+        {"audio_filepath": "short.wav", "duration": 0.05, "text": TEXTS[2]},
+        "",
+        {"audio_filepath": str(tmp_path / "good.wav"), "text": TEXTS[3], "speaker": "x"},
+    ])
+    with caplog.at_level(logging.WARNING, logger="konkanivani"):
+        utts, skipped = load_utterances(manifest, tokenizer)
+    assert [u.where for u in utts] == [f"{manifest}:1", f"{manifest}:8"]
+    assert abs(utts[1].duration - 1.0) < 1e-6  # measured from the file when the row has none
+    assert skipped == {"audio file missing": 1, "audio unreadable": 1, "empty text": 1,
+                       "no token after normalization": 1, "too short for CTC": 1}
+    for line in (2, 3, 4, 5, 6):
+        assert f"{manifest}:{line}" in caplog.text
+
+
+def test_missing_manifest_and_non_json_lines_are_clear_errors(tmp_path):
+    with pytest.raises(ManifestError, match="does not exist"):
+        read_manifest(tmp_path / "nope.jsonl")
+    bad = _manifest(tmp_path / "bad.jsonl", [{"audio_filepath": "a.wav", "text": "x"}, "audio_filepath,text"])
+    with pytest.raises(ManifestError, match=rf"{bad}:2: not a JSON line"):
+        read_manifest(bad)
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
+    with pytest.raises(ManifestError, match="latin1.jsonl:1"):
+        read_manifest(tmp_path / "latin1.jsonl")
+    _manifest(tmp_path / "list.jsonl", ["[1, 2]"])
+    with pytest.raises(ManifestError, match="expected a JSON object"):
+        read_manifest(tmp_path / "list.jsonl")
+
+
+def test_dataset_features_and_collate(tmp_path, tokenizer):
+    rows = [{"audio_filepath": _wav(tmp_path / f"{i}.wav", seconds=0.5 + i / 2).name, "text": t}
+            for i, t in enumerate(TEXTS)]
+    utts, _ = load_utterances(_manifest(tmp_path / "m.jsonl", rows), tokenizer)
+    ds = ASRDataset(utts)
+    ex = ds[1]
+    assert ex.feats.shape == (1 + 16000 // 160, 80)
+    assert torch.isfinite(ex.feats).all()
+    assert ex.tokens.tolist() == tokenizer.encode(TEXTS[1])
+    batch = collate([ds[0], None, ds[3]])  # a file that failed to load is dropped
+    assert batch.feats.shape == (2, 1 + 32000 // 160, 80)
+    assert batch.feat_lens.tolist() == [1 + 8000 // 160, 1 + 32000 // 160]
+    assert batch.indices == [0, 3]
+    assert (batch.tokens[0, batch.token_lens[0]:] == -1).all()
+    assert collate([None]) is None
+
+
+def test_unreadable_file_mid_epoch_yields_none(tmp_path, tokenizer, caplog):
+    rows = [{"audio_filepath": _wav(tmp_path / "a.wav").name, "text": TEXTS[0]}]
+    utts, _ = load_utterances(_manifest(tmp_path / "m.jsonl", rows), tokenizer)
+    (tmp_path / "a.wav").write_bytes(b"garbage")  # corrupted after the manifest was checked
+    with caplog.at_level(logging.WARNING, logger="konkanivani"):
+        assert ASRDataset(utts)[0] is None
+    assert "m.jsonl:1" in caplog.text
+
+
+def test_sampler_groups_by_length_is_seeded_and_resumes():
+    durations = [float(d) for d in np.random.default_rng(0).uniform(1, 10, 103)]
+    sampler = LengthGroupedBatchSampler(durations, batch_size=4, seed=7, pool_batches=5)
+    sampler.set_epoch(2)
+    batches = list(sampler)
+    assert len(batches) == len(sampler) == 26
+    assert sorted(i for b in batches for i in b) == list(range(103))
+    # similar lengths share a batch: far less spread than random batches would have
+    spread = np.mean([max(durations[i] for i in b) - min(durations[i] for i in b) for b in batches])
+    assert spread < 2.0
+    again = LengthGroupedBatchSampler(durations, batch_size=4, seed=7, pool_batches=5)
+    again.set_epoch(2)
+    assert list(again) == batches
+    again.set_epoch(3)
+    assert list(again) != batches
+    resumed = LengthGroupedBatchSampler(durations, batch_size=4, seed=7, pool_batches=5)
+    resumed.load_state_dict({"epoch": 2, "start": 10})
+    assert len(resumed) == 16
+    assert list(resumed) == batches[10:]
+
+
+def test_validation_sampler_is_sorted_and_unshuffled():
+    sampler = LengthGroupedBatchSampler([3.0, 1.0, 2.0, 5.0, 4.0], batch_size=2, shuffle=False)
+    assert list(sampler) == [[1, 2], [0, 4], [3]]

@@ -1,0 +1,93 @@
+import pytest
+import torch
+
+from konkanivani.config import PRESETS, model_config_from_preset
+from konkanivani.conformer import ConformerBlock
+from konkanivani.decoder import DecoderLayer
+from konkanivani.model import ASRModel, count_parameters
+
+V = 64
+
+
+def _model(preset="tiny", **kw):
+    torch.manual_seed(0)
+    return ASRModel(model_config_from_preset(preset, vocab_size=V, **kw)).eval()
+
+
+def test_shapes():
+    model = _model()
+    feats, lens = torch.randn(3, 157, 80), torch.tensor([157, 120, 33])
+    enc, enc_lens = model.encode(feats, lens)
+    assert enc.shape == (3, 38, 48)
+    assert enc_lens.tolist() == [38, 29, 7]
+    assert model.ctc_log_probs(enc).shape == (3, 38, V)
+    tokens = torch.tensor([[5, 6, 7, 8], [9, 10, -1, -1], [11, -1, -1, -1]])
+    logits = model.decoder(torch.cat([torch.full((3, 1), 2), tokens.clamp_min(0)], 1), torch.tensor([5, 3, 2]),
+                           enc, enc_lens)
+    assert logits.shape == (3, 5, V)
+    out = model(feats, lens, tokens, torch.tensor([4, 2, 1]))
+    assert all(t.shape == () and torch.isfinite(t) for t in out)
+
+
+@pytest.mark.parametrize("preset,low,high", [("large", 20e6, 35e6), ("medium", 7e6, 14e6), ("small", 2.5e6, 5e6),
+                                             ("tiny", 1e5, 4e5)])
+def test_preset_parameter_counts(preset, low, high):
+    n = count_parameters(_model(preset))
+    assert low < n < high, f"{preset}: {n:,}"
+
+
+def test_presets_match_the_published_sizes():
+    assert (PRESETS["large"]["d_model"], PRESETS["large"]["encoder_layers"], PRESETS["large"]["decoder_layers"]) == (256, 12, 6)
+    assert (PRESETS["medium"]["d_model"], PRESETS["medium"]["encoder_layers"], PRESETS["medium"]["decoder_layers"]) == (192, 8, 4)
+    assert (PRESETS["small"]["d_model"], PRESETS["small"]["encoder_layers"], PRESETS["small"]["decoder_layers"]) == (128, 6, 3)
+
+
+def test_layer_flags_add_exactly_one_block():
+    cfg = model_config_from_preset("small")
+    block = count_parameters(ConformerBlock(cfg.d_model, cfg.n_heads, cfg.ffn_dim, cfg.conv_kernel, 0.0))
+    layer = count_parameters(DecoderLayer(cfg.d_model, cfg.n_heads, cfg.ffn_dim, 0.0))
+    base = count_parameters(_model("small"))
+    assert count_parameters(_model("small", encoder_layers=7)) - base == block
+    assert count_parameters(_model("small", decoder_layers=4)) - base == layer
+    assert model_config_from_preset("small", d_model=96).d_model == 96
+
+
+def test_bad_dimensions_are_refused():
+    with pytest.raises(ValueError, match="heads"):
+        model_config_from_preset("tiny", d_model=50, n_heads=4)
+    with pytest.raises(ValueError, match="odd"):
+        model_config_from_preset("tiny", conv_kernel=8)
+    with pytest.raises(ValueError, match="unknown preset"):
+        model_config_from_preset("huge")
+
+
+def test_padding_does_not_change_outputs():
+    """Each utterance alone gives the same encoder states and losses as inside a padded batch."""
+    model = _model()
+    feats = torch.randn(2, 130, 80)
+    lens = torch.tensor([130, 71])
+    tokens = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, -1, -1]])
+    tok_lens = torch.tensor([5, 3])
+    enc, enc_lens = model.encode(feats, lens)
+    batch_out = model(feats, lens, tokens, tok_lens)
+    single = [model(feats[i:i + 1, :lens[i]], lens[i:i + 1], tokens[i:i + 1, :tok_lens[i]], tok_lens[i:i + 1])
+              for i in range(2)]
+    for i in range(2):
+        alone, _ = model.encode(feats[i:i + 1, :lens[i]], lens[i:i + 1])
+        torch.testing.assert_close(enc[i, :enc_lens[i]], alone[0], rtol=1e-4, atol=1e-4)
+    for name in ("ctc", "attention"):
+        total = sum(getattr(s, name) for s in single)
+        torch.testing.assert_close(getattr(batch_out, name), total, rtol=1e-4, atol=1e-3)
+
+
+def test_spec_augment_only_in_training_mode():
+    model = _model()
+    feats, lens = torch.randn(2, 200, 80), torch.tensor([200, 200])
+    a, _ = model.encode(feats, lens, spec_augment=True)
+    b, _ = model.encode(feats, lens, spec_augment=False)
+    torch.testing.assert_close(a, b)  # eval mode: no masking
+    model.train()
+    model.encoder.eval()  # keep dropout off, so only the masks can differ
+    x = (feats - model.feat_mean) / model.feat_std
+    masked = model.spec_augment(x)
+    assert (masked == 0).sum() > (x == 0).sum()

@@ -1,0 +1,61 @@
+import torch
+
+from konkanivani import precision as precision_module
+from konkanivani.precision import resolve_precision
+from konkanivani.train import lr_factor, maybe_empty_cache
+
+
+def test_fp32_unless_asked():
+    p = resolve_precision(torch.device("cpu"), mixed_precision=False)
+    assert p.dtype is None and not p.use_scaler
+
+
+def test_cuda_mixed_precision_is_fp16_with_scaler():
+    p = resolve_precision(torch.device("cuda"), mixed_precision=True)
+    assert p.dtype == torch.float16 and p.use_scaler
+
+
+def test_cpu_bf16_only_where_it_is_fast(monkeypatch):
+    monkeypatch.setattr(precision_module, "cpu_bf16_speed_ratio", lambda: 0.005)
+    slow = resolve_precision(torch.device("cpu"), mixed_precision=True)
+    assert slow.dtype is None and "no fast bf16" in slow.note
+    monkeypatch.setattr(precision_module, "cpu_bf16_speed_ratio", lambda: 0.5)
+    fast = resolve_precision(torch.device("cpu"), mixed_precision=True)
+    assert fast.dtype == torch.bfloat16 and not fast.use_scaler
+    with fast.autocast(torch.device("cpu")):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+
+
+def test_probe_measures_a_ratio():
+    ratio = precision_module.cpu_bf16_speed_ratio()
+    assert 0 < ratio < 10
+
+
+def test_disabled_grad_scaler_is_a_plain_step_on_cpu():
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.5)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    scaler.scale((w * 2).sum()).backward()
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    assert w.tolist() == [0.0, 0.0]
+
+
+def test_empty_cache_every_n_batches_on_cuda_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    emptied = [b for b in range(1, 201) if maybe_empty_cache(cuda, b, 50)]
+    assert emptied == [50, 100, 150, 200] and len(calls) == 4
+    assert not any(maybe_empty_cache(cpu, b, 50) for b in range(1, 101))
+    assert not any(maybe_empty_cache(cuda, b, 0) for b in range(1, 101))
+    assert len(calls) == 4
+
+
+def test_lr_schedule_warms_up_then_decays():
+    factors = [lr_factor(s, warmup_steps=10) for s in range(40)]
+    assert factors[0] == 0.1 and factors[9] == 1.0
+    assert all(a < b for a, b in zip(factors[:9], factors[1:10]))
+    assert all(a > b for a, b in zip(factors[9:], factors[10:]))
+    assert abs(factors[39] - 0.5) < 1e-9  # sqrt(10 / 40)
