@@ -176,9 +176,12 @@ def _log_skipped(name: str, path: str, kept: int, skipped: Counter) -> None:
 def _loader(dataset: ASRDataset, sampler: LengthGroupedBatchSampler, cfg: TrainConfig,
             device: torch.device) -> DataLoader:
     workers = cfg.num_workers
+    # A generator of its own, so that starting an epoch's iterator (which draws the workers' seed)
+    # leaves the global RNG, and with it dropout and SpecAugment, as a resumed run finds it.
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
                       pin_memory=device.type == "cuda", persistent_workers=workers > 0,
-                      prefetch_factor=4 if workers > 0 else None)
+                      prefetch_factor=4 if workers > 0 else None,
+                      generator=torch.Generator().manual_seed(cfg.seed))
 
 
 def train(cfg: TrainConfig, model_overrides: Optional[dict[str, Any]] = None) -> dict[str, Any]:

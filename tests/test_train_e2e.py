@@ -1,0 +1,84 @@
+"""Train the tiny preset for real on synthesized Konkani speech, stop, resume, compare."""
+import json
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training_scripts"))
+import train_konkanivani_asr as cli  # noqa: E402
+
+from konkanivani.checkpoint import load_checkpoint  # noqa: E402
+from konkanivani.train import lr_factor  # noqa: E402
+
+
+def _args(corpus, out, *extra):
+    return ["--train_manifest", str(corpus / "train.jsonl"), "--valid_manifest", str(corpus / "valid.jsonl"),
+            "--output_dir", str(out), "--preset", "tiny", "--vocab_size", "48", "--batch_size", "4",
+            "--gradient_accumulation_steps", "2", "--lr", "2e-3", "--warmup_steps", "8", "--epochs", "100",
+            "--log_every", "1", "--num_workers", "0", "--no-progress", "--seed", "5", *extra]
+
+
+def _train_rows(out):
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["kind"] == "train"], [r for r in rows if r["kind"] == "valid"]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_corpus, tmp_path_factory):
+    """One uninterrupted run of 36 steps, and one stopped at step 20 and resumed to 36."""
+    whole, split = tmp_path_factory.mktemp("whole"), tmp_path_factory.mktemp("split")
+    assert cli.main(_args(tiny_corpus, whole, "--max_steps", "36")) == 0
+    assert cli.main(_args(tiny_corpus, split, "--max_steps", "20", "--save_every_steps", "10")) == 0
+    return whole, split
+
+
+def test_tiny_model_learns(runs):
+    whole, _ = runs
+    train_rows, valid_rows = _train_rows(whole)
+    losses = [r["loss"] for r in train_rows]
+    assert [r["step"] for r in train_rows] == list(range(1, 37))
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
+    assert len(valid_rows) >= 3
+    assert valid_rows[-1]["loss"] < valid_rows[0]["loss"]
+    ckpt = load_checkpoint(whole / "latest.pt")
+    assert ckpt["step"] == 36
+    assert (whole / "best.pt").is_file() and (whole / "tokenizer.model").is_file()
+
+
+def test_stop_and_resume_continue_the_same_run(runs, tiny_corpus, caplog):
+    whole, split = runs
+    stopped = load_checkpoint(split / "latest.pt")
+    assert stopped["step"] == 20
+    assert stopped["sampler"]["start"] > 0  # stopped inside an epoch
+    # the step checkpoints and latest.pt are whole files that can rebuild the run
+    assert sorted(p.name for p in split.glob("step_*.pt"))[-1] == "step_0000020.pt"
+
+    with caplog.at_level(logging.INFO, logger="konkanivani"):
+        assert cli.main(_args(tiny_corpus, split, "--max_steps", "36", "--resume", "latest")) == 0
+    assert "resumed from latest at step 20" in caplog.text
+
+    resumed_rows, _ = _train_rows(split)
+    whole_rows, _ = _train_rows(whole)
+    assert [r["step"] for r in resumed_rows] == list(range(1, 37))
+    first_after = resumed_rows[20]
+    assert first_after["step"] == 21
+    assert first_after["lr"] == pytest.approx(2e-3 * lr_factor(20, warmup_steps=8))
+    for a, b in zip(resumed_rows, whole_rows):
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-9)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a, b)
+    final_a, final_b = load_checkpoint(split / "latest.pt"), load_checkpoint(whole / "latest.pt")
+    assert final_a["step"] == final_b["step"] == 36
+    for name, tensor in final_b["model"].items():
+        torch.testing.assert_close(final_a["model"][name], tensor, rtol=1e-4, atol=1e-5)
+
+
+def test_missing_manifest_is_a_clear_error_before_training(tmp_path, caplog):
+    corpus = tmp_path / "nothing"
+    corpus.mkdir()
+    with caplog.at_level(logging.ERROR, logger="konkanivani"):
+        assert cli.main(_args(corpus, tmp_path / "out")) == 2
+    assert "train.jsonl does not exist" in caplog.text
+    assert not list((tmp_path / "out").glob("*.pt"))
