@@ -7,6 +7,7 @@ import logging
 import math
 import random
 import time
+import warnings
 from collections import Counter
 from functools import partial
 from pathlib import Path
@@ -134,9 +135,10 @@ def validate(model: ASRModel, loader: Iterable[Optional[Batch]], tokenizer: Toke
         with precision.autocast(device):
             enc, enc_lens = model.encode(batch.feats, batch.feat_lens)
             out = model.losses(enc, enc_lens, batch.tokens, batch.token_lens)
+            log_probs = model.ctc_log_probs(enc)
         loss_sum += out.loss.item()
         n += len(batch)
-        hyps += [tokenizer.decode(h) for h in ctc_greedy(model.ctc_log_probs(enc), enc_lens)]
+        hyps += [tokenizer.decode(h) for h in ctc_greedy(log_probs, enc_lens)]
         refs += [utterances[i].text for i in batch.indices]
     model.train()
     return {"loss": loss_sum / max(n, 1), **error_rates(refs, hyps)}
@@ -182,6 +184,11 @@ def _loader(dataset: ASRDataset, sampler: LengthGroupedBatchSampler, cfg: TrainC
                       pin_memory=device.type == "cuda", persistent_workers=workers > 0,
                       prefetch_factor=4 if workers > 0 else None,
                       generator=torch.Generator().manual_seed(cfg.seed))
+
+
+# GradScaler skips the first fp16 steps while it finds its scale; LambdaLR then warns that the
+# scheduler stepped before the optimizer. The schedule is a function of the step count, as intended.
+warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
 
 
 def train(cfg: TrainConfig, model_overrides: Optional[dict[str, Any]] = None) -> dict[str, Any]:
@@ -269,7 +276,9 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path) -> 
     metrics_file = open(out_dir / "metrics.jsonl", "a", encoding="utf-8")
 
     def record(kind: str, **values: Any) -> None:
-        metrics_file.write(json.dumps({"kind": kind, "step": step, "epoch": epoch + 1, **values}) + "\n")
+        # Training rows carry the epoch in progress, validation rows the epoch just finished.
+        shown = epoch + 1 if kind == "train" else epoch
+        metrics_file.write(json.dumps({"kind": kind, "step": step, "epoch": shown, **values}) + "\n")
         metrics_file.flush()
 
     saved_step = -1
@@ -336,14 +345,17 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path) -> 
                 save()
             break
 
+        # Save before validating, so that nothing that goes wrong in validation costs the epoch;
+        # save again after it, with the metrics and the best WER.
+        epoch, batches_done = epoch + 1, 0
+        save()
         valid_metrics = validate(model, valid_loader, tokenizer, valid_utts, device, precision)
         record("valid", **valid_metrics)
         is_best = valid_metrics["wer"] < best_wer
         best_wer = min(best_wer, valid_metrics["wer"])
-        log.info("epoch %d step %d: valid loss %.3f  CER %.2f%%  WER %.2f%%%s", epoch + 1, step,
+        log.info("epoch %d step %d: valid loss %.3f  CER %.2f%%  WER %.2f%%%s", epoch, step,
                  valid_metrics["loss"], 100 * valid_metrics["cer"], 100 * valid_metrics["wer"],
                  "  (best)" if is_best else "")
-        epoch, batches_done = epoch + 1, 0
         save(is_best)
 
     metrics_file.close()

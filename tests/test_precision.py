@@ -59,3 +59,35 @@ def test_lr_schedule_warms_up_then_decays():
     assert all(a < b for a, b in zip(factors[:9], factors[1:10]))
     assert all(a > b for a, b in zip(factors[9:], factors[10:]))
     assert abs(factors[39] - 0.5) < 1e-9  # sqrt(10 / 40)
+
+
+def test_bf16_autocast_trains_and_validates_on_cpu():
+    """The whole step and validation run under bf16 autocast (losses in fp32)."""
+    from types import SimpleNamespace
+
+    from konkanivani.config import model_config_from_preset
+    from konkanivani.data import Batch
+    from konkanivani.model import ASRModel
+    from konkanivani.precision import Precision
+    from konkanivani.tokenizer import train_tokenizer
+    from konkanivani.train import forward_backward, optimizer_step, validate
+
+    texts = ["हांव घरा वता", "तूं कितें करता"]
+    tok = train_tokenizer(texts, vocab_size=30)
+    ids = [tok.encode(t) for t in texts]
+    U = max(map(len, ids))
+    tokens = torch.tensor([i + [-1] * (U - len(i)) for i in ids])
+    batch = Batch(torch.randn(2, 120, 80), torch.tensor([120, 100]), tokens, torch.tensor([len(i) for i in ids]), [0, 1])
+    torch.manual_seed(0)
+    model = ASRModel(model_config_from_preset("tiny", vocab_size=tok.vocab_size))
+    bf16 = Precision(torch.bfloat16, False, "bf16")
+    cpu = torch.device("cpu")
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    stats = forward_backward(model, [batch], cpu, bf16, scaler, spec_augment=True)
+    assert all(torch.isfinite(torch.tensor(v)) for v in stats.values())
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
+    assert torch.isfinite(torch.tensor(optimizer_step(model, opt, scaler, 5.0)))
+    utts = [SimpleNamespace(text=t) for t in texts]
+    metrics = validate(model, [batch], tok, utts, cpu, bf16)
+    assert metrics.keys() == {"loss", "wer", "cer"} and metrics["loss"] > 0
