@@ -273,13 +273,15 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path) -> 
         log.info("resumed from %s at step %d (epoch %d, batch %d), lr %.3g", cfg.resume, step, epoch + 1,
                  batches_done, scheduler.get_last_lr()[0])
 
-    metrics_file = open(out_dir / "metrics.jsonl", "a", encoding="utf-8")
+    log.info("%d utterances per update (batch %d x %d accumulation steps), peak lr %g, %d warm-up steps",
+             cfg.batch_size * cfg.gradient_accumulation_steps, cfg.batch_size, cfg.gradient_accumulation_steps,
+             cfg.lr, cfg.warmup_steps)
 
     def record(kind: str, **values: Any) -> None:
         # Training rows carry the epoch in progress, validation rows the epoch just finished.
         shown = epoch + 1 if kind == "train" else epoch
-        metrics_file.write(json.dumps({"kind": kind, "step": step, "epoch": shown, **values}) + "\n")
-        metrics_file.flush()
+        with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps({"kind": kind, "step": step, "epoch": shown, **values}) + "\n")
 
     saved_step = -1
 
@@ -358,5 +360,4 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path) -> 
                  "  (best)" if is_best else "")
         save(is_best)
 
-    metrics_file.close()
     return {"step": step, "epoch": epoch, "valid": valid_metrics, "best_wer": best_wer}
