@@ -11,8 +11,9 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+PYTHON=${PYTHON:-python3}
 
-if ! python -c "import konkanivani, torchaudio" >/dev/null 2>&1; then
+if ! "$PYTHON" -c "import konkanivani.train" >/dev/null 2>&1; then  # imports every dependency
     training_scripts/setup_env.sh
 fi
 
@@ -20,12 +21,12 @@ TRAIN_MANIFEST=${TRAIN_MANIFEST:-}
 VALID_MANIFEST=${VALID_MANIFEST:-}
 if [ -z "$TRAIN_MANIFEST" ]; then
     command -v espeak-ng >/dev/null 2>&1 || training_scripts/setup_env.sh
-    python training_scripts/make_demo_corpus.py data/demo  # returns at once when the corpus is there
+    "$PYTHON" training_scripts/make_demo_corpus.py data/demo  # returns at once when the corpus is there
     TRAIN_MANIFEST=data/demo/train.jsonl
     VALID_MANIFEST=${VALID_MANIFEST:-data/demo/valid.jsonl}
 fi
 
-exec python training_scripts/train_konkanivani_asr.py \
+exec "$PYTHON" training_scripts/train_konkanivani_asr.py \
     --train_manifest "$TRAIN_MANIFEST" \
     --valid_manifest "$VALID_MANIFEST" \
     --output_dir "${OUTPUT_DIR:-checkpoints/konkanivani_t4}" \

@@ -9,11 +9,11 @@ setup(
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["konkanivani", "konkanivani.*"]),
-    python_requires=">=3.9",
+    python_requires=">=3.10",
     install_requires=[
         # Ranges, so Colab's preinstalled torch/torchaudio pair is kept.
-        "torch>=2.1",
-        "torchaudio>=2.1",
+        "torch>=2.3",
+        "torchaudio>=2.3",
         "sentencepiece>=0.1.99",
         "jiwer>=3.0",
         "soundfile>=0.12",

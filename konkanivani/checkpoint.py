@@ -60,8 +60,10 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
         os.replace(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise CheckpointError(f"could not write checkpoint {path}: {e.strerror or e}; "
+        # torch.save reports a failed write (a full disk, say) as OSError or RuntimeError.
+        if isinstance(e, (OSError, RuntimeError)):
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+            raise CheckpointError(f"could not write checkpoint {path}: {reason}; "
                                   "the previous checkpoints are untouched") from e
         raise
     _fsync_dir(path.parent)
@@ -89,10 +91,14 @@ def point_to(target: str | Path, link: str | Path) -> None:
 
 
 def prune_checkpoints(directory: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` step files; return the deleted paths."""
-    steps = sorted((int(m.group(1)), p) for p in Path(directory).glob("step_*.pt")
+    """Delete all but the ``keep`` most recently written step files; return the deleted paths.
+
+    By write time rather than step number: after resuming from an older checkpoint, the files of
+    the abandoned later steps go first, not the new ones.
+    """
+    files = sorted((p.stat().st_mtime_ns, int(m.group(1)), p) for p in Path(directory).glob("step_*.pt")
                    if (m := _STEP_FILE.search(p.name)))
-    doomed = [p for _, p in steps[:max(0, len(steps) - keep)]]
+    doomed = [p for _, _, p in files[:max(0, len(files) - keep)]]
     for p in doomed:
         p.unlink(missing_ok=True)
     return doomed

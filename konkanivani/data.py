@@ -52,7 +52,7 @@ def read_manifest(path: str | Path) -> list[tuple[int, dict]]:
     with path.open("rb") as f:
         for line_no, raw in enumerate(f, start=1):
             try:
-                line = raw.decode("utf-8").strip()
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8").strip()  # a BOM may open the file
                 if not line:
                     continue
                 row = json.loads(line)

@@ -22,16 +22,20 @@ BLANK_ID = 0
 UNK_ID = 1
 SOS_EOS_ID = 2
 
-# Zero-width joiners only change how a conjunct is drawn, not what is said.
-_ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\ufeff"), None)
 _SPACES = re.compile(r"\s+")
 
 
-def _is_punctuation(ch: str) -> bool:
-    # Unicode category P* covers danda (U+0964), double danda (U+0965), ASCII and typographic
-    # punctuation; S* covers symbols such as quotes drawn as symbols, currency and math signs.
-    # The Devanagari abbreviation sign (U+0970) is category Po too.
-    return unicodedata.category(ch)[0] in "PS"
+def _map_char(ch: str) -> str:
+    category = unicodedata.category(ch)
+    # Format characters (Cf: zero-width joiners, soft hyphen, direction marks, BOM) change how a
+    # word is drawn, not what is said.
+    if category == "Cf":
+        return ""
+    # P* covers danda (U+0964), double danda (U+0965), the abbreviation sign (U+0970), ASCII and
+    # typographic punctuation; S* covers symbols such as currency and math signs.
+    if category[0] in "PS":
+        return " "
+    return ch
 
 
 def normalize_text(text: str) -> str:
@@ -40,8 +44,7 @@ def normalize_text(text: str) -> str:
     >>> normalize_text("  मुजें  नांव, राम ।  तुजें?")
     'मुजें नांव राम तुजें'
     """
-    text = unicodedata.normalize("NFC", text).translate(_ZERO_WIDTH)
-    text = "".join(" " if _is_punctuation(ch) else ch for ch in text)
+    text = "".join(map(_map_char, unicodedata.normalize("NFC", text)))
     return _SPACES.sub(" ", text).strip().lower()
 
 

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import random
 import time
 import warnings
@@ -160,10 +161,25 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+_DATA_ORDER_FIELDS = ("batch_size", "seed", "max_duration")
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric rows written after ``step`` by a run that died before its next save."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [line for line in lines if json.loads(line)["step"] <= step]
+    if len(kept) < len(lines):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)
 
 
 def _log_skipped(name: str, path: str, kept: int, skipped: Counter) -> None:
@@ -216,8 +232,15 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path) -> 
     _seed_everything(cfg.seed)
     ckpt = load_checkpoint(resolve_resume(cfg.resume, out_dir)) if cfg.resume else None
 
-    # Tokenizer and model shape come from the checkpoint when resuming, so they cannot drift.
+    # Tokenizer, model shape and the settings that fix the data order come from the checkpoint
+    # when resuming, so that the epoch in progress continues with exactly the batches it had left.
     if ckpt is not None:
+        saved = ckpt["train_config"]
+        changed = {k: saved[k] for k in _DATA_ORDER_FIELDS if getattr(cfg, k) != saved[k]}
+        if changed:
+            log.warning("on resume, %s as in the checkpoint (they decide which batches remain in the epoch)",
+                        ", ".join(f"--{k} {v}" for k, v in changed.items()))
+            cfg = dataclasses.replace(cfg, **changed)
         tokenizer = Tokenizer(ckpt["tokenizer"])
         model_cfg = ModelConfig(**ckpt["model_config"])
         if any(v is not None and getattr(model_cfg, k) != v for k, v in model_overrides.items()):
@@ -266,9 +289,11 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path) -> 
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
-        scaler.load_state_dict(ckpt["scaler"])
+        if scaler.is_enabled() and ckpt["scaler"]:  # empty when the saved run had no fp16
+            scaler.load_state_dict(ckpt["scaler"])
         step, epoch, batches_done = ckpt["step"], ckpt["sampler"]["epoch"], ckpt["sampler"]["start"]
-        best_wer = ckpt["best_wer"]
+        best_wer, valid_metrics = ckpt["best_wer"], ckpt["valid_metrics"]
+        _truncate_metrics(out_dir / "metrics.jsonl", step)
         _set_rng_state(ckpt["rng"])
         log.info("resumed from %s at step %d (epoch %d, batch %d), lr %.3g", cfg.resume, step, epoch + 1,
                  batches_done, scheduler.get_last_lr()[0])
@@ -280,6 +305,7 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path) -> 
     def record(kind: str, **values: Any) -> None:
         # Training rows carry the epoch in progress, validation rows the epoch just finished.
         shown = epoch + 1 if kind == "train" else epoch
+        values = {k: v if math.isfinite(v) else None for k, v in values.items()}  # strict JSON: no NaN
         with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps({"kind": kind, "step": step, "epoch": shown, **values}) + "\n")
 

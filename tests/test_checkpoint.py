@@ -25,13 +25,14 @@ def test_failed_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
     path = tmp_path / "latest.pt"
     save_checkpoint(_state(1), path)
 
-    def full_disk(*args, **kwargs):
-        raise OSError(28, "No space left on device")
+    for error in (OSError(28, "No space left on device"), RuntimeError("PytorchStreamWriter failed writing file")):
+        def failing_save(*args, error=error, **kwargs):
+            raise error
 
-    monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(CheckpointError, match="No space left on device"):
-        save_checkpoint(_state(2), path)
-    monkeypatch.undo()
+        monkeypatch.setattr(torch, "save", failing_save)
+        with pytest.raises(CheckpointError, match="No space left on device|failed writing"):
+            save_checkpoint(_state(2), path)
+        monkeypatch.undo()
     assert load_checkpoint(path)["step"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.pt"]
 
@@ -61,3 +62,11 @@ def test_truncated_or_foreign_files_give_clear_errors(tmp_path):
         load_checkpoint(tmp_path / "future.pt")
     with pytest.raises(CheckpointError, match="does not exist"):
         resolve_resume("latest", tmp_path / "empty")
+
+
+def test_prune_keeps_the_newest_writes_after_resuming_an_older_step(tmp_path):
+    for step in (200, 300, 400, 110):  # resumed from step 100, then saved step 110
+        save_checkpoint(_state(step), tmp_path / step_checkpoint_name(step))
+        os.utime(tmp_path / step_checkpoint_name(step), ns=(step * 10**9, (1000 + len(os.listdir(tmp_path))) * 10**9))
+    prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("step_*.pt")) == ["step_0000110.pt", "step_0000400.pt"]

@@ -37,7 +37,7 @@ def test_unknown_flag_wrong_type_and_missing_manifest_are_refused(capsys):
 
 def test_t4_recipe_script_runs_on_cpu(tiny_corpus, tmp_path):
     """The recipe script itself, made tiny by extra flags that pass through and override it."""
-    env = dict(os.environ, TRAIN_MANIFEST=str(tiny_corpus / "train.jsonl"),
+    env = dict(os.environ, PYTHON=sys.executable, TRAIN_MANIFEST=str(tiny_corpus / "train.jsonl"),
                VALID_MANIFEST=str(tiny_corpus / "valid.jsonl"), OUTPUT_DIR=str(tmp_path / "t4"))
     result = subprocess.run(
         [str(ROOT / "run_training_memory_optimized.sh"), "--preset", "tiny", "--d_model", "48", "--encoder_layers", "2",

@@ -63,6 +63,8 @@ def test_missing_manifest_and_non_json_lines_are_clear_errors(tmp_path):
     (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
     with pytest.raises(ManifestError, match="latin1.jsonl:1"):
         read_manifest(tmp_path / "latin1.jsonl")
+    (tmp_path / "bom.jsonl").write_bytes('\ufeff{"audio_filepath": "a.wav", "text": "x"}\n'.encode())
+    assert read_manifest(tmp_path / "bom.jsonl") == [(1, {"audio_filepath": "a.wav", "text": "x"})]
     _manifest(tmp_path / "list.jsonl", ["[1, 2]"])
     with pytest.raises(ManifestError, match="expected a JSON object"):
         read_manifest(tmp_path / "list.jsonl")

@@ -16,6 +16,7 @@ def test_normalize_handles_danda_punctuation_space_and_nfc():
     # joiners disappear.
     assert normalize_text("\u0915\u093c") == normalize_text("\u0958")
     assert normalize_text("क\u200dष") == "कष"
+    assert normalize_text("\ufeffकलम\u00ad \u200eघर\u2060") == "कलम घर"  # BOM, soft hyphen, LRM, word joiner
     assert normalize_text("।, ?") == ""
 
 

@@ -56,9 +56,14 @@ def test_stop_and_resume_continue_the_same_run(runs, tiny_corpus, caplog):
     # the step checkpoints and latest.pt are whole files that can rebuild the run
     assert sorted(p.name for p in split.glob("step_*.pt"))[-1] == "step_0000020.pt"
 
+    # A run that died after its last save left rows for steps that will be trained again.
+    with open(split / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"kind": "train", "step": 21, "epoch": 3, "loss": 1.0, "lr": 1.0}) + "\n")
+    # A different batch size would change which batches remain in the epoch: the saved one is kept.
     with caplog.at_level(logging.INFO, logger="konkanivani"):
-        assert cli.main(_args(tiny_corpus, split, "--max_steps", "36", "--resume", "latest")) == 0
+        assert cli.main(_args(tiny_corpus, split, "--max_steps", "36", "--resume", "latest", "--batch_size", "8")) == 0
     assert "resumed from latest at step 20" in caplog.text
+    assert "--batch_size 4 as in the checkpoint" in caplog.text
 
     resumed_rows, _ = _train_rows(split)
     whole_rows, _ = _train_rows(whole)

@@ -5,6 +5,7 @@
 #   training_scripts/setup_env.sh --dev    # also the test tools
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
 extras=""
 [ "${1:-}" = "--dev" ] && extras="[dev]"
 
@@ -21,7 +22,7 @@ if ! command -v espeak-ng >/dev/null 2>&1; then
 fi
 
 # Keep a working torch/torchaudio pair (Colab's, say); otherwise install one that loads together.
-if ! python -c "import torch, torchaudio" >/dev/null 2>&1; then
-    python -m pip install --quiet "torch==2.14.1" "torchaudio==2.11.0"
+if ! "$PYTHON" -c "import torch, torchaudio" >/dev/null 2>&1; then
+    "$PYTHON" -m pip install --quiet "torch==2.14.1" "torchaudio==2.11.0"
 fi
-python -m pip install --quiet -e ".${extras}"
+"$PYTHON" -m pip install --quiet -e ".${extras}"
