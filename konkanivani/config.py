@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 __all__ = ["ModelConfig", "TrainConfig", "PRESETS", "model_config_from_preset", "add_dataclass_args",
            "dataclass_from_args"]

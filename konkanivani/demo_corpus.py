@@ -13,7 +13,6 @@ The command line is ``training_scripts/make_demo_corpus.py``.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os

@@ -71,7 +71,7 @@ def test_stop_and_resume_continue_the_same_run(runs, tiny_corpus, caplog):
     first_after = resumed_rows[20]
     assert first_after["step"] == 21
     assert first_after["lr"] == pytest.approx(2e-3 * lr_factor(20, warmup_steps=8))
-    for a, b in zip(resumed_rows, whole_rows):
+    for a, b in zip(resumed_rows, whole_rows, strict=True):
         assert a["lr"] == pytest.approx(b["lr"], rel=1e-9)
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a, b)
     final_a, final_b = load_checkpoint(split / "latest.pt"), load_checkpoint(whole / "latest.pt")
