@@ -20,13 +20,18 @@ import random
 import shutil
 import subprocess
 import tempfile
+from contextlib import nullcontext
+from math import gcd
 from multiprocessing import Pool
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import soundfile as sf
+from scipy.signal import resample_poly
 from tqdm import tqdm
+
+from .data import read_manifest
 
 # The sentences ship in the repository's data/ folder (next to this package in a checkout).
 DEFAULT_SENTENCES = Path(__file__).resolve().parents[1] / "data" / "demo_sentences_kok.txt"
@@ -41,7 +46,7 @@ PITCH_RANGE = (30, 70)  # espeak -p, 0..99
 PEAK_RANGE = (0.75, 0.95)  # peak-normalization target (random gain around ~0.9)
 NOISE_PROB = 0.7  # share of utterances that get light white noise
 SNR_RANGE_DB = (25.0, 40.0)
-ESPEAK_SR, TARGET_SR = 22050, 16000
+TARGET_SR = 16000
 KEEP_SILENCE_S = 0.1
 INFO_VERSION = 1
 
@@ -131,19 +136,12 @@ def plan_corpus(sentences: list[str], seed: int, num_utterances: int,
     return plan
 
 
-def resample(x: np.ndarray, sr_in: int = ESPEAK_SR, sr_out: int = TARGET_SR) -> np.ndarray:
-    """Polyphase resampling when scipy is available, else linear interpolation."""
+def resample(x: np.ndarray, sr_in: int, sr_out: int = TARGET_SR) -> np.ndarray:
+    """Polyphase resampling (scipy is a dependency of the package)."""
     if sr_in == sr_out:
         return x
-    try:
-        from math import gcd
-
-        from scipy.signal import resample_poly
-        g = gcd(sr_out, sr_in)
-        return resample_poly(x, sr_out // g, sr_in // g)
-    except ImportError:
-        n_out = int(round(len(x) * sr_out / sr_in))
-        return np.interp(np.arange(n_out) * sr_in / sr_out, np.arange(len(x)), x)
+    g = gcd(sr_out, sr_in)
+    return resample_poly(x, sr_out // g, sr_in // g)
 
 
 def trim_silence(x: np.ndarray, sr: int, keep_s: float = KEEP_SILENCE_S) -> np.ndarray:
@@ -195,9 +193,8 @@ def sha1_of(path: Path) -> str:
     return hashlib.sha1(path.read_bytes()).hexdigest()
 
 
-def read_manifest(path: Path) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+def _rows(path: Path) -> list[dict[str, Any]]:
+    return [row for _, row in read_manifest(path)]
 
 
 def corpus_is_complete(out_dir: Path, info: dict[str, Any]) -> bool:
@@ -207,14 +204,14 @@ def corpus_is_complete(out_dir: Path, info: dict[str, Any]) -> bool:
         if json.loads(info_path.read_text(encoding="utf-8")) != info:
             return False
         return all((out_dir / row["audio_filepath"]).is_file()
-                   for split in SPLITS for row in read_manifest(out_dir / f"{split}.jsonl"))
-    except (OSError, ValueError, KeyError):
+                   for split in SPLITS for row in _rows(out_dir / f"{split}.jsonl"))
+    except (OSError, ValueError, KeyError):  # ManifestError is a ValueError
         return False
 
 
 def summarize(out_dir: Path) -> dict[str, Any]:
     """Per-split counts/hours/sentences/speakers plus train/test disjointness checks."""
-    rows = {s: read_manifest(out_dir / f"{s}.jsonl") for s in SPLITS}
+    rows = {s: _rows(out_dir / f"{s}.jsonl") for s in SPLITS}
     splits = {s: {"utterances": len(r),
                   "hours": round(sum(x["duration"] for x in r) / 3600, 3),
                   "sentences": len({x["text"] for x in r}),
@@ -258,18 +255,11 @@ def make_corpus(out_dir: str | Path, seed: int = 0, num_utterances: int = 1600,
     (out / "wavs").mkdir(parents=True)
     durations: dict[tuple[str, int], float] = {}
     tasks = [(u, str(out)) for u in plan]
-    bar = tqdm(total=len(tasks), desc="synthesizing", unit="utt", disable=not progress)
-    if jobs <= 1:
-        for task in tasks:
-            split, idx, dur = _synthesize_job(task)
+    with Pool(jobs) if jobs > 1 else nullcontext() as pool:
+        results = pool.imap_unordered(_synthesize_job, tasks, chunksize=8) if pool else map(_synthesize_job, tasks)
+        for split, idx, dur in tqdm(results, total=len(tasks), desc="synthesizing", unit="utt",
+                                    disable=not progress):
             durations[split, idx] = dur
-            bar.update()
-    else:
-        with Pool(jobs) as pool:
-            for split, idx, dur in pool.imap_unordered(_synthesize_job, tasks, chunksize=8):
-                durations[split, idx] = dur
-                bar.update()
-    bar.close()
     for split in SPLITS:
         with open(out / f"{split}.jsonl", "w", encoding="utf-8") as f:
             for u in (u for u in plan if u.split == split):
