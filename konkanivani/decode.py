@@ -1,11 +1,37 @@
-"""Decoding from model outputs. Greedy CTC for validation."""
+"""Decoding: greedy CTC, CTC prefix beam search, attention beam search, joint CTC/attention beam
+search and attention rescoring of the CTC n-best.
+
+The attention and joint searches run all utterances of a batch and all their hypotheses as one
+decoder batch. Joint decoding adds, for each extension of a hypothesis, the change in its CTC
+prefix score (the probability that the CTC head's output starts with that prefix), computed with
+the prefix recursion of hybrid CTC/attention decoding over the candidate tokens only.
+
+Scores are natural-log probabilities. With ``ctc_weight`` λ a hypothesis scores
+``λ * log P_ctc(prefix) + (1 - λ) * log P_att(prefix)``; finished hypotheses are ranked by
+that score divided by their length (tokens + end symbol) when ``length_norm`` is on.
+"""
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
-from .tokenizer import BLANK_ID
+from .masks import pad_mask
+from .tokenizer import BLANK_ID, SOS_EOS_ID
 
-__all__ = ["ctc_greedy"]
+__all__ = ["METHODS", "Hypothesis", "attention_beam_search", "attention_rescoring", "attention_scores", "ctc_greedy",
+           "ctc_prefix_beam_search", "decode_batch"]
+
+METHODS = ("greedy", "ctc_beam", "beam", "joint", "rescore")
+NEG_INF = float("-inf")
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]
+    score: float  # the method's total log score (not length-normalized)
 
 
 @torch.inference_mode()
@@ -27,3 +53,249 @@ def ctc_greedy(log_probs: torch.Tensor, lengths: torch.Tensor) -> list[list[int]
             prev = tok
         hyps.append(out)
     return hyps
+
+
+@torch.inference_mode()
+def ctc_prefix_beam_search(log_probs: torch.Tensor, length: int, beam_size: int) -> list[Hypothesis]:
+    """Prefix beam search over one utterance's CTC output ``(T', V)``; returns up to ``beam_size``
+    prefixes, best first, scored by log P(prefix) summed over all alignments.
+
+    Each frame considers only its ``beam_size`` most likely tokens.
+    """
+    lp = log_probs[:length].float().cpu()
+    top_vals, top_ids = lp.topk(min(beam_size, lp.shape[-1]), dim=-1)
+    blank_lp = lp[:, BLANK_ID].tolist()
+    # prefix -> (log P ending in blank, log P ending in its last token)
+    beams: dict[tuple[int, ...], tuple[float, float]] = {(): (0.0, NEG_INF)}
+    for t in range(lp.shape[0]):
+        nxt: dict[tuple[int, ...], list[float]] = {}
+        for prefix, (pb, pnb) in beams.items():
+            total = _logaddexp(pb, pnb)
+            _accumulate(nxt, prefix, 0, total + blank_lp[t])
+            last = prefix[-1] if prefix else None
+            for value, tok in zip(top_vals[t].tolist(), top_ids[t].tolist()):
+                if tok == BLANK_ID:
+                    continue
+                if tok == last:
+                    _accumulate(nxt, prefix, 1, pnb + value)  # repeat merged into the same token
+                    _accumulate(nxt, (*prefix, tok), 1, pb + value)  # a new token, after a blank
+                else:
+                    _accumulate(nxt, (*prefix, tok), 1, total + value)
+        ranked = sorted(nxt.items(), key=lambda kv: _logaddexp(*kv[1]), reverse=True)[:beam_size]
+        beams = {prefix: (pb, pnb) for prefix, (pb, pnb) in ranked}
+    return [Hypothesis(list(prefix), _logaddexp(pb, pnb)) for prefix, (pb, pnb) in beams.items()]
+
+
+def _accumulate(beams: dict[tuple[int, ...], list[float]], prefix: tuple[int, ...], which: int,
+                value: float) -> None:
+    entry = beams.setdefault(prefix, [NEG_INF, NEG_INF])
+    entry[which] = _logaddexp(entry[which], value)
+
+
+def _logaddexp(a: float, b: float) -> float:
+    if a == NEG_INF:
+        return b
+    if b == NEG_INF:
+        return a
+    hi, lo = (a, b) if a > b else (b, a)
+    return hi + math.log1p(math.exp(lo - hi))
+
+
+class _CTCPrefixScorer:
+    """Batched CTC prefix scores for N running hypotheses and K candidate tokens each.
+
+    ``x``: ``(N, T, V)`` CTC log-probabilities, padded past each length with blank = 0 and every
+    other token = -inf, so that a prefix's probability stays constant beyond its utterance's end.
+    """
+
+    def __init__(self, log_probs: torch.Tensor, lengths: torch.Tensor):
+        x = log_probs.float().clone()
+        past_end = pad_mask(lengths, x.shape[1])  # (N, T)
+        x.masked_fill_(past_end[..., None], NEG_INF)
+        x[..., BLANK_ID].masked_fill_(past_end, 0.0)
+        self.x = x.transpose(0, 1).contiguous()  # (T, N, V)
+
+    def initial_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """State of the empty prefix: ``r`` ``(T, N, 2)`` = log P(prefix ends at t in a token / a blank)
+        and ``psi`` ``(N,)`` = log P(prefix)."""
+        T, N, _ = self.x.shape
+        r = self.x.new_full((T, N, 2), NEG_INF)
+        r[:, :, 1] = self.x[:, :, BLANK_ID].cumsum(0)
+        return r, self.x.new_zeros(N)
+
+    def score(self, r_prev: torch.Tensor, last: torch.Tensor, candidates: torch.Tensor,
+              empty_prefix: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefix log-probabilities ``(N, K)`` of each hypothesis extended by each candidate, and the
+        states ``(T, N, K, 2)`` of those extensions. The end symbol scores the whole sequence."""
+        T, N, _ = self.x.shape
+        xs = self.x.gather(2, candidates[None].expand(T, N, -1))  # (T, N, K)
+        r_sum = torch.logaddexp(r_prev[..., 0], r_prev[..., 1])  # (T, N)
+        # A repeated token needs a blank between: from the prefix ending in blank only.
+        phi = torch.where(candidates[None] == last[None, :, None], r_prev[..., 1, None], r_sum[..., None])
+        r = xs.new_full((T, N, candidates.shape[1], 2), NEG_INF)
+        if empty_prefix:
+            r[0, :, :, 0] = xs[0]
+        blank = self.x[:, :, BLANK_ID, None]  # (T, N, 1)
+        for t in range(1, T):
+            r[t, ..., 0] = torch.logaddexp(r[t - 1, ..., 0], phi[t - 1]) + xs[t]
+            r[t, ..., 1] = torch.logaddexp(r[t - 1, ..., 0], r[t - 1, ..., 1]) + blank[t]
+        psi = torch.logsumexp(torch.cat([r[:1, ..., 0], phi[:-1] + xs[1:]], dim=0), dim=0)  # (N, K)
+        psi = torch.where(candidates == SOS_EOS_ID, r_sum[-1, :, None], psi)
+        return psi, r
+
+
+@torch.inference_mode()
+def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam_size: int = 10,
+                          ctc_weight: float = 0.0, length_norm: bool = True,
+                          max_len: int | None = None) -> list[Hypothesis]:
+    """Beam search of the attention decoder, batched over utterances and hypotheses; with
+    ``ctc_weight`` > 0 it is joint CTC/attention decoding. Returns the best hypothesis per utterance.
+
+    Each step takes the top ``2 * beam_size`` extensions per utterance; those that end go to the
+    finished list, the best ``beam_size`` others continue. An utterance stops once it has
+    ``beam_size`` finished hypotheses, or at ``max_len`` tokens (default: its encoder length, the
+    most CTC can align).
+    """
+    B = enc.shape[0]
+    K = beam_size
+    N = B * K
+    device = enc.device
+    memory = enc.repeat_interleave(K, dim=0)  # (N, T', D)
+    memory_lens = enc_lens.repeat_interleave(K)
+    limit = enc_lens.clone() if max_len is None else torch.full_like(enc_lens, max_len)
+    ys = torch.full((N, 1), SOS_EOS_ID, dtype=torch.long, device=device)
+    scores = torch.full((B, K), NEG_INF, device=device)
+    scores[:, 0] = 0.0  # one live hypothesis per utterance at the start
+    scores = scores.view(N)
+    use_ctc = ctc_weight > 0
+    if use_ctc:
+        scorer = _CTCPrefixScorer(model.ctc_log_probs(memory), memory_lens)
+        ctc_r, ctc_psi = scorer.initial_state()
+    finished: list[list[Hypothesis]] = [[] for _ in range(B)]
+    done = torch.zeros(B, dtype=torch.bool)
+    n_cand = min(K * 2, model.cfg.vocab_size - 1)
+
+    for step in range(int(limit.max()) + 1):
+        lens = torch.full((N,), ys.shape[1], dtype=torch.long, device=device)
+        att = F.log_softmax(model.decoder(ys, lens, memory, memory_lens)[:, -1].float(), dim=-1)  # (N, V)
+        att[:, BLANK_ID] = NEG_INF
+        at_limit = step >= limit.repeat_interleave(K)  # only the end symbol may follow
+        att[at_limit] = torch.where(torch.arange(att.shape[1], device=device) == SOS_EOS_ID, att[at_limit], NEG_INF)
+        if use_ctc:
+            # Pre-beam on the attention scores, then CTC prefix scores for those candidates only.
+            cand = att.topk(n_cand, dim=-1).indices  # (N, C)
+            psi, r_new = scorer.score(ctc_r, ys[:, -1], cand, empty_prefix=step == 0)
+            ext = (1 - ctc_weight) * att.gather(1, cand) + ctc_weight * (psi - ctc_psi[:, None])
+        else:
+            ext, cand = att.topk(n_cand, dim=-1)
+        # A prefix CTC cannot produce scores -inf; its extensions give -inf - -inf = nan.
+        total = scores[:, None] + ext
+        total = total.masked_fill(total.isnan(), NEG_INF).view(B, K * n_cand)
+        top_scores, top_idx = total.topk(min(2 * K, total.shape[1]), dim=-1)  # (B, 2K)
+        src = top_idx // n_cand + torch.arange(B, device=device)[:, None] * K  # row in the N hypotheses
+        tok = cand.view(B, K * n_cand).gather(1, top_idx)
+
+        new_rows, new_scores, new_tok, new_col = [], [], [], []
+        for b in range(B):
+            kept = 0
+            for j in range(top_idx.shape[1]):
+                s = float(top_scores[b, j])
+                if s == NEG_INF or kept == K:
+                    break
+                row, t = int(src[b, j]), int(tok[b, j])
+                if t == SOS_EOS_ID:
+                    if not done[b]:
+                        finished[b].append(Hypothesis(ys[row, 1:].tolist(), s))
+                    continue
+                new_rows.append(row)
+                new_scores.append(s)
+                new_tok.append(t)
+                new_col.append(int(top_idx[b, j]))
+                kept += 1
+            for _ in range(K - kept):  # pad with dead hypotheses
+                new_rows.append(b * K)
+                new_scores.append(NEG_INF)
+                new_tok.append(SOS_EOS_ID)
+                new_col.append(0)
+            if len(finished[b]) >= K or kept == 0:
+                done[b] = True
+        if bool(done.all()):
+            break
+        rows = torch.tensor(new_rows, device=device)
+        ys = torch.cat([ys[rows], torch.tensor(new_tok, device=device)[:, None]], dim=1)
+        scores = torch.tensor(new_scores, device=device)
+        scores.view(B, K)[done.to(device)] = NEG_INF
+        if use_ctc:
+            col = torch.tensor(new_col, device=device) % n_cand
+            ctc_psi = psi[rows, col]
+            ctc_r = r_new[:, rows, col]
+
+    best = []
+    for b in range(B):
+        pool = finished[b] or [Hypothesis([], NEG_INF)]
+        norm = (lambda h: h.score / (len(h.tokens) + 1)) if length_norm else (lambda h: h.score)
+        best.append(max(pool, key=norm))
+    return best
+
+
+@torch.inference_mode()
+def attention_scores(model, enc: torch.Tensor, enc_lens: torch.Tensor,
+                     hyps: list[list[int]]) -> torch.Tensor:
+    """Teacher-forced decoder log P(hyp + end symbol) for hypotheses of one encoder state each
+    (``enc`` rows align with ``hyps``), in one decoder call. Returns ``(len(hyps),)``."""
+    device = enc.device
+    lens = torch.tensor([len(h) + 1 for h in hyps], device=device)
+    U = int(lens.max())
+    dec_in = torch.full((len(hyps), U), SOS_EOS_ID, dtype=torch.long, device=device)
+    target = torch.full((len(hyps), U), SOS_EOS_ID, dtype=torch.long, device=device)
+    for i, h in enumerate(hyps):
+        if h:
+            dec_in[i, 1:len(h) + 1] = torch.tensor(h, device=device)
+            target[i, :len(h)] = torch.tensor(h, device=device)
+    logp = F.log_softmax(model.decoder(dec_in, lens, enc, enc_lens).float(), dim=-1)
+    picked = logp.gather(2, target[..., None]).squeeze(-1)  # (N, U)
+    return picked.masked_fill(pad_mask(lens, U), 0.0).sum(1)
+
+
+@torch.inference_mode()
+def attention_rescoring(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam_size: int = 10,
+                        ctc_weight: float = 0.3) -> list[Hypothesis]:
+    """CTC prefix beam search, then each n-best hypothesis rescored with the attention decoder:
+    ``λ * log P_ctc + (1 - λ) * log P_att``. Returns the best per utterance."""
+    log_probs = model.ctc_log_probs(enc)
+    nbests = [ctc_prefix_beam_search(log_probs[b], int(enc_lens[b]), beam_size) for b in range(enc.shape[0])]
+    rows = torch.tensor([b for b, nbest in enumerate(nbests) for _ in nbest], device=enc.device)
+    flat = [h for nbest in nbests for h in nbest]
+    att = attention_scores(model, enc[rows], enc_lens[rows], [h.tokens for h in flat]).tolist()
+    best: list[Hypothesis | None] = [None] * len(nbests)
+    for b, h, a in zip(rows.tolist(), flat, att):
+        cand = Hypothesis(h.tokens, ctc_weight * h.score + (1 - ctc_weight) * a)
+        if best[b] is None or cand.score > best[b].score:
+            best[b] = cand
+    return best
+
+
+@torch.inference_mode()
+def decode_batch(model, feats: torch.Tensor, feat_lens: torch.Tensor, method: str = "greedy",
+                 beam_size: int = 10, ctc_weight: float = 0.3, length_norm: bool = True) -> list[list[int]]:
+    """Token ids per utterance of a feature batch ``(B, T, F)`` with one of ``METHODS``:
+
+    - ``greedy``: best CTC path;
+    - ``ctc_beam``: CTC prefix beam search;
+    - ``beam``: attention beam search (no CTC);
+    - ``joint``: attention beam search with CTC prefix scores weighted by ``ctc_weight``;
+    - ``rescore``: the CTC n-best rescored by the attention decoder.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown decoding method {method!r}; choose from {', '.join(METHODS)}")
+    enc, enc_lens = model.encode(feats, feat_lens)
+    if method == "greedy":
+        return ctc_greedy(model.ctc_log_probs(enc), enc_lens)
+    if method == "ctc_beam":
+        log_probs = model.ctc_log_probs(enc)
+        return [ctc_prefix_beam_search(log_probs[b], int(enc_lens[b]), beam_size)[0].tokens
+                for b in range(enc.shape[0])]
+    if method == "rescore":
+        return [h.tokens for h in attention_rescoring(model, enc, enc_lens, beam_size, ctc_weight)]
+    weight = ctc_weight if method == "joint" else 0.0
+    return [h.tokens for h in attention_beam_search(model, enc, enc_lens, beam_size, weight, length_norm)]

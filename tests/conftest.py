@@ -13,3 +13,17 @@ def tiny_corpus(tmp_path_factory):
     out = tmp_path_factory.mktemp("corpus")
     make_corpus(out, seed=3, num_utterances=64, max_sentences=24, jobs=2, progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tiny_corpus, tmp_path_factory):
+    """The output directory of a short real training run of the tiny preset (for decoding tests)."""
+    from konkanivani.config import TrainConfig
+    from konkanivani.train import train
+
+    out = tmp_path_factory.mktemp("tiny_run")
+    cfg = TrainConfig(train_manifest=str(tiny_corpus / "train.jsonl"), valid_manifest=str(tiny_corpus / "valid.jsonl"),
+                      output_dir=str(out), preset="tiny", vocab_size=48, batch_size=8, lr=3e-3, warmup_steps=10,
+                      epochs=12, num_workers=0, progress=False, keep_checkpoints=20, seed=11)
+    train(cfg)
+    return out

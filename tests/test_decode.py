@@ -1,0 +1,129 @@
+"""Decoding on a tiny trained model: each search against an independent computation of its score."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from konkanivani.data import ASRDataset, collate, load_utterances
+from konkanivani.decode import (METHODS, attention_beam_search, attention_rescoring, attention_scores, ctc_greedy,
+                                ctc_prefix_beam_search, decode_batch)
+from konkanivani.inference import Recognizer
+from konkanivani.tokenizer import BLANK_ID, SOS_EOS_ID
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_run, tiny_corpus):
+    rec = Recognizer.from_checkpoint(tiny_run / "latest.pt")
+    utts, _ = load_utterances(tiny_corpus / "valid.jsonl", rec.tokenizer)
+    batch = collate([ASRDataset(utts[:4]).__getitem__(i) for i in range(min(4, len(utts)))])
+    with torch.inference_mode():
+        enc, enc_lens = rec.model.encode(batch.feats, batch.feat_lens)
+    return rec.model, batch, enc, enc_lens
+
+
+@pytest.fixture(autouse=True)
+def _inference():
+    with torch.inference_mode():
+        yield
+
+
+def ctc_logprob(log_probs, length, tokens):
+    """log P(tokens | x) by the CTC forward algorithm of torch."""
+    if not tokens:
+        return float(log_probs[:length, BLANK_ID].sum())
+    loss = F.ctc_loss(log_probs[:length, None], torch.tensor([tokens]), torch.tensor([length]),
+                      torch.tensor([len(tokens)]), blank=BLANK_ID, reduction="sum")
+    return -float(loss)
+
+
+def test_ctc_prefix_beam_search_beam_1_equals_greedy(trained):
+    model, _, enc, enc_lens = trained
+    log_probs = model.ctc_log_probs(enc)
+    greedy = ctc_greedy(log_probs, enc_lens)
+    for b in range(enc.shape[0]):
+        assert ctc_prefix_beam_search(log_probs[b], int(enc_lens[b]), 1)[0].tokens == greedy[b]
+
+
+def test_ctc_prefix_beam_search_without_pruning_is_exact():
+    """With every prefix kept, each score is log P(prefix) summed over all alignments."""
+    log_probs = torch.randn(7, 4).log_softmax(-1)
+    nbest = ctc_prefix_beam_search(log_probs, 7, beam_size=10_000)
+    assert len(nbest) > 100
+    for h in nbest:
+        assert h.score == pytest.approx(ctc_logprob(log_probs, 7, h.tokens), abs=1e-4)
+    assert torch.tensor([h.score for h in nbest]).logsumexp(0) == pytest.approx(0.0, abs=1e-4)
+
+
+def test_ctc_prefix_beam_search_nbest_on_the_model(trained):
+    model, _, enc, enc_lens = trained
+    log_probs = model.ctc_log_probs(enc)
+    for b in range(enc.shape[0]):
+        nbest = ctc_prefix_beam_search(log_probs[b], int(enc_lens[b]), 6)
+        assert len(nbest) == 6 and len({tuple(h.tokens) for h in nbest}) == 6
+        assert [h.score for h in nbest] == sorted((h.score for h in nbest), reverse=True)
+        for h in nbest:  # pruning can only lose alignments
+            assert h.score <= ctc_logprob(log_probs[b], int(enc_lens[b]), h.tokens) + 1e-3
+
+
+def test_attention_beam_1_is_greedy_attention_decoding(trained):
+    model, _, enc, enc_lens = trained
+    hyps = attention_beam_search(model, enc, enc_lens, beam_size=1)
+    for b in range(enc.shape[0]):
+        ys = [SOS_EOS_ID]
+        with torch.inference_mode():
+            while len(ys) <= int(enc_lens[b]):
+                logits = model.decoder(torch.tensor([ys]), torch.tensor([len(ys)]), enc[b:b + 1, :enc_lens[b]],
+                                       enc_lens[b:b + 1])[0, -1]
+                logits[BLANK_ID] = float("-inf")
+                nxt = int(logits.argmax())
+                if nxt == SOS_EOS_ID:
+                    break
+                ys.append(nxt)
+        assert hyps[b].tokens == ys[1:]
+
+
+@pytest.mark.parametrize("ctc_weight", [0.0, 0.3, 0.7])
+def test_beam_and_joint_scores_match_an_independent_rescoring(trained, ctc_weight):
+    """The score the search reports for its best hypothesis equals λ log P_ctc + (1-λ) log P_att
+    of that hypothesis, computed from scratch (full CTC forward, teacher-forced decoder)."""
+    model, _, enc, enc_lens = trained
+    hyps = attention_beam_search(model, enc, enc_lens, beam_size=4, ctc_weight=ctc_weight)
+    att = attention_scores(model, enc, enc_lens, [h.tokens for h in hyps])
+    log_probs = model.ctc_log_probs(enc)
+    for b, h in enumerate(hyps):
+        expected = (1 - ctc_weight) * float(att[b])
+        if ctc_weight:
+            expected += ctc_weight * ctc_logprob(log_probs[b], int(enc_lens[b]), h.tokens)
+        assert h.score == pytest.approx(expected, abs=2e-3)
+
+
+def test_batched_search_equals_one_utterance_at_a_time(trained):
+    model, _, enc, enc_lens = trained
+    together = attention_beam_search(model, enc, enc_lens, beam_size=3, ctc_weight=0.3)
+    for b in range(enc.shape[0]):
+        alone = attention_beam_search(model, enc[b:b + 1, :enc_lens[b]], enc_lens[b:b + 1], beam_size=3,
+                                      ctc_weight=0.3)[0]
+        assert alone.tokens == together[b].tokens
+        assert alone.score == pytest.approx(together[b].score, abs=1e-3)
+
+
+def test_rescoring(trained):
+    model, _, enc, enc_lens = trained
+    log_probs = model.ctc_log_probs(enc)
+    pure_ctc = attention_rescoring(model, enc, enc_lens, beam_size=5, ctc_weight=1.0)
+    for b, h in enumerate(pure_ctc):
+        assert h.tokens == ctc_prefix_beam_search(log_probs[b], int(enc_lens[b]), 5)[0].tokens
+    rescored = attention_rescoring(model, enc, enc_lens, beam_size=5, ctc_weight=0.3)
+    for b, h in enumerate(rescored):
+        nbest = ctc_prefix_beam_search(log_probs[b], int(enc_lens[b]), 5)
+        att = attention_scores(model, enc[[b] * len(nbest)], enc_lens[[b] * len(nbest)], [n.tokens for n in nbest])
+        combined = [0.3 * n.score + 0.7 * float(a) for n, a in zip(nbest, att)]
+        assert h.score == pytest.approx(max(combined), abs=1e-4)
+
+
+def test_decode_batch_runs_every_method_and_refuses_unknown(trained):
+    model, batch, _, _ = trained
+    for method in METHODS:
+        hyps = decode_batch(model, batch.feats, batch.feat_lens, method, beam_size=3)
+        assert len(hyps) == len(batch) and all(isinstance(t, int) and t > SOS_EOS_ID for h in hyps for t in h)
+    with pytest.raises(ValueError, match="unknown decoding method"):
+        decode_batch(model, batch.feats, batch.feat_lens, "viterbi")
