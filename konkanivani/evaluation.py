@@ -1,0 +1,153 @@
+"""Scoring a recognizer on a manifest: corpus WER/CER with substitutions, deletions and insertions,
+per-utterance results, the worst utterances, and a markdown report."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import jiwer
+
+from .data import read_manifest
+from .inference import Recognizer
+from .tokenizer import normalize_text
+
+__all__ = ["ErrorCounts", "EvalResult", "UtteranceResult", "evaluate_manifest", "markdown_report", "score"]
+
+
+@dataclass
+class ErrorCounts:
+    """Edit operations against a reference of ``length`` units (words or characters)."""
+
+    length: int = 0
+    substitutions: int = 0
+    deletions: int = 0
+    insertions: int = 0
+
+    @property
+    def errors(self) -> int:
+        return self.substitutions + self.deletions + self.insertions
+
+    @property
+    def rate(self) -> float:
+        return self.errors / self.length if self.length else float("nan")
+
+    def __iadd__(self, other: ErrorCounts) -> ErrorCounts:
+        self.length += other.length
+        self.substitutions += other.substitutions
+        self.deletions += other.deletions
+        self.insertions += other.insertions
+        return self
+
+
+def _counts(output) -> ErrorCounts:
+    return ErrorCounts(output.hits + output.substitutions + output.deletions, output.substitutions,
+                       output.deletions, output.insertions)
+
+
+def score(reference: str, hypothesis: str) -> tuple[ErrorCounts, ErrorCounts]:
+    """Word and character error counts of one normalized pair (the reference must not be empty)."""
+    ref, hyp = normalize_text(reference), normalize_text(hypothesis)
+    return _counts(jiwer.process_words(ref, hyp)), _counts(jiwer.process_characters(ref, hyp))
+
+
+@dataclass
+class UtteranceResult:
+    where: str  # manifest:line
+    audio_filepath: str
+    reference: str
+    hypothesis: str
+    duration: float
+    words: ErrorCounts
+    chars: ErrorCounts
+
+    def to_json(self) -> dict:
+        row = asdict(self)
+        row["wer"], row["cer"] = self.words.rate, self.chars.rate
+        return row
+
+
+@dataclass
+class EvalResult:
+    manifest: str
+    method: str
+    utterances: list[UtteranceResult] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (where, why) of rows not scored
+    words: ErrorCounts = field(default_factory=ErrorCounts)
+    chars: ErrorCounts = field(default_factory=ErrorCounts)
+    audio_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def wer(self) -> float:
+        return self.words.rate
+
+    @property
+    def cer(self) -> float:
+        return self.chars.rate
+
+    @property
+    def rtf(self) -> float:
+        return self.decode_seconds / self.audio_seconds if self.audio_seconds else float("nan")
+
+    def worst(self, n: int = 10) -> list[UtteranceResult]:
+        """The ``n`` utterances with the most word errors (then character errors)."""
+        return sorted(self.utterances, key=lambda u: (u.words.errors, u.chars.errors), reverse=True)[:n]
+
+
+def evaluate_manifest(recognizer: Recognizer, manifest: str | Path, method: str = "greedy", beam_size: int = 10,
+                      ctc_weight: float = 0.3, batch_size: int = 8) -> EvalResult:
+    """Decode every row of ``manifest`` and score it against its ``text``. Rows without text or
+    with unreadable audio are listed in ``failed`` and left out of the totals."""
+    manifest = Path(manifest)
+    result = EvalResult(str(manifest), method)
+    rows = []
+    for line_no, row in read_manifest(manifest):
+        where = f"{manifest}:{line_no}"
+        audio, text = row.get("audio_filepath"), row.get("text")
+        if not isinstance(audio, str) or not audio:
+            result.failed.append((where, "no audio_filepath"))
+        elif not isinstance(text, str) or not normalize_text(text):
+            result.failed.append((where, "empty reference text"))
+        else:
+            rows.append((where, Path(audio) if Path(audio).is_absolute() else manifest.parent / audio, text))
+    start = time.perf_counter()
+    transcripts = list(recognizer.transcribe([path for _, path, _ in rows], method, beam_size, ctc_weight,
+                                             batch_size))
+    result.decode_seconds = time.perf_counter() - start
+    for (where, path, text), tr in zip(rows, transcripts, strict=True):
+        if tr.error is not None:
+            result.failed.append((where, tr.error))
+            continue
+        words, chars = score(text, tr.text)
+        result.utterances.append(UtteranceResult(where, str(path), text, tr.text, tr.duration, words, chars))
+        result.words += words
+        result.chars += chars
+        result.audio_seconds += tr.duration
+    return result
+
+
+def markdown_report(result: EvalResult, checkpoint: str, worst: int = 10) -> str:
+    w, c = result.words, result.chars
+    lines = [
+        f"# Evaluation of `{checkpoint}`", "",
+        f"Manifest `{result.manifest}`, decoding `{result.method}`: {len(result.utterances)} utterances scored, "
+        f"{result.audio_seconds / 60:.1f} min of audio, real-time factor {result.rtf:.3f}.", "",
+        "| unit | reference length | substitutions | deletions | insertions | error rate |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        f"| words | {w.length} | {w.substitutions} | {w.deletions} | {w.insertions} | {100 * w.rate:.2f}% |",
+        f"| characters | {c.length} | {c.substitutions} | {c.deletions} | {c.insertions} | {100 * c.rate:.2f}% |",
+    ]
+    if result.failed:
+        lines += ["", f"## {len(result.failed)} rows not scored", ""]
+        lines += [f"- `{where}`: {why}" for where, why in result.failed]
+    lines += ["", f"## The {min(worst, len(result.utterances))} worst utterances", "",
+              "| where | WER | CER | reference | hypothesis |", "| --- | ---: | ---: | --- | --- |"]
+    for u in result.worst(worst):
+        lines.append(f"| `{u.where}` | {100 * u.words.rate:.0f}% | {100 * u.chars.rate:.0f}% | "
+                     f"{_cell(u.reference)} | {_cell(u.hypothesis)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    return normalize_text(text).replace("|", "\\|") or "—"
