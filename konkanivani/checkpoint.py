@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 __all__ = ["CheckpointError", "FORMAT_VERSION", "save_checkpoint", "load_checkpoint", "point_to",
-           "prune_checkpoints", "resolve_resume", "step_checkpoint_name"]
+           "prune_checkpoints", "resolve_resume", "step_checkpoint_name", "step_checkpoints", "select_checkpoints",
+           "average_checkpoints"]
 
 FORMAT_VERSION = 1
 _STEP_FILE = re.compile(r"step_(\d+)\.pt$")
@@ -128,3 +129,47 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Path:
     if not path.is_file():
         raise CheckpointError(f"--resume {resume}: {path} does not exist")
     return path
+
+
+def step_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the step files in ``directory``, by step."""
+    return sorted((int(m.group(1)), p) for p in Path(directory).glob("step_*.pt") if (m := _STEP_FILE.search(p.name)))
+
+
+def select_checkpoints(directory: str | Path, last: int = 0, best: int = 0) -> list[Path]:
+    """The ``last`` N step files, or the ``best`` N by the validation WER measured at their own step
+    (the saves at the end of an epoch)."""
+    found = step_checkpoints(directory)
+    if last:
+        return [p for _, p in found[-last:]]
+    scored = []
+    for step, p in found:
+        state = load_checkpoint(p)
+        if state.get("valid_step") == step and state["valid_metrics"]:
+            scored.append((state["valid_metrics"]["wer"], -step, p))
+    return [p for _, _, p in sorted(scored)[:best]]
+
+
+def average_checkpoints(paths: list[str | Path]) -> dict[str, Any]:
+    """A checkpoint whose weights are the mean of those in ``paths`` (same model shape), for
+    decoding; optimizer and schedule state are left out, so it cannot be resumed."""
+    if not paths:
+        raise CheckpointError("no checkpoint to average")
+    total: dict[str, torch.Tensor] = {}
+    first = None
+    for p in paths:
+        state = load_checkpoint(p)
+        if first is None:
+            first = state
+        elif state["model_config"] != first["model_config"] or state["tokenizer"] != first["tokenizer"]:
+            raise CheckpointError(f"{p}: model shape or tokenizer differs from {paths[0]}; cannot average")
+        for name, tensor in state["model"].items():
+            if name not in total:
+                total[name] = tensor.double() if tensor.is_floating_point() else tensor.clone()
+            elif tensor.is_floating_point():
+                total[name] += tensor.double()
+    averaged = {name: (t / len(paths)).to(first["model"][name].dtype) if t.is_floating_point() else t
+                for name, t in total.items()}
+    keep = ("model_config", "train_config", "tokenizer", "step")
+    return {**{k: first[k] for k in keep if k in first}, "model": averaged,
+            "averaged_from": [str(p) for p in paths]}

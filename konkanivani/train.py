@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from .audio import LogMel, load_audio
-from .checkpoint import (load_checkpoint, point_to, prune_checkpoints, resolve_resume, save_checkpoint,
+from .checkpoint import (CheckpointError, load_checkpoint, point_to, prune_checkpoints, resolve_resume, save_checkpoint,
                          step_checkpoint_name)
 from .config import ModelConfig, TrainConfig, model_config_from_preset
 from .data import ASRDataset, Batch, LengthGroupedBatchSampler, Utterance, collate, load_utterances, read_manifest
@@ -231,6 +231,9 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path) -> 
     device = resolve_device(cfg.device)
     _seed_everything(cfg.seed)
     ckpt = load_checkpoint(resolve_resume(cfg.resume, out_dir)) if cfg.resume else None
+    if ckpt is not None and "optimizer" not in ckpt:
+        raise CheckpointError(f"--resume {cfg.resume}: the checkpoint holds model weights only (an averaged "
+                              "model?); resume from a step checkpoint or latest")
 
     # Tokenizer, model shape and the settings that fix the data order come from the checkpoint
     # when resuming, so that the epoch in progress continues with exactly the batches it had left.
@@ -285,14 +288,14 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path) -> 
     train_loader = _loader(train_set, sampler, cfg, device)
     valid_loader = _loader(valid_set, valid_sampler, dataclasses.replace(cfg, num_workers=0), device)
 
-    step, epoch, batches_done, best_wer, valid_metrics = 0, 0, 0, float("inf"), {}
+    step, epoch, batches_done, best_wer, valid_metrics, valid_step = 0, 0, 0, float("inf"), {}, -1
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         if scaler.is_enabled() and ckpt["scaler"]:  # empty when the saved run had no fp16
             scaler.load_state_dict(ckpt["scaler"])
         step, epoch, batches_done = ckpt["step"], ckpt["sampler"]["epoch"], ckpt["sampler"]["start"]
-        best_wer, valid_metrics = ckpt["best_wer"], ckpt["valid_metrics"]
+        best_wer, valid_metrics, valid_step = ckpt["best_wer"], ckpt["valid_metrics"], ckpt.get("valid_step", -1)
         _truncate_metrics(out_dir / "metrics.jsonl", step)
         _set_rng_state(ckpt["rng"])
         log.info("resumed from %s at step %d (epoch %d, batch %d), lr %.3g", cfg.resume, step, epoch + 1,
@@ -318,7 +321,7 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path) -> 
             "tokenizer": tokenizer.model_proto, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "step": step,
             "sampler": {"epoch": epoch, "start": batches_done}, "rng": _rng_state(),
-            "best_wer": best_wer, "valid_metrics": valid_metrics,
+            "best_wer": best_wer, "valid_metrics": valid_metrics, "valid_step": valid_step,
         }
         path = save_checkpoint(state, out_dir / step_checkpoint_name(step))
         point_to(path, out_dir / "latest.pt")
@@ -377,7 +380,7 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path) -> 
         # save again after it, with the metrics and the best WER.
         epoch, batches_done = epoch + 1, 0
         save()
-        valid_metrics = validate(model, valid_loader, tokenizer, valid_utts, device, precision)
+        valid_metrics, valid_step = validate(model, valid_loader, tokenizer, valid_utts, device, precision), step
         record("valid", **valid_metrics)
         is_best = valid_metrics["wer"] < best_wer
         best_wer = min(best_wer, valid_metrics["wer"])
