@@ -1,0 +1,139 @@
+"""transcribe.py, evaluate.py and average_checkpoints.py on a tiny trained model and real audio."""
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from scipy.signal import resample_poly
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "training_scripts"))
+import average_checkpoints  # noqa: E402
+import evaluate  # noqa: E402
+import transcribe  # noqa: E402
+
+from konkanivani.audio import load_audio  # noqa: E402
+from konkanivani.checkpoint import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
+from konkanivani.config import TrainConfig  # noqa: E402
+from konkanivani.data import read_manifest  # noqa: E402
+from konkanivani.evaluation import score  # noqa: E402
+from konkanivani.train import train  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def audio_dir(tiny_corpus, tmp_path_factory):
+    """Three clips of the corpus: as they are (16 kHz mono), as 44.1 kHz stereo, and a broken file."""
+    out = tmp_path_factory.mktemp("clips")
+    rows = read_manifest(tiny_corpus / "test.jsonl")
+    src = tiny_corpus / rows[0][1]["audio_filepath"]
+    shutil.copy(src, out / "a_mono16k.wav")
+    wav, sr = sf.read(src, dtype="float32")
+    wav44 = resample_poly(wav, 441, 160).astype(np.float32)
+    sf.write(out / "b_stereo44k.wav", np.stack([1.5 * wav44, 0.5 * wav44], axis=1), 44100,
+             subtype="FLOAT")  # mean: wav44, unclipped
+    (out / "c_broken.wav").write_bytes(b"RIFF\x00\x00\x00\x00WAVEjunk" + bytes(100))
+    return out
+
+
+def test_transcribe_files_folder_and_manifest(tiny_run, tiny_corpus, audio_dir, tmp_path, capsys):
+    out = tmp_path / "t.jsonl"
+    code = transcribe.main([str(tiny_run / "latest.pt"), str(audio_dir), "--method", "greedy", "--output", str(out)])
+    assert code == 1  # one file could not be read
+    err = capsys.readouterr().err
+    assert "c_broken.wav" in err and "real-time factor" in err
+    rows = {Path(r["audio_filepath"]).name: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(rows) == {"a_mono16k.wav", "b_stereo44k.wav"}
+    # The 44.1 kHz stereo copy is mixed down and resampled back to (nearly) the same audio.
+    a, b = load_audio(audio_dir / "a_mono16k.wav"), load_audio(audio_dir / "b_stereo44k.wav")
+    n = min(len(a), len(b))
+    assert abs(len(a) - len(b)) <= 1 and (a[:n] - b[:n]).norm() < 0.05 * a.norm()
+    assert rows["b_stereo44k.wav"]["duration"] == pytest.approx(rows["a_mono16k.wav"]["duration"], abs=1e-3)
+    assert rows["b_stereo44k.wav"]["text"] == rows["a_mono16k.wav"]["text"]
+
+    assert transcribe.main([str(tiny_run / "latest.pt"), str(tiny_corpus / "valid.jsonl"), "--method", "joint",
+                            "--beam_size", "3"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == len(read_manifest(tiny_corpus / "valid.jsonl"))
+    assert all("\t" in line for line in printed)
+
+
+def test_evaluate_writes_consistent_results_and_report(tiny_run, tiny_corpus, tmp_path, capsys):
+    results, report = tmp_path / "r.jsonl", tmp_path / "r.md"
+    assert evaluate.main([str(tiny_run / "latest.pt"), str(tiny_corpus / "valid.jsonl"), "--method", "rescore",
+                          "--output", str(results), "--report", str(report), "--worst", "3"]) == 0
+    printed = capsys.readouterr().out
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert len(rows) == len(read_manifest(tiny_corpus / "valid.jsonl"))
+    errors = words = 0
+    for r in rows:
+        w, _ = score(r["reference"], r["hypothesis"])
+        assert (w.substitutions, w.deletions, w.insertions) == (
+            r["words"]["substitutions"], r["words"]["deletions"], r["words"]["insertions"])
+        errors, words = errors + w.errors, words + w.length
+    assert f"WER {100 * errors / words:.2f}%" in printed
+    text = report.read_text()
+    assert "| words |" in text and "| characters |" in text and "worst utterances" in text
+
+
+def test_evaluate_names_unreadable_rows_and_scores_the_rest(tiny_run, tiny_corpus, tmp_path, capsys):
+    rows = [row for _, row in read_manifest(tiny_corpus / "valid.jsonl")][:3]
+    rows[1] = {**rows[1], "audio_filepath": "no_such.wav"}
+    manifest = tiny_corpus / "partly_broken.jsonl"
+    manifest.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    assert evaluate.main([str(tiny_run / "latest.pt"), str(manifest), "--method", "greedy"]) == 1
+    out = capsys.readouterr()
+    assert "2 utterances" in out.out and "partly_broken.jsonl:2" in out.err and "no_such.wav" in out.err
+
+
+@pytest.mark.parametrize("damage", ["truncated", "other_version", "not_a_checkpoint"])
+def test_bad_checkpoints_give_a_clear_error(tiny_run, audio_dir, tmp_path, capsys, damage):
+    bad = tmp_path / "bad.pt"
+    good = (tiny_run / "latest.pt").read_bytes()
+    if damage == "truncated":
+        bad.write_bytes(good[:len(good) // 2])
+    elif damage == "other_version":
+        state = load_checkpoint(tiny_run / "latest.pt")
+        torch.save({**state, "format_version": 99}, bad)
+    else:
+        torch.save({"weights": torch.zeros(3)}, bad)
+    for main in (lambda: transcribe.main([str(bad), str(audio_dir / "a_mono16k.wav")]),
+                 lambda: evaluate.main([str(bad), str(audio_dir / "x.jsonl")])):
+        assert main() == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and str(bad) in err and "Traceback" not in err
+
+
+def test_averaging_identical_checkpoints_returns_the_same_weights(tiny_run, tmp_path):
+    latest = tiny_run / "latest.pt"
+    assert average_checkpoints.main(["--inputs", str(latest), str(latest), "--output", str(tmp_path / "a.pt")]) == 0
+    original, averaged = load_checkpoint(latest)["model"], load_checkpoint(tmp_path / "a.pt")["model"]
+    assert original.keys() == averaged.keys()
+    for name in original:
+        assert torch.equal(original[name], averaged[name]), name
+
+
+def test_average_last_and_best_of_a_run(tiny_run, tiny_corpus, tmp_path, capsys):
+    assert average_checkpoints.main([str(tiny_run), "--last", "3", "--output", str(tmp_path / "last.pt")]) == 0
+    assert average_checkpoints.main([str(tiny_run), "--best", "2", "--output", str(tmp_path / "best.pt")]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("step_") == 5
+    last = load_checkpoint(tmp_path / "last.pt")
+    assert len(last["averaged_from"]) == 3 and "optimizer" not in last
+    # The averaged model decodes, and cannot be resumed by mistake.
+    assert evaluate.main([str(tmp_path / "best.pt"), str(tiny_corpus / "valid.jsonl"), "--method", "greedy"]) == 0
+    cfg = TrainConfig(train_manifest=str(tiny_corpus / "train.jsonl"), valid_manifest=str(tiny_corpus / "valid.jsonl"),
+                      output_dir=str(tmp_path / "resume"), resume=str(tmp_path / "last.pt"), progress=False)
+    with pytest.raises(CheckpointError, match="weights only"):
+        train(cfg)
+
+
+def test_checkpoints_of_different_models_are_not_averaged(tiny_run, tmp_path):
+    state = load_checkpoint(tiny_run / "latest.pt")
+    other = tmp_path / "other.pt"
+    save_checkpoint({**state, "model_config": {**state["model_config"], "d_model": 64}}, other)
+    with pytest.raises(CheckpointError, match="differs"):
+        average_checkpoints.average_checkpoints([tiny_run / "latest.pt", other])
