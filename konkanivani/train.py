@@ -12,7 +12,7 @@ import warnings
 from collections import Counter
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 import torch
@@ -207,8 +207,11 @@ def _loader(dataset: ASRDataset, sampler: LengthGroupedBatchSampler, cfg: TrainC
 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
 
 
-def train(cfg: TrainConfig, model_overrides: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def train(cfg: TrainConfig, model_overrides: Optional[dict[str, Any]] = None,
+          on_step: Optional[Callable[[int, int, ASRModel], bool]] = None) -> dict[str, Any]:
     """Train (or resume) as ``cfg`` says. ``model_overrides`` replace preset dimensions (fresh runs only).
+    ``on_step(step, epoch, model)`` runs after every optimizer step; returning True stops the run
+    there, with a checkpoint (benchmarks use it to evaluate on a clock).
 
     Returns a summary: final step, epoch, last validation metrics and the best WER.
     """
@@ -219,13 +222,14 @@ def train(cfg: TrainConfig, model_overrides: Optional[dict[str, Any]] = None) ->
     file_log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     log.addHandler(file_log)
     try:
-        return _train(cfg, model_overrides or {}, out_dir)
+        return _train(cfg, model_overrides or {}, out_dir, on_step)
     finally:
         log.removeHandler(file_log)
         file_log.close()
 
 
-def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
+           on_step: Optional[Callable[[int, int, ASRModel], bool]]) -> dict[str, Any]:
     if cfg.gradient_accumulation_steps < 1:
         raise ValueError("--gradient_accumulation_steps must be >= 1")
     device = resolve_device(cfg.device)
@@ -366,12 +370,12 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path) -> 
                 window_utts, window_start = 0, time.perf_counter()
             if cfg.save_every_steps and step % cfg.save_every_steps == 0:
                 save()
-            if cfg.max_steps and step >= cfg.max_steps:
+            if (cfg.max_steps and step >= cfg.max_steps) or (on_step is not None and on_step(step, epoch, model)):
                 stop = True
                 break
         bar.close()
         if stop and batches_done < epoch_batches:
-            log.info("reached --max_steps %d in epoch %d", cfg.max_steps, epoch + 1)
+            log.info("stopped at step %d in epoch %d", step, epoch + 1)
             if saved_step != step:
                 save()
             break

@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""How far a model gets on the demo corpus in a fixed wall-clock training budget.
+
+Trains (by default the ``small`` preset on the CPU) and pauses every few minutes to score the
+test split, whose sentences and voices never occur in training, with greedy CTC. Evaluation time
+is not counted against the budget. At the end it scores every decoding method, on the final
+weights and on the average of the last epoch checkpoints. Writes ``curve.csv``, ``final.csv`` and
+``learning_curve.png`` to ``--out`` and prints the tables.
+
+    python benchmarks/learning_curve.py --budget_minutes 30 --out benchmarks/results/learning_curve
+
+Any other flag goes to the trainer (``training_scripts/train_konkanivani_asr.py``), e.g.
+``--batch_size 24 --lr 2e-3``; the defaults below are the CPU recipe this benchmark measures.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "training_scripts"))
+
+import train_konkanivani_asr as trainer_cli
+
+from konkanivani.checkpoint import (
+    average_checkpoints,
+    load_checkpoint,
+    step_checkpoints,
+)
+from konkanivani.config import ModelConfig, TrainConfig, dataclass_from_args
+from konkanivani.decode import METHODS
+from konkanivani.demo_corpus import make_corpus
+from konkanivani.evaluation import evaluate_manifest
+from konkanivani.inference import Recognizer
+from konkanivani.model import ASRModel
+from konkanivani.tokenizer import Tokenizer
+from konkanivani.train import train
+
+# The CPU recipe (flags of the trainer); command-line flags override them.
+RECIPE = ["--preset", "small", "--batch_size", "16", "--lr", "2e-3", "--warmup_steps", "200", "--epochs", "1000",
+          "--mixed_precision", "--num_workers", "1", "--keep_checkpoints", "10", "--no-progress", "--log_every", "20"]
+
+log = logging.getLogger("konkanivani")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--corpus", type=Path, default=ROOT / "data" / "demo", help="made if missing")
+    parser.add_argument("--budget_minutes", type=float, default=30.0)
+    parser.add_argument("--eval_every_minutes", type=float, default=3.0)
+    parser.add_argument("--average_last", type=int, default=5, help="epoch checkpoints averaged at the end")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--beam_size", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "learning_curve")
+    args, trainer_argv = parser.parse_known_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not (args.corpus / "train.jsonl").is_file():
+        make_corpus(args.corpus)
+    test_manifest = args.corpus / "test.jsonl"
+    ns = trainer_cli.parse_args(["--train_manifest", str(args.corpus / "train.jsonl"), "--valid_manifest",
+                                 str(args.corpus / "valid.jsonl"), "--output_dir", str(args.out / "run"),
+                                 *RECIPE, *trainer_argv])
+    cfg = dataclass_from_args(TrainConfig, ns)
+    model_flags = {name: getattr(ns, name) for name in ModelConfig.__dataclass_fields__ if name != "vocab_size"}
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    budget, every = 60 * args.budget_minutes, 60 * args.eval_every_minutes
+    curve: list[dict] = []
+    clock = {"start": time.perf_counter(), "paused": 0.0, "next": every}
+
+    def on_step(step: int, epoch: int, model: ASRModel) -> bool:
+        trained = time.perf_counter() - clock["start"] - clock["paused"]
+        done = trained >= budget
+        if trained >= clock["next"] or done:
+            clock["next"] += every
+            paused = time.perf_counter()
+            tokenizer = Tokenizer.load(Path(cfg.output_dir) / "tokenizer.model")
+            result = evaluate_manifest(Recognizer(model, tokenizer, next(model.parameters()).device), test_manifest)
+            model.train()
+            curve.append({"minutes": round(trained / 60, 2), "step": step, "epoch": epoch + 1,
+                          "cer": round(100 * result.cer, 2), "wer": round(100 * result.wer, 2)})
+            log.info("learning curve: %.1f min, step %d: test CER %.2f%% WER %.2f%% (greedy)", trained / 60, step,
+                     100 * result.cer, 100 * result.wer)
+            clock["paused"] += time.perf_counter() - paused
+        return done
+
+    train(cfg, model_flags, on_step=on_step)
+    _write_csv(args.out / "curve.csv", curve)
+
+    # ---- every decoding method on the final weights and on the average of the last epochs ----
+    run = Path(cfg.output_dir)
+    finals = [("final", run / "latest.pt")]
+    epoch_ends = [p for step, p in step_checkpoints(run) if load_checkpoint(p).get("valid_step") == step]
+    if len(epoch_ends) >= 2 and args.average_last > 1:
+        averaged = run / f"average_last{args.average_last}.pt"
+        torch.save(average_checkpoints(epoch_ends[-args.average_last:]), averaged)
+        finals.append((f"average of last {min(args.average_last, len(epoch_ends))} epochs", averaged))
+    rows = []
+    for name, path in finals:
+        rec = Recognizer.from_checkpoint(path)
+        for method in args.methods.split(","):
+            result = evaluate_manifest(rec, test_manifest, method, args.beam_size)
+            rows.append({"weights": name, "method": method, "cer": round(100 * result.cer, 2),
+                         "wer": round(100 * result.wer, 2), "rtf": round(result.rtf, 4)})
+            log.info("%s, %s: CER %.2f%% WER %.2f%% RTF %.4f", name, method, 100 * result.cer, 100 * result.wer,
+                     result.rtf)
+    _write_csv(args.out / "final.csv", rows)
+    _plot(curve, rows, args.out / "learning_curve.png", args.budget_minutes)
+
+    print(f"\nTest split of {args.corpus} (sentences and voices unseen in training); training flags:",
+          " ".join(RECIPE + trainer_argv))
+    print(_table(curve, ["minutes", "step", "epoch", "cer", "wer"], ["train min", "step", "epoch", "CER %", "WER %"]))
+    print()
+    print(_table(rows, ["weights", "method", "cer", "wer", "rtf"], ["weights", "decoding", "CER %", "WER %", "RTF"]))
+    print(f"\nwrote {args.out / 'curve.csv'}, {args.out / 'final.csv'}, {args.out / 'learning_curve.png'}")
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _table(rows: list[dict], keys: list[str], titles: list[str]) -> str:
+    cells = [[str(r[k]) for k in keys] for r in rows]
+    widths = [max(len(t), *(len(c[i]) for c in cells)) for i, t in enumerate(titles)]
+    lines = ["| " + " | ".join(t.ljust(w) for t, w in zip(titles, widths)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells]
+    return "\n".join(lines)
+
+
+def _plot(curve: list[dict], finals: list[dict], path: Path, budget: float) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, x, label in ((axes[0], "minutes", "training time (min)"), (axes[1], "step", "optimizer step")):
+        ax.plot([r[x] for r in curve], [r["cer"] for r in curve], "o-", label="CER (greedy)")
+        ax.plot([r[x] for r in curve], [r["wer"] for r in curve], "s-", label="WER (greedy)")
+        ax.set_xlabel(label)
+        ax.set_ylabel("% on the test split")
+        ax.set_ylim(0, 105)
+        ax.grid(alpha=0.3)
+    best = min((r for r in finals if r["method"] == "joint"), key=lambda r: r["wer"], default=None)
+    if best is not None:
+        axes[0].scatter([curve[-1]["minutes"]] * 2, [best["cer"], best["wer"]], marker="*", s=150, c="k", zorder=3,
+                        label=f"joint decoding ({best['weights']})")
+    axes[0].legend()
+    fig.suptitle(f"Learning curve within a {budget:g} min budget (test split: unseen sentences and voices)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
