@@ -171,13 +171,14 @@ def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam
     if use_ctc:
         scorer = _CTCPrefixScorer(model.ctc_log_probs(memory), memory_lens)
         ctc_r, ctc_psi = scorer.initial_state()
+    dec_state = model.decoder.init_state(enc, enc_lens, hypotheses=K)
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
     done = torch.zeros(B, dtype=torch.bool)
     n_cand = min(K * 2, model.cfg.vocab_size - 1)
 
     for step in range(int(limit.max()) + 1):
-        lens = torch.full((N,), ys.shape[1], dtype=torch.long, device=device)
-        att = F.log_softmax(model.decoder(ys, lens, memory, memory_lens)[:, -1].float(), dim=-1)  # (N, V)
+        logits, dec_state = model.decoder.step(ys[:, -1], dec_state)
+        att = F.log_softmax(logits.float(), dim=-1)  # (N, V)
         att[:, BLANK_ID] = NEG_INF
         at_limit = step >= limit.repeat_interleave(K)  # only the end symbol may follow
         att[at_limit] = torch.where(torch.arange(att.shape[1], device=device) == SOS_EOS_ID, att[at_limit], NEG_INF)
@@ -196,13 +197,14 @@ def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam
         tok = cand.view(B, K * n_cand).gather(1, top_idx)
 
         new_rows, new_scores, new_tok, new_col = [], [], [], []
+        top_scores_l, top_idx_l, src_l, tok_l = top_scores.tolist(), top_idx.tolist(), src.tolist(), tok.tolist()
         for b in range(B):
             kept = 0
-            for j in range(top_idx.shape[1]):
-                s = float(top_scores[b, j])
+            for j in range(len(top_idx_l[b])):
+                s = top_scores_l[b][j]
                 if s == NEG_INF or kept == K:
                     break
-                row, t = int(src[b, j]), int(tok[b, j])
+                row, t = src_l[b][j], tok_l[b][j]
                 if t == SOS_EOS_ID:
                     if not done[b]:
                         finished[b].append(Hypothesis(ys[row, 1:].tolist(), s))
@@ -210,7 +212,7 @@ def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam
                 new_rows.append(row)
                 new_scores.append(s)
                 new_tok.append(t)
-                new_col.append(int(top_idx[b, j]))
+                new_col.append(top_idx_l[b][j])
                 kept += 1
             for _ in range(K - kept):  # pad with dead hypotheses
                 new_rows.append(b * K)
@@ -223,6 +225,7 @@ def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam
             break
         rows = torch.tensor(new_rows, device=device)
         ys = torch.cat([ys[rows], torch.tensor(new_tok, device=device)[:, None]], dim=1)
+        dec_state = dec_state.select(rows)
         scores = torch.tensor(new_scores, device=device)
         scores.view(B, K)[done.to(device)] = NEG_INF
         if use_ctc:

@@ -2,15 +2,37 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .conformer import FeedForward, MultiHeadAttention, RotaryEmbedding
+from .conformer import FeedForward, MultiHeadAttention, RotaryEmbedding, _rotate
 from .config import ModelConfig
 from .masks import causal_mask, pad_mask
 
-__all__ = ["DecoderLayer", "TransformerDecoder"]
+
+class DecoderState(NamedTuple):
+    """What incremental decoding keeps: per layer, the (rotated) self-attention keys and values of
+    the tokens so far, one row per hypothesis; per layer, the cross-attention keys and values of
+    the encoder states, one row per utterance (its hypotheses share them); which frames are real."""
+
+    self_kv: list[tuple[torch.Tensor, torch.Tensor]]  # (N, H, U, D/H) each, N = B * hypotheses
+    cross_kv: list[tuple[torch.Tensor, torch.Tensor]]  # (B, H, T', D/H) each
+    cross_allowed: torch.Tensor  # (B, 1, 1, T')
+
+    def select(self, rows: torch.Tensor) -> DecoderState:
+        """Keep the hypotheses ``rows`` (beam search reorders and copies them); each must stay
+        with its utterance: row r belongs to utterance r // (N / B)."""
+        return DecoderState([(k[rows], v[rows]) for k, v in self.self_kv], self.cross_kv, self.cross_allowed)
+
+
+def _heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    N, T, D = x.shape
+    return x.view(N, T, n_heads, D // n_heads).transpose(1, 2)  # (N, H, T, D/H)
+
+__all__ = ["DecoderLayer", "DecoderState", "TransformerDecoder"]
 
 
 class DecoderLayer(nn.Module):
@@ -67,3 +89,48 @@ class TransformerDecoder(nn.Module):
         for layer in self.layers:
             y = layer(y, self_allowed, memory, cross_allowed, rope)
         return self.output(self.final_norm(y))
+
+    # ---- incremental decoding: one new token per hypothesis and step --------------------------
+
+    def init_state(self, memory: torch.Tensor, memory_lens: torch.Tensor, hypotheses: int = 1) -> DecoderState:
+        """State before the first token for ``hypotheses`` rows per utterance of ``memory``
+        ``(B, T', D)``: each layer's cross-attention keys and values, projected once."""
+        cross = []
+        for layer in self.layers:
+            attn = layer.cross_attn
+            cross.append((_heads(attn.k_proj(memory), attn.n_heads), _heads(attn.v_proj(memory), attn.n_heads)))
+        k = cross[0][0]
+        empty = k.new_zeros(k.shape[0] * hypotheses, k.shape[1], 0, k.shape[3])
+        allowed = ~pad_mask(memory_lens, memory.shape[1])[:, None, None, :]
+        return DecoderState([(empty, empty)] * len(self.layers), cross, allowed)
+
+    def step(self, tokens: torch.Tensor, state: DecoderState) -> tuple[torch.Tensor, DecoderState]:
+        """Logits ``(N, V)`` after appending ``tokens`` ``(N,)`` to each hypothesis, and the new state.
+        The same numbers as ``forward`` on the whole prefix, computing only the new position."""
+        N, B = tokens.shape[0], state.cross_allowed.shape[0]
+        position = state.self_kv[0][0].shape[2]
+        cos, sin = self.rotary(position + 1, tokens.device)
+        rope = (cos[position:], sin[position:])
+        y = self.embed(tokens)[:, None] * math.sqrt(self.d_model)  # (N, 1, D)
+        new_self = []
+        for layer, (k_old, v_old), (k_mem, v_mem) in zip(self.layers, state.self_kv, state.cross_kv):
+            attn = layer.self_attn
+            h = layer.self_norm(y)
+            q = _rotate(_heads(attn.q_proj(h), attn.n_heads), *rope)
+            k = torch.cat([k_old, _rotate(_heads(attn.k_proj(h), attn.n_heads), *rope)], dim=2)
+            v = torch.cat([v_old, _heads(attn.v_proj(h), attn.n_heads)], dim=2)
+            new_self.append((k, v))
+            y = y + attn.out_proj(_merge(F.scaled_dot_product_attention(q, k, v)))
+            # The hypotheses of one utterance are the query positions of one cross-attention call.
+            cross = layer.cross_attn
+            q = cross.q_proj(layer.cross_norm(y)).view(B, N // B, -1)  # (B, hyps, D)
+            out = F.scaled_dot_product_attention(_heads(q, cross.n_heads), k_mem, v_mem, attn_mask=state.cross_allowed)
+            y = y + cross.out_proj(_merge(out).reshape(N, 1, -1))
+            y = y + layer.ffn(y)
+        logits = self.output(self.final_norm(y))[:, 0]
+        return logits, DecoderState(new_self, state.cross_kv, state.cross_allowed)
+
+
+def _merge(x: torch.Tensor) -> torch.Tensor:
+    N, H, T, Dh = x.shape
+    return x.transpose(1, 2).reshape(N, T, H * Dh)

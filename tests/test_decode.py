@@ -127,3 +127,21 @@ def test_decode_batch_runs_every_method_and_refuses_unknown(trained):
         assert len(hyps) == len(batch) and all(isinstance(t, int) and t > SOS_EOS_ID for h in hyps for t in h)
     with pytest.raises(ValueError, match="unknown decoding method"):
         decode_batch(model, batch.feats, batch.feat_lens, "viterbi")
+
+
+def test_incremental_decoder_steps_equal_the_full_forward():
+    torch.manual_seed(0)
+    from konkanivani.config import model_config_from_preset
+    from konkanivani.model import ASRModel
+
+    model = ASRModel(model_config_from_preset("tiny", vocab_size=40)).eval()
+    memory, memory_lens = torch.randn(3, 17, 48), torch.tensor([17, 12, 5])
+    tokens = torch.randint(3, 40, (3, 6))
+    tokens[:, 0] = SOS_EOS_ID
+    full = model.decoder(tokens, torch.full((3,), 6), memory, memory_lens)  # (3, 6, V)
+    for hyps in (1, 3):  # hypotheses per utterance share its cross-attention keys and values
+        state = model.decoder.init_state(memory, memory_lens, hypotheses=hyps)
+        rows = tokens.repeat_interleave(hyps, dim=0)
+        for i in range(6):
+            logits, state = model.decoder.step(rows[:, i], state)
+            torch.testing.assert_close(logits, full[:, i].repeat_interleave(hyps, dim=0), atol=1e-5, rtol=1e-5)
