@@ -66,7 +66,8 @@ class TrainConfig:
     preset: str = field(default="medium", metadata=_help("model size: " + ", ".join(PRESETS)))
     tokenizer: str = field(default="", metadata=_help("existing SentencePiece .model (default: train one)"))
     vocab_size: int = field(default=128, metadata=_help("SentencePiece vocabulary size when training one"))
-    tokenizer_type: str = field(default="unigram", metadata=_help("SentencePiece model type: unigram or bpe"))
+    tokenizer_type: str = field(default="unigram", metadata=_help(
+        "SentencePiece model type: unigram, bpe, or char (one token per character; --vocab_size is then ignored)"))
     epochs: int = field(default=20, metadata=_help("passes over the training set"))
     max_steps: int = field(default=0, metadata=_help("stop after this many optimizer steps (0: no limit)"))
     batch_size: int = field(default=8, metadata=_help("utterances per micro-batch"))

@@ -232,7 +232,7 @@ def print_summary(summary: dict[str, Any]) -> None:
           f"disjoint={summary['test_speakers_disjoint']} -> {'OK' if ok else 'FAILED'}")
 
 
-def make_corpus(out_dir: str | Path, seed: int = 0, num_utterances: int = 1600,
+def make_corpus(out_dir: str | Path, seed: int = 0, num_utterances: int = 4800,
                 max_sentences: Optional[int] = None, jobs: int = 2,
                 sentences_path: Optional[str | Path] = None, force: bool = False,
                 progress: bool = True) -> dict[str, Any]:

@@ -52,3 +52,13 @@ def test_unseen_characters_map_to_unk():
 def test_empty_training_text_is_an_error():
     with pytest.raises(ValueError, match="no non-empty transcript"):
         train_tokenizer(["", " । "])
+
+
+def test_character_tokenizer_spells_unseen_words():
+    tok = train_tokenizer(["मुजें नांव राम", "तुजें नांव कितें"], model_type="char")
+    chars = set("मुजें नांव राम तुजें नांव कितें".replace(" ", ""))
+    assert tok.vocab_size <= len(chars) + 4  # characters, the word boundary and the special ids
+    unseen = "राम कितें मुजें"  # a new sentence of known characters
+    ids = tok.encode(unseen)
+    assert UNK_ID not in ids and tok.decode(ids) == unseen
+    assert all(len(p.replace("▁", "")) <= 1 for p in tok.pieces(ids))

@@ -2,7 +2,7 @@
 """Synthesize the Konkani demo speech corpus with espeak-ng (see konkanivani/demo_corpus.py).
 
 Usage: python training_scripts/make_demo_corpus.py OUT_DIR [--seed 0]
-           [--num_utterances 1600] [--max_sentences N] [--jobs 2] [--sentences PATH] [--force]
+           [--num_utterances 4800] [--max_sentences N] [--jobs 2] [--sentences PATH] [--force]
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir", type=Path)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num_utterances", type=int, default=1600)
+    p.add_argument("--num_utterances", type=int, default=4800)
     p.add_argument("--max_sentences", type=int, default=None,
                    help="use only the first N sentences after a seeded shuffle")
     p.add_argument("--jobs", type=int, default=2)
