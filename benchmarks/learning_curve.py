@@ -21,21 +21,15 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "training_scripts"))
 
 import train_konkanivani_asr as trainer_cli
 
-from konkanivani.checkpoint import (
-    average_checkpoints,
-    load_checkpoint,
-    step_checkpoints,
-)
+from konkanivani.checkpoint import average_checkpoints, load_checkpoint, save_checkpoint, step_checkpoints
 from konkanivani.config import ModelConfig, TrainConfig, dataclass_from_args
-from konkanivani.decode import METHODS
+from konkanivani.decode import DEFAULT_CTC_WEIGHT, METHODS
 from konkanivani.demo_corpus import make_corpus
 from konkanivani.evaluation import evaluate_manifest
 from konkanivani.inference import Recognizer
@@ -61,7 +55,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--average_last", type=int, default=5, help="epoch checkpoints averaged at the end")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--beam_size", type=int, default=10)
+    parser.add_argument("--decode_ctc_weight", type=float, default=DEFAULT_CTC_WEIGHT,
+                        help="CTC weight of joint decoding and rescoring (--ctc_weight is the training loss's)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "learning_curve")
+    parser.add_argument("--evaluate_only", action="store_true",
+                        help="skip training; score the checkpoints and curve already in --out")
     args, trainer_argv = parser.parse_known_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if not (args.corpus / "train.jsonl").is_file():
@@ -93,8 +91,13 @@ def main(argv: list[str] | None = None) -> None:
             clock["paused"] += time.perf_counter() - paused
         return done
 
-    train(cfg, model_flags, on_step=on_step)
-    _write_csv(args.out / "curve.csv", curve)
+    if args.evaluate_only:  # the final scoring again, on the checkpoints of an earlier run
+        with open(args.out / "curve.csv", encoding="utf-8") as f:
+            curve = [{k: (float if k in ("minutes", "cer", "wer") else int)(v) for k, v in row.items()}
+                     for row in csv.DictReader(f)]
+    else:
+        train(cfg, model_flags, on_step=on_step)
+        _write_csv(args.out / "curve.csv", curve)
 
     # ---- every decoding method on the final weights and on the average of the last epochs ----
     run = Path(cfg.output_dir)
@@ -102,13 +105,13 @@ def main(argv: list[str] | None = None) -> None:
     epoch_ends = [p for step, p in step_checkpoints(run) if load_checkpoint(p).get("valid_step") == step]
     if len(epoch_ends) >= 2 and args.average_last > 1:
         averaged = run / f"average_last{args.average_last}.pt"
-        torch.save(average_checkpoints(epoch_ends[-args.average_last:]), averaged)
+        save_checkpoint(average_checkpoints(epoch_ends[-args.average_last:]), averaged)
         finals.append((f"average of last {min(args.average_last, len(epoch_ends))} epochs", averaged))
     rows = []
     for name, path in finals:
         rec = Recognizer.from_checkpoint(path)
         for method in args.methods.split(","):
-            result = evaluate_manifest(rec, test_manifest, method, args.beam_size)
+            result = evaluate_manifest(rec, test_manifest, method, args.beam_size, args.decode_ctc_weight)
             rows.append({"weights": name, "method": method, "cer": round(100 * result.cer, 2),
                          "wer": round(100 * result.wer, 2), "rtf": round(result.rtf, 4)})
             log.info("%s, %s: CER %.2f%% WER %.2f%% RTF %.4f", name, method, 100 * result.cer, 100 * result.wer,

@@ -9,6 +9,7 @@ from pathlib import Path
 import jiwer
 
 from .data import read_manifest
+from .decode import DEFAULT_CTC_WEIGHT
 from .inference import Recognizer
 from .tokenizer import normalize_text
 
@@ -96,7 +97,7 @@ class EvalResult:
 
 
 def evaluate_manifest(recognizer: Recognizer, manifest: str | Path, method: str = "greedy", beam_size: int = 10,
-                      ctc_weight: float = 0.3, batch_size: int = 8) -> EvalResult:
+                      ctc_weight: float = DEFAULT_CTC_WEIGHT, batch_size: int = 8) -> EvalResult:
     """Decode every row of ``manifest`` and score it against its ``text``. Rows without text or
     with unreadable audio are listed in ``failed`` and left out of the totals."""
     manifest = Path(manifest)

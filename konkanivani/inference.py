@@ -16,7 +16,7 @@ from .audio import SAMPLE_RATE, LogMel, load_audio
 from .checkpoint import CheckpointError, load_checkpoint
 from .config import ModelConfig
 from .data import read_manifest
-from .decode import METHODS, decode_batch
+from .decode import DEFAULT_CTC_WEIGHT, METHODS, decode_batch
 from .model import ASRModel
 from .tokenizer import Tokenizer
 
@@ -61,7 +61,7 @@ class Recognizer:
         return cls(model, tokenizer, torch.device(device))
 
     def decode_waveforms(self, wavs: Sequence[torch.Tensor], method: str = "greedy", beam_size: int = 10,
-                         ctc_weight: float = 0.3) -> list[str]:
+                         ctc_weight: float = DEFAULT_CTC_WEIGHT) -> list[str]:
         """Texts of 16 kHz mono waveforms, decoded as one batch."""
         feats = [self.log_mel(w) for w in wavs]
         lens = torch.tensor([len(f) for f in feats], device=self.device)
@@ -70,7 +70,7 @@ class Recognizer:
         return [self.tokenizer.decode(h) for h in ids]
 
     def transcribe(self, paths: Iterable[str | Path], method: str = "greedy", beam_size: int = 10,
-                   ctc_weight: float = 0.3, batch_size: int = 8) -> Iterator[Transcript]:
+                   ctc_weight: float = DEFAULT_CTC_WEIGHT, batch_size: int = 8) -> Iterator[Transcript]:
         """Transcripts in the order of ``paths``. Files are read a few batches at a time and batched
         by length. A file that cannot be read yields a ``Transcript`` with ``error`` set, and the
         others are still decoded."""

@@ -10,18 +10,19 @@ import learning_curve  # noqa: E402
 
 def test_learning_curve_writes_curve_table_and_plot(tiny_corpus, tmp_path, capsys):
     out = tmp_path / "lc"
-    learning_curve.main(["--corpus", str(tiny_corpus), "--budget_minutes", "0.15", "--eval_every_minutes", "0.05",
+    learning_curve.main(["--corpus", str(tiny_corpus), "--budget_minutes", "0.2", "--eval_every_minutes", "0.05",
                          "--out", str(out), "--methods", "greedy,rescore", "--beam_size", "2", "--average_last", "2",
-                         "--preset", "tiny", "--vocab_size", "48", "--batch_size", "8", "--num_workers", "0",
+                         "--preset", "tiny", "--vocab_size", "48", "--batch_size", "16", "--num_workers", "0",
                          "--warmup_steps", "5"])
     curve = list(csv.DictReader(open(out / "curve.csv")))
     assert len(curve) >= 2
     minutes = [float(r["minutes"]) for r in curve]
-    assert minutes == sorted(minutes) and minutes[-1] >= 0.15
+    assert minutes == sorted(minutes) and minutes[-1] >= 0.2
     steps = [int(r["step"]) for r in curve]
     assert steps == sorted(steps) and steps[-1] > 0
     finals = list(csv.DictReader(open(out / "final.csv")))
     assert {r["method"] for r in finals} == {"greedy", "rescore"}
+    assert {r["weights"] for r in finals} == {"final", "average of last 2 epochs"}
     assert all(0 <= float(r["cer"]) for r in finals)
     assert (out / "learning_curve.png").stat().st_size > 10_000
     printed = capsys.readouterr().out

@@ -23,18 +23,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from konkanivani.checkpoint import CheckpointError  # noqa: E402
 from konkanivani.data import ManifestError  # noqa: E402
-from konkanivani.decode import METHODS  # noqa: E402
+from konkanivani.decode import DEFAULT_CTC_WEIGHT, METHODS  # noqa: E402
 from konkanivani.inference import Recognizer, find_audio  # noqa: E402
 from konkanivani.train import resolve_device  # noqa: E402
 
 
 def add_decoding_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", choices=METHODS, default="joint",
-                        help="greedy: best CTC path; ctc_beam: CTC prefix beam search; beam: attention beam search; "
+                        help="greedy: best CTC path; beam: CTC prefix beam search; attention: attention beam search; "
                              "joint: attention beam search with CTC prefix scores; rescore: CTC n-best rescored "
                              "by the attention decoder (default: %(default)s)")
     parser.add_argument("--beam_size", type=int, default=10, help="default: %(default)s")
-    parser.add_argument("--ctc_weight", type=float, default=0.3,
+    parser.add_argument("--ctc_weight", type=float, default=DEFAULT_CTC_WEIGHT,
                         help="weight of the CTC score in joint decoding and rescoring (default: %(default)s)")
     parser.add_argument("--batch_size", type=int, default=8, help="utterances decoded together (default: %(default)s)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (default: %(default)s)")
