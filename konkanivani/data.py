@@ -20,8 +20,8 @@ from .audio import LogMel, load_audio
 from .checks import DEFAULT_DURATION_TOLERANCE, check_row
 from .tokenizer import Tokenizer
 
-__all__ = ["ManifestError", "Utterance", "iter_manifest", "read_manifest", "load_utterances", "ASRDataset", "Batch", "collate",
-           "LengthGroupedBatchSampler"]
+__all__ = ["ManifestError", "Utterance", "iter_manifest", "read_manifest", "load_utterances", "ASRDataset", "Batch",
+           "collate", "LengthGroupedBatchSampler"]
 
 log = logging.getLogger("konkanivani")
 
@@ -104,8 +104,8 @@ def load_utterances(path: str | Path, tokenizer: Tokenizer, max_duration: float 
     if total > _MAX_ROW_WARNINGS:
         log.warning("... %d more rows of %s skipped", total - _MAX_ROW_WARNINGS, path)
     if converted:
-        log.info("%s: %s; converted to 16 kHz mono when loaded", path,
-                 ", ".join(f"{n} rows {reason}" for reason, n in converted.items()))
+        log.info("%s: audio converted to 16 kHz mono when loaded (rows %s)", path,
+                 ", ".join(f"{reason}: {n}" for reason, n in converted.items()))
     return utterances, skipped
 
 

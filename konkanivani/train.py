@@ -438,8 +438,9 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
                  valid_metrics["loss"], 100 * valid_metrics["cer"], 100 * valid_metrics["wer"],
                  "  (best)" if is_best else "")
         save(is_best)
-        stopped_by = stop_request.reason()
-        stop = stop or stopped_by is not None
+        if not stop and epoch < cfg.epochs:  # a stop asked for during validation
+            stopped_by = stop_request.reason()
+            stop = stopped_by is not None
 
     if stopped_by is not None:
         log.warning("stopped by %s at step %d (epoch %d, batch %d), saved in %s; to go on, run the same command "
