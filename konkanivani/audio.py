@@ -23,7 +23,8 @@ HOP_LENGTH = 160  # 10 ms: 100 frames per second
 def load_audio(path: str | Path, sample_rate: int = SAMPLE_RATE) -> torch.Tensor:
     """Read any soundfile-supported file as a mono float32 waveform ``(N,)`` at ``sample_rate``.
 
-    Raises ``RuntimeError`` naming the file when it cannot be decoded or holds no samples.
+    Raises ``RuntimeError`` naming the file when it cannot be decoded, holds no samples or
+    non-finite ones.
     """
     try:
         data, sr = sf.read(str(path), dtype="float32", always_2d=True)  # (N, channels)
@@ -31,6 +32,8 @@ def load_audio(path: str | Path, sample_rate: int = SAMPLE_RATE) -> torch.Tensor
         raise RuntimeError(f"cannot read audio {path}: {e}") from e
     if data.shape[0] == 0:
         raise RuntimeError(f"audio {path} holds no samples")
+    if not np.isfinite(data).all():  # a float file can hold NaN, which would turn into a NaN loss
+        raise RuntimeError(f"audio {path} holds NaN or infinite samples")
     wav = torch.from_numpy(np.ascontiguousarray(data.mean(axis=1)))  # (N,)
     if sr != sample_rate:
         wav = torchaudio.functional.resample(wav, sr, sample_rate)

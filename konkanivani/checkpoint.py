@@ -20,11 +20,12 @@ from typing import Any
 import torch
 
 __all__ = ["CheckpointError", "FORMAT_VERSION", "save_checkpoint", "load_checkpoint", "point_to",
-           "prune_checkpoints", "resolve_resume", "step_checkpoint_name", "step_checkpoints", "select_checkpoints",
-           "average_checkpoints"]
+           "prune_checkpoints", "remove_stale_temporaries", "resolve_resume", "step_checkpoint_name",
+           "step_checkpoints", "select_checkpoints", "average_checkpoints"]
 
 FORMAT_VERSION = 1
 _STEP_FILE = re.compile(r"step_(\d+)\.pt$")
+_TEMPORARY = re.compile(r"^\..+\.pt\.tmp(\d+)$")  # ".NAME.pt.tmpPID", see _temporary
 
 
 class CheckpointError(RuntimeError):
@@ -33,6 +34,10 @@ class CheckpointError(RuntimeError):
 
 def step_checkpoint_name(step: int) -> str:
     return f"step_{step:07d}.pt"
+
+
+def _temporary(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp{os.getpid()}")
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -52,7 +57,7 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
     """Write ``state`` to ``path`` atomically: a reader sees the old file or the new one, never half."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = _temporary(path)
     try:
         with open(tmp, "wb") as f:
             torch.save({"format_version": FORMAT_VERSION, **state}, f)
@@ -74,7 +79,7 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
 def point_to(target: str | Path, link: str | Path) -> None:
     """Make ``link`` (e.g. latest.pt) the same file as ``target``, atomically."""
     target, link = Path(target), Path(link)
-    tmp = link.with_name(f".{link.name}.tmp{os.getpid()}")
+    tmp = _temporary(link)
     tmp.unlink(missing_ok=True)
     try:
         try:
@@ -103,6 +108,16 @@ def prune_checkpoints(directory: str | Path, keep: int) -> list[Path]:
     for p in doomed:
         p.unlink(missing_ok=True)
     return doomed
+
+
+def remove_stale_temporaries(directory: str | Path) -> list[Path]:
+    """Delete the half-written temporaries of an earlier process killed while saving (kill -9, power
+    loss); they were never renamed into place, so no checkpoint refers to them."""
+    stale = [p for p in Path(directory).glob(".*.pt.tmp*")
+             if (m := _TEMPORARY.match(p.name)) and int(m.group(1)) != os.getpid()]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:

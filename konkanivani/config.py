@@ -92,6 +92,12 @@ class TrainConfig:
     max_duration: float = field(default=30.0, metadata=_help("skip utterances longer than this many seconds"))
     log_every: int = field(default=10, metadata=_help("log training loss every N optimizer steps"))
     progress: bool = field(default=True, metadata=_help("show tqdm progress bars"))
+    max_time: float = field(default=0.0, metadata=_help(
+        "wall-clock budget in seconds: after the step that passes it, save and stop (0: none)"))
+    max_consecutive_skips: int = field(default=20, metadata=_help(
+        "stop after this many updates in a row skipped for a non-finite loss or gradients (0: never)"))
+    duration_tolerance: float = field(default=0.5, metadata=_help(
+        "skip rows whose 'duration' differs from the audio file's by more seconds than this (<0: don't compare)"))
 
 
 def _flag_type(tp: Any) -> Any:

@@ -13,16 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, NamedTuple, Optional, Sequence
 
-import soundfile as sf
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from .audio import HOP_LENGTH, SAMPLE_RATE, LogMel, load_audio
-from .masks import subsampled_lengths
+from .audio import LogMel, load_audio
+from .checks import DEFAULT_DURATION_TOLERANCE, check_row
 from .tokenizer import Tokenizer
 
-__all__ = ["ManifestError", "Utterance", "read_manifest", "load_utterances", "ASRDataset", "Batch", "collate",
-           "LengthGroupedBatchSampler"]
+__all__ = ["ManifestError", "Utterance", "iter_manifest", "read_manifest", "load_utterances", "ASRDataset", "Batch",
+           "collate", "LengthGroupedBatchSampler"]
 
 log = logging.getLogger("konkanivani")
 
@@ -42,13 +41,12 @@ class Utterance:
     where: str  # "manifest.jsonl:LINE", for messages
 
 
-def read_manifest(path: str | Path) -> list[tuple[int, dict]]:
-    """``(line number, row)`` for every non-blank line. Raises ``ManifestError`` naming the file and
-    line when the file is missing or a line is not UTF-8 JSON holding an object."""
+def iter_manifest(path: str | Path) -> Iterator[tuple[int, dict | ManifestError]]:
+    """``(line number, row)`` for every non-blank line, or ``(line number, ManifestError)`` for a
+    line that is not UTF-8 JSON holding an object, so that a checker can report them all."""
     path = Path(path)
     if not path.is_file():
         raise ManifestError(f"manifest {path} does not exist")
-    rows = []
     with path.open("rb") as f:
         for line_no, raw in enumerate(f, start=1):
             try:
@@ -57,67 +55,57 @@ def read_manifest(path: str | Path) -> list[tuple[int, dict]]:
                     continue
                 row = json.loads(line)
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ManifestError(f"{path}:{line_no}: not a JSON line ({e}); a manifest holds one JSON object a line "
-                                    '{"audio_filepath": ..., "duration": ..., "text": ...}') from None
+                yield line_no, ManifestError(
+                    f"{path}:{line_no}: not a JSON line ({e}); a manifest holds one JSON object a line "
+                    '{"audio_filepath": ..., "duration": ..., "text": ...}')
+                continue
             if not isinstance(row, dict):
-                raise ManifestError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
-            rows.append((line_no, row))
+                yield line_no, ManifestError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
+                continue
+            yield line_no, row
+
+
+def read_manifest(path: str | Path) -> list[tuple[int, dict]]:
+    """``(line number, row)`` for every non-blank line. Raises ``ManifestError`` naming the file and
+    line when the file is missing or a line is not UTF-8 JSON holding an object."""
+    rows = []
+    for line_no, row in iter_manifest(path):
+        if isinstance(row, ManifestError):
+            raise ManifestError(f"{row}; training_scripts/validate_manifest.py lists every bad line and "
+                                "writes a cleaned manifest")
+        rows.append((line_no, row))
     return rows
 
 
 def load_utterances(path: str | Path, tokenizer: Tokenizer, max_duration: float = float("inf"),
-                    ) -> tuple[list[Utterance], Counter]:
+                    duration_tolerance: float = DEFAULT_DURATION_TOLERANCE) -> tuple[list[Utterance], Counter]:
     """Read and check a manifest; return the usable utterances and a count of skipped rows by reason.
 
-    A row is skipped, with a warning naming the manifest and line, when its audio is missing or
-    unreadable, its text is empty or leaves no token after normalization, it is longer than
-    ``max_duration``, or it is too short for CTC (fewer frames after 4x subsampling than tokens).
+    Each row goes through ``checks.check_row`` (audio missing, unreadable or empty, duration
+    mismatch, longer than ``max_duration``, empty text or no token, characters the tokenizer
+    cannot encode, too short for CTC); a failing row is skipped with a warning naming the
+    manifest and line. Rows that will be resampled or mixed down are counted in one note.
     """
     path = Path(path)
-    utterances, skipped = [], Counter()
-
-    def skip(where: str, reason: str, detail: str = "") -> None:
-        skipped[reason] += 1
-        if sum(skipped.values()) <= _MAX_ROW_WARNINGS:
-            log.warning("skipping %s: %s%s", where, reason, f" ({detail})" if detail else "")
-
+    utterances, skipped, converted = [], Counter(), Counter()
     for line_no, row in read_manifest(path):
         where = f"{path}:{line_no}"
-        audio, text = row.get("audio_filepath"), row.get("text")
-        if not isinstance(audio, str) or not audio:
-            skip(where, "no audio_filepath")
+        check = check_row(row, path.parent, tokenizer, max_duration=max_duration,
+                          duration_tolerance=duration_tolerance)
+        if check.error is not None:
+            reason, detail = check.error
+            skipped[reason] += 1
+            if sum(skipped.values()) <= _MAX_ROW_WARNINGS:
+                log.warning("skipping %s: %s%s", where, reason, f" ({detail})" if detail else "")
             continue
-        if not isinstance(text, str) or not text.strip():
-            skip(where, "empty text")
-            continue
-        audio_path = Path(audio) if Path(audio).is_absolute() else path.parent / audio
-        if not audio_path.is_file():
-            skip(where, "audio file missing", str(audio_path))
-            continue
-        try:
-            info = sf.info(str(audio_path))
-            duration = info.frames / info.samplerate
-        except Exception as e:
-            skip(where, "audio unreadable", f"{audio_path}: {e}")
-            continue
-        if duration <= 0:
-            skip(where, "audio empty", str(audio_path))
-            continue
-        if duration > max_duration:
-            skip(where, "longer than max_duration", f"{duration:.1f} s")
-            continue
-        tokens = tokenizer.encode(text)
-        if not tokens:
-            skip(where, "no token after normalization")
-            continue
-        frames = torch.tensor(1 + int(duration * SAMPLE_RATE) // HOP_LENGTH)
-        if int(subsampled_lengths(frames)) < len(tokens):
-            skip(where, "too short for CTC", f"{duration:.2f} s for {len(tokens)} tokens")
-            continue
-        utterances.append(Utterance(audio_path, duration, text, tokens, where))
+        converted.update(reason for reason, _ in check.warnings)
+        utterances.append(Utterance(check.audio_path, check.duration, check.text, check.tokens, where))
     total = sum(skipped.values())
     if total > _MAX_ROW_WARNINGS:
         log.warning("... %d more rows of %s skipped", total - _MAX_ROW_WARNINGS, path)
+    if converted:
+        log.info("%s: audio converted to 16 kHz mono when loaded (rows %s)", path,
+                 ", ".join(f"{reason}: {n}" for reason, n in converted.items()))
     return utterances, skipped
 
 

@@ -20,14 +20,15 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from .audio import LogMel, load_audio
-from .checkpoint import (CheckpointError, load_checkpoint, point_to, prune_checkpoints, resolve_resume, save_checkpoint,
-                         step_checkpoint_name)
+from .checkpoint import (CheckpointError, load_checkpoint, point_to, prune_checkpoints, remove_stale_temporaries,
+                         resolve_resume, save_checkpoint, step_checkpoint_name)
 from .config import ModelConfig, TrainConfig, model_config_from_preset
 from .data import ASRDataset, Batch, LengthGroupedBatchSampler, Utterance, collate, load_utterances, read_manifest
 from .decode import ctc_greedy
 from .metrics import error_rates
 from .model import ASRModel, count_parameters
 from .precision import Precision, resolve_precision
+from .safety import NonFiniteSkips, StopRequest, TrainingDiverged, ignore_stop_signals
 from .tokenizer import Tokenizer, train_tokenizer
 
 __all__ = ["train", "lr_factor", "forward_backward", "optimizer_step", "validate", "compute_cmvn",
@@ -104,20 +105,18 @@ def forward_backward(model: ASRModel, micro_batches: list[Batch], device: torch.
 
 
 def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                   grad_clip: float) -> float:
+                   grad_clip: float, loss: float = 0.0) -> float:
     """Unscale, clip, step, update the scale, zero the gradients. Returns the gradient norm.
 
-    With fp16 the GradScaler skips a step whose gradients overflowed; in fp32/bf16 a non-finite
-    gradient skips the step here.
+    A non-finite gradient norm or ``loss`` skips the update in every precision (with fp16 the
+    GradScaler then also lowers its scale); the caller tells a skip by the returned norm and the loss.
     """
     scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = grad_clip if grad_clip > 0 else float("inf")
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    if math.isfinite(grad_norm) or scaler.is_enabled():
+    if math.isfinite(grad_norm) and math.isfinite(loss):
         scaler.step(optimizer)
-    else:
-        log.warning("non-finite gradient norm; update skipped")
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
@@ -175,11 +174,19 @@ def _truncate_metrics(path: Path, step: int) -> None:
     if not path.is_file():
         return
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = [line for line in lines if json.loads(line)["step"] <= step]
+    kept = [line for line in lines if _metric_step(line) <= step]
     if len(kept) < len(lines):
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(kept), encoding="utf-8")
         os.replace(tmp, path)
+
+
+def _metric_step(line: str) -> float:
+    """The step of a metrics row; infinite for a line cut short by a kill, so that it is dropped."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")
 
 
 def _log_skipped(name: str, path: str, kept: int, skipped: Counter) -> None:
@@ -199,7 +206,17 @@ def _loader(dataset: ASRDataset, sampler: LengthGroupedBatchSampler, cfg: TrainC
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
                       pin_memory=device.type == "cuda", persistent_workers=workers > 0,
                       prefetch_factor=4 if workers > 0 else None,
+                      worker_init_fn=ignore_stop_signals if workers > 0 else None,
                       generator=torch.Generator().manual_seed(cfg.seed))
+
+
+def _diverged_message(in_a_row: int, step: int, out_dir: Path, fp16: bool) -> str:
+    advice = ("with fp16 the gradients overflowed every time: go on in bf16 or fp32 (--precision bf16 or "
+              "--precision fp32; --no-mixed_precision trains in fp32)" if fp16 else
+              "lower --lr or --grad_clip, and check the utterances named above")
+    return (f"{in_a_row} updates in a row were skipped for a non-finite loss or gradients (steps "
+            f"{step - in_a_row + 1} to {step}), so training stopped. The weights are those of step {step - in_a_row}, "
+            f"saved in {out_dir / 'latest.pt'}; {advice}, then resume with --resume latest.")
 
 
 # GradScaler skips the first fp16 steps while it finds its scale; LambdaLR then warns that the
@@ -222,18 +239,22 @@ def train(cfg: TrainConfig, model_overrides: Optional[dict[str, Any]] = None,
     file_log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     log.addHandler(file_log)
     try:
-        return _train(cfg, model_overrides or {}, out_dir, on_step)
+        with StopRequest(cfg.max_time) as stop_request:
+            return _train(cfg, model_overrides or {}, out_dir, stop_request, on_step)
     finally:
         log.removeHandler(file_log)
         file_log.close()
 
 
 def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
-           on_step: Optional[Callable[[int, int, ASRModel], bool]]) -> dict[str, Any]:
+           stop_request: StopRequest, on_step: Optional[Callable[[int, int, ASRModel], bool]]) -> dict[str, Any]:
     if cfg.gradient_accumulation_steps < 1:
         raise ValueError("--gradient_accumulation_steps must be >= 1")
     device = resolve_device(cfg.device)
     _seed_everything(cfg.seed)
+    if stale := remove_stale_temporaries(out_dir):
+        log.warning("removed %d unfinished checkpoint writes of a run killed while saving: %s", len(stale),
+                    ", ".join(p.name for p in stale))
     ckpt = load_checkpoint(resolve_resume(cfg.resume, out_dir)) if cfg.resume else None
     if ckpt is not None and "optimizer" not in ckpt:
         raise CheckpointError(f"--resume {cfg.resume}: the checkpoint holds model weights only (an averaged "
@@ -261,9 +282,9 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
         tokenizer.save(out_dir / "tokenizer.model")
         model_cfg = model_config_from_preset(cfg.preset, vocab_size=tokenizer.vocab_size, **model_overrides)
 
-    train_utts, skipped = load_utterances(cfg.train_manifest, tokenizer, cfg.max_duration)
+    train_utts, skipped = load_utterances(cfg.train_manifest, tokenizer, cfg.max_duration, cfg.duration_tolerance)
     _log_skipped("train", cfg.train_manifest, len(train_utts), skipped)
-    valid_utts, skipped = load_utterances(cfg.valid_manifest, tokenizer, cfg.max_duration)
+    valid_utts, skipped = load_utterances(cfg.valid_manifest, tokenizer, cfg.max_duration, cfg.duration_tolerance)
     _log_skipped("valid", cfg.valid_manifest, len(valid_utts), skipped)
     if not train_utts or not valid_utts:
         raise RuntimeError("no usable utterance in the " + ("training" if not train_utts else "validation")
@@ -338,9 +359,13 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
     # ---- the loop -------------------------------------------------------------------------
     accum = cfg.gradient_accumulation_steps
     stop = cfg.max_steps > 0 and step >= cfg.max_steps
+    stopped_by: Optional[str] = None  # the signal or budget that ended the run early
+    skips, unreadable_total = NonFiniteSkips(cfg.max_consecutive_skips), 0
     while epoch < cfg.epochs and not stop:
         sampler.set_epoch(epoch, batches_done)
         epoch_batches = batches_done + len(sampler)
+        # The loader delivers the sampler's batches in order; what is missing from one failed to load.
+        planned, unreadable, skips_before = iter(list(sampler)), [], skips.total
         model.train()
         bar = tqdm(total=epoch_batches, initial=batches_done, desc=f"epoch {epoch + 1}/{cfg.epochs}",
                    disable=not cfg.progress, dynamic_ncols=True, leave=False)
@@ -350,6 +375,8 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
             batches_done += 1
             bar.update()
             maybe_empty_cache(device, batches_done, cfg.empty_cache_every)
+            loaded = set(batch.indices) if batch is not None else set()
+            unreadable += [train_utts[i].where for i in next(planned) if i not in loaded]
             if batch is not None:
                 micro.append(batch)
             # An accumulation group closes after `accum` batches, or at the end of the epoch.
@@ -357,11 +384,19 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
                 continue
             stats = forward_backward(model, micro, device, precision, scaler, cfg.spec_augment)
             window_utts += sum(len(b) for b in micro)
+            group = [train_utts[i] for b in micro for i in b.indices]
             micro = []
             lr = scheduler.get_last_lr()[0]
-            grad_norm = optimizer_step(model, optimizer, scaler, cfg.grad_clip)
+            grad_norm = optimizer_step(model, optimizer, scaler, cfg.grad_clip, stats["loss"])
             scheduler.step()
             step += 1
+            finite = math.isfinite(stats["loss"]) and math.isfinite(grad_norm)
+            diverged = skips.update(finite)
+            if not finite:
+                log.warning("step %d: non-finite %s, update skipped (%d in a row, %d in all%s); batch: %s", step,
+                            "gradients" if math.isfinite(stats["loss"]) else "loss", skips.in_a_row, skips.total,
+                            f"; fp16 loss scale now {scaler.get_scale():g}" if scaler.is_enabled() else "",
+                            ", ".join(f"{u.where} ({u.audio_path.name})" for u in group))
 
             speed = window_utts / (time.perf_counter() - window_start)
             bar.set_postfix(loss=f"{stats['loss']:.3f}", lr=f"{lr:.2e}", utt_s=f"{speed:.1f}", refresh=False)
@@ -370,12 +405,27 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
                 window_utts, window_start = 0, time.perf_counter()
             if cfg.save_every_steps and step % cfg.save_every_steps == 0:
                 save()
+            if diverged:
+                if saved_step != step:
+                    save()
+                raise TrainingDiverged(_diverged_message(skips.in_a_row, step, out_dir, scaler.is_enabled()))
             if (cfg.max_steps and step >= cfg.max_steps) or (on_step is not None and on_step(step, epoch, model)):
                 stop = True
                 break
+            if stopped_by := stop_request.reason():
+                stop = True
+                break
         bar.close()
+        unreadable_total += len(unreadable)
+        if unreadable:
+            log.warning("epoch %d: %d audio files could not be read and were left out: %s%s", epoch + 1,
+                        len(unreadable), ", ".join(unreadable[:10]), " ..." if len(unreadable) > 10 else "")
+        if skips.total > skips_before:
+            log.warning("epoch %d: %d updates skipped for a non-finite loss or gradients", epoch + 1,
+                        skips.total - skips_before)
         if stop and batches_done < epoch_batches:
-            log.info("stopped at step %d in epoch %d", step, epoch + 1)
+            if stopped_by is None:
+                log.info("stopped at step %d in epoch %d", step, epoch + 1)
             if saved_step != step:
                 save()
             break
@@ -384,6 +434,8 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
         # save again after it, with the metrics and the best WER.
         epoch, batches_done = epoch + 1, 0
         save()
+        if stopped_by := stopped_by or stop_request.reason():  # saved; validation can wait for the next run
+            break
         valid_metrics, valid_step = validate(model, valid_loader, tokenizer, valid_utts, device, precision), step
         record("valid", **valid_metrics)
         is_best = valid_metrics["wer"] < best_wer
@@ -392,5 +444,12 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
                  valid_metrics["loss"], 100 * valid_metrics["cer"], 100 * valid_metrics["wer"],
                  "  (best)" if is_best else "")
         save(is_best)
+        if not stop and epoch < cfg.epochs:  # a stop asked for during validation
+            stopped_by = stop_request.reason()
+            stop = stopped_by is not None
 
-    return {"step": step, "epoch": epoch, "valid": valid_metrics, "best_wer": best_wer}
+    if stopped_by is not None:
+        log.warning("stopped by %s at step %d (epoch %d, batch %d), saved in %s; to go on, run the same command "
+                    "with --resume latest", stopped_by, step, epoch + 1, batches_done, out_dir / "latest.pt")
+    return {"step": step, "epoch": epoch, "valid": valid_metrics, "best_wer": best_wer, "stopped_by": stopped_by,
+            "skipped_updates": skips.total, "unreadable_files": unreadable_total}

@@ -3,8 +3,8 @@ import os
 import pytest
 import torch
 
-from konkanivani.checkpoint import (CheckpointError, load_checkpoint, point_to, prune_checkpoints, resolve_resume,
-                                    save_checkpoint, step_checkpoint_name)
+from konkanivani.checkpoint import (CheckpointError, load_checkpoint, point_to, prune_checkpoints,
+                                    remove_stale_temporaries, resolve_resume, save_checkpoint, step_checkpoint_name)
 
 
 def _state(step):
@@ -70,3 +70,14 @@ def test_prune_keeps_the_newest_writes_after_resuming_an_older_step(tmp_path):
         os.utime(tmp_path / step_checkpoint_name(step), ns=(step * 10**9, (1000 + len(os.listdir(tmp_path))) * 10**9))
     prune_checkpoints(tmp_path, keep=2)
     assert sorted(p.name for p in tmp_path.glob("step_*.pt")) == ["step_0000110.pt", "step_0000400.pt"]
+
+
+def test_stale_temporaries_of_a_killed_process_are_removed(tmp_path):
+    save_checkpoint(_state(1), tmp_path / "latest.pt")
+    dead = tmp_path / ".step_0000002.pt.tmp4194999"  # left by a process killed while saving
+    mine = tmp_path / f".latest.pt.tmp{os.getpid()}"  # this process may be writing it right now
+    other = tmp_path / ".notes.txt.tmp12"
+    for p in (dead, mine, other):
+        p.write_bytes(b"half")
+    assert remove_stale_temporaries(tmp_path) == [dead]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, other.name, "latest.pt"])

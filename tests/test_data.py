@@ -6,6 +6,7 @@ import pytest
 import soundfile as sf
 import torch
 
+from konkanivani.checks import check_row
 from konkanivani.data import (ASRDataset, LengthGroupedBatchSampler, ManifestError, collate, load_utterances,
                               read_manifest)
 from konkanivani.tokenizer import train_tokenizer
@@ -120,3 +121,24 @@ def test_sampler_groups_by_length_is_seeded_and_resumes():
 def test_validation_sampler_is_sorted_and_unshuffled():
     sampler = LengthGroupedBatchSampler([3.0, 1.0, 2.0, 5.0, 4.0], batch_size=2, shuffle=False)
     assert list(sampler) == [[1, 2], [0, 4], [3]]
+
+
+def test_row_checks_duration_unknown_characters_and_strict_audio(tmp_path, tokenizer):
+    _wav(tmp_path / "a.wav", seconds=1.0)
+    t = np.arange(8000) / 8000
+    sf.write(tmp_path / "b.wav", np.stack([np.sin(t * 900), np.cos(t * 900)], axis=1) * 0.3, 8000)
+
+    def check(text=TEXTS[0], audio="a.wav", **kwargs):
+        row = {"audio_filepath": audio, "text": text, **{k: v for k, v in kwargs.items() if k == "duration"}}
+        return check_row(row, tmp_path, tokenizer, **{k: v for k, v in kwargs.items() if k != "duration"})
+
+    good = check(duration=1.2)
+    assert good.error is None and good.duration == 1.0 and good.tokens == tokenizer.encode(TEXTS[0])
+    assert check(duration=1.6).error[0] == "duration mismatch"
+    assert check(duration=1.6, duration_tolerance=-1).error is None
+    assert check(duration="1.0").error == ("duration not a number", "'1.0'")
+    assert check(text="हांव ø घरा").error == ("characters the tokenizer cannot encode", "'ø' U+00F8")
+    converted = check(audio="b.wav")
+    assert converted.error is None and converted.duration == 1.0
+    assert [reason for reason, _ in converted.warnings] == ["not 16 kHz", "not mono"]
+    assert check(audio="b.wav", strict=True).error[0] == "not 16 kHz"

@@ -1,6 +1,8 @@
 """Train the tiny preset for real on synthesized Konkani speech, stop, resume, compare."""
 import json
 import logging
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -78,6 +80,44 @@ def test_stop_and_resume_continue_the_same_run(runs, tiny_corpus, caplog):
     assert final_a["step"] == final_b["step"] == 36
     for name, tensor in final_b["model"].items():
         torch.testing.assert_close(final_a["model"][name], tensor, rtol=1e-4, atol=1e-5)
+
+
+def _fault_run(fault, n, argv):
+    """The CLI in a subprocess, with a real signal at a known point (tests/fault_run.py)."""
+    return subprocess.run([sys.executable, str(Path(__file__).parent / "fault_run.py"), fault, str(n), "--", *argv],
+                          check=False, capture_output=True, text=True, timeout=600)
+
+
+def test_sigterm_with_two_workers_saves_and_the_resumed_run_matches(runs, tiny_corpus, tmp_path):
+    """SIGTERM (preemption, Colab disconnect) mid-epoch, --num_workers 2 on both sides of the break."""
+    whole, _ = runs
+    out = tmp_path / "term"
+    args = _args(tiny_corpus, out, "--max_steps", "20", "--num_workers", "2")
+    result = _fault_run("sigterm_at_step", 10, args)
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr[-3000:]
+    assert "SIGTERM received: finishing the current step" in result.stderr
+    assert "stopped by SIGTERM at step 10" in result.stdout and result.stdout.rstrip().endswith("--resume latest")
+    stopped = load_checkpoint(out / "latest.pt")
+    assert stopped["step"] == 10 and stopped["sampler"]["start"] > 0  # inside an epoch
+
+    assert cli.main(args + ["--resume", "latest"]) == 0
+    rows, whole_rows = _train_rows(out)[0], _train_rows(whole)[0][:20]
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    for a, b in zip(rows, whole_rows, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a, b)
+
+
+def test_kill9_between_saves_leaves_the_last_save_and_the_same_seed_gives_the_same_losses(runs, tiny_corpus,
+                                                                                         tmp_path):
+    whole, _ = runs
+    out = tmp_path / "killed"
+    result = _fault_run("kill9_at_step", 5, _args(tiny_corpus, out, "--save_every_steps", "2", "--max_steps", "36"))
+    assert result.returncode == -signal.SIGKILL
+    assert sorted(p.name for p in out.glob("*.pt")) == ["latest.pt", "step_0000002.pt", "step_0000004.pt"]
+    assert not list(out.glob(".*.tmp*"))
+    assert load_checkpoint(out / "latest.pt")["step"] == 4
+    # Another process, same flags and --seed: the same losses, bit for bit.
+    assert [r["loss"] for r in _train_rows(out)[0]] == [r["loss"] for r in _train_rows(whole)[0][:4]]
 
 
 def test_missing_manifest_is_a_clear_error_before_training(tmp_path, caplog):

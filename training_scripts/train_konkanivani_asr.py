@@ -7,11 +7,18 @@ override the chosen ``--preset``. Example, the T4 recipe on the demo corpus::
     python training_scripts/train_konkanivani_asr.py --train_manifest data/demo/train.jsonl \\
         --valid_manifest data/demo/valid.jsonl --preset medium --batch_size 2 \\
         --gradient_accumulation_steps 4 --mixed_precision --output_dir checkpoints/t4
+
+Exit status: 0 when training finished or stopped at --max_time (both leave a checkpoint to resume
+from), 130 / 143 when SIGINT / SIGTERM stopped it after saving (128 + the signal, as a shell
+reports a process ended by that signal, so a wrapper can tell "interrupted" from "done"), 2 for
+an unusable manifest or checkpoint, 3 when too many updates in a row had a non-finite loss.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -20,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from konkanivani.checkpoint import CheckpointError  # noqa: E402
 from konkanivani.config import ModelConfig, TrainConfig, add_dataclass_args, dataclass_from_args  # noqa: E402
 from konkanivani.data import ManifestError  # noqa: E402
+from konkanivani.safety import TrainingDiverged  # noqa: E402
 from konkanivani.train import train  # noqa: E402
 
 
@@ -36,16 +44,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def resume_command(argv: list[str]) -> str:
+    """The command line that continues this run: the same flags, with ``--resume latest``."""
+    kept, skip_next = [], False
+    for arg in argv:
+        if skip_next:
+            skip_next = False
+        elif arg == "--resume":
+            skip_next = True
+        elif not arg.startswith("--resume="):
+            kept.append(arg)
+    script = Path(__file__).resolve()
+    if script.is_relative_to(Path.cwd()):
+        script = script.relative_to(Path.cwd())
+    return shlex.join(["python3", str(script), *kept, "--resume", "latest"])
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     args = parse_args(argv)
     cfg = dataclass_from_args(TrainConfig, args)
     model_flags = {name: getattr(args, name) for name in ModelConfig.__dataclass_fields__ if name != "vocab_size"}
+    argv = sys.argv[1:] if argv is None else argv
+    log = logging.getLogger("konkanivani")
     try:
         summary = train(cfg, model_flags)
     except (ManifestError, CheckpointError) as e:
-        logging.getLogger("konkanivani").error("%s", e)
+        log.error("%s", e)
         return 2
+    except TrainingDiverged as e:
+        log.error("%s", e)
+        return 3
+    except KeyboardInterrupt:
+        log.error("interrupted at once by a second Ctrl-C; the last complete checkpoint is %s/latest.pt; "
+                  "resume with: %s", cfg.output_dir, resume_command(argv))
+        return 128 + signal.SIGINT
+    if summary["stopped_by"]:
+        print(f"stopped by {summary['stopped_by']} at step {summary['step']}; checkpoints in {cfg.output_dir}; "
+              f"resume with:\n  {resume_command(argv)}")
+        return 0 if summary["stopped_by"] == "--max_time" else 128 + signal.Signals[summary["stopped_by"]]
     valid = summary["valid"]
     if valid:
         print(f"done: step {summary['step']}, epoch {summary['epoch']}, valid CER {100 * valid['cer']:.2f}% "

@@ -1,0 +1,104 @@
+"""The checks one manifest row must pass, shared by training and ``validate_manifest.py``.
+
+A row fails (an *error*, the row is skipped) when its audio is missing, unreadable or empty, its
+duration differs from the file's, it is longer than the limit, its text is empty, leaves no token
+or holds characters the tokenizer cannot encode, or its audio is too short for its text under
+CTC. A sample rate other than 16 kHz or more than one channel is only a *warning* (the audio is
+resampled and mixed down) unless ``strict``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import soundfile as sf
+import torch
+
+from .audio import HOP_LENGTH, SAMPLE_RATE
+from .masks import subsampled_lengths
+from .tokenizer import UNK_ID, Tokenizer, normalize_text
+
+__all__ = ["DEFAULT_DURATION_TOLERANCE", "RowCheck", "check_row"]
+
+DEFAULT_DURATION_TOLERANCE = 0.5  # seconds; rounding passes, a truncated or mismatched file does not
+
+
+@dataclass
+class RowCheck:
+    """What ``check_row`` found. ``error`` is None for a usable row; ``warnings`` may still hold notes."""
+
+    error: tuple[str, str] | None = None  # (reason, detail)
+    warnings: list[tuple[str, str]] = field(default_factory=list)
+    audio_path: Path | None = None
+    duration: float = 0.0
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+
+
+def _fail(check: RowCheck, reason: str, detail: str = "") -> RowCheck:
+    check.error = (reason, detail)
+    return check
+
+
+def check_row(row: dict[str, Any], base_dir: Path, tokenizer: Tokenizer, *, max_duration: float = float("inf"),
+              duration_tolerance: float = DEFAULT_DURATION_TOLERANCE, decode: bool = False,
+              strict: bool = False) -> RowCheck:
+    """Check one manifest row; relative audio paths are taken from ``base_dir``.
+
+    Only the audio header is read unless ``decode`` (which reads every sample, and finds files
+    that are corrupt past their header or hold NaN samples; too slow to do for every run).
+    ``duration_tolerance`` < 0 skips the duration comparison.
+    """
+    check = RowCheck()
+    audio, text = row.get("audio_filepath"), row.get("text")
+    if not isinstance(audio, str) or not audio:
+        return _fail(check, "no audio_filepath")
+    if not isinstance(text, str) or not text.strip():
+        return _fail(check, "empty text")
+    check.text = text
+    path = Path(audio) if Path(audio).is_absolute() else base_dir / audio
+    check.audio_path = path
+    if not path.is_file():
+        return _fail(check, "audio file missing", str(path))
+    try:
+        info = sf.info(str(path))
+        frames, sample_rate, channels = info.frames, info.samplerate, info.channels
+        if decode:
+            data, _ = sf.read(str(path), dtype="float32", always_2d=True)
+            frames = data.shape[0]
+            if not np.isfinite(data).all():
+                return _fail(check, "audio holds NaN or infinite samples", str(path))
+    except Exception as e:  # noqa: BLE001  soundfile raises LibsndfileError, RuntimeError, TypeError...
+        return _fail(check, "audio unreadable", f"{path}: {e}")
+    if frames <= 0 or sample_rate <= 0:
+        return _fail(check, "audio empty", str(path))
+    check.duration = duration = frames / sample_rate
+    stated = row.get("duration")
+    if stated is not None and duration_tolerance >= 0:
+        if isinstance(stated, bool) or not isinstance(stated, (int, float)) or not math.isfinite(stated):
+            return _fail(check, "duration not a number", repr(stated))
+        if abs(stated - duration) > duration_tolerance:
+            return _fail(check, "duration mismatch", f"manifest says {stated:.2f} s, {path} holds {duration:.2f} s")
+    conversions = [("not 16 kHz", f"{sample_rate} Hz")] if sample_rate != SAMPLE_RATE else []
+    conversions += [("not mono", f"{channels} channels")] if channels != 1 else []
+    for reason, detail in conversions:
+        if strict:
+            return _fail(check, reason, f"{path}: {detail}")
+        check.warnings.append((reason, f"{path}: {detail}, converted when loaded"))
+    if duration > max_duration:
+        return _fail(check, "longer than max_duration", f"{duration:.1f} s")
+    tokens = tokenizer.encode(text)
+    if not tokens:
+        return _fail(check, "no token after normalization")
+    if UNK_ID in tokens:
+        unknown = sorted({ch for ch in normalize_text(text) if not ch.isspace() and UNK_ID in tokenizer.encode(ch)})
+        return _fail(check, "characters the tokenizer cannot encode",
+                     " ".join(f"{ch!r} U+{ord(ch):04X}" for ch in unknown) or "unknown pieces")
+    frames_after = int(subsampled_lengths(torch.tensor(1 + int(duration * SAMPLE_RATE) // HOP_LENGTH)))
+    if frames_after < len(tokens):
+        return _fail(check, "too short for CTC", f"{duration:.2f} s for {len(tokens)} tokens")
+    check.tokens = tokens
+    return check

@@ -1,0 +1,89 @@
+"""Stopping a run cleanly: signals and a time budget, and too many skipped (non-finite) updates.
+
+``StopRequest`` turns the first SIGINT or SIGTERM (Ctrl-C, a Colab disconnect, a preemption
+notice) and the end of a ``--max_time`` budget into a request that the training loop honours
+after the current optimizer step, by saving and returning. A second signal of the same kind acts
+as it would have without us (Ctrl-C raises ``KeyboardInterrupt`` at once). The handlers are
+installed only while the context is open, and only from the main thread, where Python allows it.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from types import FrameType
+
+__all__ = ["NonFiniteSkips", "StopRequest", "TrainingDiverged", "ignore_stop_signals"]
+
+log = logging.getLogger("konkanivani")
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopRequest:
+    """``reason()`` is None until a stop was asked for, then ``"SIGINT"``, ``"SIGTERM"`` or ``"--max_time"``."""
+
+    def __init__(self, max_time: float = 0.0):
+        self.max_time = max_time  # seconds of wall clock; 0: no budget
+        self.signum: int | None = None
+        self._reason: str | None = None
+        self._start = time.monotonic()
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        # The next signal of this kind gets the previous handler: a second Ctrl-C interrupts at once.
+        previous = self._previous.pop(signum, None)
+        signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        if self._reason is None:
+            self.signum, self._reason = signum, signal.Signals(signum).name
+            log.warning("%s received: finishing the current step, then saving and stopping "
+                        "(send it again to stop at once)", self._reason)
+
+    def reason(self) -> str | None:
+        if self._reason is None and self.max_time > 0 and time.monotonic() - self._start >= self.max_time:
+            self._reason = "--max_time"
+        return self._reason
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self._start
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: a Ctrl-C reaches the whole process group; the workers must
+    keep serving batches while the main process finishes its step (they exit with it)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many updates in a row were skipped for a non-finite loss or gradients."""
+
+
+class NonFiniteSkips:
+    """Counts updates skipped for a non-finite loss or gradient norm, in a row and in all."""
+
+    def __init__(self, limit: int):
+        self.limit = limit  # stop after this many in a row; 0: never
+        self.in_a_row = 0
+        self.total = 0
+
+    def update(self, finite: bool) -> bool:
+        """Record one update; True when the run should stop."""
+        if finite:
+            self.in_a_row = 0
+            return False
+        self.in_a_row += 1
+        self.total += 1
+        return 0 < self.limit <= self.in_a_row
