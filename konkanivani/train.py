@@ -443,6 +443,7 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path) -> 
 
     optimizer, optimizer_name = build_optimizer(cfg.optimizer, model.parameters(), device, cfg.lr, cfg.weight_decay)
     log.info("optimizer: %s", {"adamw": "AdamW", "adamw_8bit": "8-bit AdamW (bitsandbytes)"}[optimizer_name])
+    cfg = dataclasses.replace(cfg, optimizer=optimizer_name)  # the checkpoint records the one that runs
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, warmup_steps=cfg.warmup_steps))
     precision = resolve_precision(device, cfg.mixed_precision, cfg.precision)
     log.log(logging.WARNING if precision.slow else logging.INFO, "%s; device %s", precision.note, device)
@@ -485,9 +486,13 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path) -> 
         log.info("resumed from %s at step %d (epoch %d, batch %d), lr %.3g", cfg.resume, step, epoch + 1,
                  batches_done, scheduler.get_last_lr()[0])
 
-    log.info("%d utterances per update (batch %d x %d accumulation steps), peak lr %g, %d warm-up steps",
-             cfg.batch_size * cfg.gradient_accumulation_steps, cfg.batch_size, cfg.gradient_accumulation_steps,
-             cfg.lr, cfg.warmup_steps)
+    if isinstance(getattr(sampler, "inner", sampler), DurationBucketSampler):
+        log.info("%d dynamic batches per update, peak lr %g, %d warm-up steps", cfg.gradient_accumulation_steps,
+                 cfg.lr, cfg.warmup_steps)
+    else:
+        log.info("%d utterances per update (batch %d x %d accumulation steps), peak lr %g, %d warm-up steps",
+                 cfg.batch_size * cfg.gradient_accumulation_steps, cfg.batch_size, cfg.gradient_accumulation_steps,
+                 cfg.lr, cfg.warmup_steps)
 
     def record(kind: str, **values: Any) -> None:
         # Training rows carry the epoch in progress, validation rows the epoch just finished.
