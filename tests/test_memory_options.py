@@ -3,6 +3,7 @@ batches and their sampler, out-of-memory recovery, and the memory estimator."""
 import copy
 import logging
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from konkanivani.batching import (DurationBucketSampler, PreflightSampler, frame
 from konkanivani.config import model_config_from_preset
 from konkanivani.conformer import LayerNorm
 from konkanivani.data import LengthGroupedBatchSampler
-from konkanivani.memory import BatchDoesNotFit, is_out_of_memory
+from konkanivani.memory import BatchDoesNotFit, MemoryEstimator, is_out_of_memory
 from konkanivani.model import ASRModel
 from konkanivani.optim import build_optimizer
 from konkanivani.precision import resolve_precision
@@ -235,3 +236,17 @@ def test_a_single_utterance_that_does_not_fit_stops_with_its_name():
                          name_of=lambda i: "train.jsonl:17")
     assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate"))
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
+
+
+def test_plan_memory_prints_the_table_and_flags_that_fit(capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training_scripts"))
+    import plan_memory
+
+    assert plan_memory.main(["--preset", "large", "--gpu_gb", "15"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer (adamw)" in out and "activations: encoder" in out and "--preset large --max_batch_frames" in out
+    flags = out.split("recommended")[1].splitlines()[1].split()
+    frames = int(flags[flags.index("--max_batch_frames") + 1])
+    est = MemoryEstimator(model_config_from_preset("large", vocab_size=128))
+    assert est.peak_bytes(frames // 2001, 2001) <= 0.75 * 15 * 2 ** 30  # 20 s utterances, 25% margin
+    assert plan_memory.main(["--preset", "large", "--gpu_gb", "0.3"]) == 1  # nothing fits
