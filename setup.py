@@ -23,5 +23,7 @@ setup(
     ],
     extras_require={
         "dev": ["pytest>=7", "hypothesis>=6", "matplotlib>=3.6"],
+        # --optimizer adamw_8bit; without it training falls back to standard AdamW with a warning.
+        "8bit": ["bitsandbytes>=0.50"],
     },
 )

@@ -98,6 +98,26 @@ class TrainConfig:
         "stop after this many updates in a row skipped for a non-finite loss or gradients (0: never)"))
     duration_tolerance: float = field(default=0.5, metadata=_help(
         "skip rows whose 'duration' differs from the audio file's by more seconds than this (<0: don't compare)"))
+    optimizer: str = field(default="adamw", metadata=_help(
+        "adamw, or adamw_8bit (also adamw8bit): 8-bit AdamW states from bitsandbytes"))
+    gradient_checkpointing: bool = field(default=False, metadata=_help(
+        "recompute each encoder/decoder layer in the backward pass instead of storing its activations"))
+    precision: str = field(default="", metadata=_help(
+        "fp32, fp16 or bf16 autocast; overrides --mixed_precision (default: as --mixed_precision decides)"))
+    max_batch_frames: int = field(default=0, metadata=_help(
+        "dynamic batches of at most this many padded 10 ms frames, bucketed by length (0: --batch_size)"))
+    max_batch_seconds: float = field(default=0.0, metadata=_help(
+        "the same budget in seconds of padded audio (100 frames a second)"))
+    num_buckets: int = field(default=10, metadata=_help("length buckets of the dynamic batches"))
+    max_memory_gb: float = field(default=0.0, metadata=_help(
+        "cap each dynamic batch so the estimated peak training memory stays under this (0: no cap)"))
+    auto_batch: bool = field(default=False, metadata=_help(
+        "probe the device before training for the largest batch budget that fits"))
+    preflight: bool = field(default=True, metadata=_help(
+        "first epoch starts with the largest batches, so an out-of-memory error shows at once"))
+    max_samples: int = field(default=0, metadata=_help(
+        "train on a seeded choice of N utterances (0: all); may grow on resume"))
+    compile: bool = field(default=False, metadata=_help("torch.compile the model (eager if compiling fails)"))
 
 
 def _flag_type(tp: Any) -> Any:

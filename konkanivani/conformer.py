@@ -15,12 +15,36 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
 from .masks import pad_mask, subsampled_lengths
 
-__all__ = ["RotaryEmbedding", "MultiHeadAttention", "FeedForward", "ConvolutionModule", "ConformerBlock",
-           "Conv2dSubsampling", "ConformerEncoder"]
+__all__ = ["LayerNorm", "RotaryEmbedding", "MultiHeadAttention", "FeedForward", "ConvolutionModule", "ConformerBlock",
+           "Conv2dSubsampling", "ConformerEncoder", "run_layers"]
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm computed and returned in float32 even under autocast: CUDA autocast already does
+    this, CPU autocast would normalize in bf16/fp16. The parameters are those of ``nn.LayerNorm``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            weight = None if self.weight is None else self.weight.float()
+            bias = None if self.bias is None else self.bias.float()
+            return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps)
+
+
+def run_layers(layers: nn.ModuleList, x: torch.Tensor, *args: object, checkpointed: bool = False) -> torch.Tensor:
+    """``x = layer(x, *args)`` for each layer; with ``checkpointed`` (in training) each layer's
+    activations are recomputed in the backward pass instead of kept (non-reentrant
+    ``torch.utils.checkpoint``; dropout draws the same masks again)."""
+    for layer in layers:
+        if checkpointed and torch.is_grad_enabled():
+            x = checkpoint(layer, x, *args, use_reentrant=False)
+        else:
+            x = layer(x, *args)
+    return x
 
 
 class RotaryEmbedding(nn.Module):
@@ -88,7 +112,7 @@ class FeedForward(nn.Module):
     def __init__(self, d_model: int, ffn_dim: int, dropout: float):
         super().__init__()
         self.net = nn.Sequential(
-            nn.LayerNorm(d_model), nn.Linear(d_model, ffn_dim), nn.SiLU(), nn.Dropout(dropout),
+            LayerNorm(d_model), nn.Linear(d_model, ffn_dim), nn.SiLU(), nn.Dropout(dropout),
             nn.Linear(ffn_dim, d_model), nn.Dropout(dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,10 +128,10 @@ class ConvolutionModule(nn.Module):
 
     def __init__(self, d_model: int, kernel_size: int, dropout: float):
         super().__init__()
-        self.norm = nn.LayerNorm(d_model)
+        self.norm = LayerNorm(d_model)
         self.pointwise_in = nn.Linear(d_model, 2 * d_model)
         self.depthwise = nn.Conv1d(d_model, d_model, kernel_size, padding=kernel_size // 2, groups=d_model)
-        self.depthwise_norm = nn.LayerNorm(d_model)
+        self.depthwise_norm = LayerNorm(d_model)
         self.pointwise_out = nn.Linear(d_model, d_model)
         self.dropout = nn.Dropout(dropout)
 
@@ -127,12 +151,12 @@ class ConformerBlock(nn.Module):
     def __init__(self, d_model: int, n_heads: int, ffn_dim: int, conv_kernel: int, dropout: float):
         super().__init__()
         self.ffn1 = FeedForward(d_model, ffn_dim, dropout)
-        self.attn_norm = nn.LayerNorm(d_model)
+        self.attn_norm = LayerNorm(d_model)
         self.attn = MultiHeadAttention(d_model, n_heads, dropout)
         self.attn_dropout = nn.Dropout(dropout)
         self.conv_module = ConvolutionModule(d_model, conv_kernel, dropout)
         self.ffn2 = FeedForward(d_model, ffn_dim, dropout)
-        self.final_norm = nn.LayerNorm(d_model)
+        self.final_norm = LayerNorm(d_model)
 
     def forward(self, x: torch.Tensor, pad: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """``x`` ``(B, T', D)``, ``pad`` ``(B, T')`` -> ``(B, T', D)``."""
@@ -181,6 +205,7 @@ class ConformerEncoder(nn.Module):
         self.blocks = nn.ModuleList(
             ConformerBlock(cfg.d_model, cfg.n_heads, cfg.ffn_dim, cfg.conv_kernel, cfg.dropout)
             for _ in range(cfg.encoder_layers))
+        self.gradient_checkpointing = False  # set by ASRModel.set_gradient_checkpointing
 
     def forward(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """
@@ -193,6 +218,5 @@ class ConformerEncoder(nn.Module):
         x, lengths = self.subsampling(feats, feat_lens)
         pad = pad_mask(lengths, x.shape[1])  # (B, T')
         rope = self.rotary(x.shape[1], x.device)
-        for block in self.blocks:
-            x = block(x, pad, rope)
+        x = run_layers(self.blocks, x, pad, rope, checkpointed=self.gradient_checkpointing and self.training)
         return x, lengths

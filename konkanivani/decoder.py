@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .conformer import FeedForward, MultiHeadAttention, RotaryEmbedding, _rotate
+from .conformer import FeedForward, LayerNorm, MultiHeadAttention, RotaryEmbedding, _rotate, run_layers
 from .config import ModelConfig
 from .masks import causal_mask, pad_mask
 
@@ -40,9 +40,9 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, ffn_dim: int, dropout: float):
         super().__init__()
-        self.self_norm = nn.LayerNorm(d_model)
+        self.self_norm = LayerNorm(d_model)
         self.self_attn = MultiHeadAttention(d_model, n_heads, dropout)
-        self.cross_norm = nn.LayerNorm(d_model)
+        self.cross_norm = LayerNorm(d_model)
         self.cross_attn = MultiHeadAttention(d_model, n_heads, dropout)
         self.ffn = FeedForward(d_model, ffn_dim, dropout)
         self.dropout = nn.Dropout(dropout)
@@ -65,8 +65,9 @@ class TransformerDecoder(nn.Module):
         self.rotary = RotaryEmbedding(cfg.d_model // cfg.n_heads)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg.d_model, cfg.n_heads, cfg.ffn_dim, cfg.dropout) for _ in range(cfg.decoder_layers))
-        self.final_norm = nn.LayerNorm(cfg.d_model)
+        self.final_norm = LayerNorm(cfg.d_model)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size)
+        self.gradient_checkpointing = False  # set by ASRModel.set_gradient_checkpointing
 
     def forward(self, tokens: torch.Tensor, token_lens: torch.Tensor, memory: torch.Tensor,
                 memory_lens: torch.Tensor) -> torch.Tensor:
@@ -86,8 +87,8 @@ class TransformerDecoder(nn.Module):
         self_allowed = self_allowed.unsqueeze(1)  # (B, 1, U, U)
         cross_allowed = ~pad_mask(memory_lens, memory.shape[1])[:, None, None, :]  # (B, 1, 1, T')
         rope = self.rotary(U, tokens.device)
-        for layer in self.layers:
-            y = layer(y, self_allowed, memory, cross_allowed, rope)
+        y = run_layers(self.layers, y, self_allowed, memory, cross_allowed, rope,
+                       checkpointed=self.gradient_checkpointing and self.training)
         return self.output(self.final_norm(y))
 
     # ---- incremental decoding: one new token per hypothesis and step --------------------------

@@ -67,6 +67,11 @@ class ASRModel(nn.Module):
         self.ctc_head = nn.Linear(cfg.d_model, cfg.vocab_size)
         self.decoder = TransformerDecoder(cfg)
 
+    def set_gradient_checkpointing(self, enabled: bool) -> None:
+        """Recompute each encoder and decoder layer's activations in the backward pass (training
+        only): less memory for about a third more compute."""
+        self.encoder.gradient_checkpointing = self.decoder.gradient_checkpointing = enabled
+
     @torch.no_grad()
     def set_cmvn(self, mean: torch.Tensor, std: torch.Tensor) -> None:
         self.feat_mean.copy_(mean)

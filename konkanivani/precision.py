@@ -6,6 +6,11 @@ multiplies 256x256 matrices in both dtypes. Measured on two x86 machines: with n
 (AVX512-BF16) bf16 matmul ran at 0.52x fp32 speed and a Conformer training step under bf16
 autocast was 1.4x faster than fp32; without it bf16 matmul ran at under 0.01x and the step was
 20-25x slower. bf16 is used when the ratio is at least 0.2, well between the two.
+
+``--precision fp32|fp16|bf16`` names the dtype outright and is honoured wherever it can run (with
+a warning where it is slow); ``--mixed_precision`` alone keeps the automatic choice above. Under
+either, norms (``conformer.LayerNorm``) and the CTC loss run in fp32, and the softmax inside the
+fused attention kernels accumulates in fp32.
 """
 from __future__ import annotations
 
@@ -17,7 +22,9 @@ from typing import Optional
 
 import torch
 
-__all__ = ["Precision", "resolve_precision", "cpu_bf16_speed_ratio"]
+__all__ = ["PRECISIONS", "Precision", "resolve_precision", "cpu_bf16_speed_ratio"]
+
+PRECISIONS = ("fp32", "fp16", "bf16")
 
 
 @dataclass(frozen=True)
@@ -25,6 +32,7 @@ class Precision:
     dtype: Optional[torch.dtype]  # autocast dtype; None for plain fp32
     use_scaler: bool  # GradScaler: fp16 only
     note: str  # one line for the log
+    slow: bool = False  # runs, but far slower than it should: the log warns
 
     def autocast(self, device: torch.device):
         if self.dtype is None:
@@ -50,7 +58,36 @@ def cpu_bf16_speed_ratio() -> float:
     return bf16 / fp32
 
 
-def resolve_precision(device: torch.device, mixed_precision: bool) -> Precision:
+def _explicit_precision(device: torch.device, precision: str) -> Precision:
+    if precision == "fp32":
+        return Precision(None, False, "precision: fp32")
+    if precision == "fp16":
+        if device.type == "cuda":
+            return Precision(torch.float16, True, "precision: fp16 autocast with GradScaler")
+        return Precision(torch.float16, True, f"precision: fp16 autocast with GradScaler on {device.type} "
+                                              "(runs, but fp16 is slow off CUDA; bf16 needs no scaler)", slow=True)
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return Precision(torch.bfloat16, False, "precision: bf16 autocast (no GradScaler needed)")
+        return Precision(torch.bfloat16, False, "precision: bf16 autocast, which this GPU emulates "
+                                                "(far slower than fp16; a T4 wants --precision fp16)", slow=True)
+    if device.type == "cpu":
+        ratio = cpu_bf16_speed_ratio()
+        if ratio >= 0.2:
+            return Precision(torch.bfloat16, False,
+                             f"precision: bf16 autocast (this CPU runs bf16 matmul at {ratio:.2f}x fp32)")
+        return Precision(torch.bfloat16, False, f"precision: bf16 autocast as asked, but this CPU has no "
+                                                f"native bf16 (bf16 matmul at {ratio:.3f}x fp32): far slower than fp32",
+                         slow=True)
+    return Precision(torch.bfloat16, False, f"precision: bf16 autocast on {device.type}")
+
+
+def resolve_precision(device: torch.device, mixed_precision: bool, precision: str = "") -> Precision:
+    """The autocast setting for ``--precision`` (when given) or ``--mixed_precision``."""
+    if precision:
+        if precision not in PRECISIONS:
+            raise ValueError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+        return _explicit_precision(device, precision)
     if not mixed_precision:
         return Precision(None, False, "precision: fp32")
     if device.type == "cuda":

@@ -16,17 +16,22 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 from tqdm import tqdm
 
 from .audio import LogMel, load_audio
+from .batching import (FRAMES_PER_SECOND, DurationBucketSampler, PreflightSampler, frames_of, padding_fraction,
+                       select_samples, split_batch)
 from .checkpoint import (CheckpointError, load_checkpoint, point_to, prune_checkpoints, remove_stale_temporaries,
                          resolve_resume, save_checkpoint, step_checkpoint_name)
 from .config import ModelConfig, TrainConfig, model_config_from_preset
 from .data import ASRDataset, Batch, LengthGroupedBatchSampler, Utterance, collate, load_utterances, read_manifest
 from .decode import ctc_greedy
+from .memory import (GIB, BatchDoesNotFit, MemoryEstimator, available_memory_bytes, free_memory, is_out_of_memory,
+                     largest_fitting, memory_status, precision_name)
 from .metrics import error_rates
 from .model import ASRModel, count_parameters
+from .optim import build_optimizer, canonical_optimizer
 from .precision import Precision, resolve_precision
 from .safety import NonFiniteSkips, StopRequest, TrainingDiverged, ignore_stop_signals
 from .tokenizer import Tokenizer, train_tokenizer
@@ -89,18 +94,58 @@ def compute_cmvn(utterances: list[Utterance], n_mels: int, max_utterances: int =
 
 
 def forward_backward(model: ASRModel, micro_batches: list[Batch], device: torch.device, precision: Precision,
-                     scaler: torch.amp.GradScaler, spec_augment: bool) -> dict[str, float]:
+                     scaler: torch.amp.GradScaler, spec_augment: bool,
+                     name_of: Optional[Callable[[int], str]] = None) -> dict[str, float]:
     """Accumulate gradients over ``micro_batches``, normalized by their total utterance count, so
-    that the update equals the one from a single batch holding all of them."""
+    that the update equals the one from a single batch holding all of them.
+
+    A micro-batch that runs out of memory is split in halves and retried; the normalization by
+    the group's utterance count keeps the update as it would have been. An error in the forward
+    pass leaves the gradients alone; one in the backward pass may have added part of them, so the
+    gradients are cleared and the group starts again. Only a single utterance that does not fit
+    stops training (``BatchDoesNotFit``; ``name_of`` turns its index into a name for the message).
+    """
     n_utts = sum(len(b) for b in micro_batches)
+    pending, done = list(micro_batches), []
     sums = {"loss": 0.0, "ctc": 0.0, "attention": 0.0}
-    for batch in micro_batches:
-        batch = batch.to(device)
-        with precision.autocast(device):
-            out = model(batch.feats, batch.feat_lens, batch.tokens, batch.token_lens, spec_augment=spec_augment)
-        scaler.scale(out.loss / n_utts).backward()
-        for name, value in out._asdict().items():
-            sums[name] += value.item()
+    while pending:
+        batch = pending.pop(0)
+        in_backward = False
+        try:
+            dev_batch = batch.to(device)
+            with precision.autocast(device):
+                out = model(dev_batch.feats, dev_batch.feat_lens, dev_batch.tokens, dev_batch.token_lens,
+                            spec_augment=spec_augment)
+            in_backward = True
+            scaler.scale(out.loss / n_utts).backward()
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not is_out_of_memory(e):
+                raise
+            failed = str(e)  # not the error itself: its traceback holds the failed attempt's tensors
+        else:
+            for name, value in out._asdict().items():
+                sums[name] += value.item()
+            done.append(batch)
+            continue
+        dev_batch = out = None  # noqa: F841 (release the failed attempt's tensors before retrying)
+        free_memory(device)
+        if len(batch) == 1:
+            who = name_of(batch.indices[0]) if name_of else f"utterance {batch.indices[0]}"
+            raise BatchDoesNotFit(
+                f"{who} ({int(batch.feat_lens[0])} frames) does not fit in {device.type} memory even alone "
+                f"({failed}); lower --max_duration, or use --gradient_checkpointing, --precision bf16/fp16, "
+                "--optimizer adamw_8bit or a smaller --preset")
+        halves = list(split_batch(batch))
+        log.warning("out of memory on a micro-batch of %d utterances (%d frames each)%s; retrying it as %d + %d "
+                    "utterances, the update is unchanged", len(batch), batch.feats.shape[1],
+                    " in the backward pass: the accumulation group starts again" if in_backward else "",
+                    len(halves[0]), len(halves[1]))
+        if in_backward:
+            model.zero_grad(set_to_none=True)
+            pending, done = done + halves + pending, []
+            sums = dict.fromkeys(sums, 0.0)
+        else:
+            pending = halves + pending
     return {name: value / n_utts for name, value in sums.items()}
 
 
@@ -161,6 +206,50 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 _DATA_ORDER_FIELDS = ("batch_size", "seed", "max_duration")
+# The same for the dynamic batches; --max_samples is handled apart, as it may grow.
+_SAMPLER_FIELDS = ("max_batch_frames", "max_batch_seconds", "num_buckets", "max_memory_gb", "preflight")
+
+
+def _resume_optimizer_and_samples(cfg: TrainConfig, saved: dict[str, Any]) -> tuple[TrainConfig, bool]:
+    """On resume: the checkpoint's optimizer (its state fits no other), and its --max_samples unless
+    the new one is larger. Returns the config and whether the training set grew."""
+    if canonical_optimizer(cfg.optimizer) != canonical_optimizer(saved["optimizer"]):
+        log.warning("on resume, --optimizer %s as in the checkpoint (its optimizer state is for that optimizer)",
+                    saved["optimizer"])
+        cfg = dataclasses.replace(cfg, optimizer=saved["optimizer"])
+    old, new = saved["max_samples"], cfg.max_samples
+    grows = old > 0 and (new <= 0 or new > old)
+    if new != old and not grows:
+        log.warning("on resume, --max_samples %d as in the checkpoint (it may grow, not shrink)", old)
+        cfg = dataclasses.replace(cfg, max_samples=old)
+    return cfg, grows
+
+
+def _train_sampler(cfg: TrainConfig, utterances: list[Utterance], model_cfg: ModelConfig, precision: Precision,
+                   optimizer_name: str, preflight_count: int) -> Sampler:
+    """Fixed-size or duration-bucketed batches (capped by the memory estimate under
+    --max_memory_gb), the largest first in the first epoch under --preflight."""
+    durations = [u.duration for u in utterances]
+    if cfg.max_batch_frames and cfg.max_batch_seconds:
+        raise ValueError("give --max_batch_frames or --max_batch_seconds, not both")
+    max_frames = cfg.max_batch_frames or round(cfg.max_batch_seconds * FRAMES_PER_SECOND)
+    if cfg.max_memory_gb > 0 and not max_frames:
+        max_frames = 10 ** 9  # the memory budget alone decides
+    if max_frames:
+        fits = None
+        if cfg.max_memory_gb > 0:
+            estimator = MemoryEstimator(model_cfg, precision_name(precision), optimizer_name,
+                                        cfg.gradient_checkpointing)
+            fits = estimator.fits_budget(cfg.max_memory_gb * GIB)
+        sampler = DurationBucketSampler(durations, max_frames, seed=cfg.seed, num_buckets=cfg.num_buckets, fits=fits)
+        log.info("dynamic batches: up to %s padded frames%s, %d length buckets (--batch_size is not used)",
+                 f"{max_frames:,}" if max_frames < 10 ** 9 else "any number of",
+                 f" and an estimated peak under {cfg.max_memory_gb:g} GiB" if fits else "", cfg.num_buckets)
+    else:
+        sampler = LengthGroupedBatchSampler(durations, cfg.batch_size, seed=cfg.seed)
+    if cfg.preflight:
+        sampler = PreflightSampler(sampler, durations, preflight_count)
+    return sampler
 
 
 def _seed_everything(seed: int) -> None:
@@ -198,7 +287,7 @@ def _log_skipped(name: str, path: str, kept: int, skipped: Counter) -> None:
         log.info("%s manifest %s: %d utterances", name, path, kept)
 
 
-def _loader(dataset: ASRDataset, sampler: LengthGroupedBatchSampler, cfg: TrainConfig,
+def _loader(dataset: ASRDataset, sampler: Sampler, cfg: TrainConfig,
             device: torch.device) -> DataLoader:
     workers = cfg.num_workers
     # A generator of its own, so that starting an epoch's iterator (which draws the workers' seed)
@@ -217,6 +306,78 @@ def _diverged_message(in_a_row: int, step: int, out_dir: Path, fp16: bool) -> st
     return (f"{in_a_row} updates in a row were skipped for a non-finite loss or gradients (steps "
             f"{step - in_a_row + 1} to {step}), so training stopped. The weights are those of step {step - in_a_row}, "
             f"saved in {out_dir / 'latest.pt'}; {advice}, then resume with --resume latest.")
+
+
+def _auto_batch_frames(cfg: TrainConfig, model: ASRModel, run_model: Callable[..., Any], device: torch.device,
+                       precision: Precision, utterances: list[Utterance], estimator: MemoryEstimator) -> int:
+    """--auto_batch: the largest --max_batch_frames whose batches of the longest utterance fit.
+    On CUDA it is measured: forward + backward passes on growing synthetic batches until one runs
+    out of memory or its peak plus the optimizer states passes 90% of the device. A CPU raises no
+    error to probe for (the kernel ends the process instead), so there the estimator decides."""
+    longest = max(frames_of(u.duration) for u in utterances)
+    tokens = max(len(u.tokens) for u in utterances)
+    budget = 0.9 * available_memory_bytes(device)
+    if cfg.max_memory_gb > 0:
+        budget = min(budget, cfg.max_memory_gb * GIB)
+    if device.type != "cuda":
+        frames = estimator.max_frames(budget, longest)
+        log.info("--auto_batch on %s: no out-of-memory error to probe for; by the estimate, %d utterances of the "
+                 "longest (%d frames) fit in %.1f GiB", device.type, frames // longest, longest, budget / GIB)
+    else:
+        def runs(n: int) -> bool:
+            feats = torch.randn(n, longest, model.cfg.n_mels, device=device)
+            lens = torch.full((n,), longest, device=device)
+            toks = torch.randint(3, model.cfg.vocab_size, (n, tokens), device=device)
+            torch.cuda.reset_peak_memory_stats(device)
+            try:
+                with precision.autocast(device):
+                    out = run_model(feats, lens, toks, torch.full((n,), tokens, device=device), spec_augment=True)
+                out.loss.backward()
+                fits = torch.cuda.max_memory_allocated(device) + estimator.optimizer_bytes <= budget
+            except (torch.OutOfMemoryError, RuntimeError) as e:
+                if not is_out_of_memory(e):
+                    raise
+                fits = False
+            out = feats = None
+            model.zero_grad(set_to_none=True)
+            free_memory(device)
+            return fits
+
+        with torch.random.fork_rng(devices=[device]):  # the probe leaves training's random draws alone
+            frames = largest_fitting(runs, limit=512) * longest
+        log.info("--auto_batch: %d utterances of the longest (%d frames) fit in %.1f GiB on %s (measured)",
+                 frames // longest, longest, budget / GIB, device)
+    if frames == 0:
+        raise BatchDoesNotFit(f"--auto_batch: even one utterance of {longest} frames does not fit in "
+                              f"{budget / GIB:.1f} GiB; lower --max_duration or use the memory options")
+    return frames
+
+
+def _compiled(model: ASRModel) -> Callable[..., Any]:
+    """The model's forward through ``torch.compile`` (dynamic shapes: batches vary in length); the
+    eager model, with a warning, wherever compiling fails (no compiler, an unsupported platform)."""
+    try:
+        compiled = torch.compile(model, dynamic=True)
+    except Exception as e:
+        log.warning("--compile: torch.compile is not available here (%s: %s); running eager", type(e).__name__, e)
+        return model
+    current = [compiled]
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if current[0] is not model:
+            try:
+                return current[0](*args, **kwargs)
+            except Exception as e:
+                if is_out_of_memory(e):
+                    raise
+                first_line = (str(e).strip().splitlines() or [""])[0]
+                log.warning("--compile: compiling the model failed (%s: %s); running eager", type(e).__name__,
+                            first_line)
+                current[0] = model
+        return model(*args, **kwargs)
+
+    log.info("--compile: the model is compiled with torch.compile at its first batches")
+    return forward
 
 
 # GradScaler skips the first fp16 steps while it finds its scale; LambdaLR then warns that the
@@ -263,12 +424,13 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
     # Tokenizer, model shape and the settings that fix the data order come from the checkpoint
     # when resuming, so that the epoch in progress continues with exactly the batches it had left.
     if ckpt is not None:
-        saved = ckpt["train_config"]
-        changed = {k: saved[k] for k in _DATA_ORDER_FIELDS if getattr(cfg, k) != saved[k]}
+        saved = {**dataclasses.asdict(TrainConfig()), **ckpt["train_config"]}  # older checkpoints: defaults
+        changed = {k: saved[k] for k in _DATA_ORDER_FIELDS + _SAMPLER_FIELDS if getattr(cfg, k) != saved[k]}
         if changed:
             log.warning("on resume, %s as in the checkpoint (they decide which batches remain in the epoch)",
                         ", ".join(f"--{k} {v}" for k, v in changed.items()))
             cfg = dataclasses.replace(cfg, **changed)
+        cfg, samples_grew = _resume_optimizer_and_samples(cfg, saved)
         tokenizer = Tokenizer(ckpt["tokenizer"])
         model_cfg = ModelConfig(**ckpt["model_config"])
         if any(v is not None and getattr(model_cfg, k) != v for k, v in model_overrides.items()):
@@ -284,6 +446,10 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
 
     train_utts, skipped = load_utterances(cfg.train_manifest, tokenizer, cfg.max_duration, cfg.duration_tolerance)
     _log_skipped("train", cfg.train_manifest, len(train_utts), skipped)
+    if cfg.max_samples > 0:
+        train_utts = [train_utts[i] for i in select_samples(len(train_utts), cfg.max_samples, cfg.seed)]
+        log.info("--max_samples %d: training on %d of the utterances (a seeded choice)", cfg.max_samples,
+                 len(train_utts))
     valid_utts, skipped = load_utterances(cfg.valid_manifest, tokenizer, cfg.max_duration, cfg.duration_tolerance)
     _log_skipped("valid", cfg.valid_manifest, len(valid_utts), skipped)
     if not train_utts or not valid_utts:
@@ -296,26 +462,44 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
     else:
         model.set_cmvn(*compute_cmvn(train_utts, model_cfg.n_mels, seed=cfg.seed))
     model.to(device)
+    model.set_gradient_checkpointing(cfg.gradient_checkpointing)
+    run_model = _compiled(model) if cfg.compile else model
     n_enc, n_dec = count_parameters(model.encoder), count_parameters(model.decoder)
     log.info("model: %s parameters (encoder %s, decoder %s); d_model=%d, %d encoder + %d decoder layers, "
              "vocabulary %d", f"{count_parameters(model):,}", f"{n_enc:,}", f"{n_dec:,}", model_cfg.d_model,
              model_cfg.encoder_layers, model_cfg.decoder_layers, model_cfg.vocab_size)
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
+    optimizer, optimizer_name = build_optimizer(cfg.optimizer, model.parameters(), device, cfg.lr, cfg.weight_decay)
+    log.info("optimizer: %s", {"adamw": "AdamW", "adamw_8bit": "8-bit AdamW (bitsandbytes)"}[optimizer_name])
+    cfg = dataclasses.replace(cfg, optimizer=optimizer_name)  # the checkpoint records the one that runs
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, warmup_steps=cfg.warmup_steps))
-    precision = resolve_precision(device, cfg.mixed_precision)
-    log.info("%s; device %s", precision.note, device)
+    precision = resolve_precision(device, cfg.mixed_precision, cfg.precision)
+    log.log(logging.WARNING if precision.slow else logging.INFO, "%s; device %s", precision.note, device)
+    if cfg.gradient_checkpointing:
+        log.info("gradient checkpointing: each encoder and decoder layer is recomputed in the backward pass")
     scaler = torch.amp.GradScaler(device.type, enabled=precision.use_scaler)
 
     train_set, valid_set = ASRDataset(train_utts, model_cfg.n_mels), ASRDataset(valid_utts, model_cfg.n_mels)
-    sampler = LengthGroupedBatchSampler([u.duration for u in train_utts], cfg.batch_size, seed=cfg.seed)
+    if cfg.auto_batch and ckpt is None:
+        estimator = MemoryEstimator(model_cfg, precision_name(precision), optimizer_name, cfg.gradient_checkpointing)
+        frames = _auto_batch_frames(cfg, model, run_model, device, precision, train_utts, estimator)
+        given = cfg.max_batch_frames or round(cfg.max_batch_seconds * FRAMES_PER_SECOND)
+        cfg = dataclasses.replace(cfg, max_batch_frames=min(frames, given) if given else frames, max_batch_seconds=0.0)
+    # The first micro-batch of the second step is the peak: optimizer states exist from then on.
+    accum_then = ckpt["train_config"]["gradient_accumulation_steps"] if ckpt else cfg.gradient_accumulation_steps
+    sampler = _train_sampler(cfg, train_utts, model_cfg, precision, optimizer_name, accum_then + 1)
     valid_sampler = LengthGroupedBatchSampler([u.duration for u in valid_utts], cfg.batch_size, shuffle=False)
     train_loader = _loader(train_set, sampler, cfg, device)
     valid_loader = _loader(valid_set, valid_sampler, dataclasses.replace(cfg, num_workers=0), device)
 
     step, epoch, batches_done, best_wer, valid_metrics, valid_step = 0, 0, 0, float("inf"), {}, -1
     if ckpt is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
+        saved_optimizer = canonical_optimizer(ckpt["train_config"].get("optimizer", "adamw"))
+        if saved_optimizer == optimizer_name:
+            optimizer.load_state_dict(ckpt["optimizer"])
+        else:
+            log.warning("the checkpoint's optimizer state is %s's and cannot be loaded into %s: the Adam moments "
+                        "start again from zero (weights, step and schedule carry on)", saved_optimizer, optimizer_name)
         scheduler.load_state_dict(ckpt["scheduler"])
         if scaler.is_enabled() and ckpt["scaler"]:  # empty when the saved run had no fp16
             scaler.load_state_dict(ckpt["scaler"])
@@ -323,12 +507,20 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
         best_wer, valid_metrics, valid_step = ckpt["best_wer"], ckpt["valid_metrics"], ckpt.get("valid_step", -1)
         _truncate_metrics(out_dir / "metrics.jsonl", step)
         _set_rng_state(ckpt["rng"])
+        if samples_grew and batches_done:
+            log.info("--max_samples grew from %d: epoch %d ends here, the next one covers the larger set",
+                     saved["max_samples"], epoch + 1)
+            epoch, batches_done = epoch + 1, 0
         log.info("resumed from %s at step %d (epoch %d, batch %d), lr %.3g", cfg.resume, step, epoch + 1,
                  batches_done, scheduler.get_last_lr()[0])
 
-    log.info("%d utterances per update (batch %d x %d accumulation steps), peak lr %g, %d warm-up steps",
-             cfg.batch_size * cfg.gradient_accumulation_steps, cfg.batch_size, cfg.gradient_accumulation_steps,
-             cfg.lr, cfg.warmup_steps)
+    if isinstance(getattr(sampler, "inner", sampler), DurationBucketSampler):
+        log.info("%d dynamic batches per update, peak lr %g, %d warm-up steps", cfg.gradient_accumulation_steps,
+                 cfg.lr, cfg.warmup_steps)
+    else:
+        log.info("%d utterances per update (batch %d x %d accumulation steps), peak lr %g, %d warm-up steps",
+                 cfg.batch_size * cfg.gradient_accumulation_steps, cfg.batch_size, cfg.gradient_accumulation_steps,
+                 cfg.lr, cfg.warmup_steps)
 
     def record(kind: str, **values: Any) -> None:
         # Training rows carry the epoch in progress, validation rows the epoch just finished.
@@ -366,6 +558,8 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
         epoch_batches = batches_done + len(sampler)
         # The loader delivers the sampler's batches in order; what is missing from one failed to load.
         planned, unreadable, skips_before = iter(list(sampler)), [], skips.total
+        log.info("epoch %d: %d batches, %.1f%% of their frames padding", epoch + 1, epoch_batches,
+                 100 * padding_fraction(sampler.epoch_batches(), [frames_of(u.duration) for u in train_utts]))
         model.train()
         bar = tqdm(total=epoch_batches, initial=batches_done, desc=f"epoch {epoch + 1}/{cfg.epochs}",
                    disable=not cfg.progress, dynamic_ncols=True, leave=False)
@@ -382,7 +576,8 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
             # An accumulation group closes after `accum` batches, or at the end of the epoch.
             if (len(micro) < accum and batches_done < epoch_batches) or not micro:
                 continue
-            stats = forward_backward(model, micro, device, precision, scaler, cfg.spec_augment)
+            stats = forward_backward(run_model, micro, device, precision, scaler, cfg.spec_augment,
+                                     name_of=lambda i: f"{train_utts[i].where} ({train_utts[i].duration:.1f} s)")
             window_utts += sum(len(b) for b in micro)
             group = [train_utts[i] for b in micro for i in b.indices]
             micro = []
@@ -399,7 +594,8 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
                             ", ".join(f"{u.where} ({u.audio_path.name})" for u in group))
 
             speed = window_utts / (time.perf_counter() - window_start)
-            bar.set_postfix(loss=f"{stats['loss']:.3f}", lr=f"{lr:.2e}", utt_s=f"{speed:.1f}", refresh=False)
+            bar.set_postfix(loss=f"{stats['loss']:.3f}", lr=f"{lr:.2e}", utt_s=f"{speed:.1f}",
+                            **{k: f"{v:.2f}" for k, v in memory_status(device).items()}, refresh=False)
             if step % cfg.log_every == 0:
                 record("train", lr=lr, grad_norm=grad_norm, utt_per_s=speed, **stats)
                 window_utts, window_start = 0, time.perf_counter()
@@ -423,6 +619,8 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
         if skips.total > skips_before:
             log.warning("epoch %d: %d updates skipped for a non-finite loss or gradients", epoch + 1,
                         skips.total - skips_before)
+        log.info("epoch %d memory (GiB): %s", epoch + 1,
+                 ", ".join(f"{k[:-3]} {v:.2f}" for k, v in memory_status(device).items()))
         if stop and batches_done < epoch_batches:
             if stopped_by is None:
                 log.info("stopped at step %d in epoch %d", step, epoch + 1)

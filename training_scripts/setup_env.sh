@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Set up a machine for konkanivani: espeak-ng (demo corpus and tests), PyTorch + torchaudio when
 # they are missing, and the package itself in editable mode.
-#   training_scripts/setup_env.sh          # for training
+#   training_scripts/setup_env.sh          # for training (with 8-bit AdamW from bitsandbytes)
 #   training_scripts/setup_env.sh --dev    # also the test tools
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-extras=""
-[ "${1:-}" = "--dev" ] && extras="[dev]"
+extras="[8bit]"
+[ "${1:-}" = "--dev" ] && extras="[dev,8bit]"
 
 if ! command -v espeak-ng >/dev/null 2>&1; then
     sudo=""

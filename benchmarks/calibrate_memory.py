@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""Re-measure the coefficients of konkanivani.memory's estimator on this machine.
+
+1. Activations: for a grid of model shapes and lengths, count the bytes of the tensors autograd
+   saves for the backward pass (``saved_tensors_hooks``, one forward pass, batch 2 minus batch 1
+   so that weights and their autocast copies cancel), in fp32 and under bf16 autocast, and fit
+   the coefficients of each term of ``_activation_terms`` by non-negative least squares.
+2. Peak: train the tiny and small presets a few steps in fresh processes (benchmarks/memory.py's
+   worker) and fit peak RSS = static + factor x activations + overhead.
+
+    nice -n 19 python3 benchmarks/calibrate_memory.py     # prints the values to paste into memory.py
+"""
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from scipy.optimize import nnls
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from konkanivani import memory  # noqa: E402
+from konkanivani.config import ModelConfig, model_config_from_preset  # noqa: E402
+from konkanivani.model import ASRModel  # noqa: E402
+
+SHAPES = [  # d_model, heads, ffn, encoder layers, decoder layers, vocabulary
+    (32, 2, 64, 1, 1, 64), (64, 2, 256, 2, 1, 256), (48, 4, 96, 1, 2, 128), (96, 4, 192, 2, 2, 64),
+]
+LENGTHS = [(240, 6), (240, 40), (600, 30)]  # (frames, tokens)
+HELD_OUT = [("tiny", 1000, 50), ("small", 800, 40)]  # checked against the fit, not used in it
+
+
+def saved_bytes(model: ASRModel, batch: int, frames: int, tokens: int, half: bool) -> int:
+    """Bytes of the distinct storages autograd saves in one forward pass."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    feats = torch.randn(batch, frames, model.cfg.n_mels)
+    toks = torch.randint(3, model.cfg.vocab_size, (batch, tokens))
+    lens, tok_lens = torch.full((batch,), frames), torch.full((batch,), tokens)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=half):
+        model(feats, lens, toks, tok_lens, spec_augment=True)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(n for ptr, n in storages.items() if ptr not in params)
+
+
+def _per_utterance(cfg: ModelConfig, frames: int, tokens: int) -> dict[bool, int]:
+    torch.manual_seed(0)
+    model = ASRModel(cfg).train()
+    return {half: saved_bytes(model, 2, frames, tokens, half) - saved_bytes(model, 1, frames, tokens, half)
+            for half in (False, True)}
+
+
+def fit_activations() -> dict[str, dict[str, float]]:
+    rows, targets = [], {False: [], True: []}
+    for (d, h, f, le, ld, v), (frames, tokens) in itertools.product(SHAPES, LENGTHS):
+        cfg = ModelConfig(vocab_size=v, d_model=d, n_heads=h, ffn_dim=f, encoder_layers=le, decoder_layers=ld)
+        rows.append(list(memory._activation_terms(cfg, frames, tokens).values()))
+        for half, n in _per_utterance(cfg, frames, tokens).items():
+            targets[half].append(n)
+    names = list(memory._activation_terms(ModelConfig(vocab_size=8), 100, 1))
+    held_out = [(model_config_from_preset(p, vocab_size=128), frames, tokens) for p, frames, tokens in HELD_OUT]
+    held_out = [(cfg, frames, tokens, _per_utterance(cfg, frames, tokens)) for cfg, frames, tokens in held_out]
+    out = {}
+    for half in (False, True):
+        a, b = np.array(rows, dtype=float), np.array(targets[half], dtype=float)
+        # relative errors matter: weight each row by 1 / its size
+        coef, _ = nnls(a / b[:, None], np.ones_like(b))
+        err = np.abs(a @ coef / b - 1)
+        checks = [abs(np.array(list(memory._activation_terms(cfg, frames, tokens).values())) @ coef / n[half] - 1)
+                  for cfg, frames, tokens, n in held_out]
+        print(f"{'half' if half else 'fp32'}: {len(b)} measurements, fit error mean {err.mean():.1%}, "
+              f"max {err.max():.1%}; held out (tiny, small presets): " + ", ".join(f"{c:.1%}" for c in checks))
+        out["half" if half else "fp32"] = {n: round(float(c), 3) for n, c in zip(names, coef)}
+    return out
+
+
+def fit_peak(coeffs: dict[str, dict[str, float]]) -> tuple[float, float]:
+    from memory import measure  # benchmarks/memory.py
+
+    memory.ACTIVATION_COEFFS.update(coeffs)
+    memory.PEAK_FACTOR, memory.PEAK_OVERHEAD = 1.0, 0.0
+    a, b = [], []
+    for preset, utts, seconds in [("tiny", 4, 8), ("tiny", 2, 20), ("small", 2, 8), ("small", 1, 20)]:
+        for precision in ("fp32", "bf16"):
+            frames, tokens = seconds * 100, seconds * 5
+            spec = {"device": "cpu", "preset": preset, "utterances": utts, "frames": frames, "tokens": tokens,
+                    "steps": 2, "precision": precision, "optimizer": "adamw", "checkpointing": False}
+            peak = measure(spec)["peak_mib"] * 2 ** 20
+            est = memory.MemoryEstimator(model_config_from_preset(preset, vocab_size=128), precision)
+            parts = est.components(utts, frames, tokens)
+            act = sum(v for k, v in parts.items() if k.startswith("activations"))
+            a.append([act, 1.0])
+            b.append(peak - (sum(parts.values()) - act))
+            print(f"{preset} {utts} x {seconds} s {precision}: peak {peak / 2 ** 20:.0f} MiB, "
+                  f"static {(sum(parts.values()) - act) / 2 ** 20:.0f} MiB, activations {act / 2 ** 20:.0f} MiB")
+    (factor, overhead), *_ = np.linalg.lstsq(np.array(a), np.array(b), rcond=None)
+    return round(float(factor), 3), round(float(overhead) / 2 ** 20, 1)
+
+
+def main() -> None:
+    coeffs = fit_activations()
+    print("ACTIVATION_COEFFS =", coeffs)
+    factor, overhead_mib = fit_peak(coeffs)
+    print(f"PEAK_FACTOR = {factor}\nPEAK_OVERHEAD = {overhead_mib} * 2 ** 20")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Dynamic batching by duration: batches hold as many utterances as fit a frame budget, grouped by
+length so that little of each batch is padding; plus the helpers that change a batch's size
+(halving a micro-batch after an out-of-memory error) or the training set's (``--max_samples``)."""
+from __future__ import annotations
+
+import random
+from typing import Callable, Iterator, Optional, Sequence
+
+from torch.utils.data import Sampler
+
+from .audio import HOP_LENGTH, SAMPLE_RATE
+from .data import Batch
+
+__all__ = ["frames_of", "DurationBucketSampler", "PreflightSampler", "padding_fraction", "split_batch", "select_samples"]
+
+FRAMES_PER_SECOND = SAMPLE_RATE / HOP_LENGTH
+
+
+def frames_of(duration: float) -> int:
+    """Feature frames of ``duration`` seconds of audio (as ``LogMel`` makes them)."""
+    return 1 + int(duration * SAMPLE_RATE) // HOP_LENGTH
+
+
+class DurationBucketSampler(Sampler[list[int]]):
+    """Batches of at most ``max_frames`` padded frames (utterances x longest utterance).
+
+    Each epoch (seeded by ``seed + epoch``) the utterances are sorted by duration (ties in a
+    seeded random order) and cut into ``num_buckets`` buckets of equal count; each bucket is
+    shuffled and cut greedily into batches (its utterances are alike in length, so padding stays
+    small); then all batches are shuffled across buckets. ``fits(n, frames)``, when given, is a
+    further cap (the memory estimator's). In the first epoch, with ``worst_first``, the
+    ``worst_first`` largest batches go first, so that running out of memory shows at the start.
+
+    Same resume interface as ``LengthGroupedBatchSampler``: ``set_epoch(epoch, start)`` skips the
+    batches already consumed; ``state_dict``/``load_state_dict``.
+    """
+
+    def __init__(self, durations: Sequence[float], max_frames: int, seed: int = 0, num_buckets: int = 10,
+                 shuffle: bool = True, fits: Optional[Callable[[int, int], bool]] = None):
+        if max_frames < 1:
+            raise ValueError(f"max_frames must be >= 1, got {max_frames}")
+        if num_buckets < 1:
+            raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
+        self.frames = [frames_of(d) for d in durations]
+        self.max_frames = max_frames
+        self.seed = seed
+        self.num_buckets = num_buckets
+        self.shuffle = shuffle
+        self.fits = fits
+        self.epoch = 0
+        self.start = 0
+        self._cache: tuple[int, list[list[int]]] | None = None
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "start": self.start}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.set_epoch(state["epoch"], state["start"])
+
+    def _accepts(self, n: int, longest: int) -> bool:
+        return n * longest <= self.max_frames and (self.fits is None or self.fits(n, longest))
+
+    def _cut(self, order: list[int]) -> list[list[int]]:
+        """Greedy batches in ``order``; an utterance over the budget on its own goes alone."""
+        batches, batch, longest = [], [], 0
+        for i in order:
+            if batch and not self._accepts(len(batch) + 1, max(longest, self.frames[i])):
+                batches.append(batch)
+                batch, longest = [], 0
+            batch.append(i)
+            longest = max(longest, self.frames[i])
+        if batch:
+            batches.append(batch)
+        return batches
+
+    def epoch_batches(self) -> list[list[int]]:
+        if self._cache is not None and self._cache[0] == self.epoch:
+            return self._cache[1]
+        key = self.frames.__getitem__
+        if not self.shuffle:
+            batches = self._cut(sorted(range(len(self.frames)), key=key))
+        else:
+            rng = random.Random(self.seed + self.epoch)
+            order = list(range(len(self.frames)))
+            rng.shuffle(order)
+            order.sort(key=key)  # stable: equal durations stay in shuffled order
+            size = -(-len(order) // self.num_buckets)
+            batches = []
+            for b in range(0, len(order), size):
+                bucket = order[b:b + size]
+                rng.shuffle(bucket)
+                batches += self._cut(bucket)
+            rng.shuffle(batches)
+        self._cache = (self.epoch, batches)
+        return batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        yield from self.epoch_batches()[self.start:]
+
+    def __len__(self) -> int:
+        return max(0, len(self.epoch_batches()) - self.start)
+
+
+class PreflightSampler(Sampler[list[int]]):
+    """Wraps a batch sampler so that its first epoch starts with its ``count`` largest batches
+    (utterances x longest frames, longest first), the worst case for memory: an out-of-memory
+    error then shows in the first minute, not hours in. Other epochs are left as they are."""
+
+    def __init__(self, inner: Sampler[list[int]], durations: Sequence[float], count: int):
+        self.inner = inner
+        self.frames = [frames_of(d) for d in durations]
+        self.count = count
+        self.epoch = self.start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+        self.inner.set_epoch(epoch, 0)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "start": self.start}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.set_epoch(state["epoch"], state["start"])
+
+    def epoch_batches(self) -> list[list[int]]:
+        batches = self.inner.epoch_batches()
+        if self.epoch != 0 or self.count <= 0:
+            return batches
+        ranked = sorted(range(len(batches)), key=lambda b: -len(batches[b]) * max(self.frames[i] for i in batches[b]))
+        first = ranked[:self.count]
+        chosen = set(first)
+        return [batches[b] for b in first] + [batch for b, batch in enumerate(batches) if b not in chosen]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        yield from self.epoch_batches()[self.start:]
+
+    def __len__(self) -> int:
+        return max(0, len(self.inner) - self.start)
+
+
+def padding_fraction(batches: Sequence[Sequence[int]], frames: Sequence[int]) -> float:
+    """Share of the padded frames of ``batches`` that are padding."""
+    real = sum(frames[i] for batch in batches for i in batch)
+    padded = sum(len(batch) * max(frames[i] for i in batch) for batch in batches)
+    return 1.0 - real / padded if padded else 0.0
+
+
+def split_batch(batch: Batch) -> tuple[Batch, Batch]:
+    """Two halves of a batch (of at least 2 utterances), each trimmed to its own longest utterance."""
+    if len(batch) < 2:
+        raise ValueError("a batch of one utterance cannot be split")
+    half = len(batch) // 2
+
+    def part(sl: slice) -> Batch:
+        feat_lens, token_lens = batch.feat_lens[sl], batch.token_lens[sl]
+        return Batch(batch.feats[sl, :int(feat_lens.max())], feat_lens, batch.tokens[sl, :int(token_lens.max())],
+                     token_lens, batch.indices[sl])
+
+    return part(slice(0, half)), part(slice(half, None))
+
+
+def select_samples(n_total: int, max_samples: int, seed: int) -> list[int]:
+    """Positions of a seeded random choice of ``max_samples`` of ``n_total`` utterances (all when
+    ``max_samples`` is 0 or more than there are), in manifest order. A larger ``max_samples``
+    keeps every utterance a smaller one chose: the set only grows."""
+    if max_samples <= 0 or max_samples >= n_total:
+        return list(range(n_total))
+    order = list(range(n_total))
+    random.Random(seed).shuffle(order)
+    return sorted(order[:max_samples])

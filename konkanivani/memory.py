@@ -1,0 +1,245 @@
+"""Memory: telling out-of-memory errors apart, freeing memory after one, watching usage (CUDA's
+allocator on a GPU, the process's resident set on a CPU), and estimating a training step's peak
+before running it."""
+from __future__ import annotations
+
+import gc
+import resource
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from .config import ModelConfig
+
+__all__ = ["GIB", "MemoryEstimator", "precision_name", "largest_fitting", "available_memory_bytes", "is_out_of_memory", "free_memory", "BatchDoesNotFit", "rss_bytes", "peak_rss_bytes", "reset_peak_rss",
+           "memory_status"]
+
+_GIB = 1024 ** 3
+
+
+class BatchDoesNotFit(RuntimeError):
+    """A single utterance does not fit in memory: nothing is left to split."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA's ``OutOfMemoryError``, or the CPU allocator's failure (a plain ``RuntimeError``)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+def free_memory(device: torch.device) -> None:
+    """Drop unreachable tensors and hand CUDA's cached blocks back, after an out-of-memory error."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process now (Linux ``/proc``; the peak elsewhere)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    """Highest resident memory of this process (since ``reset_peak_rss`` where that works)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def reset_peak_rss() -> bool:
+    """Restart the peak resident memory count at the current value (Linux); False where it cannot."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def memory_status(device: torch.device) -> dict[str, float]:
+    """GiB in use now and at the peak: CUDA's allocated/peak/reserved, or the process RSS on a CPU."""
+    if device.type == "cuda":
+        return {"mem_gb": torch.cuda.memory_allocated(device) / _GIB,
+                "peak_gb": torch.cuda.max_memory_allocated(device) / _GIB,
+                "reserved_gb": torch.cuda.memory_reserved(device) / _GIB}
+    return {"rss_gb": rss_bytes() / _GIB, "peak_rss_gb": peak_rss_bytes() / _GIB}
+
+
+# ---- the estimator ---------------------------------------------------------------------------
+
+GIB = _GIB
+TOKENS_PER_SECOND = 5.0  # decoder length assumed per second of audio (SentencePiece, vocabulary ~128)
+
+# Activation bytes kept for the backward pass, per utterance, as coefficients of the terms of
+# ``_activation_terms``. Fitted by ``benchmarks/calibrate_memory.py``: non-negative least squares
+# over the bytes autograd saves (counted with ``saved_tensors_hooks``) for 4 model shapes x 3
+# lengths on the CPU, "half" under bf16 autocast; fit error under 1.2%, and 1.8-4.0% on the tiny
+# and small presets held out of the fit. Re-run it after changing the model.
+ACTIVATION_COEFFS: dict[str, dict[str, float]] = {
+    "fp32": {"subsampling": 6.961, "encoder_width": 50.039, "encoder_ffn": 28.466, "encoder_attention": 12.856,
+             "decoder_width": 59.608, "decoder_ffn": 20.502, "decoder_attention": 11.267, "heads": 0.0},
+    "half": {"subsampling": 3.206, "encoder_width": 80.049, "encoder_ffn": 6.632, "encoder_attention": 12.884,
+             "decoder_width": 70.74, "decoder_ffn": 0.0, "decoder_attention": 10.979, "heads": 8.832},
+}
+# Peak resident memory of a training step = static + PEAK_FACTOR x saved activations +
+# PEAK_OVERHEAD: the backward pass holds gradients of activations beside the saved ones, and the
+# first steps allocate kernels' and the allocator's working memory once. Fitted by the same script
+# to the peak RSS of fresh processes training the tiny and small presets (8 runs, fp32 and bf16,
+# 1-4 utterances of 8-20 s), on a 2-core x86 CPU with torch 2.14. The overhead is a CPU process's;
+# CUDA's allocator figures leave it out, so on a GPU it stands in for part of the safety margin.
+PEAK_FACTOR = 1.347
+PEAK_OVERHEAD = 207.5 * 2 ** 20
+
+
+def precision_name(precision: Any) -> str:
+    """``fp32``, ``bf16`` or ``fp16`` for a ``Precision``."""
+    return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[precision.dtype]
+
+
+def _activation_terms(cfg: ModelConfig, frames: int, tokens: int, layers: Optional[tuple[int, int]] = None
+                      ) -> dict[str, float]:
+    """Sizes (in elements) that activation memory grows with, for one utterance of ``frames``
+    feature frames and ``tokens`` tokens; ``layers`` overrides (encoder, decoder) layer counts."""
+    enc_layers, dec_layers = layers or (cfg.encoder_layers, cfg.decoder_layers)
+    t = max(1, ((frames - 1) // 2 - 1) // 2)  # frames after subsampling
+    u = tokens + 1
+    return {
+        "subsampling": frames * cfg.n_mels * cfg.d_model / 4,
+        "encoder_width": enc_layers * t * cfg.d_model,
+        "encoder_ffn": enc_layers * t * cfg.ffn_dim,
+        "encoder_attention": enc_layers * cfg.n_heads * t * t,
+        "decoder_width": dec_layers * u * cfg.d_model,
+        "decoder_ffn": dec_layers * u * cfg.ffn_dim,
+        "decoder_attention": dec_layers * cfg.n_heads * u * (t + u),
+        "heads": (t + u) * cfg.vocab_size,
+    }
+
+
+_COMPONENT_OF = {"subsampling": "subsampling", "encoder_width": "encoder", "encoder_ffn": "encoder",
+                 "encoder_attention": "encoder", "decoder_width": "decoder", "decoder_ffn": "decoder",
+                 "decoder_attention": "decoder", "heads": "CTC + output heads"}
+
+
+class MemoryEstimator:
+    """Peak training memory of one preset under one precision, optimizer and checkpointing choice,
+    per component: parameters, gradients, optimizer states, autocast weight copies, and the
+    activations of a batch (which grow with its utterances x frames, and with frames squared in
+    attention). Coefficients measured on the CPU (see ``ACTIVATION_COEFFS``); CUDA kernels differ
+    somewhat, so on a GPU keep a safety margin or let ``--auto_batch`` measure."""
+
+    def __init__(self, cfg: ModelConfig, precision: str = "fp32", optimizer: str = "adamw",
+                 checkpointing: bool = False):
+        from .model import ASRModel  # here: model imports nothing from this module, but keep it light
+        from .optim import canonical_optimizer
+
+        self.cfg, self.precision, self.checkpointing = cfg, precision, checkpointing
+        self.optimizer = canonical_optimizer(optimizer)
+        with torch.device("meta"):
+            shapes = [p.numel() for p in ASRModel(cfg).parameters()]
+        self.n_params = sum(shapes)
+        if self.optimizer == "adamw_8bit":  # bitsandbytes keeps tensors under 4096 elements in 32 bits
+            self.optimizer_bytes = sum(2 * n + 8 * -(-n // 256) if n >= 4096 else 8 * n for n in shapes)
+        else:
+            self.optimizer_bytes = 8 * self.n_params
+
+    def _activations(self, frames: int, tokens: int) -> dict[str, float]:
+        coeffs = ACTIVATION_COEFFS["fp32" if self.precision == "fp32" else "half"]
+        cfg = self.cfg
+        if not self.checkpointing:
+            terms = _activation_terms(cfg, frames, tokens)
+            out: dict[str, float] = {}
+            for name, size in terms.items():
+                out[_COMPONENT_OF[name]] = out.get(_COMPONENT_OF[name], 0.0) + coeffs[name] * size
+            return out
+        # Checkpointed: each layer keeps its fp32 input; one layer's activations live at a time.
+        one = _activation_terms(cfg, frames, tokens, layers=(1, 1))
+        t = max(1, ((frames - 1) // 2 - 1) // 2)
+        enc_one = sum(coeffs[k] * one[k] for k in ("encoder_width", "encoder_ffn", "encoder_attention"))
+        dec_one = sum(coeffs[k] * one[k] for k in ("decoder_width", "decoder_ffn", "decoder_attention"))
+        return {"subsampling": coeffs["subsampling"] * one["subsampling"],
+                "encoder": 4 * cfg.encoder_layers * t * cfg.d_model + (enc_one if cfg.encoder_layers else 0),
+                "decoder": 4 * cfg.decoder_layers * (tokens + 1) * cfg.d_model + (dec_one if cfg.decoder_layers else 0),
+                "CTC + output heads": coeffs["heads"] * one["heads"]}
+
+    def components(self, batch: int, frames: int, tokens: Optional[int] = None) -> dict[str, float]:
+        """Bytes per component for ``batch`` utterances padded to ``frames`` frames (``tokens``
+        tokens each; by default ``TOKENS_PER_SECOND`` of the audio's length)."""
+        if tokens is None:
+            tokens = max(1, round(frames / 100 * TOKENS_PER_SECOND))
+        parts = {"parameters": 4.0 * self.n_params, "gradients": 4.0 * self.n_params,
+                 f"optimizer ({self.optimizer})": float(self.optimizer_bytes)}
+        if self.precision != "fp32":
+            parts["autocast weight copies"] = 2.0 * self.n_params
+        acts = self._activations(frames, tokens)
+        for name, value in acts.items():
+            parts[f"activations: {name}"] = PEAK_FACTOR * batch * value
+        parts["runtime overhead"] = PEAK_OVERHEAD
+        return parts
+
+    def peak_bytes(self, batch: int, frames: int, tokens: Optional[int] = None) -> float:
+        return sum(self.components(batch, frames, tokens).values())
+
+    def fits_budget(self, budget_bytes: float) -> Callable[[int, int], bool]:
+        """``fits(batch, frames)`` for ``DurationBucketSampler``: the estimated peak is under the budget."""
+        def fits(batch: int, frames: int) -> bool:
+            return self.peak_bytes(batch, frames) <= budget_bytes
+
+        return fits
+
+    def max_frames(self, budget_bytes: float, longest_frames: int) -> int:
+        """The largest ``max_batch_frames`` whose every batch (up to utterances of
+        ``longest_frames``) stays under the budget; 0 if not even one such utterance fits."""
+        fits = self.fits_budget(budget_bytes)
+        if not fits(1, longest_frames):
+            return 0
+        n = 1
+        while fits(n + 1, longest_frames):
+            n += 1
+        return n * longest_frames
+
+
+def largest_fitting(runs: Callable[[int], bool], limit: int) -> int:
+    """The largest ``n <= limit`` for which ``runs(n)`` is True (0 if not even 1), assuming
+    that what fits for ``n`` fits for anything smaller: doubling, then bisection."""
+    if limit < 1 or not runs(1):
+        return 0
+    good = 1
+    while good < limit:
+        trial = min(2 * good, limit)
+        if not runs(trial):
+            bad = trial
+            break
+        good = trial
+    else:
+        return good
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if runs(mid) else (good, mid)
+    return good
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Memory a training run may use: the GPU's total, or the RAM the kernel reports available."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 + rss_bytes()
+    except OSError:
+        pass
+    return 8 * _GIB
