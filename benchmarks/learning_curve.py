@@ -25,17 +25,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "training_scripts"))
 
-import train_konkanivani_asr as trainer_cli
+import train_konkanivani_asr as trainer_cli  # noqa: E402
 
-from konkanivani.checkpoint import average_checkpoints, load_checkpoint, save_checkpoint, step_checkpoints
-from konkanivani.config import ModelConfig, TrainConfig, dataclass_from_args
-from konkanivani.decode import DEFAULT_CTC_WEIGHT, METHODS
-from konkanivani.demo_corpus import make_corpus
-from konkanivani.evaluation import evaluate_manifest
-from konkanivani.inference import Recognizer
-from konkanivani.model import ASRModel
-from konkanivani.tokenizer import Tokenizer
-from konkanivani.train import train
+from konkanivani.checkpoint import average_checkpoints, load_checkpoint, save_checkpoint, step_checkpoints  # noqa: E402
+from konkanivani.config import ModelConfig, TrainConfig, dataclass_from_args  # noqa: E402
+from konkanivani.decode import DEFAULT_CTC_WEIGHT, METHODS  # noqa: E402
+from konkanivani.demo_corpus import make_corpus  # noqa: E402
+from konkanivani.evaluation import evaluate_manifest  # noqa: E402
+from konkanivani.inference import Recognizer  # noqa: E402
+from konkanivani.model import ASRModel  # noqa: E402
+from konkanivani.tokenizer import Tokenizer  # noqa: E402
+from konkanivani.train import train  # noqa: E402
 
 # The CPU recipe (flags of the trainer); command-line flags override them.
 # Characters, not subword pieces: a third of the test words never occur in training, and a model

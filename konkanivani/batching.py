@@ -4,12 +4,12 @@ length so that little of each batch is padding; plus the helpers that change a b
 from __future__ import annotations
 
 import random
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from torch.utils.data import Sampler
 
 from .audio import HOP_LENGTH, SAMPLE_RATE
-from .data import Batch
+from .data import Batch, ResumableBatchSampler
 
 __all__ = ["frames_of", "DurationBucketSampler", "PreflightSampler", "padding_fraction", "split_batch", "select_samples"]
 
@@ -21,7 +21,7 @@ def frames_of(duration: float) -> int:
     return 1 + int(duration * SAMPLE_RATE) // HOP_LENGTH
 
 
-class DurationBucketSampler(Sampler[list[int]]):
+class DurationBucketSampler(ResumableBatchSampler):
     """Batches of at most ``max_frames`` padded frames (utterances x longest utterance).
 
     Each epoch (seeded by ``seed + epoch``) the utterances are sorted by duration (ties in a
@@ -47,18 +47,7 @@ class DurationBucketSampler(Sampler[list[int]]):
         self.num_buckets = num_buckets
         self.shuffle = shuffle
         self.fits = fits
-        self.epoch = 0
-        self.start = 0
         self._cache: tuple[int, list[list[int]]] | None = None
-
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        self.epoch, self.start = epoch, start
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "start": self.start}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.set_epoch(state["epoch"], state["start"])
 
     def _accepts(self, n: int, longest: int) -> bool:
         return n * longest <= self.max_frames and (self.fits is None or self.fits(n, longest))
@@ -97,14 +86,8 @@ class DurationBucketSampler(Sampler[list[int]]):
         self._cache = (self.epoch, batches)
         return batches
 
-    def __iter__(self) -> Iterator[list[int]]:
-        yield from self.epoch_batches()[self.start:]
 
-    def __len__(self) -> int:
-        return max(0, len(self.epoch_batches()) - self.start)
-
-
-class PreflightSampler(Sampler[list[int]]):
+class PreflightSampler(ResumableBatchSampler):
     """Wraps a batch sampler so that its first epoch starts with its ``count`` largest batches
     (utterances x longest frames, longest first), the worst case for memory: an out-of-memory
     error then shows in the first minute, not hours in. Other epochs are left as they are."""
@@ -113,17 +96,10 @@ class PreflightSampler(Sampler[list[int]]):
         self.inner = inner
         self.frames = [frames_of(d) for d in durations]
         self.count = count
-        self.epoch = self.start = 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
-        self.epoch, self.start = epoch, start
+        super().set_epoch(epoch, start)
         self.inner.set_epoch(epoch, 0)
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "start": self.start}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.set_epoch(state["epoch"], state["start"])
 
     def epoch_batches(self) -> list[list[int]]:
         batches = self.inner.epoch_batches()
@@ -134,10 +110,7 @@ class PreflightSampler(Sampler[list[int]]):
         chosen = set(first)
         return [batches[b] for b in first] + [batch for b, batch in enumerate(batches) if b not in chosen]
 
-    def __iter__(self) -> Iterator[list[int]]:
-        yield from self.epoch_batches()[self.start:]
-
-    def __len__(self) -> int:
+    def __len__(self) -> int:  # as many batches as the inner sampler's
         return max(0, len(self.inner) - self.start)
 
 

@@ -162,7 +162,34 @@ def collate(examples: Sequence[Optional[Example]]) -> Optional[Batch]:
                  torch.tensor([len(e.tokens) for e in examples]), [e.index for e in examples])
 
 
-class LengthGroupedBatchSampler(Sampler[list[int]]):
+class ResumableBatchSampler(Sampler[list[int]]):
+    """A batch sampler whose batches for an epoch are a pure function of its settings and the
+    epoch (``epoch_batches``), so that ``set_epoch(epoch, start)`` / ``load_state_dict`` can
+    restart an epoch after the ``start`` batches already consumed: a mid-epoch resume."""
+
+    epoch = 0
+    start = 0  # batches of this epoch to skip
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "start": self.start}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.set_epoch(state["epoch"], state["start"])
+
+    def epoch_batches(self) -> list[list[int]]:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[list[int]]:
+        yield from self.epoch_batches()[self.start:]
+
+    def __len__(self) -> int:
+        return max(0, len(self.epoch_batches()) - self.start)
+
+
+class LengthGroupedBatchSampler(ResumableBatchSampler):
     """Fixed-size batches of similar duration, so padding stays small.
 
     Each epoch (seeded by ``seed + epoch``) the utterances are shuffled, cut into pools of
@@ -180,17 +207,6 @@ class LengthGroupedBatchSampler(Sampler[list[int]]):
         self.seed = seed
         self.shuffle = shuffle
         self.pool_batches = pool_batches
-        self.epoch = 0
-        self.start = 0  # batches of this epoch to skip
-
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        self.epoch, self.start = epoch, start
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "start": self.start}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.set_epoch(state["epoch"], state["start"])
 
     def epoch_batches(self) -> list[list[int]]:
         order = list(range(len(self.durations)))
@@ -207,8 +223,5 @@ class LengthGroupedBatchSampler(Sampler[list[int]]):
         rng.shuffle(batches)
         return batches
 
-    def __iter__(self) -> Iterator[list[int]]:
-        yield from self.epoch_batches()[self.start:]
-
-    def __len__(self) -> int:
+    def __len__(self) -> int:  # without building the epoch's batches
         return max(0, -(-len(self.durations) // self.batch_size) - self.start)
