@@ -26,12 +26,7 @@ sys.path.insert(0, str(ROOT / "training_scripts"))
 import train_konkanivani_asr as cli  # noqa: E402
 import validate_manifest  # noqa: E402
 
-
-def _args(corpus, out, *extra):
-    return ["--train_manifest", str(corpus / "train.jsonl"), "--valid_manifest", str(corpus / "valid.jsonl"),
-            "--output_dir", str(out), "--preset", "tiny", "--vocab_size", "48", "--batch_size", "4",
-            "--gradient_accumulation_steps", "2", "--lr", "2e-3", "--warmup_steps", "8", "--epochs", "100",
-            "--log_every", "1", "--num_workers", "0", "--no-progress", "--seed", "5", *extra]
+from tiny_args import tiny_args  # noqa: E402
 
 
 def _temporaries(out):
@@ -53,7 +48,7 @@ def test_kill9_while_writing_a_checkpoint_keeps_the_previous_one(tiny_corpus, tm
     out = tmp_path / "run"
     # Saves come at steps 3 and 6; the second is killed with half its bytes written.
     result = subprocess.run([sys.executable, str(ROOT / "tests" / "fault_run.py"), "kill9_in_save", "2", "--",
-                             *_args(tiny_corpus, out, "--save_every_steps", "3", "--max_steps", "20")],
+                             *tiny_args(tiny_corpus, out, "--save_every_steps", "3", "--max_steps", "20")],
                             check=False, capture_output=True, text=True, timeout=600)
     assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
     assert not (out / "step_0000006.pt").exists()
@@ -62,7 +57,7 @@ def test_kill9_while_writing_a_checkpoint_keeps_the_previous_one(tiny_corpus, tm
     assert load_checkpoint(out / "latest.pt")["step"] == 3
 
     with caplog.at_level(logging.INFO, logger="konkanivani"):
-        assert cli.main(_args(tiny_corpus, out, "--save_every_steps", "3", "--max_steps", "8",
+        assert cli.main(tiny_args(tiny_corpus, out, "--save_every_steps", "3", "--max_steps", "8",
                               "--resume", "latest")) == 0
     assert f"removed 1 unfinished checkpoint writes of a run killed while saving: {partial}" in caplog.text
     assert "resumed from latest at step 3" in caplog.text
@@ -82,7 +77,7 @@ def test_full_disk_is_a_clear_error_and_the_previous_checkpoint_stays(tiny_corpu
 
     monkeypatch.setattr(torch, "save", save_on_a_full_disk)
     with caplog.at_level(logging.ERROR, logger="konkanivani"):
-        assert cli.main(_args(tiny_corpus, out, "--save_every_steps", "2", "--max_steps", "10")) == 2
+        assert cli.main(tiny_args(tiny_corpus, out, "--save_every_steps", "2", "--max_steps", "10")) == 2
     assert (f"could not write checkpoint {out / 'step_0000004.pt'}: No space left on device; "
             "the previous checkpoints are untouched") in caplog.text
     assert sorted(p.name for p in out.glob("*.pt")) == ["latest.pt", "step_0000002.pt"]
@@ -106,7 +101,7 @@ def test_ctrl_c_saves_and_stops_and_a_second_one_interrupts_at_once(tiny_corpus,
     _on_call(monkeypatch, "optimizer_step", ctrl_c(1))
     once = tmp_path / "once"
     with caplog.at_level(logging.INFO, logger="konkanivani"):
-        assert cli.main(_args(tiny_corpus, once, "--max_steps", "50")) == 130
+        assert cli.main(tiny_args(tiny_corpus, once, "--max_steps", "50")) == 130
     assert "SIGINT received: finishing the current step, then saving and stopping" in caplog.text
     assert load_checkpoint(once / "latest.pt")["step"] == 2
     printed = capsys.readouterr().out
@@ -121,7 +116,7 @@ def test_ctrl_c_saves_and_stops_and_a_second_one_interrupts_at_once(tiny_corpus,
     twice = tmp_path / "twice"
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="konkanivani"):
-        assert cli.main(_args(tiny_corpus, twice, "--max_steps", "50", "--save_every_steps", "1")) == 130
+        assert cli.main(tiny_args(tiny_corpus, twice, "--max_steps", "50", "--save_every_steps", "1")) == 130
     assert "interrupted at once by a second Ctrl-C" in caplog.text
     assert load_checkpoint(twice / "latest.pt")["step"] == 1  # step 2 never finished
     assert signal.getsignal(signal.SIGINT) is sigint_before and signal.getsignal(signal.SIGTERM) is sigterm_before
@@ -129,7 +124,7 @@ def test_ctrl_c_saves_and_stops_and_a_second_one_interrupts_at_once(tiny_corpus,
 
 def test_max_time_saves_and_stops_with_success(tiny_corpus, tmp_path, capsys):
     out = tmp_path / "run"
-    assert cli.main(_args(tiny_corpus, out, "--max_time", "1e-9", "--max_steps", "50")) == 0
+    assert cli.main(tiny_args(tiny_corpus, out, "--max_time", "1e-9", "--max_steps", "50")) == 0
     assert load_checkpoint(out / "latest.pt")["step"] == 1
     assert "stopped by --max_time at step 1" in capsys.readouterr().out
 
@@ -148,7 +143,7 @@ def test_non_finite_updates_are_skipped_named_and_stop_the_run(tiny_corpus, tmp_
     _on_call(monkeypatch, "forward_backward", poison)
     out = tmp_path / "run"
     with caplog.at_level(logging.INFO, logger="konkanivani"):
-        assert cli.main(_args(tiny_corpus, out, "--save_every_steps", "1", "--keep_checkpoints", "10",
+        assert cli.main(tiny_args(tiny_corpus, out, "--save_every_steps", "1", "--keep_checkpoints", "10",
                               "--max_consecutive_skips", "3", "--max_steps", "50")) == 3
     manifest = tiny_corpus / "train.jsonl"
     assert f"step 2: non-finite gradients, update skipped (1 in a row, 1 in all); batch: {manifest}:" in caplog.text
@@ -240,7 +235,7 @@ def test_validate_manifest_names_every_bad_row_and_writes_a_clean_copy(bad_corpu
     # Training stops on the non-UTF-8 line before it touches a checkpoint, naming the line.
     out = tmp_path / "run"
     with caplog.at_level(logging.ERROR, logger="konkanivani"):
-        assert cli.main(_args(bad_corpus, out)) == 2
+        assert cli.main(tiny_args(bad_corpus, out)) == 2
     assert f"{manifest}:57: not a JSON line" in caplog.text and "validate_manifest.py" in caplog.text
     assert not list(out.glob("*.pt"))
 
@@ -248,7 +243,7 @@ def test_validate_manifest_names_every_bad_row_and_writes_a_clean_copy(bad_corpu
 def test_training_skips_bad_rows_and_counts_a_file_that_fails_mid_epoch(bad_corpus, tmp_path, caplog):
     out = tmp_path / "run"
     with caplog.at_level(logging.INFO, logger="konkanivani"):
-        assert cli.main(_args(bad_corpus, out, "--max_steps", "7")) == 0
+        assert cli.main(tiny_args(bad_corpus, out, "--max_steps", "7")) == 0
     manifest = bad_corpus / "train.jsonl"
     assert (f"train manifest {manifest}: 53 utterances, 3 rows skipped (1 audio unreadable, 1 duration mismatch, "
             "1 audio empty)") in caplog.text

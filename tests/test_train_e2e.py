@@ -15,12 +15,7 @@ import train_konkanivani_asr as cli  # noqa: E402
 from konkanivani.checkpoint import load_checkpoint  # noqa: E402
 from konkanivani.train import lr_factor  # noqa: E402
 
-
-def _args(corpus, out, *extra):
-    return ["--train_manifest", str(corpus / "train.jsonl"), "--valid_manifest", str(corpus / "valid.jsonl"),
-            "--output_dir", str(out), "--preset", "tiny", "--vocab_size", "48", "--batch_size", "4",
-            "--gradient_accumulation_steps", "2", "--lr", "2e-3", "--warmup_steps", "8", "--epochs", "100",
-            "--log_every", "1", "--num_workers", "0", "--no-progress", "--seed", "5", *extra]
+from tiny_args import tiny_args  # noqa: E402
 
 
 def _train_rows(out):
@@ -32,8 +27,8 @@ def _train_rows(out):
 def runs(tiny_corpus, tmp_path_factory):
     """One uninterrupted run of 36 steps, and one stopped at step 20 and resumed to 36."""
     whole, split = tmp_path_factory.mktemp("whole"), tmp_path_factory.mktemp("split")
-    assert cli.main(_args(tiny_corpus, whole, "--max_steps", "36")) == 0
-    assert cli.main(_args(tiny_corpus, split, "--max_steps", "20", "--save_every_steps", "10")) == 0
+    assert cli.main(tiny_args(tiny_corpus, whole, "--max_steps", "36")) == 0
+    assert cli.main(tiny_args(tiny_corpus, split, "--max_steps", "20", "--save_every_steps", "10")) == 0
     return whole, split
 
 
@@ -63,7 +58,7 @@ def test_stop_and_resume_continue_the_same_run(runs, tiny_corpus, caplog):
         f.write(json.dumps({"kind": "train", "step": 21, "epoch": 3, "loss": 1.0, "lr": 1.0}) + "\n")
     # A different batch size would change which batches remain in the epoch: the saved one is kept.
     with caplog.at_level(logging.INFO, logger="konkanivani"):
-        assert cli.main(_args(tiny_corpus, split, "--max_steps", "36", "--resume", "latest", "--batch_size", "8")) == 0
+        assert cli.main(tiny_args(tiny_corpus, split, "--max_steps", "36", "--resume", "latest", "--batch_size", "8")) == 0
     assert "resumed from latest at step 20" in caplog.text
     assert "--batch_size 4 as in the checkpoint" in caplog.text
 
@@ -92,7 +87,7 @@ def test_sigterm_with_two_workers_saves_and_the_resumed_run_matches(runs, tiny_c
     """SIGTERM (preemption, Colab disconnect) mid-epoch, --num_workers 2 on both sides of the break."""
     whole, _ = runs
     out = tmp_path / "term"
-    args = _args(tiny_corpus, out, "--max_steps", "20", "--num_workers", "2")
+    args = tiny_args(tiny_corpus, out, "--max_steps", "20", "--num_workers", "2")
     result = _fault_run("sigterm_at_step", 10, args)
     assert result.returncode == 128 + signal.SIGTERM, result.stderr[-3000:]
     assert "SIGTERM received: finishing the current step" in result.stderr
@@ -111,7 +106,7 @@ def test_kill9_between_saves_leaves_the_last_save_and_the_same_seed_gives_the_sa
                                                                                          tmp_path):
     whole, _ = runs
     out = tmp_path / "killed"
-    result = _fault_run("kill9_at_step", 5, _args(tiny_corpus, out, "--save_every_steps", "2", "--max_steps", "36"))
+    result = _fault_run("kill9_at_step", 5, tiny_args(tiny_corpus, out, "--save_every_steps", "2", "--max_steps", "36"))
     assert result.returncode == -signal.SIGKILL
     assert sorted(p.name for p in out.glob("*.pt")) == ["latest.pt", "step_0000002.pt", "step_0000004.pt"]
     assert not list(out.glob(".*.tmp*"))
@@ -124,6 +119,6 @@ def test_missing_manifest_is_a_clear_error_before_training(tmp_path, caplog):
     corpus = tmp_path / "nothing"
     corpus.mkdir()
     with caplog.at_level(logging.ERROR, logger="konkanivani"):
-        assert cli.main(_args(corpus, tmp_path / "out")) == 2
+        assert cli.main(tiny_args(corpus, tmp_path / "out")) == 2
     assert "train.jsonl does not exist" in caplog.text
     assert not list((tmp_path / "out").glob("*.pt"))
