@@ -13,7 +13,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from memory import measure  # noqa: E402  (benchmarks/memory.py)
-from test_train_e2e import _args, _train_rows, cli  # noqa: E402
+from test_train_e2e import _train_rows, cli  # noqa: E402
+from tiny_args import tiny_args  # noqa: E402
 
 from konkanivani.checkpoint import load_checkpoint  # noqa: E402
 from konkanivani.config import model_config_from_preset  # noqa: E402
@@ -34,7 +35,7 @@ def test_memory_flags_train_and_resume_with_more_samples(tiny_corpus, tmp_path, 
     flags = ["--optimizer", "adamw8bit", "--gradient_checkpointing", "--precision", "bf16",
              "--max_batch_seconds", "9", "--max_samples", "24", "--save_every_steps", "3"]
     with caplog.at_level(logging.INFO, logger="konkanivani"):
-        assert cli.main(_args(tiny_corpus, out, "--max_steps", "3", *flags)) == 0
+        assert cli.main(tiny_args(tiny_corpus, out, "--max_steps", "3", *flags)) == 0
     assert "optimizer: 8-bit AdamW (bitsandbytes)" in caplog.text
     assert "precision: bf16 autocast" in caplog.text and "gradient checkpointing" in caplog.text
     assert "--max_samples 24: training on 24 of the utterances" in caplog.text
@@ -45,7 +46,7 @@ def test_memory_flags_train_and_resume_with_more_samples(tiny_corpus, tmp_path, 
 
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="konkanivani"):  # grow the set; a plain --optimizer adamw is refused
-        assert cli.main(_args(tiny_corpus, out, "--max_steps", "5", "--resume", "latest", "--optimizer", "adamw",
+        assert cli.main(tiny_args(tiny_corpus, out, "--max_steps", "5", "--resume", "latest", "--optimizer", "adamw",
                               *flags[2:7], "--max_samples", "40")) == 0
     assert "--optimizer adamw_8bit as in the checkpoint" in caplog.text
     assert "--max_samples 40: training on 40" in caplog.text and "resumed from latest at step 3" in caplog.text
@@ -59,7 +60,7 @@ def test_fp16_memory_cap_auto_batch_and_compile_on_cpu(tiny_corpus, tmp_path, ca
     out = tmp_path / "run"
     flags = ["--precision", "fp16", "--max_memory_gb", "0.5", "--auto_batch", "--compile", "--max_steps", "3"]
     with caplog.at_level(logging.INFO, logger="konkanivani"):
-        assert cli.main(_args(tiny_corpus, out, *flags)) == 0
+        assert cli.main(tiny_args(tiny_corpus, out, *flags)) == 0
     assert "fp16 autocast with GradScaler on cpu" in caplog.text
     assert "--auto_batch on cpu" in caplog.text and "compiled with torch.compile" in caplog.text
     assert "compiling the model failed" not in caplog.text
@@ -79,7 +80,7 @@ def test_compile_failure_falls_back_to_eager(tiny_corpus, tmp_path, caplog, monk
 
     monkeypatch.setattr(torch, "compile", broken)
     with caplog.at_level(logging.WARNING, logger="konkanivani"):
-        assert cli.main(_args(tiny_corpus, tmp_path / "run", "--compile", "--max_steps", "2")) == 0
+        assert cli.main(tiny_args(tiny_corpus, tmp_path / "run", "--compile", "--max_steps", "2")) == 0
     assert "compiling the model failed (RuntimeError: no C++ compiler found); running eager" in caplog.text
 
 
