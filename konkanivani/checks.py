@@ -21,7 +21,7 @@ from .audio import HOP_LENGTH, SAMPLE_RATE
 from .masks import subsampled_lengths
 from .tokenizer import UNK_ID, Tokenizer, normalize_text
 
-__all__ = ["DEFAULT_DURATION_TOLERANCE", "RowCheck", "check_row"]
+__all__ = ["DEFAULT_DURATION_TOLERANCE", "RowCheck", "check_row", "resolve_audio_path"]
 
 DEFAULT_DURATION_TOLERANCE = 0.5  # seconds; rounding passes, a truncated or mismatched file does not
 
@@ -36,6 +36,11 @@ class RowCheck:
     duration: float = 0.0
     text: str = ""
     tokens: list[int] = field(default_factory=list)
+
+
+def resolve_audio_path(audio: str, base_dir: Path) -> Path:
+    """A manifest's ``audio_filepath``: absolute as written, or relative to the manifest's folder."""
+    return Path(audio) if Path(audio).is_absolute() else base_dir / audio
 
 
 def _fail(check: RowCheck, reason: str, detail: str = "") -> RowCheck:
@@ -59,7 +64,7 @@ def check_row(row: dict[str, Any], base_dir: Path, tokenizer: Tokenizer, *, max_
     if not isinstance(text, str) or not text.strip():
         return _fail(check, "empty text")
     check.text = text
-    path = Path(audio) if Path(audio).is_absolute() else base_dir / audio
+    path = resolve_audio_path(audio, base_dir)
     check.audio_path = path
     if not path.is_file():
         return _fail(check, "audio file missing", str(path))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jiwer
 
+from .checks import resolve_audio_path
 from .data import read_manifest
 from .decode import DEFAULT_CTC_WEIGHT
 from .inference import Recognizer
@@ -111,7 +112,7 @@ def evaluate_manifest(recognizer: Recognizer, manifest: str | Path, method: str 
         elif not isinstance(text, str) or not normalize_text(text):
             result.failed.append((where, "empty reference text"))
         else:
-            rows.append((where, Path(audio) if Path(audio).is_absolute() else manifest.parent / audio, text))
+            rows.append((where, resolve_audio_path(audio, manifest.parent), text))
     start = time.perf_counter()
     transcripts = list(recognizer.transcribe([path for _, path, _ in rows], method, beam_size, ctc_weight,
                                              batch_size))

@@ -14,6 +14,7 @@ import torch
 
 from .audio import SAMPLE_RATE, LogMel, load_audio
 from .checkpoint import CheckpointError, load_checkpoint
+from .checks import resolve_audio_path
 from .config import ModelConfig
 from .data import read_manifest
 from .decode import DEFAULT_CTC_WEIGHT, METHODS, decode_batch
@@ -119,8 +120,7 @@ def find_audio(inputs: Sequence[str | Path]) -> list[tuple[Path, dict]]:
                 if not isinstance(audio, str) or not audio:
                     log.warning("%s:%d: no audio_filepath; skipped", item, line_no)
                     continue
-                path = Path(audio) if Path(audio).is_absolute() else item.parent / audio
-                found.append((path, {**row, "where": f"{item}:{line_no}"}))
+                found.append((resolve_audio_path(audio, item.parent), {**row, "where": f"{item}:{line_no}"}))
         else:
             found.append((item, {}))
     return found
