@@ -38,25 +38,28 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def rss_bytes() -> int:
-    """Resident memory of this process now (Linux ``/proc``; the peak elsewhere)."""
+def _proc_status_bytes(field: str) -> int | None:
+    """A memory figure of this process from Linux ``/proc/self/status`` (None elsewhere)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return peak_rss_bytes()
+    return None
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process now (Linux ``/proc``; the peak elsewhere)."""
+    now = _proc_status_bytes("VmRSS")
+    return now if now is not None else peak_rss_bytes()
 
 
 def peak_rss_bytes() -> int:
     """Highest resident memory of this process (since ``reset_peak_rss`` where that works)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    peak = _proc_status_bytes("VmHWM")
+    if peak is not None:
+        return peak
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
