@@ -164,8 +164,6 @@ def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam
     K = beam_size
     N = B * K
     device = enc.device
-    memory = enc.repeat_interleave(K, dim=0)  # (N, T', D)
-    memory_lens = enc_lens.repeat_interleave(K)
     limit = enc_lens.clone() if max_len is None else torch.full_like(enc_lens, max_len)
     ys = torch.full((N, 1), SOS_EOS_ID, dtype=torch.long, device=device)
     scores = torch.full((B, K), NEG_INF, device=device)
@@ -173,7 +171,8 @@ def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam
     scores = scores.view(N)
     use_ctc = ctc_weight > 0
     if use_ctc:
-        scorer = _CTCPrefixScorer(model.ctc_log_probs(memory), memory_lens)
+        # One row per hypothesis: each utterance's CTC output, repeated for its K hypotheses.
+        scorer = _CTCPrefixScorer(model.ctc_log_probs(enc).repeat_interleave(K, dim=0), enc_lens.repeat_interleave(K))
         ctc_r, ctc_psi = scorer.initial_state()
     dec_state = model.decoder.init_state(enc, enc_lens, hypotheses=K)
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
