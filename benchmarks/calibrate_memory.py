@@ -7,6 +7,8 @@
    the coefficients of each term of ``_activation_terms`` by non-negative least squares.
 2. Peak: train the tiny and small presets a few steps in fresh processes (benchmarks/memory.py's
    worker) and fit peak RSS = static + factor x activations + overhead.
+3. Checkpointed peak: the same with --gradient_checkpointing (tiny, small and medium), fitting the
+   factor of the subsampling activations, where those runs peak.
 
     nice -n 19 python3 benchmarks/calibrate_memory.py     # prints the values to paste into memory.py
 """
@@ -108,11 +110,38 @@ def fit_peak(coeffs: dict[str, dict[str, float]]) -> tuple[float, float]:
     return round(float(factor), 3), round(float(overhead) / 2 ** 20, 1)
 
 
+def fit_checkpointed_subsampling(factor: float, overhead_mib: float) -> float:
+    """The factor of the subsampling activations in checkpointed runs, whose peak comes in the
+    backward pass of the subsampling convolutions: least squares on what the rest leaves over."""
+    from memory import measure  # benchmarks/memory.py
+
+    memory.PEAK_FACTOR, memory.PEAK_OVERHEAD = factor, overhead_mib * 2 ** 20
+    a, b = [], []
+    for preset, utts, seconds in [("tiny", 4, 8), ("small", 2, 8), ("small", 1, 20), ("medium", 1, 15)]:
+        for precision in ("fp32", "bf16"):
+            frames, tokens = seconds * 100, seconds * 5
+            spec = {"device": "cpu", "preset": preset, "utterances": utts, "frames": frames, "tokens": tokens,
+                    "steps": 2, "precision": precision, "optimizer": "adamw", "checkpointing": True}
+            peak = measure(spec)["peak_mib"] * 2 ** 20
+            est = memory.MemoryEstimator(model_config_from_preset(preset, vocab_size=128), precision,
+                                         checkpointing=True)
+            memory.CHECKPOINTED_SUBSAMPLING_FACTOR = 1.0
+            parts = est.components(utts, frames, tokens)
+            sub = parts["activations: subsampling"]
+            a.append(sub)
+            b.append(peak - (sum(parts.values()) - sub))
+            print(f"{preset} {utts} x {seconds} s {precision}, checkpointed: peak {peak / 2 ** 20:.0f} MiB, "
+                  f"subsampling activations {sub / 2 ** 20:.0f} MiB")
+    a, b = np.array(a), np.array(b)
+    return round(float(a @ b / (a @ a)), 3)
+
+
 def main() -> None:
     coeffs = fit_activations()
     print("ACTIVATION_COEFFS =", coeffs)
     factor, overhead_mib = fit_peak(coeffs)
     print(f"PEAK_FACTOR = {factor}\nPEAK_OVERHEAD = {overhead_mib} * 2 ** 20")
+    print(f"CHECKPOINTED_SUBSAMPLING_FACTOR = {fit_checkpointed_subsampling(factor, overhead_mib)}")
 
 
 if __name__ == "__main__":

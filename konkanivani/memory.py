@@ -100,12 +100,18 @@ ACTIVATION_COEFFS: dict[str, dict[str, float]] = {
 }
 # Peak resident memory of a training step = static + PEAK_FACTOR x saved activations +
 # PEAK_OVERHEAD: the backward pass holds gradients of activations beside the saved ones, and the
-# first steps allocate kernels' and the allocator's working memory once. Fitted by the same script
-# to the peak RSS of fresh processes training the tiny and small presets (8 runs, fp32 and bf16,
-# 1-4 utterances of 8-20 s), on a 2-core x86 CPU with torch 2.14. The overhead is a CPU process's;
-# CUDA's allocator figures leave it out, so on a GPU it stands in for part of the safety margin.
-PEAK_FACTOR = 1.347
-PEAK_OVERHEAD = 207.5 * 2 ** 20
+# first steps allocate kernels' and the allocator's working memory. Fitted by the same script to
+# the peak RSS of fresh processes training the tiny and small presets (8 runs, fp32 and bf16, 1-4
+# utterances of 8-20 s) on a 2-core x86 CPU with torch 2.14, counted above a process that has
+# already loaded its libraries (about 200 MiB of code on a CPU, which the estimate leaves out, as
+# CUDA's allocator figures do).
+PEAK_FACTOR = 1.329
+PEAK_OVERHEAD = 25.1 * 2 ** 20
+# With --gradient_checkpointing the peak comes at the end of the backward pass, in the
+# (not checkpointed) subsampling convolutions: their saved outputs, the gradients flowing into them
+# and the ReLU's gradient are alive together. Their activations then count this many times instead
+# of PEAK_FACTOR; fitted by the same script to checkpointed runs of the tiny, small and medium presets.
+CHECKPOINTED_SUBSAMPLING_FACTOR = 3.168
 
 
 def precision_name(precision: Any) -> str:
@@ -189,7 +195,8 @@ class MemoryEstimator:
             parts["autocast weight copies"] = 2.0 * self.n_params
         acts = self._activations(frames, tokens)
         for name, value in acts.items():
-            parts[f"activations: {name}"] = PEAK_FACTOR * batch * value
+            factor = CHECKPOINTED_SUBSAMPLING_FACTOR if self.checkpointing and name == "subsampling" else PEAK_FACTOR
+            parts[f"activations: {name}"] = factor * batch * value
         parts["runtime overhead"] = PEAK_OVERHEAD
         return parts
 

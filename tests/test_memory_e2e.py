@@ -95,9 +95,11 @@ def test_probe_search_finds_the_largest_batch_that_fits():
     assert largest_fitting(lambda n: True, limit=20) == 20 and largest_fitting(lambda n: False, limit=20) == 0
 
 
-@pytest.mark.parametrize("preset,utterances,seconds", [("tiny", 4, 6), ("small", 2, 5)])
-def test_estimate_within_a_quarter_of_the_measured_peak_rss(preset, utterances, seconds):
+@pytest.mark.parametrize("preset,utterances,seconds,checkpointing",
+                         [("tiny", 4, 6, False), ("small", 2, 5, False), ("small", 2, 5, True)])
+def test_estimate_within_a_quarter_of_the_measured_peak_rss(preset, utterances, seconds, checkpointing):
     spec = {"device": "cpu", "preset": preset, "utterances": utterances, "frames": seconds * 100,
-            "tokens": seconds * 5, "steps": 2, "precision": "fp32", "optimizer": "adamw", "checkpointing": False}
+            "tokens": seconds * 5, "steps": 2, "precision": "fp32", "optimizer": "adamw",
+            "checkpointing": checkpointing}
     result = measure(spec)
     assert result["estimate_mib"] == pytest.approx(result["peak_mib"], rel=0.25), result
