@@ -5,8 +5,9 @@
    saves for the backward pass (``saved_tensors_hooks``, one forward pass, batch 2 minus batch 1
    so that weights and their autocast copies cancel), in fp32 and under bf16 autocast, and fit
    the coefficients of each term of ``_activation_terms`` by non-negative least squares.
-2. Peak: train the tiny and small presets a few steps in fresh processes (benchmarks/memory.py's
-   worker) and fit peak RSS = static + factor x activations + overhead.
+2. Peak: train the presets a few steps in fresh processes (benchmarks/memory.py's worker), two
+   micro-batches accumulated per step, and fit peak RSS = static + factor x activations +
+   accumulation x parameter bytes + overhead.
 3. Checkpointed peak: the same with --gradient_checkpointing (tiny, small and medium), fitting the
    factor of the subsampling activations, where those runs peak.
 
@@ -87,42 +88,54 @@ def fit_activations() -> dict[str, dict[str, float]]:
     return out
 
 
-def fit_peak(coeffs: dict[str, dict[str, float]]) -> tuple[float, float]:
+PEAK_RUNS = [("tiny", 4, 8), ("small", 2, 8), ("small", 1, 20), ("medium", 2, 8), ("medium", 1, 15),
+             ("large", 1, 10), ("large", 1, 15)]  # (preset, utterances per micro-batch, seconds)
+
+
+def _accumulated_spec(preset: str, utts: int, seconds: int, precision: str, checkpointing: bool) -> dict:
+    """A run of benchmarks/memory.py's worker: 2 micro-batches of ``utts`` utterances accumulated
+    per optimizer step, as the training loop runs with --gradient_accumulation_steps 2 or more
+    (the second micro-batch's backward pass adds to gradients that already exist)."""
+    return {"device": "cpu", "preset": preset, "utterances": 2 * utts, "micro_batch": utts,
+            "frames": seconds * 100, "tokens": seconds * 5, "steps": 2, "precision": precision,
+            "optimizer": "adamw", "checkpointing": checkpointing}
+
+
+def fit_peak(coeffs: dict[str, dict[str, float]]) -> tuple[float, float, float]:
+    """Peak RSS = static + factor x activations + accumulation x parameter bytes + overhead,
+    fitted by least squares on relative errors. Returns (factor, accumulation, overhead MiB)."""
     from memory import measure  # benchmarks/memory.py
 
     memory.ACTIVATION_COEFFS.update(coeffs)
-    memory.PEAK_FACTOR, memory.PEAK_OVERHEAD = 1.0, 0.0
+    memory.PEAK_FACTOR, memory.ACCUMULATION_FACTOR, memory.PEAK_OVERHEAD = 1.0, 0.0, 0.0
     a, b = [], []
-    for preset, utts, seconds in [("tiny", 4, 8), ("tiny", 2, 20), ("small", 2, 8), ("small", 1, 20)]:
+    for preset, utts, seconds in PEAK_RUNS:
         for precision in ("fp32", "bf16"):
-            frames, tokens = seconds * 100, seconds * 5
-            spec = {"device": "cpu", "preset": preset, "utterances": utts, "frames": frames, "tokens": tokens,
-                    "steps": 2, "precision": precision, "optimizer": "adamw", "checkpointing": False}
-            peak = measure(spec)["peak_mib"] * 2 ** 20
+            peak = measure(_accumulated_spec(preset, utts, seconds, precision, False))["peak_mib"] * 2 ** 20
             est = memory.MemoryEstimator(model_config_from_preset(preset, vocab_size=128), precision)
-            parts = est.components(utts, frames, tokens)
+            parts = est.components(utts, seconds * 100, seconds * 5)
             act = sum(v for k, v in parts.items() if k.startswith("activations"))
-            a.append([act, 1.0])
-            b.append(peak - (sum(parts.values()) - act))
-            print(f"{preset} {utts} x {seconds} s {precision}: peak {peak / 2 ** 20:.0f} MiB, "
-                  f"static {(sum(parts.values()) - act) / 2 ** 20:.0f} MiB, activations {act / 2 ** 20:.0f} MiB")
-    (factor, overhead), *_ = np.linalg.lstsq(np.array(a), np.array(b), rcond=None)
-    return round(float(factor), 3), round(float(overhead) / 2 ** 20, 1)
+            static = sum(parts.values()) - act
+            a.append(np.array([act, 4.0 * est.n_params, 1.0]) / peak)
+            b.append((peak - static) / peak)
+            print(f"{preset} 2 x {utts} x {seconds} s {precision}: peak {peak / 2 ** 20:.0f} MiB, "
+                  f"static {static / 2 ** 20:.0f} MiB, activations {act / 2 ** 20:.0f} MiB")
+    (factor, accumulation, overhead), *_ = np.linalg.lstsq(np.array(a), np.array(b), rcond=None)
+    return round(float(factor), 3), round(float(accumulation), 3), round(float(overhead) / 2 ** 20, 1)
 
 
-def fit_checkpointed_subsampling(factor: float, overhead_mib: float) -> float:
+def fit_checkpointed_subsampling(factor: float, accumulation: float, overhead_mib: float) -> float:
     """The factor of the subsampling activations in checkpointed runs, whose peak comes in the
     backward pass of the subsampling convolutions: least squares on what the rest leaves over."""
     from memory import measure  # benchmarks/memory.py
 
-    memory.PEAK_FACTOR, memory.PEAK_OVERHEAD = factor, overhead_mib * 2 ** 20
+    memory.PEAK_FACTOR, memory.ACCUMULATION_FACTOR = factor, accumulation
+    memory.PEAK_OVERHEAD = overhead_mib * 2 ** 20
     a, b = [], []
     for preset, utts, seconds in [("tiny", 4, 8), ("small", 2, 8), ("small", 1, 20), ("medium", 1, 15)]:
         for precision in ("fp32", "bf16"):
             frames, tokens = seconds * 100, seconds * 5
-            spec = {"device": "cpu", "preset": preset, "utterances": utts, "frames": frames, "tokens": tokens,
-                    "steps": 2, "precision": precision, "optimizer": "adamw", "checkpointing": True}
-            peak = measure(spec)["peak_mib"] * 2 ** 20
+            peak = measure(_accumulated_spec(preset, utts, seconds, precision, True))["peak_mib"] * 2 ** 20
             est = memory.MemoryEstimator(model_config_from_preset(preset, vocab_size=128), precision,
                                          checkpointing=True)
             memory.CHECKPOINTED_SUBSAMPLING_FACTOR = 1.0
@@ -130,7 +143,7 @@ def fit_checkpointed_subsampling(factor: float, overhead_mib: float) -> float:
             sub = parts["activations: subsampling"]
             a.append(sub)
             b.append(peak - (sum(parts.values()) - sub))
-            print(f"{preset} {utts} x {seconds} s {precision}, checkpointed: peak {peak / 2 ** 20:.0f} MiB, "
+            print(f"{preset} 2 x {utts} x {seconds} s {precision}, checkpointed: peak {peak / 2 ** 20:.0f} MiB, "
                   f"subsampling activations {sub / 2 ** 20:.0f} MiB")
     a, b = np.array(a), np.array(b)
     return round(float(a @ b / (a @ a)), 3)
@@ -139,9 +152,10 @@ def fit_checkpointed_subsampling(factor: float, overhead_mib: float) -> float:
 def main() -> None:
     coeffs = fit_activations()
     print("ACTIVATION_COEFFS =", coeffs)
-    factor, overhead_mib = fit_peak(coeffs)
-    print(f"PEAK_FACTOR = {factor}\nPEAK_OVERHEAD = {overhead_mib} * 2 ** 20")
-    print(f"CHECKPOINTED_SUBSAMPLING_FACTOR = {fit_checkpointed_subsampling(factor, overhead_mib)}")
+    factor, accumulation, overhead_mib = fit_peak(coeffs)
+    print(f"PEAK_FACTOR = {factor}\nACCUMULATION_FACTOR = {accumulation}\n"
+          f"PEAK_OVERHEAD = {overhead_mib} * 2 ** 20")
+    print("CHECKPOINTED_SUBSAMPLING_FACTOR =", fit_checkpointed_subsampling(factor, accumulation, overhead_mib))
 
 
 if __name__ == "__main__":

@@ -99,19 +99,22 @@ ACTIVATION_COEFFS: dict[str, dict[str, float]] = {
              "decoder_width": 70.74, "decoder_ffn": 0.0, "decoder_attention": 10.979, "heads": 8.832},
 }
 # Peak resident memory of a training step = static + PEAK_FACTOR x saved activations +
-# PEAK_OVERHEAD: the backward pass holds gradients of activations beside the saved ones, and the
-# first steps allocate kernels' and the allocator's working memory. Fitted by the same script to
-# the peak RSS of fresh processes training the tiny and small presets (8 runs, fp32 and bf16, 1-4
-# utterances of 8-20 s) on a 2-core x86 CPU with torch 2.14, counted above a process that has
-# already loaded its libraries (about 200 MiB of code on a CPU, which the estimate leaves out, as
-# CUDA's allocator figures do).
-PEAK_FACTOR = 1.329
-PEAK_OVERHEAD = 25.1 * 2 ** 20
+# ACCUMULATION_FACTOR x parameter bytes + PEAK_OVERHEAD: the backward pass holds gradients of
+# activations beside the saved ones; with gradient accumulation the later micro-batches' backward
+# passes add new gradients to the accumulated ones; the first steps allocate kernels' and the
+# allocator's working memory. Fitted by the same script to the peak RSS of fresh processes training
+# the tiny, small, medium and large presets with two micro-batches accumulated (14 runs, fp32 and
+# bf16, 1-4 utterances of 8-20 s each) on a 2-core x86 CPU with torch 2.14, counted above a process
+# that has already loaded its libraries (about 200 MiB of code on a CPU, which the estimate leaves
+# out, as CUDA's allocator figures do). A step without accumulation peaks somewhat lower.
+PEAK_FACTOR = 1.705
+ACCUMULATION_FACTOR = 0.252
+PEAK_OVERHEAD = 20.2 * 2 ** 20
 # With --gradient_checkpointing the peak comes at the end of the backward pass, in the
 # (not checkpointed) subsampling convolutions: their saved outputs, the gradients flowing into them
 # and the ReLU's gradient are alive together. Their activations then count this many times instead
 # of PEAK_FACTOR; fitted by the same script to checkpointed runs of the tiny, small and medium presets.
-CHECKPOINTED_SUBSAMPLING_FACTOR = 3.168
+CHECKPOINTED_SUBSAMPLING_FACTOR = 3.561
 
 
 def precision_name(precision: Any) -> str:
@@ -197,6 +200,7 @@ class MemoryEstimator:
         for name, value in acts.items():
             factor = CHECKPOINTED_SUBSAMPLING_FACTOR if self.checkpointing and name == "subsampling" else PEAK_FACTOR
             parts[f"activations: {name}"] = factor * batch * value
+        parts["gradient accumulation"] = ACCUMULATION_FACTOR * 4.0 * self.n_params
         parts["runtime overhead"] = PEAK_OVERHEAD
         return parts
 
