@@ -2,10 +2,12 @@
 
 A CPU's flags are a poor guide (a virtual machine may report ``avx512_bf16`` while its bf16
 matrix multiply runs at a fraction of fp32 speed), so a CPU is asked by timing: a short probe
-multiplies 256x256 matrices in both dtypes. Measured on two x86 machines: with native bf16
-(AVX512-BF16) bf16 matmul ran at 0.52x fp32 speed and a Conformer training step under bf16
-autocast was 1.4x faster than fp32; without it bf16 matmul ran at under 0.01x and the step was
-20-25x slower. bf16 is used when the ratio is at least 0.2, well between the two.
+multiplies 256x256 matrices in both dtypes. Measured on x86 machines: with native bf16
+(AVX512-BF16) bf16 matmul ran at 0.52-0.60x fp32 speed, and a training step under bf16 autocast
+took 0.81-0.86x the fp32 time for the ``small`` preset (batches of 4 x 3 s and 16 x 4 s) but
+1.1-1.2x for ``large`` and ``medium`` on 15 s utterances (benchmarks/memory.py), while holding
+a quarter less memory; without native bf16, bf16 matmul ran at under 0.01x and the step was 20-25x
+slower. bf16 is used when the ratio is at least 0.2, well between the two.
 
 ``--precision fp32|fp16|bf16`` names the dtype outright and is honoured wherever it can run (with
 a warning where it is slow); ``--mixed_precision`` alone keeps the automatic choice above. Under
