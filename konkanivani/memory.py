@@ -247,13 +247,17 @@ def largest_fitting(runs: Callable[[int], bool], limit: int) -> int:
 
 
 def available_memory_bytes(device: torch.device) -> int:
-    """Memory a training run may use: the GPU's total, or the RAM the kernel reports available."""
+    """Memory a training run may use: the GPU's total, or the RAM the kernel reports available.
+
+    On a CPU this process's own resident memory is not added: most of it is library code, which
+    the estimator does not count, and the model's weights already resident are counted again by
+    the estimate, which errs on the safe side."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024 + rss_bytes()
+                return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 8 * _GIB
