@@ -131,6 +131,7 @@ def fit_checkpointed_subsampling(factor: float, accumulation: float, overhead_mi
 
     memory.PEAK_FACTOR, memory.ACCUMULATION_FACTOR = factor, accumulation
     memory.PEAK_OVERHEAD = overhead_mib * 2 ** 20
+    memory.CHECKPOINTED_SUBSAMPLING_FACTOR = 1.0  # so that the subsampling part is its bare size
     a, b = [], []
     for preset, utts, seconds in [("tiny", 4, 8), ("small", 2, 8), ("small", 1, 20), ("medium", 1, 15)]:
         for precision in ("fp32", "bf16"):
@@ -138,7 +139,6 @@ def fit_checkpointed_subsampling(factor: float, accumulation: float, overhead_mi
             peak = measure(_accumulated_spec(preset, utts, seconds, precision, True))["peak_mib"] * 2 ** 20
             est = memory.MemoryEstimator(model_config_from_preset(preset, vocab_size=128), precision,
                                          checkpointing=True)
-            memory.CHECKPOINTED_SUBSAMPLING_FACTOR = 1.0
             parts = est.components(utts, frames, tokens)
             sub = parts["activations: subsampling"]
             a.append(sub)
