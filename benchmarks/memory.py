@@ -93,22 +93,23 @@ def _warm_up(device, precision: str) -> None:
     import torch
 
     from konkanivani.config import model_config_from_preset
+    from konkanivani.data import Batch
     from konkanivani.model import ASRModel
     from konkanivani.optim import build_optimizer
     from konkanivani.precision import resolve_precision
+    from konkanivani.train import forward_backward, optimizer_step
 
     cfg = model_config_from_preset("tiny", vocab_size=32)
+    batch = Batch(torch.randn(1, 200, cfg.n_mels), torch.tensor([200]), torch.randint(3, 32, (1, 10)),
+                  torch.tensor([10]), [0])
     for name in dict.fromkeys(["fp32", precision]):
         prec = resolve_precision(device, False, name)
+        scaler = torch.amp.GradScaler(device.type, enabled=prec.use_scaler)
         for optimizer in ("adamw", "adamw_8bit"):
             model = ASRModel(cfg).to(device)
             opt, _ = build_optimizer(optimizer, model.parameters(), device, 1e-4, 0.01)
-            with prec.autocast(device):
-                out = model(torch.randn(1, 200, cfg.n_mels, device=device), torch.tensor([200], device=device),
-                            torch.randint(3, 32, (1, 10), device=device), torch.tensor([10], device=device),
-                            spec_augment=True)
-            out.loss.backward()
-            opt.step()
+            forward_backward(model, [batch], device, prec, scaler, spec_augment=True)
+            optimizer_step(model, opt, scaler, grad_clip=5.0)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
