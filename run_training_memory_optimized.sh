@@ -2,11 +2,14 @@
 # The T4 recipe (15 GB): medium-size model (d=192, 8 encoder + 4 decoder layers), micro-batches of
 # 2 utterances accumulated 4 times (an effective batch of 8), fp16 autocast with GradScaler, CUDA
 # cache released every 50 batches, and an allocator that grows segments instead of fragmenting.
+# It validates every 200 steps (a quarter to a third of a demo epoch), so a score and best.pt exist
+# long before the first epoch ends.
 # Tokens are characters: on small Devanagari corpora they generalize to unseen words far better
 # than subword pieces (see the README's learning curve).
 #
 #   ./run_training_memory_optimized.sh                       # demo corpus, made under data/demo if missing
 #   ./run_training_memory_optimized.sh --resume latest       # extra flags pass through
+#   ./run_training_memory_optimized.sh --overwrite           # start over (the old run is moved aside)
 #   TRAIN_MANIFEST=my/train.jsonl VALID_MANIFEST=my/valid.jsonl ./run_training_memory_optimized.sh
 #
 # Without a GPU it runs on the CPU (fp32 unless the CPU computes bf16 fast).
@@ -38,4 +41,5 @@ exec "$PYTHON" training_scripts/train_konkanivani_asr.py \
     --mixed_precision \
     --empty_cache_every 50 \
     --num_workers 2 \
+    --validate_every_steps 200 \
     "$@"

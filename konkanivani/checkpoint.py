@@ -5,23 +5,42 @@ Layout of an output directory::
     step_0000160.pt   one per save (each epoch and every --save_every_steps), last N kept
     latest.pt         the newest complete save
     best.pt           the save with the lowest validation WER
+    .lock             held by the run that writes here (``hold_run_directory``)
 
 ``latest.pt`` and ``best.pt`` are hard links to a step file where the file system allows it (no
 extra disk), copies otherwise; either way they are replaced by an atomic rename.
+
+A directory holds one run: a second process that starts in it is refused while the first runs
+(``hold_run_directory``), and a fresh start into a directory that already holds a run is refused
+unless asked for, when the old run is moved aside, never deleted (``existing_run``, ``move_run_aside``).
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import re
 import shutil
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "FORMAT_VERSION", "save_checkpoint", "load_checkpoint", "point_to",
-           "prune_checkpoints", "remove_stale_temporaries", "resolve_resume", "step_checkpoint_name",
-           "step_checkpoints", "select_checkpoints", "average_checkpoints"]
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; the directory is then not guarded
+    fcntl = None
+
+__all__ = ["CheckpointError", "FORMAT_VERSION", "LOCK_FILE", "save_checkpoint", "load_checkpoint", "point_to",
+           "prune_checkpoints", "remove_stale_temporaries", "resolve_resume", "load_resume_checkpoint",
+           "step_checkpoint_name", "step_checkpoints", "select_checkpoints", "average_checkpoints",
+           "hold_run_directory", "existing_run", "move_run_aside"]
+
+log = logging.getLogger("konkanivani")
+
+LOCK_FILE = ".lock"
 
 FORMAT_VERSION = 1
 _STEP_FILE = re.compile(r"step_(\d+)\.pt$")
@@ -102,12 +121,22 @@ def prune_checkpoints(directory: str | Path, keep: int) -> list[Path]:
     By write time rather than step number: after resuming from an older checkpoint, the files of
     the abandoned later steps go first, not the new ones.
     """
-    files = sorted((p.stat().st_mtime_ns, int(m.group(1)), p) for p in Path(directory).glob("step_*.pt")
-                   if (m := _STEP_FILE.search(p.name)))
-    doomed = [p for _, _, p in files[:max(0, len(files) - keep)]]
+    files = _by_write_time(Path(directory))
+    doomed = files[:max(0, len(files) - keep)]
     for p in doomed:
         p.unlink(missing_ok=True)
     return doomed
+
+
+def _by_write_time(directory: Path) -> list[Path]:
+    """The step files in ``directory``, oldest write first (ties by step); files that vanish while
+    being listed are left out."""
+    found = []
+    for p in directory.glob("step_*.pt"):
+        if m := _STEP_FILE.search(p.name):
+            with contextlib.suppress(FileNotFoundError):
+                found.append((p.stat().st_mtime_ns, int(m.group(1)), p))
+    return [p for _, _, p in sorted(found)]
 
 
 def remove_stale_temporaries(directory: str | Path) -> list[Path]:
@@ -144,6 +173,108 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Path:
     if not path.is_file():
         raise CheckpointError(f"--resume {resume}: {path} does not exist")
     return path
+
+
+def load_resume_checkpoint(resume: str, output_dir: str | Path) -> tuple[dict[str, Any], Path]:
+    """The checkpoint ``--resume`` names, loaded, and its path.
+
+    ``latest`` falls back, with a warning, to the newest readable step file of ``output_dir`` (by
+    write time, as pruning counts) when ``latest.pt`` is missing or cannot be read: a sync tool
+    may truncate a file, and the step file it pointed to, or the one before, is usually whole.
+    A path given outright is loaded or refused, never replaced by another file.
+    """
+    if resume != "latest":
+        path = resolve_resume(resume, output_dir)
+        return load_checkpoint(path), path
+    latest = Path(output_dir) / "latest.pt"
+    broken: list[str] = []
+    try:
+        return load_checkpoint(latest), latest
+    except CheckpointError as e:
+        if latest.exists():
+            broken.append(str(e))
+            latest_inode = latest.stat().st_ino
+        else:
+            latest_inode = None
+    for path in reversed(_by_write_time(Path(output_dir))):
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_ino == latest_inode:  # the step file latest.pt is a hard link to: broken too
+                continue
+        try:
+            state = load_checkpoint(path)
+        except CheckpointError as e:
+            broken.append(str(e))
+            continue
+        log.warning("--resume latest: %s; resuming from %s, the newest readable checkpoint",
+                    "; ".join(broken) if broken else f"{latest} does not exist", path)
+        return state, path
+    if not broken:
+        raise CheckpointError(f"--resume latest: {latest} does not exist (no checkpoint in {output_dir})")
+    raise CheckpointError(f"--resume latest: no readable checkpoint in {output_dir}: " + "; ".join(broken))
+
+
+@contextlib.contextmanager
+def hold_run_directory(directory: str | Path) -> Iterator[None]:
+    """Hold ``directory`` for this process while the block runs: an exclusive lock on
+    ``directory/.lock``, which the kernel releases on any exit, kill -9 included. Raises
+    ``CheckpointError`` naming the holder when another process holds it.
+
+    A POSIX record lock (``lockf``) rather than ``flock``: forked DataLoader workers do not inherit
+    it, so the lock ends with the training process itself, not with its last worker."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        yield
+        return
+    path = directory / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "another process"
+            raise CheckpointError(f"{directory} is in use by another training run ({holder}); wait for it to end, "
+                                  "or give this run another --output_dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        yield
+    finally:
+        os.close(fd)  # releases the lock; the file stays, empty locks are harmless
+
+
+def existing_run(directory: str | Path) -> str | None:
+    """What of an earlier run ``directory`` holds (checkpoints, training metrics), said in a few
+    words; None when there is nothing to lose (a tokenizer or log of a run that never saved)."""
+    directory = Path(directory)
+    found = []
+    steps = step_checkpoints(directory) if directory.is_dir() else []
+    if (directory / "latest.pt").exists():
+        found.append("latest.pt")
+    if steps:
+        found.append(f"{len(steps)} step checkpoint{'s' if len(steps) > 1 else ''} (up to {steps[-1][1].name})")
+    metrics = directory / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        found.append("metrics.jsonl")
+    return ", ".join(found) or None
+
+
+def move_run_aside(directory: str | Path) -> Path:
+    """Move everything in ``directory`` but its lock into a new sibling folder named after it and
+    the time (``run.replaced-20260101-120000``), and return that folder. Nothing is deleted."""
+    directory = Path(directory)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = directory.with_name(f"{directory.name}.replaced-{stamp}")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = directory.with_name(f"{directory.name}.replaced-{stamp}-{n}")
+    aside.mkdir()
+    for entry in directory.iterdir():
+        if entry.name != LOCK_FILE:
+            os.replace(entry, aside / entry.name)
+    _fsync_dir(directory)
+    _fsync_dir(aside)
+    return aside
 
 
 def step_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:

@@ -87,10 +87,16 @@ class TrainConfig:
         "call torch.cuda.empty_cache() every N batches on CUDA (0: never)"))
     save_every_steps: int = field(default=0, metadata=_help("also save every N optimizer steps (0: each epoch only)"))
     keep_checkpoints: int = field(default=3, metadata=_help("step checkpoints to keep (latest.pt and best.pt are extra)"))
-    resume: str = field(default="", metadata=_help("checkpoint path, or 'latest' for OUTPUT_DIR/latest.pt"))
+    resume: str = field(default="", metadata=_help(
+        "checkpoint path, or 'latest' for OUTPUT_DIR/latest.pt (the newest readable step file if that is broken)"))
+    overwrite: bool = field(default=False, metadata=_help(
+        "start afresh in an OUTPUT_DIR that holds a run: the old run is moved to OUTPUT_DIR.replaced-<time>/"))
     seed: int = field(default=1234, metadata=_help("seeds python, numpy and torch"))
     max_duration: float = field(default=30.0, metadata=_help("skip utterances longer than this many seconds"))
-    log_every: int = field(default=10, metadata=_help("log training loss every N optimizer steps"))
+    log_every: int = field(default=50, metadata=_help(
+        "log a summary line (loss, lr, utt/s, memory) every N optimizer steps, to the console and train.log"))
+    validate_every_steps: int = field(default=0, metadata=_help(
+        "also validate (and keep best.pt current) every N optimizer steps, not only at epoch ends (0: epochs only)"))
     progress: bool = field(default=True, metadata=_help("show tqdm progress bars"))
     max_time: float = field(default=0.0, metadata=_help(
         "wall-clock budget in seconds: after the step that passes it, save and stop (0: none)"))

@@ -1,12 +1,15 @@
 """The training loop, readable top to bottom: setup, then one loop over optimizer steps."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 import os
 import random
+import shutil
+import sys
 import time
 import warnings
 from collections import Counter
@@ -18,12 +21,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from .audio import LogMel, load_audio
 from .batching import (FRAMES_PER_SECOND, DurationBucketSampler, PreflightSampler, frames_of, padding_fraction,
                        select_samples, split_batch)
-from .checkpoint import (CheckpointError, load_checkpoint, point_to, prune_checkpoints, remove_stale_temporaries,
-                         resolve_resume, save_checkpoint, step_checkpoint_name)
+from .checkpoint import (CheckpointError, existing_run, hold_run_directory, load_resume_checkpoint,
+                         move_run_aside, point_to, prune_checkpoints, remove_stale_temporaries, save_checkpoint,
+                         step_checkpoint_name)
 from .config import ModelConfig, TrainConfig, model_config_from_preset
 from .data import ASRDataset, Batch, LengthGroupedBatchSampler, Utterance, collate, load_utterances, read_manifest
 from .decode import ctc_greedy
@@ -395,16 +400,34 @@ def train(cfg: TrainConfig, model_overrides: Optional[dict[str, Any]] = None,
     """
     # ---- setup ----------------------------------------------------------------------------
     out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    file_log = logging.FileHandler(out_dir / "train.log", encoding="utf-8")
-    file_log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    log.addHandler(file_log)
-    try:
-        with StopRequest(cfg.max_time) as stop_request:
-            return _train(cfg, model_overrides or {}, out_dir, stop_request, on_step)
-    finally:
-        log.removeHandler(file_log)
-        file_log.close()
+    with hold_run_directory(out_dir):  # one run at a time in a directory
+        moved_to = _claim_output_dir(cfg, out_dir)
+        file_log = logging.FileHandler(out_dir / "train.log", encoding="utf-8")
+        file_log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        log.addHandler(file_log)
+        try:
+            if moved_to is not None:
+                log.warning("--overwrite: the previous run in %s was moved to %s", out_dir, moved_to)
+            with StopRequest(cfg.max_time) as stop_request:
+                return _train(cfg, model_overrides or {}, out_dir, stop_request, on_step)
+        finally:
+            log.removeHandler(file_log)
+            file_log.close()
+
+
+def _claim_output_dir(cfg: TrainConfig, out_dir: Path) -> Optional[Path]:
+    """A fresh run never writes over an earlier one: where ``out_dir`` holds a run, it is refused
+    (``CheckpointError``), or under --overwrite the old run is moved aside (returned), not deleted."""
+    if cfg.resume:
+        return None
+    found = existing_run(out_dir)
+    if found is None:
+        return None
+    if not cfg.overwrite:
+        raise CheckpointError(f"{out_dir} already holds a run ({found}): continue it with --resume latest, or start "
+                              f"a new one with --overwrite (moves the old run to {out_dir.name}.replaced-<time>/ "
+                              "beside it; nothing is deleted) or with another --output_dir")
+    return move_run_aside(out_dir)
 
 
 def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
@@ -416,7 +439,7 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
     if stale := remove_stale_temporaries(out_dir):
         log.warning("removed %d unfinished checkpoint writes of a run killed while saving: %s", len(stale),
                     ", ".join(p.name for p in stale))
-    ckpt = load_checkpoint(resolve_resume(cfg.resume, out_dir)) if cfg.resume else None
+    ckpt, ckpt_path = load_resume_checkpoint(cfg.resume, out_dir) if cfg.resume else (None, None)
     if ckpt is not None and "optimizer" not in ckpt:
         raise CheckpointError(f"--resume {cfg.resume}: the checkpoint holds model weights only (an averaged "
                               "model?); resume from a step checkpoint or latest")
@@ -492,7 +515,8 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
     train_loader = _loader(train_set, sampler, cfg, device)
     valid_loader = _loader(valid_set, valid_sampler, dataclasses.replace(cfg, num_workers=0), device)
 
-    step, epoch, batches_done, best_wer, valid_metrics, valid_step = 0, 0, 0, float("inf"), {}, -1
+    step, epoch, batches_done, valid_metrics, valid_step = 0, 0, 0, {}, -1
+    best_wer = best_cer = float("inf")
     if ckpt is not None:
         saved_optimizer = canonical_optimizer(ckpt["train_config"].get("optimizer", "adamw"))
         if saved_optimizer == optimizer_name:
@@ -504,15 +528,17 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
         if scaler.is_enabled() and ckpt["scaler"]:  # empty when the saved run had no fp16
             scaler.load_state_dict(ckpt["scaler"])
         step, epoch, batches_done = ckpt["step"], ckpt["sampler"]["epoch"], ckpt["sampler"]["start"]
-        best_wer, valid_metrics, valid_step = ckpt["best_wer"], ckpt["valid_metrics"], ckpt.get("valid_step", -1)
+        best_wer, best_cer = ckpt["best_wer"], ckpt.get("best_cer", float("inf"))
+        valid_metrics, valid_step = ckpt["valid_metrics"], ckpt.get("valid_step", -1)
         _truncate_metrics(out_dir / "metrics.jsonl", step)
         _set_rng_state(ckpt["rng"])
         if samples_grew and batches_done:
             log.info("--max_samples grew from %d: epoch %d ends here, the next one covers the larger set",
                      saved["max_samples"], epoch + 1)
             epoch, batches_done = epoch + 1, 0
-        log.info("resumed from %s at step %d (epoch %d, batch %d), lr %.3g", cfg.resume, step, epoch + 1,
-                 batches_done, scheduler.get_last_lr()[0])
+        log.info("resumed from %s at step %d (epoch %d, batch %d), lr %.3g",
+                 cfg.resume if ckpt_path.name == "latest.pt" or cfg.resume != "latest" else ckpt_path, step,
+                 epoch + 1, batches_done, scheduler.get_last_lr()[0])
 
     if isinstance(getattr(sampler, "inner", sampler), DurationBucketSampler):
         log.info("%d dynamic batches per update, peak lr %g, %d warm-up steps", cfg.gradient_accumulation_steps,
@@ -523,22 +549,23 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
                  cfg.lr, cfg.warmup_steps)
 
     def record(kind: str, **values: Any) -> None:
-        # Training rows carry the epoch in progress, validation rows the epoch just finished.
-        shown = epoch + 1 if kind == "train" else epoch
+        # Each row carries the (1-based) epoch its step belongs to: the one in progress, or the one
+        # that just ended when an epoch-end validation is recorded.
+        shown = epoch + 1 if batches_done else epoch
         values = {k: v if math.isfinite(v) else None for k, v in values.items()}  # strict JSON: no NaN
         with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps({"kind": kind, "step": step, "epoch": shown, **values}) + "\n")
 
     saved_step = -1
 
-    def save(is_best: bool = False) -> None:
+    def save(is_best: bool = False, quiet: bool = False) -> None:
         nonlocal saved_step
         state = {
             "model_config": dataclasses.asdict(model_cfg), "train_config": dataclasses.asdict(cfg),
             "tokenizer": tokenizer.model_proto, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "step": step,
             "sampler": {"epoch": epoch, "start": batches_done}, "rng": _rng_state(),
-            "best_wer": best_wer, "valid_metrics": valid_metrics, "valid_step": valid_step,
+            "best_wer": best_wer, "best_cer": best_cer, "valid_metrics": valid_metrics, "valid_step": valid_step,
         }
         path = save_checkpoint(state, out_dir / step_checkpoint_name(step))
         point_to(path, out_dir / "latest.pt")
@@ -546,13 +573,31 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
             point_to(path, out_dir / "best.pt")
         prune_checkpoints(out_dir, cfg.keep_checkpoints)
         saved_step = step
-        log.info("saved %s", path)
+        if not quiet:
+            log.info("saved %s%s", path, " (best so far: also best.pt)" if is_best else "")
+
+    def validate_and_save() -> None:
+        """Validate at this step, record the metrics, save (best.pt too when the WER improved).
+        Draws nothing from the global RNG, so a resumed run goes on exactly as it would have."""
+        nonlocal best_wer, best_cer, valid_metrics, valid_step
+        valid_metrics, valid_step = validate(model, valid_loader, tokenizer, valid_utts, device, precision), step
+        record("valid", **valid_metrics)
+        # The lowest WER, and among equal WERs the lowest CER (early on every WER is 100%).
+        is_best = (valid_metrics["wer"], valid_metrics["cer"]) < (best_wer, best_cer)
+        if is_best:
+            best_wer, best_cer = valid_metrics["wer"], valid_metrics["cer"]
+        where = f"epoch {epoch}" if not batches_done else f"epoch {epoch + 1}, {100 * batches_done / epoch_batches:.0f}%"
+        log.info("step %d (%s): valid loss %.3f  CER %.2f%%  WER %.2f%%%s", step, where, valid_metrics["loss"],
+                 100 * valid_metrics["cer"], 100 * valid_metrics["wer"], "  (best)" if is_best else "")
+        save(is_best)
 
     # ---- the loop -------------------------------------------------------------------------
     accum = cfg.gradient_accumulation_steps
     stop = cfg.max_steps > 0 and step >= cfg.max_steps
     stopped_by: Optional[str] = None  # the signal or budget that ended the run early
+    reached_max_steps = False
     skips, unreadable_total = NonFiniteSkips(cfg.max_consecutive_skips), 0
+    show_bar = cfg.progress and sys.stderr.isatty()  # a bar redirected into a file is only noise
     while epoch < cfg.epochs and not stop:
         sampler.set_epoch(epoch, batches_done)
         epoch_batches = batches_done + len(sampler)
@@ -561,56 +606,61 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
         log.info("epoch %d: %d batches, %.1f%% of their frames padding", epoch + 1, epoch_batches,
                  100 * padding_fraction(sampler.epoch_batches(), [frames_of(u.duration) for u in train_utts]))
         model.train()
-        bar = tqdm(total=epoch_batches, initial=batches_done, desc=f"epoch {epoch + 1}/{cfg.epochs}",
-                   disable=not cfg.progress, dynamic_ncols=True, leave=False)
+        bar = _progress_bar(epoch_batches, batches_done, f"epoch {epoch + 1}/{cfg.epochs}", show_bar)
         micro: list[Batch] = []
         window_utts, window_start = 0, time.perf_counter()
-        for batch in train_loader:
-            batches_done += 1
-            bar.update()
-            maybe_empty_cache(device, batches_done, cfg.empty_cache_every)
-            loaded = set(batch.indices) if batch is not None else set()
-            unreadable += [train_utts[i].where for i in next(planned) if i not in loaded]
-            if batch is not None:
-                micro.append(batch)
-            # An accumulation group closes after `accum` batches, or at the end of the epoch.
-            if (len(micro) < accum and batches_done < epoch_batches) or not micro:
-                continue
-            stats = forward_backward(run_model, micro, device, precision, scaler, cfg.spec_augment,
-                                     name_of=lambda i: f"{train_utts[i].where} ({train_utts[i].duration:.1f} s)")
-            window_utts += sum(len(b) for b in micro)
-            group = [train_utts[i] for b in micro for i in b.indices]
-            micro = []
-            lr = scheduler.get_last_lr()[0]
-            grad_norm = optimizer_step(model, optimizer, scaler, cfg.grad_clip, stats["loss"])
-            scheduler.step()
-            step += 1
-            finite = math.isfinite(stats["loss"]) and math.isfinite(grad_norm)
-            diverged = skips.update(finite)
-            if not finite:
-                log.warning("step %d: non-finite %s, update skipped (%d in a row, %d in all%s); batch: %s", step,
-                            "gradients" if math.isfinite(stats["loss"]) else "loss", skips.in_a_row, skips.total,
-                            f"; fp16 loss scale now {scaler.get_scale():g}" if scaler.is_enabled() else "",
-                            ", ".join(f"{u.where} ({u.audio_path.name})" for u in group))
+        with logging_redirect_tqdm() if show_bar else contextlib.nullcontext():  # log lines above the bar
+            for batch in train_loader:
+                batches_done += 1
+                bar.update()
+                maybe_empty_cache(device, batches_done, cfg.empty_cache_every)
+                loaded = set(batch.indices) if batch is not None else set()
+                unreadable += [train_utts[i].where for i in next(planned) if i not in loaded]
+                if batch is not None:
+                    micro.append(batch)
+                # An accumulation group closes after `accum` batches, or at the end of the epoch.
+                if (len(micro) < accum and batches_done < epoch_batches) or not micro:
+                    continue
+                stats = forward_backward(run_model, micro, device, precision, scaler, cfg.spec_augment,
+                                         name_of=lambda i: f"{train_utts[i].where} ({train_utts[i].duration:.1f} s)")
+                window_utts += sum(len(b) for b in micro)
+                group = [train_utts[i] for b in micro for i in b.indices]
+                micro = []
+                lr = scheduler.get_last_lr()[0]
+                grad_norm = optimizer_step(model, optimizer, scaler, cfg.grad_clip, stats["loss"])
+                scheduler.step()
+                step += 1
+                finite = math.isfinite(stats["loss"]) and math.isfinite(grad_norm)
+                diverged = skips.update(finite)
+                if not finite:
+                    log.warning("step %d: non-finite %s, update skipped (%d in a row, %d in all%s); batch: %s", step,
+                                "gradients" if math.isfinite(stats["loss"]) else "loss", skips.in_a_row, skips.total,
+                                f"; fp16 loss scale now {scaler.get_scale():g}" if scaler.is_enabled() else "",
+                                ", ".join(f"{u.where} ({u.audio_path.name})" for u in group))
 
-            speed = window_utts / (time.perf_counter() - window_start)
-            bar.set_postfix(loss=f"{stats['loss']:.3f}", lr=f"{lr:.2e}", utt_s=f"{speed:.1f}",
-                            **{k: f"{v:.2f}" for k, v in memory_status(device).items()}, refresh=False)
-            if step % cfg.log_every == 0:
-                record("train", lr=lr, grad_norm=grad_norm, utt_per_s=speed, **stats)
-                window_utts, window_start = 0, time.perf_counter()
-            if cfg.save_every_steps and step % cfg.save_every_steps == 0:
-                save()
-            if diverged:
-                if saved_step != step:
+                speed = window_utts / (time.perf_counter() - window_start)
+                bar.set_postfix_str(f"loss {stats['loss']:.3g}, {speed:.1f} utt/s", refresh=False)
+                if step % cfg.log_every == 0:
+                    record("train", lr=lr, grad_norm=grad_norm, utt_per_s=speed, **stats)
+                    log.info("%s", _summary_line(step, epoch, batches_done, epoch_batches, stats, lr, grad_norm,
+                                                 speed, device))
+                    window_utts, window_start = 0, time.perf_counter()
+                if cfg.save_every_steps and step % cfg.save_every_steps == 0:
                     save()
-                raise TrainingDiverged(_diverged_message(skips.in_a_row, step, out_dir, scaler.is_enabled()))
-            if (cfg.max_steps and step >= cfg.max_steps) or (on_step is not None and on_step(step, epoch, model)):
-                stop = True
-                break
-            if stopped_by := stop_request.reason():
-                stop = True
-                break
+                if diverged:
+                    if saved_step != step:
+                        save()
+                    raise TrainingDiverged(_diverged_message(skips.in_a_row, step, out_dir, scaler.is_enabled()))
+                mid_epoch = batches_done < epoch_batches  # the epoch's end validates anyway
+                if cfg.validate_every_steps and step % cfg.validate_every_steps == 0 and mid_epoch:
+                    validate_and_save()
+                reached_max_steps = cfg.max_steps > 0 and step >= cfg.max_steps
+                if reached_max_steps or (on_step is not None and on_step(step, epoch, model)):
+                    stop = True
+                    break
+                if stopped_by := stop_request.reason():
+                    stop = True
+                    break
         bar.close()
         unreadable_total += len(unreadable)
         if unreadable:
@@ -622,26 +672,22 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
         log.info("epoch %d memory (GiB): %s", epoch + 1,
                  ", ".join(f"{k[:-3]} {v:.2f}" for k, v in memory_status(device).items()))
         if stop and batches_done < epoch_batches:
-            if stopped_by is None:
+            if reached_max_steps and valid_step != step:  # --max_steps ends with a score and a current best.pt
+                validate_and_save()
+            elif stopped_by is None:
                 log.info("stopped at step %d in epoch %d", step, epoch + 1)
             if saved_step != step:
                 save()
             break
 
         # Save before validating, so that nothing that goes wrong in validation costs the epoch;
-        # save again after it, with the metrics and the best WER.
+        # save again after it, with the metrics and the best WER (only that save is logged).
         epoch, batches_done = epoch + 1, 0
-        save()
+        save(quiet=True)
         if stopped_by := stopped_by or stop_request.reason():  # saved; validation can wait for the next run
+            log.info("saved %s", out_dir / step_checkpoint_name(step))
             break
-        valid_metrics, valid_step = validate(model, valid_loader, tokenizer, valid_utts, device, precision), step
-        record("valid", **valid_metrics)
-        is_best = valid_metrics["wer"] < best_wer
-        best_wer = min(best_wer, valid_metrics["wer"])
-        log.info("epoch %d step %d: valid loss %.3f  CER %.2f%%  WER %.2f%%%s", epoch, step,
-                 valid_metrics["loss"], 100 * valid_metrics["cer"], 100 * valid_metrics["wer"],
-                 "  (best)" if is_best else "")
-        save(is_best)
+        validate_and_save()
         if not stop and epoch < cfg.epochs:  # a stop asked for during validation
             stopped_by = stop_request.reason()
             stop = stopped_by is not None
@@ -651,3 +697,20 @@ def _train(cfg: TrainConfig, model_overrides: dict[str, Any], out_dir: Path,
                     "with --resume latest", stopped_by, step, epoch + 1, batches_done, out_dir / "latest.pt")
     return {"step": step, "epoch": epoch, "valid": valid_metrics, "best_wer": best_wer, "stopped_by": stopped_by,
             "skipped_updates": skips.total, "unreadable_files": unreadable_total}
+
+
+def _progress_bar(total: int, done: int, desc: str, show: bool) -> tqdm:
+    """An epoch's bar that fits 80 columns: count, times, loss and speed (the summary lines carry the rest)."""
+    return tqdm(total=total, initial=done, desc=desc, disable=not show, leave=False, mininterval=1.0,
+                ncols=min(80, shutil.get_terminal_size().columns),
+                bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
+
+
+def _summary_line(step: int, epoch: int, batches_done: int, epoch_batches: int, stats: dict[str, float], lr: float,
+                  grad_norm: float, speed: float, device: torch.device) -> str:
+    """The --log_every line: where the run is, the losses, lr, gradient norm, speed and memory."""
+    memory = memory_status(device)
+    now, peak = list(memory.values())[:2]
+    return (f"step {step} (epoch {epoch + 1}, {100 * batches_done / epoch_batches:.0f}%): loss {stats['loss']:.3f} "
+            f"(ctc {stats['ctc']:.3f}, attention {stats['attention']:.3f}), lr {lr:.2e}, grad norm {grad_norm:.2f}, "
+            f"{speed:.1f} utt/s, memory {now:.2f} GiB (peak {peak:.2f})")

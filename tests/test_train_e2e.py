@@ -1,6 +1,7 @@
 """Train the tiny preset for real on synthesized Konkani speech, stop, resume, compare."""
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -25,11 +26,17 @@ def _train_rows(out):
 
 @pytest.fixture(scope="module")
 def runs(tiny_corpus, tmp_path_factory):
-    """One uninterrupted run of 36 steps, and one stopped at step 20 and resumed to 36."""
-    whole, split = tmp_path_factory.mktemp("whole"), tmp_path_factory.mktemp("split")
-    assert cli.main(tiny_args(tiny_corpus, whole, "--max_steps", "36")) == 0
-    assert cli.main(tiny_args(tiny_corpus, split, "--max_steps", "20", "--save_every_steps", "10")) == 0
+    """One uninterrupted run of 36 steps, and one stopped at step 20 and resumed to 36; both
+    validate every 7 steps as well as at epoch ends."""
+    whole, split = tmp_path_factory.mktemp("whole") / "run", tmp_path_factory.mktemp("split") / "run"
+    assert cli.main(tiny_args(tiny_corpus, whole, "--max_steps", "36", "--validate_every_steps", "7")) == 0
+    assert cli.main(tiny_args(tiny_corpus, split, "--max_steps", "20", "--save_every_steps", "10",
+                              "--validate_every_steps", "7")) == 0
     return whole, split
+
+
+def _epoch_ends(train_rows):
+    return {a["step"] for a, b in zip(train_rows, train_rows[1:]) if b["epoch"] > a["epoch"]}
 
 
 def test_tiny_model_learns(runs):
@@ -38,11 +45,26 @@ def test_tiny_model_learns(runs):
     losses = [r["loss"] for r in train_rows]
     assert [r["step"] for r in train_rows] == list(range(1, 37))
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
-    assert len(valid_rows) >= 3
     assert valid_rows[-1]["loss"] < valid_rows[0]["loss"]
     ckpt = load_checkpoint(whole / "latest.pt")
     assert ckpt["step"] == 36
     assert (whole / "best.pt").is_file() and (whole / "tokenizer.model").is_file()
+
+
+def test_validation_every_n_steps_at_epoch_ends_and_at_max_steps(runs):
+    whole, split = runs
+    train_rows, valid_rows = _train_rows(whole)
+    ends = _epoch_ends(train_rows)
+    assert len(ends) >= 3
+    # Every 7 steps, at each epoch's end (once, where both fall together), and at --max_steps.
+    assert [r["step"] for r in valid_rows] == sorted(ends | {7, 14, 21, 28, 35, 36})
+    steps_epochs = {r["step"]: r["epoch"] for r in train_rows}
+    assert all(r["epoch"] == steps_epochs[r["step"]] for r in valid_rows)
+    best = min(valid_rows, key=lambda r: (r["wer"], r["cer"], r["step"]))
+    best_ckpt = load_checkpoint(whole / "best.pt")
+    assert best_ckpt["valid_step"] == best["step"] and best_ckpt["valid_metrics"]["cer"] == pytest.approx(best["cer"])
+    # The run stopped by --max_steps at step 20 scored itself there too.
+    assert 20 in [r["step"] for r in _train_rows(split)[1]]
 
 
 def test_stop_and_resume_continue_the_same_run(runs, tiny_corpus, caplog):
@@ -122,3 +144,57 @@ def test_missing_manifest_is_a_clear_error_before_training(tmp_path, caplog):
         assert cli.main(tiny_args(corpus, tmp_path / "out")) == 2
     assert "train.jsonl does not exist" in caplog.text
     assert not list((tmp_path / "out").glob("*.pt"))
+
+
+def test_summary_lines_reach_a_redirected_console_and_train_log_without_a_bar(tiny_corpus, tmp_path):
+    """Output redirected to a file (not a terminal): no progress bar, the --log_every lines instead."""
+    out = tmp_path / "quiet"
+    argv = [a for a in tiny_args(tiny_corpus, out, "--max_steps", "4", "--log_every", "2") if a != "--no-progress"]
+    with open(tmp_path / "console.txt", "w") as console:
+        result = subprocess.run([sys.executable, cli.__file__, *argv], stdout=console, stderr=subprocess.STDOUT,
+                                timeout=300)
+    assert result.returncode == 0
+    text = (tmp_path / "console.txt").read_text()
+    assert "\r" not in text and "it/s" not in text and "|" not in text  # no bar drawn into the file
+    for logged in (text, (out / "train.log").read_text()):
+        lines = [line for line in logged.splitlines() if " INFO step " in line and "loss" in line]
+        assert [line.split(" INFO step ")[1].split()[0] for line in lines if "valid" not in line] == ["2", "4"]
+        assert all(key in lines[0] for key in ("(epoch 1, ", "loss ", "(ctc ", "attention ", "lr ", "grad norm ",
+                                               "utt/s", "memory ", "GiB")), lines[0]
+    saved = [line for line in text.splitlines() if "saved " in line]
+    assert len(saved) == len({line.split("saved ")[1] for line in saved})  # each save logged once
+
+
+def test_progress_bar_fits_80_columns_and_log_lines_start_their_own_line(tiny_corpus, tmp_path):
+    """On a terminal (a pseudo-terminal here), 200 columns wide: the bar stays within 80 columns and
+    every log line written while it is shown starts at the beginning of a line."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    out = tmp_path / "tty"
+    argv = [a for a in tiny_args(tiny_corpus, out, "--max_steps", "6", "--log_every", "1") if a != "--no-progress"]
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 200, 0, 0))  # 30 rows, 200 columns
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    proc = subprocess.Popen([sys.executable, cli.__file__, *argv], stdin=slave, stdout=slave, stderr=slave, env=env)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the terminal closed with the process
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=300) == 0
+    os.close(master)
+    screen = b"".join(chunks).decode("utf-8", "replace")
+    bars = [part for line in screen.split("\n") for part in line.split("\r") if "epoch 1/100" in part and "%|" in part]
+    assert bars, screen[-2000:]
+    assert max(len(b.rstrip()) for b in bars) <= 80, max(bars, key=len)
+    log_lines = [part for line in screen.split("\n") for part in line.split("\r") if " INFO " in part]
+    assert sum(" INFO step " in part for part in log_lines) >= 6
+    assert all(part.lstrip()[:2].isdigit() for part in log_lines), [p for p in log_lines if not p[:2].isdigit()]

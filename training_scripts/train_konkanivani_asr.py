@@ -62,6 +62,7 @@ def resume_command(argv: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.captureWarnings(True)  # library warnings as log lines: above the progress bar, and in train.log
     args = parse_args(argv)
     cfg = dataclass_from_args(TrainConfig, args)
     model_flags = {name: getattr(args, name) for name in ModelConfig.__dataclass_fields__ if name != "vocab_size"}
