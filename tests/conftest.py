@@ -2,6 +2,13 @@ import shutil
 
 import pytest
 
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that needs the synthesized corpus (to train on it, or to decode it) is slow."""
+    for item in items:
+        if "tiny_corpus" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
 from konkanivani.demo_corpus import make_corpus
 
 

@@ -95,6 +95,7 @@ def test_probe_search_finds_the_largest_batch_that_fits():
     assert largest_fitting(lambda n: True, limit=20) == 20 and largest_fitting(lambda n: False, limit=20) == 0
 
 
+@pytest.mark.slow  # a subprocess per case, each training a few steps
 @pytest.mark.parametrize("preset,utterances,seconds,checkpointing",
                          [("tiny", 4, 6, False), ("small", 2, 5, False), ("small", 2, 5, True)])
 def test_estimate_within_a_quarter_of_the_measured_peak_rss(preset, utterances, seconds, checkpointing):
