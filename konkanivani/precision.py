@@ -2,12 +2,13 @@
 
 A CPU's flags are a poor guide (a virtual machine may report ``avx512_bf16`` while its bf16
 matrix multiply runs at a fraction of fp32 speed), so a CPU is asked by timing: a short probe
-multiplies 256x256 matrices in both dtypes. Measured on x86 machines: with native bf16
-(AVX512-BF16) bf16 matmul ran at 0.52-0.60x fp32 speed, and a training step under bf16 autocast
-took 0.81-0.86x the fp32 time for the ``small`` preset (batches of 4 x 3 s and 16 x 4 s) but
-1.1-1.2x for ``large`` and ``medium`` on 15 s utterances (benchmarks/memory.py), while holding
-a quarter less memory; without native bf16, bf16 matmul ran at under 0.01x and the step was 20-25x
-slower. bf16 is used when the ratio is at least 0.2, well between the two.
+multiplies 256x256 matrices in both dtypes, alternating, several rounds, and keeps the fastest
+product of each (a busy machine slows some products down, never speeds one up). bf16 matmul ran,
+against fp32: 0.52-0.60x on an Intel Xeon with AVX512-BF16 (where a training step under bf16
+autocast took 0.81-0.86x the fp32 time for ``small`` but 1.1-1.2x for ``large`` and ``medium`` on
+15 s utterances, holding a quarter less memory), about 2.3x on an Intel Xeon with AMX-BF16, and
+0.03x on an AMD EPYC with AVX2 only (a step 20-25x slower). bf16 is used when the ratio is at
+least 0.2. The log line names the CPU and its relevant flags (``cpu_description``).
 
 ``--precision fp32|fp16|bf16`` names the dtype outright and is honoured wherever it can run (with
 a warning where it is slow); ``--mixed_precision`` alone keeps the automatic choice above. Under
@@ -18,13 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import platform
 import time
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-__all__ = ["PRECISIONS", "Precision", "resolve_precision", "cpu_bf16_speed_ratio"]
+__all__ = ["PRECISIONS", "Precision", "resolve_precision", "cpu_bf16_speed_ratio", "cpu_description"]
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 
@@ -42,22 +44,51 @@ class Precision:
         return torch.autocast(device_type=device.type, dtype=self.dtype)
 
 
-def _matmul_gflops(dtype: torch.dtype, size: int = 256, seconds: float = 0.05) -> float:
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    a @ b  # warm up
-    n, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
-        a @ b
-        n += 1
-    return 2 * size ** 3 * n / elapsed / 1e9
+_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # the ones that decide bf16 speed
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_bf16_speed_ratio() -> float:
-    """bf16 / fp32 matmul throughput on this CPU (about 0.5 with native bf16, under 0.01 without)."""
-    fp32 = max(_matmul_gflops(torch.float32) for _ in range(2))
-    bf16 = max(_matmul_gflops(torch.bfloat16) for _ in range(2))
-    return bf16 / fp32
+def cpu_description() -> str:
+    """The CPU's model name and its bf16-relevant flags, e.g. "AMD EPYC with avx2", for logs and tables."""
+    name, flags = "", set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not name:
+                    name = " ".join(value.split())
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:  # not Linux
+        pass
+    name = name or platform.processor() or platform.machine() or "unknown CPU"
+    shown = [f for f in _CPU_FLAGS if f in flags]
+    return f"{name} with {', '.join(shown)}" if shown else name
+
+
+def _matmul_seconds(dtype: torch.dtype, size: int = 256, seconds: float = 0.02) -> float:
+    """The fastest of the products of two ``size`` x ``size`` matrices made within ``seconds`` (at least one)."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    best, start = float("inf"), time.perf_counter()
+    while best == float("inf") or time.perf_counter() - start < seconds:
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_bf16_speed_ratio(rounds: int = 5) -> float:
+    """bf16 / fp32 matmul throughput on this CPU (about 0.5 with AVX512-BF16, 2 with AMX, under 0.05
+    without native bf16). The two dtypes alternate for ``rounds`` rounds after a warm-up of each, and
+    each keeps its fastest product, so a busy moment of the machine moves neither figure."""
+    for dtype in (torch.float32, torch.bfloat16):  # warm up: thread pools, kernel selection, JIT
+        _matmul_seconds(dtype, seconds=0.0)
+    fp32 = bf16 = float("inf")
+    for _ in range(rounds):
+        fp32 = min(fp32, _matmul_seconds(torch.float32))
+        bf16 = min(bf16, _matmul_seconds(torch.bfloat16))
+    return fp32 / bf16
 
 
 def _explicit_precision(device: torch.device, precision: str) -> Precision:
@@ -77,9 +108,11 @@ def _explicit_precision(device: torch.device, precision: str) -> Precision:
         ratio = cpu_bf16_speed_ratio()
         if ratio >= 0.2:
             return Precision(torch.bfloat16, False,
-                             f"precision: bf16 autocast (this CPU runs bf16 matmul at {ratio:.2f}x fp32)")
-        return Precision(torch.bfloat16, False, f"precision: bf16 autocast as asked, but this CPU has no "
-                                                f"native bf16 (bf16 matmul at {ratio:.3f}x fp32): far slower than fp32",
+                             f"precision: bf16 autocast (this CPU, {cpu_description()}, runs bf16 matmul at "
+                             f"{ratio:.2f}x fp32)")
+        return Precision(torch.bfloat16, False, f"precision: bf16 autocast as asked, but this CPU "
+                                                f"({cpu_description()}) has no native bf16 (bf16 matmul at "
+                                                f"{ratio:.3f}x fp32): far slower than fp32",
                          slow=True)
     return Precision(torch.bfloat16, False, f"precision: bf16 autocast on {device.type}")
 
@@ -98,7 +131,8 @@ def resolve_precision(device: torch.device, mixed_precision: bool, precision: st
         ratio = cpu_bf16_speed_ratio()
         if ratio >= 0.2:
             return Precision(torch.bfloat16, False,
-                             f"precision: bf16 autocast (this CPU runs bf16 matmul at {ratio:.2f}x fp32)")
-        return Precision(None, False, f"--mixed_precision: this CPU has no fast bf16 (bf16 matmul at "
-                                      f"{ratio:.3f}x fp32 speed), training in fp32")
+                             f"precision: bf16 autocast (this CPU, {cpu_description()}, runs bf16 matmul at "
+                             f"{ratio:.2f}x fp32)")
+        return Precision(None, False, f"--mixed_precision: this CPU ({cpu_description()}) has no fast bf16 (bf16 "
+                                      f"matmul at {ratio:.3f}x fp32 speed), training in fp32")
     return Precision(None, False, f"--mixed_precision is not supported on {device.type}, training in fp32")

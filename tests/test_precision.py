@@ -31,6 +31,30 @@ def test_probe_measures_a_ratio():
     assert 0 < ratio < 10
 
 
+def test_probe_keeps_the_fastest_product_of_each_dtype_on_a_busy_machine(monkeypatch):
+    """True times: fp32 1 ms, bf16 0.5 ms (ratio 2). A busy machine slows some measurements down
+    (never speeds one up): the fp32 ones by 30x in the first rounds, bf16 in the last."""
+    slow = {torch.float32: [30, 30, 1, 30, 1, 1], torch.bfloat16: [1, 1, 1, 1, 3, 5]}
+    true = {torch.float32: 1e-3, torch.bfloat16: 5e-4}
+
+    def fake_seconds(dtype, size=256, seconds=0.02):
+        return true[dtype] * slow[dtype].pop(0)
+
+    monkeypatch.setattr(precision_module, "_matmul_seconds", fake_seconds)
+    assert precision_module.cpu_bf16_speed_ratio.__wrapped__(rounds=5) == 2.0
+    assert slow == {torch.float32: [], torch.bfloat16: []}  # one warm-up and 5 rounds of each, alternating
+
+
+def test_the_precision_note_names_the_cpu(monkeypatch):
+    described = precision_module.cpu_description()
+    assert described and "  " not in described
+    monkeypatch.setattr(precision_module, "cpu_bf16_speed_ratio", lambda: 0.01)
+    assert described in resolve_precision(torch.device("cpu"), mixed_precision=True).note
+    monkeypatch.setattr(precision_module, "cpu_bf16_speed_ratio", lambda: 2.3)
+    note = resolve_precision(torch.device("cpu"), mixed_precision=True).note
+    assert described in note and "2.30x fp32" in note
+
+
 def test_disabled_grad_scaler_is_a_plain_step_on_cpu():
     w = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([w], lr=0.5)
