@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from .config import ModelConfig
 from .masks import pad_mask, subsampled_lengths
 
-__all__ = ["LayerNorm", "RotaryEmbedding", "MultiHeadAttention", "FeedForward", "ConvolutionModule", "ConformerBlock",
+__all__ = ["LayerNorm", "RotaryEmbedding", "KVCache", "MultiHeadAttention", "FeedForward", "ConvolutionModule", "ConformerBlock",
            "Conv2dSubsampling", "ConformerEncoder", "run_layers"]
 
 
@@ -68,8 +68,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
+KVCache = dict  # attention module -> its (keys, values), each (N, H, T, D/H); see MultiHeadAttention
+
+
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention over ``scaled_dot_product_attention``; self- or cross-attention."""
+    """Multi-head attention over ``scaled_dot_product_attention``; self- or cross-attention, with
+    an optional key/value cache for incremental decoding (one attention path for training and search).
+    """
 
     def __init__(self, d_model: int, n_heads: int, dropout: float):
         super().__init__()
@@ -80,30 +85,49 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, d_model)
         self.out_proj = nn.Linear(d_model, d_model)
 
-    def forward(self, query: torch.Tensor, memory: torch.Tensor, allowed: Optional[torch.Tensor] = None,
-                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        N, T, D = x.shape
+        return x.view(N, T, self.n_heads, D // self.n_heads).transpose(1, 2)  # (N, H, T, D/H)
+
+    def forward(self, query: torch.Tensor, memory: Optional[torch.Tensor] = None,
+                allowed: Optional[torch.Tensor] = None, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                cache: Optional[KVCache] = None) -> torch.Tensor:
         """
         Args:
-            query: ``(B, Tq, D)``.
-            memory: ``(B, Tk, D)``, the keys and values (``query`` itself for self-attention).
-            allowed: bool, broadcastable to ``(B, H, Tq, Tk)``, True where attention is allowed.
+            query: ``(N, Tq, D)``.
+            memory: ``(B, Tk, D)`` keys and values of cross-attention; None for self-attention.
+            allowed: bool, broadcastable to ``(N, H, Tq, Tk)``, True where attention is allowed.
             rope: ``(cos, sin)`` of shape ``(T, D/H)``, rotary tables (self-attention only).
+            cache: incremental decoding. Self-attention appends the new keys and values to
+                ``cache[self]`` (the queries are the positions after those cached); cross-attention
+                projects ``memory`` once and reuses it. Cross-attention memory may have fewer rows
+                than the queries: the N = B x K hypotheses of an utterance share its row.
         Returns:
-            ``(B, Tq, D)``.
+            ``(N, Tq, D)``.
         """
-        B, Tq, D = query.shape
-        Tk = memory.shape[1]
-        H = self.n_heads
-        q = self.q_proj(query).view(B, Tq, H, D // H).transpose(1, 2)  # (B, H, Tq, D/H)
-        k = self.k_proj(memory).view(B, Tk, H, D // H).transpose(1, 2)  # (B, H, Tk, D/H)
-        v = self.v_proj(memory).view(B, Tk, H, D // H).transpose(1, 2)  # (B, H, Tk, D/H)
+        N, Tq, D = query.shape
+        q = self._heads(self.q_proj(query))  # (N, H, Tq, D/H)
+        if memory is not None and cache is not None and self in cache:
+            k, v = cache[self]
+        else:
+            source = query if memory is None else memory
+            k, v = self._heads(self.k_proj(source)), self._heads(self.v_proj(source))  # (., H, Tk, D/H)
         if rope is not None:
-            cos, sin = rope
-            q, k = _rotate(q, cos[:Tq], sin[:Tq]), _rotate(k, cos[:Tk], sin[:Tk])
+            past = cache[self][0].shape[2] if cache is not None and self in cache else 0
+            cos, sin = rope[0][past:past + Tq], rope[1][past:past + Tq]  # the new positions' tables
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if cache is not None:
+            if memory is None and self in cache:
+                k, v = torch.cat([cache[self][0], k], dim=2), torch.cat([cache[self][1], v], dim=2)
+            cache[self] = (k, v)
+        B = k.shape[0]
+        if B != N:  # hypotheses of one utterance: query positions of one call against its memory
+            q = q.reshape(B, N // B, self.n_heads, Tq, -1).transpose(1, 2).reshape(B, self.n_heads, N // B * Tq, -1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed,
                                              dropout_p=self.dropout if self.training else 0.0)
-        out = out.transpose(1, 2).reshape(B, Tq, D)  # (B, Tq, D)
-        return self.out_proj(out)
+        if B != N:
+            out = out.reshape(B, self.n_heads, N // B, Tq, -1).transpose(1, 2).reshape(N, self.n_heads, Tq, -1)
+        return self.out_proj(out.transpose(1, 2).reshape(N, Tq, D))
 
 
 class FeedForward(nn.Module):
@@ -163,7 +187,7 @@ class ConformerBlock(nn.Module):
         x = x + 0.5 * self.ffn1(x)
         h = self.attn_norm(x)
         allowed = ~pad[:, None, None, :]  # (B, 1, 1, T'): every query may see every real frame
-        x = x + self.attn_dropout(self.attn(h, h, allowed, rope))
+        x = x + self.attn_dropout(self.attn(h, None, allowed, rope))
         x = x + self.conv_module(x, pad)
         x = x + 0.5 * self.ffn2(x)
         return self.final_norm(x)

@@ -174,7 +174,7 @@ def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam
         # One row per hypothesis: each utterance's CTC output, repeated for its K hypotheses.
         scorer = _CTCPrefixScorer(model.ctc_log_probs(enc).repeat_interleave(K, dim=0), enc_lens.repeat_interleave(K))
         ctc_r, ctc_psi = scorer.initial_state()
-    dec_state = model.decoder.init_state(enc, enc_lens, hypotheses=K)
+    dec_state = model.decoder.init_state(enc, enc_lens)
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
     done = torch.zeros(B, dtype=torch.bool)
     n_cand = min(K * 2, model.cfg.vocab_size - 1)

@@ -2,35 +2,32 @@
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .conformer import FeedForward, LayerNorm, MultiHeadAttention, RotaryEmbedding, _rotate, run_layers
+from .conformer import FeedForward, KVCache, LayerNorm, MultiHeadAttention, RotaryEmbedding, run_layers
 from .config import ModelConfig
 from .masks import causal_mask, pad_mask
 
 
 class DecoderState(NamedTuple):
-    """What incremental decoding keeps: per layer, the (rotated) self-attention keys and values of
-    the tokens so far, one row per hypothesis; per layer, the cross-attention keys and values of
-    the encoder states, one row per utterance (its hypotheses share them); which frames are real."""
+    """What incremental decoding keeps: the encoder states and which of their frames are real, one
+    row per utterance; the attention caches (``KVCache``) of the layers: self-attention keys and
+    values of the tokens so far, one row per hypothesis, and cross-attention keys and values of the
+    encoder states, one row per utterance (its hypotheses share them)."""
 
-    self_kv: list[tuple[torch.Tensor, torch.Tensor]]  # (N, H, U, D/H) each, N = B * hypotheses
-    cross_kv: list[tuple[torch.Tensor, torch.Tensor]]  # (B, H, T', D/H) each
+    memory: torch.Tensor  # (B, T', D)
     cross_allowed: torch.Tensor  # (B, 1, 1, T')
+    self_kv: KVCache  # (N, H, U, D/H) each, N = B * hypotheses
+    cross_kv: KVCache  # (B, H, T', D/H) each
 
     def select(self, rows: torch.Tensor) -> DecoderState:
         """Keep the hypotheses ``rows`` (beam search reorders and copies them); each must stay
         with its utterance: row r belongs to utterance r // (N / B)."""
-        return DecoderState([(k[rows], v[rows]) for k, v in self.self_kv], self.cross_kv, self.cross_allowed)
+        return self._replace(self_kv={m: (k[rows], v[rows]) for m, (k, v) in self.self_kv.items()})
 
-
-def _heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    N, T, D = x.shape
-    return x.view(N, T, n_heads, D // n_heads).transpose(1, 2)  # (N, H, T, D/H)
 
 __all__ = ["DecoderLayer", "DecoderState", "TransformerDecoder"]
 
@@ -47,11 +44,14 @@ class DecoderLayer(nn.Module):
         self.ffn = FeedForward(d_model, ffn_dim, dropout)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, y: torch.Tensor, self_allowed: torch.Tensor, memory: torch.Tensor,
-                cross_allowed: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        h = self.self_norm(y)
-        y = y + self.dropout(self.self_attn(h, h, self_allowed, rope))
-        y = y + self.dropout(self.cross_attn(self.cross_norm(y), memory, cross_allowed))
+    def forward(self, y: torch.Tensor, self_allowed: Optional[torch.Tensor], memory: torch.Tensor,
+                cross_allowed: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                state: Optional[DecoderState] = None) -> torch.Tensor:
+        """``state``: incremental decoding (``y`` the new positions, whose keys and values the
+        state's caches keep); None in training."""
+        self_cache, cross_cache = (None, None) if state is None else (state.self_kv, state.cross_kv)
+        y = y + self.dropout(self.self_attn(self.self_norm(y), None, self_allowed, rope, self_cache))
+        y = y + self.dropout(self.cross_attn(self.cross_norm(y), memory, cross_allowed, cache=cross_cache))
         return y + self.ffn(y)
 
 
@@ -93,45 +93,19 @@ class TransformerDecoder(nn.Module):
 
     # ---- incremental decoding: one new token per hypothesis and step --------------------------
 
-    def init_state(self, memory: torch.Tensor, memory_lens: torch.Tensor, hypotheses: int = 1) -> DecoderState:
-        """State before the first token for ``hypotheses`` rows per utterance of ``memory``
-        ``(B, T', D)``: each layer's cross-attention keys and values, projected once."""
-        cross = []
-        for layer in self.layers:
-            attn = layer.cross_attn
-            cross.append((_heads(attn.k_proj(memory), attn.n_heads), _heads(attn.v_proj(memory), attn.n_heads)))
-        k = cross[0][0]
-        empty = k.new_zeros(k.shape[0] * hypotheses, k.shape[1], 0, k.shape[3])
+    def init_state(self, memory: torch.Tensor, memory_lens: torch.Tensor) -> DecoderState:
+        """State before the first token for the utterances of ``memory`` ``(B, T', D)``; the first
+        ``step`` decides how many hypotheses each has (its tokens' rows, a multiple of B)."""
         allowed = ~pad_mask(memory_lens, memory.shape[1])[:, None, None, :]
-        return DecoderState([(empty, empty)] * len(self.layers), cross, allowed)
+        return DecoderState(memory, allowed, {}, {})
 
     def step(self, tokens: torch.Tensor, state: DecoderState) -> tuple[torch.Tensor, DecoderState]:
         """Logits ``(N, V)`` after appending ``tokens`` ``(N,)`` to each hypothesis, and the new state.
-        The same numbers as ``forward`` on the whole prefix, computing only the new position."""
-        N, B = tokens.shape[0], state.cross_allowed.shape[0]
-        position = state.self_kv[0][0].shape[2]
-        cos, sin = self.rotary(position + 1, tokens.device)
-        rope = (cos[position:], sin[position:])
+        The same layers and numbers as ``forward`` on the whole prefix, computing only the new position."""
+        state = state._replace(self_kv=dict(state.self_kv), cross_kv=dict(state.cross_kv))  # the caller's stays
+        position = next(iter(state.self_kv.values()))[0].shape[2] if state.self_kv else 0
+        rope = self.rotary(position + 1, tokens.device)
         y = self.embed(tokens)[:, None] * math.sqrt(self.d_model)  # (N, 1, D)
-        new_self = []
-        for layer, (k_old, v_old), (k_mem, v_mem) in zip(self.layers, state.self_kv, state.cross_kv):
-            attn = layer.self_attn
-            h = layer.self_norm(y)
-            q = _rotate(_heads(attn.q_proj(h), attn.n_heads), *rope)
-            k = torch.cat([k_old, _rotate(_heads(attn.k_proj(h), attn.n_heads), *rope)], dim=2)
-            v = torch.cat([v_old, _heads(attn.v_proj(h), attn.n_heads)], dim=2)
-            new_self.append((k, v))
-            y = y + attn.out_proj(_merge(F.scaled_dot_product_attention(q, k, v)))
-            # The hypotheses of one utterance are the query positions of one cross-attention call.
-            cross = layer.cross_attn
-            q = cross.q_proj(layer.cross_norm(y)).view(B, N // B, -1)  # (B, hyps, D)
-            out = F.scaled_dot_product_attention(_heads(q, cross.n_heads), k_mem, v_mem, attn_mask=state.cross_allowed)
-            y = y + cross.out_proj(_merge(out).reshape(N, 1, -1))
-            y = y + layer.ffn(y)
-        logits = self.output(self.final_norm(y))[:, 0]
-        return logits, DecoderState(new_self, state.cross_kv, state.cross_allowed)
-
-
-def _merge(x: torch.Tensor) -> torch.Tensor:
-    N, H, T, Dh = x.shape
-    return x.transpose(1, 2).reshape(N, T, H * Dh)
+        for layer in self.layers:
+            y = layer(y, None, state.memory, state.cross_allowed, rope, state)
+        return self.output(self.final_norm(y))[:, 0], state

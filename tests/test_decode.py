@@ -140,7 +140,7 @@ def test_incremental_decoder_steps_equal_the_full_forward():
     tokens[:, 0] = SOS_EOS_ID
     full = model.decoder(tokens, torch.full((3,), 6), memory, memory_lens)  # (3, 6, V)
     for hyps in (1, 3):  # hypotheses per utterance share its cross-attention keys and values
-        state = model.decoder.init_state(memory, memory_lens, hypotheses=hyps)
+        state = model.decoder.init_state(memory, memory_lens)
         rows = tokens.repeat_interleave(hyps, dim=0)
         for i in range(6):
             logits, state = model.decoder.step(rows[:, i], state)
