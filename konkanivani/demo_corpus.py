@@ -1,7 +1,7 @@
 """A small, deterministic Konkani demo speech corpus synthesized with espeak-ng.
 
-Sentences (Devanagari Konkani, ``data/demo_sentences_kok.txt``) are split into train / valid /
-test, and each utterance is read by an espeak-ng "speaker" = (language voice, variant) with a
+Sentences (Devanagari Konkani, ``resources/demo_sentences_kok.txt``, package data) are split into
+train / valid / test, and each utterance is read by an espeak-ng "speaker" = (language voice, variant) with a
 random speed and pitch. The test split uses sentences AND voice variants that never occur in
 train or valid. Output (relocatable, paths relative to OUT_DIR)::
 
@@ -33,8 +33,8 @@ from tqdm import tqdm
 
 from .data import read_manifest
 
-# The sentences ship in the repository's data/ folder (next to this package in a checkout).
-DEFAULT_SENTENCES = Path(__file__).resolve().parents[1] / "data" / "demo_sentences_kok.txt"
+# Package data: installed with the package (a wheel too), so the corpus can be made anywhere.
+DEFAULT_SENTENCES = Path(__file__).resolve().parent / "resources" / "demo_sentences_kok.txt"
 SPLITS = ("train", "valid", "test")
 SPLIT_FRACTIONS = {"train": 0.80, "valid": 0.08, "test": 0.12}
 # "kok" spells out vowel signs in espeak-ng 1.51; mr / hi read Devanagari Konkani well.
