@@ -14,10 +14,10 @@ import soundfile as sf
 import torch
 import torchaudio
 
+from .frames import HOP_LENGTH, SAMPLE_RATE
+
 __all__ = ["SAMPLE_RATE", "HOP_LENGTH", "load_audio", "LogMel"]
 
-SAMPLE_RATE = 16000
-HOP_LENGTH = 160  # 10 ms: 100 frames per second
 
 
 def load_audio(path: str | Path, sample_rate: int = SAMPLE_RATE) -> torch.Tensor:

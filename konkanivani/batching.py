@@ -8,17 +8,11 @@ from typing import Callable, Optional, Sequence
 
 from torch.utils.data import Sampler
 
-from .audio import HOP_LENGTH, SAMPLE_RATE
-from .data import Batch, ResumableBatchSampler
+from .data import Batch, LengthGroupedBatchSampler, ResumableBatchSampler, ShardedSampler
+from .frames import frames_of
 
-__all__ = ["frames_of", "DurationBucketSampler", "PreflightSampler", "padding_fraction", "split_batch", "select_samples"]
-
-FRAMES_PER_SECOND = SAMPLE_RATE / HOP_LENGTH
-
-
-def frames_of(duration: float) -> int:
-    """Feature frames of ``duration`` seconds of audio (as ``LogMel`` makes them)."""
-    return 1 + int(duration * SAMPLE_RATE) // HOP_LENGTH
+__all__ = ["DurationBucketSampler", "PreflightSampler", "train_sampler", "padding_fraction", "split_batch",
+           "select_samples"]
 
 
 class DurationBucketSampler(ResumableBatchSampler):
@@ -112,6 +106,22 @@ class PreflightSampler(ResumableBatchSampler):
 
     def __len__(self) -> int:  # as many batches as the inner sampler's
         return max(0, len(self.inner) - self.start)
+
+
+def train_sampler(durations: Sequence[float], batch_size: int, max_frames: int, seed: int, num_buckets: int,
+                  fits: Optional[Callable[[int, int], bool]] = None, preflight: int = 0, rank: int = 0,
+                  world: int = 1) -> ResumableBatchSampler:
+    """The training batches: duration-bucketed under a frame budget (``max_frames``; ``fits`` a
+    further cap, the memory estimator's) or ``batch_size`` utterances of similar length; the
+    ``preflight`` largest first in the first epoch; process ``rank``'s share of them when ``world`` > 1."""
+    if max_frames or fits is not None:
+        sampler: ResumableBatchSampler = DurationBucketSampler(durations, max_frames or 10 ** 9, seed=seed,
+                                                               num_buckets=num_buckets, fits=fits)
+    else:
+        sampler = LengthGroupedBatchSampler(durations, batch_size, seed=seed)
+    if preflight > 0:
+        sampler = PreflightSampler(sampler, durations, preflight)
+    return ShardedSampler(sampler, rank, world) if world > 1 else sampler
 
 
 def padding_fraction(batches: Sequence[Sequence[int]], frames: Sequence[int]) -> float:

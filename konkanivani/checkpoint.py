@@ -17,15 +17,20 @@ unless asked for, when the old run is moved aside, never deleted (``existing_run
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import math
 import os
+import random
 import re
 import shutil
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 try:
@@ -33,22 +38,114 @@ try:
 except ImportError:  # Windows: no advisory locks; the directory is then not guarded
     fcntl = None
 
-__all__ = ["CheckpointError", "FORMAT_VERSION", "LOCK_FILE", "save_checkpoint", "load_checkpoint", "point_to",
-           "prune_checkpoints", "remove_stale_temporaries", "resolve_resume", "load_resume_checkpoint",
-           "step_checkpoint_name", "step_checkpoints", "select_checkpoints", "average_checkpoints",
-           "hold_run_directory", "existing_run", "move_run_aside"]
+__all__ = ["CheckpointError", "FORMAT_VERSION", "LOCK_FILE", "TrainState", "capture_rng", "restore_rng",
+           "save_checkpoint", "load_checkpoint", "point_to", "prune_checkpoints", "remove_stale_temporaries",
+           "resolve_resume", "load_resume_checkpoint", "step_checkpoint_name", "step_checkpoints",
+           "select_checkpoints", "average_checkpoints", "hold_run_directory", "claim_output_dir", "existing_run",
+           "move_run_aside", "MetricsLog"]
 
 log = logging.getLogger("konkanivani")
 
 LOCK_FILE = ".lock"
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: TrainState (no LR scheduler state: the LR is a function of the step)
+_READABLE_FORMATS = (1, 2)  # format 1 still serves decoding and averaging: its model fields are the same
 _STEP_FILE = re.compile(r"step_(\d+)\.pt$")
 _TEMPORARY = re.compile(r"^\..+\.pt\.tmp(\d+)$")  # ".NAME.pt.tmpPID", see _temporary
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or read; the message says which file and why."""
+
+
+@dataclass
+class TrainState:
+    """Everything a run needs to go on exactly where it stopped; the checkpoint *is* this, as a dict
+    of its fields (``save``/``load``). ``model``, ``optimizer`` and ``scaler`` are state dicts;
+    ``rng`` holds the random states of each process of the run (``capture_rng``)."""
+
+    model_config: dict[str, Any]
+    train_config: dict[str, Any]
+    tokenizer: bytes  # the SentencePiece model
+    model: dict[str, Any]
+    optimizer: dict[str, Any] = field(default_factory=dict)
+    scaler: dict[str, Any] = field(default_factory=dict)  # empty unless fp16
+    step: int = 0  # optimizer steps done
+    epoch: int = 0  # epochs finished
+    batches_done: int = 0  # batches of the epoch in progress already trained on (per process)
+    rng: list[dict[str, Any]] = field(default_factory=list)  # one per process (rank)
+    best_wer: float = math.inf
+    best_cer: float = math.inf
+    valid_metrics: dict[str, float] = field(default_factory=dict)
+    valid_step: int = -1  # the step valid_metrics were measured at
+
+    def save(self, path: str | Path) -> Path:
+        return save_checkpoint({f.name: getattr(self, f.name) for f in fields(self)}, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrainState:
+        return cls.from_checkpoint(load_checkpoint(path), path)
+
+    @classmethod
+    def from_checkpoint(cls, state: dict[str, Any], path: str | Path) -> TrainState:
+        """The training state of a loaded checkpoint; ``CheckpointError`` in one line for one that
+        cannot be resumed (an older format, averaged weights)."""
+        if state["format_version"] != FORMAT_VERSION:
+            raise CheckpointError(f"{path} has checkpoint format {state['format_version']} (an older konkanivani); "
+                                  f"training resumes format {FORMAT_VERSION} only. Its weights still serve "
+                                  "transcribe, evaluate and average")
+        if "optimizer" not in state:
+            raise CheckpointError(f"{path} holds model weights only (an averaged model?); resume from a step "
+                                  "checkpoint or latest")
+        return cls(**{f.name: state[f.name] for f in fields(cls)})
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's random states: Python, NumPy, torch (CPU and CUDA)."""
+    np_state = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class MetricsLog:
+    """``OUTPUT_DIR/metrics.jsonl``: one JSON object a line (``kind``, ``step``, ``epoch`` and the figures)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def write(self, kind: str, step: int, epoch: int, **values: float) -> None:
+        values = {k: v if math.isfinite(v) else None for k, v in values.items()}  # strict JSON: no NaN
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"kind": kind, "step": step, "epoch": epoch, **values}) + "\n")
+
+    def truncate(self, step: int) -> None:
+        """Drop the rows written after ``step`` by a run that died before its next save, and a
+        line cut short by a kill."""
+        if not self.path.is_file():
+            return
+        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = [line for line in lines if _metric_step(line) <= step]
+        if len(kept) < len(lines):
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text("".join(kept), encoding="utf-8")
+            os.replace(tmp, self.path)
+
+
+def _metric_step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return math.inf
 
 
 def step_checkpoint_name(step: int) -> str:
@@ -161,9 +258,9 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
                               f"PyTorch checkpoint ({type(e).__name__})") from e
     if not isinstance(state, dict) or "format_version" not in state:
         raise CheckpointError(f"{path} is not a konkanivani checkpoint")
-    if state["format_version"] != FORMAT_VERSION:
+    if state["format_version"] not in _READABLE_FORMATS:
         raise CheckpointError(f"{path} has checkpoint format {state['format_version']}; this konkanivani "
-                              f"reads format {FORMAT_VERSION}")
+                              f"reads formats {', '.join(map(str, _READABLE_FORMATS))}")
     return state
 
 
@@ -240,6 +337,20 @@ def hold_run_directory(directory: str | Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock; the file stays, empty locks are harmless
+
+
+def claim_output_dir(directory: str | Path, resume: str, overwrite: bool) -> Path | None:
+    """A fresh run never writes over an earlier one: where ``directory`` holds a run and this one
+    does not resume it, it is refused (``CheckpointError``), or with ``overwrite`` the old run is
+    moved aside, not deleted (the folder it went to is returned)."""
+    directory = Path(directory)
+    if resume or (found := existing_run(directory)) is None:
+        return None
+    if not overwrite:
+        raise CheckpointError(f"{directory} already holds a run ({found}): continue it with --resume latest, or "
+                              f"start a new one with --overwrite (moves the old run to {directory.name}.replaced-<time>/ "
+                              "beside it; nothing is deleted) or with another --output_dir")
+    return move_run_aside(directory)
 
 
 def existing_run(directory: str | Path) -> str | None:

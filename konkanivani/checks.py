@@ -15,10 +15,8 @@ from typing import Any
 
 import numpy as np
 import soundfile as sf
-import torch
 
-from .audio import HOP_LENGTH, SAMPLE_RATE
-from .masks import subsampled_lengths
+from .frames import SAMPLE_RATE, frames_of, subsampled_lengths
 from .tokenizer import UNK_ID, Tokenizer, normalize_text
 
 __all__ = ["DEFAULT_DURATION_TOLERANCE", "RowCheck", "check_row", "resolve_audio_path"]
@@ -102,7 +100,7 @@ def check_row(row: dict[str, Any], base_dir: Path, tokenizer: Tokenizer, *, max_
         unknown = sorted({ch for ch in normalize_text(text) if not ch.isspace() and UNK_ID in tokenizer.encode(ch)})
         return _fail(check, "characters the tokenizer cannot encode",
                      " ".join(f"{ch!r} U+{ord(ch):04X}" for ch in unknown) or "unknown pieces")
-    frames_after = int(subsampled_lengths(torch.tensor(1 + int(duration * SAMPLE_RATE) // HOP_LENGTH)))
+    frames_after = subsampled_lengths(frames_of(duration))
     if frames_after < len(tokens):
         return _fail(check, "too short for CTC", f"{duration:.2f} s for {len(tokens)} tokens")
     check.tokens = tokens

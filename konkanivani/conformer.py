@@ -18,7 +18,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
-from .masks import pad_mask, subsampled_lengths
+from .frames import subsampled_lengths
+from .masks import pad_mask
 
 __all__ = ["LayerNorm", "RotaryEmbedding", "KVCache", "MultiHeadAttention", "FeedForward", "ConvolutionModule", "ConformerBlock",
            "Conv2dSubsampling", "ConformerEncoder", "run_layers"]

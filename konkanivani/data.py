@@ -11,7 +11,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, NamedTuple, Optional, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import torch
 from torch.utils.data import Dataset, Sampler
@@ -20,8 +20,9 @@ from .audio import LogMel, load_audio
 from .checks import DEFAULT_DURATION_TOLERANCE, check_row
 from .tokenizer import Tokenizer
 
-__all__ = ["ManifestError", "Utterance", "iter_manifest", "read_manifest", "load_utterances", "ASRDataset", "Batch",
-           "collate", "LengthGroupedBatchSampler"]
+__all__ = ["ManifestError", "Utterance", "iter_manifest", "read_manifest", "load_utterances", "log_skipped",
+           "compute_cmvn", "ASRDataset", "Example", "Unreadable", "Batch", "collate", "ResumableBatchSampler",
+           "LengthGroupedBatchSampler", "ShardedSampler"]
 
 log = logging.getLogger("konkanivani")
 
@@ -109,15 +110,53 @@ def load_utterances(path: str | Path, tokenizer: Tokenizer, max_duration: float 
     return utterances, skipped
 
 
+def log_skipped(name: str, path: str | Path, kept: int, skipped: Counter) -> None:
+    """One summary line of a manifest as ``load_utterances`` read it."""
+    if skipped:
+        reasons = ", ".join(f"{n} {reason}" for reason, n in skipped.most_common())
+        log.warning("%s manifest %s: %d utterances, %d rows skipped (%s)", name, path, kept,
+                    sum(skipped.values()), reasons)
+    else:
+        log.info("%s manifest %s: %d utterances", name, path, kept)
+
+
+def compute_cmvn(utterances: Sequence[Utterance], n_mels: int, max_utterances: int = 500,
+                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global mean and standard deviation of log-mel features over (a seeded sample of) the training set."""
+    sample = random.Random(seed).sample(list(utterances), min(max_utterances, len(utterances)))
+    log_mel = LogMel(n_mels)
+    total, total_sq, frames = torch.zeros(n_mels, dtype=torch.float64), torch.zeros(n_mels, dtype=torch.float64), 0
+    for utt in sample:
+        try:
+            feats = log_mel(load_audio(utt.audio_path)).double()  # (T, F)
+        except RuntimeError as e:
+            log.warning("%s: %s; left out of CMVN", utt.where, e)
+            continue
+        total += feats.sum(0)
+        total_sq += (feats ** 2).sum(0)
+        frames += feats.shape[0]
+    if frames == 0:
+        raise RuntimeError("no training audio could be read to compute feature statistics")
+    mean = total / frames
+    std = (total_sq / frames - mean ** 2).clamp_min(1e-10).sqrt()
+    return mean.float(), std.float()
+
+
 class Example(NamedTuple):
     feats: torch.Tensor  # (T, F)
     tokens: torch.Tensor  # (U,)
     index: int
 
 
+class Unreadable(NamedTuple):
+    """An utterance whose audio failed to decode when its batch was loaded."""
+    index: int
+
+
 class ASRDataset(Dataset):
-    """Utterances -> (log-mel features, token ids). A file that fails to decode yields None (and a
-    warning); ``collate`` drops it, so a corrupt file never stops an epoch."""
+    """Utterances -> (log-mel features, token ids). A file that fails to decode yields
+    ``Unreadable`` (and a warning); ``collate`` leaves it out of the batch and names it in
+    ``Batch.missing``, so a corrupt file never stops an epoch."""
 
     def __init__(self, utterances: Sequence[Utterance], n_mels: int = 80):
         self.utterances = list(utterances)
@@ -126,13 +165,13 @@ class ASRDataset(Dataset):
     def __len__(self) -> int:
         return len(self.utterances)
 
-    def __getitem__(self, index: int) -> Optional[Example]:
+    def __getitem__(self, index: int) -> Example | Unreadable:
         utt = self.utterances[index]
         try:
             wav = load_audio(utt.audio_path)
         except RuntimeError as e:
             log.warning("%s: %s; skipped in this batch", utt.where, e)
-            return None
+            return Unreadable(index)
         return Example(self.log_mel(wav), torch.tensor(utt.tokens, dtype=torch.long), index)
 
 
@@ -142,24 +181,29 @@ class Batch(NamedTuple):
     tokens: torch.Tensor  # (B, U), padded with -1
     token_lens: torch.Tensor  # (B,)
     indices: list[int]  # positions in the dataset, to name utterances in messages
+    missing: tuple[int, ...] = ()  # positions of the batch's utterances whose audio could not be read
 
     def to(self, device: torch.device | str) -> "Batch":
         nb = torch.device(device).type == "cuda"
         return Batch(self.feats.to(device, non_blocking=nb), self.feat_lens.to(device),
-                     self.tokens.to(device, non_blocking=nb), self.token_lens.to(device), self.indices)
+                     self.tokens.to(device, non_blocking=nb), self.token_lens.to(device), self.indices, self.missing)
 
     def __len__(self) -> int:
         return len(self.indices)
 
 
-def collate(examples: Sequence[Optional[Example]]) -> Optional[Batch]:
-    examples = [e for e in examples if e is not None]
+def collate(examples: Sequence[Example | Unreadable]) -> Batch:
+    """Pad the readable examples into a batch (empty, ``len(batch) == 0``, when none is) and name
+    the unreadable ones in ``missing``."""
+    missing = tuple(e.index for e in examples if isinstance(e, Unreadable))
+    examples = [e for e in examples if isinstance(e, Example)]
     if not examples:
-        return None
+        return Batch(torch.zeros(0, 0, 0), torch.zeros(0, dtype=torch.long), torch.zeros(0, 0, dtype=torch.long),
+                     torch.zeros(0, dtype=torch.long), [], missing)
     feats = torch.nn.utils.rnn.pad_sequence([e.feats for e in examples], batch_first=True)
     tokens = torch.nn.utils.rnn.pad_sequence([e.tokens for e in examples], batch_first=True, padding_value=-1)
     return Batch(feats, torch.tensor([len(e.feats) for e in examples]), tokens,
-                 torch.tensor([len(e.tokens) for e in examples]), [e.index for e in examples])
+                 torch.tensor([len(e.tokens) for e in examples]), [e.index for e in examples], missing)
 
 
 class ResumableBatchSampler(Sampler[list[int]]):
@@ -187,6 +231,26 @@ class ResumableBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return max(0, len(self.epoch_batches()) - self.start)
+
+
+class ShardedSampler(ResumableBatchSampler):
+    """One process's share of another batch sampler's batches under data parallelism: of the
+    epoch's batches (the same list in every process: they are seeded alike), process ``rank`` of
+    ``world`` takes every ``world``-th, starting at its rank, after the last few batches are dropped
+    so that every process has the same number (each optimizer step needs every process)."""
+
+    def __init__(self, inner: ResumableBatchSampler, rank: int, world: int, even: bool = True):
+        self.inner, self.rank, self.world, self.even = inner, rank, world, even  # even=False: keep them all
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        super().set_epoch(epoch, start)
+        self.inner.set_epoch(epoch, 0)
+
+    def epoch_batches(self) -> list[list[int]]:
+        batches = self.inner.epoch_batches()
+        if self.even:
+            batches = batches[:len(batches) // self.world * self.world]
+        return batches[self.rank::self.world]
 
 
 class LengthGroupedBatchSampler(ResumableBatchSampler):

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["pad_mask", "valid_mask", "causal_mask", "subsampled_lengths"]
+__all__ = ["pad_mask", "valid_mask", "causal_mask"]
 
 
 def pad_mask(lengths: torch.Tensor, max_len: Optional[int] = None) -> torch.Tensor:
@@ -37,11 +37,3 @@ def causal_mask(size: int, device: Optional[torch.device] = None) -> torch.Tenso
     """
     return torch.ones(size, size, dtype=torch.bool, device=device).tril()
 
-
-def subsampled_lengths(lengths: torch.Tensor) -> torch.Tensor:
-    """Frame counts after the encoder's two stride-2, kernel-3 convolutions (4x subsampling).
-
-    >>> subsampled_lengths(torch.tensor([7, 8, 100]))
-    tensor([ 1,  1, 24])
-    """
-    return ((lengths - 1) // 2 - 1) // 2

@@ -4,6 +4,7 @@ before running it."""
 from __future__ import annotations
 
 import gc
+import logging
 import resource
 import sys
 from pathlib import Path
@@ -12,9 +13,13 @@ from typing import Any, Callable, Optional
 import torch
 
 from .config import ModelConfig
+from .frames import subsampled_lengths
 
-__all__ = ["GIB", "MemoryEstimator", "precision_name", "largest_fitting", "available_memory_bytes", "is_out_of_memory", "free_memory", "BatchDoesNotFit", "rss_bytes", "peak_rss_bytes", "reset_peak_rss",
+__all__ = ["GIB", "MemoryEstimator", "precision_name", "largest_fitting", "available_memory_bytes", "auto_batch_frames",
+           "is_out_of_memory", "free_memory", "BatchDoesNotFit", "rss_bytes", "peak_rss_bytes", "reset_peak_rss",
            "memory_status"]
+
+log = logging.getLogger("konkanivani")
 
 _GIB = 1024 ** 3
 
@@ -127,7 +132,7 @@ def _activation_terms(cfg: ModelConfig, frames: int, tokens: int, layers: Option
     """Sizes (in elements) that activation memory grows with, for one utterance of ``frames``
     feature frames and ``tokens`` tokens; ``layers`` overrides (encoder, decoder) layer counts."""
     enc_layers, dec_layers = layers or (cfg.encoder_layers, cfg.decoder_layers)
-    t = max(1, ((frames - 1) // 2 - 1) // 2)  # frames after subsampling
+    t = max(1, subsampled_lengths(frames))
     u = tokens + 1
     return {
         "subsampling": frames * cfg.n_mels * cfg.d_model / 4,
@@ -179,7 +184,7 @@ class MemoryEstimator:
             return out
         # Checkpointed: each layer keeps its fp32 input; one layer's activations live at a time.
         one = _activation_terms(cfg, frames, tokens, layers=(1, 1))
-        t = max(1, ((frames - 1) // 2 - 1) // 2)
+        t = max(1, subsampled_lengths(frames))
         enc_one = sum(coeffs[k] * one[k] for k in ("encoder_width", "encoder_ffn", "encoder_attention"))
         dec_one = sum(coeffs[k] * one[k] for k in ("decoder_width", "decoder_ffn", "decoder_attention"))
         return {"subsampling": coeffs["subsampling"] * one["subsampling"],
@@ -261,3 +266,48 @@ def available_memory_bytes(device: torch.device) -> int:
     except OSError:
         pass
     return 8 * _GIB
+
+
+def auto_batch_frames(forward: Callable[..., Any], model: torch.nn.Module, device: torch.device,
+                      autocast: Callable[[], Any], longest: int, tokens: int, estimator: MemoryEstimator,
+                      max_memory_gb: float = 0.0) -> int:
+    """--auto_batch: the largest frame budget whose batches of the longest utterance (``longest``
+    frames, ``tokens`` tokens) fit. On CUDA it is measured: forward + backward passes of ``forward``
+    (the model's) on growing synthetic batches until one runs out of memory or its peak plus the
+    optimizer states passes 90% of the device. A CPU raises no error to probe for (the kernel ends
+    the process instead), so there the estimator decides. ``autocast()`` opens the run's precision."""
+    budget = 0.9 * available_memory_bytes(device)
+    if max_memory_gb > 0:
+        budget = min(budget, max_memory_gb * GIB)
+    if device.type != "cuda":
+        frames = estimator.max_frames(budget, longest)
+        log.info("--auto_batch on %s: no out-of-memory error to probe for; by the estimate, %d utterances of the "
+                 "longest (%d frames) fit in %.1f GiB", device.type, frames // longest, longest, budget / GIB)
+    else:
+        def runs(n: int) -> bool:
+            feats = torch.randn(n, longest, model.cfg.n_mels, device=device)
+            lens = torch.full((n,), longest, device=device)
+            toks = torch.randint(3, model.cfg.vocab_size, (n, tokens), device=device)
+            torch.cuda.reset_peak_memory_stats(device)
+            try:
+                with autocast():
+                    out = forward(feats, lens, toks, torch.full((n,), tokens, device=device), spec_augment=True)
+                out.loss.backward()
+                fits = torch.cuda.max_memory_allocated(device) + estimator.optimizer_bytes <= budget
+            except (torch.OutOfMemoryError, RuntimeError) as e:
+                if not is_out_of_memory(e):
+                    raise
+                fits = False
+            out = feats = None
+            model.zero_grad(set_to_none=True)
+            free_memory(device)
+            return fits
+
+        with torch.random.fork_rng(devices=[device]):  # the probe leaves training's random draws alone
+            frames = largest_fitting(runs, limit=512) * longest
+        log.info("--auto_batch: %d utterances of the longest (%d frames) fit in %.1f GiB on %s (measured)",
+                 frames // longest, longest, budget / GIB, device)
+    if frames == 0:
+        raise BatchDoesNotFit(f"--auto_batch: even one utterance of {longest} frames does not fit in "
+                              f"{budget / GIB:.1f} GiB; lower --max_duration or use the memory options")
+    return frames

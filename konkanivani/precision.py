@@ -26,9 +26,20 @@ from typing import Optional
 
 import torch
 
-__all__ = ["PRECISIONS", "Precision", "resolve_precision", "cpu_bf16_speed_ratio", "cpu_description"]
+__all__ = ["PRECISIONS", "Precision", "resolve_device", "resolve_precision", "cpu_bf16_speed_ratio",
+           "cpu_description"]
 
 PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` (CUDA where there is one, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+    return device
 
 
 @dataclass(frozen=True)

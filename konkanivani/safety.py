@@ -12,9 +12,10 @@ import logging
 import signal
 import threading
 import time
+from pathlib import Path
 from types import FrameType
 
-__all__ = ["NonFiniteSkips", "StopRequest", "TrainingDiverged", "ignore_stop_signals"]
+__all__ = ["NonFiniteSkips", "StopRequest", "TrainingDiverged", "diverged_message", "ignore_stop_signals"]
 
 log = logging.getLogger("konkanivani")
 
@@ -71,6 +72,15 @@ class TrainingDiverged(RuntimeError):
     """Too many updates in a row were skipped for a non-finite loss or gradients."""
 
 
+def diverged_message(in_a_row: int, step: int, out_dir: Path, fp16: bool) -> str:
+    advice = ("with fp16 the gradients overflowed every time: go on in bf16 or fp32 (--precision bf16 or "
+              "--precision fp32; --no-mixed_precision trains in fp32)" if fp16 else
+              "lower --lr or --grad_clip, and check the utterances named above")
+    return (f"{in_a_row} updates in a row were skipped for a non-finite loss or gradients (steps "
+            f"{step - in_a_row + 1} to {step}), so training stopped. The weights are those of step {step - in_a_row}, "
+            f"saved in {out_dir / 'latest.pt'}; {advice}, then resume with --resume latest.")
+
+
 class NonFiniteSkips:
     """Counts updates skipped for a non-finite loss or gradient norm, in a row and in all."""
 
@@ -80,10 +90,14 @@ class NonFiniteSkips:
         self.total = 0
 
     def update(self, finite: bool) -> bool:
-        """Record one update; True when the run should stop."""
+        """Record one update; True when the run should stop (``exceeded``)."""
         if finite:
             self.in_a_row = 0
-            return False
-        self.in_a_row += 1
-        self.total += 1
+        else:
+            self.in_a_row += 1
+            self.total += 1
+        return self.exceeded
+
+    @property
+    def exceeded(self) -> bool:
         return 0 < self.limit <= self.in_a_row

@@ -7,8 +7,8 @@ import soundfile as sf
 import torch
 
 from konkanivani.checks import check_row
-from konkanivani.data import (ASRDataset, LengthGroupedBatchSampler, ManifestError, collate, load_utterances,
-                              read_manifest)
+from konkanivani.data import (ASRDataset, LengthGroupedBatchSampler, ManifestError, ShardedSampler, Unreadable,
+                              collate, load_utterances, read_manifest)
 from konkanivani.tokenizer import train_tokenizer
 
 TEXTS = ["हांव घरा वता", "तूं कितें करता", "आमी पणजेक गेलें", "ताणें जेवण केलें"]
@@ -80,20 +80,21 @@ def test_dataset_features_and_collate(tmp_path, tokenizer):
     assert ex.feats.shape == (1 + 16000 // 160, 80)
     assert torch.isfinite(ex.feats).all()
     assert ex.tokens.tolist() == tokenizer.encode(TEXTS[1])
-    batch = collate([ds[0], None, ds[3]])  # a file that failed to load is dropped
+    batch = collate([ds[0], Unreadable(2), ds[3]])  # a file that failed to load is left out, and named
     assert batch.feats.shape == (2, 1 + 32000 // 160, 80)
     assert batch.feat_lens.tolist() == [1 + 8000 // 160, 1 + 32000 // 160]
-    assert batch.indices == [0, 3]
+    assert batch.indices == [0, 3] and batch.missing == (2,)
     assert (batch.tokens[0, batch.token_lens[0]:] == -1).all()
-    assert collate([None]) is None
+    empty = collate([Unreadable(1)])
+    assert len(empty) == 0 and empty.missing == (1,)
 
 
-def test_unreadable_file_mid_epoch_yields_none(tmp_path, tokenizer, caplog):
+def test_unreadable_file_mid_epoch_is_named_not_raised(tmp_path, tokenizer, caplog):
     rows = [{"audio_filepath": _wav(tmp_path / "a.wav").name, "text": TEXTS[0]}]
     utts, _ = load_utterances(_manifest(tmp_path / "m.jsonl", rows), tokenizer)
     (tmp_path / "a.wav").write_bytes(b"garbage")  # corrupted after the manifest was checked
     with caplog.at_level(logging.WARNING, logger="konkanivani"):
-        assert ASRDataset(utts)[0] is None
+        assert ASRDataset(utts)[0] == Unreadable(0)
     assert "m.jsonl:1" in caplog.text
 
 
@@ -116,6 +117,27 @@ def test_sampler_groups_by_length_is_seeded_and_resumes():
     resumed.load_state_dict({"epoch": 2, "start": 10})
     assert len(resumed) == 16
     assert list(resumed) == batches[10:]
+
+
+def test_sharded_samplers_split_the_epoch_disjointly_in_equal_counts():
+    durations = [float(d) for d in np.random.default_rng(1).uniform(1, 10, 103)]
+    whole = LengthGroupedBatchSampler(durations, batch_size=4, seed=7)
+    whole.set_epoch(3)
+    everything = whole.epoch_batches()  # 26 batches: 2 shards of 13, 3 of 8 (2 dropped)
+    for world in (2, 3):
+        shards = [ShardedSampler(LengthGroupedBatchSampler(durations, batch_size=4, seed=7), r, world)
+                  for r in range(world)]
+        for s in shards:
+            s.set_epoch(3)
+        got = [list(s) for s in shards]
+        assert len({len(g) for g in got}) == 1 and len(got[0]) == len(everything) // world
+        flat = [tuple(b) for g in got for b in g]
+        assert len(set(flat)) == len(flat) and set(flat) <= {tuple(b) for b in everything}
+        # Batch k of every shard comes from the same stretch of the global order: one optimizer
+        # step of the data-parallel run trains on what one process would train on in a row.
+        assert [got[r][k] for k in range(len(got[0])) for r in range(world)] == everything[:len(flat)]
+        shards[0].set_epoch(3, start=5)  # a mid-epoch resume skips this shard's first batches
+        assert list(shards[0]) == got[0][5:] and len(shards[0]) == len(got[0]) - 5
 
 
 def test_validation_sampler_is_sorted_and_unshuffled():

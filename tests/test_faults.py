@@ -18,8 +18,9 @@ import torch
 from scipy.signal import resample_poly
 
 from konkanivani import train as train_module
-from konkanivani.checkpoint import load_checkpoint
-from konkanivani.train import _diverged_message, _truncate_metrics, optimizer_step
+from konkanivani.checkpoint import MetricsLog, load_checkpoint
+from konkanivani.safety import diverged_message
+from konkanivani.train import optimizer_step
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "training_scripts"))
@@ -180,14 +181,14 @@ def test_fp16_overflow_is_skipped_and_lowers_the_scale_on_cpu():
     assert torch.equal(model.weight, before) and scaler.get_scale() == 512.0
     assert math.isfinite(step(poisoned=False))
     assert not torch.equal(model.weight, before)
-    assert "--precision bf16" in _diverged_message(20, 40, Path("out"), fp16=True)
+    assert "--precision bf16" in diverged_message(20, 40, Path("out"), fp16=True)
 
 
 def test_metrics_line_cut_by_a_kill_is_dropped_on_resume(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"kind": "train", "step": 1, "loss": 2.0}\n{"kind": "train", "step": 2, "loss": 1.5}\n'
                     '{"kind": "train", "st')
-    _truncate_metrics(path, 1)
+    MetricsLog(path).truncate(1)
     assert path.read_text() == '{"kind": "train", "step": 1, "loss": 2.0}\n'
 
 

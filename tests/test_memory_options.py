@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from konkanivani import precision as precision_module
-from konkanivani.batching import (DurationBucketSampler, PreflightSampler, frames_of, padding_fraction,
-                                  select_samples, split_batch)
+from konkanivani.batching import DurationBucketSampler, PreflightSampler, padding_fraction, select_samples, split_batch
 from konkanivani.config import model_config_from_preset
 from konkanivani.conformer import LayerNorm
 from konkanivani.data import LengthGroupedBatchSampler
+from konkanivani.frames import frames_of
 from konkanivani.memory import BatchDoesNotFit, MemoryEstimator, is_out_of_memory
 from konkanivani.model import ASRModel
 from konkanivani.optim import build_optimizer

@@ -71,7 +71,7 @@ def test_stop_and_resume_continue_the_same_run(runs, tiny_corpus, caplog):
     whole, split = runs
     stopped = load_checkpoint(split / "latest.pt")
     assert stopped["step"] == 20
-    assert stopped["sampler"]["start"] > 0  # stopped inside an epoch
+    assert stopped["batches_done"] > 0  # stopped inside an epoch
     # the step checkpoints and latest.pt are whole files that can rebuild the run
     assert sorted(p.name for p in split.glob("step_*.pt"))[-1] == "step_0000020.pt"
 
@@ -115,7 +115,7 @@ def test_sigterm_with_two_workers_saves_and_the_resumed_run_matches(runs, tiny_c
     assert "SIGTERM received: finishing the current step" in result.stderr
     assert "stopped by SIGTERM at step 10" in result.stdout and result.stdout.rstrip().endswith("--resume latest")
     stopped = load_checkpoint(out / "latest.pt")
-    assert stopped["step"] == 10 and stopped["sampler"]["start"] > 0  # inside an epoch
+    assert stopped["step"] == 10 and stopped["batches_done"] > 0  # inside an epoch
 
     assert cli.main(args + ["--resume", "latest"]) == 0
     rows, whole_rows = _train_rows(out)[0], _train_rows(whole)[0][:20]

@@ -1,0 +1,116 @@
+"""Data parallelism under ``torchrun``: one process per GPU (NCCL) or per CPU worker (gloo).
+
+``torchrun`` starts the processes and sets ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``; without
+them a run is one process and every call here is a cheap no-op. The training loop needs only a
+few collective operations, all in ``Dist``: sums of a few numbers (losses, utterance counts), an
+agreement on whether to stop, and gathering small Python objects (validation transcripts, the
+random states of every process for the checkpoint).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as td
+from torch.nn.parallel import DistributedDataParallel
+
+from .precision import resolve_device
+
+__all__ = ["Dist", "init_distributed", "wrap_data_parallel", "no_sync"]
+
+log = logging.getLogger("konkanivani")
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's place in the run: ``rank`` of ``world`` processes (0 of 1 without torchrun)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 logs, writes checkpoints and metrics."""
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        """Each value summed over the processes (in float64)."""
+        if not self.active:
+            return list(values)
+        t = torch.tensor(list(values), dtype=torch.float64, device=self._device())
+        td.all_reduce(t)
+        return t.tolist()
+
+    def max(self, value: float) -> float:
+        """The largest ``value`` of the processes."""
+        if not self.active:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self._device())
+        td.all_reduce(t, op=td.ReduceOp.MAX)
+        return t.item()
+
+    def any(self, flag: bool) -> bool:
+        """True on every process when it is True on one: a stop asked for by one (a signal, a
+        budget) becomes a stop of all of them at the same step."""
+        return self.sum([float(flag)])[0] > 0 if self.active else flag
+
+    def gather(self, obj: Any) -> list[Any]:
+        """``obj`` of every process, in rank order, on every process."""
+        if not self.active:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        td.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.active:
+            td.barrier()
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if td.get_backend() == "nccl" else torch.device("cpu")
+
+
+def init_distributed(device_name: str) -> tuple[Dist, torch.device]:
+    """The process group, when ``torchrun`` started this process (``WORLD_SIZE`` > 1), and this
+    process's device: its own GPU (``cuda:LOCAL_RANK``, NCCL) or the CPU (gloo)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist(), resolve_device(device_name)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(device_name)
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if not td.is_initialized():
+        td.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30))
+    return Dist(rank, world, local_rank), device
+
+
+def wrap_data_parallel(model: torch.nn.Module, dist: Dist, device: torch.device) -> torch.nn.Module:
+    """``model`` in ``DistributedDataParallel`` when the run has several processes: the processes
+    start from rank 0's weights and buffers, and gradients are averaged in the backward pass."""
+    if not dist.active:
+        return model
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   broadcast_buffers=False)  # CMVN statistics are the only buffers
+
+
+@contextlib.contextmanager
+def no_sync(model: torch.nn.Module, skip: bool) -> Iterator[None]:
+    """Leave the gradients unsynchronized in this backward pass (all but the last micro-batch of
+    an accumulation group), when ``model`` is data-parallel and ``skip`` is True."""
+    if skip and isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    else:
+        yield
