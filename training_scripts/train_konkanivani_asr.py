@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 import signal
 import sys
@@ -80,17 +81,18 @@ def main(argv: list[str] | None = None) -> int:
         log.error("interrupted at once by a second Ctrl-C; the last complete checkpoint is %s/latest.pt; "
                   "resume with: %s", cfg.output_dir, resume_command(argv))
         return 128 + signal.SIGINT
+    report = print if os.environ.get("RANK", "0") == "0" else (lambda *a, **k: None)  # torchrun: rank 0 reports
     if summary["stopped_by"]:
-        print(f"stopped by {summary['stopped_by']} at step {summary['step']}; checkpoints in {cfg.output_dir}; "
-              f"resume with:\n  {resume_command(argv)}")
+        report(f"stopped by {summary['stopped_by']} at step {summary['step']}; checkpoints in {cfg.output_dir}; "
+               f"resume with:\n  {resume_command(argv)}")
         return 0 if summary["stopped_by"] == "--max_time" else 128 + signal.Signals[summary["stopped_by"]]
     valid = summary["valid"]
     if valid:
-        print(f"done: step {summary['step']}, epoch {summary['epoch']}, valid CER {100 * valid['cer']:.2f}% "
-              f"WER {100 * valid['wer']:.2f}% (best WER {100 * summary['best_wer']:.2f}%); "
-              f"checkpoints in {cfg.output_dir}")
+        report(f"done: step {summary['step']}, epoch {summary['epoch']}, valid CER {100 * valid['cer']:.2f}% "
+               f"WER {100 * valid['wer']:.2f}% (best WER {100 * summary['best_wer']:.2f}%); "
+               f"checkpoints in {cfg.output_dir}")
     else:
-        print(f"done: step {summary['step']}; checkpoints in {cfg.output_dir}")
+        report(f"done: step {summary['step']}; checkpoints in {cfg.output_dir}")
     return 0
 
 

@@ -1,0 +1,105 @@
+"""Data parallelism with torchrun: 2 CPU processes (gloo) against 1, and SIGTERM to the launcher."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from konkanivani.checkpoint import load_checkpoint
+from konkanivani.data import read_manifest
+from konkanivani.tokenizer import train_tokenizer
+
+from tiny_args import tiny_args
+
+SCRIPT = Path(__file__).resolve().parents[1] / "training_scripts" / "train_konkanivani_asr.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # two processes on two cores
+
+
+def _torchrun(args, **kwargs):
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(SCRIPT), *args], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, **kwargs)
+
+
+def _rows(out, kind="train"):
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tiny_corpus, tmp_path_factory):
+    """One tokenizer for every run, so that runs differ only in how they are parallel."""
+    path = tmp_path_factory.mktemp("tok") / "tok.model"
+    texts = [row["text"] for _, row in read_manifest(tiny_corpus / "train.jsonl")]
+    train_tokenizer(texts, 48).save(path)
+    return path
+
+
+def _args(tiny_corpus, out, tokenizer_path, *extra):
+    args = tiny_args(tiny_corpus, out, "--tokenizer", str(tokenizer_path), "--no-preflight", *extra)
+    i = args.index("--gradient_accumulation_steps")
+    return args[:i] + args[i + 2:]  # each test says its own accumulation
+
+
+def test_two_gloo_processes_end_with_the_parameters_of_one_process_with_the_same_batches(
+        tiny_corpus, tokenizer_path, tmp_path):
+    """Batch 4 in each of 2 processes = batch 4 accumulated twice in one: the same utterances make
+    each step (the shards interleave the same global batches). Dropout and SpecAugment, whose
+    random draws differ between the processes, are off."""
+    exact = ("--dropout", "0", "--no-spec_augment", "--max_steps", "6")
+    two, one = tmp_path / "two", tmp_path / "one"
+    proc = _torchrun(_args(tiny_corpus, two, tokenizer_path, "--gradient_accumulation_steps", "1", *exact))
+    output = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, output[-3000:]
+    assert "8 utterances per update (batch 4 x 1 accumulation steps x 2 processes)" in output
+    assert output.count("done: step 6") == 1  # rank 0 reports, rank 1 is quiet
+    result = subprocess.run([sys.executable, str(SCRIPT), *_args(tiny_corpus, one, tokenizer_path,
+                                                                 "--gradient_accumulation_steps", "2", *exact)],
+                            env=ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    a, b = load_checkpoint(two / "latest.pt"), load_checkpoint(one / "latest.pt")
+    assert a["step"] == b["step"] == 6
+    assert len(a["rng"]) == 2 and len(b["rng"]) == 1  # each process's random state is kept
+    for name, tensor in b["model"].items():
+        torch.testing.assert_close(a["model"][name], tensor, rtol=1e-5, atol=1e-6)
+    for ra, rb in zip(_rows(two), _rows(one), strict=True):
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5), (ra, rb)
+    assert _rows(two, "valid")[-1]["cer"] == pytest.approx(_rows(one, "valid")[-1]["cer"])
+
+
+def test_sigterm_to_torchrun_saves_once_and_both_processes_resume_exactly(tiny_corpus, tokenizer_path, tmp_path):
+    """Dropout and SpecAugment on: the resumed run must restore each process's random state."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    args = ("--gradient_accumulation_steps", "1", "--max_steps", "12")
+    proc = _torchrun(_args(tiny_corpus, whole, tokenizer_path, *args))
+    assert proc.wait(timeout=600) == 0, proc.stdout.read()[-3000:]
+
+    proc = _torchrun(_args(tiny_corpus, split, tokenizer_path, "--gradient_accumulation_steps", "1",
+                           "--max_steps", "1000"))
+    deadline = time.monotonic() + 600
+    while not (split / "metrics.jsonl").is_file() or len(_rows(split)) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # as a scheduler or a closing notebook would
+    output = proc.communicate(timeout=300)[0]
+    stopped = load_checkpoint(split / "latest.pt")
+    step = stopped["step"]
+    assert 3 <= step < 12 and stopped["batches_done"] > 0, output[-3000:]
+    assert f"stopped by SIGTERM at step {step}" in output
+    log = (split / "train.log").read_text()
+    assert log.count(f"saved {split / f'step_{step:07d}.pt'}") == 1  # one save, by rank 0
+    assert sorted(p.name for p in split.glob("step_*.pt")) == [f"step_{step:07d}.pt"]
+
+    proc = _torchrun(_args(tiny_corpus, split, tokenizer_path, *args, "--resume", "latest"))
+    output = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, output[-3000:]
+    assert f"resumed from latest at step {step}" in output
+    resumed, unbroken = _rows(split), _rows(whole)
+    assert [r["step"] for r in resumed] == list(range(1, 13))
+    for a, b in zip(resumed, unbroken, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
