@@ -72,7 +72,8 @@ class TrainState:
     scaler: dict[str, Any] = field(default_factory=dict)  # empty unless fp16
     step: int = 0  # optimizer steps done
     epoch: int = 0  # epochs finished
-    batches_done: int = 0  # batches of the epoch in progress already trained on (per process)
+    batches_done: int = 0  # batches of the epoch in progress already trained on, by each process
+    processes: int = 1  # of the run that wrote it (torchrun's world size)
     rng: list[dict[str, Any]] = field(default_factory=list)  # one per process (rank)
     best_wer: float = math.inf
     best_cer: float = math.inf

@@ -124,6 +124,11 @@ class TrainConfig:
     max_samples: int = field(default=0, metadata=_help(
         "train on a seeded choice of N utterances (0: all); may grow on resume"))
     compile: bool = field(default=False, metadata=_help("torch.compile the model (eager if compiling fails)"))
+    strategy: str = field(default="ddp", metadata=_help(
+        "under torchrun: ddp (each process holds the model) or fsdp (parameters, gradients and optimizer states "
+        "sharded between the processes, offloaded to CPU memory on CUDA; for models past ~100 M parameters)"))
+    offload_activations: bool = field(default=False, metadata=_help(
+        "keep the activations saved for the backward pass in pinned CPU memory (CUDA only; slower, less GPU memory)"))
 
 
 def _flag_type(tp: Any) -> Any:

@@ -34,7 +34,8 @@ from .config import ModelConfig, TrainConfig, model_config_from_preset
 from .data import (ASRDataset, Batch, LengthGroupedBatchSampler, ResumableBatchSampler, ShardedSampler, Utterance,
                    collate, compute_cmvn, load_utterances, log_skipped, read_manifest)
 from .decode import ctc_greedy
-from .distributed import Dist, init_distributed, no_sync, wrap_data_parallel
+from .distributed import (Dist, full_state_dicts, init_distributed, is_sharded, load_optimizer_state, no_sync,
+                          wrap_data_parallel)
 from .frames import budget_frames, frames_of
 from .memory import (GIB, BatchDoesNotFit, MemoryEstimator, auto_batch_frames, free_memory, is_out_of_memory,
                      memory_status, precision_name)
@@ -68,6 +69,7 @@ def train(cfg: TrainConfig, model_overrides: Optional[dict[str, Any]] = None,
     Returns a summary: final step, epoch, last validation metrics, the best WER, what stopped it.
     """
     dist, device = init_distributed(cfg.device)
+    _check_device_settings(cfg, device)
     with _run_directory(Path(cfg.output_dir), cfg, dist), StopRequest(cfg.max_time) as stop_request:
         run = setup_run(cfg, model_overrides or {}, dist, device)
         stop = "max_steps" if 0 < cfg.max_steps <= run.step else None
@@ -75,6 +77,15 @@ def train(cfg: TrainConfig, model_overrides: Optional[dict[str, Any]] = None,
             stop, epoch_ended = train_epoch(run, stop_request, on_step)
             stop = end_epoch(run, stop, stop_request) if epoch_ended else stop_inside_epoch(run, stop)
         return finish(run, stop)
+
+
+def _check_device_settings(cfg: TrainConfig, device: torch.device) -> None:
+    """What can only be checked once the device is known, before any work."""
+    if cfg.offload_activations and device.type != "cuda":
+        raise ValueError(f"--offload_activations needs a CUDA device (on {device.type} the activations are in CPU "
+                         "memory already)")
+    if cfg.strategy == "fsdp" and canonical_optimizer(cfg.optimizer) == "adamw_8bit":
+        raise ValueError("--strategy fsdp shards AdamW's states itself; use --optimizer adamw with it")
 
 
 @dataclass
@@ -146,7 +157,7 @@ def _run_directory(out_dir: Path, cfg: TrainConfig, dist: Dist) -> Iterator[None
 def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, device: torch.device) -> Run:
     """A fresh run from the flags, or the one ``--resume`` names continued from its checkpoint."""
     out_dir = Path(cfg.output_dir)
-    _seed_everything(cfg.seed + dist.rank)  # dropout and SpecAugment differ between processes
+    _seed_everything(cfg.seed)  # the same initial weights in every process
     if dist.is_main and (stale := remove_stale_temporaries(out_dir)):
         log.warning("removed %d unfinished checkpoint writes of a run killed while saving: %s", len(stale),
                     ", ".join(p.name for p in stale))
@@ -155,11 +166,14 @@ def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, dev
     precision = resolve_precision(device, cfg.mixed_precision, cfg.precision)
     train_utts, valid_utts = _load_data(cfg, tokenizer)
     model = _build_model(cfg, model_cfg, train_utts, state, device)
+    if dist.active:
+        _seed_everything(cfg.seed + dist.rank)  # dropout and SpecAugment differ between processes
+    forward = wrap_data_parallel(model, dist, device, cfg.strategy)  # fsdp shards the model in place
     optimizer, optimizer_name = build_optimizer(cfg.optimizer, model.parameters(), device, cfg.lr, cfg.weight_decay)
     log.info("optimizer: %s", {"adamw": "AdamW", "adamw_8bit": "8-bit AdamW (bitsandbytes)"}[optimizer_name])
     cfg = dataclasses.replace(cfg, optimizer=optimizer_name)  # the checkpoint records the one that runs
-    log.log(logging.WARNING if precision.slow else logging.INFO, "%s; device %s", precision.note, device)
-    forward = wrap_data_parallel(model, dist, device)
+    log.log(logging.WARNING if precision.slow else logging.INFO, "%s; device %s%s", precision.note, device,
+            f"; {dist.world} processes, {cfg.strategy}" if dist.active else "")
     forward = compiled(forward) if cfg.compile else forward
     estimator = MemoryEstimator(model_cfg, precision_name(precision), optimizer_name, cfg.gradient_checkpointing)
     if cfg.auto_batch and state is None:
@@ -175,8 +189,9 @@ def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, dev
                             budget_frames(cfg.max_batch_frames, cfg.max_batch_seconds), cfg.seed, cfg.num_buckets,
                             estimator.fits_budget(cfg.max_memory_gb * GIB) if cfg.max_memory_gb > 0 else None,
                             accum_then + 1 if cfg.preflight else 0, dist.rank, dist.world)
-    valid_sampler = ShardedSampler(LengthGroupedBatchSampler([u.duration for u in valid_utts], cfg.batch_size,
-                                                             shuffle=False), dist.rank, dist.world, even=False)
+    valid_sampler = LengthGroupedBatchSampler([u.duration for u in valid_utts], cfg.batch_size, shuffle=False)
+    if not is_sharded(model):  # a sharded model computes in every process together: all validate everything
+        valid_sampler = ShardedSampler(valid_sampler, dist.rank, dist.world, even=False)
     run = Run(cfg, out_dir, dist, device, precision, tokenizer, model, forward, optimizer,
               torch.amp.GradScaler(device.type, enabled=precision.use_scaler), train_utts, valid_utts, sampler,
               _loader(ASRDataset(train_utts, model_cfg.n_mels), sampler, cfg, device),
@@ -276,18 +291,22 @@ def _restore(run: Run, state: TrainState, source: str, samples_grew: bool) -> No
     """Optimizer, scaler, random states and progress of a resumed run (weights: ``_build_model``)."""
     saved_optimizer = canonical_optimizer(state.train_config.get("optimizer", "adamw"))
     if saved_optimizer == run.cfg.optimizer:
-        run.optimizer.load_state_dict(state.optimizer)
+        load_optimizer_state(run.model, run.optimizer, state.optimizer)
     else:  # the checkpoint's optimizer is not installed here (bitsandbytes missing, say)
         log.warning("the checkpoint's optimizer state is %s's and cannot be loaded into %s: the Adam moments "
                     "start again from zero (weights, step and schedule carry on)", saved_optimizer, run.cfg.optimizer)
     if run.scaler.is_enabled() and state.scaler:  # empty when the saved run had no fp16
         run.scaler.load_state_dict(state.scaler)
-    if len(state.rng) == run.dist.world:
-        restore_rng(state.rng[run.dist.rank])
-    else:
-        log.warning("the checkpoint was written by %d processes, this run has %d: random draws start afresh",
-                    len(state.rng), run.dist.world)
     run.step, run.epoch, run.batches_done = state.step, state.epoch, state.batches_done
+    if state.processes == run.dist.world:
+        restore_rng(state.rng[run.dist.rank])
+    else:  # the processes took interleaved shares of the same batches: so many of them are done
+        consumed = state.batches_done * state.processes
+        run.batches_done = consumed // run.dist.world
+        log.warning("the checkpoint was written by %d processes, this run has %d: random draws start afresh, and "
+                    "the epoch goes on after %d of its batches%s", state.processes, run.dist.world,
+                    run.batches_done * run.dist.world,
+                    f" ({consumed % run.dist.world} done twice)" if consumed % run.dist.world else "")
     run.best_wer, run.best_cer = state.best_wer, state.best_cer
     run.valid_metrics, run.valid_step = state.valid_metrics, state.valid_step
     if run.dist.is_main:
@@ -399,7 +418,7 @@ def train_step(run: Run, micro: list[Batch]) -> Optional[dict[str, float]]:
     cfg = run.cfg
     stats = forward_backward(run.forward, micro, run.device, run.precision, run.scaler, cfg.spec_augment,
                              name_of=lambda i: f"{run.train_utts[i].where} ({run.train_utts[i].duration:.1f} s)",
-                             dist=run.dist)
+                             dist=run.dist, offload_activations=cfg.offload_activations)
     if stats is None:
         return None
     lr = cfg.lr * lr_factor(run.step, cfg.warmup_steps)  # a pure function of the step: nothing to resume
@@ -479,7 +498,7 @@ def validate_and_save(run: Run) -> None:
     WER, then the lowest CER, as early on every WER is 100%). Draws nothing from the global RNG, so
     a resumed run goes on exactly as it would have."""
     metrics = validate(run.model, run.valid_loader, run.tokenizer, run.valid_utts, run.device, run.precision,
-                       run.dist)
+                       Dist() if is_sharded(run.model) else run.dist)  # sharded: each process saw all
     run.valid_metrics, run.valid_step = metrics, run.step
     run.record("valid", **metrics)
     is_best = (metrics["wer"], metrics["cer"]) < (run.best_wer, run.best_cer)
@@ -498,13 +517,15 @@ def save(run: Run, is_best: bool = False, quiet: bool = False) -> None:
     at it; keep the newest --keep_checkpoints. Every process takes part (their random states go
     into the checkpoint); rank 0 writes."""
     rng = run.dist.gather(capture_rng())
+    model_state, optimizer_state = full_state_dicts(run.model, run.optimizer)  # sharded: gathered
     run.saved_step = run.step
     if not run.dist.is_main:
         return
     state = TrainState(
         model_config=dataclasses.asdict(run.model.cfg), train_config=dataclasses.asdict(run.cfg),
-        tokenizer=run.tokenizer.model_proto, model=run.model.state_dict(), optimizer=run.optimizer.state_dict(),
-        scaler=run.scaler.state_dict(), step=run.step, epoch=run.epoch, batches_done=run.batches_done, rng=rng,
+        tokenizer=run.tokenizer.model_proto, model=model_state, optimizer=optimizer_state,
+        scaler=run.scaler.state_dict(), step=run.step, epoch=run.epoch, batches_done=run.batches_done,
+        processes=run.dist.world, rng=rng,
         best_wer=run.best_wer, best_cer=run.best_cer, valid_metrics=run.valid_metrics, valid_step=run.valid_step)
     path = state.save(run.out_dir / step_checkpoint_name(run.step))
     point_to(path, run.out_dir / "latest.pt")
@@ -539,7 +560,8 @@ def maybe_empty_cache(device: torch.device, batches_done: int, every: int) -> bo
 
 def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], device: torch.device,
                      precision: Precision, scaler: torch.amp.GradScaler, spec_augment: bool,
-                     name_of: Optional[Callable[[int], str]] = None, dist: Dist = Dist()) -> Optional[dict[str, float]]:
+                     name_of: Optional[Callable[[int], str]] = None, dist: Dist = Dist(),
+                     offload_activations: bool = False) -> Optional[dict[str, float]]:
     """Accumulate gradients over ``micro_batches``, normalized by their total utterance count (over
     every process of a data-parallel run), so that the update equals the one from a single batch
     holding all of them. Returns the mean losses and the utterance count; None when no process had
@@ -551,7 +573,8 @@ def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], devi
     gradients are cleared and the group starts again. Only a single utterance that does not fit
     stops training (``BatchDoesNotFit``; ``name_of`` turns its index into a name for the message),
     and so does an error in a data-parallel run's synchronizing backward pass (the last one), which
-    the other processes are waiting in.
+    the other processes are waiting in. ``offload_activations`` keeps what the backward pass needs
+    in (pinned, on CUDA) CPU memory until then.
     """
     pending = [b for b in micro_batches if len(b)]
     n_utts = dist.sum([sum(len(b) for b in pending)])[0]
@@ -567,7 +590,7 @@ def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], devi
         in_backward = False
         try:
             dev_batch = batch.to(device)
-            with precision.autocast(device):
+            with precision.autocast(device), _saved_on_cpu(offload_activations, device):
                 out = model(dev_batch.feats, dev_batch.feat_lens, dev_batch.tokens, dev_batch.token_lens,
                             spec_augment=spec_augment)
             in_backward = True
@@ -613,6 +636,12 @@ def _after_out_of_memory(model: Any, batch: Batch, pending: list[Batch], done: l
     return halves + pending, done, sums
 
 
+def _saved_on_cpu(offload: bool, device: torch.device) -> Any:
+    if not offload:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+
+
 def _empty_batch(model: Any) -> Batch:
     """A one-utterance batch of silence that stands in, with its loss multiplied by 0, for a
     process whose whole accumulation group failed to load (``indices`` is empty: it counts for nothing)."""
@@ -630,7 +659,8 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sca
     scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = grad_clip if grad_clip > 0 else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)  # sharded: DTensor
     if math.isfinite(grad_norm) and math.isfinite(loss):
         scaler.step(optimizer)
     scaler.update()

@@ -45,31 +45,61 @@ def _args(tiny_corpus, out, tokenizer_path, *extra):
     return args[:i] + args[i + 2:]  # each test says its own accumulation
 
 
+EXACT = ("--dropout", "0", "--no-spec_augment", "--max_steps", "6", "--save_every_steps", "3",
+         "--keep_checkpoints", "5")
+
+
+def _one_process(tiny_corpus, out, tokenizer_path, *extra):
+    result = subprocess.run([sys.executable, str(SCRIPT), *_args(tiny_corpus, out, tokenizer_path, *extra)],
+                            env=ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stderr
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_corpus, tokenizer_path, tmp_path_factory):
+    """Batch 4 accumulated twice in one process. Dropout and SpecAugment, whose random draws differ
+    between the processes of a data-parallel run, are off."""
+    out = tmp_path_factory.mktemp("one") / "run"
+    _one_process(tiny_corpus, out, tokenizer_path, "--gradient_accumulation_steps", "2", *EXACT)
+    return out
+
+
+def _assert_same_run(a_dir, b_dir, rtol, atol):
+    a, b = load_checkpoint(a_dir / "latest.pt"), load_checkpoint(b_dir / "latest.pt")
+    assert a["step"] == b["step"] == 6
+    for name, tensor in b["model"].items():
+        torch.testing.assert_close(a["model"][name], tensor, rtol=rtol, atol=atol)
+    for ra, rb in zip(_rows(a_dir), _rows(b_dir), strict=True):
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5), (ra, rb)
+
+
+@pytest.mark.parametrize("strategy,atol", [("ddp", 1e-6), ("fsdp", 1e-4)])
 def test_two_gloo_processes_end_with_the_parameters_of_one_process_with_the_same_batches(
-        tiny_corpus, tokenizer_path, tmp_path):
+        tiny_corpus, tokenizer_path, one_process, tmp_path, strategy, atol):
     """Batch 4 in each of 2 processes = batch 4 accumulated twice in one: the same utterances make
-    each step (the shards interleave the same global batches). Dropout and SpecAugment, whose
-    random draws differ between the processes, are off."""
-    exact = ("--dropout", "0", "--no-spec_augment", "--max_steps", "6")
-    two, one = tmp_path / "two", tmp_path / "one"
-    proc = _torchrun(_args(tiny_corpus, two, tokenizer_path, "--gradient_accumulation_steps", "1", *exact))
+    each step (the shards interleave the same global batches)."""
+    two = tmp_path / "two"
+    proc = _torchrun(_args(tiny_corpus, two, tokenizer_path, "--gradient_accumulation_steps", "1", "--strategy",
+                           strategy, *EXACT))
     output = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, output[-3000:]
     assert "8 utterances per update (batch 4 x 1 accumulation steps x 2 processes)" in output
+    assert f"2 processes, {strategy}" in output
     assert output.count("done: step 6") == 1  # rank 0 reports, rank 1 is quiet
-    result = subprocess.run([sys.executable, str(SCRIPT), *_args(tiny_corpus, one, tokenizer_path,
-                                                                 "--gradient_accumulation_steps", "2", *exact)],
-                            env=ENV, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-
-    a, b = load_checkpoint(two / "latest.pt"), load_checkpoint(one / "latest.pt")
-    assert a["step"] == b["step"] == 6
-    assert len(a["rng"]) == 2 and len(b["rng"]) == 1  # each process's random state is kept
-    for name, tensor in b["model"].items():
-        torch.testing.assert_close(a["model"][name], tensor, rtol=1e-5, atol=1e-6)
-    for ra, rb in zip(_rows(two), _rows(one), strict=True):
-        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5), (ra, rb)
-    assert _rows(two, "valid")[-1]["cer"] == pytest.approx(_rows(one, "valid")[-1]["cer"])
+    assert len(load_checkpoint(two / "latest.pt")["rng"]) == 2  # each process's random state is kept
+    _assert_same_run(two, one_process, rtol=1e-5, atol=atol)
+    assert _rows(two, "valid")[-1]["cer"] == pytest.approx(_rows(one_process, "valid")[-1]["cer"])
+    if strategy == "fsdp":
+        # A sharded run's checkpoint is whole: one process resumes it (at the same place in the epoch).
+        resumed = tmp_path / "resumed"
+        err = _one_process(tiny_corpus, resumed, tokenizer_path, "--gradient_accumulation_steps", "2", *EXACT,
+                           "--resume", str(two / "step_0000003.pt"))
+        assert "written by 2 processes, this run has 1" in err and "after 6 of its batches" in err
+        rows = _rows(resumed)
+        assert [r["step"] for r in rows] == [4, 5, 6]
+        for ra, rb in zip(rows, _rows(one_process)[3:], strict=True):
+            assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-4), (ra, rb)
 
 
 def test_sigterm_to_torchrun_saves_once_and_both_processes_resume_exactly(tiny_corpus, tokenizer_path, tmp_path):

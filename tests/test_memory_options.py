@@ -73,6 +73,24 @@ def test_checkpointed_gradients_equal_plain_ones():
         _assert_close(grads[1][name], g, name)
 
 
+def test_activations_offloaded_to_cpu_memory_give_the_same_gradients():
+    """--offload_activations (save_on_cpu) changes where the saved tensors wait, not the numbers;
+    on a CPU device the run itself refuses it (nothing to gain there)."""
+    from konkanivani.precision import Precision
+
+    model = _tiny(dropout=0.0)
+    batches = _batches(6, 3)
+    grads = []
+    for offload in (False, True):
+        m = copy.deepcopy(model)
+        stats = forward_backward(m, batches, CPU, Precision(None, False, ""), torch.amp.GradScaler("cpu", enabled=False),
+                                 spec_augment=False, offload_activations=offload)
+        grads.append(({n: p.grad for n, p in m.named_parameters()}, stats["loss"]))
+    assert grads[0][1] == grads[1][1]
+    for name, g in grads[0][0].items():
+        _assert_close(grads[1][0][name], g, name)
+
+
 def test_explicit_precision(monkeypatch):
     monkeypatch.setattr(precision_module, "cpu_bf16_speed_ratio", lambda: 0.005)
     slow_bf16 = resolve_precision(CPU, False, "bf16")  # asked for outright: runs, with a warning
