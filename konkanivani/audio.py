@@ -16,7 +16,7 @@ import torchaudio
 
 from .frames import HOP_LENGTH, SAMPLE_RATE
 
-__all__ = ["SAMPLE_RATE", "HOP_LENGTH", "load_audio", "LogMel"]
+__all__ = ["SAMPLE_RATE", "HOP_LENGTH", "load_audio", "resample", "LogMel"]
 
 
 
@@ -34,10 +34,14 @@ def load_audio(path: str | Path, sample_rate: int = SAMPLE_RATE) -> torch.Tensor
         raise RuntimeError(f"audio {path} holds no samples")
     if not np.isfinite(data).all():  # a float file can hold NaN, which would turn into a NaN loss
         raise RuntimeError(f"audio {path} holds NaN or infinite samples")
-    wav = torch.from_numpy(np.ascontiguousarray(data.mean(axis=1)))  # (N,)
-    if sr != sample_rate:
-        wav = torchaudio.functional.resample(wav, sr, sample_rate)
-    return wav
+    return resample(torch.from_numpy(np.ascontiguousarray(data.mean(axis=1))), sr, sample_rate)  # (N,)
+
+
+def resample(wav: torch.Tensor, sample_rate: int, target_rate: int = SAMPLE_RATE) -> torch.Tensor:
+    """``wav`` (any shape, time last) at ``target_rate`` (torchaudio's windowed-sinc resampler)."""
+    if sample_rate == target_rate:
+        return wav
+    return torchaudio.functional.resample(wav, sample_rate, target_rate)
 
 
 class LogMel(torch.nn.Module):

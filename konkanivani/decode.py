@@ -199,31 +199,7 @@ def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam
         src = top_idx // n_cand + torch.arange(B, device=device)[:, None] * K  # row in the N hypotheses
         tok = cand.view(B, K * n_cand).gather(1, top_idx)
 
-        new_rows, new_scores, new_tok, new_col = [], [], [], []
-        top_scores_l, top_idx_l, src_l, tok_l = top_scores.tolist(), top_idx.tolist(), src.tolist(), tok.tolist()
-        for b in range(B):
-            kept = 0
-            for j in range(len(top_idx_l[b])):
-                s = top_scores_l[b][j]
-                if s == NEG_INF or kept == K:
-                    break
-                row, t = src_l[b][j], tok_l[b][j]
-                if t == SOS_EOS_ID:
-                    if not done[b]:
-                        finished[b].append(Hypothesis(ys[row, 1:].tolist(), s))
-                    continue
-                new_rows.append(row)
-                new_scores.append(s)
-                new_tok.append(t)
-                new_col.append(top_idx_l[b][j])
-                kept += 1
-            for _ in range(K - kept):  # pad with dead hypotheses
-                new_rows.append(b * K)
-                new_scores.append(NEG_INF)
-                new_tok.append(SOS_EOS_ID)
-                new_col.append(0)
-            if len(finished[b]) >= K or kept == 0:
-                done[b] = True
+        new_rows, new_scores, new_tok, new_col = _next_hypotheses(top_scores, top_idx, src, tok, ys, K, finished, done)
         if bool(done.all()):
             break
         rows = torch.tensor(new_rows, device=device)
@@ -242,6 +218,41 @@ def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam
         norm = (lambda h: h.score / (len(h.tokens) + 1)) if length_norm else (lambda h: h.score)
         best.append(max(pool, key=norm))
     return best
+
+
+def _next_hypotheses(top_scores: torch.Tensor, top_idx: torch.Tensor, src: torch.Tensor, tok: torch.Tensor,
+                     ys: torch.Tensor, K: int, finished: list[list[Hypothesis]], done: torch.Tensor
+                     ) -> tuple[list[int], list[float], list[int], list[int]]:
+    """One beam step's bookkeeping, per utterance: extensions by the end symbol go to ``finished``,
+    the best ``K`` others continue (padded with dead hypotheses); an utterance with ``K`` finished
+    hypotheses, or none left alive, is ``done``. Returns the continuing hypotheses' source rows,
+    scores, new tokens and candidate columns."""
+    new_rows, new_scores, new_tok, new_col = [], [], [], []
+    top_scores_l, top_idx_l, src_l, tok_l = top_scores.tolist(), top_idx.tolist(), src.tolist(), tok.tolist()
+    for b in range(len(finished)):
+        kept = 0
+        for j in range(len(top_idx_l[b])):
+            s = top_scores_l[b][j]
+            if s == NEG_INF or kept == K:
+                break
+            row, t = src_l[b][j], tok_l[b][j]
+            if t == SOS_EOS_ID:
+                if not done[b]:
+                    finished[b].append(Hypothesis(ys[row, 1:].tolist(), s))
+                continue
+            new_rows.append(row)
+            new_scores.append(s)
+            new_tok.append(t)
+            new_col.append(top_idx_l[b][j])
+            kept += 1
+        for _ in range(K - kept):  # pad with dead hypotheses
+            new_rows.append(b * K)
+            new_scores.append(NEG_INF)
+            new_tok.append(SOS_EOS_ID)
+            new_col.append(0)
+        if len(finished[b]) >= K or kept == 0:
+            done[b] = True
+    return new_rows, new_scores, new_tok, new_col
 
 
 @torch.inference_mode()

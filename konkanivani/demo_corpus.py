@@ -21,16 +21,17 @@ import shutil
 import subprocess
 import tempfile
 from contextlib import nullcontext
-from math import gcd
 from multiprocessing import Pool
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import soundfile as sf
-from scipy.signal import resample_poly
+import torch
 from tqdm import tqdm
 
+from .audio import resample
+from .frames import SAMPLE_RATE
 from .data import read_manifest
 
 # Package data: installed with the package (a wheel too), so the corpus can be made anywhere.
@@ -46,7 +47,7 @@ PITCH_RANGE = (30, 70)  # espeak -p, 0..99
 PEAK_RANGE = (0.75, 0.95)  # peak-normalization target (random gain around ~0.9)
 NOISE_PROB = 0.7  # share of utterances that get light white noise
 SNR_RANGE_DB = (25.0, 40.0)
-TARGET_SR = 16000
+TARGET_SR = SAMPLE_RATE
 KEEP_SILENCE_S = 0.1
 INFO_VERSION = 1
 
@@ -55,7 +56,7 @@ class EspeakMissingError(RuntimeError):
     """Raised when the espeak-ng binary is not on PATH."""
 
 
-class Utterance(NamedTuple):
+class PlannedUtterance(NamedTuple):
     """Everything needed to synthesize one utterance (decided up front, seeded)."""
 
     split: str
@@ -98,7 +99,7 @@ def split_sizes(n: int) -> dict[str, int]:
 
 
 def plan_corpus(sentences: list[str], seed: int, num_utterances: int,
-                max_sentences: Optional[int]) -> list[Utterance]:
+                max_sentences: Optional[int]) -> list[PlannedUtterance]:
     """Decide every utterance's sentence, speaker and acoustics from one seeded RNG."""
     rng = random.Random(seed)
     order = list(sentences)
@@ -116,7 +117,7 @@ def plan_corpus(sentences: list[str], seed: int, num_utterances: int,
     counts = {s: max(1, round(num_utterances * sizes[s] / len(order))) for s in ("valid", "test")}
     counts["train"] = max(1, num_utterances - counts["valid"] - counts["test"])
     pools = speaker_pools()
-    plan: list[Utterance] = []
+    plan: list[PlannedUtterance] = []
     for split in SPLITS:
         texts, speakers = by_split[split], pools[split]
         text_cycle: list[str] = []
@@ -127,21 +128,13 @@ def plan_corpus(sentences: list[str], seed: int, num_utterances: int,
             if not speaker_cycle:
                 speaker_cycle = rng.sample(speakers, len(speakers))
             snr = rng.uniform(*SNR_RANGE_DB) if rng.random() < NOISE_PROB else None
-            plan.append(Utterance(
+            plan.append(PlannedUtterance(
                 split=split, index=i, text=text_cycle.pop(), speaker=speaker_cycle.pop(),
                 speed=rng.randint(*SPEED_RANGE), pitch=rng.randint(*PITCH_RANGE),
                 peak=round(rng.uniform(*PEAK_RANGE), 4),
                 snr_db=None if snr is None else round(snr, 2),
                 noise_seed=rng.randrange(2**31)))
     return plan
-
-
-def resample(x: np.ndarray, sr_in: int, sr_out: int = TARGET_SR) -> np.ndarray:
-    """Polyphase resampling (scipy is a dependency of the package)."""
-    if sr_in == sr_out:
-        return x
-    g = gcd(sr_out, sr_in)
-    return resample_poly(x, sr_out // g, sr_in // g)
 
 
 def trim_silence(x: np.ndarray, sr: int, keep_s: float = KEEP_SILENCE_S) -> np.ndarray:
@@ -163,7 +156,7 @@ def trim_silence(x: np.ndarray, sr: int, keep_s: float = KEEP_SILENCE_S) -> np.n
     return np.pad(core, (pad_left, pad_right))
 
 
-def synthesize(utt: Utterance, out_dir: str) -> tuple[str, int, float]:
+def synthesize(utt: PlannedUtterance, out_dir: str) -> tuple[str, int, float]:
     """Run espeak-ng for one utterance, post-process and write the 16 kHz wav."""
     fd, tmp = tempfile.mkstemp(suffix=".wav")
     os.close(fd)
@@ -175,7 +168,7 @@ def synthesize(utt: Utterance, out_dir: str) -> tuple[str, int, float]:
         audio, sr = sf.read(tmp, dtype="float64", always_2d=True)
     finally:
         os.unlink(tmp)
-    x = resample(trim_silence(audio.mean(axis=1), sr), sr, TARGET_SR)
+    x = resample(torch.from_numpy(trim_silence(audio.mean(axis=1), sr)), sr, TARGET_SR).numpy()
     x = x * (utt.peak / max(float(np.abs(x).max()), 1e-9))
     if utt.snr_db is not None:
         noise = np.random.default_rng(utt.noise_seed).standard_normal(len(x))
@@ -185,7 +178,7 @@ def synthesize(utt: Utterance, out_dir: str) -> tuple[str, int, float]:
     return utt.split, utt.index, round(len(x) / TARGET_SR, 3)
 
 
-def _synthesize_job(args: tuple[Utterance, str]) -> tuple[str, int, float]:
+def _synthesize_job(args: tuple[PlannedUtterance, str]) -> tuple[str, int, float]:
     return synthesize(*args)
 
 

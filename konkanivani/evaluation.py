@@ -6,51 +6,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import jiwer
-
 from .checks import resolve_audio_path
 from .data import read_manifest
 from .decode import DEFAULT_CTC_WEIGHT
 from .inference import Recognizer
+from .metrics import ErrorCounts, score
 from .tokenizer import normalize_text
 
 __all__ = ["ErrorCounts", "EvalResult", "UtteranceResult", "evaluate_manifest", "markdown_report", "score"]
-
-
-@dataclass
-class ErrorCounts:
-    """Edit operations against a reference of ``length`` units (words or characters)."""
-
-    length: int = 0
-    substitutions: int = 0
-    deletions: int = 0
-    insertions: int = 0
-
-    @property
-    def errors(self) -> int:
-        return self.substitutions + self.deletions + self.insertions
-
-    @property
-    def rate(self) -> float:
-        return self.errors / self.length if self.length else float("nan")
-
-    def __iadd__(self, other: ErrorCounts) -> ErrorCounts:
-        self.length += other.length
-        self.substitutions += other.substitutions
-        self.deletions += other.deletions
-        self.insertions += other.insertions
-        return self
-
-
-def _counts(output) -> ErrorCounts:
-    return ErrorCounts(output.hits + output.substitutions + output.deletions, output.substitutions,
-                       output.deletions, output.insertions)
-
-
-def score(reference: str, hypothesis: str) -> tuple[ErrorCounts, ErrorCounts]:
-    """Word and character error counts of one normalized pair (the reference must not be empty)."""
-    ref, hyp = normalize_text(reference), normalize_text(hypothesis)
-    return _counts(jiwer.process_words(ref, hyp)), _counts(jiwer.process_characters(ref, hyp))
 
 
 @dataclass
