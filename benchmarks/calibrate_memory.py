@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import itertools
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +23,10 @@ import torch
 from scipy.optimize import nnls
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from konkanivani import memory  # noqa: E402
-from konkanivani.config import ModelConfig, model_config_from_preset  # noqa: E402
-from konkanivani.model import ASRModel  # noqa: E402
+from konkanivani import memory
+from konkanivani.config import ModelConfig, model_config_from_preset
+from konkanivani.model import ASRModel
 
 SHAPES = [  # d_model, heads, ffn, encoder layers, decoder layers, vocabulary
     (32, 2, 64, 1, 1, 64), (64, 2, 256, 2, 1, 256), (48, 4, 96, 1, 2, 128), (96, 4, 192, 2, 2, 64),

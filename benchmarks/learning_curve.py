@@ -9,7 +9,7 @@ weights and on the average of the last epoch checkpoints. Writes ``curve.csv``, 
 
     python benchmarks/learning_curve.py --budget_minutes 30 --out benchmarks/results/learning_curve
 
-Any other flag goes to the trainer (``training_scripts/train_konkanivani_asr.py``), e.g.
+Any other flag goes to the trainer (``konkanivani-train``), e.g.
 ``--batch_size 24 --lr 2e-3``; the defaults below are the CPU recipe this benchmark measures.
 """
 from __future__ import annotations
@@ -17,25 +17,21 @@ from __future__ import annotations
 import argparse
 import csv
 import logging
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "training_scripts"))
 
-import train_konkanivani_asr as trainer_cli  # noqa: E402
-
-from konkanivani.checkpoint import average_checkpoints, load_checkpoint, save_checkpoint, step_checkpoints  # noqa: E402
-from konkanivani.config import ModelConfig, TrainConfig, dataclass_from_args  # noqa: E402
-from konkanivani.decode import DEFAULT_CTC_WEIGHT, METHODS  # noqa: E402
-from konkanivani.demo_corpus import make_corpus  # noqa: E402
-from konkanivani.evaluation import evaluate_manifest  # noqa: E402
-from konkanivani.inference import Recognizer  # noqa: E402
-from konkanivani.model import ASRModel  # noqa: E402
-from konkanivani.tokenizer import Tokenizer  # noqa: E402
-from konkanivani.train import train  # noqa: E402
+from konkanivani.checkpoint import average_checkpoints, load_checkpoint, save_checkpoint, step_checkpoints
+from konkanivani.cli.train import model_flags, parse_args
+from konkanivani.config import TrainConfig, dataclass_from_args
+from konkanivani.decode import DEFAULT_CTC_WEIGHT, METHODS
+from konkanivani.demo_corpus import make_corpus
+from konkanivani.evaluation import evaluate_manifest
+from konkanivani.inference import Recognizer
+from konkanivani.model import ASRModel
+from konkanivani.tokenizer import Tokenizer
+from konkanivani.train import train
 
 # The CPU recipe (flags of the trainer); command-line flags override them.
 # Characters, not subword pieces: a third of the test words never occur in training, and a model
@@ -68,11 +64,10 @@ def main(argv: list[str] | None = None) -> None:
     if not (args.corpus / "train.jsonl").is_file():
         make_corpus(args.corpus)
     test_manifest = args.corpus / "test.jsonl"
-    ns = trainer_cli.parse_args(["--train_manifest", str(args.corpus / "train.jsonl"), "--valid_manifest",
+    ns = parse_args(["--train_manifest", str(args.corpus / "train.jsonl"), "--valid_manifest",
                                  str(args.corpus / "valid.jsonl"), "--output_dir", str(args.out / "run"),
                                  *RECIPE, *trainer_argv])
     cfg = dataclass_from_args(TrainConfig, ns)
-    model_flags = {name: getattr(ns, name) for name in ModelConfig.__dataclass_fields__ if name != "vocab_size"}
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     budget, every = 60 * args.budget_minutes, 60 * args.eval_every_minutes
     curve: list[dict] = []
@@ -104,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
             curve = [{k: (float if k in ("minutes", "cer", "wer") else int)(v) for k, v in row.items()}
                      for row in csv.DictReader(f)]
     else:
-        train(cfg, model_flags, on_step=on_step)
+        train(cfg, model_flags(ns), on_step=on_step)
         _write_csv(args.out / "curve.csv", curve)
 
     # ---- every decoding method on the final weights and on the average of the last epochs ----

@@ -26,6 +26,8 @@ def load_audio(path: str | Path, sample_rate: int = SAMPLE_RATE) -> torch.Tensor
     Raises ``RuntimeError`` naming the file when it cannot be decoded, holds no samples or
     non-finite ones.
     """
+    if not Path(path).is_file():
+        raise RuntimeError(f"cannot read audio {path}: file not found")
     try:
         data, sr = sf.read(str(path), dtype="float32", always_2d=True)  # (N, channels)
     except Exception as e:  # soundfile raises LibsndfileError, RuntimeError, TypeError...

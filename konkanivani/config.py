@@ -7,11 +7,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import re
 from dataclasses import dataclass, field
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from pathlib import Path
+from typing import Any, Callable, Union, get_args, get_origin, get_type_hints
 
-__all__ = ["ModelConfig", "TrainConfig", "PRESETS", "model_config_from_preset", "add_dataclass_args",
-           "dataclass_from_args"]
+__all__ = ["ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "model_config_from_preset", "check_config",
+           "add_dataclass_args", "dataclass_from_args"]
+
+
+class ConfigError(ValueError):
+    """A flag value that cannot work; the message names the flag, in one line."""
 
 
 def _help(text: str) -> dict:
@@ -45,14 +52,22 @@ PRESETS: dict[str, dict[str, Any]] = {
 def model_config_from_preset(preset: str, **overrides: Any) -> ModelConfig:
     """``ModelConfig`` for a named preset; keyword overrides whose value is None are ignored."""
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        raise ConfigError(f"--preset {preset}: unknown; choose one of {', '.join(PRESETS)}")
     values = dict(PRESETS[preset])
     values.update({k: v for k, v in overrides.items() if v is not None})
     cfg = ModelConfig(**values)
+    for name in ("n_mels", "d_model", "n_heads", "ffn_dim", "conv_kernel"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name} must be a positive integer, got {getattr(cfg, name)}")
+    for name in ("encoder_layers", "decoder_layers"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name} must be 0 or more, got {getattr(cfg, name)}")
     if cfg.d_model % cfg.n_heads or (cfg.d_model // cfg.n_heads) % 2:
-        raise ValueError(f"d_model={cfg.d_model} must split into {cfg.n_heads} heads of even width")
+        raise ConfigError(f"--d_model {cfg.d_model} must split into --n_heads {cfg.n_heads} heads of even width")
     if cfg.conv_kernel % 2 == 0:
-        raise ValueError(f"conv_kernel must be odd, got {cfg.conv_kernel}")
+        raise ConfigError(f"--conv_kernel must be odd, got {cfg.conv_kernel}")
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise ConfigError(f"--dropout must be in [0, 1), got {cfg.dropout}")
     return cfg
 
 
@@ -60,8 +75,9 @@ def model_config_from_preset(preset: str, **overrides: Any) -> ModelConfig:
 class TrainConfig:
     """One training run. Defaults suit the demo corpus on a small GPU or a CPU."""
 
-    train_manifest: str = field(default="", metadata=_help("NeMo-style JSONL manifest for training"))
-    valid_manifest: str = field(default="", metadata=_help("JSONL manifest for validation"))
+    train_manifest: str = field(default="", metadata={"help": "NeMo-style JSONL manifest for training",
+                                                      "required": True})
+    valid_manifest: str = field(default="", metadata={"help": "JSONL manifest for validation", "required": True})
     output_dir: str = field(default="checkpoints/run", metadata=_help("where checkpoints and logs go"))
     preset: str = field(default="medium", metadata=_help("model size: " + ", ".join(PRESETS)))
     tokenizer: str = field(default="", metadata=_help("existing SentencePiece .model (default: train one)"))
@@ -131,6 +147,67 @@ class TrainConfig:
         "keep the activations saved for the backward pass in pinned CPU memory (CUDA only; slower, less GPU memory)"))
 
 
+TOKENIZER_TYPES = ("unigram", "bpe", "char")
+PRECISION_CHOICES = ("", "fp32", "fp16", "bf16")
+OPTIMIZERS = ("adamw", "adamw_8bit", "adamw8bit")
+STRATEGY_CHOICES = ("ddp", "fsdp")
+
+
+def _at_least(low: float, integer: bool = True) -> Callable[[Any], bool]:
+    return lambda v: (isinstance(v, int) or not integer) and math.isfinite(v) and v >= low
+
+
+def _fraction(v: float) -> bool:
+    return 0.0 <= v <= 1.0
+
+
+# Each checked flag: what its value must be, said as the message says it.
+_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **{name: (_at_least(1), "a positive integer") for name in (
+        "epochs", "batch_size", "gradient_accumulation_steps", "vocab_size", "log_every", "keep_checkpoints",
+        "num_buckets")},
+    **{name: (_at_least(0), "0 or more") for name in (
+        "max_steps", "warmup_steps", "num_workers", "empty_cache_every", "save_every_steps", "validate_every_steps",
+        "max_batch_frames", "max_samples", "max_consecutive_skips")},
+    **{name: (_at_least(0, integer=False), "0 or more") for name in (
+        "max_time", "max_batch_seconds", "max_memory_gb", "grad_clip", "weight_decay")},
+    "lr": (lambda v: math.isfinite(v) and v > 0, "a positive number"),
+    "max_duration": (lambda v: v > 0, "a positive number of seconds"),
+    "ctc_weight": (_fraction, "in [0, 1]"),
+    "label_smoothing": (lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+    "tokenizer_type": (TOKENIZER_TYPES.__contains__, "one of " + ", ".join(TOKENIZER_TYPES)),
+    "precision": (PRECISION_CHOICES.__contains__, "one of fp32, fp16, bf16 (or left out)"),
+    "optimizer": (OPTIMIZERS.__contains__, "adamw or adamw_8bit"),
+    "strategy": (STRATEGY_CHOICES.__contains__, "ddp or fsdp"),
+    "device": (lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", v) is not None, "auto, cpu, cuda or cuda:N"),
+    "preset": (PRESETS.__contains__, "one of " + ", ".join(PRESETS)),
+}
+
+
+def check_config(cfg: TrainConfig, model_overrides: dict[str, Any] | None = None) -> None:
+    """Every flag value that can be checked before any work; ``ConfigError`` naming the first bad one."""
+    for name, (ok, wanted) in _CHECKS.items():
+        value = getattr(cfg, name)
+        if not ok(value):
+            raise ConfigError(f"--{name} must be {wanted}, got {value!r}")
+    for name in ("train_manifest", "valid_manifest"):
+        if not getattr(cfg, name):
+            raise ConfigError(f"--{name} is required")
+    for name in ("train_manifest", "valid_manifest", "tokenizer"):
+        path = getattr(cfg, name)
+        if path and not Path(path).is_file():
+            raise ConfigError(f"--{name} {path}: file not found")
+    if cfg.resume and cfg.resume != "latest" and not Path(cfg.resume).is_file():
+        raise ConfigError(f"--resume {cfg.resume}: file not found (or give 'latest')")
+    exclusive = [("max_batch_frames", "max_batch_seconds"), ("resume", "overwrite")]
+    for a, b in exclusive:
+        if getattr(cfg, a) and getattr(cfg, b):
+            raise ConfigError(f"give --{a} or --{b}, not both")
+    if cfg.strategy == "fsdp" and cfg.optimizer != "adamw":
+        raise ConfigError("--strategy fsdp shards AdamW's states itself; use --optimizer adamw with it")
+    model_config_from_preset(cfg.preset, vocab_size=1, **(model_overrides or {}))  # dimensions that fit together
+
+
 def _flag_type(tp: Any) -> Any:
     if get_origin(tp) is Union:  # Optional[X] -> X
         tp = next(a for a in get_args(tp) if a is not type(None))
@@ -151,13 +228,16 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, *, defaults: 
         tp = _flag_type(hints[f.name])
         default = f.default if defaults else None
         help_text = f.metadata.get("help", "")
-        if defaults and tp is not bool:
+        required = f.metadata.get("required", False)
+        if required:
+            help_text += " (required)"
+        elif defaults and tp is not bool:
             help_text += f" (default: {f.default!r})"
         if tp is bool:
             parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=default,
                                 help=help_text)
         else:
-            parser.add_argument(f"--{f.name}", type=tp, default=default, help=help_text)
+            parser.add_argument(f"--{f.name}", type=tp, default=default, help=help_text, required=required)
 
 
 def dataclass_from_args(cls: type, args: argparse.Namespace, **extra: Any):

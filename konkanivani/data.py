@@ -72,8 +72,8 @@ def read_manifest(path: str | Path) -> list[tuple[int, dict]]:
     rows = []
     for line_no, row in iter_manifest(path):
         if isinstance(row, ManifestError):
-            raise ManifestError(f"{row}; training_scripts/validate_manifest.py lists every bad line and "
-                                "writes a cleaned manifest")
+            raise ManifestError(f"{row}; konkanivani-validate (training_scripts/validate_manifest.py) lists every "
+                                "bad line and writes a cleaned manifest")
         rows.append((line_no, row))
     return rows
 

@@ -97,7 +97,8 @@ def markdown_report(result: EvalResult, checkpoint: str, worst: int = 10) -> str
     lines = [
         f"# Evaluation of `{checkpoint}`", "",
         f"Manifest `{result.manifest}`, decoding `{result.method}`: {len(result.utterances)} utterances scored, "
-        f"{result.audio_seconds / 60:.1f} min of audio, real-time factor {result.rtf:.3f}.", "",
+        f"{result.audio_seconds / 60:.1f} min of audio"
+        + (f", real-time factor {result.rtf:.3f}." if result.audio_seconds else "."), "",
         "| unit | reference length | substitutions | deletions | insertions | error rate |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
         f"| words | {w.length} | {w.substitutions} | {w.deletions} | {w.insertions} | {100 * w.rate:.2f}% |",

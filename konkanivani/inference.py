@@ -12,12 +12,13 @@ from pathlib import Path
 
 import torch
 
-from .audio import SAMPLE_RATE, LogMel, load_audio
+from .audio import LogMel, load_audio
 from .checkpoint import CheckpointError, load_checkpoint
 from .checks import resolve_audio_path
 from .config import ModelConfig
 from .data import read_manifest
 from .decode import DEFAULT_CTC_WEIGHT, METHODS, decode_batch
+from .frames import SAMPLE_RATE
 from .model import ASRModel
 from .tokenizer import Tokenizer
 
@@ -91,8 +92,7 @@ class Recognizer:
             try:
                 wavs.append(load_audio(p))
                 errors.append(None)
-            except RuntimeError as e:
-                log.warning("%s", e)
+            except RuntimeError as e:  # the caller names it (Transcript.error), once
                 wavs.append(None)
                 errors.append(str(e))
         texts: dict[int, str] = {}

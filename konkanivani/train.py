@@ -30,7 +30,7 @@ from .batching import padding_fraction, select_samples, split_batch, train_sampl
 from .checkpoint import (MetricsLog, TrainState, capture_rng, claim_output_dir, hold_run_directory,
                          load_resume_checkpoint, point_to, prune_checkpoints, remove_stale_temporaries, restore_rng,
                          step_checkpoint_name)
-from .config import ModelConfig, TrainConfig, model_config_from_preset
+from .config import ConfigError, ModelConfig, TrainConfig, check_config, model_config_from_preset
 from .data import (ASRDataset, Batch, LengthGroupedBatchSampler, ResumableBatchSampler, ShardedSampler, Utterance,
                    collate, compute_cmvn, load_utterances, log_skipped, read_manifest)
 from .decode import ctc_greedy
@@ -68,6 +68,7 @@ def train(cfg: TrainConfig, model_overrides: Optional[dict[str, Any]] = None,
 
     Returns a summary: final step, epoch, last validation metrics, the best WER, what stopped it.
     """
+    check_config(cfg, model_overrides)  # every flag value, before any work
     dist, device = init_distributed(cfg.device)
     _check_device_settings(cfg, device)
     with _run_directory(Path(cfg.output_dir), cfg, dist), StopRequest(cfg.max_time) as stop_request:
@@ -82,10 +83,8 @@ def train(cfg: TrainConfig, model_overrides: Optional[dict[str, Any]] = None,
 def _check_device_settings(cfg: TrainConfig, device: torch.device) -> None:
     """What can only be checked once the device is known, before any work."""
     if cfg.offload_activations and device.type != "cuda":
-        raise ValueError(f"--offload_activations needs a CUDA device (on {device.type} the activations are in CPU "
-                         "memory already)")
-    if cfg.strategy == "fsdp" and canonical_optimizer(cfg.optimizer) == "adamw_8bit":
-        raise ValueError("--strategy fsdp shards AdamW's states itself; use --optimizer adamw with it")
+        raise ConfigError(f"--offload_activations needs a CUDA device (on {device.type} the activations are in CPU "
+                          "memory already)")
 
 
 @dataclass

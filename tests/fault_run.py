@@ -12,16 +12,11 @@ import io
 import os
 import signal
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "training_scripts"))
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-import train_konkanivani_asr as cli  # noqa: E402
-
-from konkanivani import checkpoint, train  # noqa: E402
+from konkanivani import checkpoint, train
+from konkanivani.cli import train as cli
 
 
 def _on_call(module, name, n, action):

@@ -1,3 +1,4 @@
+import logging
 import os
 import subprocess
 import sys
@@ -8,8 +9,7 @@ import pytest
 from konkanivani.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "training_scripts"))
-import train_konkanivani_asr as cli  # noqa: E402
+from konkanivani.cli import train as cli  # noqa: E402
 
 GUIDE_FLAGS = ["--batch_size", "2", "--gradient_accumulation_steps", "4", "--mixed_precision", "--device", "cpu",
                "--d_model", "192", "--encoder_layers", "8", "--decoder_layers", "4", "--resume", "latest",
@@ -32,7 +32,51 @@ def test_unknown_flag_wrong_type_and_missing_manifest_are_refused(capsys):
                  ["--valid_manifest", "v"]):
         with pytest.raises(SystemExit):
             cli.parse_args(argv)
-    assert "--train_manifest is required" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "the following arguments are required: --train_manifest (see --help)" in err
+    assert "usage:" not in err  # one line, not the whole usage first
+
+
+BAD_VALUES = [
+    (["--preset", "huge"], "--preset must be one of large, medium, small, tiny, got 'huge'"),
+    (["--batch_size", "0"], "--batch_size must be a positive integer, got 0"),
+    (["--ctc_weight", "1.5"], "--ctc_weight must be in [0, 1], got 1.5"),
+    (["--dropout", "1.2"], "--dropout must be in [0, 1), got 1.2"),
+    (["--precision", "fp8"], "--precision must be one of fp32, fp16, bf16 (or left out), got 'fp8'"),
+    (["--max_batch_frames", "1000", "--max_batch_seconds", "10"], "give --max_batch_frames or --max_batch_seconds"),
+    (["--max_batch_frames", "1000", "--max_batch_seconds", "10", "--auto_batch"],
+     "give --max_batch_frames or --max_batch_seconds"),
+    (["--resume", "latest", "--overwrite"], "give --resume or --overwrite, not both"),
+    (["--tokenizer", "missing.model"], "--tokenizer missing.model: file not found"),
+    (["--resume", "nowhere.pt"], "--resume nowhere.pt: file not found"),
+    (["--d_model", "50", "--n_heads", "4"], "--d_model 50 must split into --n_heads 4 heads of even width"),
+    (["--strategy", "fsdp", "--optimizer", "adamw_8bit"], "--strategy fsdp shards AdamW's states itself"),
+    (["--device", "gpu"], "--device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
+    (["--offload_activations", "--device", "cpu"], "--offload_activations needs a CUDA device"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD_VALUES, ids=[" ".join(f) for f, _ in BAD_VALUES])
+def test_bad_values_are_one_line_and_exit_2_before_any_work(flags, message, tmp_path, caplog):
+    """Checked before the tokenizer, the features or the output directory are touched."""
+    train_manifest, valid_manifest = tmp_path / "t.jsonl", tmp_path / "v.jsonl"
+    train_manifest.write_text("")
+    valid_manifest.write_text("")
+    out = tmp_path / "out"
+    assert cli.main(["--train_manifest", str(train_manifest), "--valid_manifest", str(valid_manifest),
+                     "--output_dir", str(out), *flags]) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(errors) == 1 and len(errors[0].splitlines()) == 1 and message in errors[0], errors
+    assert not out.exists()
+
+
+def test_a_missing_manifest_is_named_before_any_work(tmp_path, caplog):
+    valid = tmp_path / "v.jsonl"
+    valid.write_text("")
+    assert cli.main(["--train_manifest", str(tmp_path / "nope.jsonl"), "--valid_manifest", str(valid),
+                     "--output_dir", str(tmp_path / "out")]) == 2
+    assert f"--train_manifest {tmp_path / 'nope.jsonl'}: file not found" in caplog.text
+    assert not (tmp_path / "out").exists()
 
 
 def test_t4_recipe_script_runs_on_cpu(tiny_corpus, tmp_path):
@@ -46,3 +90,72 @@ def test_t4_recipe_script_runs_on_cpu(tiny_corpus, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "8 utterances per update (batch 2 x 4 accumulation steps)" in result.stderr
     assert load_checkpoint(tmp_path / "t4" / "latest.pt")["step"] == 3
+
+
+def _other_tools():
+    from konkanivani.cli import average, demo_corpus, evaluate, plan_memory, transcribe, validate
+    return {"transcribe": transcribe, "evaluate": evaluate, "average": average, "validate": validate,
+            "plan_memory": plan_memory, "demo_corpus": demo_corpus}
+
+
+OTHER_BAD_VALUES = [
+    ("transcribe", ["missing.pt", "a.wav"], "checkpoint missing.pt: file not found"),
+    ("transcribe", ["{ckpt}", "a.wav", "--beam_size", "0"], "--beam_size must be a positive integer"),
+    ("transcribe", ["{ckpt}", "a.wav", "--ctc_weight", "2"], "--ctc_weight must be in [0, 1], got 2.0"),
+    ("transcribe", ["{ckpt}", "a.wav", "--method", "viterbi"], "argument --method: invalid choice: 'viterbi'"),
+    ("evaluate", ["{ckpt}", "missing.jsonl"], "manifest missing.jsonl: file not found"),
+    ("average", ["--last", "0", "{dir}"], "--last must be at least 1, got 0"),
+    ("average", ["--inputs", "a.pt", "b.pt"], "--inputs a.pt: file not found"),
+    ("validate", ["missing.jsonl"], "manifest missing.jsonl: file not found"),
+    ("validate", ["{manifest}", "--vocab_size", "0"], "--vocab_size must be a positive integer"),
+    ("plan_memory", ["--preset", "huge", "--gpu_gb", "8"], "argument --preset: invalid choice: 'huge'"),
+    ("plan_memory", ["--gpu_gb", "0"], "--gpu_gb must be a positive number, got 0.0"),
+    ("plan_memory", ["--gpu_gb", "8", "--margin", "1.5"], "--margin must be in [0, 1), got 1.5"),
+    ("demo_corpus", ["{dir}", "--num_utterances", "0"], "--num_utterances must be a positive integer, got 0"),
+]
+
+
+@pytest.mark.parametrize("tool,argv,message", OTHER_BAD_VALUES, ids=[f"{t} {' '.join(a)}" for t, a, _ in OTHER_BAD_VALUES])
+def test_every_tool_says_a_bad_value_in_one_line_with_exit_2(tool, argv, message, tmp_path, capsys):
+    ckpt, manifest = tmp_path / "c.pt", tmp_path / "m.jsonl"
+    ckpt.write_bytes(b"not read: the flags are checked first")
+    manifest.write_text("")
+    argv = [a.format(ckpt=ckpt, dir=tmp_path, manifest=manifest) for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        _other_tools()[tool].main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and err[0].endswith("(see --help)"), err
+
+
+def test_validate_on_a_csv_says_what_a_manifest_is_once(tmp_path, capsys):
+    from konkanivani.cli import validate
+    from konkanivani.tokenizer import train_tokenizer
+
+    csv = tmp_path / "data.csv"
+    csv.write_text("audio_filepath,text\n" + "".join(f"wavs/{i}.wav,हांव घरा वता {i}\n" for i in range(120)))
+    tokenizer = tmp_path / "t.model"
+    train_tokenizer(["हांव घरा वता", "तूं कितें करता"] * 20, 30, "char").save(tokenizer)
+    for extra in ([], ["--tokenizer", str(tokenizer)]):
+        assert validate.main([str(csv), *extra]) == 2
+        captured = capsys.readouterr()
+        err = captured.err.strip().splitlines()
+        assert len(err) == 1 and captured.out == "", err
+        assert f"{csv}: none of its 121 lines is a JSON object (line 1:" in err[0]
+        assert '{"audio_filepath": ..., "duration": ..., "text": ...}' in err[0]
+        assert "transcript" not in err[0]
+
+
+def test_validate_counts_lines_that_are_not_json_once(tmp_path, capsys):
+    from konkanivani.cli import validate
+    from konkanivani.tokenizer import train_tokenizer
+
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text('a,b\n{"audio_filepath": "x.wav", "text": "हांव"}\nc,d\n')
+    tokenizer = tmp_path / "t.model"
+    train_tokenizer(["हांव घरा वता", "तूं कितें करता"] * 20, 30, "char").save(tokenizer)
+    assert validate.main([str(manifest), "--tokenizer", str(tokenizer)]) == 1
+    out = capsys.readouterr().out
+    assert out.count("not JSON objects") == 1
+    assert f"ERROR {manifest}: 2 of 3 lines not JSON objects (lines 1, 3)" in out
+    assert "       2 error: not a JSON object line" in out

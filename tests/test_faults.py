@@ -23,9 +23,8 @@ from konkanivani.safety import diverged_message
 from konkanivani.train import optimizer_step
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "training_scripts"))
-import train_konkanivani_asr as cli  # noqa: E402
-import validate_manifest  # noqa: E402
+from konkanivani.cli import train as cli  # noqa: E402
+from konkanivani.cli import validate as validate_manifest  # noqa: E402
 
 from tiny_args import tiny_args  # noqa: E402
 

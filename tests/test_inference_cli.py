@@ -1,7 +1,6 @@
 """transcribe.py, evaluate.py and average_checkpoints.py on a tiny trained model and real audio."""
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,10 +10,9 @@ import torch
 from scipy.signal import resample_poly
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "training_scripts"))
-import average_checkpoints  # noqa: E402
-import evaluate  # noqa: E402
-import transcribe  # noqa: E402
+from konkanivani.cli import average as average_checkpoints  # noqa: E402
+from konkanivani.cli import evaluate  # noqa: E402
+from konkanivani.cli import transcribe  # noqa: E402
 
 from konkanivani.audio import load_audio  # noqa: E402
 from konkanivani.checkpoint import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
@@ -89,6 +87,22 @@ def test_evaluate_names_unreadable_rows_and_scores_the_rest(tiny_run, tiny_corpu
     assert "2 utterances" in out.out and "partly_broken.jsonl:2" in out.err and "no_such.wav" in out.err
 
 
+def test_a_missing_file_is_said_once_and_no_speed_without_audio(tiny_run, tmp_path, capsys):
+    missing = tmp_path / "gone.wav"
+    assert transcribe.main([str(tiny_run / "latest.pt"), str(missing), "--method", "greedy"]) == 1
+    err = capsys.readouterr().err
+    assert err.count(str(missing)) == 1 and f"cannot read audio {missing}: file not found" in err
+    assert "System error" not in err and "nan" not in err and "real-time factor" not in err
+    assert "0 of 1 files (0.0 s of audio) transcribed" in err
+
+    manifest = tmp_path / "gone.jsonl"
+    manifest.write_text(json.dumps({"audio_filepath": "gone.wav", "duration": 1.0, "text": "हांव"}) + "\n")
+    assert evaluate.main([str(tiny_run / "latest.pt"), str(manifest), "--method", "greedy"]) == 1
+    out = capsys.readouterr()
+    assert f"no utterance of {manifest} could be scored" in out.out and "nan" not in out.out
+    assert out.err.count("gone.wav") == 1 and "file not found" in out.err
+
+
 @pytest.mark.parametrize("damage", ["truncated", "other_version", "not_a_checkpoint"])
 def test_bad_checkpoints_give_a_clear_error(tiny_run, audio_dir, tmp_path, capsys, damage):
     bad = tmp_path / "bad.pt"
@@ -100,8 +114,10 @@ def test_bad_checkpoints_give_a_clear_error(tiny_run, audio_dir, tmp_path, capsy
         torch.save({**state, "format_version": 99}, bad)
     else:
         torch.save({"weights": torch.zeros(3)}, bad)
+    manifest = tmp_path / "x.jsonl"
+    manifest.write_text("")
     for main in (lambda: transcribe.main([str(bad), str(audio_dir / "a_mono16k.wav")]),
-                 lambda: evaluate.main([str(bad), str(audio_dir / "x.jsonl")])):
+                 lambda: evaluate.main([str(bad), str(manifest)])):
         assert main() == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and str(bad) in err and "Traceback" not in err

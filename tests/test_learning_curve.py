@@ -1,11 +1,9 @@
 """The learning-curve benchmark end to end on the tiny corpus, for a few seconds of training."""
 import csv
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import learning_curve  # noqa: E402
+from benchmark_modules import load
+
+learning_curve = load("learning_curve")
 
 
 def test_learning_curve_writes_curve_table_and_plot(tiny_corpus, tmp_path, capsys):

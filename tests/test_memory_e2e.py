@@ -3,7 +3,6 @@ measurement of the peak resident memory."""
 import json
 import logging
 import re
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -11,8 +10,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from memory import measure  # noqa: E402  (benchmarks/memory.py)
+from benchmark_modules import load  # noqa: E402
+
+measure = load("memory").measure
 from test_train_e2e import _train_rows, cli  # noqa: E402
 from tiny_args import tiny_args  # noqa: E402
 

@@ -3,7 +3,6 @@ batches and their sampler, out-of-memory recovery, and the memory estimator."""
 import copy
 import logging
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -257,8 +256,7 @@ def test_a_single_utterance_that_does_not_fit_stops_with_its_name():
 
 
 def test_plan_memory_prints_the_table_and_flags_that_fit(capsys):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training_scripts"))
-    import plan_memory
+    from konkanivani.cli import plan_memory
 
     assert plan_memory.main(["--preset", "large", "--gpu_gb", "15"]) == 0
     out = capsys.readouterr().out

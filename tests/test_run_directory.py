@@ -14,8 +14,7 @@ import torch
 from konkanivani.checkpoint import (CheckpointError, hold_run_directory, load_checkpoint, load_resume_checkpoint,
                                     point_to, save_checkpoint, step_checkpoint_name)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training_scripts"))
-import train_konkanivani_asr as cli  # noqa: E402
+from konkanivani.cli import train as cli  # noqa: E402
 
 from tiny_args import tiny_args  # noqa: E402
 

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training_scripts"))
-import train_konkanivani_asr as cli  # noqa: E402
+from konkanivani.cli import train as cli  # noqa: E402
 
 from konkanivani.checkpoint import load_checkpoint  # noqa: E402
 from konkanivani.train import lr_factor  # noqa: E402

@@ -1,65 +1,8 @@
 #!/usr/bin/env python3
-"""Score a konkanivani checkpoint on a manifest: WER and CER with substitutions, deletions and
-insertions, the worst utterances, per-utterance JSONL and a markdown report.
-
-    python training_scripts/evaluate.py checkpoints/run/best.pt data/demo/test.jsonl \
-        --method joint --output results.jsonl --report report.md
-"""
-from __future__ import annotations
-
-import argparse
-import json
-import logging
+"""Score a checkpoint on a manifest (konkanivani-evaluate); the code is konkanivani/cli/evaluate.py. `--help` lists the flags."""
 import sys
-from pathlib import Path
 
-from transcribe import add_decoding_args  # also puts the checkout on sys.path
-
-from konkanivani.checkpoint import CheckpointError
-from konkanivani.data import ManifestError
-from konkanivani.evaluation import evaluate_manifest, markdown_report
-from konkanivani.inference import Recognizer
-from konkanivani.train import resolve_device
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint")
-    parser.add_argument("manifest")
-    parser.add_argument("--output", help="per-utterance results as JSONL")
-    parser.add_argument("--report", help="write a markdown report here")
-    parser.add_argument("--worst", type=int, default=10, help="how many of the worst utterances to list")
-    add_decoding_args(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
-    try:
-        recognizer = Recognizer.from_checkpoint(args.checkpoint, resolve_device(args.device))
-        result = evaluate_manifest(recognizer, args.manifest, args.method, args.beam_size, args.ctc_weight,
-                                   args.batch_size)
-    except (CheckpointError, ManifestError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(u.to_json(), ensure_ascii=False) + "\n" for u in result.utterances)
-    if args.report:
-        Path(args.report).write_text(markdown_report(result, args.checkpoint, args.worst), encoding="utf-8")
-    w, c = result.words, result.chars
-    print(f"{len(result.utterances)} utterances, {result.audio_seconds / 60:.1f} min, method {args.method}, "
-          f"real-time factor {result.rtf:.3f}")
-    print(f"WER {100 * w.rate:.2f}% ({w.substitutions} sub, {w.deletions} del, {w.insertions} ins / {w.length} words)")
-    print(f"CER {100 * c.rate:.2f}% ({c.substitutions} sub, {c.deletions} del, {c.insertions} ins / {c.length} chars)")
-    if result.utterances and args.worst > 0:
-        print(f"worst {min(args.worst, len(result.utterances))}:")
-        for u in result.worst(args.worst):
-            print(f"  {u.where}  WER {100 * u.words.rate:.0f}%\n    ref: {u.reference}\n    hyp: {u.hypothesis}")
-    if result.failed:
-        print(f"{len(result.failed)} rows not scored:", *(f"{w}: {why}" for w, why in result.failed),
-              sep="\n  ", file=sys.stderr)
-        return 1
-    return 0
-
+from konkanivani.cli.evaluate import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,42 @@
+"""Synthesize the Konkani demo speech corpus with espeak-ng (``konkanivani-demo-corpus``; see
+konkanivani/demo_corpus.py).
+
+    konkanivani-demo-corpus OUT_DIR [--seed 0] [--num_utterances 4800] [--max_sentences N] [--jobs 2]
+        [--sentences PATH] [--force]
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+from . import Parser, fail
+from ..demo_corpus import DEFAULT_SENTENCES, EspeakMissingError, make_corpus, print_summary
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = Parser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out_dir", type=Path)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num_utterances", type=int, default=4800)
+    p.add_argument("--max_sentences", type=int, default=None,
+                   help="use only the first N sentences after a seeded shuffle")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--sentences", type=Path, default=None, help=f"default: {DEFAULT_SENTENCES}")
+    p.add_argument("--force", action="store_true", help="regenerate even if present")
+    a = p.parse_args(argv)
+    for name in ("num_utterances", "jobs", "max_sentences"):
+        if getattr(a, name) is not None and getattr(a, name) < 1:
+            p.error(f"--{name} must be a positive integer, got {getattr(a, name)}")
+    if a.sentences is not None and not a.sentences.is_file():
+        p.error(f"--sentences {a.sentences}: file not found")
+    try:
+        summary = make_corpus(a.out_dir, a.seed, a.num_utterances, a.max_sentences, a.jobs, a.sentences, a.force)
+    except EspeakMissingError as e:
+        return fail(str(e))
+    print_summary(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Score a konkanivani checkpoint on a manifest (``konkanivani-evaluate``): WER and CER with
+substitutions, deletions and insertions, the worst utterances, per-utterance JSONL and a markdown report.
+
+    konkanivani-evaluate checkpoints/run/best.pt data/demo/test.jsonl \\
+        --method joint --output results.jsonl --report report.md
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+from . import Parser, fail
+from ..checkpoint import CheckpointError
+from ..data import ManifestError
+from ..evaluation import evaluate_manifest, markdown_report
+from .transcribe import add_decoding_args, check_decoding_args, load_recognizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    add_decoding_args(parser)
+    parser.add_argument("manifest", type=Path)
+    parser.add_argument("--output", help="per-utterance results as JSONL")
+    parser.add_argument("--report", help="write a markdown report here")
+    parser.add_argument("--worst", type=int, default=10, help="how many of the worst utterances to list")
+    args = parser.parse_args(argv)
+    check_decoding_args(parser, args)
+    if not args.manifest.is_file():
+        parser.error(f"manifest {args.manifest}: file not found")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        result = evaluate_manifest(load_recognizer(args), args.manifest, args.method, args.beam_size,
+                                   args.ctc_weight, args.batch_size)
+    except (CheckpointError, ManifestError, RuntimeError) as e:
+        return fail(str(e))
+
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(u.to_json(), ensure_ascii=False) + "\n" for u in result.utterances)
+    if args.report:
+        Path(args.report).write_text(markdown_report(result, str(args.checkpoint), args.worst), encoding="utf-8")
+    w, c = result.words, result.chars
+    if result.utterances:
+        print(f"{len(result.utterances)} utterances, {result.audio_seconds / 60:.1f} min, method {args.method}, "
+              f"real-time factor {result.rtf:.3f}")
+        print(f"WER {100 * w.rate:.2f}% ({w.substitutions} sub, {w.deletions} del, {w.insertions} ins / "
+              f"{w.length} words)")
+        print(f"CER {100 * c.rate:.2f}% ({c.substitutions} sub, {c.deletions} del, {c.insertions} ins / "
+              f"{c.length} chars)")
+    else:
+        print(f"no utterance of {args.manifest} could be scored")
+    if result.utterances and args.worst > 0:
+        print(f"worst {min(args.worst, len(result.utterances))}:")
+        for u in result.worst(args.worst):
+            print(f"  {u.where}  WER {100 * u.words.rate:.0f}%\n    ref: {u.reference}\n    hyp: {u.hypothesis}")
+    if result.failed:
+        print(f"{len(result.failed)} rows not scored:", *(f"{w}: {why}" for w, why in result.failed),
+              sep="\n  ", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Train a konkanivani Conformer CTC/attention model (``konkanivani-train``).
+
+Every field of ``TrainConfig`` is a flag; model dimensions (``--d_model``, ``--encoder_layers``, ...)
+override the chosen ``--preset``. Example, the T4 recipe on the demo corpus::
+
+    konkanivani-train --train_manifest data/demo/train.jsonl \\
+        --valid_manifest data/demo/valid.jsonl --preset medium --batch_size 2 \\
+        --gradient_accumulation_steps 4 --mixed_precision --output_dir checkpoints/t4
+
+Under ``torchrun --nproc_per_node N`` it trains data-parallel (see the README).
+
+Exit status: 0 when training finished or stopped at --max_time (both leave a checkpoint to resume
+from), 130 / 143 when SIGINT / SIGTERM stopped it after saving (128 + the signal, as a shell
+reports a process ended by that signal, so a wrapper can tell "interrupted" from "done"), 2 for
+a bad flag value or an unusable manifest, checkpoint or output directory, 3 when too many updates
+in a row had a non-finite loss.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+from . import Parser
+from ..checkpoint import CheckpointError
+from ..config import ConfigError, ModelConfig, TrainConfig, add_dataclass_args, dataclass_from_args
+from ..data import ManifestError
+from ..safety import TrainingDiverged
+from ..train import train
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_dataclass_args(parser.add_argument_group("training"), TrainConfig)
+    add_dataclass_args(parser.add_argument_group("model (overrides the preset)"), ModelConfig, defaults=False,
+                       skip=("vocab_size",))
+    return parser.parse_args(argv)
+
+
+def model_flags(args: argparse.Namespace) -> dict:
+    """The model dimensions given on the command line (None: the preset decides)."""
+    return {name: getattr(args, name) for name in ModelConfig.__dataclass_fields__ if name != "vocab_size"}
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command line that continues this run: the same flags, with ``--resume latest``."""
+    kept, skip_next = [], False
+    for arg in argv:
+        if skip_next:
+            skip_next = False
+        elif arg == "--resume":
+            skip_next = True
+        elif not arg.startswith("--resume=") and arg != "--overwrite":
+            kept.append(arg)
+    program = sys.argv[0]
+    command = ["python3", program] if program.endswith(".py") else [Path(program).name]
+    return shlex.join([*command, *kept, "--resume", "latest"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.captureWarnings(True)  # library warnings as log lines: above the progress bar, and in train.log
+    args = parse_args(argv)
+    cfg = dataclass_from_args(TrainConfig, args)
+    argv = sys.argv[1:] if argv is None else argv
+    log = logging.getLogger("konkanivani")
+    try:
+        summary = train(cfg, model_flags(args))
+    except (ConfigError, ManifestError, CheckpointError) as e:
+        log.error("%s", e)
+        return 2
+    except TrainingDiverged as e:
+        log.error("%s", e)
+        return 3
+    except KeyboardInterrupt:
+        log.error("interrupted at once by a second Ctrl-C; the last complete checkpoint is %s/latest.pt; "
+                  "resume with: %s", cfg.output_dir, resume_command(argv))
+        return 128 + signal.SIGINT
+    report = print if os.environ.get("RANK", "0") == "0" else (lambda *a, **k: None)  # torchrun: rank 0 reports
+    if summary["stopped_by"]:
+        report(f"stopped by {summary['stopped_by']} at step {summary['step']}; checkpoints in {cfg.output_dir}; "
+               f"resume with:\n  {resume_command(argv)}")
+        return 0 if summary["stopped_by"] == "--max_time" else 128 + signal.Signals[summary["stopped_by"]]
+    valid = summary["valid"]
+    if valid:
+        report(f"done: step {summary['step']}, epoch {summary['epoch']}, valid CER {100 * valid['cer']:.2f}% "
+               f"WER {100 * valid['wer']:.2f}% (best WER {100 * summary['best_wer']:.2f}%); "
+               f"checkpoints in {cfg.output_dir}")
+    else:
+        report(f"done: step {summary['step']}; checkpoints in {cfg.output_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
