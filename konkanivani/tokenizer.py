@@ -90,6 +90,16 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 128, model_type: str
     if not sentences:
         raise ValueError("no non-empty transcript to train the tokenizer on")
     model = io.BytesIO()
+    try:
+        _train_sentencepiece(sentences, model, vocab_size, model_type)
+    except RuntimeError as e:  # e.g. fewer pieces asked for than the text has characters
+        reason = str(e).strip().splitlines()[-1].split("] ")[-1]  # without SentencePiece's source location
+        raise ValueError(f"cannot train a {model_type} tokenizer of {vocab_size} pieces: {reason} (--vocab_size; "
+                         "--tokenizer_type char needs none)") from e
+    return Tokenizer(model.getvalue())
+
+
+def _train_sentencepiece(sentences: list[str], model: io.BytesIO, vocab_size: int, model_type: str) -> None:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(sentences),
         model_writer=model,
@@ -105,4 +115,3 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 128, model_type: str
         minloglevel=2,
         num_threads=1,
     )
-    return Tokenizer(model.getvalue())

@@ -224,7 +224,11 @@ def _settings(cfg: TrainConfig, model_overrides: dict[str, Any], state: Optional
             tokenizer = Tokenizer.load(cfg.tokenizer)
         elif dist.is_main:
             texts = [row.get("text") for _, row in read_manifest(cfg.train_manifest)]
-            tokenizer = train_tokenizer([t for t in texts if isinstance(t, str)], cfg.vocab_size, cfg.tokenizer_type)
+            try:
+                tokenizer = train_tokenizer([t for t in texts if isinstance(t, str)], cfg.vocab_size,
+                                            cfg.tokenizer_type)
+            except ValueError as e:
+                raise ConfigError(f"{cfg.train_manifest}: {e}") from e
         if dist.is_main:
             tokenizer.save(out_dir / "tokenizer.model")
         dist.barrier()

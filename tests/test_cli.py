@@ -159,3 +159,14 @@ def test_validate_counts_lines_that_are_not_json_once(tmp_path, capsys):
     assert out.count("not JSON objects") == 1
     assert f"ERROR {manifest}: 2 of 3 lines not JSON objects (lines 1, 3)" in out
     assert "       2 error: not a JSON object line" in out
+
+
+def test_a_vocabulary_too_small_for_the_text_is_one_line(tiny_corpus, tmp_path, caplog):
+    from tiny_args import tiny_args
+
+    args = tiny_args(tiny_corpus, tmp_path / "run")
+    args[args.index("--vocab_size") + 1] = "10"
+    assert cli.main(args) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "cannot train a unigram tokenizer of 10 pieces" in errors[0]
+    assert "--tokenizer_type char" in errors[0] and len(errors[0].splitlines()) == 1
