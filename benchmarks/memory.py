@@ -71,7 +71,8 @@ def worker(spec: dict) -> dict:
     times = []
     for _ in range(spec["steps"]):
         start = time.perf_counter()
-        forward_backward(model, micro, device, precision, scaler, spec_augment=True)
+        forward_backward(model, micro, device, precision, scaler, spec_augment=True,
+                         offload_activations=spec.get("offload", False))
         optimizer_step(model, optimizer, scaler, grad_clip=5.0)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -123,11 +124,14 @@ def measure(spec: dict) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def configurations(half: str) -> list[tuple[str, dict]]:
+def configurations(half: str, cuda: bool = False) -> list[tuple[str, dict]]:
     """(row name, options): the baseline, each option alone, all combined, and all but one of
-    the two options that cost step time on a CPU."""
+    the two options that cost step time on a CPU; on CUDA also --offload_activations (alone, and
+    instead of checkpointing in the combination)."""
     base = {"precision": "fp32", "optimizer": "adamw", "checkpointing": False, "micro_batch": 0}
     combined = {"precision": half, "optimizer": "adamw_8bit", "checkpointing": True, "micro_batch": 1}
+    offload = [("--offload_activations", {**base, "offload": True}),
+               ("all, offloading instead of checkpointing", {**combined, "checkpointing": False, "offload": True})]
     return [
         ("fp32 + AdamW + fixed batch 2 (baseline)", base),
         (f"--precision {half}", {**base, "precision": half}),
@@ -137,7 +141,7 @@ def configurations(half: str) -> list[tuple[str, dict]]:
         ("all combined", combined),
         ("all but --gradient_checkpointing", {**combined, "checkpointing": False}),
         (f"all but --precision {half}", {**combined, "precision": "fp32"}),
-    ]
+    ] + (offload if cuda else [])
 
 
 def main() -> None:
@@ -160,7 +164,7 @@ def main() -> None:
         print(json.dumps(worker(json.loads(args.worker))))
         return
     half = args.half or ("fp16" if args.device.startswith("cuda") else "bf16")
-    configs = configurations(half)
+    configs = configurations(half, cuda=args.device.startswith("cuda"))
     frames = int(args.seconds * 100)
     tokens = int(args.seconds * 5)
     what = "torch.cuda.max_memory_allocated" if args.device.startswith("cuda") else "peak RSS above process start"

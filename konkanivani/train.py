@@ -42,12 +42,11 @@ from .memory import (GIB, BatchDoesNotFit, MemoryEstimator, auto_batch_frames, f
 from .metrics import error_rates
 from .model import ASRModel, compiled, count_parameters
 from .optim import build_optimizer, canonical_optimizer
-from .precision import Precision, resolve_device, resolve_precision
+from .precision import Precision, resolve_precision
 from .safety import NonFiniteSkips, StopRequest, TrainingDiverged, diverged_message, ignore_stop_signals
 from .tokenizer import Tokenizer, train_tokenizer
 
-__all__ = ["train", "Run", "lr_factor", "forward_backward", "optimizer_step", "validate", "maybe_empty_cache",
-           "resolve_device"]
+__all__ = ["train", "Run", "lr_factor", "forward_backward", "optimizer_step", "validate", "maybe_empty_cache"]
 
 log = logging.getLogger("konkanivani")
 
