@@ -81,3 +81,25 @@ def test_stale_temporaries_of_a_killed_process_are_removed(tmp_path):
         p.write_bytes(b"half")
     assert remove_stale_temporaries(tmp_path) == [dead]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, other.name, "latest.pt"])
+
+
+def test_train_state_round_trip_and_older_formats(tmp_path):
+    from konkanivani.checkpoint import TrainState
+
+    state = TrainState(model_config={"d_model": 8}, train_config={"lr": 1e-3}, tokenizer=b"sp",
+                       model={"w": torch.ones(2)}, optimizer={"state": {}, "param_groups": []}, step=7, epoch=1,
+                       batches_done=3, processes=2, rng=[{"a": 1}, {"a": 2}], best_wer=0.5, best_cer=0.2)
+    loaded = TrainState.load(state.save(tmp_path / "s.pt"))
+    assert (loaded.step, loaded.epoch, loaded.batches_done, loaded.processes, loaded.best_cer) == (7, 1, 3, 2, 0.2)
+    assert torch.equal(loaded.model["w"], torch.ones(2)) and loaded.rng == [{"a": 1}, {"a": 2}]
+
+    old = tmp_path / "old.pt"
+    torch.save({"format_version": 1, "model": {"w": torch.ones(2)}, "model_config": {}, "tokenizer": b"sp",
+                "optimizer": {}, "sampler": {"epoch": 0, "start": 0}}, old)
+    assert load_checkpoint(old)["model"]["w"].sum() == 2  # still decodes and averages
+    with pytest.raises(CheckpointError, match="format 1 .* resumes format 2 only"):
+        TrainState.load(old)
+    averaged = save_checkpoint({"model": {"w": torch.ones(2)}, "model_config": {}, "tokenizer": b"sp"},
+                               tmp_path / "avg.pt")
+    with pytest.raises(CheckpointError, match="model weights only"):
+        TrainState.load(averaged)
