@@ -6,6 +6,7 @@ FAULT is one of
     kill9_at_step   SIGKILL this process inside optimizer step N (before the update)
     kill9_in_save   SIGKILL this process halfway through writing checkpoint number N
     sigterm_at_step send SIGTERM to this process inside optimizer step N
+    error_on_rank1_at_step  raise an error in optimizer step N of rank 1 (under torchrun)
 The signals are real ones, sent by the process to itself at a known point, so the tests are exact.
 """
 import io
@@ -51,6 +52,11 @@ def main() -> int:
         _on_call(train, "optimizer_step", n, lambda _: os.kill(os.getpid(), signal.SIGKILL))
     elif fault == "sigterm_at_step":
         _on_call(train, "optimizer_step", n, lambda _: os.kill(os.getpid(), signal.SIGTERM))
+    elif fault == "error_on_rank1_at_step":  # under torchrun: one process fails, the others must not hang
+        def fail(_):
+            if os.environ.get("RANK") == "1":
+                raise RuntimeError("injected failure of rank 1")
+        _on_call(train, "optimizer_step", n, fail)
     elif fault == "kill9_in_save":
         _on_call(checkpoint.torch, "save", n, _half_write_then_die)
     else:

@@ -133,3 +133,15 @@ def test_sigterm_to_torchrun_saves_once_and_both_processes_resume_exactly(tiny_c
     assert [r["step"] for r in resumed] == list(range(1, 13))
     for a, b in zip(resumed, unbroken, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
+
+
+def test_one_failing_process_ends_the_run_instead_of_hanging_the_others(tiny_corpus, tokenizer_path, tmp_path):
+    out = tmp_path / "fails"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(Path(__file__).parent / "fault_run.py"), "error_on_rank1_at_step", "3", "--",
+                             *_args(tiny_corpus, out, tokenizer_path, "--gradient_accumulation_steps", "1",
+                                    "--max_steps", "1000")],
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = proc.communicate(timeout=300)[0]  # a hang would run into the timeout
+    assert proc.returncode != 0
+    assert "injected failure of rank 1" in output
