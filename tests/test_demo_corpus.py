@@ -1,4 +1,6 @@
 import json
+import subprocess
+import sys
 
 import soundfile as sf
 
@@ -36,3 +38,21 @@ def test_deterministic_for_a_seed_and_reused_when_present(tiny_corpus, tmp_path)
     assert make_corpus(tmp_path, seed=3, num_utterances=64, max_sentences=24, progress=False)["skipped"]
     info = json.loads((tmp_path / "corpus_info.json").read_text())
     assert info["seed"] == 3
+
+
+def test_parallel_synthesis_after_torch_has_run_in_this_process(tmp_path):
+    """A process that has already run torch ops on two threads (a notebook, the test suite) can still
+    make a corpus with two jobs: forked workers used to hang in their first resample."""
+    script = (
+        "import sys, torch\n"
+        "from konkanivani.audio import resample\n"
+        "from konkanivani.demo_corpus import make_corpus\n"
+        "torch.set_num_threads(2)\n"
+        "resample(torch.randn(200000), 22050, 16000)\n"
+        "if __name__ == '__main__':\n"
+        "    s = make_corpus(sys.argv[1], seed=5, num_utterances=8, max_sentences=8, jobs=2, progress=False)\n"
+        "    print(sum(x['utterances'] for x in s['splits'].values()))\n")
+    # The limit only turns a hang into a failure; the work itself takes a few seconds.
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["8"]
