@@ -225,8 +225,9 @@ def test_validate_manifest_names_every_bad_row_and_writes_a_clean_copy(bad_corpu
     assert validate_manifest.main([str(manifest), "--output", str(cleaned)]) == 1
     printed = capsys.readouterr().out
     for line, reason in ((52, "audio unreadable"), (53, "duration mismatch"), (54, "audio empty"),
-                         (56, "audio holds NaN or infinite samples"), (57, "not a JSON line")):
+                         (56, "audio holds NaN or infinite samples")):
         assert f"ERROR {manifest}:{line}: {reason}" in printed
+    assert f"ERROR {manifest}: 1 of 57 lines not JSON objects (line 57)" in printed
     assert f"warning {manifest}:55: not 16 kHz" in printed and f"warning {manifest}:55: not mono" in printed
     assert f"{manifest}: 57 rows, 52 good, 5 with errors, 2 warnings" in printed
     assert validate_manifest.main([str(cleaned), "--quiet"]) == 0  # paths rewritten for the new folder

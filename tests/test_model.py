@@ -57,7 +57,7 @@ def test_bad_dimensions_are_refused():
         model_config_from_preset("tiny", d_model=50, n_heads=4)
     with pytest.raises(ValueError, match="odd"):
         model_config_from_preset("tiny", conv_kernel=8)
-    with pytest.raises(ValueError, match="unknown preset"):
+    with pytest.raises(ValueError, match="--preset huge: unknown"):
         model_config_from_preset("huge")
 
 

@@ -141,7 +141,7 @@ def test_missing_manifest_is_a_clear_error_before_training(tmp_path, caplog):
     corpus.mkdir()
     with caplog.at_level(logging.ERROR, logger="konkanivani"):
         assert cli.main(tiny_args(corpus, tmp_path / "out")) == 2
-    assert "train.jsonl does not exist" in caplog.text
+    assert "train.jsonl: file not found" in caplog.text
     assert not list((tmp_path / "out").glob("*.pt"))
 
 
@@ -150,7 +150,7 @@ def test_summary_lines_reach_a_redirected_console_and_train_log_without_a_bar(ti
     out = tmp_path / "quiet"
     argv = [a for a in tiny_args(tiny_corpus, out, "--max_steps", "4", "--log_every", "2") if a != "--no-progress"]
     with open(tmp_path / "console.txt", "w") as console:
-        result = subprocess.run([sys.executable, cli.__file__, *argv], stdout=console, stderr=subprocess.STDOUT,
+        result = subprocess.run([sys.executable, "-m", "konkanivani.cli.train", *argv], stdout=console, stderr=subprocess.STDOUT,
                                 timeout=300)
     assert result.returncode == 0
     text = (tmp_path / "console.txt").read_text()
@@ -177,7 +177,7 @@ def test_progress_bar_fits_80_columns_and_log_lines_start_their_own_line(tiny_co
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 200, 0, 0))  # 30 rows, 200 columns
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    proc = subprocess.Popen([sys.executable, cli.__file__, *argv], stdin=slave, stdout=slave, stderr=slave, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "konkanivani.cli.train", *argv], stdin=slave, stdout=slave, stderr=slave, env=env)
     os.close(slave)
     chunks = []
     while True:
