@@ -110,6 +110,7 @@ class Run:
     step: int = 0
     epoch: int = 0  # epochs finished
     batches_done: int = 0  # batches of the epoch in progress, per process
+    epoch_batches: int = 0  # batches in the whole epoch in progress, per process
     best_wer: float = math.inf
     best_cer: float = math.inf
     valid_metrics: dict[str, float] = field(default_factory=dict)
@@ -250,7 +251,7 @@ def _settings(cfg: TrainConfig, model_overrides: dict[str, Any], state: Optional
     if shown:
         log.warning("on resume, %s as in the checkpoint (they decide which batches remain in the epoch)",
                     ", ".join(f"--{k} {v}" for k, v in shown.items()))
-    model_cfg = ModelConfig(**state.model_config)
+    model_cfg = ModelConfig.from_dict(state.model_config)
     if any(v is not None and getattr(model_cfg, k) != v for k, v in model_overrides.items()):
         log.warning("model flags ignored on resume: the checkpoint's dimensions are used")
     return dataclasses.replace(cfg, **changed), model_cfg, Tokenizer(state.tokenizer), grows
@@ -364,7 +365,7 @@ def train_epoch(run: Run, stop_request: StopRequest,
     did) and whether the epoch ended."""
     cfg = run.cfg
     run.sampler.set_epoch(run.epoch, run.batches_done)
-    epoch_batches = run.batches_done + len(run.sampler)
+    epoch_batches = run.epoch_batches = run.batches_done + len(run.sampler)
     log.info("epoch %d: %d batches, %.1f%% of their frames padding", run.epoch + 1, epoch_batches,
              100 * padding_fraction(run.sampler.epoch_batches(), [frames_of(u.duration) for u in run.train_utts]))
     skips_before, unreadable, stop = run.skips.total, [], None
@@ -372,9 +373,9 @@ def train_epoch(run: Run, stop_request: StopRequest,
     show_bar = cfg.progress and run.dist.is_main and sys.stderr.isatty()  # a bar in a file is only noise
     bar = _progress_bar(epoch_batches, run.batches_done, f"epoch {run.epoch + 1}/{cfg.epochs}", show_bar)
     micro: list[Batch] = []
-    speed = _Speed()
+    speed, epoch_speed = _Speed(), _Speed()  # since the last summary line; since the epoch (re)started
     with logging_redirect_tqdm() if show_bar else contextlib.nullcontext():  # log lines above the bar
-        for batch in run.train_loader:
+        for batch in _timed(run.train_loader, speed, epoch_speed):
             run.batches_done += 1
             bar.update()
             maybe_empty_cache(run.device, run.batches_done, cfg.empty_cache_every)
@@ -387,11 +388,13 @@ def train_epoch(run: Run, stop_request: StopRequest,
             micro = []
             if stats is None:  # no readable audio in the whole group, in any process
                 continue
-            speed.add(stats.pop("utterances"))
-            bar.set_postfix_str(f"loss {stats['loss']:.3g}, {speed.rate():.1f} utt/s", refresh=False)
+            speed.add(stats["utterances"])
+            epoch_speed.add(stats.pop("utterances"))
+            bar.set_postfix_str(f"loss {stats['loss']:.3g}, {speed.rate():.1f} utt/s, data {speed.wait_percent():.0f}%",
+                                refresh=False)
             if run.step % cfg.log_every == 0:
-                run.record("train", **stats, utt_per_s=speed.rate())
-                log.info("%s", _summary_line(run, stats, speed.rate(), epoch_batches))
+                run.record("train", **stats, utt_per_s=speed.rate(), data_wait=round(speed.wait_percent() / 100, 4))
+                log.info("%s", _summary_line(run, stats, speed, epoch_batches))
                 speed.restart()
             if cfg.save_every_steps and run.step % cfg.save_every_steps == 0:
                 save(run)
@@ -406,7 +409,7 @@ def train_epoch(run: Run, stop_request: StopRequest,
             if stop := _stop_after_step(run, stop_request, on_step):
                 break
     bar.close()
-    _log_epoch_end(run, unreadable, run.skips.total - skips_before)
+    _log_epoch_end(run, unreadable, run.skips.total - skips_before, epoch_speed)
     if run.batches_done < epoch_batches:
         return stop, False
     run.epoch, run.batches_done = run.epoch + 1, 0
@@ -508,7 +511,7 @@ def validate_and_save(run: Run) -> None:
         run.best_wer, run.best_cer = metrics["wer"], metrics["cer"]
     epochs_done = run.batches_done == 0
     where = f"epoch {run.epoch}" if epochs_done else \
-        f"epoch {run.epoch + 1}, {100 * run.batches_done / (run.batches_done + len(run.sampler)):.0f}%"
+        f"epoch {run.epoch + 1}, {100 * run.batches_done / max(run.epoch_batches, 1):.0f}%"
     log.info("step %d (%s): valid loss %.3f  CER %.2f%%  WER %.2f%%%s", run.step, where, metrics["loss"],
              100 * metrics["cer"], 100 * metrics["wer"], "  (best)" if is_best else "")
     save(run, is_best)
@@ -697,23 +700,46 @@ def validate(model: ASRModel, loader: Iterable[Batch], tokenizer: Tokenizer, utt
 # ---- what a run prints -------------------------------------------------------------------------
 
 class _Speed:
-    """Utterances a second since the last summary line."""
+    """Utterances a second, and the share of the time spent waiting for the data loader, since
+    ``restart``."""
 
     def __init__(self) -> None:
         self.restart()
 
     def restart(self) -> None:
-        self.utterances, self.start = 0.0, time.perf_counter()
+        self.utterances, self.waited, self.start = 0.0, 0.0, time.perf_counter()
 
     def add(self, utterances: float) -> None:
         self.utterances += utterances
 
+    def wait(self, seconds: float) -> None:
+        self.waited += seconds
+
     def rate(self) -> float:
         return self.utterances / max(time.perf_counter() - self.start, 1e-9)
 
+    def wait_percent(self) -> float:
+        return 100 * self.waited / max(time.perf_counter() - self.start, 1e-9)
 
-def _log_epoch_end(run: Run, unreadable: list[str], skipped: int) -> None:
+
+def _timed(batches: Iterable[Batch], *speeds: _Speed) -> Iterator[Batch]:
+    """The loader's batches, each one's wait (the time ``next`` took) added to ``speeds``."""
+    it = iter(batches)
+    while True:
+        start = time.perf_counter()
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        for speed in speeds:
+            speed.wait(time.perf_counter() - start)
+        yield batch
+
+
+def _log_epoch_end(run: Run, unreadable: list[str], skipped: int, speed: _Speed) -> None:
     run.unreadable += len(unreadable)
+    log.info("epoch %d: %.1f utt/s, %.1f%% of the time waiting for data", run.epoch + 1, speed.rate(),
+             speed.wait_percent())
     if unreadable:
         log.warning("epoch %d: %d audio files could not be read and were left out: %s%s", run.epoch + 1,
                     len(unreadable), ", ".join(unreadable[:10]), " ..." if len(unreadable) > 10 else "")
@@ -730,10 +756,11 @@ def _progress_bar(total: int, done: int, desc: str, show: bool) -> tqdm:
                 bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
 
 
-def _summary_line(run: Run, stats: dict[str, float], speed: float, epoch_batches: int) -> str:
+def _summary_line(run: Run, stats: dict[str, float], speed: _Speed, epoch_batches: int) -> str:
     """The --log_every line: where the run is, the losses, lr, gradient norm, speed and memory."""
     now, peak = list(memory_status(run.device).values())[:2]
     return (f"step {run.step} (epoch {run.epoch + 1}, {100 * run.batches_done / epoch_batches:.0f}%): "
             f"loss {stats['loss']:.3f} (ctc {stats['ctc']:.3f}, attention {stats['attention']:.3f}), "
-            f"lr {stats['lr']:.2e}, grad norm {stats['grad_norm']:.2f}, {speed:.1f} utt/s, "
+            f"lr {stats['lr']:.2e}, grad norm {stats['grad_norm']:.2f}, {speed.rate():.1f} utt/s "
+            f"(data wait {speed.wait_percent():.0f}%), "
             f"memory {now:.2f} GiB (peak {peak:.2f})")
