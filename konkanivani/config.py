@@ -38,6 +38,15 @@ class ModelConfig:
     decoder_layers: int = field(default=4, metadata=_help("Transformer decoder layers"))
     conv_kernel: int = field(default=15, metadata=_help("depthwise convolution kernel (odd), in frames after subsampling"))
     dropout: float = field(default=0.1, metadata=_help("dropout in every block"))
+    subsampling: str = field(default="dw_striding", metadata={
+        "help": "4x front-end: dw_striding (a 3x3 stride-2 conv, then a depthwise-separable one) or conv2d "
+                "(two full 3x3 stride-2 convs, about 8x the front-end's arithmetic)",
+        "choices": ("dw_striding", "conv2d")})
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
+        """The config stored in a checkpoint; those written before ``subsampling`` existed used conv2d."""
+        return cls(**{"subsampling": "conv2d", **values})
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -64,6 +73,8 @@ def model_config_from_preset(preset: str, **overrides: Any) -> ModelConfig:
             raise ConfigError(f"--{name} must be 0 or more, got {getattr(cfg, name)}")
     if cfg.d_model % cfg.n_heads or (cfg.d_model // cfg.n_heads) % 2:
         raise ConfigError(f"--d_model {cfg.d_model} must split into --n_heads {cfg.n_heads} heads of even width")
+    if cfg.subsampling not in ("dw_striding", "conv2d"):
+        raise ConfigError(f"--subsampling {cfg.subsampling}: unknown; choose dw_striding or conv2d")
     if cfg.conv_kernel % 2 == 0:
         raise ConfigError(f"--conv_kernel must be odd, got {cfg.conv_kernel}")
     if not 0.0 <= cfg.dropout < 1.0:
@@ -237,7 +248,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, *, defaults: 
             parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=default,
                                 help=help_text)
         else:
-            parser.add_argument(f"--{f.name}", type=tp, default=default, help=help_text, required=required)
+            parser.add_argument(f"--{f.name}", type=tp, default=default, help=help_text, required=required,
+                                choices=f.metadata.get("choices"))
 
 
 def dataclass_from_args(cls: type, args: argparse.Namespace, **extra: Any):

@@ -195,13 +195,19 @@ class ConformerBlock(nn.Module):
 
 
 class Conv2dSubsampling(nn.Module):
-    """Two stride-2 3x3 convolutions: ``(B, T, F)`` -> ``(B, T', D)`` with T' = ((T-1)//2 - 1)//2."""
+    """Two stride-2 3x3 convolutions: ``(B, T, F)`` -> ``(B, T', D)`` with T' = ((T-1)//2 - 1)//2.
 
-    def __init__(self, n_mels: int, d_model: int, dropout: float):
+    ``depthwise_separable`` (the ``dw_striding`` front-end, FastConformer's) makes the second one a
+    depthwise 3x3 followed by a pointwise 1x1: the same shapes and 4x rate (character targets need
+    the frame rate) for about a ninth of the second convolution's work, which with full convolutions
+    costs as much as several Conformer blocks.
+    """
+
+    def __init__(self, n_mels: int, d_model: int, dropout: float, depthwise_separable: bool = False):
         super().__init__()
-        self.conv = nn.Sequential(
-            nn.Conv2d(1, d_model, 3, stride=2), nn.ReLU(),
-            nn.Conv2d(d_model, d_model, 3, stride=2), nn.ReLU())
+        second = ([nn.Conv2d(d_model, d_model, 3, stride=2, groups=d_model), nn.Conv2d(d_model, d_model, 1)]
+                  if depthwise_separable else [nn.Conv2d(d_model, d_model, 3, stride=2)])
+        self.conv = nn.Sequential(nn.Conv2d(1, d_model, 3, stride=2), nn.ReLU(), *second, nn.ReLU())
         freq_out = ((n_mels - 1) // 2 - 1) // 2
         self.out = nn.Linear(d_model * freq_out, d_model)
         self.dropout = nn.Dropout(dropout)
@@ -225,7 +231,8 @@ class ConformerEncoder(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.subsampling = Conv2dSubsampling(cfg.n_mels, cfg.d_model, cfg.dropout)
+        self.subsampling = Conv2dSubsampling(cfg.n_mels, cfg.d_model, cfg.dropout,
+                                             depthwise_separable=cfg.subsampling == "dw_striding")
         self.rotary = RotaryEmbedding(cfg.d_model // cfg.n_heads)
         self.blocks = nn.ModuleList(
             ConformerBlock(cfg.d_model, cfg.n_heads, cfg.ffn_dim, cfg.conv_kernel, cfg.dropout)

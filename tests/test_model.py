@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from konkanivani.config import PRESETS, model_config_from_preset
+from konkanivani.config import PRESETS, ModelConfig, model_config_from_preset
 from konkanivani.conformer import ConformerBlock
 from konkanivani.decoder import DecoderLayer
 from konkanivani.model import ASRModel, count_parameters
@@ -50,6 +50,22 @@ def test_layer_flags_add_exactly_one_block():
     assert count_parameters(_model("small", encoder_layers=7)) - base == block
     assert count_parameters(_model("small", decoder_layers=4)) - base == layer
     assert model_config_from_preset("small", d_model=96).d_model == 96
+
+
+def test_both_front_ends_give_the_same_shapes_and_old_configs_mean_conv2d():
+    feats, lens = torch.randn(2, 157, 80), torch.tensor([157, 33])
+    models = {kind: _model("small", subsampling=kind) for kind in ("dw_striding", "conv2d")}
+    outs = {kind: m.encode(feats, lens) for kind, m in models.items()}
+    assert outs["dw_striding"][0].shape == outs["conv2d"][0].shape == (2, 38, 128)
+    assert outs["dw_striding"][1].tolist() == outs["conv2d"][1].tolist() == [38, 7]
+    front = {kind: count_parameters(m.encoder.subsampling.conv) for kind, m in models.items()}
+    assert front["dw_striding"] < front["conv2d"] / 4
+    stored = dict(vars(models["conv2d"].cfg))
+    del stored["subsampling"]  # a checkpoint written before the choice existed
+    assert ModelConfig.from_dict(stored).subsampling == "conv2d"
+    assert ModelConfig.from_dict(vars(models["dw_striding"].cfg)).subsampling == "dw_striding"
+    with pytest.raises(ValueError, match="--subsampling conv3d: unknown"):
+        model_config_from_preset("tiny", subsampling="conv3d")
 
 
 def test_bad_dimensions_are_refused():
