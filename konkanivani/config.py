@@ -38,6 +38,8 @@ class ModelConfig:
     decoder_layers: int = field(default=4, metadata=_help("Transformer decoder layers"))
     conv_kernel: int = field(default=15, metadata=_help("depthwise convolution kernel (odd), in frames after subsampling"))
     dropout: float = field(default=0.1, metadata=_help("dropout in every block"))
+    attention_dropout: float = field(default=0.0, metadata=_help(
+        "dropout on attention weights (0 lets a CPU run the fused attention kernel)"))
     subsampling: str = field(default="dw_striding", metadata={
         "help": "4x front-end: dw_striding (a 3x3 stride-2 conv, then a depthwise-separable one) or conv2d "
                 "(two full 3x3 stride-2 convs, about 8x the front-end's arithmetic)",
@@ -45,8 +47,9 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
-        """The config stored in a checkpoint; those written before ``subsampling`` existed used conv2d."""
-        return cls(**{"subsampling": "conv2d", **values})
+        """The config stored in a checkpoint; those written before ``subsampling`` and
+        ``attention_dropout`` existed used conv2d and ``dropout`` on attention weights."""
+        return cls(**{"subsampling": "conv2d", "attention_dropout": values.get("dropout", 0.1), **values})
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -77,8 +80,9 @@ def model_config_from_preset(preset: str, **overrides: Any) -> ModelConfig:
         raise ConfigError(f"--subsampling {cfg.subsampling}: unknown; choose dw_striding or conv2d")
     if cfg.conv_kernel % 2 == 0:
         raise ConfigError(f"--conv_kernel must be odd, got {cfg.conv_kernel}")
-    if not 0.0 <= cfg.dropout < 1.0:
-        raise ConfigError(f"--dropout must be in [0, 1), got {cfg.dropout}")
+    for name in ("dropout", "attention_dropout"):
+        if not 0.0 <= getattr(cfg, name) < 1.0:
+            raise ConfigError(f"--{name} must be in [0, 1), got {getattr(cfg, name)}")
     return cfg
 
 

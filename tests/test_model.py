@@ -107,3 +107,27 @@ def test_spec_augment_only_in_training_mode():
     x = (feats - model.feat_mean) / model.feat_std
     masked = model.spec_augment(x)
     assert (masked == 0).sum() > (x == 0).sum()
+
+
+def test_cpu_dropout_drops_its_share_keeps_the_mean_and_repeats_with_the_seed():
+    from konkanivani.conformer import Dropout
+
+    drop = Dropout(0.1).train()
+    x = torch.ones(64, 100, 128, requires_grad=True)
+    torch.manual_seed(5)
+    y = drop(x)
+    dropped = (y == 0).float().mean().item()
+    assert abs(dropped - 26 / 256) < 0.005  # p taken to 26/256
+    assert abs(y.mean().item() - 1.0) < 0.01  # kept values scaled by 256/230
+    y.sum().backward()
+    assert torch.equal(x.grad == 0, y == 0)
+    torch.manual_seed(5)
+    assert torch.equal(drop(x), y)
+    assert torch.equal(drop.eval()(x), x)
+
+
+def test_checkpoints_from_before_attention_dropout_keep_theirs():
+    stored = dict(vars(model_config_from_preset("tiny", vocab_size=V, dropout=0.2)))
+    del stored["attention_dropout"], stored["subsampling"]
+    assert ModelConfig.from_dict(stored).attention_dropout == 0.2
+    assert model_config_from_preset("tiny").attention_dropout == 0.0
