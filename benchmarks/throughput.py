@@ -7,9 +7,11 @@ speed drifts from minute to minute slows all of them alike:
 
 * ``ours enc+CTC``: our front-end, Conformer encoder and CTC head, CTC loss only;
 * ``torchaudio``: ``torchaudio.models.Conformer`` of the same width, heads, feed-forward size, layers
-  and kernel, behind the same kind of front-end as ours was before (two 3x3 stride-2 Conv2d, 4x) and a
+  and kernel, behind the same front-end as our default one (two 3x3 stride-2 Conv2d, 4x) and a
   linear CTC head: the same work as ``ours enc+CTC``;
-* ``ours full``: ``ASRModel`` as the trainer runs it, CTC + attention decoder.
+* ``ours full``: ``ASRModel`` as the trainer runs it, CTC + attention decoder;
+* ``WeNet`` (with ``--wenet PATH``, a WeNet source tree): WeNet's Conformer + Transformer decoder + CTC
+  of the same dimensions, the same work as ``ours full``.
 
 Each is timed in fp32 and in the precision ``--mixed_precision`` picks on this machine (bf16 autocast
 where it is faster than fp32; on a CPU without fast bf16 it picks fp32 and the second pass is
@@ -19,6 +21,7 @@ utilization is the step's FLOP rate over the matmul peak measured in the same ru
 
     python3 benchmarks/throughput.py                      # all presets: table + PNG
     python3 benchmarks/throughput.py --preset small --json  # one JSON line
+    python3 benchmarks/throughput.py --wenet /path/to/wenet  # also WeNet, from its source tree
 """
 from __future__ import annotations
 
@@ -97,6 +100,32 @@ def _ctc(logits, lengths, tokens, token_lens):
     return F.ctc_loss(log_probs, tokens, lengths, token_lens, reduction="sum", zero_infinity=True)
 
 
+class WenetFull(nn.Module):
+    """WeNet's hybrid model of the same dimensions: Conformer encoder (Conv2d 4x front-end, relative
+    positional self-attention, macaron feed-forward, kernel as ours), Transformer decoder, CTC;
+    its recipes' defaults otherwise. Needs ``--wenet PATH``: a WeNet source tree, which this
+    project neither ships nor installs."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        from wenet.models.transformer.asr_model import ASRModel as WenetASR
+        from wenet.models.transformer.ctc import CTC
+        from wenet.models.transformer.decoder import TransformerDecoder
+        from wenet.models.transformer.encoder import ConformerEncoder as WenetEncoder
+
+        encoder = WenetEncoder(cfg.n_mels, cfg.d_model, cfg.n_heads, cfg.ffn_dim, cfg.encoder_layers,
+                               dropout_rate=cfg.dropout, cnn_module_kernel=cfg.conv_kernel)
+        decoder = TransformerDecoder(cfg.vocab_size, cfg.d_model, cfg.n_heads, cfg.ffn_dim, cfg.decoder_layers,
+                                     dropout_rate=cfg.dropout)
+        self.model = WenetASR(cfg.vocab_size, encoder, decoder, CTC(cfg.vocab_size, cfg.d_model), ctc_weight=0.3,
+                              lsm_weight=0.1)
+
+    def forward(self, feats, lens, tokens, token_lens):
+        batch = {"feats": feats, "feats_lengths": lens, "target": tokens, "target_lengths": token_lens,
+                 "langs": ["none"] * len(lens), "tasks": ["transcribe"] * len(lens)}
+        return self.model(batch, feats.device)["loss"] * feats.shape[0]  # WeNet averages over utterances
+
+
 MODELS = {"torchaudio": TorchaudioCTC, "ours enc+CTC": OursCTC, "ours full": OursFull}
 
 
@@ -161,7 +190,8 @@ def step(model, optimizer, batch, precision) -> float:
 
 
 def run_preset(preset: str, args, peaks: dict[str, float]) -> list[dict]:
-    cfg = model_config_from_preset(preset, vocab_size=args.vocab, conv_kernel=args.conv_kernel)
+    cfg = model_config_from_preset(preset, vocab_size=args.vocab, conv_kernel=args.conv_kernel,
+                                   subsampling=args.subsampling)
     batch = make_batch(cfg, args.utterances, args.seconds, args.tokens)
     audio_seconds = args.utterances * args.seconds
     precisions = {"fp32": resolve_precision(torch.device("cpu"), False, "fp32")}
@@ -193,18 +223,24 @@ def run_preset(preset: str, args, peaks: dict[str, float]) -> list[dict]:
                    "step_s": round(median, 4), "audio_s_per_s": round(audio_seconds / median, 1),
                    "gflop_per_step": round(flops / 1e9, 1), "gflop_s": round(flops / median / 1e9, 1),
                    "utilization": round(flops / median / 1e9 / peak, 3)}
-            if name != "torchaudio":  # the median of the per-round ratios, not the ratio of medians
-                row["speedup_vs_torchaudio"] = round(statistics.median(
-                    t_ref / t for t_ref, t in zip(times["torchaudio"], times[name])), 2)
+            # The median of the per-round ratios, not the ratio of medians.
+            if name.startswith("ours"):
+                row["speedup_vs_torchaudio"] = _speedup(times["torchaudio"], times[name])
+            if name == "ours full" and "WeNet" in times:
+                row["speedup_vs_wenet"] = _speedup(times["WeNet"], times[name])
             rows.append(row)
     return rows
+
+
+def _speedup(reference: list[float], ours: list[float]) -> float:
+    return round(statistics.median(r / o for r, o in zip(reference, ours)), 2)
 
 
 def print_table(rows: list[dict], cpu: str, peaks: dict[str, float]) -> None:
     print(f"CPU: {cpu}; {torch.get_num_threads()} threads; matmul peak "
           + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peaks.items()))
     header = ["preset", "precision", "model", "params_m", "step_s", "audio_s_per_s", "gflop_per_step", "gflop_s",
-              "utilization", "speedup_vs_torchaudio"]
+              "utilization", "speedup_vs_torchaudio", "speedup_vs_wenet"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in rows:
@@ -244,23 +280,30 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=20)
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--conv_kernel", type=int, default=31)
+    parser.add_argument("--subsampling", choices=("conv2d", "dw_striding"), default="conv2d",
+                        help="our front-end (the peers keep theirs)")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--wenet", metavar="PATH", help="also time WeNet's hybrid model, imported from this "
+                        "WeNet source tree (not shipped with this project)")
     parser.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     parser.add_argument("--png", default=str(ROOT / "benchmarks" / "throughput_cpu.png"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.wenet:
+        sys.path.insert(0, args.wenet)
+        MODELS["WeNet"] = WenetFull
     cpu = cpu_description()
     peaks = {"fp32": matmul_peak(torch.float32)}
     if resolve_precision(torch.device("cpu"), True).dtype is torch.bfloat16:
         peaks["bf16"] = matmul_peak(torch.bfloat16)
     rows = [row for preset in (args.preset or PRESET_ORDER) for row in run_preset(preset, args, peaks)]
     if args.json:
-        speedups = {f"{r['preset']}/{r['precision']}/{r['model']}": r["speedup_vs_torchaudio"]
-                    for r in rows if "speedup_vs_torchaudio" in r}
-        print(json.dumps({"cpu": cpu, "threads": args.threads, "matmul_peak_gflop_s": peaks,
-                          "speedup_vs_torchaudio": speedups, "rows": rows}))
+        speedups = {key: {f"{r['preset']}/{r['precision']}/{r['model']}": r[key] for r in rows if key in r}
+                    for key in ("speedup_vs_torchaudio", "speedup_vs_wenet")}
+        print(json.dumps({"cpu": cpu, "threads": args.threads, "matmul_peak_gflop_s": peaks, **speedups,
+                          "rows": rows}))
     else:
         print_table(rows, cpu, peaks)
         if args.png:

@@ -1,6 +1,7 @@
 """benchmarks/throughput.py: its FLOP count and a one-round run of the smallest preset."""
 import json
 
+import pytest
 import torch
 from torch import nn
 
@@ -23,6 +24,7 @@ def test_grouped_convolution_backward_is_counted_once_per_group():
     assert counter.get_total_flops() == 3 * forward  # forward, input gradient, weight gradient
 
 
+@pytest.mark.slow
 def test_one_round_of_the_small_preset_prints_one_json_line(capsys):
     assert throughput.main(["--preset", "small", "--rounds", "1", "--warmup", "0", "--utterances", "2",
                             "--seconds", "1", "--tokens", "4", "--threads", "1", "--json"]) == 0
