@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
 import random
 import shutil
 import subprocess
 import tempfile
 from contextlib import nullcontext
-import multiprocessing
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
@@ -250,8 +250,9 @@ def make_corpus(out_dir: str | Path, seed: int = 0, num_utterances: int = 4800,
     tasks = [(u, str(out)) for u in plan]
     # Workers are started fresh ("spawn"), never forked: a fork of a process whose torch/OpenMP
     # threads have already run hangs in the child's first parallel torch op (the resampler).
-    pool_context = multiprocessing.get_context("spawn")
-    with pool_context.Pool(jobs, initializer=torch.set_num_threads, initargs=(1,)) if jobs > 1 else nullcontext() as pool:
+    spawn = multiprocessing.get_context("spawn")
+    workers = spawn.Pool(jobs, initializer=torch.set_num_threads, initargs=(1,)) if jobs > 1 else nullcontext()
+    with workers as pool:  # None without workers
         results = pool.imap_unordered(_synthesize_job, tasks, chunksize=8) if pool else map(_synthesize_job, tasks)
         for split, idx, dur in tqdm(results, total=len(tasks), desc="synthesizing", unit="utt",
                                     disable=not progress):

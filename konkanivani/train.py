@@ -365,13 +365,13 @@ def train_epoch(run: Run, stop_request: StopRequest,
     did) and whether the epoch ended."""
     cfg = run.cfg
     run.sampler.set_epoch(run.epoch, run.batches_done)
-    epoch_batches = run.epoch_batches = run.batches_done + len(run.sampler)
-    log.info("epoch %d: %d batches, %.1f%% of their frames padding", run.epoch + 1, epoch_batches,
+    run.epoch_batches = run.batches_done + len(run.sampler)
+    log.info("epoch %d: %d batches, %.1f%% of their frames padding", run.epoch + 1, run.epoch_batches,
              100 * padding_fraction(run.sampler.epoch_batches(), [frames_of(u.duration) for u in run.train_utts]))
     skips_before, unreadable, stop = run.skips.total, [], None
     run.model.train()
     show_bar = cfg.progress and run.dist.is_main and sys.stderr.isatty()  # a bar in a file is only noise
-    bar = _progress_bar(epoch_batches, run.batches_done, f"epoch {run.epoch + 1}/{cfg.epochs}", show_bar)
+    bar = _progress_bar(run.epoch_batches, run.batches_done, f"epoch {run.epoch + 1}/{cfg.epochs}", show_bar)
     micro: list[Batch] = []
     speed, epoch_speed = _Speed(), _Speed()  # since the last summary line; since the epoch (re)started
     with logging_redirect_tqdm() if show_bar else contextlib.nullcontext():  # log lines above the bar
@@ -382,7 +382,7 @@ def train_epoch(run: Run, stop_request: StopRequest,
             unreadable += [run.train_utts[i].where for i in batch.missing]
             micro.append(batch)
             # An accumulation group closes after `accum` batches, or at the end of the epoch.
-            if len(micro) < cfg.gradient_accumulation_steps and run.batches_done < epoch_batches:
+            if len(micro) < cfg.gradient_accumulation_steps and run.batches_done < run.epoch_batches:
                 continue
             stats = train_step(run, micro)
             micro = []
@@ -394,7 +394,7 @@ def train_epoch(run: Run, stop_request: StopRequest,
                                 refresh=False)
             if run.step % cfg.log_every == 0:
                 run.record("train", **stats, utt_per_s=speed.rate(), data_wait=round(speed.wait_percent() / 100, 4))
-                log.info("%s", _summary_line(run, stats, speed, epoch_batches))
+                log.info("%s", _summary_line(run, stats, speed))
                 speed.restart()
             if cfg.save_every_steps and run.step % cfg.save_every_steps == 0:
                 save(run)
@@ -404,13 +404,13 @@ def train_epoch(run: Run, stop_request: StopRequest,
                 raise TrainingDiverged(diverged_message(run.skips.in_a_row, run.step, run.out_dir,
                                                         run.scaler.is_enabled()))
             if cfg.validate_every_steps and run.step % cfg.validate_every_steps == 0 \
-                    and run.batches_done < epoch_batches:  # the epoch's end validates anyway
+                    and run.batches_done < run.epoch_batches:  # the epoch's end validates anyway
                 validate_and_save(run)
             if stop := _stop_after_step(run, stop_request, on_step):
                 break
     bar.close()
     _log_epoch_end(run, unreadable, run.skips.total - skips_before, epoch_speed)
-    if run.batches_done < epoch_batches:
+    if run.batches_done < run.epoch_batches:
         return stop, False
     run.epoch, run.batches_done = run.epoch + 1, 0
     return stop, True
@@ -756,10 +756,10 @@ def _progress_bar(total: int, done: int, desc: str, show: bool) -> tqdm:
                 bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
 
 
-def _summary_line(run: Run, stats: dict[str, float], speed: _Speed, epoch_batches: int) -> str:
+def _summary_line(run: Run, stats: dict[str, float], speed: _Speed) -> str:
     """The --log_every line: where the run is, the losses, lr, gradient norm, speed and memory."""
     now, peak = list(memory_status(run.device).values())[:2]
-    return (f"step {run.step} (epoch {run.epoch + 1}, {100 * run.batches_done / epoch_batches:.0f}%): "
+    return (f"step {run.step} (epoch {run.epoch + 1}, {100 * run.batches_done / run.epoch_batches:.0f}%): "
             f"loss {stats['loss']:.3f} (ctc {stats['ctc']:.3f}, attention {stats['attention']:.3f}), "
             f"lr {stats['lr']:.2e}, grad norm {stats['grad_norm']:.2f}, {speed.rate():.1f} utt/s "
             f"(data wait {speed.wait_percent():.0f}%), "
