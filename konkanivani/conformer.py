@@ -10,6 +10,7 @@ call, which keeps memory low on small GPUs.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -21,7 +22,7 @@ from .config import ModelConfig
 from .frames import subsampled_lengths
 from .masks import pad_mask
 
-__all__ = ["LayerNorm", "RotaryEmbedding", "KVCache", "MultiHeadAttention", "FeedForward", "ConvolutionModule", "ConformerBlock",
+__all__ = ["Dropout", "random_bytes", "LayerNorm", "RotaryEmbedding", "KVCache", "MultiHeadAttention", "FeedForward", "ConvolutionModule", "ConformerBlock",
            "Conv2dSubsampling", "ConformerEncoder", "run_layers"]
 
 
@@ -34,6 +35,28 @@ class LayerNorm(nn.LayerNorm):
             weight = None if self.weight is None else self.weight.float()
             bias = None if self.bias is None else self.bias.float()
             return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps)
+
+
+def random_bytes(shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor of ``shape``, uniform over 0..255, from the default generator: eight bytes per
+    64-bit draw, where ``bernoulli_`` draws once per element (on a CPU, 17x slower)."""
+    n = math.prod(shape)
+    words = torch.empty(-(-n // 8), dtype=torch.int64, device=device).random_(-2 ** 63, None)
+    return words.view(torch.uint8)[:n].view(shape)
+
+
+class Dropout(nn.Dropout):
+    """``nn.Dropout``, with CPU masks drawn from one random byte per element (``random_bytes``): ``p``
+    is then taken to the nearest multiple of 1/256 and the kept values scaled by the matching factor.
+    Drawing masks element by element was a sixth of a training step on a CPU. On other devices,
+    torch's fused dropout."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0 or x.device.type != "cpu":
+            return super().forward(x)
+        dropped = round(self.p * 256)  # of every 256 byte values, this many drop the element
+        keep = random_bytes(x.shape, x.device) >= dropped
+        return torch.where(keep, x, 0.0) * (256 / (256 - dropped))
 
 
 def run_layers(layers: nn.ModuleList, x: torch.Tensor, *args: object, checkpointed: bool = False) -> torch.Tensor:
@@ -137,8 +160,8 @@ class FeedForward(nn.Module):
     def __init__(self, d_model: int, ffn_dim: int, dropout: float):
         super().__init__()
         self.net = nn.Sequential(
-            LayerNorm(d_model), nn.Linear(d_model, ffn_dim), nn.SiLU(), nn.Dropout(dropout),
-            nn.Linear(ffn_dim, d_model), nn.Dropout(dropout))
+            LayerNorm(d_model), nn.Linear(d_model, ffn_dim), nn.SiLU(), Dropout(dropout),
+            nn.Linear(ffn_dim, d_model), Dropout(dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -158,7 +181,7 @@ class ConvolutionModule(nn.Module):
         self.depthwise = nn.Conv1d(d_model, d_model, kernel_size, padding=kernel_size // 2, groups=d_model)
         self.depthwise_norm = LayerNorm(d_model)
         self.pointwise_out = nn.Linear(d_model, d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         """``x`` ``(B, T', D)``, ``pad`` ``(B, T')`` True at padding -> ``(B, T', D)``."""
@@ -173,12 +196,13 @@ class ConvolutionModule(nn.Module):
 class ConformerBlock(nn.Module):
     """Half-step FFN, self-attention, convolution, half-step FFN, final norm."""
 
-    def __init__(self, d_model: int, n_heads: int, ffn_dim: int, conv_kernel: int, dropout: float):
+    def __init__(self, d_model: int, n_heads: int, ffn_dim: int, conv_kernel: int, dropout: float,
+                 attention_dropout: float = 0.0):
         super().__init__()
         self.ffn1 = FeedForward(d_model, ffn_dim, dropout)
         self.attn_norm = LayerNorm(d_model)
-        self.attn = MultiHeadAttention(d_model, n_heads, dropout)
-        self.attn_dropout = nn.Dropout(dropout)
+        self.attn = MultiHeadAttention(d_model, n_heads, attention_dropout)
+        self.attn_dropout = Dropout(dropout)
         self.conv_module = ConvolutionModule(d_model, conv_kernel, dropout)
         self.ffn2 = FeedForward(d_model, ffn_dim, dropout)
         self.final_norm = LayerNorm(d_model)
@@ -195,22 +219,42 @@ class ConformerBlock(nn.Module):
 
 
 class Conv2dSubsampling(nn.Module):
-    """Two stride-2 3x3 convolutions: ``(B, T, F)`` -> ``(B, T', D)`` with T' = ((T-1)//2 - 1)//2."""
+    """Two stride-2 3x3 convolutions: ``(B, T, F)`` -> ``(B, T', D)`` with T' = ((T-1)//2 - 1)//2.
 
-    def __init__(self, n_mels: int, d_model: int, dropout: float):
+    ``depthwise_separable`` (the ``dw_striding`` front-end, FastConformer's) makes the second one a
+    depthwise 3x3 followed by a pointwise 1x1: the same shapes and 4x rate (character targets need
+    the frame rate) for about a ninth of the second convolution's work, which with full convolutions
+    costs as much as several Conformer blocks. It runs channels-last (oneDNN's fast layout on a CPU,
+    and the layout in which the pointwise conv is a plain matmul), so it flattens each output frame
+    frequency-major where ``conv2d`` flattens it channel-major.
+    """
+
+    def __init__(self, n_mels: int, d_model: int, dropout: float, depthwise_separable: bool = False):
         super().__init__()
-        self.conv = nn.Sequential(
-            nn.Conv2d(1, d_model, 3, stride=2), nn.ReLU(),
-            nn.Conv2d(d_model, d_model, 3, stride=2), nn.ReLU())
+        self.depthwise_separable = depthwise_separable
+        second = ([nn.Conv2d(d_model, d_model, 3, stride=2, groups=d_model), nn.Conv2d(d_model, d_model, 1)]
+                  if depthwise_separable else [nn.Conv2d(d_model, d_model, 3, stride=2)])
+        self.conv = nn.Sequential(nn.Conv2d(1, d_model, 3, stride=2), nn.ReLU(), *second, nn.ReLU())
         freq_out = ((n_mels - 1) // 2 - 1) // 2
         self.out = nn.Linear(d_model * freq_out, d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.conv(x.unsqueeze(1))  # (B, D, T', F')
-        B, C, T, Fq = x.shape
-        x = self.out(x.transpose(1, 2).reshape(B, T, C * Fq))  # (B, T', D)
-        return self.dropout(x), subsampled_lengths(lengths)
+        if self.depthwise_separable:
+            x = self._depthwise_separable(x.unsqueeze(1))  # (B, T', F', D)
+        else:
+            x = self.conv(x.unsqueeze(1)).transpose(1, 2)  # (B, D, T', F') -> (B, T', D, F')
+        B, T = x.shape[:2]
+        return self.dropout(self.out(x.reshape(B, T, -1))), subsampled_lengths(lengths)
+
+    def _depthwise_separable(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, 1, T, F)`` -> ``(B, T', F', D)``, the convolutions in channels-last layout."""
+        first, _, depthwise, pointwise, _ = self.conv
+        cl = torch.channels_last
+        x = F.relu(F.conv2d(x, first.weight.to(memory_format=cl), first.bias, stride=2))
+        x = F.conv2d(x, depthwise.weight.to(memory_format=cl), depthwise.bias, stride=2, groups=depthwise.groups)
+        x = x.permute(0, 2, 3, 1)  # (B, D, T', F') stored channels-last -> (B, T', F', D), no copy
+        return F.relu(F.linear(x, pointwise.weight.flatten(1), pointwise.bias))
 
 
 class ConformerEncoder(nn.Module):
@@ -225,10 +269,11 @@ class ConformerEncoder(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.subsampling = Conv2dSubsampling(cfg.n_mels, cfg.d_model, cfg.dropout)
+        self.subsampling = Conv2dSubsampling(cfg.n_mels, cfg.d_model, cfg.dropout,
+                                             depthwise_separable=cfg.subsampling == "dw_striding")
         self.rotary = RotaryEmbedding(cfg.d_model // cfg.n_heads)
         self.blocks = nn.ModuleList(
-            ConformerBlock(cfg.d_model, cfg.n_heads, cfg.ffn_dim, cfg.conv_kernel, cfg.dropout)
+            ConformerBlock(cfg.d_model, cfg.n_heads, cfg.ffn_dim, cfg.conv_kernel, cfg.dropout, cfg.attention_dropout)
             for _ in range(cfg.encoder_layers))
         self.gradient_checkpointing = False  # set by ASRModel.set_gradient_checkpointing
 

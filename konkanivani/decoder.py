@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
-from .conformer import FeedForward, KVCache, LayerNorm, MultiHeadAttention, RotaryEmbedding, run_layers
+from .conformer import Dropout, FeedForward, KVCache, LayerNorm, MultiHeadAttention, RotaryEmbedding, run_layers
 from .config import ModelConfig
 from .masks import causal_mask, pad_mask
 
@@ -35,14 +35,14 @@ __all__ = ["DecoderLayer", "DecoderState", "TransformerDecoder"]
 class DecoderLayer(nn.Module):
     """Causal self-attention, cross-attention to the encoder, feed-forward; each pre-norm residual."""
 
-    def __init__(self, d_model: int, n_heads: int, ffn_dim: int, dropout: float):
+    def __init__(self, d_model: int, n_heads: int, ffn_dim: int, dropout: float, attention_dropout: float = 0.0):
         super().__init__()
         self.self_norm = LayerNorm(d_model)
-        self.self_attn = MultiHeadAttention(d_model, n_heads, dropout)
+        self.self_attn = MultiHeadAttention(d_model, n_heads, attention_dropout)
         self.cross_norm = LayerNorm(d_model)
-        self.cross_attn = MultiHeadAttention(d_model, n_heads, dropout)
+        self.cross_attn = MultiHeadAttention(d_model, n_heads, attention_dropout)
         self.ffn = FeedForward(d_model, ffn_dim, dropout)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, y: torch.Tensor, self_allowed: Optional[torch.Tensor], memory: torch.Tensor,
                 cross_allowed: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -64,7 +64,7 @@ class TransformerDecoder(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.rotary = RotaryEmbedding(cfg.d_model // cfg.n_heads)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg.d_model, cfg.n_heads, cfg.ffn_dim, cfg.dropout) for _ in range(cfg.decoder_layers))
+            DecoderLayer(cfg.d_model, cfg.n_heads, cfg.ffn_dim, cfg.dropout, cfg.attention_dropout) for _ in range(cfg.decoder_layers))
         self.final_norm = LayerNorm(cfg.d_model)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size)
         self.gradient_checkpointing = False  # set by ASRModel.set_gradient_checkpointing

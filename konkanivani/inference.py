@@ -53,7 +53,7 @@ class Recognizer:
     def from_checkpoint(cls, path: str | Path, device: str | torch.device = "cpu") -> Recognizer:
         state = load_checkpoint(path)
         try:
-            cfg = ModelConfig(**state["model_config"])
+            cfg = ModelConfig.from_dict(state["model_config"])
             model = ASRModel(cfg)
             model.load_state_dict(state["model"])
             tokenizer = Tokenizer(state["tokenizer"])

@@ -251,7 +251,7 @@ def _settings(cfg: TrainConfig, model_overrides: dict[str, Any], state: Optional
     if shown:
         log.warning("on resume, %s as in the checkpoint (they decide which batches remain in the epoch)",
                     ", ".join(f"--{k} {v}" for k, v in shown.items()))
-    model_cfg = ModelConfig(**state.model_config)
+    model_cfg = ModelConfig.from_dict(state.model_config)
     if any(v is not None and getattr(model_cfg, k) != v for k, v in model_overrides.items()):
         log.warning("model flags ignored on resume: the checkpoint's dimensions are used")
     return dataclasses.replace(cfg, **changed), model_cfg, Tokenizer(state.tokenizer), grows

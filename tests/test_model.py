@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from konkanivani.config import PRESETS, model_config_from_preset
+from konkanivani.config import PRESETS, ModelConfig, model_config_from_preset
 from konkanivani.conformer import ConformerBlock
 from konkanivani.decoder import DecoderLayer
 from konkanivani.model import ASRModel, count_parameters
@@ -52,6 +52,22 @@ def test_layer_flags_add_exactly_one_block():
     assert model_config_from_preset("small", d_model=96).d_model == 96
 
 
+def test_both_front_ends_give_the_same_shapes_and_old_configs_mean_conv2d():
+    feats, lens = torch.randn(2, 157, 80), torch.tensor([157, 33])
+    models = {kind: _model("small", subsampling=kind) for kind in ("dw_striding", "conv2d")}
+    outs = {kind: m.encode(feats, lens) for kind, m in models.items()}
+    assert outs["dw_striding"][0].shape == outs["conv2d"][0].shape == (2, 38, 128)
+    assert outs["dw_striding"][1].tolist() == outs["conv2d"][1].tolist() == [38, 7]
+    front = {kind: count_parameters(m.encoder.subsampling.conv) for kind, m in models.items()}
+    assert front["dw_striding"] < front["conv2d"] / 4
+    stored = dict(vars(models["conv2d"].cfg))
+    del stored["subsampling"]  # a checkpoint written before the choice existed
+    assert ModelConfig.from_dict(stored).subsampling == "conv2d"
+    assert ModelConfig.from_dict(vars(models["dw_striding"].cfg)).subsampling == "dw_striding"
+    with pytest.raises(ValueError, match="--subsampling conv3d: unknown"):
+        model_config_from_preset("tiny", subsampling="conv3d")
+
+
 def test_bad_dimensions_are_refused():
     with pytest.raises(ValueError, match="heads"):
         model_config_from_preset("tiny", d_model=50, n_heads=4)
@@ -91,3 +107,27 @@ def test_spec_augment_only_in_training_mode():
     x = (feats - model.feat_mean) / model.feat_std
     masked = model.spec_augment(x)
     assert (masked == 0).sum() > (x == 0).sum()
+
+
+def test_cpu_dropout_drops_its_share_keeps_the_mean_and_repeats_with_the_seed():
+    from konkanivani.conformer import Dropout
+
+    drop = Dropout(0.1).train()
+    x = torch.ones(64, 100, 128, requires_grad=True)
+    torch.manual_seed(5)
+    y = drop(x)
+    dropped = (y == 0).float().mean().item()
+    assert abs(dropped - 26 / 256) < 0.005  # p taken to 26/256
+    assert abs(y.mean().item() - 1.0) < 0.01  # kept values scaled by 256/230
+    y.sum().backward()
+    assert torch.equal(x.grad == 0, y == 0)
+    torch.manual_seed(5)
+    assert torch.equal(drop(x), y)
+    assert torch.equal(drop.eval()(x), x)
+
+
+def test_checkpoints_from_before_attention_dropout_keep_theirs():
+    stored = dict(vars(model_config_from_preset("tiny", vocab_size=V, dropout=0.2)))
+    del stored["attention_dropout"], stored["subsampling"]
+    assert ModelConfig.from_dict(stored).attention_dropout == 0.2
+    assert model_config_from_preset("tiny").attention_dropout == 0.0

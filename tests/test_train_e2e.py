@@ -159,7 +159,10 @@ def test_summary_lines_reach_a_redirected_console_and_train_log_without_a_bar(ti
         lines = [line for line in logged.splitlines() if " INFO step " in line and "loss" in line]
         assert [line.split(" INFO step ")[1].split()[0] for line in lines if "valid" not in line] == ["2", "4"]
         assert all(key in lines[0] for key in ("(epoch 1, ", "loss ", "(ctc ", "attention ", "lr ", "grad norm ",
-                                               "utt/s", "memory ", "GiB")), lines[0]
+                                               "utt/s", "(data wait ", "memory ", "GiB")), lines[0]
+    assert any("% of the time waiting for data" in line for line in text.splitlines())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 <= r["data_wait"] <= 1 for r in rows if r.get("kind") == "train")
     saved = [line for line in text.splitlines() if "saved " in line]
     assert len(saved) == len({line.split("saved ")[1] for line in saved})  # each save logged once
 
