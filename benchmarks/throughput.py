@@ -290,7 +290,15 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     parser.add_argument("--png", default=str(ROOT / "benchmarks" / "throughput_cpu.png"))
     args = parser.parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:  # a caller in the same process (the tests) keeps its own thread count
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.wenet:
         sys.path.insert(0, args.wenet)
         MODELS["WeNet"] = WenetFull
