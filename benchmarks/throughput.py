@@ -126,6 +126,19 @@ class WenetFull(nn.Module):
         return self.model(batch, feats.device)["loss"] * feats.shape[0]  # WeNet averages over utterances
 
 
+class OursFullCompiled(OursFull):
+    """``OursFull`` through ``torch.compile`` (inductor; on a CPU it needs a C++ compiler), as
+    ``--compile`` runs the trainer; the batch's shape is fixed here, so it compiles once, in the
+    warm-up steps."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.compiled = torch.compile(self.model)
+
+    def forward(self, feats, lens, tokens, token_lens):
+        return self.compiled(feats, lens, tokens, token_lens).loss
+
+
 MODELS = {"torchaudio": TorchaudioCTC, "ours enc+CTC": OursCTC, "ours full": OursFull}
 
 
@@ -201,7 +214,7 @@ def run_preset(preset: str, args, peaks: dict[str, float]) -> list[dict]:
     rows = []
     for pname, precision in precisions.items():
         built = {}
-        for name, cls in MODELS.items():
+        for name, cls in args.models.items():
             torch.manual_seed(0)
             model = cls(cfg).train()
             # Ours with the trainer's optimizer (fused AdamW); the peer with torch's default AdamW.
@@ -226,7 +239,7 @@ def run_preset(preset: str, args, peaks: dict[str, float]) -> list[dict]:
             # The median of the per-round ratios, not the ratio of medians.
             if name.startswith("ours"):
                 row["speedup_vs_torchaudio"] = _speedup(times["torchaudio"], times[name])
-            if name == "ours full" and "WeNet" in times:
+            if name.startswith("ours full") and "WeNet" in times:
                 row["speedup_vs_wenet"] = _speedup(times["WeNet"], times[name])
             rows.append(row)
     return rows
@@ -247,7 +260,7 @@ def print_table(rows: list[dict], cpu: str, peaks: dict[str, float]) -> None:
         print("| " + " | ".join(str(row.get(h, "")) for h in header) + " |")
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, names: list[str]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -255,7 +268,6 @@ def plot(rows: list[dict], path: Path) -> None:
 
     groups = sorted({(r["preset"], r["precision"]) for r in rows},
                     key=lambda g: (PRESET_ORDER.index(g[0]) if g[0] in PRESET_ORDER else 9, g[1]))
-    names = list(MODELS)
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
@@ -287,6 +299,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--wenet", metavar="PATH", help="also time WeNet's hybrid model, imported from this "
                         "WeNet source tree (not shipped with this project)")
+    parser.add_argument("--compile", action="store_true", help="also time ours full through torch.compile")
     parser.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     parser.add_argument("--png", default=str(ROOT / "benchmarks" / "throughput_cpu.png"))
     args = parser.parse_args(argv)
@@ -301,7 +314,8 @@ def main(argv=None) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.wenet:
         sys.path.insert(0, args.wenet)
-        MODELS["WeNet"] = WenetFull
+    args.models = {**MODELS, **({"WeNet": WenetFull} if args.wenet else {}),
+                   **({"ours full, compiled": OursFullCompiled} if args.compile else {})}
     cpu = cpu_description()
     peaks = {"fp32": matmul_peak(torch.float32)}
     if resolve_precision(torch.device("cpu"), True).dtype is torch.bfloat16:
@@ -315,7 +329,7 @@ def _run(args: argparse.Namespace) -> int:
     else:
         print_table(rows, cpu, peaks)
         if args.png:
-            plot(rows, Path(args.png))
+            plot(rows, Path(args.png), list(args.models))
             print(f"plot: {args.png}")
     return 0
 
