@@ -5,6 +5,7 @@ Layout of an output directory::
     step_0000160.pt   one per save (each epoch and every --save_every_steps), last N kept
     latest.pt         the newest complete save
     best.pt           the save with the lowest validation WER
+    config.yaml       every setting the run uses, for --config (``config_file.py``; rewritten on resume)
     .lock             held by the run that writes here (``hold_run_directory``)
 
 ``latest.pt`` and ``best.pt`` are hard links to a step file where the file system allows it (no
@@ -42,7 +43,7 @@ __all__ = ["CheckpointError", "FORMAT_VERSION", "LOCK_FILE", "TrainState", "capt
            "save_checkpoint", "load_checkpoint", "point_to", "prune_checkpoints", "remove_stale_temporaries",
            "resolve_resume", "load_resume_checkpoint", "step_checkpoint_name", "step_checkpoints",
            "select_checkpoints", "average_checkpoints", "hold_run_directory", "claim_output_dir", "existing_run",
-           "move_run_aside", "MetricsLog"]
+           "move_run_aside", "MetricsLog", "write_file_atomic"]
 
 log = logging.getLogger("konkanivani")
 
@@ -189,6 +190,24 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
             raise CheckpointError(f"could not write checkpoint {path}: {reason}; "
                                   "the previous checkpoints are untouched") from e
         raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def write_file_atomic(path: str | Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` as checkpoints are written (a temporary file, fsynced, renamed
+    into place): a reader sees the old file or the new one, never half."""
+    path = Path(path)
+    tmp = _temporary(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"could not write {path}: {e.strerror or e}") from e
     _fsync_dir(path.parent)
     return path
 
