@@ -7,6 +7,10 @@ override the chosen ``--preset``. Example, the T4 recipe on the demo corpus::
         --valid_manifest data/demo/valid.jsonl --preset medium --batch_size 2 \\
         --gradient_accumulation_steps 4 --mixed_precision --output_dir checkpoints/t4
 
+or the same from its YAML recipe, with any flag overriding the file::
+
+    konkanivani-train --config configs/t4.yaml --output_dir checkpoints/t4
+
 Under ``torchrun --nproc_per_node N`` it trains data-parallel (see the README).
 
 Exit status: 0 when training finished or stopped at --max_time (both leave a checkpoint to resume
@@ -28,16 +32,31 @@ from pathlib import Path
 from . import Parser
 from ..checkpoint import CheckpointError
 from ..config import ConfigError, ModelConfig, TrainConfig, add_dataclass_args, dataclass_from_args
+from ..config_file import load_config_file
 from ..data import ManifestError
 from ..safety import TrainingDiverged
 from ..train import train
 
+CONFIG_HELP = ("YAML recipe (sections model, data, training; see configs/): its values become the defaults, "
+               "flags given here override them")
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; with ``--config FILE`` the file's values are their defaults (so the manifests
+    may come from it), and flags on the command line override them. ``ConfigError`` for a bad file."""
     parser = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     add_dataclass_args(parser.add_argument_group("training"), TrainConfig)
     add_dataclass_args(parser.add_argument_group("model (overrides the preset)"), ModelConfig, defaults=False,
                        skip=("vocab_size",))
+    config = Parser(add_help=False)  # --config alone first: its file sets the defaults of the others
+    config.add_argument("--config")
+    path = config.parse_known_args(argv)[0].config
+    if path:
+        values = load_config_file(path)
+        for action in parser._actions:
+            if action.dest in values:
+                action.default, action.required = values[action.dest], False
     return parser.parse_args(argv)
 
 
@@ -64,10 +83,14 @@ def resume_command(argv: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     logging.captureWarnings(True)  # library warnings as log lines: above the progress bar, and in train.log
-    args = parse_args(argv)
+    log = logging.getLogger("konkanivani")
+    try:
+        args = parse_args(argv)
+    except ConfigError as e:  # a --config file that cannot be used
+        log.error("%s", e)
+        return 2
     cfg = dataclass_from_args(TrainConfig, args)
     argv = sys.argv[1:] if argv is None else argv
-    log = logging.getLogger("konkanivani")
     try:
         summary = train(cfg, model_flags(args))
     except (ConfigError, ManifestError, CheckpointError) as e:
