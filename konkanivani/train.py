@@ -31,6 +31,7 @@ from .checkpoint import (MetricsLog, TrainState, capture_rng, claim_output_dir, 
                          load_resume_checkpoint, point_to, prune_checkpoints, remove_stale_temporaries, restore_rng,
                          step_checkpoint_name)
 from .config import ConfigError, ModelConfig, TrainConfig, check_config, model_config_from_preset
+from .config_file import write_config_file
 from .data import (ASRDataset, Batch, LengthGroupedBatchSampler, ResumableBatchSampler, ShardedSampler, Utterance,
                    collate, compute_cmvn, load_utterances, log_skipped, read_manifest)
 from .decode import ctc_greedy
@@ -199,6 +200,8 @@ def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, dev
     if state is not None:
         _restore(run, state, source, samples_grew)
     _log_plan(run, estimator)
+    if dist.is_main:  # the values this run uses (the resumed ones on --resume), to run it again with --config
+        write_config_file(out_dir / "config.yaml", run.cfg, model_cfg, run.step)
     return run
 
 
