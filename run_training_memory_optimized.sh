@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
-# The T4 recipe (15 GB): medium-size model (d=192, 8 encoder + 4 decoder layers), micro-batches of
-# 2 utterances accumulated 4 times (an effective batch of 8), fp16 autocast with GradScaler, CUDA
-# cache released every 50 batches, and an allocator that grows segments instead of fragmenting.
-# It validates every 200 steps (a quarter to a third of a demo epoch), so a score and best.pt exist
-# long before the first epoch ends.
-# Tokens are characters: on small Devanagari corpora they generalize to unseen words far better
-# than subword pieces (see the README's learning curve).
+# The T4 recipe (15 GB), configs/t4.yaml: medium-size model (d=192, 8 encoder + 4 decoder layers),
+# micro-batches of 2 utterances accumulated 4 times (an effective batch of 8), fp16 autocast with
+# GradScaler, CUDA cache released every 50 batches, character tokens and a validation every 200
+# steps; this script adds an allocator that grows segments instead of fragmenting, sets up what is
+# missing and makes the demo corpus.
 #
 #   ./run_training_memory_optimized.sh                       # demo corpus, made under data/demo if missing
 #   ./run_training_memory_optimized.sh --resume latest       # extra flags pass through
@@ -31,15 +29,8 @@ if [ -z "$TRAIN_MANIFEST" ]; then
     VALID_MANIFEST=${VALID_MANIFEST:-data/demo/valid.jsonl}
 fi
 
-exec "$PYTHON" training_scripts/train_konkanivani_asr.py \
+exec "$PYTHON" training_scripts/train_konkanivani_asr.py --config configs/t4.yaml \
     --train_manifest "$TRAIN_MANIFEST" \
     --valid_manifest "$VALID_MANIFEST" \
     --output_dir "${OUTPUT_DIR:-checkpoints/konkanivani_t4}" \
-    --preset medium --d_model 192 --encoder_layers 8 --decoder_layers 4 \
-    --tokenizer_type char \
-    --batch_size 2 --gradient_accumulation_steps 4 \
-    --mixed_precision \
-    --empty_cache_every 50 \
-    --num_workers 2 \
-    --validate_every_steps 200 \
     "$@"

@@ -10,7 +10,7 @@ weights and on the average of the last epoch checkpoints. Writes ``curve.csv``, 
     python benchmarks/learning_curve.py --budget_minutes 30 --out benchmarks/results/learning_curve
 
 Any other flag goes to the trainer (``konkanivani-train``), e.g.
-``--batch_size 24 --lr 2e-3``; the defaults below are the CPU recipe this benchmark measures.
+``--batch_size 24 --lr 2e-3``, over ``configs/cpu_small.yaml``: the CPU recipe this benchmark measures.
 """
 from __future__ import annotations
 
@@ -33,12 +33,8 @@ from konkanivani.model import ASRModel
 from konkanivani.tokenizer import Tokenizer
 from konkanivani.train import train
 
-# The CPU recipe (flags of the trainer); command-line flags override them.
-# Characters, not subword pieces: a third of the test words never occur in training, and a model
-# that spells them from characters generalizes to them (measured: see the README).
-RECIPE = ["--preset", "small", "--tokenizer_type", "char", "--batch_size", "16", "--lr", "2e-3", "--warmup_steps",
-          "200", "--epochs", "1000", "--mixed_precision", "--num_workers", "1", "--keep_checkpoints", "10",
-          "--no-progress", "--log_every", "20", "--validate_every_steps", "500"]
+# The CPU recipe (its reasons are in the file); command-line flags override it.
+RECIPE = ["--config", str(ROOT / "configs" / "cpu_small.yaml")]
 
 log = logging.getLogger("konkanivani")
 
