@@ -60,6 +60,16 @@ def test_every_shipped_config_loads_and_resolves_to_valid_configs(path, tmp_path
             assert getattr(cfg, key, None) == value or getattr(args, key) == value, key
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_config_trains_a_step_of_the_tiny_model(path, tiny_corpus, tmp_path):
+    out = tmp_path / "run"
+    assert cli.main(["--config", str(path), "--train_manifest", str(tiny_corpus / "train.jsonl"), "--valid_manifest",
+                     str(tiny_corpus / "valid.jsonl"), "--output_dir", str(out), "--preset", "tiny", "--max_steps", "1",
+                     "--num_workers", "0", "--device", "cpu", "--no-progress"]) == 0
+    assert load_config_file(out / "config.yaml")["max_steps"] == 1
+
+
 def test_t4_config_is_the_recipe_the_script_passed_as_flags():
     """The flags run_training_memory_optimized.sh gave before it used configs/t4.yaml."""
     script_flags = ["--preset", "medium", "--d_model", "192", "--encoder_layers", "8", "--decoder_layers", "4",
