@@ -98,8 +98,8 @@ def _decode(source: Path | io.BytesIO, label: str, start_s: float = 0.0, end_s: 
             start = round(start_s * sr)
             stop = frames if end_s is None else min(round(end_s * sr), frames)
             if not 0 <= start < stop:
-                raise Unusable("segment outside its recording", f"{label}: from {start_s} s to {end_s} s of "
-                                                                f"{frames / sr:.2f} s")
+                raise Unusable("segment outside its recording", f"{label}: from {start_s} s to "
+                               f"{'its end' if end_s is None else f'{end_s} s'} of {frames / sr:.2f} s")
             f.seek(start)
             data = f.read(stop - start, dtype="float32", always_2d=True)  # (N, channels)
     except Unusable:
@@ -171,9 +171,9 @@ def _kaldi_table(path: Path) -> dict[str, tuple[str, int]]:
     table = {}
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
-            key, _, value = line.strip().partition(" ")
-            if key:
-                table[key] = (value.strip(), line_no)
+            fields = line.split(maxsplit=1)  # the key, then the rest (spaces or tabs between)
+            if fields:
+                table[fields[0]] = (fields[1].strip() if len(fields) > 1 else "", line_no)
     return table
 
 
@@ -182,8 +182,8 @@ def _kaldi_audio(utt: str, recording: str, wav_scp: dict, path: Path, audio_root
         raise Unusable("recording not in wav.scp", f"{recording} of {utt}")
     value, line_no = wav_scp[recording]
     if value.endswith("|"):  # "sox ... - |": a command whose output is the audio
-        raise Unusable("wav.scp entry is a command (not supported: write the audio to files first)",
-                       f"{path / 'wav.scp'}:{line_no}")
+        raise Unusable("wav.scp entry is a command", f"{path / 'wav.scp'}:{line_no}: not supported, write that audio "
+                                                     "to files first")
     return audio_root / value  # an absolute path stays as it is
 
 
@@ -238,7 +238,7 @@ def folder_items(audio_dir: Path, split: str, convert: str | None = None, out_di
     written = (out_dir or audio_dir) / "wavs"  # by --convert, when OUT_DIR lies in AUDIO_DIR: not a source
     items = []
     for path in sorted(p for p in audio_dir.rglob("*") if p.suffix.lower() in AUDIO_SUFFIXES and p.is_file()
-                       and written not in p.parents):
+                       and written.resolve() not in p.resolve().parents):
         transcript = path.with_suffix(".txt")
         item = Item(str(transcript), split)
         try:
@@ -283,8 +283,9 @@ def hf_items(path: Path, out_dir: Path, split: str, text_column: str | None = No
         text_col = text_column or next((c for c in _HF_TEXT_COLUMNS if c in ds.column_names), None)
         for flag, col in (("--audio_column", audio_col), ("--text_column", text_col)):
             if col not in ds.column_names:
-                raise PrepareError(f"{path} ({name}): " + (f"no column {col}" if col else f"no {flag[2:].replace('_', ' ')} found") +
-                                   f"; its columns: {', '.join(ds.column_names)} ({flag} chooses)")
+                what = f"no column {col}" if col else f"no {flag[2:].replace('_', ' ')} found"
+                raise PrepareError(f"{path} ({name}): {what}; its columns: {', '.join(ds.column_names)} "
+                                   f"({flag} chooses)")
         raw = ds.cast_column(audio_col, datasets.Audio(decode=False)).select_columns([audio_col])
         for index, text in enumerate(ds[text_col]):
             target = out_dir / "wavs" / f"{name}_{index:06d}.{convert or 'wav'}"

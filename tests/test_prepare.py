@@ -131,7 +131,8 @@ def test_kaldi_segments_are_cut_to_their_times_and_commands_are_skipped(tmp_path
     rec1 = _audio(tmp_path / "audio" / "rec1.wav", 4.0, sr=8000, channels=2)
     _audio(tmp_path / "audio" / "rec2.flac", 3.0)
     data = _kaldi_dir(tmp_path / "data" / "train", {
-        "wav.scp": [f"rec1 {rec1}", "rec2 audio/rec2.flac", "rec3 sox audio/rec3.wav -t wav - |", "rec4 audio/gone.wav"],
+        "wav.scp": [f"rec1 {rec1}", "rec2 audio/rec2.flac", "rec3 sox audio/rec3.wav -t wav - |",
+                    "rec4 audio/gone.wav"],
         "segments": ["u1 rec1 0.00 1.20", "u2 rec1 1.20 2.70", "u3 rec2 1.25 -1", "u4 rec3 0 1.5",
                      "u5 rec1 2.0 1.0", "u6 rec4 0 1.5", "u7 rec1 9.0 10.0", "u9 rec1 0 1.5"],
         "text": [f"u1 {TEXTS[0]}", f"u2 {TEXTS[1]}", f"u3 {TEXTS[2]}", f"u4 {TEXTS[3]}", f"u5 {TEXTS[4]}",
@@ -160,7 +161,7 @@ def test_kaldi_segments_are_cut_to_their_times_and_commands_are_skipped(tmp_path
 def test_kaldi_without_segments_names_the_recordings_and_carves_a_valid_split(tmp_path, capsys, monkeypatch):
     wavs = [_audio(tmp_path / "wav" / f"r{i}.wav", 1.5 + 0.1 * i) for i in range(5)]
     data = _kaldi_dir(tmp_path / "data", {"wav.scp": [f"r{i} wav/r{i}.wav" for i in range(5)],
-                                          "text": [f"r{i} {TEXTS[i]}" for i in range(5)]})
+                                          "text": [f"r{i}\t{TEXTS[i]}" for i in range(5)]})  # tabs separate too
     monkeypatch.chdir(tmp_path)  # relative wav.scp paths start from the current folder, as in Kaldi
     status, printed = _run(capsys, "kaldi", data, tmp_path / "out", "--valid_fraction", "0.4", "--seed", "1")
     assert status == 0, printed
@@ -191,6 +192,18 @@ def test_folder_of_audio_with_txt_transcripts(tmp_path, capsys):
     assert f"{clips / 'c.wav'}: no transcript (.txt) beside it" in printed
     assert f"{clips / 'd.txt'}: audio unreadable" in printed and f"{clips / 'e.txt'}: empty text" in printed
     _validates(clips / "train.jsonl", capsys)
+
+
+def test_folder_convert_into_the_folder_itself_does_not_read_its_own_output_again(tmp_path, capsys):
+    _audio(tmp_path / "c" / "a.wav", 1.5, sr=44100, channels=2)
+    (tmp_path / "c" / "a.txt").write_text(TEXTS[0], encoding="utf-8")
+    for _ in range(2):
+        status, printed = _run(capsys, "folder", tmp_path / "c", tmp_path / "c", "--convert", "flac")
+        assert status == 0 and "skipped" not in printed, printed
+        assert _rows(tmp_path / "c" / "train.jsonl") == [{"audio_filepath": "wavs/a.flac", "duration": 1.5,
+                                                            "text": TEXTS[0]}]
+    info = sf.info(str(tmp_path / "c" / "wavs" / "a.flac"))
+    assert (info.format, info.samplerate, info.channels) == ("FLAC", 16000, 1)
 
 
 def test_nothing_usable_writes_no_manifest_and_exits_1(tmp_path, capsys):
