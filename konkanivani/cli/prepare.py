@@ -1,0 +1,98 @@
+"""Write NeMo manifests (train.jsonl, valid.jsonl, test.jsonl) from a Common Voice release, a Kaldi
+data directory, a folder of audio with .txt transcripts or a saved Hugging Face dataset
+(``konkanivani-prepare``; the code is konkanivani/prepare.py).
+
+    konkanivani-prepare commonvoice CV_DIR OUT_DIR [--convert wav]
+    konkanivani-prepare kaldi DATA_DIR OUT_DIR [--audio_root DIR] [--split_name train] [--valid_fraction 0.1]
+    konkanivani-prepare folder AUDIO_DIR OUT_DIR [--split_name train] [--valid_fraction 0.1]
+    konkanivani-prepare hf DATASET_DIR OUT_DIR [--text_column sentence] [--valid_fraction 0.1]
+
+Each row is checked as konkanivani-validate checks it; the rows that cannot be used are counted by
+reason at the end, the first few named with file and line. Exit status: 0 when a manifest was
+written, 1 when no row could be used, 2 when the source cannot be read at all.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from . import Parser, fail
+from ..prepare import (CONVERT_FORMATS, PrepareError, commonvoice_items, folder_items, hf_items, kaldi_items,
+                       prepare, print_report)
+from ..tokenizer import Tokenizer
+
+
+def parse_args(argv: list[str] | None = None):
+    p = Parser(description=__doc__.split("\n\n")[0])
+    sources = p.add_subparsers(dest="source", required=True, metavar="SOURCE",
+                               help="commonvoice, kaldi, folder or hf (each has its own --help)")
+    metavars = {"commonvoice": "CV_DIR", "kaldi": "DATA_DIR", "folder": "AUDIO_DIR", "hf": "DATASET_DIR"}
+    helps = {"commonvoice": "a Common Voice release folder: train.tsv, dev.tsv, test.tsv and clips/",
+             "kaldi": "a Kaldi data directory: wav.scp, text, optional segments and utt2spk",
+             "folder": "a folder of audio files with same-named .txt transcripts (searched recursively)",
+             "hf": "a Hugging Face datasets audio dataset saved with save_to_disk (pip install 'konkanivani[hf]')"}
+    for name, text in helps.items():
+        s = sources.add_parser(name, help=text, description=text)
+        s.add_argument("source_dir", type=Path, metavar=metavars[name])
+        s.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="where the manifests (and any audio written) go")
+        s.add_argument("--convert", choices=CONVERT_FORMATS, help="decode the audio to 16 kHz mono files of this "
+                       "format under OUT_DIR" + (" (always done here; default: wav)" if name == "hf" else
+                                                 " (Kaldi segments are always cut to files; default: wav)"
+                                                 if name == "kaldi" else ""))
+        s.add_argument("--tokenizer", type=Path, help="SentencePiece .model to check the text against (default: "
+                       "characters, the strictest)")
+        s.add_argument("--max_duration", type=float, default=30.0,
+                       help="skip audio longer than this many seconds (default: 30.0, as training)")
+        s.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+        if name != "commonvoice":
+            s.add_argument("--split_name", default="train", help="the manifest's name (default: train)"
+                           + ("; a dataset with splits keeps their names, validation/dev as valid" if name == "hf"
+                              else ""))
+            s.add_argument("--valid_fraction", type=float, default=0.0,
+                           help="move this share of the rows, drawn at random, to valid.jsonl (default: 0)")
+            s.add_argument("--seed", type=int, default=0, help="seed of that draw (default: 0)")
+        if name == "kaldi":
+            s.add_argument("--audio_root", type=Path, default=Path("."),
+                           help="folder relative wav.scp paths start from (default: the current one, as in Kaldi)")
+        if name == "hf":
+            s.add_argument("--text_column", help="default: sentence, text or transcription, the first that exists")
+            s.add_argument("--audio_column", help="default: the dataset's Audio column")
+    args = p.parse_args(argv)
+    sub = sources.choices[args.source]
+    if not args.source_dir.is_dir():
+        sub.error(f"{args.source_dir}: not a folder")
+    if args.tokenizer is not None and not args.tokenizer.is_file():
+        sub.error(f"--tokenizer {args.tokenizer}: file not found")
+    if args.max_duration <= 0:
+        sub.error("--max_duration must be a positive number of seconds")
+    if not 0 <= getattr(args, "valid_fraction", 0.0) < 1:
+        sub.error(f"--valid_fraction must be at least 0 and below 1, got {args.valid_fraction}")
+    return args
+
+
+def _items(args):
+    if args.source == "commonvoice":
+        return commonvoice_items(args.source_dir, args.out_dir, args.convert)
+    if args.source == "kaldi":
+        return kaldi_items(args.source_dir, args.out_dir, args.split_name, args.convert, args.audio_root)
+    if args.source == "folder":
+        return folder_items(args.source_dir, args.split_name, args.convert, args.out_dir)
+    return hf_items(args.source_dir, args.out_dir, args.split_name, args.text_column, args.audio_column, args.convert)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        items = _items(args)
+    except PrepareError as e:
+        return fail(str(e))
+    report = prepare(items, args.out_dir, tokenizer=Tokenizer.load(args.tokenizer) if args.tokenizer else None,
+                     max_duration=args.max_duration, valid_fraction=getattr(args, "valid_fraction", 0.0),
+                     split_name=getattr(args, "split_name", "train"), seed=getattr(args, "seed", 0),
+                     progress=args.progress)
+    print_report(report)
+    return 0 if report.manifests else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

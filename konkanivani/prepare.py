@@ -1,0 +1,399 @@
+"""NeMo manifests from the data people already have (``konkanivani-prepare``).
+
+Four sources, each read into a list of ``Item`` (where it came from, its split, its text, the
+audio file the manifest will name and, when that file must first be written, how to write it):
+
+- ``commonvoice``: a Common Voice release folder, ``train.tsv``/``dev.tsv``/``test.tsv`` and
+  ``clips/*.mp3``, to ``train.jsonl``/``valid.jsonl``/``test.jsonl``;
+- ``kaldi``: a Kaldi data directory (``wav.scp``, ``text``, optional ``segments`` and ``utt2spk``);
+  each segment is cut into a file of its own under ``OUT_DIR/wavs/``;
+- ``folder``: audio files with same-named ``.txt`` transcripts, searched recursively;
+- ``hf``: a Hugging Face ``datasets`` audio dataset saved with ``save_to_disk``, decoded to
+  ``OUT_DIR/wavs/``.
+
+Then one pass writes the files that must be written (16 kHz mono 16-bit PCM), checks every row
+with ``checks.check_row`` (the validator's check, which also measures the duration from the
+file's header), and writes ``OUT_DIR/<split>.jsonl``. A row that cannot be used is counted by
+reason and never stops the others. Audio paths are relative to the manifest's folder when the file
+lies under it, absolute otherwise. Text is kept as written but for surrounding whitespace:
+``tokenizer.normalize_text`` runs in training.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import random
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import soundfile as sf
+import torch
+from tqdm import tqdm
+
+from .audio import resample
+from .checks import check_row
+from .frames import SAMPLE_RATE
+from .inference import AUDIO_SUFFIXES
+from .tokenizer import Tokenizer, train_tokenizer
+
+__all__ = ["CONVERT_FORMATS", "PrepareError", "Item", "Report", "commonvoice_items", "kaldi_items", "folder_items",
+           "hf_items", "prepare", "print_report"]
+
+CONVERT_FORMATS = ("wav", "flac")
+_EXAMPLES = 10  # skipped rows named one by one in the report
+_CV_SPLITS = {"train": "train", "dev": "valid", "test": "test"}  # Common Voice file -> our manifest
+_HF_SPLITS = {"validation": "valid", "dev": "valid"}
+_HF_TEXT_COLUMNS = ("sentence", "text", "transcription")
+
+
+class PrepareError(ValueError):
+    """A source that cannot be read at all (a missing folder or file, a TSV without its columns)."""
+
+
+class Unusable(Exception):
+    """One row that cannot be used: ``reason`` (counted) and ``detail`` (shown for the first few)."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(reason, detail)
+        self.reason, self.detail = reason, detail
+
+
+@dataclass
+class Item:
+    """One utterance a source offers."""
+
+    where: str  # "train.tsv:14", "data/text:3": the file and line, for messages
+    split: str
+    text: str = ""
+    audio: Path | None = None  # the file the manifest names
+    write_audio: Callable[[], None] | None = None  # writes ``audio`` first (a conversion, a cut segment)
+    extra: dict[str, Any] = field(default_factory=dict)  # more keys of the row ("speaker")
+    error: Unusable | None = None  # known unusable before any audio is read
+
+
+@dataclass
+class Report:
+    manifests: dict[str, tuple[Path, int, float]] = field(default_factory=dict)  # split -> (path, rows, seconds)
+    skipped: Counter = field(default_factory=Counter)  # reason -> rows
+    examples: list[str] = field(default_factory=list)  # the first few skipped rows, "where: reason (detail)"
+    notes: Counter = field(default_factory=Counter)  # check_row's warnings (not 16 kHz, not mono) -> rows
+    total: int = 0
+
+
+# --- audio ------------------------------------------------------------------------------------
+
+def _decode(source: Path | io.BytesIO, label: str, start_s: float = 0.0, end_s: float | None = None) -> torch.Tensor:
+    """Mono 16 kHz float32 waveform ``(N,)`` of a file or bytes (named ``label`` in messages), from
+    ``start_s`` to ``end_s`` seconds (the end of the audio when None or past it)."""
+    if isinstance(source, Path) and not source.is_file():
+        raise Unusable("audio file missing", label)
+    try:
+        with sf.SoundFile(source if isinstance(source, io.BytesIO) else str(source)) as f:
+            sr, frames = f.samplerate, f.frames
+            start = round(start_s * sr)
+            stop = frames if end_s is None else min(round(end_s * sr), frames)
+            if not 0 <= start < stop:
+                raise Unusable("segment outside its recording", f"{label}: from {start_s} s to "
+                               f"{'its end' if end_s is None else f'{end_s} s'} of {frames / sr:.2f} s")
+            f.seek(start)
+            data = f.read(stop - start, dtype="float32", always_2d=True)  # (N, channels)
+    except Unusable:
+        raise
+    except Exception as e:  # noqa: BLE001  soundfile raises LibsndfileError, RuntimeError, TypeError...
+        raise Unusable("audio unreadable", f"{label}: {getattr(e, 'error_string', e)}") from e
+    if data.shape[0] == 0:
+        raise Unusable("audio empty", label)
+    if not np.isfinite(data).all():
+        raise Unusable("audio holds NaN or infinite samples", label)
+    return resample(torch.from_numpy(np.ascontiguousarray(data.mean(axis=1))), sr)  # (N,)
+
+
+def _writer(target: Path, source: Path | Callable[[], io.BytesIO], label: str, start_s: float = 0.0,
+            end_s: float | None = None) -> Callable[[], None]:
+    """A function that decodes ``source`` (a file, or a function giving bytes) and writes it to
+    ``target`` as 16 kHz mono 16-bit PCM, in the format of the target's suffix."""
+    def write() -> None:
+        wav = _decode(source if isinstance(source, Path) else source(), label, start_s, end_s)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        sf.write(str(target), np.clip(wav.numpy(), -1.0, 1.0), SAMPLE_RATE, subtype="PCM_16")  # resampling overshoots
+    return write
+
+
+def _source_audio(path: Path, out_dir: Path, convert: str | None, name: str) -> tuple[Path, Callable | None]:
+    """A source file as the manifest will name it: as it is, or decoded to ``out_dir/name.convert``."""
+    if convert is None:
+        return path, None
+    target = out_dir / f"{name}.{convert}"
+    return target, _writer(target, path, str(path))
+
+
+# --- sources ----------------------------------------------------------------------------------
+
+def commonvoice_items(cv_dir: Path, out_dir: Path, convert: str | None = None) -> list[Item]:
+    """``train.tsv``, ``dev.tsv`` and ``test.tsv`` (those present) of a Common Voice release: the
+    clip in ``clips/`` named by ``path``, the text in ``sentence``, ``client_id`` as ``speaker``."""
+    tsvs = [(cv_dir / f"{name}.tsv", split) for name, split in _CV_SPLITS.items() if (cv_dir / f"{name}.tsv").is_file()]
+    if not tsvs:
+        raise PrepareError(f"{cv_dir}: no train.tsv, dev.tsv or test.tsv (a Common Voice release folder holds them "
+                           "beside clips/)")
+    if "MP3" not in sf.available_formats():
+        raise PrepareError(f"this soundfile's libsndfile {sf.__libsndfile_version__} cannot read MP3 (1.1 and later "
+                           "can): pip install -U soundfile")
+    items = []
+    for tsv, split in tsvs:
+        with open(tsv, encoding="utf-8", newline="") as f:
+            # Common Voice does not quote its fields: a sentence may open with a quotation mark.
+            reader = csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+            missing = {"path", "sentence"} - set(reader.fieldnames or ())
+            if missing:
+                raise PrepareError(f"{tsv}: no column {', '.join(sorted(missing))} in its header "
+                                   f"({', '.join(reader.fieldnames or ['empty file'])})")
+            for row in reader:
+                item = Item(f"{tsv}:{reader.line_num}", split, (row["sentence"] or "").strip())
+                if not row["path"]:
+                    item.error = Unusable("no clip named")
+                else:
+                    item.audio, item.write_audio = _source_audio(cv_dir / "clips" / row["path"], out_dir / "clips",
+                                                                 convert, Path(row["path"]).stem)
+                if row.get("client_id"):
+                    item.extra["speaker"] = row["client_id"]
+                items.append(item)
+    return items
+
+
+def _kaldi_table(path: Path) -> dict[str, tuple[str, int]]:
+    """A Kaldi table file: the first field of each line -> (the rest, stripped; its line number)."""
+    table = {}
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            fields = line.split(maxsplit=1)  # the key, then the rest (spaces or tabs between)
+            if fields:
+                table[fields[0]] = (fields[1].strip() if len(fields) > 1 else "", line_no)
+    return table
+
+
+def _kaldi_audio(utt: str, recording: str, wav_scp: dict, path: Path, audio_root: Path) -> Path:
+    if recording not in wav_scp:
+        raise Unusable("recording not in wav.scp", f"{recording} of {utt}")
+    value, line_no = wav_scp[recording]
+    if value.endswith("|"):  # "sox ... - |": a command whose output is the audio
+        raise Unusable("wav.scp entry is a command", f"{path / 'wav.scp'}:{line_no}: not supported, write that audio "
+                                                     "to files first")
+    return audio_root / value  # an absolute path stays as it is
+
+
+def kaldi_items(data_dir: Path, out_dir: Path, split: str, convert: str | None = None,
+                audio_root: Path = Path(".")) -> list[Item]:
+    """One item per line of ``text``; its audio is the ``wav.scp`` recording of the same id, or with
+    ``segments`` its segment, cut to ``out_dir/wavs/<utt>.<convert or wav>``. Relative ``wav.scp``
+    paths are taken from ``audio_root`` (Kaldi reads them from the current directory)."""
+    for name in ("wav.scp", "text"):
+        if not (data_dir / name).is_file():
+            raise PrepareError(f"{data_dir}: no {name} (a Kaldi data directory holds wav.scp and text)")
+    wav_scp, texts = _kaldi_table(data_dir / "wav.scp"), _kaldi_table(data_dir / "text")
+    segments = _kaldi_table(data_dir / "segments") if (data_dir / "segments").is_file() else None
+    speakers = _kaldi_table(data_dir / "utt2spk") if (data_dir / "utt2spk").is_file() else {}
+    items = []
+    for utt, (text, line_no) in texts.items():
+        item = Item(f"{data_dir / 'text'}:{line_no}", split, text)
+        if utt in speakers:
+            item.extra["speaker"] = speakers[utt][0]
+        name = utt.replace("/", "_")
+        try:
+            if segments is None:
+                item.audio, item.write_audio = _source_audio(_kaldi_audio(utt, utt, wav_scp, data_dir, audio_root),
+                                                             out_dir / "wavs", convert, name)
+            else:
+                item.audio, item.write_audio = _segment(utt, segments, wav_scp, data_dir, audio_root,
+                                                        out_dir / "wavs" / f"{name}.{convert or 'wav'}")
+        except Unusable as e:
+            item.error = e
+        items.append(item)
+    return items
+
+
+def _segment(utt: str, segments: dict, wav_scp: dict, data_dir: Path, audio_root: Path,
+             target: Path) -> tuple[Path, Callable]:
+    if utt not in segments:
+        raise Unusable("not in segments", utt)
+    value, line_no = segments[utt]
+    fields = value.split()
+    try:
+        recording, start, end = fields[0], float(fields[1]), float(fields[2])
+    except (IndexError, ValueError):
+        raise Unusable("bad segments line", f"{data_dir / 'segments'}:{line_no}: {value!r}") from None
+    if end >= 0 and end <= start:  # an end of -1 means the end of the recording
+        raise Unusable("bad segments line", f"{data_dir / 'segments'}:{line_no}: ends at {end} before {start}")
+    source = _kaldi_audio(utt, recording, wav_scp, data_dir, audio_root)
+    return target, _writer(target, source, str(source), start, None if end < 0 else end)
+
+
+def folder_items(audio_dir: Path, split: str, convert: str | None = None, out_dir: Path | None = None) -> list[Item]:
+    """Every audio file under ``audio_dir`` (recursively) with its same-named ``.txt`` beside it."""
+    written = (out_dir or audio_dir) / "wavs"  # by --convert, when OUT_DIR lies in AUDIO_DIR: not a source
+    items = []
+    for path in sorted(p for p in audio_dir.rglob("*") if p.suffix.lower() in AUDIO_SUFFIXES and p.is_file()
+                       and written.resolve() not in p.resolve().parents):
+        transcript = path.with_suffix(".txt")
+        item = Item(str(transcript), split)
+        try:
+            item.text = transcript.read_text(encoding="utf-8-sig").strip()
+        except FileNotFoundError:
+            item.where, item.error = str(path), Unusable("no transcript (.txt) beside it")
+        except (UnicodeDecodeError, OSError) as e:
+            item.error = Unusable("transcript unreadable", str(e))
+        name = str(path.relative_to(audio_dir).with_suffix("")).replace(os.sep, "_")
+        item.audio, item.write_audio = _source_audio(path, written, convert, name)
+        items.append(item)
+    if not items:
+        raise PrepareError(f"{audio_dir}: no audio file ({', '.join(AUDIO_SUFFIXES)}) in it or below")
+    return items
+
+
+def _load_hf(path: Path):
+    try:
+        import datasets
+    except ImportError:
+        raise PrepareError("reading a Hugging Face dataset needs the datasets package: pip install "
+                           "'konkanivani[hf]' (or pip install 'datasets>=2.14')") from None
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except FileNotFoundError as e:
+        raise PrepareError(f"{path}: not a dataset saved with save_to_disk ({e})") from None
+    return datasets, loaded
+
+
+def hf_items(path: Path, out_dir: Path, split: str, text_column: str | None = None,
+             audio_column: str | None = None, convert: str | None = None) -> list[Item]:
+    """Every row of a dataset saved with ``save_to_disk`` (a ``Dataset``: one split, named ``split``;
+    a ``DatasetDict``: each of its splits, validation/dev as valid), its audio decoded to
+    ``out_dir/wavs/<split>_<row>.<convert or wav>``. The audio is read as the stored bytes and
+    decoded with soundfile, so no audio decoder of ``datasets``' own is needed."""
+    datasets, loaded = _load_hf(path)
+    parts = loaded.items() if isinstance(loaded, datasets.DatasetDict) else [(split, loaded)]
+    items = []
+    for name, ds in parts:
+        name = _HF_SPLITS.get(name, name)
+        audio_col = audio_column or next((c for c, f in ds.features.items() if isinstance(f, datasets.Audio)), None)
+        text_col = text_column or next((c for c in _HF_TEXT_COLUMNS if c in ds.column_names), None)
+        for flag, col in (("--audio_column", audio_col), ("--text_column", text_col)):
+            if col not in ds.column_names:
+                what = f"no column {col}" if col else f"no {flag[2:].replace('_', ' ')} found"
+                raise PrepareError(f"{path} ({name}): {what}; its columns: {', '.join(ds.column_names)} "
+                                   f"({flag} chooses)")
+        raw = ds.cast_column(audio_col, datasets.Audio(decode=False)).select_columns([audio_col])
+        for index, text in enumerate(ds[text_col]):
+            target = out_dir / "wavs" / f"{name}_{index:06d}.{convert or 'wav'}"
+            stored = lambda raw=raw, i=index: _hf_bytes(raw[i][audio_col])  # noqa: E731  read when written
+            items.append(Item(f"{path} {name} row {index}", name, text.strip() if isinstance(text, str) else "",
+                              target, _writer(target, stored, "the stored audio")))
+    return items
+
+
+def _hf_bytes(audio: dict) -> io.BytesIO:
+    """The stored bytes of an undecoded ``Audio`` value (``{"bytes", "path"}``), or its file's."""
+    if audio.get("bytes"):
+        return io.BytesIO(audio["bytes"])
+    if audio.get("path") and Path(audio["path"]).is_file():
+        return io.BytesIO(Path(audio["path"]).read_bytes())
+    raise Unusable("audio file missing", str(audio.get("path")))
+
+
+# --- checking and writing ---------------------------------------------------------------------
+
+def _manifest_path(audio: Path, out_dir: Path) -> str:
+    """Relative to the manifest's folder when the file lies under it (so the two move together)."""
+    try:
+        return audio.resolve().relative_to(out_dir.resolve()).as_posix()
+    except ValueError:
+        return str(audio.absolute())
+
+
+def _check(items: list[Item], out_dir: Path, tokenizer: Tokenizer, max_duration: float, progress: bool,
+           report: Report) -> dict[str, list[dict]]:
+    """Write each item's audio when it must be, check its row, and group the good rows by split."""
+    rows: dict[str, list[dict]] = defaultdict(list)
+    for item in tqdm(items, desc="reading audio", unit="utt", disable=not progress):
+        try:
+            if item.error:
+                raise item.error
+            if not item.text:  # said before any audio is decoded for it
+                raise Unusable("empty text")
+            if item.write_audio:
+                item.write_audio()
+            row = {"audio_filepath": _manifest_path(item.audio, out_dir), "text": item.text, **item.extra}
+            check = check_row(row, out_dir, tokenizer, max_duration=max_duration)
+            if check.error:
+                raise Unusable(*check.error)
+        except Unusable as e:
+            report.skipped[e.reason] += 1
+            if len(report.examples) < _EXAMPLES:
+                report.examples.append(f"{item.where}: {e.reason}" + (f" ({e.detail})" if e.detail else ""))
+            continue
+        report.notes.update(reason for reason, _ in check.warnings)
+        rows[item.split].append({"audio_filepath": row["audio_filepath"], "duration": round(check.duration, 3),
+                                 "text": item.text, **item.extra})
+    return rows
+
+
+def _carve_valid(rows: dict[str, list[dict]], split: str, fraction: float, seed: int) -> None:
+    """Move a seeded ``fraction`` of ``split``'s rows (at least one, never all) to ``valid``."""
+    source = rows.get(split, [])
+    if fraction <= 0 or len(source) < 2:
+        return
+    k = min(max(1, round(len(source) * fraction)), len(source) - 1)
+    chosen = set(random.Random(seed).sample(range(len(source)), k))
+    rows["valid"] = rows.get("valid", []) + [r for i, r in enumerate(source) if i in chosen]
+    rows[split] = [r for i, r in enumerate(source) if i not in chosen]
+
+
+def prepare(items: list[Item], out_dir: Path, *, tokenizer: Tokenizer | None = None, max_duration: float = 30.0,
+            valid_fraction: float = 0.0, split_name: str = "train", seed: int = 0, progress: bool = True) -> Report:
+    """Check ``items``, write ``out_dir/<split>.jsonl`` for every split with a usable row, and
+    report what was written and what was skipped.
+
+    Without ``tokenizer`` the texts are checked against a character tokenizer trained on them all:
+    a row that passes with characters (the most tokens, so the strictest "too short for CTC") passes
+    with any tokenizer trained on the same text.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = Report(total=len(items))
+    if tokenizer is None:
+        texts = [item.text for item in items if item.error is None and item.text]
+        try:
+            tokenizer = train_tokenizer(texts, model_type="char")
+        except ValueError:  # no text at all: every row fails as "empty text" below
+            tokenizer = train_tokenizer(["a"], model_type="char")
+    rows = _check(items, out_dir, tokenizer, max_duration, progress, report)
+    _carve_valid(rows, split_name, valid_fraction, seed)
+    for split, split_rows in rows.items():
+        path = out_dir / f"{split}.jsonl"
+        with open(path, "w", encoding="utf-8") as f:
+            for row in split_rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        report.manifests[split] = (path, len(split_rows), sum(r["duration"] for r in split_rows))
+    return report
+
+
+def print_report(report: Report) -> None:
+    for split, (path, n, seconds) in report.manifests.items():
+        print(f"wrote {path}: {n} utterance{'s' if n != 1 else ''}, {seconds / 3600:.2f} h")
+    if not report.manifests:
+        print("no usable utterance: no manifest written")
+    for reason, n in report.notes.most_common():
+        print(f"  note: {n} rows {reason}; converted when training loads them (--convert wav writes 16 kHz mono "
+              "files once)")
+    if report.skipped:
+        skipped = sum(report.skipped.values())
+        print(f"skipped {skipped} of {report.total} utterances:")
+        for reason, n in report.skipped.most_common():
+            print(f"  {n:6d} {reason}")
+        for example in report.examples:
+            print(f"  {example}")
+        if skipped > len(report.examples):
+            print(f"  ... and {skipped - len(report.examples)} more")
