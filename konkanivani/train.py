@@ -393,8 +393,10 @@ def train_epoch(run: Run, stop_request: StopRequest,
             bar.set_postfix_str(f"loss {stats['loss']:.3g}, {speed.rate():.1f} utt/s, data {speed.wait_percent():.0f}%",
                                 refresh=False)
             if run.step % cfg.log_every == 0:
-                run.record("train", **stats, utt_per_s=speed.rate(), data_wait=round(speed.wait_percent() / 100, 4))
-                log.info("%s", _summary_line(run, stats, speed))
+                memory = {name: round(gib, 4) for name, gib in memory_status(run.device).items()}
+                run.record("train", **stats, utt_per_s=speed.rate(), data_wait=round(speed.wait_percent() / 100, 4),
+                           **memory)
+                log.info("%s", _summary_line(run, stats, speed, memory))
                 speed.restart()
             if cfg.save_every_steps and run.step % cfg.save_every_steps == 0:
                 save(run)
@@ -756,9 +758,10 @@ def _progress_bar(total: int, done: int, desc: str, show: bool) -> tqdm:
                 bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
 
 
-def _summary_line(run: Run, stats: dict[str, float], speed: _Speed) -> str:
-    """The --log_every line: where the run is, the losses, lr, gradient norm, speed and memory."""
-    now, peak = list(memory_status(run.device).values())[:2]
+def _summary_line(run: Run, stats: dict[str, float], speed: _Speed, memory: dict[str, float]) -> str:
+    """The --log_every line: where the run is, the losses, lr, gradient norm, speed and memory
+    (``memory_status``: in use now, then the peak)."""
+    now, peak = list(memory.values())[:2]
     return (f"step {run.step} (epoch {run.epoch + 1}, {100 * run.batches_done / run.epoch_batches:.0f}%): "
             f"loss {stats['loss']:.3f} (ctc {stats['ctc']:.3f}, attention {stats['attention']:.3f}), "
             f"lr {stats['lr']:.2e}, grad norm {stats['grad_norm']:.2f}, {speed.rate():.1f} utt/s "
