@@ -44,6 +44,7 @@ from .model import ASRModel, compiled, count_parameters
 from .optim import build_optimizer, canonical_optimizer
 from .precision import Precision, resolve_precision
 from .safety import NonFiniteSkips, StopRequest, TrainingDiverged, diverged_message, ignore_stop_signals
+from .tensorboard_log import TensorBoardLog, open_tensorboard
 from .tokenizer import Tokenizer, train_tokenizer
 
 __all__ = ["train", "Run", "lr_factor", "forward_backward", "optimizer_step", "validate", "maybe_empty_cache"]
@@ -72,11 +73,12 @@ def train(cfg: TrainConfig, model_overrides: Optional[dict[str, Any]] = None,
     _check_device_settings(cfg, device)
     with _run_directory(Path(cfg.output_dir), cfg, dist), StopRequest(cfg.max_time) as stop_request:
         run = setup_run(cfg, model_overrides or {}, dist, device)
-        stop = "max_steps" if 0 < cfg.max_steps <= run.step else None
-        while run.epoch < cfg.epochs and stop is None:
-            stop, epoch_ended = train_epoch(run, stop_request, on_step)
-            stop = end_epoch(run, stop, stop_request) if epoch_ended else stop_inside_epoch(run, stop)
-        return finish(run, stop)
+        with contextlib.closing(run.board):
+            stop = "max_steps" if 0 < cfg.max_steps <= run.step else None
+            while run.epoch < cfg.epochs and stop is None:
+                stop, epoch_ended = train_epoch(run, stop_request, on_step)
+                stop = end_epoch(run, stop, stop_request) if epoch_ended else stop_inside_epoch(run, stop)
+            return finish(run, stop)
 
 
 def _check_device_settings(cfg: TrainConfig, device: torch.device) -> None:
@@ -117,12 +119,14 @@ class Run:
     valid_step: int = -1
     saved_step: int = -1
     unreadable: int = 0  # audio files that failed to load in training, all epochs
+    board: TensorBoardLog = field(default_factory=TensorBoardLog)  # the metrics rows again, for TensorBoard
 
     def record(self, kind: str, **values: float) -> None:
-        """A metrics row. Each carries the 1-based epoch its step belongs to: the one in progress,
-        or the one that just ended for an epoch-end validation."""
+        """A metrics row, in metrics.jsonl and TensorBoard. Each carries the 1-based epoch its step
+        belongs to: the one in progress, or the one that just ended for an epoch-end validation."""
         if self.dist.is_main:
             self.metrics.write(kind, self.step, self.epoch + 1 if self.batches_done else self.epoch, **values)
+            self.board.write(kind, self.step, **values)
 
 
 @contextlib.contextmanager
@@ -199,6 +203,8 @@ def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, dev
     if state is not None:
         _restore(run, state, source, samples_grew)
     _log_plan(run, estimator)
+    if dist.is_main and cfg.tensorboard:
+        run.board = open_tensorboard(out_dir / "tensorboard", run.step)
     return run
 
 
