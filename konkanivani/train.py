@@ -42,6 +42,7 @@ from .memory import (GIB, BatchDoesNotFit, MemoryEstimator, auto_batch_frames, f
 from .metrics import error_rates
 from .model import ASRModel, compiled, count_parameters
 from .optim import build_optimizer, canonical_optimizer
+from .plot import CURVES, have_matplotlib, write_curves
 from .precision import Precision, resolve_precision
 from .safety import NonFiniteSkips, StopRequest, TrainingDiverged, diverged_message, ignore_stop_signals
 from .tensorboard_log import TensorBoardLog, open_tensorboard
@@ -120,6 +121,7 @@ class Run:
     saved_step: int = -1
     unreadable: int = 0  # audio files that failed to load in training, all epochs
     board: TensorBoardLog = field(default_factory=TensorBoardLog)  # the metrics rows again, for TensorBoard
+    draw_curves: bool = False  # redraw curves.png after each validation (rank 0, with matplotlib)
 
     def record(self, kind: str, **values: float) -> None:
         """A metrics row, in metrics.jsonl and TensorBoard. Each carries the 1-based epoch its step
@@ -205,7 +207,15 @@ def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, dev
     _log_plan(run, estimator)
     if dist.is_main and cfg.tensorboard:
         run.board = open_tensorboard(out_dir / "tensorboard", run.step)
+    run.draw_curves = dist.is_main and _can_draw_curves(out_dir)
     return run
+
+
+def _can_draw_curves(out_dir: Path) -> bool:
+    if have_matplotlib():
+        return True
+    log.info('matplotlib is not installed: no %s in %s (pip install "konkanivani[plot]")', CURVES, out_dir)
+    return False
 
 
 def _resume_state(cfg: TrainConfig, out_dir: Path) -> tuple[Optional[TrainState], str]:
@@ -508,8 +518,8 @@ def finish(run: Run, stop: Optional[str]) -> dict[str, Any]:
 
 def validate_and_save(run: Run) -> None:
     """Validate at this step, record the metrics, save (best.pt too when they improved: the lowest
-    WER, then the lowest CER, as early on every WER is 100%). Draws nothing from the global RNG, so
-    a resumed run goes on exactly as it would have."""
+    WER, then the lowest CER, as early on every WER is 100%), redraw curves.png. Draws nothing from
+    the global RNG, so a resumed run goes on exactly as it would have."""
     metrics = validate(run.model, run.valid_loader, run.tokenizer, run.valid_utts, run.device, run.precision,
                        Dist() if is_sharded(run.model) else run.dist)  # sharded: each process saw all
     run.valid_metrics, run.valid_step = metrics, run.step
@@ -523,6 +533,16 @@ def validate_and_save(run: Run) -> None:
     log.info("step %d (%s): valid loss %.3f  CER %.2f%%  WER %.2f%%%s", run.step, where, metrics["loss"],
              100 * metrics["cer"], 100 * metrics["wer"], "  (best)" if is_best else "")
     save(run, is_best)
+    if run.draw_curves:  # after the save: nothing that goes wrong in drawing costs the checkpoint
+        _redraw_curves(run.out_dir)
+
+
+def _redraw_curves(out_dir: Path) -> None:
+    """curves.png from metrics.jsonl. A picture is not worth a run: any failure is a warning."""
+    try:
+        write_curves(out_dir)
+    except Exception as e:  # noqa: BLE001 (a full disk, a broken matplotlib install, a font cache...)
+        log.warning("could not draw %s: %s: %s", out_dir / CURVES, type(e).__name__, e)
 
 
 def save(run: Run, is_best: bool = False, quiet: bool = False) -> None:
