@@ -130,6 +130,8 @@ class TrainConfig:
     validate_every_steps: int = field(default=0, metadata=_help(
         "also validate (and keep best.pt current) every N optimizer steps, not only at epoch ends (0: epochs only)"))
     progress: bool = field(default=True, metadata=_help("show tqdm progress bars"))
+    tensorboard: bool = field(default=True, metadata=_help(
+        "write the metrics as TensorBoard event files to OUTPUT_DIR/tensorboard/ (when TensorBoard is installed)"))
     max_time: float = field(default=0.0, metadata=_help(
         "wall-clock budget in seconds: after the step that passes it, save and stop (0: none)"))
     max_consecutive_skips: int = field(default=20, metadata=_help(

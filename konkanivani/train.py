@@ -43,8 +43,10 @@ from .memory import (GIB, BatchDoesNotFit, MemoryEstimator, auto_batch_frames, f
 from .metrics import error_rates
 from .model import ASRModel, compiled, count_parameters
 from .optim import build_optimizer, canonical_optimizer
+from .plot import CURVES, have_matplotlib, write_curves
 from .precision import Precision, resolve_precision
 from .safety import NonFiniteSkips, StopRequest, TrainingDiverged, diverged_message, ignore_stop_signals
+from .tensorboard_log import TensorBoardLog, open_tensorboard
 from .tokenizer import Tokenizer, train_tokenizer
 
 __all__ = ["train", "Run", "lr_factor", "forward_backward", "optimizer_step", "validate", "maybe_empty_cache"]
@@ -73,11 +75,12 @@ def train(cfg: TrainConfig, model_overrides: Optional[dict[str, Any]] = None,
     _check_device_settings(cfg, device)
     with _run_directory(Path(cfg.output_dir), cfg, dist), StopRequest(cfg.max_time) as stop_request:
         run = setup_run(cfg, model_overrides or {}, dist, device)
-        stop = "max_steps" if 0 < cfg.max_steps <= run.step else None
-        while run.epoch < cfg.epochs and stop is None:
-            stop, epoch_ended = train_epoch(run, stop_request, on_step)
-            stop = end_epoch(run, stop, stop_request) if epoch_ended else stop_inside_epoch(run, stop)
-        return finish(run, stop)
+        with contextlib.closing(run.board):
+            stop = "max_steps" if 0 < cfg.max_steps <= run.step else None
+            while run.epoch < cfg.epochs and stop is None:
+                stop, epoch_ended = train_epoch(run, stop_request, on_step)
+                stop = end_epoch(run, stop, stop_request) if epoch_ended else stop_inside_epoch(run, stop)
+            return finish(run, stop)
 
 
 def _check_device_settings(cfg: TrainConfig, device: torch.device) -> None:
@@ -118,12 +121,15 @@ class Run:
     valid_step: int = -1
     saved_step: int = -1
     unreadable: int = 0  # audio files that failed to load in training, all epochs
+    board: TensorBoardLog = field(default_factory=TensorBoardLog)  # the metrics rows again, for TensorBoard
+    draw_curves: bool = False  # redraw curves.png after each validation (rank 0, with matplotlib)
 
     def record(self, kind: str, **values: float) -> None:
-        """A metrics row. Each carries the 1-based epoch its step belongs to: the one in progress,
-        or the one that just ended for an epoch-end validation."""
+        """A metrics row, in metrics.jsonl and TensorBoard. Each carries the 1-based epoch its step
+        belongs to: the one in progress, or the one that just ended for an epoch-end validation."""
         if self.dist.is_main:
             self.metrics.write(kind, self.step, self.epoch + 1 if self.batches_done else self.epoch, **values)
+            self.board.write(kind, self.step, **values)
 
 
 @contextlib.contextmanager
@@ -202,7 +208,17 @@ def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, dev
     _log_plan(run, estimator)
     if dist.is_main:  # the values this run uses (the resumed ones on --resume), to run it again with --config
         write_config_file(out_dir / "config.yaml", run.cfg, model_cfg, run.step)
+    if dist.is_main and cfg.tensorboard:
+        run.board = open_tensorboard(out_dir / "tensorboard", run.step)
+    run.draw_curves = dist.is_main and _can_draw_curves(out_dir)
     return run
+
+
+def _can_draw_curves(out_dir: Path) -> bool:
+    if have_matplotlib():
+        return True
+    log.info('matplotlib is not installed: no %s in %s (pip install "konkanivani[plot]")', CURVES, out_dir)
+    return False
 
 
 def _resume_state(cfg: TrainConfig, out_dir: Path) -> tuple[Optional[TrainState], str]:
@@ -396,8 +412,10 @@ def train_epoch(run: Run, stop_request: StopRequest,
             bar.set_postfix_str(f"loss {stats['loss']:.3g}, {speed.rate():.1f} utt/s, data {speed.wait_percent():.0f}%",
                                 refresh=False)
             if run.step % cfg.log_every == 0:
-                run.record("train", **stats, utt_per_s=speed.rate(), data_wait=round(speed.wait_percent() / 100, 4))
-                log.info("%s", _summary_line(run, stats, speed))
+                memory = {name: round(gib, 4) for name, gib in memory_status(run.device).items()}
+                run.record("train", **stats, utt_per_s=speed.rate(), data_wait=round(speed.wait_percent() / 100, 4),
+                           **memory)
+                log.info("%s", _summary_line(run, stats, speed, memory))
                 speed.restart()
             if cfg.save_every_steps and run.step % cfg.save_every_steps == 0:
                 save(run)
@@ -503,8 +521,8 @@ def finish(run: Run, stop: Optional[str]) -> dict[str, Any]:
 
 def validate_and_save(run: Run) -> None:
     """Validate at this step, record the metrics, save (best.pt too when they improved: the lowest
-    WER, then the lowest CER, as early on every WER is 100%). Draws nothing from the global RNG, so
-    a resumed run goes on exactly as it would have."""
+    WER, then the lowest CER, as early on every WER is 100%), redraw curves.png. Draws nothing from
+    the global RNG, so a resumed run goes on exactly as it would have."""
     metrics = validate(run.model, run.valid_loader, run.tokenizer, run.valid_utts, run.device, run.precision,
                        Dist() if is_sharded(run.model) else run.dist)  # sharded: each process saw all
     run.valid_metrics, run.valid_step = metrics, run.step
@@ -518,6 +536,16 @@ def validate_and_save(run: Run) -> None:
     log.info("step %d (%s): valid loss %.3f  CER %.2f%%  WER %.2f%%%s", run.step, where, metrics["loss"],
              100 * metrics["cer"], 100 * metrics["wer"], "  (best)" if is_best else "")
     save(run, is_best)
+    if run.draw_curves:  # after the save: nothing that goes wrong in drawing costs the checkpoint
+        _redraw_curves(run.out_dir)
+
+
+def _redraw_curves(out_dir: Path) -> None:
+    """curves.png from metrics.jsonl. A picture is not worth a run: any failure is a warning."""
+    try:
+        write_curves(out_dir)
+    except Exception as e:  # noqa: BLE001 (a full disk, a broken matplotlib install, a font cache...)
+        log.warning("could not draw %s: %s: %s", out_dir / CURVES, type(e).__name__, e)
 
 
 def save(run: Run, is_best: bool = False, quiet: bool = False) -> None:
@@ -759,9 +787,10 @@ def _progress_bar(total: int, done: int, desc: str, show: bool) -> tqdm:
                 bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
 
 
-def _summary_line(run: Run, stats: dict[str, float], speed: _Speed) -> str:
-    """The --log_every line: where the run is, the losses, lr, gradient norm, speed and memory."""
-    now, peak = list(memory_status(run.device).values())[:2]
+def _summary_line(run: Run, stats: dict[str, float], speed: _Speed, memory: dict[str, float]) -> str:
+    """The --log_every line: where the run is, the losses, lr, gradient norm, speed and memory
+    (``memory_status``: in use now, then the peak)."""
+    now, peak = list(memory.values())[:2]
     return (f"step {run.step} (epoch {run.epoch + 1}, {100 * run.batches_done / run.epoch_batches:.0f}%): "
             f"loss {stats['loss']:.3f} (ctc {stats['ctc']:.3f}, attention {stats['attention']:.3f}), "
             f"lr {stats['lr']:.2e}, grad norm {stats['grad_norm']:.2f}, {speed.rate():.1f} utt/s "

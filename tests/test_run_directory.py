@@ -2,6 +2,7 @@
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,9 +50,7 @@ def test_a_fresh_run_into_a_used_directory_is_refused_and_changes_nothing(first_
 
 def test_overwrite_moves_the_old_run_aside_and_deletes_nothing(first_run, tiny_corpus, tmp_path, caplog):
     out = tmp_path / "run"
-    for p in first_run.iterdir():  # a copy of the first run, hard links kept apart
-        (out / p.relative_to(first_run)).parent.mkdir(parents=True, exist_ok=True)
-        (out / p.name).write_bytes(p.read_bytes())
+    shutil.copytree(first_run, out)  # a copy of the first run (its tensorboard/ too), hard links kept apart
     before = _snapshot(out)
     with caplog.at_level(logging.INFO, logger="konkanivani"):
         assert cli.main(tiny_args(tiny_corpus, out, "--max_steps", "3", "--overwrite")) == 0
@@ -138,9 +137,7 @@ def test_resume_latest_falls_back_to_the_newest_readable_checkpoint(tmp_path, ca
 
 def test_cli_resumes_from_the_step_file_when_latest_is_broken(first_run, tiny_corpus, tmp_path, caplog):
     out = tmp_path / "run"
-    out.mkdir()
-    for p in first_run.iterdir():
-        (out / p.name).write_bytes(p.read_bytes())  # copies: latest.pt is no longer a link to step 4
+    shutil.copytree(first_run, out)  # copies: latest.pt is no longer a link to step 4
     (out / "latest.pt").write_bytes((out / "latest.pt").read_bytes()[:1000])
     with caplog.at_level(logging.INFO, logger="konkanivani"):
         assert cli.main(tiny_args(tiny_corpus, out, "--max_steps", "6", "--resume", "latest")) == 0

@@ -1,0 +1,44 @@
+"""Draw the learning curves of one training run, or compare several (``konkanivani-plot``).
+
+    konkanivani-plot checkpoints/run                       # redraws checkpoints/run/curves.png
+    konkanivani-plot runs/small runs/medium -o compare.png # one line per run, named by its directory
+
+Loss (training and validation), CER and WER, and the learning rate against the optimizer step,
+from each directory's metrics.jsonl. Needs matplotlib (``pip install "konkanivani[plot]"``).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from . import Parser, fail
+from ..plot import CURVES, have_matplotlib, plot_runs, read_metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="training output directories")
+    parser.add_argument("-o", "--output", type=Path,
+                        help=f"the PNG to write (default with one RUN_DIR: RUN_DIR/{CURVES}; required with several)")
+    args = parser.parse_args(argv)
+    if args.output is None and len(args.run_dirs) > 1:
+        parser.error("give -o PNG to compare several runs")
+    for run_dir in args.run_dirs:
+        metrics = run_dir / "metrics.jsonl"
+        if not metrics.is_file():
+            return fail(f"{run_dir}: no metrics.jsonl (not a training output directory, or no step logged yet)")
+        if not read_metrics(metrics):
+            return fail(f"{metrics}: no rows yet")
+    if not have_matplotlib():
+        return fail('drawing needs matplotlib: pip install "konkanivani[plot]"')
+    output = args.output or args.run_dirs[0] / CURVES
+    try:
+        plot_runs(args.run_dirs, output)
+    except OSError as e:
+        return fail(f"could not write {output}: {e}")
+    print(f"wrote {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
