@@ -231,7 +231,7 @@ def max_difference(run: Runner, graph: CTCGraph, lengths: Sequence[int] = (137, 
     feats, lens = _example_inputs(graph, lengths, seed=1)
     with torch.no_grad():
         expected, expected_lens = graph(feats, lens)
-    got, got_lens = run(feats, lens)
+        got, got_lens = run(feats, lens)
     if got.shape != expected.shape or not torch.equal(got_lens, expected_lens):
         raise ExportError(f"the exported model gives log-probs {tuple(got.shape)} with lengths {got_lens.tolist()} "
                           f"where the model gives {tuple(expected.shape)} with {expected_lens.tolist()}")
