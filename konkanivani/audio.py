@@ -16,8 +16,9 @@ import torchaudio
 
 from .frames import HOP_LENGTH, SAMPLE_RATE
 
-__all__ = ["SAMPLE_RATE", "HOP_LENGTH", "load_audio", "resample", "LogMel"]
+__all__ = ["SAMPLE_RATE", "HOP_LENGTH", "LOG_OFFSET", "load_audio", "resample", "LogMel"]
 
+LOG_OFFSET = 1e-6  # added to the mel power before the log, so that digital silence stays finite
 
 
 def load_audio(path: str | Path, sample_rate: int = SAMPLE_RATE) -> torch.Tensor:
@@ -56,4 +57,4 @@ class LogMel(torch.nn.Module):
 
     @torch.no_grad()
     def forward(self, wav: torch.Tensor) -> torch.Tensor:
-        return torch.log(self.mel(wav) + 1e-6).transpose(0, 1).contiguous()  # (T, n_mels)
+        return torch.log(self.mel(wav) + LOG_OFFSET).transpose(0, 1).contiguous()  # (T, n_mels)

@@ -1,0 +1,50 @@
+"""Export a checkpoint's encoder and CTC head as ONNX and/or TorchScript, with its vocabulary and
+feature settings, for decoding without konkanivani (``konkanivani-export``).
+
+    konkanivani-export checkpoints/run/best.pt -o exported/ --format both
+
+Writes into the output folder ``model.onnx`` and/or ``model.torchscript.pt`` (``features`` (B, T,
+n_mels) float32 log-mel and ``feature_lengths`` (B,) int64 in; ``log_probs`` (B, T', V) and
+``log_prob_lengths`` (B,) out), ``vocabulary.json`` and ``features.json``; files of the same names
+already there are replaced. Each model file is run once written and compared with the checkpoint's
+model. ONNX needs the ``export`` extra: pip install 'konkanivani[export]'.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from . import Parser, fail
+from ..checkpoint import CheckpointError
+from ..export import FORMATS, ExportError, export_checkpoint, unavailable
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="a step checkpoint, latest.pt, best.pt or an average")
+    parser.add_argument("-o", "--output", type=Path,
+                        help="output folder (default: the checkpoint's path without .pt, plus _export)")
+    parser.add_argument("--format", choices=(*FORMATS, "both"), default="onnx", help="default: %(default)s")
+    args = parser.parse_args(argv)
+    if not args.checkpoint.is_file():
+        parser.error(f"checkpoint {args.checkpoint}: file not found")
+    output = args.output or args.checkpoint.with_name(f"{args.checkpoint.stem}_export")
+    if output.exists() and not output.is_dir():
+        parser.error(f"--output {output}: exists and is not a folder")
+    formats = FORMATS if args.format == "both" else (args.format,)
+    if reason := unavailable(formats):
+        return fail(reason)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        written = export_checkpoint(args.checkpoint, output, formats)
+    except (CheckpointError, ExportError) as e:
+        return fail(str(e))
+    for item in written:
+        check = "" if item.difference is None else f" (log-probs within {item.difference:.1e} of PyTorch's)"
+        print(f"wrote {item.path}{check}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

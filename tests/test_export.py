@@ -1,0 +1,268 @@
+"""konkanivani-export: ONNX and TorchScript files of a tiny trained model, run outside the package's
+model code (onnxruntime, torch.jit.load) and compared with the PyTorch model and the Recognizer."""
+import dataclasses
+import json
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+import torchaudio
+from scipy.signal import resample_poly
+
+from konkanivani.audio import LogMel, load_audio
+from konkanivani.checkpoint import load_checkpoint, save_checkpoint
+from konkanivani.cli import export as export_cli
+from konkanivani.cli import train as train_cli
+from konkanivani.config import model_config_from_preset
+from konkanivani.data import read_manifest
+from konkanivani.decode import ctc_greedy, decode_batch
+from konkanivani.export import (FILES, MIN_FRAMES, CTCGraph, ExportError, feature_settings, max_difference,
+                                onnx_runner, torchscript_runner, vocabulary)
+from konkanivani.frames import subsampled_lengths
+from konkanivani.inference import Recognizer
+from konkanivani.model import ASRModel
+from konkanivani.tokenizer import SOS_EOS_ID, UNK_ID, train_tokenizer
+
+from tiny_args import tiny_args
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXTS = ["हांव घरा वता", "तूं कितें करता", "आमी पणजेक गेलें", "ताणें जेवण केलें"]
+RUNNERS = {"onnx": onnx_runner, "torchscript": torchscript_runner}
+ATOL = 1e-4  # |log-prob| difference allowed from PyTorch; observed: ONNX up to 1.5e-5, TorchScript 0
+
+
+def join_pieces(ids, vocab):
+    """Text of token ids as vocabulary.json says (and the README snippet does)."""
+    ids = [i for i in ids if i not in (vocab["blank_id"], vocab["sos_eos_id"])]
+    boundary = vocab["word_boundary"]
+    return "".join(vocab["pieces"][i] for i in ids).lstrip(boundary).replace(boundary, " ")
+
+
+# --- without a trained model ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("model_type", ["unigram", "char"])
+def test_vocabulary_joins_pieces_into_the_tokenizers_text(model_type):
+    tokenizer = train_tokenizer(TEXTS, vocab_size=40, model_type=model_type)
+    vocab = json.loads(json.dumps(vocabulary(tokenizer)))
+    assert vocab["pieces"][:3] == ["<blank>", "<unk>", "<sos/eos>"] and vocab["blank_id"] == 0
+    assert len(vocab["pieces"]) == tokenizer.vocab_size
+    rng = random.Random(0)
+    boundary = vocab["pieces"].index(vocab["word_boundary"])
+    ordinary = [i for i in range(tokenizer.vocab_size) if i != UNK_ID]  # <unk> reads " ⁇ " in SentencePiece's text
+    for _ in range(2000):
+        ids = [rng.choice([boundary, *ordinary]) for _ in range(rng.randrange(8))]
+        assert join_pieces(ids, vocab) == tokenizer.decode(ids), tokenizer.pieces(ids)
+
+
+def test_feature_settings_rebuild_the_package_features_exactly():
+    log_mel = LogMel(80)
+    settings = json.loads(json.dumps(feature_settings(log_mel)))
+    mel = torchaudio.transforms.MelSpectrogram(**settings["mel_spectrogram"])
+    wav = 0.1 * torch.randn(12345, generator=torch.Generator().manual_seed(0))
+    features = torch.log(mel(wav) + settings["log_offset"]).T
+    assert torch.equal(features, log_mel(wav))
+    assert features.shape == (1 + 12345 // settings["mel_spectrogram"]["hop_length"], settings["n_mels"])
+    formula = settings["output_lengths"].split("=", 1)[1]
+    assert all(eval(formula, {"T": t}) == subsampled_lengths(t) for t in range(MIN_FRAMES, 500))
+    assert subsampled_lengths(MIN_FRAMES) == 1 and subsampled_lengths(MIN_FRAMES - 1) == 0
+
+
+def test_the_export_check_catches_a_graph_that_computes_something_else():
+    graph = CTCGraph(ASRModel(model_config_from_preset("tiny", vocab_size=40)))
+    assert max_difference(lambda f, n: graph(f, n), graph) == 0.0
+    with pytest.raises(ExportError, match="differ from the model's by up to 0.01"):
+        max_difference(lambda f, n: (graph(f, n)[0] + 0.01, graph(f, n)[1]), graph)
+    with pytest.raises(ExportError, match="lengths"):
+        max_difference(lambda f, n: (graph(f, n)[0], graph(f, n)[1] - 1), graph)
+
+
+@pytest.fixture(scope="module")
+def untrained_checkpoint(tmp_path_factory):
+    tokenizer = train_tokenizer(TEXTS, vocab_size=40)
+    cfg = model_config_from_preset("tiny", vocab_size=tokenizer.vocab_size)
+    path = tmp_path_factory.mktemp("untrained") / "model.pt"
+    save_checkpoint({"model_config": dataclasses.asdict(cfg), "model": ASRModel(cfg).state_dict(),
+                     "tokenizer": tokenizer.model_proto}, path)
+    return path
+
+
+def status(argv):
+    """The exit status of konkanivani-export: main's return value, or the parser's SystemExit code."""
+    try:
+        return export_cli.main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def one_error_line(capsys):
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and not captured.out, captured
+    return lines[0]
+
+
+def test_a_missing_foreign_or_broken_checkpoint_is_one_line_and_status_2(untrained_checkpoint, tmp_path, capsys):
+    assert status([str(tmp_path / "none.pt"), "--format", "torchscript"]) == 2
+    assert "none.pt: file not found" in one_error_line(capsys)
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"state_dict": {"w": torch.zeros(2)}}, foreign)
+    assert status([str(foreign), "--format", "torchscript"]) == 2
+    assert "is not a konkanivani checkpoint" in one_error_line(capsys)
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(untrained_checkpoint.read_bytes()[:5000])
+    assert status([str(truncated), "--format", "torchscript"]) == 2
+    assert "truncated, corrupt" in one_error_line(capsys)
+    no_model = tmp_path / "no_model.pt"
+    save_checkpoint({"model_config": {"vocab_size": 40}}, no_model)
+    assert status([str(no_model), "--format", "torchscript", "-o", str(tmp_path / "out")]) == 2
+    assert "does not hold a usable model" in one_error_line(capsys)
+    assert not any((tmp_path / "out").glob("*"))
+    assert status([str(untrained_checkpoint), "-o", str(untrained_checkpoint)]) == 2
+    assert "is not a folder" in one_error_line(capsys)
+
+
+def test_without_the_onnx_packages_is_one_line_and_status_2(untrained_checkpoint, monkeypatch, capsys):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "onnxscript" else real_find_spec(name, *args))
+    for fmt in ("onnx", "both"):
+        assert status([str(untrained_checkpoint), "--format", fmt]) == 2
+        line = one_error_line(capsys)
+        assert "needs onnxscript" in line and "pip install 'konkanivani[export]'" in line
+    assert not (untrained_checkpoint.parent / "model_export").exists()
+
+
+# --- a tiny trained model, exported in both formats ----------------------------------------------
+
+def redraw_ctc_head(checkpoint, path):
+    """``checkpoint`` with a random CTC head, which emits tokens: after a few dozen steps greedy CTC
+    emits blanks only, and every transcript would be empty (and equal). CMVN and encoder stay as
+    trained; <unk> and <sos/eos> stay silent, as in a trained model."""
+    state = load_checkpoint(checkpoint)
+    weight = state["model"]["ctc_head.weight"]
+    generator = torch.Generator().manual_seed(0)
+    state["model"]["ctc_head.weight"] = 0.5 * torch.randn(weight.shape, generator=generator)
+    state["model"]["ctc_head.bias"] = torch.zeros(weight.shape[0]).index_fill_(0, torch.tensor([UNK_ID, SOS_EOS_ID]),
+                                                                                -100.0)
+    save_checkpoint(state, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_corpus, tmp_path_factory):
+    """A tiny model trained 36 steps, its CTC head redrawn, exported with --format both:
+    (checkpoint, export folder, the tool's stdout lines)."""
+    run = tmp_path_factory.mktemp("export") / "run"
+    assert train_cli.main(tiny_args(tiny_corpus, run, "--max_steps", "36")) == 0
+    checkpoint = redraw_ctc_head(run / "latest.pt", run.parent / "model.pt")
+    out = run.parent / "exported"
+    result = subprocess.run([sys.executable, "-m", "konkanivani.cli.export", str(checkpoint), "-o", str(out),
+                             "--format", "both"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return checkpoint, out, result.stdout.splitlines()
+
+
+@pytest.fixture(scope="module")
+def recognizer(exported):
+    return Recognizer.from_checkpoint(exported[0])
+
+
+def corpus_wavs(corpus, count):
+    """The first ``count`` test utterances of different lengths, longest first."""
+    wavs = {}
+    for _, row in read_manifest(corpus / "test.jsonl"):
+        wav = load_audio(corpus / row["audio_filepath"])
+        wavs.setdefault(len(wav) // 160, wav)
+    return sorted(wavs.values(), key=len, reverse=True)[:count]
+
+
+def features_of(recognizer, wavs):
+    feats = [recognizer.log_mel(w) for w in wavs]
+    return torch.nn.utils.rnn.pad_sequence(feats, batch_first=True), torch.tensor([len(f) for f in feats])
+
+
+def compare(runner, recognizer, feats, lens):
+    """The largest |log-prob| difference over real frames; asserts shapes and lengths match."""
+    with torch.no_grad():
+        expected, expected_lens = CTCGraph(recognizer.model)(feats, lens)
+    got, got_lens = runner(feats, lens)
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    assert torch.equal(got_lens, expected_lens) and got_lens.dtype == torch.int64
+    return max(float((got[b, :n] - expected[b, :n]).abs().max()) for b, n in enumerate(expected_lens.tolist()))
+
+
+def test_the_tool_writes_four_files_and_reports_each_check(exported):
+    _, out, lines = exported
+    assert sorted(p.name for p in out.iterdir()) == sorted(FILES.values())  # no temporary folder left
+    assert [line.split()[1] for line in lines] == [str(out / FILES[k]) for k in
+                                                   ("onnx", "torchscript", "vocabulary", "features")]
+    assert all("of PyTorch's" in line for line in lines[:2])
+    import onnx
+
+    model = onnx.load(out / FILES["onnx"])
+    onnx.checker.check_model(model)
+    assert [i.name for i in model.graph.input] == ["features", "feature_lengths"]
+    assert [o.name for o in model.graph.output] == ["log_probs", "log_prob_lengths"]
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "torchscript"])
+def test_a_batch_of_two_matches_pytorch_and_the_recognizers_greedy_transcript(exported, recognizer, tiny_corpus, fmt):
+    _, out, _ = exported
+    wavs = corpus_wavs(tiny_corpus, 2)
+    feats, lens = features_of(recognizer, wavs)
+    assert lens[0] > lens[1]
+    runner = RUNNERS[fmt](out / FILES[fmt])
+    assert compare(runner, recognizer, feats, lens) < ATOL
+
+    log_probs, log_prob_lens = runner(feats, lens)
+    ids = ctc_greedy(log_probs, log_prob_lens)
+    with torch.no_grad():
+        assert ids == decode_batch(recognizer.model, feats, lens, "greedy")
+    vocab = json.loads((out / FILES["vocabulary"]).read_text(encoding="utf-8"))
+    texts = [join_pieces(h, vocab) for h in ids]
+    assert texts == recognizer.decode_waveforms(wavs, "greedy")
+    assert all(texts)  # tokens, not blanks only
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "torchscript"])
+def test_batch_and_length_axes_are_free(exported, recognizer, tiny_corpus, fmt):
+    _, out, _ = exported
+    runner = RUNNERS[fmt](out / FILES[fmt])
+    wavs = corpus_wavs(tiny_corpus, 3)
+    for batch in ([wavs[2]], wavs, [wavs[0][:160 * (MIN_FRAMES - 1)]]):  # 1 utterance, 3, the shortest possible
+        feats, lens = features_of(recognizer, batch)
+        assert not set(lens.tolist()) & {100, 80}  # the lengths the export traced with
+        assert compare(runner, recognizer, feats, lens) < ATOL
+
+
+def readme_snippet(marker="<!-- snippet: onnx-transcribe -->"):
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    match = re.search(re.escape(marker) + r"\s*```python\n(.*?)```", readme, re.S)
+    assert match, f"README.md has no python block after {marker}"
+    return match.group(1)
+
+
+def test_the_readme_snippet_transcribes_like_the_recognizer_without_konkanivani(exported, recognizer, tiny_corpus,
+                                                                                 tmp_path):
+    _, out, _ = exported
+    snippet = readme_snippet()
+    export_dir, wav_path = re.search(r'export_dir, wav_path = "(.+)", "(.+)"', snippet).groups()
+    (tmp_path / export_dir).symlink_to(out, target_is_directory=True)
+    wav = corpus_wavs(tiny_corpus, 1)[0].numpy()
+    # 44.1 kHz stereo, to go through the downmix and the resampler as the package does.
+    wav44 = resample_poly(wav, 441, 160).astype(np.float32)
+    sf.write(tmp_path / wav_path, np.stack([1.5 * wav44, 0.5 * wav44], axis=1), 44100, subtype="FLOAT")
+    check = "\nimport sys\nassert not [m for m in sys.modules if m.startswith('konkanivani')]\n"
+    result = subprocess.run([sys.executable, "-c", snippet + check], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [expected] = recognizer.transcribe([tmp_path / wav_path], method="greedy")
+    assert expected.text and result.stdout == expected.text + "\n"
