@@ -45,14 +45,20 @@ def random_bytes(shape: torch.Size, device: torch.device) -> torch.Tensor:
     return words.view(torch.uint8)[:n].view(shape)
 
 
+def _compiling() -> bool:
+    is_compiling = getattr(torch.compiler, "is_compiling", None)  # torch 2.3 has it; be safe
+    return bool(is_compiling and is_compiling())
+
+
 class Dropout(nn.Dropout):
     """``nn.Dropout``, with CPU masks drawn from one random byte per element (``random_bytes``): ``p``
     is then taken to the nearest multiple of 1/256 and the kept values scaled by the matching factor.
     Drawing masks element by element was a sixth of a training step on a CPU. On other devices,
-    torch's fused dropout."""
+    and inside ``torch.compile`` (whose generated code draws its own masks, and which mis-handles
+    the byte view of the 64-bit draws), torch's dropout."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0 or x.device.type != "cpu":
+        if not self.training or self.p == 0 or x.device.type != "cpu" or _compiling():
             return super().forward(x)
         dropped = round(self.p * 256)  # of every 256 byte values, this many drop the element
         keep = random_bytes(x.shape, x.device) >= dropped

@@ -126,6 +126,20 @@ def test_cpu_dropout_drops_its_share_keeps_the_mean_and_repeats_with_the_seed():
     assert torch.equal(drop.eval()(x), x)
 
 
+def test_cpu_dropout_trains_through_torch_compile():
+    """Inside torch.compile the dropout is torch's: the byte view of the 64-bit draws broke
+    AOTAutograd's aliasing (out-of-bounds storage at the first backward), so --compile fell back to
+    eager. ``aot_eager`` runs that same tracing without needing a C++ compiler."""
+    from konkanivani.conformer import Dropout
+
+    drop = Dropout(0.1).train()
+    x = torch.ones(8, 99, 512, requires_grad=True)
+    y = torch.compile(lambda t: drop(t * 2), backend="aot_eager", fullgraph=True)(x)
+    y.sum().backward()
+    assert 0.05 < (y == 0).float().mean().item() < 0.15
+    assert torch.equal(x.grad == 0, y == 0)
+
+
 def test_checkpoints_from_before_attention_dropout_keep_theirs():
     stored = dict(vars(model_config_from_preset("tiny", vocab_size=V, dropout=0.2)))
     del stored["attention_dropout"], stored["subsampling"]
