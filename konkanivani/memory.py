@@ -95,31 +95,34 @@ TOKENS_PER_SECOND = 5.0  # decoder length assumed per second of audio (SentenceP
 # Activation bytes kept for the backward pass, per utterance, as coefficients of the terms of
 # ``_activation_terms``. Fitted by ``benchmarks/calibrate_memory.py``: non-negative least squares
 # over the bytes autograd saves (counted with ``saved_tensors_hooks``) for 4 model shapes x 3
-# lengths on the CPU, "half" under bf16 autocast; fit error under 1.2%, and 1.8-4.0% on the tiny
-# and small presets held out of the fit. Re-run it after changing the model.
+# lengths on the CPU, "half" under bf16 autocast; fit error under 1.8%, and 1.1-4.6% on the tiny
+# and small presets held out of the fit. Re-run it after changing the model: with attention dropout
+# off by default the fused attention kernel keeps no T x T weights, and the attention terms fell to
+# almost nothing.
 ACTIVATION_COEFFS: dict[str, dict[str, float]] = {
-    "fp32": {"subsampling": 6.961, "encoder_width": 50.039, "encoder_ffn": 28.466, "encoder_attention": 12.856,
-             "decoder_width": 59.608, "decoder_ffn": 20.502, "decoder_attention": 11.267, "heads": 0.0},
-    "half": {"subsampling": 3.206, "encoder_width": 80.049, "encoder_ffn": 6.632, "encoder_attention": 12.884,
-             "decoder_width": 70.74, "decoder_ffn": 0.0, "decoder_attention": 10.979, "heads": 8.832},
+    "fp32": {"subsampling": 6.943, "encoder_width": 38.982, "encoder_ffn": 22.291, "encoder_attention": 0.573,
+             "decoder_width": 46.793, "decoder_ffn": 18.43, "decoder_attention": 0.0, "heads": 0.0},
+    "half": {"subsampling": 3.463, "encoder_width": 47.276, "encoder_ffn": 9.966, "encoder_attention": 0.509,
+             "decoder_width": 41.172, "decoder_ffn": 7.96, "decoder_attention": 0.0, "heads": 3.769},
 }
 # Peak resident memory of a training step = static + PEAK_FACTOR x saved activations +
 # ACCUMULATION_FACTOR x parameter bytes + PEAK_OVERHEAD: the backward pass holds gradients of
 # activations beside the saved ones; with gradient accumulation the later micro-batches' backward
 # passes add new gradients to the accumulated ones; the first steps allocate kernels' and the
 # allocator's working memory. Fitted by the same script to the peak RSS of fresh processes training
-# the tiny, small, medium and large presets with two micro-batches accumulated (14 runs, fp32 and
-# bf16, 1-4 utterances of 8-20 s each) on a 2-core x86 CPU with torch 2.14, counted above a process
+# the tiny, small, medium and large presets with two micro-batches accumulated (12 runs, fp32 and
+# bf16, 1-4 utterances of 8-20 s each; within 8% of each) on a 2-core AMD EPYC with torch 2.14, counted above a process
 # that has already loaded its libraries (about 200 MiB of code on a CPU, which the estimate leaves
 # out, as CUDA's allocator figures do). A step without accumulation peaks somewhat lower.
-PEAK_FACTOR = 1.705
-ACCUMULATION_FACTOR = 0.252
-PEAK_OVERHEAD = 20.2 * 2 ** 20
+PEAK_FACTOR = 2.352
+ACCUMULATION_FACTOR = 0.375
+PEAK_OVERHEAD = 26.8 * 2 ** 20
 # With --gradient_checkpointing the peak comes at the end of the backward pass, in the
 # (not checkpointed) subsampling convolutions: their saved outputs, the gradients flowing into them
 # and the ReLU's gradient are alive together. Their activations then count this many times instead
-# of PEAK_FACTOR; fitted by the same script to checkpointed runs of the tiny, small and medium presets.
-CHECKPOINTED_SUBSAMPLING_FACTOR = 3.561
+# of PEAK_FACTOR; fitted by the same script to checkpointed runs of the tiny, small and medium presets
+# (fp32: bf16 runs slowly on the CPU it was last fitted on).
+CHECKPOINTED_SUBSAMPLING_FACTOR = 3.211
 
 
 def precision_name(precision: Any) -> str:
