@@ -93,15 +93,16 @@ def test_cpu_small_config_is_the_learning_curve_recipe():
 
 
 def test_large_16gb_fits_the_plan_it_was_sized_by():
-    """Its longest micro-batch, estimated, stays under 75% of 15 GiB (a 16 GB card)."""
+    """Its longest micro-batch, estimated, stays under 75% of 15 GiB (a 16 GB card): the 16
+    utterances of 30 s that konkanivani-plan-memory --utterances_per_update 16 recommends."""
     cfg, model_cfg = _resolve(["--config", str(ROOT / "configs" / "large_16gb.yaml")])
     model_cfg = model_config_from_preset(cfg.preset, vocab_size=128)
     longest = frames_of(cfg.max_duration)
     per_batch = cfg.max_batch_frames // longest
-    assert per_batch == 9 and cfg.precision == "fp16" and not cfg.gradient_checkpointing
+    assert per_batch == 16 and cfg.precision == "fp16" and not cfg.gradient_checkpointing
     estimator = MemoryEstimator(model_cfg, "fp16", cfg.optimizer, cfg.gradient_checkpointing)
     assert estimator.peak_bytes(per_batch, longest) <= 0.75 * 15 * GIB
-    assert estimator.peak_bytes(per_batch + 1, longest) > 0.75 * 15 * GIB  # the most that fit
+    assert estimator.peak_bytes(per_batch + 2, longest) > 0.75 * 15 * GIB  # about the most that fit
 
 
 def _write(tmp_path, text, name="x.yaml"):
