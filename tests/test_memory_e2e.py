@@ -97,7 +97,9 @@ def test_probe_search_finds_the_largest_batch_that_fits():
 
 @pytest.mark.slow  # a subprocess per case, each training a few steps
 @pytest.mark.parametrize("preset,utterances,seconds,checkpointing",
-                         [("tiny", 4, 6, False), ("small", 2, 5, False), ("small", 2, 5, True)])
+                         # tiny at 8 s, not 6: at 6 s the same step's peak ranged 56-69 MiB over four
+                         # runs here (a few tens of MiB, where allocator granularity weighs); at 8 s 89
+                         [("tiny", 4, 8, False), ("small", 2, 5, False), ("small", 2, 5, True)])
 def test_estimate_within_a_quarter_of_the_measured_peak_rss(preset, utterances, seconds, checkpointing):
     """The estimate is the peak of a step of two or more accumulated micro-batches (the recipes
     accumulate); a step of one batch peaks lower, and must never be above the estimate."""
