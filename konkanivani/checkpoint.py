@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -43,7 +43,7 @@ __all__ = ["CheckpointError", "FORMAT_VERSION", "LOCK_FILE", "TrainState", "capt
            "save_checkpoint", "load_checkpoint", "point_to", "prune_checkpoints", "remove_stale_temporaries",
            "resolve_resume", "load_resume_checkpoint", "step_checkpoint_name", "step_checkpoints",
            "select_checkpoints", "average_checkpoints", "hold_run_directory", "claim_output_dir", "existing_run",
-           "move_run_aside", "MetricsLog", "write_file_atomic"]
+           "move_run_aside", "MetricsLog", "atomic_file", "write_file_atomic"]
 
 log = logging.getLogger("konkanivani")
 
@@ -171,44 +171,47 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
+    """A binary file to write ``path`` through: a temporary file beside it, fsynced and renamed into
+    place when the block ends, removed if the block raises. A reader sees the old file or the
+    new one, never half."""
+    path = Path(path)
+    tmp = _temporary(path)
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
     """Write ``state`` to ``path`` atomically: a reader sees the old file or the new one, never half."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temporary(path)
     try:
-        with open(tmp, "wb") as f:
+        with atomic_file(path) as f:
             torch.save({"format_version": FORMAT_VERSION, **state}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        # torch.save reports a failed write (a full disk, say) as OSError or RuntimeError.
-        if isinstance(e, (OSError, RuntimeError)):
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else e
-            raise CheckpointError(f"could not write checkpoint {path}: {reason}; "
-                                  "the previous checkpoints are untouched") from e
-        raise
-    _fsync_dir(path.parent)
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write (a full disk, say) as either
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+        raise CheckpointError(f"could not write checkpoint {path}: {reason}; "
+                              "the previous checkpoints are untouched") from e
     return path
 
 
 def write_file_atomic(path: str | Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` as checkpoints are written (a temporary file, fsynced, renamed
-    into place): a reader sees the old file or the new one, never half."""
+    """Write ``data`` to ``path`` as checkpoints are written (``atomic_file``)."""
     path = Path(path)
-    tmp = _temporary(path)
     try:
-        with open(tmp, "wb") as f:
+        with atomic_file(path) as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise CheckpointError(f"could not write {path}: {e.strerror or e}") from e
-    _fsync_dir(path.parent)
     return path
 
 

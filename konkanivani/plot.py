@@ -13,9 +13,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+from .checkpoint import atomic_file
 
 __all__ = ["CURVES", "have_matplotlib", "read_metrics", "run_labels", "write_curves", "plot_runs"]
 
@@ -61,12 +62,8 @@ def plot_runs(run_dirs: Sequence[Path], output: str | Path) -> Path:
     runs = {label: read_metrics(Path(d) / "metrics.jsonl") for label, d in zip(labels, run_dirs)}
     figure = _draw(runs, title=labels[0] if len(labels) == 1 else None)
     output = Path(output)
-    tmp = output.with_name(f".{output.name}.tmp{os.getpid()}")
-    try:
-        figure.savefig(tmp, format="png", dpi=100)
-        os.replace(tmp, output)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_file(output) as f:
+        figure.savefig(f, format="png", dpi=100)
     return output
 
 
