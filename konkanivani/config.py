@@ -77,8 +77,9 @@ def model_config_from_preset(preset: str, **overrides: Any) -> ModelConfig:
             raise ConfigError(f"--{name} must be 0 or more, got {getattr(cfg, name)}")
     if cfg.d_model % cfg.n_heads or (cfg.d_model // cfg.n_heads) % 2:
         raise ConfigError(f"--d_model {cfg.d_model} must split into --n_heads {cfg.n_heads} heads of even width")
-    if cfg.subsampling not in ("dw_striding", "conv2d"):
-        raise ConfigError(f"--subsampling {cfg.subsampling}: unknown; choose conv2d or dw_striding")
+    front_ends = ModelConfig.__dataclass_fields__["subsampling"].metadata["choices"]
+    if cfg.subsampling not in front_ends:
+        raise ConfigError(f"--subsampling {cfg.subsampling}: unknown; choose {' or '.join(front_ends)}")
     if cfg.conv_kernel % 2 == 0:
         raise ConfigError(f"--conv_kernel must be odd, got {cfg.conv_kernel}")
     for name in ("dropout", "attention_dropout"):
