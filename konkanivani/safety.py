@@ -15,7 +15,10 @@ import time
 from pathlib import Path
 from types import FrameType
 
-__all__ = ["NonFiniteSkips", "StopRequest", "TrainingDiverged", "diverged_message", "ignore_stop_signals"]
+from torch.utils.data import DataLoader
+
+__all__ = ["NonFiniteSkips", "StopRequest", "TrainingDiverged", "diverged_message", "ignore_stop_signals",
+           "stop_workers"]
 
 log = logging.getLogger("konkanivani")
 
@@ -63,9 +66,20 @@ class StopRequest:
 
 def ignore_stop_signals(worker_id: int) -> None:
     """DataLoader ``worker_init_fn``: a Ctrl-C reaches the whole process group; the workers must
-    keep serving batches while the main process finishes its step (they exit with it)."""
+    keep serving batches while the main process finishes its step. So they must be stopped with
+    ``stop_workers``: they ignore the SIGTERM that ends daemon processes at the interpreter's exit,
+    which would wait for them for ever."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+
+
+def stop_workers(loader: DataLoader) -> None:
+    """End a DataLoader's persistent workers now, not when the loader happens to be collected: a
+    training run called in a longer-lived process (a test suite, a notebook) could otherwise leave
+    them to the interpreter's exit, which then hangs (see ``ignore_stop_signals``)."""
+    iterator, loader._iterator = getattr(loader, "_iterator", None), None  # where persistent workers live
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
 
 
 class TrainingDiverged(RuntimeError):

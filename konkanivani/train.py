@@ -45,7 +45,8 @@ from .model import ASRModel, compiled, count_parameters
 from .optim import build_optimizer, canonical_optimizer
 from .plot import CURVES, have_matplotlib, write_curves
 from .precision import Precision, resolve_precision
-from .safety import NonFiniteSkips, StopRequest, TrainingDiverged, diverged_message, ignore_stop_signals
+from .safety import (NonFiniteSkips, StopRequest, TrainingDiverged, diverged_message, ignore_stop_signals,
+                     stop_workers)
 from .tensorboard_log import TensorBoardLog, open_tensorboard
 from .tokenizer import Tokenizer, train_tokenizer
 
@@ -75,7 +76,7 @@ def train(cfg: TrainConfig, model_overrides: Optional[dict[str, Any]] = None,
     _check_device_settings(cfg, device)
     with _run_directory(Path(cfg.output_dir), cfg, dist), StopRequest(cfg.max_time) as stop_request:
         run = setup_run(cfg, model_overrides or {}, dist, device)
-        with contextlib.closing(run.board):
+        with contextlib.closing(run):
             stop = "max_steps" if 0 < cfg.max_steps <= run.step else None
             while run.epoch < cfg.epochs and stop is None:
                 stop, epoch_ended = train_epoch(run, stop_request, on_step)
@@ -123,6 +124,12 @@ class Run:
     unreadable: int = 0  # audio files that failed to load in training, all epochs
     board: TensorBoardLog = field(default_factory=TensorBoardLog)  # the metrics rows again, for TensorBoard
     draw_curves: bool = False  # redraw curves.png after each validation (rank 0, with matplotlib)
+
+    def close(self) -> None:
+        """End the data workers and the TensorBoard writer, however the run ended."""
+        for loader in (self.train_loader, self.valid_loader):
+            stop_workers(loader)
+        self.board.close()
 
     def record(self, kind: str, **values: float) -> None:
         """A metrics row, in metrics.jsonl and TensorBoard. Each carries the 1-based epoch its step

@@ -1,6 +1,7 @@
 """Train the tiny preset for real on synthesized Konkani speech, stop, resume, compare."""
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -117,6 +118,9 @@ def test_sigterm_with_two_workers_saves_and_the_resumed_run_matches(runs, tiny_c
     assert stopped["step"] == 10 and stopped["batches_done"] > 0  # inside an epoch
 
     assert cli.main(args + ["--resume", "latest"]) == 0
+    # Stopped inside an epoch, the run in this process has ended its workers: left alive, they
+    # ignore the SIGTERM that ends daemon processes at exit, and the suite's exit waited for ever.
+    assert multiprocessing.active_children() == []
     rows, whole_rows = _train_rows(out)[0], _train_rows(whole)[0][:20]
     assert [r["step"] for r in rows] == list(range(1, 21))
     for a, b in zip(rows, whole_rows, strict=True):
