@@ -1,12 +1,17 @@
-"""A small, deterministic Konkani demo speech corpus synthesized with espeak-ng.
+"""A small, deterministic Konkani demo speech corpus synthesized with espeak-ng (and festival).
 
 Sentences (Devanagari Konkani, ``resources/demo_sentences_kok.txt``, package data) are split into
 train / valid / test, and each utterance is read by an espeak-ng "speaker" = (language voice, variant) with a
 random speed and pitch. The test split uses sentences AND voice variants that never occur in
-train or valid. Output (relocatable, paths relative to OUT_DIR)::
+train or valid. The ``heldout`` split reads the test sentences with a voice *source* that never
+occurs in training at all: festival's NSK diphone voice, recorded from a real speaker (made when
+festival and its Marathi voice are installed). ``text.txt`` is a text-only set
+(``resources/demo_text_kok.txt``): sentences in no speech split, for a language model. Output
+(relocatable, paths relative to OUT_DIR)::
 
     OUT_DIR/wavs/<split>_<index:05d>.wav     16 kHz mono 16-bit PCM
-    OUT_DIR/{train,valid,test}.jsonl         NeMo-style manifests
+    OUT_DIR/{train,valid,test,heldout}.jsonl NeMo-style manifests
+    OUT_DIR/text.txt                         text-only sentences, one a line
     OUT_DIR/corpus_info.json                 generation parameters
 
 The command line is ``training_scripts/make_demo_corpus.py``.
@@ -33,27 +38,51 @@ from tqdm import tqdm
 from .audio import resample
 from .frames import SAMPLE_RATE
 from .data import read_manifest
+from .tokenizer import normalize_text
 
 # Package data: installed with the package (a wheel too), so the corpus can be made anywhere.
 DEFAULT_SENTENCES = Path(__file__).resolve().parent / "resources" / "demo_sentences_kok.txt"
-SPLITS = ("train", "valid", "test")
+DEFAULT_TEXT = Path(__file__).resolve().parent / "resources" / "demo_text_kok.txt"
+SPLITS = ("train", "valid", "test")  # sentence splits; "heldout" reads the test sentences
+HELDOUT = "heldout"
 SPLIT_FRACTIONS = {"train": 0.80, "valid": 0.08, "test": 0.12}
 # "kok" spells out vowel signs in espeak-ng 1.51; mr / hi read Devanagari Konkani well.
 LANG_VOICES = ("mr", "hi")
-TRAIN_VARIANTS = ("", "f1", "f2", "f3", "f4", "m1", "m2", "m3", "m4", "m6", "klatt", "klatt2")
-TEST_VARIANTS = ("f5", "m7", "klatt3")  # held out: never used in train / valid
-SPEED_RANGE = (130, 190)  # words per minute (espeak -s)
-PITCH_RANGE = (30, 70)  # espeak -p, 0..99
+# espeak-ng's voice variants (`espeak-ng --voices=variant`) that sound like a person: the robots,
+# whispers and effects are left out.
+TRAIN_VARIANTS = ("", "f1", "f2", "f3", "f4", "m1", "m2", "m3", "m4", "m5", "m6", "m8", "klatt", "klatt2",
+                  "klatt4", "klatt5", "klatt6", "adam", "Alex", "Alicia", "Andrea", "Andy", "Annie", "antonio",
+                  "aunty", "belinda", "benjamin", "boris", "caleb", "david", "ed", "edward", "Gene", "gustave",
+                  "Henrique", "Hugo", "iven", "iven2", "john", "linda", "max", "Michael", "michel", "miguel",
+                  "Mike", "pablo", "paul", "pedro", "quincy", "rob", "robert", "steph", "zac", "anika",
+                  "grandpa", "grandma", "norbert", "sandro", "shelby", "victor", "croak")
+TEST_VARIANTS = ("f5", "m7", "klatt3", "travis", "steph2", "edward2")  # held out: never in train / valid
+SPEED_RANGE = (115, 215)  # words per minute (espeak -s)
+PITCH_RANGE = (15, 85)  # espeak -p, 0..99
+# The held-out voice source: festival's diphone voice (one real speaker's recordings), never in training.
+FESTIVAL_VOICE = "voice_marathi_NSK_diphone"
+FESTIVAL_SPEAKER = "festival:nsk"
+FESTIVAL_F0_RANGE = (85, 165)  # mean F0 in Hz; the voice's own intonation model is broken, a simple one is set
+FESTIVAL_STRETCH_RANGE = (1.0, 1.5)  # duration stretch (the voice's own is 1.4)
+HELDOUT_PER_SENTENCE = 2
 PEAK_RANGE = (0.75, 0.95)  # peak-normalization target (random gain around ~0.9)
 NOISE_PROB = 0.7  # share of utterances that get light white noise
 SNR_RANGE_DB = (25.0, 40.0)
 TARGET_SR = SAMPLE_RATE
 KEEP_SILENCE_S = 0.1
-INFO_VERSION = 1
+INFO_VERSION = 2
 
 
 class EspeakMissingError(RuntimeError):
     """Raised when the espeak-ng binary is not on PATH."""
+
+
+def festival_available() -> bool:
+    """True when festival's text2wave and its Marathi diphone voice are installed (Debian:
+    ``apt-get install festival festvox-mr-nsk``)."""
+    return shutil.which("text2wave") is not None and any(
+        Path(root, "marathi", "marathi_NSK_diphone").is_dir()
+        for root in ("/usr/share/festival/voices", "/usr/local/share/festival/voices"))
 
 
 class PlannedUtterance(NamedTuple):
@@ -63,8 +92,8 @@ class PlannedUtterance(NamedTuple):
     index: int
     text: str
     speaker: str
-    speed: int
-    pitch: int
+    speed: int  # espeak-ng: words per minute; festival: duration stretch in percent
+    pitch: int  # espeak-ng: -p (0..99); festival: mean F0 in Hz
     peak: float
     snr_db: Optional[float]
     noise_seed: int
@@ -99,8 +128,9 @@ def split_sizes(n: int) -> dict[str, int]:
 
 
 def plan_corpus(sentences: list[str], seed: int, num_utterances: int,
-                max_sentences: Optional[int]) -> list[PlannedUtterance]:
-    """Decide every utterance's sentence, speaker and acoustics from one seeded RNG."""
+                max_sentences: Optional[int], heldout: bool = False) -> list[PlannedUtterance]:
+    """Decide every utterance's sentence, speaker and acoustics from one seeded RNG; with `heldout`,
+    also the festival readings of the test sentences."""
     rng = random.Random(seed)
     order = list(sentences)
     rng.shuffle(order)
@@ -134,6 +164,15 @@ def plan_corpus(sentences: list[str], seed: int, num_utterances: int,
                 peak=round(rng.uniform(*PEAK_RANGE), 4),
                 snr_db=None if snr is None else round(snr, 2),
                 noise_seed=rng.randrange(2**31)))
+    if heldout:
+        texts = [t for t in by_split["test"] for _ in range(HELDOUT_PER_SENTENCE)]
+        for i, text in enumerate(texts):
+            snr = rng.uniform(*SNR_RANGE_DB) if rng.random() < NOISE_PROB else None
+            plan.append(PlannedUtterance(
+                split=HELDOUT, index=i, text=text, speaker=FESTIVAL_SPEAKER,
+                speed=round(100 * rng.uniform(*FESTIVAL_STRETCH_RANGE)), pitch=rng.randint(*FESTIVAL_F0_RANGE),
+                peak=round(rng.uniform(*PEAK_RANGE), 4), snr_db=None if snr is None else round(snr, 2),
+                noise_seed=rng.randrange(2**31)))
     return plan
 
 
@@ -156,15 +195,31 @@ def trim_silence(x: np.ndarray, sr: int, keep_s: float = KEEP_SILENCE_S) -> np.n
     return np.pad(core, (pad_left, pad_right))
 
 
+def _speak(utt: PlannedUtterance, wav_path: str) -> None:
+    """Write the synthesizer's own wav of one utterance to `wav_path`."""
+    if utt.speaker != FESTIVAL_SPEAKER:
+        subprocess.run(["espeak-ng", "-b", "1", "-v", utt.speaker, "-s", str(utt.speed), "-p", str(utt.pitch),
+                        "-w", wav_path, "--", utt.text], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        return
+    # The Debian voice leaves Int_Method unset (festival stops with "Feature Int_Method not
+    # defined"); the simple intonation model with our mean F0 stands in.
+    scheme = (f"(begin ({FESTIVAL_VOICE}) (set! int_simple_params '((f0_mean {utt.pitch}) (f0_std 15))) "
+              f"(Parameter.set 'Int_Method 'Simple) (Parameter.set 'Duration_Stretch {utt.speed / 100}))")
+    text_path = wav_path + ".txt"
+    Path(text_path).write_text(utt.text + "\n", encoding="utf-8")
+    try:
+        subprocess.run(["text2wave", "-eval", scheme, text_path, "-o", wav_path],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    finally:
+        os.unlink(text_path)
+
+
 def synthesize(utt: PlannedUtterance, out_dir: str) -> tuple[str, int, float]:
-    """Run espeak-ng for one utterance, post-process and write the 16 kHz wav."""
+    """Synthesize one utterance, post-process and write the 16 kHz wav."""
     fd, tmp = tempfile.mkstemp(suffix=".wav")
     os.close(fd)
     try:
-        subprocess.run(
-            ["espeak-ng", "-b", "1", "-v", utt.speaker, "-s", str(utt.speed),
-             "-p", str(utt.pitch), "-w", tmp, "--", utt.text],
-            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        _speak(utt, tmp)
         audio, sr = sf.read(tmp, dtype="float64", always_2d=True)
     finally:
         os.unlink(tmp)
@@ -190,60 +245,100 @@ def _rows(path: Path) -> list[dict[str, Any]]:
     return [row for _, row in read_manifest(path)]
 
 
+def _splits(info: dict[str, Any]) -> tuple[str, ...]:
+    return (*SPLITS, HELDOUT) if info.get("heldout") else SPLITS
+
+
 def corpus_is_complete(out_dir: Path, info: dict[str, Any]) -> bool:
-    """True when corpus_info.json matches `info` and every manifest + wav exists."""
+    """True when corpus_info.json matches `info` and every manifest + wav (and text.txt) exists."""
     info_path = out_dir / "corpus_info.json"
     try:
         if json.loads(info_path.read_text(encoding="utf-8")) != info:
             return False
+        if info.get("text_sha1") and not (out_dir / "text.txt").is_file():
+            return False
         return all((out_dir / row["audio_filepath"]).is_file()
-                   for split in SPLITS for row in _rows(out_dir / f"{split}.jsonl"))
+                   for split in _splits(info) for row in _rows(out_dir / f"{split}.jsonl"))
     except (OSError, ValueError, KeyError):  # ManifestError is a ValueError
         return False
 
 
+def text_only_sentences(text_path: Path, speech_sentences: list[str]) -> list[str]:
+    """The lines of `text_path` that no speech split may contain: any line equal to a sentence of the
+    speech corpus (after text normalization) is dropped, so an LM trained on them has not seen a test
+    sentence."""
+    spoken = {normalize_text(t) for t in speech_sentences}
+    return [t for t in load_sentences(text_path) if normalize_text(t) not in spoken]
+
+
 def summarize(out_dir: Path) -> dict[str, Any]:
     """Per-split counts/hours/sentences/speakers plus train/test disjointness checks."""
-    rows = {s: _rows(out_dir / f"{s}.jsonl") for s in SPLITS}
+    names = [*SPLITS, *([HELDOUT] if (out_dir / f"{HELDOUT}.jsonl").is_file() else [])]
+    rows = {s: _rows(out_dir / f"{s}.jsonl") for s in names}
     splits = {s: {"utterances": len(r),
                   "hours": round(sum(x["duration"] for x in r) / 3600, 3),
                   "sentences": len({x["text"] for x in r}),
                   "speakers": sorted({x["speaker"] for x in r})} for s, r in rows.items()}
     seen_text = {x["text"] for s in ("train", "valid") for x in rows[s]}
     seen_spk = {x["speaker"] for s in ("train", "valid") for x in rows[s]}
-    return {"out_dir": str(out_dir), "splits": splits,
-            "test_sentences_disjoint": seen_text.isdisjoint(x["text"] for x in rows["test"]),
-            "test_speakers_disjoint": seen_spk.isdisjoint(x["speaker"] for x in rows["test"])}
+    summary = {"out_dir": str(out_dir), "splits": splits,
+               "test_sentences_disjoint": seen_text.isdisjoint(x["text"] for x in rows["test"]),
+               "test_speakers_disjoint": seen_spk.isdisjoint(x["speaker"] for x in rows["test"])}
+    if HELDOUT in rows:
+        summary["heldout_source_unseen"] = not any(x["speaker"].startswith("festival") for x in
+                                                   rows["train"] + rows["valid"])
+    if (out_dir / "text.txt").is_file():
+        text = {normalize_text(t) for t in load_sentences(out_dir / "text.txt")}
+        summary["text_sentences"] = len(text)
+        summary["text_disjoint"] = text.isdisjoint(normalize_text(x["text"]) for r in rows.values() for x in r)
+    return summary
 
 
 def print_summary(summary: dict[str, Any]) -> None:
     for split, s in summary["splits"].items():
-        print(f"{split:5s}: {s['utterances']:5d} utts  {s['hours']:6.3f} h  "
-              f"{s['sentences']:4d} sentences  {len(s['speakers']):2d} speakers")
-    ok = summary["test_sentences_disjoint"] and summary["test_speakers_disjoint"]
-    print(f"check: test sentences disjoint={summary['test_sentences_disjoint']}, test speakers "
-          f"disjoint={summary['test_speakers_disjoint']} -> {'OK' if ok else 'FAILED'}")
+        print(f"{split:7s}: {s['utterances']:5d} utts  {s['hours']:6.3f} h  "
+              f"{s['sentences']:4d} sentences  {len(s['speakers']):3d} speakers")
+    if "text_sentences" in summary:
+        print(f"text   : {summary['text_sentences']:5d} sentences (text only)")
+    checks = {k: v for k, v in summary.items() if k.endswith(("disjoint", "unseen"))}
+    verdict = "OK" if all(checks.values()) else "FAILED"
+    print("check: " + ", ".join(f"{k}={v}" for k, v in checks.items()) + f" -> {verdict}")
 
 
 def make_corpus(out_dir: str | Path, seed: int = 0, num_utterances: int = 4800,
                 max_sentences: Optional[int] = None, jobs: int = 2,
                 sentences_path: Optional[str | Path] = None, force: bool = False,
-                progress: bool = True) -> dict[str, Any]:
-    """Generate (or reuse) the corpus in `out_dir`; returns the summary dict."""
+                progress: bool = True, heldout: Optional[bool] = None,
+                text_path: Optional[str | Path] = None) -> dict[str, Any]:
+    """Generate (or reuse) the corpus in `out_dir`; returns the summary dict. `heldout` (default:
+    when festival is installed) adds the festival split; `text_path` (default: the package's text-only
+    sentences, when present) gives text.txt."""
     if shutil.which("espeak-ng") is None:
         raise EspeakMissingError("espeak-ng not found on PATH; install it first, e.g. "
                                  "`sudo apt-get install espeak-ng`")
+    if heldout is None:
+        heldout = festival_available()
+        if not heldout and progress:
+            print("festival or its Marathi voice is missing (apt-get install festival festvox-mr-nsk): "
+                  f"no {HELDOUT} split")
+    elif heldout and not festival_available():
+        raise EspeakMissingError("the heldout split needs festival and its Marathi voice: "
+                                 "`sudo apt-get install festival festvox-mr-nsk`")
     out = Path(out_dir)
     sent_path = Path(sentences_path) if sentences_path else DEFAULT_SENTENCES
+    text_file = Path(text_path) if text_path else (DEFAULT_TEXT if DEFAULT_TEXT.is_file() else None)
     info = {"version": INFO_VERSION, "seed": seed, "num_utterances": num_utterances,
-            "max_sentences": max_sentences, "sentences_sha1": sha1_of(sent_path)}
+            "max_sentences": max_sentences, "sentences_sha1": sha1_of(sent_path), "heldout": heldout,
+            "text_sha1": sha1_of(text_file) if text_file else None}
     if not force and corpus_is_complete(out, info):
         if progress:
             print(f"corpus already present in {out}")
         return {**summarize(out), "skipped": True}
 
-    plan = plan_corpus(load_sentences(sent_path), seed, num_utterances, max_sentences)
+    sentences = load_sentences(sent_path)
+    plan = plan_corpus(sentences, seed, num_utterances, max_sentences, heldout)
     (out / "corpus_info.json").unlink(missing_ok=True)
+    (out / f"{HELDOUT}.jsonl").unlink(missing_ok=True)
     shutil.rmtree(out / "wavs", ignore_errors=True)
     (out / "wavs").mkdir(parents=True)
     durations: dict[tuple[str, int], float] = {}
@@ -257,11 +352,15 @@ def make_corpus(out_dir: str | Path, seed: int = 0, num_utterances: int = 4800,
         for split, idx, dur in tqdm(results, total=len(tasks), desc="synthesizing", unit="utt",
                                     disable=not progress):
             durations[split, idx] = dur
-    for split in SPLITS:
+    for split in _splits(info):
         with open(out / f"{split}.jsonl", "w", encoding="utf-8") as f:
             for u in (u for u in plan if u.split == split):
                 row = {"audio_filepath": u.rel_path, "duration": durations[split, u.index],
                        "text": u.text, "speaker": u.speaker, "speed": u.speed, "pitch": u.pitch}
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    (out / "text.txt").unlink(missing_ok=True)
+    if text_file:
+        lines = text_only_sentences(text_file, sentences)
+        (out / "text.txt").write_text("".join(t + "\n" for t in lines), encoding="utf-8")
     (out / "corpus_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     return {**summarize(out), "skipped": False}

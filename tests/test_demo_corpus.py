@@ -5,7 +5,8 @@ import sys
 import soundfile as sf
 
 from konkanivani.data import read_manifest
-from konkanivani.demo_corpus import make_corpus
+from konkanivani.demo_corpus import HELDOUT, make_corpus, text_only_sentences
+from konkanivani.tokenizer import normalize_text
 
 
 def _rows(corpus, split):
@@ -28,10 +29,34 @@ def test_manifests_audio_and_held_out_test_split(tiny_corpus):
     assert len({r["speaker"] for r in rows["train"]}) >= 6
 
 
+def test_heldout_split_reads_the_test_sentences_with_a_voice_source_never_in_training(tiny_corpus):
+    """festival is installed by .ci/run, so the split must be there."""
+    heldout, test = _rows(tiny_corpus, HELDOUT), _rows(tiny_corpus, "test")
+    assert len(heldout) == 2 * len({r["text"] for r in test})
+    assert {r["text"] for r in heldout} == {r["text"] for r in test}
+    assert {r["speaker"] for r in heldout} == {"festival:nsk"}
+    assert not any(r["speaker"].startswith("festival") for s in ("train", "valid") for r in _rows(tiny_corpus, s))
+    for row in heldout:
+        info = sf.info(str(tiny_corpus / row["audio_filepath"]))
+        assert info.samplerate == 16000 and abs(info.frames / 16000 - row["duration"]) < 1e-3
+        assert 0.5 < row["duration"] < 15
+
+
+def test_text_only_set_holds_no_sentence_of_the_speech_corpus(tiny_corpus, tmp_path):
+    text = (tiny_corpus / "text.txt").read_text(encoding="utf-8").splitlines()
+    assert len(text) > 100
+    spoken = {normalize_text(r["text"]) for s in ("train", "valid", "test") for r in _rows(tiny_corpus, s)}
+    assert spoken.isdisjoint(map(normalize_text, text))
+    # A line equal to a speech sentence up to punctuation and spaces is dropped.
+    own = tmp_path / "text.txt"
+    own.write_text("हांव बरो आसां, देव बरें करूं।\nनवें वाक्य हांगा आसा\n", encoding="utf-8")
+    assert text_only_sentences(own, ["हांव  बरो आसां देव बरें करूं"]) == ["नवें वाक्य हांगा आसा"]
+
+
 def test_deterministic_for_a_seed_and_reused_when_present(tiny_corpus, tmp_path):
     again = make_corpus(tmp_path, seed=3, num_utterances=64, max_sentences=24, jobs=1, progress=False)
     assert not again["skipped"]
-    for split in ("train", "valid", "test"):
+    for split in ("train", "valid", "test", HELDOUT):
         assert (tmp_path / f"{split}.jsonl").read_bytes() == (tiny_corpus / f"{split}.jsonl").read_bytes()
     first = _rows(tmp_path, "train")[0]["audio_filepath"]
     assert (tmp_path / first).read_bytes() == (tiny_corpus / first).read_bytes()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up a machine for konkanivani: espeak-ng (demo corpus and tests), PyTorch + torchaudio when
+# Set up a machine for konkanivani: espeak-ng and festival (demo corpus and tests), PyTorch + torchaudio when
 # they are missing, and the package itself in editable mode.
 #   training_scripts/setup_env.sh          # for training (with 8-bit AdamW from bitsandbytes)
 #   training_scripts/setup_env.sh --dev    # also the test tools
@@ -9,15 +9,20 @@ PYTHON=${PYTHON:-python3}
 extras="[8bit]"
 [ "${1:-}" = "--dev" ] && extras="[dev,8bit]"
 
-if ! command -v espeak-ng >/dev/null 2>&1; then
+# espeak-ng reads the demo corpus; festival's Marathi diphone voice reads its held-out split.
+missing=""
+command -v espeak-ng >/dev/null 2>&1 || missing="espeak-ng"
+{ command -v text2wave >/dev/null 2>&1 && [ -d /usr/share/festival/voices/marathi/marathi_NSK_diphone ]; } ||
+    missing="$missing festival festvox-mr-nsk"
+if [ -n "$missing" ]; then
     sudo=""
     [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && sudo="sudo"
     if [ "$(id -u)" -eq 0 ] || [ -n "$sudo" ]; then
-        echo "installing espeak-ng (speech synthesis for the demo corpus)"
+        echo "installing ${missing# } (speech synthesis for the demo corpus)"
         $sudo apt-get update -qq  # a fresh machine's package lists may be stale
-        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq espeak-ng
+        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq $missing
     else
-        echo "espeak-ng is missing and this user cannot install it: apt-get install espeak-ng" >&2
+        echo "${missing# } missing and this user cannot install it: apt-get install${missing}" >&2
     fi
 fi
 
