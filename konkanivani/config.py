@@ -164,6 +164,9 @@ class TrainConfig:
         "sharded between the processes, offloaded to CPU memory on CUDA; for models past ~100 M parameters)"))
     offload_activations: bool = field(default=False, metadata=_help(
         "keep the activations saved for the backward pass in pinned CPU memory (CUDA only; slower, less GPU memory)"))
+    ema_decay: float = field(default=0.0, metadata=_help(
+        "keep an exponential moving average of the weights with this decay (e.g. 0.999; 0: off); validation, "
+        "best.pt and decoding use it"))
 
 
 TOKENIZER_TYPES = ("unigram", "bpe", "char")
@@ -194,6 +197,7 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_duration": (lambda v: v > 0, "a positive number of seconds"),
     "ctc_weight": (_fraction, "in [0, 1]"),
     "label_smoothing": (lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+    "ema_decay": (lambda v: 0.0 <= v < 1.0, "in [0, 1) (0: off)"),
     "tokenizer_type": (TOKENIZER_TYPES.__contains__, "one of " + ", ".join(TOKENIZER_TYPES)),
     "precision": (PRECISION_CHOICES.__contains__, "one of fp32, fp16, bf16 (or left out)"),
     "optimizer": (OPTIMIZERS.__contains__, "adamw or adamw_8bit"),
@@ -224,6 +228,9 @@ def check_config(cfg: TrainConfig, model_overrides: dict[str, Any] | None = None
             raise ConfigError(f"give --{a} or --{b}, not both")
     if cfg.strategy == "fsdp" and cfg.optimizer != "adamw":
         raise ConfigError("--strategy fsdp shards AdamW's states itself; use --optimizer adamw with it")
+    if cfg.strategy == "fsdp" and cfg.ema_decay:
+        raise ConfigError("--ema_decay keeps a whole copy of the weights in every process, which --strategy fsdp "
+                          "is there to avoid; use --strategy ddp with it")
     model_config_from_preset(cfg.preset, vocab_size=1, **(model_overrides or {}))  # dimensions that fit together
 
 

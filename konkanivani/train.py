@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
+from torch.optim.swa_utils import AveragedModel
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -37,6 +38,7 @@ from .data import (ASRDataset, Batch, LengthGroupedBatchSampler, ResumableBatchS
 from .decode import ctc_greedy
 from .distributed import (Dist, full_state_dicts, init_distributed, is_sharded, load_optimizer_state, no_sync,
                           wrap_data_parallel)
+from .ema import ema_state, load_ema_state, make_ema
 from .frames import budget_frames, frames_of
 from .memory import (GIB, BatchDoesNotFit, MemoryEstimator, auto_batch_frames, free_memory, is_out_of_memory,
                      memory_status, precision_name)
@@ -122,6 +124,7 @@ class Run:
     saved_step: int = -1
     unreadable: int = 0  # audio files that failed to load in training, all epochs
     board: TensorBoardLog = field(default_factory=TensorBoardLog)  # the metrics rows again, for TensorBoard
+    ema: Optional[AveragedModel] = None  # the moving average of the weights (--ema_decay)
     draw_curves: bool = False  # redraw curves.png after each validation (rank 0, with matplotlib)
 
     def record(self, kind: str, **values: float) -> None:
@@ -203,6 +206,8 @@ def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, dev
               _loader(ASRDataset(train_utts, model_cfg.n_mels), sampler, cfg, device),
               _loader(ASRDataset(valid_utts, model_cfg.n_mels), valid_sampler, cfg, device, workers=0),
               MetricsLog(out_dir / "metrics.jsonl"), NonFiniteSkips(cfg.max_consecutive_skips))
+    if cfg.ema_decay:  # of the unwrapped model: the DDP or compiled forward shares its parameters
+        run.ema = make_ema(model, cfg.ema_decay)
     if state is not None:
         _restore(run, state, source, samples_grew)
     _log_plan(run, estimator)
@@ -331,6 +336,7 @@ def _restore(run: Run, state: TrainState, source: str, samples_grew: bool) -> No
                     f" ({consumed % run.dist.world} done twice)" if consumed % run.dist.world else "")
     run.best_wer, run.best_cer = state.best_wer, state.best_cer
     run.valid_metrics, run.valid_step = state.valid_metrics, state.valid_step
+    _restore_ema(run, state)
     if run.dist.is_main:
         run.metrics.truncate(run.step)
     if samples_grew and run.batches_done:
@@ -338,6 +344,21 @@ def _restore(run: Run, state: TrainState, source: str, samples_grew: bool) -> No
         run.epoch, run.batches_done = run.epoch + 1, 0
     log.info("resumed from %s at step %d (epoch %d, batch %d), lr %.3g", source, run.step, run.epoch + 1,
              run.batches_done, run.cfg.lr * lr_factor(run.step, run.cfg.warmup_steps))
+
+
+def _restore_ema(run: Run, state: TrainState) -> None:
+    """The moving average as the checkpoint kept it; one started afresh when it kept none."""
+    if run.ema is not None and state.ema_model:
+        load_ema_state(run.ema, state.ema_model, state.ema_updates)
+        saved_decay = state.train_config.get("ema_decay", 0.0)
+        if saved_decay != run.cfg.ema_decay:
+            log.warning("--ema_decay %g on resume: the average so far was kept with %g", run.cfg.ema_decay,
+                        saved_decay)
+    elif run.ema is not None:
+        log.info("--ema_decay %g: the checkpoint holds no average; it starts from the weights of step %d",
+                 run.cfg.ema_decay, run.step + 1)
+    elif state.ema_model:
+        log.warning("--ema_decay 0: the checkpoint's moving average of the weights is dropped")
 
 
 def _log_plan(run: Run, estimator: MemoryEstimator) -> None:
@@ -355,6 +376,9 @@ def _log_plan(run: Run, estimator: MemoryEstimator) -> None:
         log.info("%d utterances per update (batch %d x %d accumulation steps%s), peak lr %g, %d warm-up steps",
                  cfg.batch_size * per_step, cfg.batch_size, cfg.gradient_accumulation_steps,
                  f" x {run.dist.world} processes" if run.dist.active else "", cfg.lr, cfg.warmup_steps)
+    if run.ema is not None:
+        log.info("--ema_decay %g: a moving average of the weights is kept; validation, best.pt and decoding use it",
+                 cfg.ema_decay)
 
 
 def _seed_everything(seed: int) -> None:
@@ -454,6 +478,8 @@ def train_step(run: Run, micro: list[Batch]) -> Optional[dict[str, float]]:
     run.step += 1
     finite = math.isfinite(stats["loss"]) and math.isfinite(grad_norm)
     run.skips.update(finite)
+    if finite and run.ema is not None:  # a skipped update (fp16's scaler, a non-finite loss) leaves it alone
+        run.ema.update_parameters(run.model)
     if not finite:
         group = [run.train_utts[i] for b in micro for i in b.indices]
         log.warning("step %d: non-finite %s, update skipped (%d in a row, %d in all%s); batch: %s", run.step,
@@ -520,21 +546,23 @@ def finish(run: Run, stop: Optional[str]) -> dict[str, Any]:
 
 
 def validate_and_save(run: Run) -> None:
-    """Validate at this step, record the metrics, save (best.pt too when they improved: the lowest
-    WER, then the lowest CER, as early on every WER is 100%), redraw curves.png. Draws nothing from
-    the global RNG, so a resumed run goes on exactly as it would have."""
-    metrics = validate(run.model, run.valid_loader, run.tokenizer, run.valid_utts, run.device, run.precision,
+    """Validate at this step (the EMA weights with --ema_decay), record the metrics, save (best.pt too
+    when they improved: the lowest WER, then the lowest CER, as early on every WER is 100%), redraw
+    curves.png. Draws nothing from the global RNG, so a resumed run goes on exactly as it would have."""
+    weights = run.model if run.ema is None else run.ema.module
+    metrics = validate(weights, run.valid_loader, run.tokenizer, run.valid_utts, run.device, run.precision,
                        Dist() if is_sharded(run.model) else run.dist)  # sharded: each process saw all
     run.valid_metrics, run.valid_step = metrics, run.step
-    run.record("valid", **metrics)
+    run.record("valid", **metrics, **({"ema_decay": run.cfg.ema_decay} if run.ema is not None else {}))
     is_best = (metrics["wer"], metrics["cer"]) < (run.best_wer, run.best_cer)
     if is_best:
         run.best_wer, run.best_cer = metrics["wer"], metrics["cer"]
     epochs_done = run.batches_done == 0
     where = f"epoch {run.epoch}" if epochs_done else \
         f"epoch {run.epoch + 1}, {100 * run.batches_done / max(run.epoch_batches, 1):.0f}%"
-    log.info("step %d (%s): valid loss %.3f  CER %.2f%%  WER %.2f%%%s", run.step, where, metrics["loss"],
-             100 * metrics["cer"], 100 * metrics["wer"], "  (best)" if is_best else "")
+    log.info("step %d (%s): valid loss %.3f  CER %.2f%%  WER %.2f%%%s%s", run.step, where, metrics["loss"],
+             100 * metrics["cer"], 100 * metrics["wer"], "  (EMA weights)" if run.ema is not None else "",
+             "  (best)" if is_best else "")
     save(run, is_best)
     if run.draw_curves:  # after the save: nothing that goes wrong in drawing costs the checkpoint
         _redraw_curves(run.out_dir)
@@ -557,12 +585,14 @@ def save(run: Run, is_best: bool = False, quiet: bool = False) -> None:
     run.saved_step = run.step
     if not run.dist.is_main:
         return
+    ema_model, ema_updates = ema_state(run.ema) if run.ema is not None else ({}, 0)
     state = TrainState(
         model_config=dataclasses.asdict(run.model.cfg), train_config=dataclasses.asdict(run.cfg),
         tokenizer=run.tokenizer.model_proto, model=model_state, optimizer=optimizer_state,
         scaler=run.scaler.state_dict(), step=run.step, epoch=run.epoch, batches_done=run.batches_done,
         processes=run.dist.world, rng=rng,
-        best_wer=run.best_wer, best_cer=run.best_cer, valid_metrics=run.valid_metrics, valid_step=run.valid_step)
+        best_wer=run.best_wer, best_cer=run.best_cer, valid_metrics=run.valid_metrics, valid_step=run.valid_step,
+        ema_model=ema_model, ema_updates=ema_updates)
     path = state.save(run.out_dir / step_checkpoint_name(run.step))
     point_to(path, run.out_dir / "latest.pt")
     if is_best:
