@@ -43,7 +43,7 @@ __all__ = ["CheckpointError", "FORMAT_VERSION", "LOCK_FILE", "TrainState", "capt
            "save_checkpoint", "load_checkpoint", "point_to", "prune_checkpoints", "remove_stale_temporaries",
            "resolve_resume", "load_resume_checkpoint", "step_checkpoint_name", "step_checkpoints",
            "select_checkpoints", "average_checkpoints", "hold_run_directory", "claim_output_dir", "existing_run",
-           "move_run_aside", "MetricsLog", "atomic_file", "write_file_atomic"]
+           "move_run_aside", "MetricsLog", "atomic_file", "write_file_atomic", "inference_state_dict"]
 
 log = logging.getLogger("konkanivani")
 
@@ -80,6 +80,8 @@ class TrainState:
     best_cer: float = math.inf
     valid_metrics: dict[str, float] = field(default_factory=dict)
     valid_step: int = -1  # the step valid_metrics were measured at
+    ema_model: dict[str, Any] = field(default_factory=dict)  # the EMA weights (--ema_decay); empty when off
+    ema_updates: int = 0  # optimizer steps averaged into ema_model (AveragedModel.n_averaged)
 
     def save(self, path: str | Path) -> Path:
         return save_checkpoint({f.name: getattr(self, f.name) for f in fields(self)}, path)
@@ -99,7 +101,14 @@ class TrainState:
         if "optimizer" not in state:
             raise CheckpointError(f"{path} holds model weights only (an averaged model?); resume from a step "
                                   "checkpoint or latest")
-        return cls(**{f.name: state[f.name] for f in fields(cls)})
+        # A field added after the format (ema_model, say) is absent from older files: its default.
+        return cls(**{f.name: state[f.name] for f in fields(cls) if f.name in state})
+
+
+def inference_state_dict(checkpoint: dict[str, Any], ema: bool = True) -> dict[str, Any]:
+    """The weights to decode (or fine-tune) with: the EMA weights where the run kept them (``ema``),
+    else the training weights. ``model`` stays the raw training weights, as resuming needs them."""
+    return (checkpoint.get("ema_model") or checkpoint["model"]) if ema else checkpoint["model"]
 
 
 def capture_rng() -> dict[str, Any]:

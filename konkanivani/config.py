@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Union, get_args, get_origin, get_type_hints
 
-__all__ = ["ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "model_config_from_preset", "check_config",
-           "add_dataclass_args", "dataclass_from_args"]
+__all__ = ["ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "INIT_MODULES", "model_config_from_preset",
+           "model_config_from", "check_config", "add_dataclass_args", "dataclass_from_args"]
 
 
 class ConfigError(ValueError):
@@ -62,11 +62,21 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# The top-level modules of ASRModel that hold weights: what --init_modules may name.
+INIT_MODULES = ("encoder", "decoder", "ctc_head")
+
+
 def model_config_from_preset(preset: str, **overrides: Any) -> ModelConfig:
     """``ModelConfig`` for a named preset; keyword overrides whose value is None are ignored."""
     if preset not in PRESETS:
         raise ConfigError(f"--preset {preset}: unknown; choose one of {', '.join(PRESETS)}")
-    values = dict(PRESETS[preset])
+    return model_config_from(PRESETS[preset], **overrides)
+
+
+def model_config_from(base: dict[str, Any], **overrides: Any) -> ModelConfig:
+    """``ModelConfig`` of ``base`` (a preset's values, or an --init_from checkpoint's config) with the
+    overrides whose value is not None; ``ConfigError`` for dimensions that do not fit together."""
+    values = dict(base)
     values.update({k: v for k, v in overrides.items() if v is not None})
     cfg = ModelConfig(**values)
     for name in ("n_mels", "d_model", "n_heads", "ffn_dim", "conv_kernel"):
@@ -164,6 +174,18 @@ class TrainConfig:
         "sharded between the processes, offloaded to CPU memory on CUDA; for models past ~100 M parameters)"))
     offload_activations: bool = field(default=False, metadata=_help(
         "keep the activations saved for the backward pass in pinned CPU memory (CUDA only; slower, less GPU memory)"))
+    ema_decay: float = field(default=0.0, metadata=_help(
+        "keep an exponential moving average of the weights with this decay (e.g. 0.999; 0: off); validation, "
+        "best.pt and decoding use it"))
+    init_from: str = field(default="", metadata=_help(
+        "start a fresh run from another run's checkpoint: its weights where they fit (vocabulary rows matched by "
+        "token), its model dimensions unless model flags are given; own tokenizer, optimizer and step 0"))
+    init_modules: str = field(default=",".join(INIT_MODULES), metadata=_help(
+        "with --init_from: the modules to take from it, a comma list of " + ", ".join(INIT_MODULES)))
+    keep_init_cmvn: bool = field(default=False, metadata=_help(
+        "with --init_from: keep its CMVN statistics instead of computing them from the new training data"))
+    freeze_encoder_steps: int = field(default=0, metadata=_help(
+        "leave the encoder unchanged for the first N optimizer steps (the heads learn first), then train it"))
 
 
 TOKENIZER_TYPES = ("unigram", "bpe", "char")
@@ -187,13 +209,14 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
         "num_buckets")},
     **{name: (_at_least(0), "0 or more") for name in (
         "max_steps", "warmup_steps", "num_workers", "empty_cache_every", "save_every_steps", "validate_every_steps",
-        "max_batch_frames", "max_samples", "max_consecutive_skips")},
+        "max_batch_frames", "max_samples", "max_consecutive_skips", "freeze_encoder_steps")},
     **{name: (_at_least(0, integer=False), "0 or more") for name in (
         "max_time", "max_batch_seconds", "max_memory_gb", "grad_clip", "weight_decay")},
     "lr": (lambda v: math.isfinite(v) and v > 0, "a positive number"),
     "max_duration": (lambda v: v > 0, "a positive number of seconds"),
     "ctc_weight": (_fraction, "in [0, 1]"),
     "label_smoothing": (lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+    "ema_decay": (lambda v: 0.0 <= v < 1.0, "in [0, 1) (0: off)"),
     "tokenizer_type": (TOKENIZER_TYPES.__contains__, "one of " + ", ".join(TOKENIZER_TYPES)),
     "precision": (PRECISION_CHOICES.__contains__, "one of fp32, fp16, bf16 (or left out)"),
     "optimizer": (OPTIMIZERS.__contains__, "adamw or adamw_8bit"),
@@ -224,7 +247,35 @@ def check_config(cfg: TrainConfig, model_overrides: dict[str, Any] | None = None
             raise ConfigError(f"give --{a} or --{b}, not both")
     if cfg.strategy == "fsdp" and cfg.optimizer != "adamw":
         raise ConfigError("--strategy fsdp shards AdamW's states itself; use --optimizer adamw with it")
-    model_config_from_preset(cfg.preset, vocab_size=1, **(model_overrides or {}))  # dimensions that fit together
+    if cfg.strategy == "fsdp" and cfg.ema_decay:
+        raise ConfigError("--ema_decay keeps a whole copy of the weights in every process, which --strategy fsdp "
+                          "is there to avoid; use --strategy ddp with it")
+    unknown = [m for m in cfg.init_modules.split(",") if m.strip() not in INIT_MODULES]
+    if unknown or not cfg.init_modules.strip():
+        raise ConfigError(f"--init_modules {cfg.init_modules!r}: give a comma list of {', '.join(INIT_MODULES)}")
+    if cfg.keep_init_cmvn and not cfg.init_from:
+        raise ConfigError("--keep_init_cmvn keeps the CMVN statistics of --init_from: give --init_from too")
+    base = PRESETS.get(cfg.preset, {})
+    if cfg.init_from and not cfg.resume:  # on --resume the run's own checkpoint decides everything
+        base = dataclasses.asdict(ModelConfig.from_dict(_init_checkpoint_config(cfg.init_from)))
+    model_config_from({**base, "vocab_size": 1}, **(model_overrides or {}))  # dimensions that fit together
+
+
+def _init_checkpoint_config(path: str) -> dict[str, Any]:
+    """The model config of the --init_from checkpoint; ``ConfigError`` naming the file when it is
+    missing or holds no model."""
+    from .checkpoint import CheckpointError, load_checkpoint  # torch loads only where a checkpoint is read
+
+    if not Path(path).is_file():
+        raise ConfigError(f"--init_from {path}: file not found")
+    try:
+        state = load_checkpoint(path)
+    except CheckpointError as e:
+        raise ConfigError(f"--init_from: {e}") from e
+    missing = [k for k in ("model_config", "model", "tokenizer") if k not in state]
+    if missing:
+        raise ConfigError(f"--init_from {path}: not a model checkpoint (no {', '.join(missing)})")
+    return state["model_config"]
 
 
 def _flag_type(tp: Any) -> Any:

@@ -3,7 +3,7 @@
 A file has up to three sections; every key is a field of ``TrainConfig`` or ``ModelConfig``, in
 the section ``SECTION_OF`` gives it::
 
-    model:                      # --preset, then ModelConfig fields, which override the preset's
+    model:                      # --preset (or --init_from), then ModelConfig fields, which override its
       preset: small
       dropout: 0.1
     data:                       # manifests, tokenizer, which utterances and how they are batched
@@ -42,7 +42,9 @@ _DATA_FIELDS = ("train_manifest", "valid_manifest", "tokenizer", "tokenizer_type
                 "duration_tolerance", "max_samples", "num_workers", "batch_size", "max_batch_frames",
                 "max_batch_seconds", "num_buckets", "max_memory_gb", "auto_batch", "preflight")
 # ModelConfig.vocab_size is no key: the tokenizer decides it (data.vocab_size is the size of one trained).
-_MODEL_FIELDS = ("preset", *(f.name for f in dataclasses.fields(ModelConfig) if f.name != "vocab_size"))
+# --init_from and its options say where the model starts, as --preset does (its dimensions replace the preset's).
+_MODEL_FIELDS = ("preset", "init_from", "init_modules", "keep_init_cmvn",
+                 *(f.name for f in dataclasses.fields(ModelConfig) if f.name != "vocab_size"))
 
 # The section of every key: the one place that decides it.
 SECTION_OF: dict[str, str] = {

@@ -1,7 +1,8 @@
 """From a checkpoint to text: the model, its tokenizer and features, and batched decoding.
 
 A checkpoint carries everything needed (model shape, weights with CMVN statistics, tokenizer),
-so ``Recognizer.from_checkpoint(path)`` is all a user needs.
+so ``Recognizer.from_checkpoint(path)`` is all a user needs. A run trained with ``--ema_decay``
+decodes with its moving average of the weights (``inference_state_dict``).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .audio import LogMel, load_audio
-from .checkpoint import CheckpointError, load_checkpoint
+from .checkpoint import CheckpointError, inference_state_dict, load_checkpoint
 from .checks import resolve_audio_path
 from .config import ModelConfig
 from .data import read_manifest
@@ -55,7 +56,7 @@ class Recognizer:
         try:
             cfg = ModelConfig.from_dict(state["model_config"])
             model = ASRModel(cfg)
-            model.load_state_dict(state["model"])
+            model.load_state_dict(inference_state_dict(state))
             tokenizer = Tokenizer(state["tokenizer"])
         except (KeyError, TypeError, RuntimeError, ValueError) as e:
             raise CheckpointError(f"{path}: the checkpoint does not hold a usable model ({type(e).__name__}: "

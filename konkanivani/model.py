@@ -55,6 +55,11 @@ class ASRModel(nn.Module):
         torch.Size([])
     """
 
+    # The tensors with one row per token: a model of another vocabulary has them in another size,
+    # and their rows follow the tokens (``finetune.load_init_weights`` matches them by piece).
+    VOCABULARY_TENSORS = ("ctc_head.weight", "ctc_head.bias", "decoder.embed.weight", "decoder.output.weight",
+                          "decoder.output.bias")
+
     def __init__(self, cfg: ModelConfig, ctc_weight: float = 0.3, label_smoothing: float = 0.1):
         super().__init__()
         if cfg.vocab_size <= SOS_EOS_ID:

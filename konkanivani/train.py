@@ -22,12 +22,13 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
+from torch.optim.swa_utils import AveragedModel
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from .batching import padding_fraction, select_samples, split_batch, train_sampler
-from .checkpoint import (MetricsLog, TrainState, capture_rng, claim_output_dir, hold_run_directory,
+from .checkpoint import (MetricsLog, TrainState, capture_rng, claim_output_dir, hold_run_directory, load_checkpoint,
                          load_resume_checkpoint, point_to, prune_checkpoints, remove_stale_temporaries, restore_rng,
                          step_checkpoint_name)
 from .config import ConfigError, ModelConfig, TrainConfig, check_config, model_config_from_preset
@@ -37,6 +38,8 @@ from .data import (ASRDataset, Batch, LengthGroupedBatchSampler, ResumableBatchS
 from .decode import ctc_greedy
 from .distributed import (Dist, full_state_dicts, init_distributed, is_sharded, load_optimizer_state, no_sync,
                           wrap_data_parallel)
+from .ema import ema_state, load_ema_state, make_ema
+from .finetune import hold_encoder, init_model_config, keep_init_cmvn, load_init_weights
 from .frames import budget_frames, frames_of
 from .memory import (GIB, BatchDoesNotFit, MemoryEstimator, auto_batch_frames, free_memory, is_out_of_memory,
                      memory_status, precision_name)
@@ -123,6 +126,7 @@ class Run:
     saved_step: int = -1
     unreadable: int = 0  # audio files that failed to load in training, all epochs
     board: TensorBoardLog = field(default_factory=TensorBoardLog)  # the metrics rows again, for TensorBoard
+    ema: Optional[AveragedModel] = None  # the moving average of the weights (--ema_decay)
     draw_curves: bool = False  # redraw curves.png after each validation (rank 0, with matplotlib)
 
     def close(self) -> None:
@@ -175,10 +179,11 @@ def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, dev
         log.warning("removed %d unfinished checkpoint writes of a run killed while saving: %s", len(stale),
                     ", ".join(p.name for p in stale))
     state, source = _resume_state(cfg, out_dir)
-    cfg, model_cfg, tokenizer, samples_grew = _settings(cfg, model_overrides, state, dist)
+    init = _init_checkpoint(cfg, state)
+    cfg, model_cfg, tokenizer, samples_grew = _settings(cfg, model_overrides, state, dist, init)
     precision = resolve_precision(device, cfg.mixed_precision, cfg.precision)
     train_utts, valid_utts = _load_data(cfg, tokenizer)
-    model = _build_model(cfg, model_cfg, train_utts, state, device)
+    model = _build_model(cfg, model_cfg, train_utts, state, device, init, tokenizer)
     if dist.active:
         _seed_everything(cfg.seed + dist.rank)  # dropout and SpecAugment differ between processes
     forward = wrap_data_parallel(model, dist, device, cfg.strategy)  # fsdp shards the model in place
@@ -210,6 +215,8 @@ def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, dev
               _loader(ASRDataset(train_utts, model_cfg.n_mels), sampler, cfg, device),
               _loader(ASRDataset(valid_utts, model_cfg.n_mels), valid_sampler, cfg, device, workers=0),
               MetricsLog(out_dir / "metrics.jsonl"), NonFiniteSkips(cfg.max_consecutive_skips))
+    if cfg.ema_decay:  # of the unwrapped model: the DDP or compiled forward shares its parameters
+        run.ema = make_ema(model, cfg.ema_decay)
     if state is not None:
         _restore(run, state, source, samples_grew)
     _log_plan(run, estimator)
@@ -237,13 +244,25 @@ def _resume_state(cfg: TrainConfig, out_dir: Path) -> tuple[Optional[TrainState]
     return TrainState.from_checkpoint(checkpoint, path), named
 
 
-def _settings(cfg: TrainConfig, model_overrides: dict[str, Any], state: Optional[TrainState],
-              dist: Dist) -> tuple[TrainConfig, ModelConfig, Tokenizer, bool]:
+def _init_checkpoint(cfg: TrainConfig, state: Optional[TrainState]) -> Optional[dict[str, Any]]:
+    """The checkpoint --init_from names, loaded, for a fresh run; None otherwise (a resumed run
+    continues from its own checkpoint, which already started from it)."""
+    if not cfg.init_from:
+        return None
+    if state is not None:
+        log.info("--init_from %s not applied: the run resumes from its own checkpoint", cfg.init_from)
+        return None
+    return load_checkpoint(cfg.init_from)
+
+
+def _settings(cfg: TrainConfig, model_overrides: dict[str, Any], state: Optional[TrainState], dist: Dist,
+              init: Optional[dict[str, Any]] = None) -> tuple[TrainConfig, ModelConfig, Tokenizer, bool]:
     """The one place that decides what a resumed run takes from its checkpoint: the tokenizer, the
     model's shape, the settings that fix the data order, the optimizer (its state fits no other),
     and --max_samples unless the new one is larger. A fresh run trains its tokenizer (rank 0; the
-    others read it). Returns the config, the model config, the tokenizer and whether the training
-    set grew."""
+    others read it); its model shape is the preset's, or the --init_from checkpoint's (``init``),
+    with the model flags over it. Returns the config, the model config, the tokenizer and whether
+    the training set grew."""
     out_dir = Path(cfg.output_dir)
     if state is None:
         if cfg.tokenizer:
@@ -260,8 +279,14 @@ def _settings(cfg: TrainConfig, model_overrides: dict[str, Any], state: Optional
         dist.barrier()
         if not dist.is_main and not cfg.tokenizer:
             tokenizer = Tokenizer.load(out_dir / "tokenizer.model")
-        return cfg, model_config_from_preset(cfg.preset, vocab_size=tokenizer.vocab_size, **model_overrides), \
-            tokenizer, False
+        if init is None:
+            return cfg, model_config_from_preset(cfg.preset, vocab_size=tokenizer.vocab_size, **model_overrides), \
+                tokenizer, False
+        model_cfg, given = init_model_config(init, tokenizer.vocab_size, model_overrides)
+        log.info("--init_from: model dimensions from %s%s (--preset not used)", cfg.init_from,
+                 f", with {', '.join(f'--{k} {model_overrides[k]}' for k in given)} from the command line"
+                 if given else "")
+        return cfg, model_cfg, tokenizer, False
     saved = {**dataclasses.asdict(TrainConfig()), **state.train_config}
     changed = {k: saved[k] for k in KEPT_ON_RESUME if getattr(cfg, k) != saved[k]}
     if canonical_optimizer(cfg.optimizer) != canonical_optimizer(saved["optimizer"]):
@@ -299,12 +324,25 @@ def _load_data(cfg: TrainConfig, tokenizer: Tokenizer) -> tuple[list[Utterance],
 
 
 def _build_model(cfg: TrainConfig, model_cfg: ModelConfig, train_utts: list[Utterance],
-                 state: Optional[TrainState], device: torch.device) -> ASRModel:
+                 state: Optional[TrainState], device: torch.device, init: Optional[dict[str, Any]] = None,
+                 tokenizer: Optional[Tokenizer] = None) -> ASRModel:
+    """The model: a resumed run's weights; or fresh, with the CMVN statistics of the training data
+    and, from an --init_from checkpoint (``init``), the weights that fit."""
     model = ASRModel(model_cfg, cfg.ctc_weight, cfg.label_smoothing)
     if state is not None:
         model.load_state_dict(state.model)
     else:
         model.set_cmvn(*compute_cmvn(train_utts, model_cfg.n_mels, seed=cfg.seed))
+    if init is not None:
+        modules = tuple(m.strip() for m in cfg.init_modules.split(","))
+        log.info("%s", load_init_weights(model, tokenizer, init, modules, cfg.init_from).summary())
+        if cfg.keep_init_cmvn:
+            try:
+                keep_init_cmvn(model, init)
+            except ValueError as e:
+                raise ConfigError(f"{cfg.init_from}: {e}") from e
+        log.info("CMVN statistics: %s", f"kept from {cfg.init_from} (--keep_init_cmvn)" if cfg.keep_init_cmvn
+                 else "computed from the new training data (--keep_init_cmvn keeps the init checkpoint's)")
     model.to(device)
     model.set_gradient_checkpointing(cfg.gradient_checkpointing)
     if cfg.gradient_checkpointing:
@@ -338,6 +376,7 @@ def _restore(run: Run, state: TrainState, source: str, samples_grew: bool) -> No
                     f" ({consumed % run.dist.world} done twice)" if consumed % run.dist.world else "")
     run.best_wer, run.best_cer = state.best_wer, state.best_cer
     run.valid_metrics, run.valid_step = state.valid_metrics, state.valid_step
+    _restore_ema(run, state)
     if run.dist.is_main:
         run.metrics.truncate(run.step)
     if samples_grew and run.batches_done:
@@ -345,6 +384,21 @@ def _restore(run: Run, state: TrainState, source: str, samples_grew: bool) -> No
         run.epoch, run.batches_done = run.epoch + 1, 0
     log.info("resumed from %s at step %d (epoch %d, batch %d), lr %.3g", source, run.step, run.epoch + 1,
              run.batches_done, run.cfg.lr * lr_factor(run.step, run.cfg.warmup_steps))
+
+
+def _restore_ema(run: Run, state: TrainState) -> None:
+    """The moving average as the checkpoint kept it; one started afresh when it kept none."""
+    if run.ema is not None and state.ema_model:
+        load_ema_state(run.ema, state.ema_model, state.ema_updates)
+        saved_decay = state.train_config.get("ema_decay", 0.0)
+        if saved_decay != run.cfg.ema_decay:
+            log.warning("--ema_decay %g on resume: the average so far was kept with %g", run.cfg.ema_decay,
+                        saved_decay)
+    elif run.ema is not None:
+        log.info("--ema_decay %g: the checkpoint holds no average; it starts from the weights of step %d",
+                 run.cfg.ema_decay, run.step + 1)
+    elif state.ema_model:
+        log.warning("--ema_decay 0: the checkpoint's moving average of the weights is dropped")
 
 
 def _log_plan(run: Run, estimator: MemoryEstimator) -> None:
@@ -362,6 +416,12 @@ def _log_plan(run: Run, estimator: MemoryEstimator) -> None:
         log.info("%d utterances per update (batch %d x %d accumulation steps%s), peak lr %g, %d warm-up steps",
                  cfg.batch_size * per_step, cfg.batch_size, cfg.gradient_accumulation_steps,
                  f" x {run.dist.world} processes" if run.dist.active else "", cfg.lr, cfg.warmup_steps)
+    if cfg.freeze_encoder_steps > run.step:
+        log.info("--freeze_encoder_steps %d: the encoder is not updated until step %d", cfg.freeze_encoder_steps,
+                 cfg.freeze_encoder_steps + 1)
+    if run.ema is not None:
+        log.info("--ema_decay %g: a moving average of the weights is kept; validation, best.pt and decoding use it",
+                 cfg.ema_decay)
 
 
 def _seed_everything(seed: int) -> None:
@@ -447,7 +507,8 @@ def train_epoch(run: Run, stop_request: StopRequest,
 def train_step(run: Run, micro: list[Batch]) -> Optional[dict[str, float]]:
     """One optimizer step on an accumulation group: its losses (and the learning rate, gradient
     norm and utterance count), or None when no process had audio to train on. A non-finite loss or
-    gradient skips the update, counted in ``run.skips``."""
+    gradient skips the update, counted in ``run.skips``. In the first --freeze_encoder_steps steps
+    the encoder's gradients are dropped (``hold_encoder``): the norm is then the heads' alone."""
     cfg = run.cfg
     stats = forward_backward(run.forward, micro, run.device, run.precision, run.scaler, cfg.spec_augment,
                              name_of=lambda i: f"{run.train_utts[i].where} ({run.train_utts[i].duration:.1f} s)",
@@ -457,10 +518,16 @@ def train_step(run: Run, micro: list[Batch]) -> Optional[dict[str, float]]:
     lr = cfg.lr * lr_factor(run.step, cfg.warmup_steps)  # a pure function of the step: nothing to resume
     for group in run.optimizer.param_groups:
         group["lr"] = lr
+    held = hold_encoder(run.model, run.step, cfg.freeze_encoder_steps)
+    if not held and cfg.freeze_encoder_steps and run.step == cfg.freeze_encoder_steps:
+        log.info("step %d: the encoder trains from now on (--freeze_encoder_steps %d)", run.step + 1,
+                 cfg.freeze_encoder_steps)
     grad_norm = optimizer_step(run.model, run.optimizer, run.scaler, cfg.grad_clip, stats["loss"])
     run.step += 1
     finite = math.isfinite(stats["loss"]) and math.isfinite(grad_norm)
     run.skips.update(finite)
+    if finite and run.ema is not None:  # a skipped update (fp16's scaler, a non-finite loss) leaves it alone
+        run.ema.update_parameters(run.model)
     if not finite:
         group = [run.train_utts[i] for b in micro for i in b.indices]
         log.warning("step %d: non-finite %s, update skipped (%d in a row, %d in all%s); batch: %s", run.step,
@@ -527,21 +594,23 @@ def finish(run: Run, stop: Optional[str]) -> dict[str, Any]:
 
 
 def validate_and_save(run: Run) -> None:
-    """Validate at this step, record the metrics, save (best.pt too when they improved: the lowest
-    WER, then the lowest CER, as early on every WER is 100%), redraw curves.png. Draws nothing from
-    the global RNG, so a resumed run goes on exactly as it would have."""
-    metrics = validate(run.model, run.valid_loader, run.tokenizer, run.valid_utts, run.device, run.precision,
+    """Validate at this step (the EMA weights with --ema_decay), record the metrics, save (best.pt too
+    when they improved: the lowest WER, then the lowest CER, as early on every WER is 100%), redraw
+    curves.png. Draws nothing from the global RNG, so a resumed run goes on exactly as it would have."""
+    weights = run.model if run.ema is None else run.ema.module
+    metrics = validate(weights, run.valid_loader, run.tokenizer, run.valid_utts, run.device, run.precision,
                        Dist() if is_sharded(run.model) else run.dist)  # sharded: each process saw all
     run.valid_metrics, run.valid_step = metrics, run.step
-    run.record("valid", **metrics)
+    run.record("valid", **metrics, **({"ema_decay": run.cfg.ema_decay} if run.ema is not None else {}))
     is_best = (metrics["wer"], metrics["cer"]) < (run.best_wer, run.best_cer)
     if is_best:
         run.best_wer, run.best_cer = metrics["wer"], metrics["cer"]
     epochs_done = run.batches_done == 0
     where = f"epoch {run.epoch}" if epochs_done else \
         f"epoch {run.epoch + 1}, {100 * run.batches_done / max(run.epoch_batches, 1):.0f}%"
-    log.info("step %d (%s): valid loss %.3f  CER %.2f%%  WER %.2f%%%s", run.step, where, metrics["loss"],
-             100 * metrics["cer"], 100 * metrics["wer"], "  (best)" if is_best else "")
+    log.info("step %d (%s): valid loss %.3f  CER %.2f%%  WER %.2f%%%s%s", run.step, where, metrics["loss"],
+             100 * metrics["cer"], 100 * metrics["wer"], "  (EMA weights)" if run.ema is not None else "",
+             "  (best)" if is_best else "")
     save(run, is_best)
     if run.draw_curves:  # after the save: nothing that goes wrong in drawing costs the checkpoint
         _redraw_curves(run.out_dir)
@@ -564,12 +633,14 @@ def save(run: Run, is_best: bool = False, quiet: bool = False) -> None:
     run.saved_step = run.step
     if not run.dist.is_main:
         return
+    ema_model, ema_updates = ema_state(run.ema) if run.ema is not None else ({}, 0)
     state = TrainState(
         model_config=dataclasses.asdict(run.model.cfg), train_config=dataclasses.asdict(run.cfg),
         tokenizer=run.tokenizer.model_proto, model=model_state, optimizer=optimizer_state,
         scaler=run.scaler.state_dict(), step=run.step, epoch=run.epoch, batches_done=run.batches_done,
         processes=run.dist.world, rng=rng,
-        best_wer=run.best_wer, best_cer=run.best_cer, valid_metrics=run.valid_metrics, valid_step=run.valid_step)
+        best_wer=run.best_wer, best_cer=run.best_cer, valid_metrics=run.valid_metrics, valid_step=run.valid_step,
+        ema_model=ema_model, ema_updates=ema_updates)
     path = state.save(run.out_dir / step_checkpoint_name(run.step))
     point_to(path, run.out_dir / "latest.pt")
     if is_best:

@@ -53,6 +53,13 @@ BAD_VALUES = [
     (["--strategy", "fsdp", "--optimizer", "adamw_8bit"], "--strategy fsdp shards AdamW's states itself"),
     (["--device", "gpu"], "--device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
     (["--offload_activations", "--device", "cpu"], "--offload_activations needs a CUDA device"),
+    (["--ema_decay", "1"], "--ema_decay must be in [0, 1) (0: off), got 1.0"),
+    (["--strategy", "fsdp", "--ema_decay", "0.999"], "--ema_decay keeps a whole copy of the weights in every process"),
+    (["--init_from", "nowhere.pt"], "--init_from nowhere.pt: file not found"),
+    (["--init_modules", "encoder,joiner"],
+     "--init_modules 'encoder,joiner': give a comma list of encoder, decoder, ctc_head"),
+    (["--freeze_encoder_steps", "-1"], "--freeze_encoder_steps must be 0 or more, got -1"),
+    (["--keep_init_cmvn"], "--keep_init_cmvn keeps the CMVN statistics of --init_from: give --init_from too"),
 ]
 
 

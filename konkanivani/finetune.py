@@ -1,0 +1,134 @@
+"""Fine-tuning: a fresh run that starts from another run's weights (``--init_from``), and the
+encoder held still for its first steps (``--freeze_encoder_steps``).
+
+The new run has its own tokenizer, so the tensors with one row per token (``ASRModel.VOCABULARY_TENSORS``)
+may differ in size or order from the checkpoint's. Their rows are matched by piece: a token whose
+piece string is in both vocabularies starts from its old row, the specials (blank, unk, sos/eos)
+by their role, and the other rows keep their fresh initialization. Any other tensor is loaded where
+its shape is the same and skipped otherwise (another ``--d_model``, say), and the report says which.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .checkpoint import inference_state_dict
+from .config import ModelConfig, model_config_from
+from .model import ASRModel
+from .tokenizer import BLANK_ID, SOS_EOS_ID, UNK_ID, Tokenizer
+
+__all__ = ["InitReport", "init_model_config", "token_row_map", "load_init_weights", "keep_init_cmvn",
+           "hold_encoder"]
+
+log = logging.getLogger("konkanivani")
+
+_SPECIALS = (BLANK_ID, UNK_ID, SOS_EOS_ID)  # the same ids in every konkanivani tokenizer
+
+
+@dataclass
+class InitReport:
+    """What ``load_init_weights`` took from the checkpoint."""
+
+    source: str
+    modules: tuple[str, ...]  # the modules asked for (--init_modules)
+    weights: str  # "EMA" or "training": which weights of the checkpoint
+    loaded: list[str] = field(default_factory=list)  # tensors copied whole
+    resized: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (rows matched by token, rows)
+    skipped: dict[str, str] = field(default_factory=dict)  # name -> why it kept its fresh initialization
+
+    def summary(self) -> str:
+        """The one log line: ``init_from X: loaded 212 tensors (encoder, decoder), resized 4 (...), skipped 0``."""
+        modules = sorted({name.split(".")[0] for name in self.loaded}, key=self.modules.index)
+        resized = ", ".join(f"{name}: {matched} of {rows} rows matched by token"
+                            for name, (matched, rows) in self.resized.items())
+        skipped = ", ".join(f"{name}: {why}" for name, why in list(self.skipped.items())[:3])
+        more = f", {len(self.skipped) - 3} more" if len(self.skipped) > 3 else ""
+        return (f"init_from {self.source} ({self.weights} weights): loaded {len(self.loaded)} tensors "
+                f"({', '.join(modules) or 'none'}), resized {len(self.resized)}{f' ({resized})' if resized else ''}, "
+                f"skipped {len(self.skipped)}{f' ({skipped}{more})' if skipped else ''}")
+
+
+def init_model_config(checkpoint: dict[str, Any], vocab_size: int,
+                      overrides: dict[str, Any]) -> tuple[ModelConfig, list[str]]:
+    """The new model's dimensions: the checkpoint's, with the model flags given on the command line
+    (``overrides``, None for those not given) over them and the new tokenizer's vocabulary. Returns
+    the config and the names of the flags that overrode the checkpoint."""
+    base = dataclasses.asdict(ModelConfig.from_dict(checkpoint["model_config"]))
+    given = [name for name, value in overrides.items() if value is not None and value != base.get(name)]
+    return model_config_from({**base, "vocab_size": vocab_size}, **overrides), given
+
+
+def token_row_map(old: Tokenizer, new: Tokenizer) -> dict[int, int]:
+    """``{new id: old id}`` for the tokens of ``new`` that ``old`` has too: the specials by their
+    role, the others by their piece string."""
+    old_ids = {piece: i for i, piece in enumerate(old.pieces(range(old.vocab_size))) if i not in _SPECIALS}
+    rows = {i: i for i in _SPECIALS}
+    for i, piece in enumerate(new.pieces(range(new.vocab_size))):
+        if i not in _SPECIALS and piece in old_ids:
+            rows[i] = old_ids[piece]
+    return rows
+
+
+@torch.no_grad()
+def load_init_weights(model: ASRModel, tokenizer: Tokenizer, checkpoint: dict[str, Any], modules: tuple[str, ...],
+                      source: str = "the checkpoint") -> InitReport:
+    """Load into ``model`` (whose vocabulary is ``tokenizer``'s) the tensors of ``modules`` from
+    ``checkpoint`` (its EMA weights where it has them) that fit; see the module's docstring. The
+    CMVN statistics are not among them (``keep_init_cmvn``)."""
+    weights = inference_state_dict(checkpoint)
+    report = InitReport(source, modules, "EMA" if weights is not checkpoint["model"] else "training")
+    old_tokenizer = Tokenizer(checkpoint["tokenizer"])
+    same_vocabulary = old_tokenizer.model_proto == tokenizer.model_proto
+    rows = token_row_map(old_tokenizer, tokenizer)
+    new_ids, old_ids = list(rows), list(rows.values())
+    init: dict[str, torch.Tensor] = {}
+    for name, fresh in model.state_dict().items():
+        if name.split(".")[0] not in modules:
+            continue
+        if name not in weights:
+            report.skipped[name] = "not in the checkpoint"
+            continue
+        old = weights[name]
+        if name in ASRModel.VOCABULARY_TENSORS and not same_vocabulary and old.shape[1:] == fresh.shape[1:]:
+            init[name] = fresh.clone()
+            init[name][new_ids] = old[old_ids].to(fresh.dtype)
+            report.resized[name] = (len(rows), fresh.shape[0])
+        elif old.shape == fresh.shape:
+            init[name] = old
+            report.loaded.append(name)
+        else:
+            report.skipped[name] = f"{tuple(old.shape)} there, {tuple(fresh.shape)} here"
+    model.load_state_dict(init, strict=False)  # the rest keeps its fresh initialization
+    return report
+
+
+@torch.no_grad()
+def keep_init_cmvn(model: ASRModel, checkpoint: dict[str, Any]) -> None:
+    """The checkpoint's CMVN statistics in place of those of the new training data (``--keep_init_cmvn``)."""
+    weights = inference_state_dict(checkpoint)
+    mean, std = weights["feat_mean"], weights["feat_std"]
+    if mean.shape != model.feat_mean.shape:
+        raise ValueError(f"--keep_init_cmvn: the checkpoint's features have {mean.numel()} mel bins, this model "
+                         f"{model.feat_mean.numel()}")
+    model.set_cmvn(mean, std)
+
+
+def hold_encoder(model: torch.nn.Module, step: int, freeze_steps: int) -> bool:
+    """Drop the encoder's gradients before optimizer step ``step + 1`` when it is one of the first
+    ``freeze_steps``; returns whether it did.
+
+    Dropping gradients, rather than turning ``requires_grad`` off, keeps every process of a
+    data-parallel run computing the same graph (DDP and FSDP expect a fixed set of parameters to
+    reduce), and AdamW (torch's and bitsandbytes') leaves a parameter without a gradient alone: no
+    update, no weight decay, no moment. It is decided from the step alone, so a resumed run freezes
+    exactly as an unbroken one. (The encoder's backward pass is still computed.)
+    """
+    if step >= freeze_steps:
+        return False
+    for p in model.encoder.parameters():
+        p.grad = None
+    return True
