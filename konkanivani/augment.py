@@ -310,7 +310,7 @@ class Augmenter:
         path = self.noise_files[_randint(gen, len(self.noise_files))]
         try:
             noise = _noise_excerpt(path, len(wav), gen)
-        except (RuntimeError, sf.LibsndfileError) as e:
+        except RuntimeError as e:  # soundfile's LibsndfileError is one
             log.warning("noise file %s: %s; this utterance gets no noise", path, e)
             return wav, math.inf
         return add_noise(wav, noise, snr_db), snr_db
