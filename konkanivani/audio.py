@@ -48,7 +48,12 @@ def resample(wav: torch.Tensor, sample_rate: int, target_rate: int = SAMPLE_RATE
 
 
 class LogMel(torch.nn.Module):
-    """Waveform ``(N,)`` at 16 kHz -> log-mel features ``(T, n_mels)``, T = 1 + N // 160."""
+    """Waveform ``(N,)`` at 16 kHz -> log-mel features ``(T, n_mels)``, T = 1 + N // 160.
+
+    ``warp``, an ``(F, F)`` matrix over the power spectrum's frequency bins (VTLP in training,
+    ``augment.vtlp_warp_matrix``), is applied between the spectrogram and the mel filterbank;
+    without one the features are computed exactly as always.
+    """
 
     def __init__(self, n_mels: int = 80):
         super().__init__()
@@ -56,5 +61,14 @@ class LogMel(torch.nn.Module):
             sample_rate=SAMPLE_RATE, n_fft=400, win_length=400, hop_length=HOP_LENGTH, n_mels=n_mels)
 
     @torch.no_grad()
-    def forward(self, wav: torch.Tensor) -> torch.Tensor:
-        return torch.log(self.mel(wav) + LOG_OFFSET).transpose(0, 1).contiguous()  # (T, n_mels)
+    def forward(self, wav: torch.Tensor, warp: torch.Tensor | None = None) -> torch.Tensor:
+        if warp is None:
+            mel = self.mel(wav)
+        else:
+            mel = self.mel.mel_scale(warp @ self.mel.spectrogram(wav))  # (F, F) @ (F, T)
+        return torch.log(mel + LOG_OFFSET).transpose(0, 1).contiguous()  # (T, n_mels)
+
+    @property
+    def n_freqs(self) -> int:
+        """Frequency bins of the power spectrum (n_fft // 2 + 1)."""
+        return self.mel.n_fft // 2 + 1

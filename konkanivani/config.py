@@ -186,6 +186,22 @@ class TrainConfig:
         "with --init_from: keep its CMVN statistics instead of computing them from the new training data"))
     freeze_encoder_steps: int = field(default=0, metadata=_help(
         "leave the encoder unchanged for the first N optimizer steps (the heads learn first), then train it"))
+    speed_perturb: bool = field(default=False, metadata=_help(
+        "play each training utterance at a speed drawn from 0.9, 1.0, 1.1 (tempo and pitch; batches are planned "
+        "for the slowest)"))
+    noise_prob: float = field(default=0.0, metadata=_help(
+        "share of training utterances that get additive noise (generated, or from --noise_dir)"))
+    noise_snr_low_db: float = field(default=5.0, metadata=_help("lowest signal-to-noise ratio of the added noise"))
+    noise_snr_high_db: float = field(default=20.0, metadata=_help("highest signal-to-noise ratio of the added noise"))
+    noise_dir: str = field(default="", metadata=_help(
+        "folder of noise recordings (searched recursively), random excerpts of them (default: generated noise)"))
+    reverb_prob: float = field(default=0.0, metadata=_help(
+        "share of training utterances convolved with a room impulse response (synthetic, or from --rir_dir)"))
+    rir_dir: str = field(default="", metadata=_help(
+        "folder of room impulse responses (searched recursively) (default: synthetic rooms, RT60 0.2-0.9 s)"))
+    vtlp_prob: float = field(default=0.0, metadata=_help(
+        "share of training utterances whose spectrum is warped by a factor in [0.9, 1.1] (vocal tract length "
+        "perturbation)"))
 
 
 TOKENIZER_TYPES = ("unigram", "bpe", "char")
@@ -215,6 +231,8 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "lr": (lambda v: math.isfinite(v) and v > 0, "a positive number"),
     "max_duration": (lambda v: v > 0, "a positive number of seconds"),
     "ctc_weight": (_fraction, "in [0, 1]"),
+    **{name: (_fraction, "in [0, 1]") for name in ("noise_prob", "reverb_prob", "vtlp_prob")},
+    **{name: (math.isfinite, "a number of dB") for name in ("noise_snr_low_db", "noise_snr_high_db")},
     "label_smoothing": (lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
     "ema_decay": (lambda v: 0.0 <= v < 1.0, "in [0, 1) (0: off)"),
     "tokenizer_type": (TOKENIZER_TYPES.__contains__, "one of " + ", ".join(TOKENIZER_TYPES)),
@@ -239,6 +257,13 @@ def check_config(cfg: TrainConfig, model_overrides: dict[str, Any] | None = None
         path = getattr(cfg, name)
         if path and not Path(path).is_file():
             raise ConfigError(f"--{name} {path}: file not found")
+    for name in ("noise_dir", "rir_dir"):
+        path = getattr(cfg, name)
+        if path and not Path(path).is_dir():
+            raise ConfigError(f"--{name} {path}: folder not found")
+    if cfg.noise_snr_low_db > cfg.noise_snr_high_db:
+        raise ConfigError(f"--noise_snr_low_db {cfg.noise_snr_low_db:g} is above --noise_snr_high_db "
+                          f"{cfg.noise_snr_high_db:g}")
     if cfg.resume and cfg.resume != "latest" and not Path(cfg.resume).is_file():
         raise ConfigError(f"--resume {cfg.resume}: file not found (or give 'latest')")
     exclusive = [("max_batch_frames", "max_batch_seconds"), ("resume", "overwrite")]

@@ -36,11 +36,13 @@ __all__ = ["SECTIONS", "SECTION_OF", "load_config_file", "resolved_config", "wri
 
 SECTIONS = ("model", "data", "training")
 
-# The fields of the data section, in the order a file lists them; the model section holds
+# The fields of the data section (augmentation included), in the order a file lists them; the model section holds
 # --preset and the ModelConfig fields, the training section every other TrainConfig field.
 _DATA_FIELDS = ("train_manifest", "valid_manifest", "tokenizer", "tokenizer_type", "vocab_size", "max_duration",
                 "duration_tolerance", "max_samples", "num_workers", "batch_size", "max_batch_frames",
-                "max_batch_seconds", "num_buckets", "max_memory_gb", "auto_batch", "preflight")
+                "max_batch_seconds", "num_buckets", "max_memory_gb", "auto_batch", "preflight", "speed_perturb",
+                "noise_prob", "noise_snr_low_db", "noise_snr_high_db", "noise_dir", "reverb_prob", "rir_dir",
+                "vtlp_prob")
 # ModelConfig.vocab_size is no key: the tokenizer decides it (data.vocab_size is the size of one trained).
 # --init_from and its options say where the model starts, as --preset does (its dimensions replace the preset's).
 _MODEL_FIELDS = ("preset", "init_from", "init_modules", "keep_init_cmvn",

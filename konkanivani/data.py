@@ -17,12 +17,13 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from .audio import LogMel, load_audio
+from .augment import Augmenter, vtlp_warp_matrix
 from .checks import DEFAULT_DURATION_TOLERANCE, check_row
 from .tokenizer import Tokenizer
 
 __all__ = ["ManifestError", "Utterance", "iter_manifest", "read_manifest", "load_utterances", "log_skipped",
            "compute_cmvn", "ASRDataset", "Example", "Unreadable", "Batch", "collate", "ResumableBatchSampler",
-           "LengthGroupedBatchSampler", "ShardedSampler"]
+           "LengthGroupedBatchSampler", "ShardedSampler", "EpochKeyed"]
 
 log = logging.getLogger("konkanivani")
 
@@ -156,23 +157,34 @@ class Unreadable(NamedTuple):
 class ASRDataset(Dataset):
     """Utterances -> (log-mel features, token ids). A file that fails to decode yields
     ``Unreadable`` (and a warning); ``collate`` leaves it out of the batch and names it in
-    ``Batch.missing``, so a corrupt file never stops an epoch."""
+    ``Batch.missing``, so a corrupt file never stops an epoch.
 
-    def __init__(self, utterances: Sequence[Utterance], n_mels: int = 80):
+    With an ``augment``er (training only) the key is ``(epoch, index)``, as ``EpochKeyed`` yields
+    them: the augmentation draws depend on both, and on nothing else. A plain index is epoch 0.
+    """
+
+    def __init__(self, utterances: Sequence[Utterance], n_mels: int = 80, augment: Augmenter | None = None):
         self.utterances = list(utterances)
         self.log_mel = LogMel(n_mels)
+        self.augment = augment
 
     def __len__(self) -> int:
         return len(self.utterances)
 
-    def __getitem__(self, index: int) -> Example | Unreadable:
+    def __getitem__(self, key: int | tuple[int, int]) -> Example | Unreadable:
+        epoch, index = key if isinstance(key, tuple) else (0, key)
         utt = self.utterances[index]
         try:
             wav = load_audio(utt.audio_path)
         except RuntimeError as e:
             log.warning("%s: %s; skipped in this batch", utt.where, e)
             return Unreadable(index)
-        return Example(self.log_mel(wav), torch.tensor(utt.tokens, dtype=torch.long), index)
+        warp = None
+        if self.augment is not None:
+            wav = self.augment.waveform(wav, epoch, index)
+            alpha = self.augment.vtlp_alpha(epoch, index)
+            warp = None if alpha is None else vtlp_warp_matrix(alpha, self.log_mel.n_freqs)
+        return Example(self.log_mel(wav, warp), torch.tensor(utt.tokens, dtype=torch.long), index)
 
 
 class Batch(NamedTuple):
@@ -231,6 +243,24 @@ class ResumableBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return max(0, len(self.epoch_batches()) - self.start)
+
+
+class EpochKeyed(Sampler[list[tuple[int, int]]]):
+    """The batches of ``sampler`` as ``(epoch, index)`` keys, for a dataset that augments: the
+    epoch reaches ``ASRDataset.__getitem__`` in every worker with each index (persistent workers
+    hold copies of the dataset made once, so setting it on the dataset would not), and it is the
+    sampler's own, so a resumed epoch draws as the unbroken one did."""
+
+    def __init__(self, sampler: ResumableBatchSampler):
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        epoch = self.sampler.epoch
+        for batch in self.sampler:
+            yield [(epoch, i) for i in batch]
+
+    def __len__(self) -> int:
+        return len(self.sampler)
 
 
 class ShardedSampler(ResumableBatchSampler):

@@ -27,13 +27,14 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from .augment import AugmentConfig, Augmenter, batching_duration
 from .batching import padding_fraction, select_samples, split_batch, train_sampler
 from .checkpoint import (MetricsLog, TrainState, capture_rng, claim_output_dir, hold_run_directory, load_checkpoint,
                          load_resume_checkpoint, point_to, prune_checkpoints, remove_stale_temporaries, restore_rng,
                          step_checkpoint_name)
 from .config import ConfigError, ModelConfig, TrainConfig, check_config, model_config_from_preset
 from .config_file import write_config_file
-from .data import (ASRDataset, Batch, LengthGroupedBatchSampler, ResumableBatchSampler, ShardedSampler, Utterance,
+from .data import (ASRDataset, Batch, EpochKeyed, LengthGroupedBatchSampler, ResumableBatchSampler, ShardedSampler, Utterance,
                    collate, compute_cmvn, load_utterances, log_skipped, read_manifest)
 from .decode import ctc_greedy
 from .distributed import (Dist, full_state_dicts, init_distributed, is_sharded, load_optimizer_state, no_sync,
@@ -58,9 +59,10 @@ __all__ = ["train", "Run", "lr_factor", "forward_backward", "optimizer_step", "v
 log = logging.getLogger("konkanivani")
 
 # Settings a resumed run takes from its checkpoint, whatever the flags say: they decide which
-# batches remain in the epoch in progress. --max_samples may grow (``_settings``).
+# batches remain in the epoch in progress. --max_samples may grow (``_settings``). --speed_perturb
+# changes the durations the batches are planned with (``augment.batching_duration``).
 KEPT_ON_RESUME = ("batch_size", "seed", "max_duration", "max_batch_frames", "max_batch_seconds", "num_buckets",
-                  "max_memory_gb", "preflight")
+                  "max_memory_gb", "preflight", "speed_perturb")
 SIGNAL_STOPS = ("SIGINT", "SIGTERM", "--max_time")  # stops that end a run early; the others are its limits
 
 
@@ -182,6 +184,7 @@ def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, dev
     init = _init_checkpoint(cfg, state)
     cfg, model_cfg, tokenizer, samples_grew = _settings(cfg, model_overrides, state, dist, init)
     precision = resolve_precision(device, cfg.mixed_precision, cfg.precision)
+    augmenter = _augmenter(cfg)  # lists --noise_dir / --rir_dir: a bad folder stops the run before any work
     train_utts, valid_utts = _load_data(cfg, tokenizer)
     model = _build_model(cfg, model_cfg, train_utts, state, device, init, tokenizer)
     if dist.active:
@@ -194,8 +197,9 @@ def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, dev
             f"; {dist.world} processes, {cfg.strategy}" if dist.active else "")
     forward = compiled(forward) if cfg.compile else forward
     estimator = MemoryEstimator(model_cfg, precision_name(precision), optimizer_name, cfg.gradient_checkpointing)
+    durations = [batching_duration(u.duration, cfg.speed_perturb) for u in train_utts]  # as long as they may get
     if cfg.auto_batch and state is None:
-        longest, tokens = max(frames_of(u.duration) for u in train_utts), max(len(u.tokens) for u in train_utts)
+        longest, tokens = max(frames_of(d) for d in durations), max(len(u.tokens) for u in train_utts)
         frames = auto_batch_frames(forward, model, device, lambda: precision.autocast(device), longest, tokens,
                                    estimator, cfg.max_memory_gb)
         given = budget_frames(cfg.max_batch_frames, cfg.max_batch_seconds)
@@ -203,7 +207,7 @@ def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, dev
     # The first micro-batch of the second step is the peak (optimizer states exist from then on);
     # a resumed run keeps the count its first epoch was planned with.
     accum_then = state.train_config["gradient_accumulation_steps"] if state else cfg.gradient_accumulation_steps
-    sampler = train_sampler([u.duration for u in train_utts], cfg.batch_size,
+    sampler = train_sampler(durations, cfg.batch_size,
                             budget_frames(cfg.max_batch_frames, cfg.max_batch_seconds), cfg.seed, cfg.num_buckets,
                             estimator.fits_budget(cfg.max_memory_gb * GIB) if cfg.max_memory_gb > 0 else None,
                             accum_then + 1 if cfg.preflight else 0, dist.rank, dist.world)
@@ -212,7 +216,7 @@ def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, dev
         valid_sampler = ShardedSampler(valid_sampler, dist.rank, dist.world, even=False)
     run = Run(cfg, out_dir, dist, device, precision, tokenizer, model, forward, optimizer,
               torch.amp.GradScaler(device.type, enabled=precision.use_scaler), train_utts, valid_utts, sampler,
-              _loader(ASRDataset(train_utts, model_cfg.n_mels), sampler, cfg, device),
+              _loader(ASRDataset(train_utts, model_cfg.n_mels, augmenter), sampler, cfg, device),
               _loader(ASRDataset(valid_utts, model_cfg.n_mels), valid_sampler, cfg, device, workers=0),
               MetricsLog(out_dir / "metrics.jsonl"), NonFiniteSkips(cfg.max_consecutive_skips))
     if cfg.ema_decay:  # of the unwrapped model: the DDP or compiled forward shares its parameters
@@ -306,6 +310,16 @@ def _settings(cfg: TrainConfig, model_overrides: dict[str, Any], state: Optional
     if any(v is not None and getattr(model_cfg, k) != v for k, v in model_overrides.items()):
         log.warning("model flags ignored on resume: the checkpoint's dimensions are used")
     return dataclasses.replace(cfg, **changed), model_cfg, Tokenizer(state.tokenizer), grows
+
+
+def _augmenter(cfg: TrainConfig) -> Optional[Augmenter]:
+    """The training augmentations the flags ask for (logged once), or None when none is on."""
+    aug_cfg = AugmentConfig.from_train_config(cfg)
+    if not aug_cfg.active:
+        return None
+    augmenter = Augmenter(aug_cfg)
+    log.info("augmentation of training utterances: %s", augmenter.describe())
+    return augmenter
 
 
 def _load_data(cfg: TrainConfig, tokenizer: Tokenizer) -> tuple[list[Utterance], list[Utterance]]:
@@ -430,9 +444,11 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _loader(dataset: ASRDataset, sampler: ResumableBatchSampler, cfg: TrainConfig, device: torch.device,
+def _loader(dataset: ASRDataset, sampler: ResumableBatchSampler | EpochKeyed, cfg: TrainConfig, device: torch.device,
             workers: Optional[int] = None) -> DataLoader:
     workers = cfg.num_workers if workers is None else workers
+    if dataset.augment is not None:  # the augmentation draws need the epoch with each index
+        sampler = EpochKeyed(sampler)
     # A generator of its own, so that starting an epoch's iterator (which draws the workers' seed)
     # leaves the global RNG, and with it dropout and SpecAugment, as a resumed run finds it.
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,

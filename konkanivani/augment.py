@@ -1,0 +1,358 @@
+"""On-the-fly data augmentation of training audio: speed perturbation, additive noise, reverberation
+and vocal-tract-length perturbation (VTLP).
+
+Everything here runs in the DataLoader workers, one utterance at a time, before (speed, reverb,
+noise) or inside (VTLP) the log-mel computation. Every random draw of an utterance comes from a
+generator seeded by ``(seed, epoch, utterance index, augmentation)`` alone (``utterance_generator``),
+never from the global RNG or the worker's: the same seed gives the same features whatever the
+number of workers or the order they run in, each epoch draws afresh, and a resumed run sees exactly
+the augmentations an unbroken one would. Each augmentation has a stream of its own, so turning one
+on or off leaves the others' draws as they were.
+
+``corrupt_manifest`` writes a noisy and reverberant copy of a manifest (a harder test set).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import soundfile as sf
+import torch
+import torchaudio
+
+from .audio import load_audio
+from .config import ConfigError
+from .frames import SAMPLE_RATE
+
+__all__ = ["SPEED_FACTORS", "VTLP_RANGE", "AugmentConfig", "Augmenter", "utterance_generator", "speed_perturb",
+           "coloured_noise", "add_noise", "synthetic_rir", "reverberate", "vtlp_warp_matrix", "batching_duration",
+           "list_audio_files", "corrupt_manifest"]
+
+log = logging.getLogger("konkanivani")
+
+SPEED_FACTORS = (0.9, 1.0, 1.1)  # Kaldi/ESPnet 3-way speed perturbation
+VTLP_RANGE = (0.9, 1.1)  # warp factor alpha (Jaitly & Hinton 2013)
+VTLP_HIGH_HZ = 4800.0  # J&H's F_hi: the warp is linear (f * alpha) up to about here, then meets Nyquist
+RT60_RANGE_S = (0.2, 0.9)  # reverberation time of the synthetic rooms
+DRR_RANGE_DB = (0.0, 10.0)  # direct-to-reverberant energy ratio of the synthetic rooms
+NOISE_SLOPE_RANGE = (0.0, 2.0)  # power spectrum ~ 1/f^slope: 0 white, 1 pink, 2 brown
+BABBLE_PROB = 0.5  # share of generated noises whose level fluctuates at syllable rate, like babble
+BABBLE_RATE_HZ = (2.0, 8.0)
+
+
+# ---- seeding ------------------------------------------------------------------------------------
+
+def utterance_generator(seed: int, epoch: int, index: int, stream: str) -> torch.Generator:
+    """A torch generator for one augmentation (``stream``) of one utterance in one epoch. Hashing
+    the key (not ``hash()``, which differs between processes) makes it the same in every worker and
+    every run, and unrelated between neighbouring keys."""
+    digest = hashlib.blake2b(f"{seed}/{epoch}/{index}/{stream}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
+def _uniform(gen: torch.Generator, low: float, high: float) -> float:
+    return low + (high - low) * float(torch.rand((), generator=gen, dtype=torch.float64))
+
+
+def _chance(gen: torch.Generator, p: float) -> bool:
+    """True with probability ``p``; always draws one number, so that the draws after it do not
+    depend on ``p``."""
+    return float(torch.rand((), generator=gen, dtype=torch.float64)) < p
+
+
+def _randint(gen: torch.Generator, high: int) -> int:
+    """An integer in [0, high)."""
+    return int(torch.randint(high, (), generator=gen))
+
+
+# ---- speed --------------------------------------------------------------------------------------
+
+def speed_perturb(wav: torch.Tensor, factor: float) -> torch.Tensor:
+    """``wav`` played ``factor`` times as fast, tempo and pitch together (Kaldi's ``sox speed``):
+    read as if sampled at ``factor`` x 16 kHz and resampled to 16 kHz, so that it has about
+    ``len(wav) / factor`` samples (rounded up)."""
+    if factor == 1.0:
+        return wav
+    return torchaudio.functional.resample(wav, round(SAMPLE_RATE * factor), SAMPLE_RATE)
+
+
+def batching_duration(duration: float, speed_perturbation: bool) -> float:
+    """The duration the batch samplers plan an utterance with.
+
+    The samplers fix an epoch's batches from manifest durations before any audio is read, and the
+    speed factor of an utterance is drawn in the worker. Rather than tie the samplers to the
+    augmentation's draws, they plan every utterance at its longest: slowed down by the lowest factor
+    (0.9 -> 1/0.9 as long), plus one sample for the resampler's rounding up. A batch then never goes
+    over its --max_batch_frames / --max_memory_gb budget, at the price of batches about 10% smaller
+    than the budget allows for the utterances that were not slowed down.
+    """
+    if not speed_perturbation:
+        return duration
+    return duration / min(SPEED_FACTORS) + 1.0 / SAMPLE_RATE
+
+
+# ---- noise --------------------------------------------------------------------------------------
+
+def coloured_noise(num_samples: int, gen: torch.Generator) -> torch.Tensor:
+    """Gaussian noise of ``num_samples`` with a random spectral slope (white to brown), and half
+    of the time a level that rises and falls at syllable rate, a crude stand-in for babble."""
+    white = torch.randn(num_samples, generator=gen)
+    slope = _uniform(gen, *NOISE_SLOPE_RANGE)
+    freqs = torch.fft.rfftfreq(num_samples, d=1.0 / SAMPLE_RATE)
+    shape = freqs.clamp_min(20.0) ** (-slope / 2)  # amplitude ~ f^(-slope/2): power ~ f^-slope
+    noise = torch.fft.irfft(torch.fft.rfft(white) * shape, n=num_samples)
+    if _chance(gen, BABBLE_PROB):  # a random level every 1/rate seconds, interpolated
+        points = max(2, math.ceil(num_samples / SAMPLE_RATE * _uniform(gen, *BABBLE_RATE_HZ)) + 1)
+        envelope = torch.rand(points, generator=gen) + 0.1
+        noise = noise * torch.nn.functional.interpolate(envelope[None, None], size=num_samples, mode="linear",
+                                                        align_corners=True)[0, 0]
+    return noise
+
+
+def _noise_excerpt(path: Path, num_samples: int, gen: torch.Generator) -> torch.Tensor:
+    """``num_samples`` of the noise file at 16 kHz from a random offset; a file that is too short
+    is looped from a random point. Only the excerpt is read and resampled."""
+    info = sf.info(str(path))
+    need = math.ceil(num_samples * info.samplerate / SAMPLE_RATE) + 1
+    if info.frames > need:
+        start = _randint(gen, info.frames - need + 1)
+        data, sr = sf.read(str(path), start=start, frames=need, dtype="float32", always_2d=True)
+        wav = torchaudio.functional.resample(torch.from_numpy(data.mean(axis=1)), sr, SAMPLE_RATE) \
+            if sr != SAMPLE_RATE else torch.from_numpy(data.mean(axis=1))
+    else:
+        wav = load_audio(path)
+        wav = torch.roll(wav, _randint(gen, len(wav))).repeat(math.ceil(num_samples / len(wav)) + 1)
+    return wav[:num_samples].contiguous()
+
+
+def add_noise(wav: torch.Tensor, noise: torch.Tensor, snr_db: float) -> torch.Tensor:
+    """``wav`` plus ``noise`` (same length) scaled to ``snr_db`` dB below the signal's energy
+    (``torchaudio.functional.add_noise``). Silence stays silent; silent noise adds nothing."""
+    if not bool(noise.any()):
+        return wav
+    return torchaudio.functional.add_noise(wav, noise, torch.tensor(snr_db, dtype=wav.dtype))
+
+
+# ---- reverberation ------------------------------------------------------------------------------
+
+def synthetic_rir(gen: torch.Generator) -> torch.Tensor:
+    """A room impulse response: a unit direct path, then exponentially decaying Gaussian noise
+    (a diffuse tail) with a random RT60 and direct-to-reverberant ratio."""
+    rt60 = _uniform(gen, *RT60_RANGE_S)
+    drr_db = _uniform(gen, *DRR_RANGE_DB)
+    length = int(rt60 * SAMPLE_RATE)
+    t = torch.arange(1, length) / SAMPLE_RATE
+    tail = torch.randn(length - 1, generator=gen) * torch.exp(-3 * math.log(10) * t / rt60)  # -60 dB at rt60
+    tail = tail * math.sqrt(10 ** (-drr_db / 10) / float(tail.pow(2).sum()))
+    return torch.cat([torch.ones(1), tail])
+
+
+def reverberate(wav: torch.Tensor, rir: torch.Tensor) -> torch.Tensor:
+    """``wav`` convolved with ``rir``, aligned on the direct path (the RIR's strongest tap: no delay
+    before it, nothing added to the length) and scaled back to ``wav``'s RMS level."""
+    direct = int(rir.abs().argmax())
+    wet = torchaudio.functional.fftconvolve(wav, rir / rir.abs().max())[direct:direct + len(wav)]
+    level, wet_level = wav.pow(2).mean().sqrt(), wet.pow(2).mean().sqrt()
+    return wet * (level / wet_level) if wet_level > 0 else wet
+
+
+@functools.lru_cache(maxsize=512)
+def _load_rir(path: Path) -> torch.Tensor:
+    """An RIR file at 16 kHz, cached in each worker (RIRs are short and drawn again and again)."""
+    return load_audio(path)
+
+
+# ---- VTLP ---------------------------------------------------------------------------------------
+
+def vtlp_warp_matrix(alpha: float, n_freqs: int) -> torch.Tensor:
+    """``(n_freqs, n_freqs)`` matrix W that warps a power spectrum's frequency axis: ``W @ spec``
+    moves what was at f to f' = alpha * f below the boundary (``VTLP_HIGH_HZ * min(alpha, 1)``) and
+    maps the rest linearly onto the band up to Nyquist (Jaitly & Hinton 2013, eq. 1). Each output
+    bin reads the input at the inverse warp, interpolating linearly between bins; alpha = 1 gives
+    the identity."""
+    if alpha == 1.0:
+        return torch.eye(n_freqs)
+    nyquist = SAMPLE_RATE / 2
+    out_freqs = torch.linspace(0, nyquist, n_freqs, dtype=torch.float64)
+    edge_out = VTLP_HIGH_HZ * min(alpha, 1.0)  # f' at the boundary
+    edge_in = edge_out / alpha
+    below = out_freqs / alpha
+    above = nyquist - (nyquist - out_freqs) * (nyquist - edge_in) / (nyquist - edge_out)
+    position = torch.where(out_freqs <= edge_out, below, above) / nyquist * (n_freqs - 1)  # input bin
+    low = position.floor().long().clamp(0, n_freqs - 2)
+    frac = (position - low).clamp(0, 1)
+    matrix = torch.zeros(n_freqs, n_freqs, dtype=torch.float64)
+    rows = torch.arange(n_freqs)
+    matrix[rows, low] = 1 - frac
+    matrix[rows, low + 1] += frac
+    return matrix.float()
+
+
+# ---- the per-utterance pipeline -----------------------------------------------------------------
+
+AUDIO_SUFFIXES = tuple(f".{fmt.lower()}" for fmt in sf.available_formats()) + (".oga", ".opus", ".aif")
+
+
+def list_audio_files(folder: str | Path, flag: str) -> list[Path]:
+    """The readable audio files under ``folder`` (recursively, sorted), checked by their headers;
+    ``ConfigError`` naming the folder and ``flag`` when there is none."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ConfigError(f"--{flag} {folder}: folder not found")
+    files = []
+    for path in sorted(p for p in folder.rglob("*") if p.suffix.lower() in AUDIO_SUFFIXES and p.is_file()):
+        try:
+            if sf.info(str(path)).frames > 0:
+                files.append(path)
+        except Exception:  # noqa: BLE001 (soundfile raises LibsndfileError, RuntimeError, TypeError...)
+            continue
+    if not files:
+        raise ConfigError(f"--{flag} {folder}: no readable audio file in it (wav, flac, ogg, mp3, ...)")
+    return files
+
+
+@dataclass(frozen=True)
+class AugmentConfig:
+    """Which augmentations run on training utterances and how; every one off by default."""
+
+    speed_perturb: bool = False
+    noise_prob: float = 0.0
+    noise_snr_db: tuple[float, float] = (5.0, 20.0)
+    noise_dir: str = ""
+    reverb_prob: float = 0.0
+    rir_dir: str = ""
+    vtlp_prob: float = 0.0
+    seed: int = 0
+
+    @classmethod
+    def from_train_config(cls, cfg: Any) -> "AugmentConfig":
+        return cls(cfg.speed_perturb, cfg.noise_prob, (cfg.noise_snr_low_db, cfg.noise_snr_high_db), cfg.noise_dir,
+                   cfg.reverb_prob, cfg.rir_dir, cfg.vtlp_prob, cfg.seed)
+
+    @property
+    def active(self) -> bool:
+        return self.speed_perturb or self.noise_prob > 0 or self.reverb_prob > 0 or self.vtlp_prob > 0
+
+
+class Augmenter:
+    """The augmentations of ``AugmentConfig`` for one utterance at a time: ``waveform`` (speed,
+    then reverberation, then noise: the noise is not in the room) and ``vtlp_alpha`` (for
+    ``LogMel``). Folders are listed once, here, so a bad one stops the run before any work."""
+
+    def __init__(self, cfg: AugmentConfig):
+        self.cfg = cfg
+        self.noise_files = list_audio_files(cfg.noise_dir, "noise_dir") if cfg.noise_dir and cfg.noise_prob else []
+        self.rir_files = list_audio_files(cfg.rir_dir, "rir_dir") if cfg.rir_dir and cfg.reverb_prob else []
+
+    def describe(self) -> str:
+        """One line: the augmentations that are on."""
+        cfg, parts = self.cfg, []
+        if cfg.speed_perturb:
+            parts.append("speed perturbation x" + "/".join(f"{f:g}" for f in SPEED_FACTORS))
+        if cfg.reverb_prob:
+            source = f"{len(self.rir_files)} RIRs from {cfg.rir_dir}" if self.rir_files else "synthetic rooms"
+            parts.append(f"reverberation p={cfg.reverb_prob:g} ({source})")
+        if cfg.noise_prob:
+            source = f"{len(self.noise_files)} files from {cfg.noise_dir}" if self.noise_files else "generated noise"
+            parts.append(f"noise p={cfg.noise_prob:g} at {cfg.noise_snr_db[0]:g}-{cfg.noise_snr_db[1]:g} dB SNR "
+                         f"({source})")
+        if cfg.vtlp_prob:
+            parts.append(f"VTLP p={cfg.vtlp_prob:g}, alpha {VTLP_RANGE[0]:g}-{VTLP_RANGE[1]:g}")
+        return "; ".join(parts) if parts else "none"
+
+    def speed_factor(self, epoch: int, index: int) -> float:
+        if not self.cfg.speed_perturb:
+            return 1.0
+        gen = utterance_generator(self.cfg.seed, epoch, index, "speed")
+        return SPEED_FACTORS[_randint(gen, len(SPEED_FACTORS))]
+
+    def vtlp_alpha(self, epoch: int, index: int) -> Optional[float]:
+        """The warp factor of this utterance, or None for no warp."""
+        if not self.cfg.vtlp_prob:
+            return None
+        gen = utterance_generator(self.cfg.seed, epoch, index, "vtlp")
+        return _uniform(gen, *VTLP_RANGE) if _chance(gen, self.cfg.vtlp_prob) else None
+
+    def waveform(self, wav: torch.Tensor, epoch: int, index: int) -> torch.Tensor:
+        """``wav`` with this utterance's speed, reverberation and noise draws applied."""
+        wav = speed_perturb(wav, self.speed_factor(epoch, index))
+        if self.cfg.reverb_prob:
+            gen = utterance_generator(self.cfg.seed, epoch, index, "reverb")
+            if _chance(gen, self.cfg.reverb_prob):
+                wav = self._reverb(wav, gen)
+        if self.cfg.noise_prob:
+            gen = utterance_generator(self.cfg.seed, epoch, index, "noise")
+            if _chance(gen, self.cfg.noise_prob):
+                wav = self._noise(wav, gen)[0]
+        return wav
+
+    def _reverb(self, wav: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        if not self.rir_files:
+            return reverberate(wav, synthetic_rir(gen))
+        path = self.rir_files[_randint(gen, len(self.rir_files))]
+        try:
+            return reverberate(wav, _load_rir(path))
+        except RuntimeError as e:  # a file that passed the header check but does not decode
+            log.warning("%s; this utterance is not reverberated", e)
+            return wav
+
+    def _noise(self, wav: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, float]:
+        """``wav`` with noise at a drawn SNR, and that SNR."""
+        snr_db = _uniform(gen, *self.cfg.noise_snr_db)
+        if not self.noise_files:
+            return add_noise(wav, coloured_noise(len(wav), gen), snr_db), snr_db
+        path = self.noise_files[_randint(gen, len(self.noise_files))]
+        try:
+            noise = _noise_excerpt(path, len(wav), gen)
+        except RuntimeError as e:  # soundfile's LibsndfileError is one
+            log.warning("noise file %s: %s; this utterance gets no noise", path, e)
+            return wav, math.inf
+        return add_noise(wav, noise, snr_db), snr_db
+
+
+# ---- a corrupted copy of a manifest -------------------------------------------------------------
+
+def corrupt_manifest(src_manifest: str | Path, out_dir: str | Path, name: str, seed: int = 0,
+                     snr_db: tuple[float, float] = (5.0, 20.0), reverb: bool = True,
+                     noise_dir: Optional[str | Path] = None, rir_dir: Optional[str | Path] = None) -> Path:
+    """Write a noisy (and, with ``reverb``, reverberant) copy of ``src_manifest`` for testing in
+    harder conditions; return the new manifest, ``OUT_DIR/NAME.jsonl``.
+
+    Every utterance is reverberated (synthetic rooms, or RIRs from ``rir_dir``) and gets noise at
+    an SNR drawn uniformly from ``snr_db`` (generated coloured/babble-like noise, or excerpts of the
+    files in ``noise_dir``), then is written as 16 kHz 16-bit PCM to ``OUT_DIR/NAME/<n>_<stem>.wav``
+    (peak-limited to avoid clipping). The manifest keeps each row's text and other keys, with the
+    audio path relative to ``OUT_DIR`` and the duration of the new file. The same seed gives the
+    same files. A row whose audio cannot be read is an error naming the manifest and line.
+    """
+    from .data import read_manifest  # here: data imports this module
+
+    src_manifest, out_dir = Path(src_manifest), Path(out_dir)
+    if not snr_db[0] <= snr_db[1]:
+        raise ValueError(f"snr_db must be (low, high) with low <= high, got {snr_db}")
+    augmenter = Augmenter(AugmentConfig(noise_prob=1.0, noise_snr_db=tuple(snr_db), reverb_prob=float(reverb),
+                                        noise_dir=str(noise_dir or ""), rir_dir=str(rir_dir or ""), seed=seed))
+    (out_dir / name).mkdir(parents=True, exist_ok=True)
+    rows = []
+    for n, (line_no, row) in enumerate(read_manifest(src_manifest)):
+        audio = Path(str(row.get("audio_filepath", "")))
+        audio = audio if audio.is_absolute() else src_manifest.parent / audio
+        try:
+            wav = load_audio(audio)
+        except RuntimeError as e:
+            raise RuntimeError(f"{src_manifest}:{line_no}: {e}") from e
+        wav = augmenter.waveform(wav, 0, n)
+        peak = float(wav.abs().max())
+        wav = wav * (0.99 / peak) if peak > 0.99 else wav
+        relative = Path(name) / f"{n:05d}_{audio.stem}.wav"
+        sf.write(out_dir / relative, wav.numpy(), SAMPLE_RATE, subtype="PCM_16")
+        rows.append({**row, "audio_filepath": relative.as_posix(), "duration": round(len(wav) / SAMPLE_RATE, 4)})
+    manifest = out_dir / f"{name}.jsonl"
+    manifest.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return manifest
