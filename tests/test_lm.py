@@ -1,0 +1,124 @@
+"""The language model and shallow fusion: each fused search against a from-scratch recomputation
+of its score, on a tiny random ASR model and LM (no training), then LM training, resume and the CLI."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from konkanivani.config import model_config_from_preset
+from konkanivani.decode import (FUSED_METHODS, Fusion, attention_beam_search, attention_rescoring, attention_scores,
+                                ctc_prefix_beam_search, decode_batch)
+from konkanivani.lm import LMConfig, TransformerLM
+from konkanivani.model import ASRModel
+from konkanivani.tokenizer import BLANK_ID, SOS_EOS_ID
+
+V = 9  # a vocabulary small enough that random models end hypotheses early and beams really differ
+
+
+def ctc_logprob(log_probs, length, tokens):
+    """log P(tokens | x) by the CTC forward algorithm of torch."""
+    if not tokens:
+        return float(log_probs[:length, BLANK_ID].sum())
+    loss = F.ctc_loss(log_probs[:length, None], torch.tensor([tokens]), torch.tensor([length]),
+                      torch.tensor([len(tokens)]), blank=BLANK_ID, reduction="sum")
+    return -float(loss)
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    asr = ASRModel(model_config_from_preset("tiny", vocab_size=V, n_mels=20)).eval()
+    lm = TransformerLM(LMConfig(vocab_size=V, d_model=32, n_heads=2, ffn_dim=64, layers=2)).eval()
+    feats, feat_lens = torch.randn(3, 41, 20), torch.tensor([41, 33, 25])
+    with torch.inference_mode():
+        enc, enc_lens = asr.encode(feats, feat_lens)
+    return asr, lm, feats, feat_lens, enc, enc_lens
+
+
+@pytest.fixture(autouse=True)
+def _inference():
+    with torch.inference_mode():
+        yield
+
+
+def test_lm_step_equals_the_full_forward(models):
+    _, lm, *_ = models
+    sentences = [[5, 6, 7, 3], [8], []]
+    full = lm.sentence_log_probs(sentences)
+    for s, expected in zip(sentences, full):
+        state, total = lm.init_state(), 0.0
+        for tok, nxt in zip([SOS_EOS_ID, *s], [*s, SOS_EOS_ID]):
+            log_p, state = lm.step(torch.tensor([tok]), state)
+            total += float(log_p[0, nxt])
+        assert total == pytest.approx(float(expected), abs=1e-4)
+    assert lm.next_log_probs([s for s in sentences]).exp().sum(-1) == pytest.approx(1.0, abs=1e-5)
+    torch.testing.assert_close(lm.next_log_probs([[5, 6]])[0], lm.next_log_probs([[5, 6], [8, 8, 8, 8]])[0])
+
+
+@pytest.mark.parametrize("ctc_weight", [0.0, 0.5])
+def test_weight_zero_is_the_plain_search(models, ctc_weight):
+    asr, lm, feats, feat_lens, enc, enc_lens = models
+    zero = Fusion(lm, 0.0, 0.0)
+    plain = attention_beam_search(asr, enc, enc_lens, beam_size=3, ctc_weight=ctc_weight)
+    fused = attention_beam_search(asr, enc, enc_lens, beam_size=3, ctc_weight=ctc_weight, fusion=zero)
+    assert [(h.tokens, h.score) for h in fused] == [(h.tokens, h.score) for h in plain]
+    plain = attention_rescoring(asr, enc, enc_lens, beam_size=3, ctc_weight=ctc_weight)
+    fused = attention_rescoring(asr, enc, enc_lens, beam_size=3, ctc_weight=ctc_weight, fusion=zero)
+    assert [(h.tokens, h.score) for h in fused] == [(h.tokens, h.score) for h in plain]
+    log_probs = asr.ctc_log_probs(enc)
+    for b in range(enc.shape[0]):
+        plain = ctc_prefix_beam_search(log_probs[b], int(enc_lens[b]), 4)
+        fused = ctc_prefix_beam_search(log_probs[b], int(enc_lens[b]), 4, zero)
+        assert [(h.tokens, h.score) for h in fused] == [(h.tokens, h.score) for h in plain]
+    for method in FUSED_METHODS:
+        assert (decode_batch(asr, feats, feat_lens, method, 3, fusion=zero)
+                == decode_batch(asr, feats, feat_lens, method, 3))
+
+
+@pytest.mark.parametrize("ctc_weight", [0.0, 0.5])
+@pytest.mark.parametrize("lm_weight, bonus", [(0.6, 0.0), (1.5, 2.0)])
+def test_fused_beam_and_joint_scores_equal_a_recomputation(models, ctc_weight, lm_weight, bonus):
+    """Score = λ log P_ctc + (1-λ) log P_att (teacher-forced, full CTC forward) + W log P_LM(hyp + end)
+    + B len(hyp), each part computed from scratch."""
+    asr, lm, _, _, enc, enc_lens = models
+    fused = attention_beam_search(asr, enc, enc_lens, beam_size=3, ctc_weight=ctc_weight,
+                                  fusion=Fusion(lm, lm_weight, bonus))
+    plain = attention_beam_search(asr, enc, enc_lens, beam_size=3, ctc_weight=ctc_weight)
+    att = attention_scores(asr, enc, enc_lens, [h.tokens for h in fused])
+    lm_lp = lm.sentence_log_probs([h.tokens for h in fused])
+    log_probs = asr.ctc_log_probs(enc)
+    for b, h in enumerate(fused):
+        expected = (1 - ctc_weight) * float(att[b]) + lm_weight * float(lm_lp[b]) + bonus * len(h.tokens)
+        if ctc_weight:
+            expected += ctc_weight * ctc_logprob(log_probs[b], int(enc_lens[b]), h.tokens)
+        assert h.score == pytest.approx(expected, abs=2e-3)
+    assert [h.tokens for h in fused] != [h.tokens for h in plain] or bonus == 0  # the terms do act
+
+
+def test_fused_rescoring_score_equals_a_recomputation(models):
+    asr, lm, _, _, enc, enc_lens = models
+    fused = attention_rescoring(asr, enc, enc_lens, beam_size=4, ctc_weight=0.3, fusion=Fusion(lm, 0.8, 0.5))
+    log_probs = asr.ctc_log_probs(enc)
+    for b, h in enumerate(fused):
+        nbest = ctc_prefix_beam_search(log_probs[b], int(enc_lens[b]), 4)
+        ctc = next(n.score for n in nbest if n.tokens == h.tokens)
+        att = float(attention_scores(asr, enc[b:b + 1], enc_lens[b:b + 1], [h.tokens])[0])
+        expected = 0.3 * ctc + 0.7 * att + 0.8 * float(lm.sentence_log_probs([h.tokens])[0]) + 0.5 * len(h.tokens)
+        assert h.score == pytest.approx(expected, abs=1e-4)
+
+
+def test_fused_ctc_prefix_beam_search_without_pruning_is_exact(models):
+    """With every prefix kept, each score is the CTC log P over all alignments + the fusion terms."""
+    _, lm, *_ = models
+    torch.manual_seed(1)
+    log_probs = torch.randn(4, V).log_softmax(-1)
+    nbest = ctc_prefix_beam_search(log_probs, 4, beam_size=100_000, fusion=Fusion(lm, 0.7, 1.2))
+    assert len(nbest) > 500 and [h.score for h in nbest] == sorted((h.score for h in nbest), reverse=True)
+    lm_lp = lm.sentence_log_probs([h.tokens for h in nbest])
+    for h, l in zip(nbest, lm_lp.tolist()):
+        assert h.score == pytest.approx(ctc_logprob(log_probs, 4, h.tokens) + 0.7 * l + 1.2 * len(h.tokens), abs=1e-4)
+
+
+def test_greedy_refuses_fusion(models):
+    asr, lm, feats, feat_lens, *_ = models
+    with pytest.raises(ValueError, match="greedy decoding takes no language model"):
+        decode_batch(asr, feats, feat_lens, "greedy", fusion=Fusion(lm, 0.3))
