@@ -122,3 +122,92 @@ def test_greedy_refuses_fusion(models):
     asr, lm, feats, feat_lens, *_ = models
     with pytest.raises(ValueError, match="greedy decoding takes no language model"):
         decode_batch(asr, feats, feat_lens, "greedy", fusion=Fusion(lm, 0.3))
+
+
+# ---- training on text ---------------------------------------------------------------------------
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from konkanivani.checkpoint import CheckpointError  # noqa: E402
+from konkanivani.cli import train_lm  # noqa: E402
+from konkanivani.lm import check_same_vocabulary, load_lm  # noqa: E402
+from konkanivani.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
+
+SENTENCES = Path(__file__).resolve().parents[1] / "konkanivani" / "resources" / "demo_sentences_kok.txt"
+TINY = ["--d_model", "32", "--layers", "1", "--n_heads", "2", "--batch_size", "16", "--warmup_steps", "5",
+        "--lr", "3e-3", "--device", "cpu", "--valid_every", "4"]
+
+
+@pytest.fixture(scope="module")
+def text_setup(tmp_path_factory):
+    """200 sentences with blank lines among them, a tokenizer file, and a second, different tokenizer."""
+    d = tmp_path_factory.mktemp("lm_text")
+    lines = SENTENCES.read_text(encoding="utf-8").splitlines()[:200]
+    (d / "text.txt").write_text("\n".join(lines[:100] + ["", "   ।  "] + lines[100:]) + "\n\n", encoding="utf-8")
+    train_tokenizer(lines, vocab_size=60).save(d / "tok.model")
+    train_tokenizer(lines, vocab_size=70).save(d / "other.model")
+    return d
+
+
+def _train(d: Path, out: str, *flags: str) -> dict:
+    with torch.inference_mode(False):
+        args = train_lm.parse_args([str(d / "text.txt"), "--tokenizer", str(d / "tok.model"), "--output_dir",
+                                    str(d / out), *TINY, *flags])
+        return train_lm.train_lm(args)
+
+
+def _rows(d: Path, out: str, kind: str) -> list[dict]:
+    rows = [json.loads(line) for line in (d / out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["kind"] == kind]
+
+
+def test_read_sentences_counts_blank_lines_and_names_bad_text(text_setup, tmp_path):
+    tok = Tokenizer.load(text_setup / "tok.model")
+    sentences, blank = train_lm.read_sentences([text_setup / "text.txt"], tok)
+    assert len(sentences) == 200 and blank == 3
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes("ठीक\nठीक\n".encode() + b"\xff\xfe\n")
+    with pytest.raises(train_lm.TextError, match=rf"^{bad}:3: not UTF-8 text$"):
+        train_lm.read_sentences([bad], tok)
+
+
+def test_lm_learns_and_resume_is_exact(text_setup):
+    """Validation perplexity drops by a third over 20 steps; 10 steps then a resume to 24 give the unbroken run's losses."""
+    d = text_setup
+    whole = _train(d, "whole", "--max_steps", "24")
+    ppl = [r["ppl"] for r in _rows(d, "whole", "valid")]
+    assert whole["step"] == 24 and ppl[-1] < 0.7 * ppl[0]
+    assert _train(d, "broken", "--max_steps", "10")["stopped_by"] == "max_steps"
+    _train(d, "broken", "--max_steps", "24", "--resume", "latest")
+    assert [r["loss"] for r in _rows(d, "broken", "train")] == [r["loss"] for r in _rows(d, "whole", "train")]
+    a, b = load_lm(d / "whole" / "latest.pt")[0], load_lm(d / "broken" / "latest.pt")[0]
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), name
+
+
+def test_vocabulary_mismatch_is_one_line_naming_both_files(text_setup):
+    lm_tok = Tokenizer.load(text_setup / "tok.model")
+    check_same_vocabulary(lm_tok, "lm.pt", Tokenizer.load(text_setup / "tok.model"), "asr.pt")
+    with pytest.raises(CheckpointError) as e:
+        check_same_vocabulary(lm_tok, "lm.pt", Tokenizer.load(text_setup / "other.model"), "asr.pt")
+    assert "\n" not in str(e.value) and "lm.pt" in str(e.value) and "asr.pt" in str(e.value)
+
+
+@pytest.mark.slow
+def test_cli_end_to_end(text_setup, tmp_path, caplog):
+    """The console script's module as a subprocess: trains, saves, is refused a second fresh start,
+    and its checkpoint fuses into decoding."""
+    d = text_setup
+    cmd = [sys.executable, "-m", "konkanivani.cli.train_lm", str(d / "text.txt"), "--tokenizer", str(d / "tok.model"),
+           "--output_dir", str(tmp_path / "lm"), "--valid_text", str(d / "text.txt"), "--max_steps", "3", *TINY]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert "step 3: validation perplexity" in done.stdout and "3 blank lines skipped" in done.stderr
+    assert {"latest.pt", "best.pt", "metrics.jsonl"} <= {p.name for p in (tmp_path / "lm").iterdir()}
+    assert train_lm.main(cmd[3:]) == 2  # in-process from here on
+    assert "already holds a run" in caplog.text
+    assert train_lm.main([str(tmp_path / "nope.txt"), *cmd[4:6], "--output_dir", str(tmp_path / "x")]) == 2
+    assert f"{tmp_path / 'nope.txt'}: file not found" in caplog.text
