@@ -197,7 +197,7 @@ def test_vocabulary_mismatch_is_one_line_naming_both_files(text_setup):
 
 
 @pytest.mark.slow
-def test_cli_end_to_end(text_setup, tmp_path, caplog):
+def test_cli_end_to_end(text_setup, tmp_path, caplog, capsys):
     """The console script's module as a subprocess: trains, saves, is refused a second fresh start,
     and its checkpoint fuses into decoding."""
     d = text_setup
@@ -211,3 +211,26 @@ def test_cli_end_to_end(text_setup, tmp_path, caplog):
     assert "already holds a run" in caplog.text
     assert train_lm.main([str(tmp_path / "nope.txt"), *cmd[4:6], "--output_dir", str(tmp_path / "x")]) == 2
     assert f"{tmp_path / 'nope.txt'}: file not found" in caplog.text
+    # ...and its checkpoint fuses into konkanivani-transcribe, whose ASR checkpoint must share its tokenizer.
+    from konkanivani.checkpoint import save_checkpoint
+    from konkanivani.cli import transcribe
+    import soundfile
+
+    soundfile.write(tmp_path / "noise.wav", 0.1 * torch.randn(16000).numpy(), 16000)
+    for name, tok in (("asr.pt", "tok.model"), ("other_asr.pt", "other.model")):
+        tokenizer = Tokenizer.load(d / tok)
+        asr = ASRModel(model_config_from_preset("tiny", vocab_size=tokenizer.vocab_size))
+        save_checkpoint({"model_config": vars(asr.cfg), "tokenizer": tokenizer.model_proto,
+                         "model": asr.state_dict()}, tmp_path / name)
+    lm_flags = ["--method", "joint", "--beam_size", "2", "--lm", str(tmp_path / "lm" / "best.pt"), "--lm_weight", "0.5",
+                "--length_bonus", "0.5", "--device", "cpu"]
+    with torch.inference_mode(False):
+        assert transcribe.main([str(tmp_path / "asr.pt"), str(tmp_path / "noise.wav"), *lm_flags]) == 0
+        caplog.clear()
+        assert transcribe.main([str(tmp_path / "other_asr.pt"), str(tmp_path / "noise.wav"), *lm_flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: language model") and str(tmp_path / "other_asr.pt") in err
+    assert str(tmp_path / "lm" / "best.pt") in err
+    with pytest.raises(SystemExit) as e:
+        transcribe.main([str(tmp_path / "asr.pt"), str(tmp_path / "noise.wav"), *lm_flags[:-2], "--method", "greedy"])
+    assert e.value.code == 2 and "takes no --lm" in capsys.readouterr().err
