@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from konkanivani.checkpoint import average_checkpoints, load_checkpoint, save_checkpoint, step_checkpoints
 from konkanivani.cli.train import model_flags, parse_args
 from konkanivani.config import TrainConfig, dataclass_from_args
-from konkanivani.decode import DEFAULT_CTC_WEIGHT, METHODS
+from konkanivani.decode import DEFAULT_CTC_WEIGHT, FUSED_METHODS, METHODS
 from konkanivani.demo_corpus import make_corpus
 from konkanivani.evaluation import evaluate_manifest
 from konkanivani.inference import Recognizer
@@ -52,6 +52,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--beam_size", type=int, default=10)
     parser.add_argument("--decode_ctc_weight", type=float, default=DEFAULT_CTC_WEIGHT,
                         help="CTC weight of joint decoding and rescoring (--ctc_weight is the training loss's)")
+    parser.add_argument("--lm", type=Path, help="a konkanivani-train-lm checkpoint fused into the final scoring "
+                        "(beam, attention, joint, rescore; greedy is scored without it)")
+    parser.add_argument("--lm_weight", type=float, default=0.3, help="with --lm")
+    parser.add_argument("--length_bonus", type=float, default=0.0, help="per token, in the fused methods")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "learning_curve")
     parser.add_argument("--evaluate_only", action="store_true",
                         help="skip training; score the checkpoints and curve already in --out")
@@ -108,9 +112,12 @@ def main(argv: list[str] | None = None) -> None:
         finals.append((f"average of last {min(args.average_last, len(epoch_ends))} epochs", averaged))
     rows = []
     for name, path in finals:
-        rec = Recognizer.from_checkpoint(path)
+        rec = Recognizer.from_checkpoint(path, lm=args.lm)
         for method in args.methods.split(","):
-            result = evaluate_manifest(rec, test_manifest, method, args.beam_size, args.decode_ctc_weight)
+            fused = method in FUSED_METHODS
+            lm_weight = args.lm_weight if fused and args.lm else 0.0
+            result = evaluate_manifest(rec, test_manifest, method, args.beam_size, args.decode_ctc_weight,
+                                       lm_weight=lm_weight, length_bonus=args.length_bonus if fused else 0.0)
             rows.append({"weights": name, "method": method, "cer": round(100 * result.cer, 2),
                          "wer": round(100 * result.wer, 2), "rtf": round(result.rtf, 4)})
             log.info("%s, %s: CER %.2f%% WER %.2f%% RTF %.4f", name, method, 100 * result.cer, 100 * result.wer,

@@ -9,22 +9,30 @@ the prefix recursion of hybrid CTC/attention decoding over the candidate tokens 
 Scores are natural-log probabilities. With ``ctc_weight`` λ a hypothesis scores
 ``λ * log P_ctc(prefix) + (1 - λ) * log P_att(prefix)``; finished hypotheses are ranked by
 that score divided by their length (tokens + end symbol) when ``length_norm`` is on.
+
+Shallow fusion (``Fusion``) adds to every method but greedy an external language model over the
+same token ids: ``W * log P_LM(token | prefix)`` per token, ``W * log P_LM(end | prefix)`` when a
+hypothesis ends, and a bonus ``B`` per emitted token, which offsets the LM's pull towards short
+outputs. With ``W = B = 0`` each method returns what it returns without fusion, scores included.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from .lm import TransformerLM
 from .masks import pad_mask
 from .tokenizer import BLANK_ID, SOS_EOS_ID
 
-__all__ = ["DEFAULT_CTC_WEIGHT", "METHODS", "Hypothesis", "attention_beam_search", "attention_rescoring",
+__all__ = ["DEFAULT_CTC_WEIGHT", "METHODS", "FUSED_METHODS", "Fusion", "Hypothesis", "attention_beam_search", "attention_rescoring",
            "attention_scores", "ctc_greedy", "ctc_prefix_beam_search", "decode_batch"]
 
 METHODS = ("greedy", "beam", "attention", "joint", "rescore")
+FUSED_METHODS = ("beam", "attention", "joint", "rescore")  # greedy has no hypotheses to weigh
 # Weight of the CTC score in joint decoding and rescoring. Chosen on the demo corpus's validation
 # split (unseen sentences) among 0.3 / 0.5 / 0.7: the CTC head generalizes to new sentences better
 # than the attention decoder, which has learned the training sentences as a language model.
@@ -35,7 +43,24 @@ NEG_INF = float("-inf")
 @dataclass
 class Hypothesis:
     tokens: list[int]
-    score: float  # the method's total log score (not length-normalized)
+    score: float  # the method's total log score (not length-normalized), fusion terms included
+
+
+@dataclass
+class Fusion:
+    """Shallow fusion settings: ``lm`` over the ASR model's token ids (the caller checks that the
+    vocabularies agree, ``lm.check_same_vocabulary``), its weight ``W`` and the per-token bonus ``B``.
+    The default adds nothing."""
+
+    lm: TransformerLM | None = None
+    lm_weight: float = 0.0
+    length_bonus: float = 0.0
+
+    def token_bonus(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """``B`` for every token but the end symbol, ``(V,)``."""
+        bonus = torch.full((vocab_size,), float(self.length_bonus), device=device)
+        bonus[SOS_EOS_ID] = 0.0
+        return bonus
 
 
 @torch.inference_mode()
@@ -60,18 +85,26 @@ def ctc_greedy(log_probs: torch.Tensor, lengths: torch.Tensor) -> list[list[int]
 
 
 @torch.inference_mode()
-def ctc_prefix_beam_search(log_probs: torch.Tensor, length: int, beam_size: int) -> list[Hypothesis]:
+def ctc_prefix_beam_search(log_probs: torch.Tensor, length: int, beam_size: int,
+                           fusion: Fusion | None = None) -> list[Hypothesis]:
     """Prefix beam search over one utterance's CTC output ``(T', V)``; returns up to ``beam_size``
-    prefixes, best first, scored by log P(prefix) summed over all alignments.
+    prefixes, best first, scored by log P(prefix) summed over all alignments (plus, with
+    ``fusion``, ``W * log P_LM(prefix + end) + B * len(prefix)``).
 
-    Each frame considers only its ``beam_size`` most likely tokens.
+    Each frame considers only its ``beam_size`` most likely tokens. With fusion, prefixes are
+    pruned by CTC + ``W * log P_LM(prefix) + B * len(prefix)``, and the end symbol's LM term ranks
+    the final list; the LM rescores each surviving prefix from its start once.
     """
+    fusion = fusion or Fusion()
     lp = log_probs[:length].float().cpu()
     top_vals, top_ids = lp.topk(min(beam_size, lp.shape[-1]), dim=-1)
     blank_lp = lp[:, BLANK_ID].tolist()
     # prefix -> (log P ending in blank, log P ending in its last token)
     beams: dict[tuple[int, ...], tuple[float, float]] = {(): (0.0, NEG_INF)}
+    extra: dict[tuple[int, ...], float] = {(): 0.0}  # prefix -> its fusion terms so far
+    lm_next: dict[tuple[int, ...], list[float]] = {}  # prefix -> W * log P_LM(token | prefix) per token
     for t in range(lp.shape[0]):
+        lm_next = _weighted_lm_next(fusion, beams, lm_next)
         nxt: dict[tuple[int, ...], list[float]] = {}
         for prefix, (pb, pnb) in beams.items():
             total = _logaddexp(pb, pnb)
@@ -80,14 +113,36 @@ def ctc_prefix_beam_search(log_probs: torch.Tensor, length: int, beam_size: int)
             for value, tok in zip(top_vals[t].tolist(), top_ids[t].tolist()):
                 if tok == BLANK_ID:
                     continue
+                longer = (*prefix, tok)
+                if longer not in extra:
+                    extra[longer] = extra[prefix] + (lm_next[prefix][tok] if lm_next else 0.0) + fusion.length_bonus
                 if tok == last:
                     _accumulate(nxt, prefix, 1, pnb + value)  # repeat merged into the same token
-                    _accumulate(nxt, (*prefix, tok), 1, pb + value)  # a new token, after a blank
+                    _accumulate(nxt, longer, 1, pb + value)  # a new token, after a blank
                 else:
-                    _accumulate(nxt, (*prefix, tok), 1, total + value)
-        ranked = sorted(nxt.items(), key=lambda kv: _logaddexp(*kv[1]), reverse=True)[:beam_size]
+                    _accumulate(nxt, longer, 1, total + value)
+        ranked = sorted(nxt.items(), key=lambda kv: _logaddexp(*kv[1]) + extra[kv[0]], reverse=True)[:beam_size]
         beams = {prefix: (pb, pnb) for prefix, (pb, pnb) in ranked}
-    return [Hypothesis(list(prefix), _logaddexp(pb, pnb)) for prefix, (pb, pnb) in beams.items()]
+        extra = {prefix: extra[prefix] for prefix in beams}
+    lm_next = _weighted_lm_next(fusion, beams, lm_next)
+    hyps = [Hypothesis(list(prefix), _logaddexp(pb, pnb) + extra[prefix]
+                       + (lm_next[prefix][SOS_EOS_ID] if lm_next else 0.0))
+            for prefix, (pb, pnb) in beams.items()]
+    return sorted(hyps, key=lambda h: h.score, reverse=True)  # stable: unchanged order without fusion
+
+
+def _weighted_lm_next(fusion: Fusion, beams: dict[tuple[int, ...], Any],
+                      known: dict[tuple[int, ...], list[float]]) -> dict[tuple[int, ...], list[float]]:
+    """``W * log P_LM(token | prefix)`` for each prefix of ``beams``: those of ``known`` reused, the
+    others in one LM call. Empty without an LM."""
+    if fusion.lm is None:
+        return {}
+    new = [p for p in beams if p not in known]
+    out = {p: known[p] for p in beams if p in known}
+    if new:
+        rows = (fusion.lm_weight * fusion.lm.next_log_probs([list(p) for p in new])).tolist()
+        out.update(zip(new, rows))
+    return out
 
 
 def _accumulate(beams: dict[tuple[int, ...], list[float]], prefix: tuple[int, ...], which: int,
@@ -151,9 +206,11 @@ class _CTCPrefixScorer:
 @torch.inference_mode()
 def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam_size: int = 10,
                           ctc_weight: float = 0.0, length_norm: bool = True,
-                          max_len: int | None = None) -> list[Hypothesis]:
+                          max_len: int | None = None, fusion: Fusion | None = None) -> list[Hypothesis]:
     """Beam search of the attention decoder, batched over utterances and hypotheses; with
-    ``ctc_weight`` > 0 it is joint CTC/attention decoding. Returns the best hypothesis per utterance.
+    ``ctc_weight`` > 0 it is joint CTC/attention decoding; with ``fusion`` an LM (stepped along
+    with the decoder, its rows reordered with the decoder's) and a length bonus add to each
+    extension. Returns the best hypothesis per utterance.
 
     Each step takes the top ``2 * beam_size`` extensions per utterance; those that end go to the
     finished list, the best ``beam_size`` others continue. An utterance stops once it has
@@ -175,6 +232,9 @@ def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam
         scorer = _CTCPrefixScorer(model.ctc_log_probs(enc).repeat_interleave(K, dim=0), enc_lens.repeat_interleave(K))
         ctc_r, ctc_psi = scorer.initial_state()
     dec_state = model.decoder.init_state(enc, enc_lens)
+    fusion = fusion or Fusion()
+    lm_state = fusion.lm.init_state() if fusion.lm is not None else None
+    bonus = fusion.token_bonus(model.cfg.vocab_size, device)  # zeros without a bonus: nothing changes
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
     done = torch.zeros(B, dtype=torch.bool)
     n_cand = min(K * 2, model.cfg.vocab_size - 1)
@@ -185,13 +245,20 @@ def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam
         att[:, BLANK_ID] = NEG_INF
         at_limit = step >= limit.repeat_interleave(K)  # only the end symbol may follow
         att[at_limit] = torch.where(torch.arange(att.shape[1], device=device) == SOS_EOS_ID, att[at_limit], NEG_INF)
+        fused = bonus.expand_as(att)  # (N, V): the fusion terms of each extension
+        if lm_state is not None:
+            lm_lp, lm_state = fusion.lm.step(ys[:, -1], lm_state)
+            fused = fused + fusion.lm_weight * lm_lp
         if use_ctc:
-            # Pre-beam on the attention scores, then CTC prefix scores for those candidates only.
-            cand = att.topk(n_cand, dim=-1).indices  # (N, C)
+            # Pre-beam on the attention (+ weighted LM) scores, then CTC prefix scores for those
+            # candidates only.
+            pre = att if lm_state is None or fusion.lm_weight == 0 else att + fusion.lm_weight * lm_lp
+            cand = pre.topk(n_cand, dim=-1).indices  # (N, C)
             psi, r_new = scorer.score(ctc_r, ys[:, -1], cand, empty_prefix=step == 0)
-            ext = (1 - ctc_weight) * att.gather(1, cand) + ctc_weight * (psi - ctc_psi[:, None])
+            ext = ((1 - ctc_weight) * att.gather(1, cand) + ctc_weight * (psi - ctc_psi[:, None])
+                   + fused.gather(1, cand))
         else:
-            ext, cand = att.topk(n_cand, dim=-1)
+            ext, cand = (att + fused).topk(n_cand, dim=-1)
         # A prefix CTC cannot produce scores -inf; its extensions give -inf - -inf = nan.
         total = scores[:, None] + ext
         total = total.masked_fill(total.isnan(), NEG_INF).view(B, K * n_cand)
@@ -205,6 +272,8 @@ def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam
         rows = torch.tensor(new_rows, device=device)
         ys = torch.cat([ys[rows], torch.tensor(new_tok, device=device)[:, None]], dim=1)
         dec_state = dec_state.select(rows)
+        if lm_state is not None:
+            lm_state = lm_state.select(rows)
         scores = torch.tensor(new_scores, device=device)
         scores.view(B, K)[done.to(device)] = NEG_INF
         if use_ctc:
@@ -276,17 +345,22 @@ def attention_scores(model, enc: torch.Tensor, enc_lens: torch.Tensor,
 
 @torch.inference_mode()
 def attention_rescoring(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam_size: int = 10,
-                        ctc_weight: float = DEFAULT_CTC_WEIGHT) -> list[Hypothesis]:
+                        ctc_weight: float = DEFAULT_CTC_WEIGHT, fusion: Fusion | None = None) -> list[Hypothesis]:
     """CTC prefix beam search, then each n-best hypothesis rescored with the attention decoder:
-    ``λ * log P_ctc + (1 - λ) * log P_att``. Returns the best per utterance."""
+    ``λ * log P_ctc + (1 - λ) * log P_att`` (+ ``W * log P_LM(hyp + end) + B * len(hyp)`` with
+    ``fusion``; the n-best itself comes from the plain CTC search). Returns the best per utterance."""
+    fusion = fusion or Fusion()
     log_probs = model.ctc_log_probs(enc)
     nbests = [ctc_prefix_beam_search(log_probs[b], int(enc_lens[b]), beam_size) for b in range(enc.shape[0])]
     rows = torch.tensor([b for b, nbest in enumerate(nbests) for _ in nbest], device=enc.device)
     flat = [h for nbest in nbests for h in nbest]
     att = attention_scores(model, enc[rows], enc_lens[rows], [h.tokens for h in flat]).tolist()
+    lm = ([0.0] * len(flat) if fusion.lm is None
+          else (fusion.lm_weight * fusion.lm.sentence_log_probs([h.tokens for h in flat], enc.device)).tolist())
     best: list[Hypothesis | None] = [None] * len(nbests)
-    for b, h, a in zip(rows.tolist(), flat, att):
-        cand = Hypothesis(h.tokens, ctc_weight * h.score + (1 - ctc_weight) * a)
+    for b, h, a, l in zip(rows.tolist(), flat, att, lm):
+        cand = Hypothesis(h.tokens, ctc_weight * h.score + (1 - ctc_weight) * a + l
+                          + fusion.length_bonus * len(h.tokens))
         if best[b] is None or cand.score > best[b].score:
             best[b] = cand
     return best
@@ -295,8 +369,9 @@ def attention_rescoring(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam_s
 @torch.inference_mode()
 def decode_batch(model, feats: torch.Tensor, feat_lens: torch.Tensor, method: str = "greedy",
                  beam_size: int = 10, ctc_weight: float = DEFAULT_CTC_WEIGHT,
-                 length_norm: bool = True) -> list[list[int]]:
-    """Token ids per utterance of a feature batch ``(B, T, F)`` with one of ``METHODS``:
+                 length_norm: bool = True, fusion: Fusion | None = None) -> list[list[int]]:
+    """Token ids per utterance of a feature batch ``(B, T, F)`` with one of ``METHODS``, each but
+    greedy with optional shallow ``fusion``:
 
     - ``greedy``: best CTC path;
     - ``beam``: CTC prefix beam search;
@@ -306,14 +381,18 @@ def decode_batch(model, feats: torch.Tensor, feat_lens: torch.Tensor, method: st
     """
     if method not in METHODS:
         raise ValueError(f"unknown decoding method {method!r}; choose from {', '.join(METHODS)}")
+    if method not in FUSED_METHODS and fusion is not None and (fusion.lm is not None or fusion.length_bonus):
+        raise ValueError(f"{method} decoding takes no language model or length bonus; choose from "
+                         f"{', '.join(FUSED_METHODS)}")
     enc, enc_lens = model.encode(feats, feat_lens)
     if method == "greedy":
         return ctc_greedy(model.ctc_log_probs(enc), enc_lens)
     if method == "beam":
         log_probs = model.ctc_log_probs(enc)
-        return [ctc_prefix_beam_search(log_probs[b], int(enc_lens[b]), beam_size)[0].tokens
+        return [ctc_prefix_beam_search(log_probs[b], int(enc_lens[b]), beam_size, fusion)[0].tokens
                 for b in range(enc.shape[0])]
     if method == "rescore":
-        return [h.tokens for h in attention_rescoring(model, enc, enc_lens, beam_size, ctc_weight)]
+        return [h.tokens for h in attention_rescoring(model, enc, enc_lens, beam_size, ctc_weight, fusion)]
     weight = ctc_weight if method == "joint" else 0.0
-    return [h.tokens for h in attention_beam_search(model, enc, enc_lens, beam_size, weight, length_norm)]
+    return [h.tokens for h in attention_beam_search(model, enc, enc_lens, beam_size, weight, length_norm,
+                                                    fusion=fusion)]

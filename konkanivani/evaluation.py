@@ -61,9 +61,11 @@ class EvalResult:
 
 
 def evaluate_manifest(recognizer: Recognizer, manifest: str | Path, method: str = "greedy", beam_size: int = 10,
-                      ctc_weight: float = DEFAULT_CTC_WEIGHT, batch_size: int = 8) -> EvalResult:
-    """Decode every row of ``manifest`` and score it against its ``text``. Rows without text or
-    with unreadable audio are listed in ``failed`` and left out of the totals."""
+                      ctc_weight: float = DEFAULT_CTC_WEIGHT, batch_size: int = 8, lm_weight: float = 0.0,
+                      length_bonus: float = 0.0) -> EvalResult:
+    """Decode every row of ``manifest`` and score it against its ``text`` (with shallow fusion of
+    the recognizer's LM at ``lm_weight`` and ``length_bonus``). Rows without text or with
+    unreadable audio are listed in ``failed`` and left out of the totals."""
     manifest = Path(manifest)
     result = EvalResult(str(manifest), method)
     rows = []
@@ -78,7 +80,7 @@ def evaluate_manifest(recognizer: Recognizer, manifest: str | Path, method: str 
             rows.append((where, resolve_audio_path(audio, manifest.parent), text))
     start = time.perf_counter()
     transcripts = list(recognizer.transcribe([path for _, path, _ in rows], method, beam_size, ctc_weight,
-                                             batch_size))
+                                             batch_size, lm_weight, length_bonus))
     result.decode_seconds = time.perf_counter() - start
     for (where, path, text), tr in zip(rows, transcripts, strict=True):
         if tr.error is not None:

@@ -18,8 +18,9 @@ from .checkpoint import CheckpointError, inference_state_dict, load_checkpoint
 from .checks import resolve_audio_path
 from .config import ModelConfig
 from .data import read_manifest
-from .decode import DEFAULT_CTC_WEIGHT, METHODS, decode_batch
+from .decode import DEFAULT_CTC_WEIGHT, FUSED_METHODS, METHODS, Fusion, decode_batch
 from .frames import SAMPLE_RATE
+from .lm import TransformerLM, check_same_vocabulary, load_lm
 from .model import ASRModel
 from .tokenizer import Tokenizer
 
@@ -42,16 +43,48 @@ class Recognizer:
     """Examples:
         >>> rec = Recognizer.from_checkpoint("checkpoints/run/best.pt")  # doctest: +SKIP
         >>> rec.transcribe(["a.wav", "b.flac"], method="joint")  # doctest: +SKIP
+        >>> rec = Recognizer.from_checkpoint("checkpoints/run/best.pt", lm="checkpoints/lm/best.pt")  # doctest: +SKIP
+        >>> rec.transcribe(["a.wav"], method="joint", lm_weight=0.3, length_bonus=0.5)  # doctest: +SKIP
     """
 
-    def __init__(self, model: ASRModel, tokenizer: Tokenizer, device: torch.device):
+    def __init__(self, model: ASRModel, tokenizer: Tokenizer, device: torch.device,
+                 lm: TransformerLM | None = None):
         self.model = model.to(device).eval()
         self.tokenizer = tokenizer
         self.device = device
         self.log_mel = LogMel(model.cfg.n_mels)
+        self.lm = None if lm is None else lm.to(device).eval()
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, device: str | torch.device = "cpu") -> Recognizer:
+    def from_checkpoint(cls, path: str | Path, device: str | torch.device = "cpu",
+                        lm: str | Path | None = None) -> Recognizer:
+        """The recognizer of an ASR checkpoint, with the language model of ``lm`` (a
+        ``konkanivani-train-lm`` checkpoint of the same tokenizer) for shallow fusion."""
+        rec = cls._from_checkpoint(path, device)
+        if lm is not None:
+            rec.attach_lm(lm, path)
+        return rec
+
+    def attach_lm(self, lm_path: str | Path, asr_name: str | Path = "the recognizer") -> None:
+        """Load the LM of ``lm_path`` for fusion; ``CheckpointError`` in one line, naming both files,
+        when its vocabulary is not this recognizer's."""
+        lm, lm_tokenizer = load_lm(lm_path, self.device)
+        check_same_vocabulary(lm_tokenizer, lm_path, self.tokenizer, asr_name)
+        self.lm = lm
+
+    def fusion(self, method: str, lm_weight: float = 0.0, length_bonus: float = 0.0) -> Fusion | None:
+        """The fusion settings of a decoding call; ``ValueError`` for ones that cannot apply."""
+        if lm_weight and self.lm is None:
+            raise ValueError("lm_weight needs a language model (Recognizer.from_checkpoint(..., lm=...))")
+        if method not in FUSED_METHODS:
+            if lm_weight or length_bonus:
+                raise ValueError(f"{method} decoding takes no language model or length bonus; choose from "
+                                 f"{', '.join(FUSED_METHODS)}")
+            return None
+        return Fusion(self.lm, lm_weight, length_bonus)
+
+    @classmethod
+    def _from_checkpoint(cls, path: str | Path, device: str | torch.device) -> Recognizer:
         state = load_checkpoint(path)
         try:
             cfg = ModelConfig.from_dict(state["model_config"])
@@ -64,29 +97,33 @@ class Recognizer:
         return cls(model, tokenizer, torch.device(device))
 
     def decode_waveforms(self, wavs: Sequence[torch.Tensor], method: str = "greedy", beam_size: int = 10,
-                         ctc_weight: float = DEFAULT_CTC_WEIGHT) -> list[str]:
+                         ctc_weight: float = DEFAULT_CTC_WEIGHT, lm_weight: float = 0.0,
+                         length_bonus: float = 0.0) -> list[str]:
         """Texts of 16 kHz mono waveforms, decoded as one batch."""
+        fusion = self.fusion(method, lm_weight, length_bonus)
         feats = [self.log_mel(w) for w in wavs]
         lens = torch.tensor([len(f) for f in feats], device=self.device)
         padded = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True).to(self.device)
-        ids = decode_batch(self.model, padded, lens, method, beam_size, ctc_weight)
+        ids = decode_batch(self.model, padded, lens, method, beam_size, ctc_weight, fusion=fusion)
         return [self.tokenizer.decode(h) for h in ids]
 
     def transcribe(self, paths: Iterable[str | Path], method: str = "greedy", beam_size: int = 10,
-                   ctc_weight: float = DEFAULT_CTC_WEIGHT, batch_size: int = 8) -> Iterator[Transcript]:
+                   ctc_weight: float = DEFAULT_CTC_WEIGHT, batch_size: int = 8, lm_weight: float = 0.0,
+                   length_bonus: float = 0.0) -> Iterator[Transcript]:
         """Transcripts in the order of ``paths``. Files are read a few batches at a time and batched
         by length. A file that cannot be read yields a ``Transcript`` with ``error`` set, and the
         others are still decoded."""
         if method not in METHODS:
             raise ValueError(f"unknown decoding method {method!r}; choose from {', '.join(METHODS)}")
+        self.fusion(method, lm_weight, length_bonus)  # refused here, before any file is read
         paths = list(paths)
         window = 8 * batch_size
         for first in range(0, len(paths), window):
             yield from self._transcribe_window(paths[first:first + window], method, beam_size, ctc_weight,
-                                               batch_size)
+                                               batch_size, lm_weight, length_bonus)
 
     def _transcribe_window(self, paths: list[str | Path], method: str, beam_size: int, ctc_weight: float,
-                           batch_size: int) -> Iterator[Transcript]:
+                           batch_size: int, lm_weight: float, length_bonus: float) -> Iterator[Transcript]:
         wavs: list[torch.Tensor | None] = []
         errors: list[str | None] = []
         for p in paths:
@@ -100,7 +137,8 @@ class Recognizer:
         readable = sorted((i for i, w in enumerate(wavs) if w is not None), key=lambda i: -len(wavs[i]))
         for start in range(0, len(readable), batch_size):
             chunk = readable[start:start + batch_size]
-            decoded = self.decode_waveforms([wavs[i] for i in chunk], method, beam_size, ctc_weight)
+            decoded = self.decode_waveforms([wavs[i] for i in chunk], method, beam_size, ctc_weight, lm_weight,
+                                            length_bonus)
             texts.update(zip(chunk, decoded))
         for i, path in enumerate(paths):
             duration = 0.0 if wavs[i] is None else len(wavs[i]) / SAMPLE_RATE

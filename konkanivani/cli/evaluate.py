@@ -15,7 +15,7 @@ from . import Parser, fail
 from ..checkpoint import CheckpointError
 from ..data import ManifestError
 from ..evaluation import evaluate_manifest, markdown_report
-from .transcribe import add_decoding_args, check_decoding_args, load_recognizer
+from .transcribe import add_decoding_args, check_decoding_args, decoding_name, load_recognizer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
     try:
         result = evaluate_manifest(load_recognizer(args), args.manifest, args.method, args.beam_size,
-                                   args.ctc_weight, args.batch_size)
+                                   args.ctc_weight, args.batch_size, args.lm_weight, args.length_bonus)
     except (CheckpointError, ManifestError, RuntimeError) as e:
         return fail(str(e))
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.report).write_text(markdown_report(result, str(args.checkpoint), args.worst), encoding="utf-8")
     w, c = result.words, result.chars
     if result.utterances:
-        print(f"{len(result.utterances)} utterances, {result.audio_seconds / 60:.1f} min, method {args.method}, "
+        print(f"{len(result.utterances)} utterances, {result.audio_seconds / 60:.1f} min, method {decoding_name(args)}, "
               f"real-time factor {result.rtf:.3f}")
         print(f"WER {100 * w.rate:.2f}% ({w.substitutions} sub, {w.deletions} del, {w.insertions} ins / "
               f"{w.length} words)")

@@ -22,9 +22,12 @@ from pathlib import Path
 from . import Parser, fail
 from ..checkpoint import CheckpointError
 from ..data import ManifestError
-from ..decode import DEFAULT_CTC_WEIGHT, METHODS
+from ..decode import DEFAULT_CTC_WEIGHT, FUSED_METHODS, METHODS
 from ..inference import Recognizer, find_audio
 from ..precision import resolve_device
+
+
+DEFAULT_LM_WEIGHT = 0.3
 
 
 def add_decoding_args(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +39,15 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--beam_size", type=int, default=10, help="default: %(default)s")
     parser.add_argument("--ctc_weight", type=float, default=DEFAULT_CTC_WEIGHT,
                         help="weight of the CTC score in joint decoding and rescoring (default: %(default)s)")
+    parser.add_argument("--lm", type=Path, metavar="CHECKPOINT",
+                        help="a konkanivani-train-lm checkpoint of the same tokenizer, for shallow fusion "
+                             f"({', '.join(FUSED_METHODS)})")
+    parser.add_argument("--lm_weight", type=float, default=None,
+                        help=f"weight W of the LM's log-probabilities (default with --lm: {DEFAULT_LM_WEIGHT}, a common "
+                             "starting point; choose it on a validation set with benchmarks/lm_fusion.py)")
+    parser.add_argument("--length_bonus", type=float, default=0.0,
+                        help="score B added per emitted token, against the LM's preference for short outputs "
+                             "(default: %(default)s)")
     parser.add_argument("--batch_size", type=int, default=8, help="utterances decoded together (default: %(default)s)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (default: %(default)s)")
 
@@ -48,10 +60,25 @@ def check_decoding_args(parser: Parser, args: argparse.Namespace) -> None:
         parser.error(f"--{'beam_size' if args.beam_size < 1 else 'batch_size'} must be a positive integer")
     if not 0.0 <= args.ctc_weight <= 1.0:
         parser.error(f"--ctc_weight must be in [0, 1], got {args.ctc_weight}")
+    if args.lm is None and args.lm_weight is not None:
+        parser.error("--lm_weight needs --lm CHECKPOINT")
+    if args.lm is not None and not args.lm.is_file():
+        parser.error(f"--lm {args.lm}: file not found")
+    args.lm_weight = (DEFAULT_LM_WEIGHT if args.lm is not None else 0.0) if args.lm_weight is None else args.lm_weight
+    if args.lm_weight < 0:
+        parser.error(f"--lm_weight must be >= 0, got {args.lm_weight}")
+    if (args.lm is not None or args.length_bonus) and args.method not in FUSED_METHODS:
+        parser.error(f"--method {args.method} takes no --lm or --length_bonus; choose from {', '.join(FUSED_METHODS)}")
 
 
 def load_recognizer(args: argparse.Namespace) -> Recognizer:
-    return Recognizer.from_checkpoint(args.checkpoint, resolve_device(args.device))
+    return Recognizer.from_checkpoint(args.checkpoint, resolve_device(args.device), lm=args.lm)
+
+
+def decoding_name(args: argparse.Namespace) -> str:
+    """The method and its fusion settings, for the summary line."""
+    fusion = f" + LM {args.lm} at {args.lm_weight:g}" if args.lm is not None else ""
+    return args.method + fusion + (f", length bonus {args.length_bonus:g}" if args.length_bonus else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
 
     failed, audio_s, start = [], 0.0, time.perf_counter()
     with open(args.output, "w", encoding="utf-8") if args.output else nullcontext() as out:
-        for tr in recognizer.transcribe(files, args.method, args.beam_size, args.ctc_weight, args.batch_size):
+        for tr in recognizer.transcribe(files, args.method, args.beam_size, args.ctc_weight, args.batch_size,
+                                        args.lm_weight, args.length_bonus):
             if tr.error is not None:
                 failed.append(tr.error)
                 continue
@@ -85,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - start
     done = len(files) - len(failed)
     speed = f" in {elapsed:.1f} s: real-time factor {elapsed / audio_s:.3f}" if audio_s else ""
-    print(f"{done} of {len(files)} files ({audio_s:.1f} s of audio) transcribed with {args.method}{speed}"
+    print(f"{done} of {len(files)} files ({audio_s:.1f} s of audio) transcribed with {decoding_name(args)}{speed}"
           + (f"; wrote {args.output}" if args.output else ""), file=sys.stderr)
     if failed:
         print(f"{len(failed)} files could not be read:", *failed, sep="\n  ", file=sys.stderr)
