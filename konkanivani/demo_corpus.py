@@ -5,12 +5,14 @@ train / valid / test, and each utterance is read by an espeak-ng "speaker" = (la
 random speed and pitch. The test split uses sentences AND voice variants that never occur in
 train or valid. The ``heldout`` split reads the test sentences with a voice *source* that never
 occurs in training at all: festival's NSK diphone voice, recorded from a real speaker (made when
-festival and its Marathi voice are installed). ``text.txt`` is a text-only set
+festival and its Marathi voice are installed); ``test_noisy`` is the test split in a noisy, reverberant
+room (synthetic, ``augment.corrupt_manifest``). ``text.txt`` is a text-only set
 (``resources/demo_text_kok.txt``): sentences in no speech split, for a language model. Output
 (relocatable, paths relative to OUT_DIR)::
 
     OUT_DIR/wavs/<split>_<index:05d>.wav     16 kHz mono 16-bit PCM
     OUT_DIR/{train,valid,test,heldout}.jsonl NeMo-style manifests
+    OUT_DIR/test_noisy.jsonl, test_noisy/    the test split reverberated, with noise at 5-20 dB SNR
     OUT_DIR/text.txt                         text-only sentences, one a line
     OUT_DIR/corpus_info.json                 generation parameters
 
@@ -36,6 +38,7 @@ import torch
 from tqdm import tqdm
 
 from .audio import resample
+from .augment import corrupt_manifest
 from .frames import SAMPLE_RATE
 from .data import read_manifest
 from .tokenizer import normalize_text
@@ -45,6 +48,8 @@ DEFAULT_SENTENCES = Path(__file__).resolve().parent / "resources" / "demo_senten
 DEFAULT_TEXT = Path(__file__).resolve().parent / "resources" / "demo_text_kok.txt"
 SPLITS = ("train", "valid", "test")  # sentence splits; "heldout" reads the test sentences
 HELDOUT = "heldout"
+NOISY = "test_noisy"  # the test split reverberated and with noise at 5-20 dB SNR
+NOISY_SNR_DB = (5.0, 20.0)
 SPLIT_FRACTIONS = {"train": 0.80, "valid": 0.08, "test": 0.12}
 # "kok" spells out vowel signs in espeak-ng 1.51; mr / hi read Devanagari Konkani well.
 LANG_VOICES = ("mr", "hi")
@@ -62,7 +67,7 @@ PITCH_RANGE = (15, 85)  # espeak -p, 0..99
 # The held-out voice source: festival's diphone voice (one real speaker's recordings), never in training.
 FESTIVAL_VOICE = "voice_marathi_NSK_diphone"
 FESTIVAL_SPEAKER = "festival:nsk"
-FESTIVAL_F0_RANGE = (85, 165)  # mean F0 in Hz; the voice's own intonation model is broken, a simple one is set
+FESTIVAL_F0_RANGE = (100, 170)  # mean F0 in Hz (below ~90 Hz its LPC resynthesis crashes)
 FESTIVAL_STRETCH_RANGE = (1.0, 1.5)  # duration stretch (the voice's own is 1.4)
 HELDOUT_PER_SENTENCE = 2
 PEAK_RANGE = (0.75, 0.95)  # peak-normalization target (random gain around ~0.9)
@@ -246,7 +251,7 @@ def _rows(path: Path) -> list[dict[str, Any]]:
 
 
 def _splits(info: dict[str, Any]) -> tuple[str, ...]:
-    return (*SPLITS, HELDOUT) if info.get("heldout") else SPLITS
+    return (*SPLITS, NOISY, *([HELDOUT] if info.get("heldout") else []))
 
 
 def corpus_is_complete(out_dir: Path, info: dict[str, Any]) -> bool:
@@ -273,7 +278,7 @@ def text_only_sentences(text_path: Path, speech_sentences: list[str]) -> list[st
 
 def summarize(out_dir: Path) -> dict[str, Any]:
     """Per-split counts/hours/sentences/speakers plus train/test disjointness checks."""
-    names = [*SPLITS, *([HELDOUT] if (out_dir / f"{HELDOUT}.jsonl").is_file() else [])]
+    names = [*SPLITS, *(s for s in (NOISY, HELDOUT) if (out_dir / f"{s}.jsonl").is_file())]
     rows = {s: _rows(out_dir / f"{s}.jsonl") for s in names}
     splits = {s: {"utterances": len(r),
                   "hours": round(sum(x["duration"] for x in r) / 3600, 3),
@@ -339,6 +344,8 @@ def make_corpus(out_dir: str | Path, seed: int = 0, num_utterances: int = 4800,
     plan = plan_corpus(sentences, seed, num_utterances, max_sentences, heldout)
     (out / "corpus_info.json").unlink(missing_ok=True)
     (out / f"{HELDOUT}.jsonl").unlink(missing_ok=True)
+    (out / f"{NOISY}.jsonl").unlink(missing_ok=True)
+    shutil.rmtree(out / NOISY, ignore_errors=True)
     shutil.rmtree(out / "wavs", ignore_errors=True)
     (out / "wavs").mkdir(parents=True)
     durations: dict[tuple[str, int], float] = {}
@@ -352,12 +359,13 @@ def make_corpus(out_dir: str | Path, seed: int = 0, num_utterances: int = 4800,
         for split, idx, dur in tqdm(results, total=len(tasks), desc="synthesizing", unit="utt",
                                     disable=not progress):
             durations[split, idx] = dur
-    for split in _splits(info):
+    for split in (s for s in _splits(info) if s != NOISY):
         with open(out / f"{split}.jsonl", "w", encoding="utf-8") as f:
             for u in (u for u in plan if u.split == split):
                 row = {"audio_filepath": u.rel_path, "duration": durations[split, u.index],
                        "text": u.text, "speaker": u.speaker, "speed": u.speed, "pitch": u.pitch}
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    corrupt_manifest(out / "test.jsonl", out, NOISY, seed=seed, snr_db=NOISY_SNR_DB, reverb=True)
     (out / "text.txt").unlink(missing_ok=True)
     if text_file:
         lines = text_only_sentences(text_file, sentences)
