@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval_every_steps", type=int, default=0, help="with --budget_steps: score every N steps")
     parser.add_argument("--average_last", type=int, default=5, help="epoch checkpoints averaged at the end")
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--splits", default="test",
+                        help="corpus manifests the final weights are scored on, e.g. test,heldout,test_noisy")
     parser.add_argument("--beam_size", type=int, default=10)
     parser.add_argument("--decode_ctc_weight", type=float, default=DEFAULT_CTC_WEIGHT,
                         help="CTC weight of joint decoding and rescoring (--ctc_weight is the training loss's)")
@@ -113,15 +115,17 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name, path in finals:
         rec = Recognizer.from_checkpoint(path, lm=args.lm)
-        for method in args.methods.split(","):
-            fused = method in FUSED_METHODS
-            lm_weight = args.lm_weight if fused and args.lm else 0.0
-            result = evaluate_manifest(rec, test_manifest, method, args.beam_size, args.decode_ctc_weight,
-                                       lm_weight=lm_weight, length_bonus=args.length_bonus if fused else 0.0)
-            rows.append({"weights": name, "method": method, "cer": round(100 * result.cer, 2),
-                         "wer": round(100 * result.wer, 2), "rtf": round(result.rtf, 4)})
-            log.info("%s, %s: CER %.2f%% WER %.2f%% RTF %.4f", name, method, 100 * result.cer, 100 * result.wer,
-                     result.rtf)
+        for split in args.splits.split(","):
+            for method in args.methods.split(","):
+                fused = method in FUSED_METHODS
+                lm_weight = args.lm_weight if fused and args.lm else 0.0
+                result = evaluate_manifest(rec, args.corpus / f"{split}.jsonl", method, args.beam_size,
+                                           args.decode_ctc_weight, lm_weight=lm_weight,
+                                           length_bonus=args.length_bonus if fused else 0.0)
+                rows.append({"weights": name, "split": split, "method": method, "cer": round(100 * result.cer, 2),
+                             "wer": round(100 * result.wer, 2), "rtf": round(result.rtf, 4)})
+                log.info("%s, %s, %s: CER %.2f%% WER %.2f%% RTF %.4f", name, split, method, 100 * result.cer,
+                         100 * result.wer, result.rtf)
     _write_csv(args.out / "final.csv", rows)
     _plot(curve, rows, args.out / "learning_curve.png",
           f"{args.budget_steps} steps" if args.budget_steps else f"{args.budget_minutes:g} min")
@@ -130,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
           " ".join(RECIPE + trainer_argv))
     print(_table(curve, ["minutes", "step", "epoch", "cer", "wer"], ["train min", "step", "epoch", "CER %", "WER %"]))
     print()
-    print(_table(rows, ["weights", "method", "cer", "wer", "rtf"], ["weights", "decoding", "CER %", "WER %", "RTF"]))
+    print(_table(rows, ["weights", "split", "method", "cer", "wer", "rtf"],
+                 ["weights", "split", "decoding", "CER %", "WER %", "RTF"]))
     print(f"\nwrote {args.out / 'curve.csv'}, {args.out / 'final.csv'}, {args.out / 'learning_curve.png'}")
 
 
@@ -163,7 +168,8 @@ def _plot(curve: list[dict], finals: list[dict], path: Path, budget: str) -> Non
         ax.set_ylabel("% on the test split")
         ax.set_ylim(0, 105)
         ax.grid(alpha=0.3)
-    best = min((r for r in finals if r["method"] == "joint"), key=lambda r: r["wer"], default=None)
+    best = min((r for r in finals if r["method"] == "joint" and r["split"] == "test"), key=lambda r: r["wer"],
+               default=None)
     if best is not None:
         axes[0].scatter([curve[-1]["minutes"]] * 2, [best["cer"], best["wer"]], marker="*", s=150, c="k", zorder=3,
                         label=f"joint decoding ({best['weights']})")
