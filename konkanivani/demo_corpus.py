@@ -301,10 +301,10 @@ def summarize(out_dir: Path) -> dict[str, Any]:
 
 def print_summary(summary: dict[str, Any]) -> None:
     for split, s in summary["splits"].items():
-        print(f"{split:7s}: {s['utterances']:5d} utts  {s['hours']:6.3f} h  "
+        print(f"{split:10s}: {s['utterances']:5d} utts  {s['hours']:6.3f} h  "
               f"{s['sentences']:4d} sentences  {len(s['speakers']):3d} speakers")
     if "text_sentences" in summary:
-        print(f"text   : {summary['text_sentences']:5d} sentences (text only)")
+        print(f"{'text':10s}: {summary['text_sentences']:5d} sentences (text only)")
     checks = {k: v for k, v in summary.items() if k.endswith(("disjoint", "unseen"))}
     verdict = "OK" if all(checks.values()) else "FAILED"
     print("check: " + ", ".join(f"{k}={v}" for k, v in checks.items()) + f" -> {verdict}")
