@@ -26,9 +26,9 @@ import soundfile as sf
 import torch
 import torchaudio
 
-from .audio import load_audio
+from .audio import load_audio, resample
 from .config import ConfigError
-from .frames import SAMPLE_RATE
+from .frames import HOP_LENGTH, SAMPLE_RATE, subsampled_lengths
 
 __all__ = ["SPEED_FACTORS", "VTLP_RANGE", "AugmentConfig", "Augmenter", "utterance_generator", "speed_perturb",
            "coloured_noise", "add_noise", "synthetic_rir", "reverberate", "vtlp_warp_matrix", "batching_duration",
@@ -123,8 +123,9 @@ def _noise_excerpt(path: Path, num_samples: int, gen: torch.Generator) -> torch.
     if info.frames > need:
         start = _randint(gen, info.frames - need + 1)
         data, sr = sf.read(str(path), start=start, frames=need, dtype="float32", always_2d=True)
-        wav = torchaudio.functional.resample(torch.from_numpy(data.mean(axis=1)), sr, SAMPLE_RATE) \
-            if sr != SAMPLE_RATE else torch.from_numpy(data.mean(axis=1))
+        wav = resample(torch.from_numpy(data.mean(axis=1)), sr)
+        if not bool(torch.isfinite(wav).all()):  # as load_audio refuses such a file whole
+            raise RuntimeError(f"audio {path} holds NaN or infinite samples")
     else:
         wav = load_audio(path)
         wav = torch.roll(wav, _randint(gen, len(wav))).repeat(math.ceil(num_samples / len(wav)) + 1)
@@ -165,7 +166,10 @@ def reverberate(wav: torch.Tensor, rir: torch.Tensor) -> torch.Tensor:
 @functools.lru_cache(maxsize=512)
 def _load_rir(path: Path) -> torch.Tensor:
     """An RIR file at 16 kHz, cached in each worker (RIRs are short and drawn again and again)."""
-    return load_audio(path)
+    rir = load_audio(path)
+    if not bool(rir.any()):
+        raise RuntimeError(f"room impulse response {path} is all zeros")
+    return rir
 
 
 # ---- VTLP ---------------------------------------------------------------------------------------
@@ -279,9 +283,14 @@ class Augmenter:
         gen = utterance_generator(self.cfg.seed, epoch, index, "vtlp")
         return _uniform(gen, *VTLP_RANGE) if _chance(gen, self.cfg.vtlp_prob) else None
 
-    def waveform(self, wav: torch.Tensor, epoch: int, index: int) -> torch.Tensor:
-        """``wav`` with this utterance's speed, reverberation and noise draws applied."""
-        wav = speed_perturb(wav, self.speed_factor(epoch, index))
+    def waveform(self, wav: torch.Tensor, epoch: int, index: int, min_encoder_frames: int = 0) -> torch.Tensor:
+        """``wav`` with this utterance's speed, reverberation and noise draws applied. A speed-up that
+        would leave fewer than ``min_encoder_frames`` encoder frames (its token count: CTC could not
+        align it, and its loss would be zeroed) is not applied."""
+        factor = self.speed_factor(epoch, index)
+        if factor > 1 and subsampled_lengths(1 + int(len(wav) / factor) // HOP_LENGTH) < min_encoder_frames:
+            factor = 1.0
+        wav = speed_perturb(wav, factor)
         if self.cfg.reverb_prob:
             gen = utterance_generator(self.cfg.seed, epoch, index, "reverb")
             if _chance(gen, self.cfg.reverb_prob):

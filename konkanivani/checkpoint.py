@@ -27,7 +27,7 @@ import re
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -101,6 +101,10 @@ class TrainState:
         if "optimizer" not in state:
             raise CheckpointError(f"{path} holds model weights only (an averaged model?); resume from a step "
                                   "checkpoint or latest")
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        if missing := [name for name in required if name not in state]:
+            raise CheckpointError(f"{path} is not a speech recognition training checkpoint (no {', '.join(missing)}; "
+                                  "a language model's?)")
         # A field added after the format (ema_model, say) is absent from older files: its default.
         return cls(**{f.name: state[f.name] for f in fields(cls) if f.name in state})
 

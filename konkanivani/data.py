@@ -181,7 +181,7 @@ class ASRDataset(Dataset):
             return Unreadable(index)
         warp = None
         if self.augment is not None:
-            wav = self.augment.waveform(wav, epoch, index)
+            wav = self.augment.waveform(wav, epoch, index, min_encoder_frames=len(utt.tokens))
             alpha = self.augment.vtlp_alpha(epoch, index)
             warp = None if alpha is None else vtlp_warp_matrix(alpha, self.log_mel.n_freqs)
         return Example(self.log_mel(wav, warp), torch.tensor(utt.tokens, dtype=torch.long), index)

@@ -13,7 +13,9 @@ that score divided by their length (tokens + end symbol) when ``length_norm`` is
 Shallow fusion (``Fusion``) adds to every method but greedy an external language model over the
 same token ids: ``W * log P_LM(token | prefix)`` per token, ``W * log P_LM(end | prefix)`` when a
 hypothesis ends, and a bonus ``B`` per emitted token, which offsets the LM's pull towards short
-outputs. With ``W = B = 0`` each method returns what it returns without fusion, scores included.
+outputs. With fusion, the attention and joint searches rank finished hypotheses by their fused
+score, not divided by the length: the bonus takes that role. With ``W = B = 0`` each method returns
+what it returns without fusion, scores included.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ from .lm import TransformerLM
 from .masks import pad_mask
 from .tokenizer import BLANK_ID, SOS_EOS_ID
 
-__all__ = ["DEFAULT_CTC_WEIGHT", "METHODS", "FUSED_METHODS", "Fusion", "Hypothesis", "attention_beam_search", "attention_rescoring",
+__all__ = ["DEFAULT_CTC_WEIGHT", "METHODS", "FUSED_METHODS", "Fusion", "Hypothesis", "attention_beam_search",
+           "attention_rescoring",
            "attention_scores", "ctc_greedy", "ctc_prefix_beam_search", "decode_batch"]
 
 METHODS = ("greedy", "beam", "attention", "joint", "rescore")
@@ -55,6 +58,11 @@ class Fusion:
     lm: TransformerLM | None = None
     lm_weight: float = 0.0
     length_bonus: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        """Whether it changes any score."""
+        return (self.lm is not None and self.lm_weight != 0) or self.length_bonus != 0
 
     def token_bonus(self, vocab_size: int, device: torch.device) -> torch.Tensor:
         """``B`` for every token but the end symbol, ``(V,)``."""
@@ -284,7 +292,10 @@ def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam
     best = []
     for b in range(B):
         pool = finished[b] or [Hypothesis([], NEG_INF)]
-        norm = (lambda h: h.score / (len(h.tokens) + 1)) if length_norm else (lambda h: h.score)
+        # With fusion the length bonus does length normalization's work (dividing by the length
+        # would all but cancel it): finished hypotheses are ranked by their fused score.
+        normalize = length_norm and not fusion.active
+        norm = (lambda h: h.score / (len(h.tokens) + 1)) if normalize else (lambda h: h.score)
         best.append(max(pool, key=norm))
     return best
 

@@ -10,7 +10,6 @@ its shape is the same and skipped otherwise (another ``--d_model``, say), and th
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +23,6 @@ from .tokenizer import BLANK_ID, SOS_EOS_ID, UNK_ID, Tokenizer
 __all__ = ["InitReport", "init_model_config", "token_row_map", "load_init_weights", "keep_init_cmvn",
            "hold_encoder"]
 
-log = logging.getLogger("konkanivani")
 
 _SPECIALS = (BLANK_ID, UNK_ID, SOS_EOS_ID)  # the same ids in every konkanivani tokenizer
 

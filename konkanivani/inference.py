@@ -81,7 +81,7 @@ class Recognizer:
                 raise ValueError(f"{method} decoding takes no language model or length bonus; choose from "
                                  f"{', '.join(FUSED_METHODS)}")
             return None
-        return Fusion(self.lm, lm_weight, length_bonus)
+        return Fusion(self.lm if lm_weight else None, lm_weight, length_bonus)  # weight 0: the LM need not run
 
     @classmethod
     def _from_checkpoint(cls, path: str | Path, device: str | torch.device) -> Recognizer:

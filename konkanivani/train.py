@@ -34,8 +34,8 @@ from .checkpoint import (MetricsLog, TrainState, capture_rng, claim_output_dir, 
                          step_checkpoint_name)
 from .config import ConfigError, ModelConfig, TrainConfig, check_config, model_config_from_preset
 from .config_file import write_config_file
-from .data import (ASRDataset, Batch, EpochKeyed, LengthGroupedBatchSampler, ResumableBatchSampler, ShardedSampler, Utterance,
-                   collate, compute_cmvn, load_utterances, log_skipped, read_manifest)
+from .data import (ASRDataset, Batch, EpochKeyed, LengthGroupedBatchSampler, ResumableBatchSampler, ShardedSampler,
+                   Utterance, collate, compute_cmvn, load_utterances, log_skipped, read_manifest)
 from .decode import ctc_greedy
 from .distributed import (Dist, full_state_dicts, init_distributed, is_sharded, load_optimizer_state, no_sync,
                           wrap_data_parallel)

@@ -164,6 +164,14 @@ def test_reverb_keeps_length_level_and_alignment(utts, tmp_path):
     torch.testing.assert_close(reverberate(clean, torch.tensor([0.0, 0.0, 1.0])), clean)
 
 
+def test_no_speed_up_leaves_an_utterance_too_short_for_ctc():
+    augmenter = Augmenter(AugmentConfig(speed_perturb=True, seed=3))
+    sped_up = next(i for i in range(100) if augmenter.speed_factor(0, i) == 1.1)
+    wav = torch.randn(16000)  # 101 frames, 24 encoder frames; 22 after a 1.1 speed-up
+    assert len(augmenter.waveform(wav, 0, sped_up, min_encoder_frames=22)) < len(wav)
+    assert torch.equal(augmenter.waveform(wav, 0, sped_up, min_encoder_frames=23), wav)
+
+
 def test_vtlp_alpha_one_is_no_warp_and_alpha_moves_a_tone():
     log_mel = LogMel(80)
     t = torch.arange(16000) / 16000

@@ -28,26 +28,28 @@ class _Toy(torch.nn.Module):
 
 
 def test_the_average_is_its_closed_form_from_a_copy_of_the_first_step():
-    """ema_1 = θ_1, then ema_t = D·ema_{t-1} + (1-D)·θ_t; the buffers come along unchanged."""
+    """ema_1 = θ_1, then ema_t = d_t·ema_{t-1} + (1-d_t)·θ_t with d_t = min(D, t / (t + 9)); the
+    buffers come along unchanged. D = 0.75 is reached at t = 27."""
     torch.manual_seed(0)
     model, decay = _Toy(), 0.75
     ema = make_ema(model, decay)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     expected = None
-    for t in range(1, 5):
+    for t in range(1, 31):
         for p in model.parameters():
-            p.grad = torch.full_like(p, float(t))  # a hand-set gradient: θ_t = θ_{t-1} - 0.5·t
+            p.grad = torch.full_like(p, float(t % 7))  # a hand-set gradient: θ_t = θ_{t-1} - 0.5·(t mod 7)
         optimizer.step()
         ema.update_parameters(model)
         theta = [p.detach().clone() for p in model.parameters()]
-        expected = theta if expected is None else [decay * e + (1 - decay) * th for e, th in zip(expected, theta)]
+        d = min(decay, t / (t + 9))
+        expected = theta if expected is None else [d * e + (1 - d) * th for e, th in zip(expected, theta)]
         for got, want in zip(ema.module.parameters(), expected, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert torch.equal(ema.module.stat, torch.full((2,), 4.0))
     assert not any(p.requires_grad for p in ema.parameters())
 
     weights, updates = ema_state(ema)  # a checkpoint's share: the model's own keys, and the count
-    assert set(weights) == set(model.state_dict()) and updates == 4
+    assert set(weights) == set(model.state_dict()) and updates == 30
     again = make_ema(model, decay)
     load_ema_state(again, weights, updates)
     model.linear.weight.data += 1.0

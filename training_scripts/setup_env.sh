@@ -22,7 +22,7 @@ if [ -n "$missing" ]; then
         $sudo apt-get update -qq  # a fresh machine's package lists may be stale
         DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq $missing
     else
-        echo "${missing# } missing and this user cannot install it: apt-get install${missing}" >&2
+        echo "${missing# } missing and this user cannot install it: apt-get install ${missing# }" >&2
     fi
 fi
 

@@ -150,6 +150,9 @@ def train_lm(args: argparse.Namespace) -> dict[str, Any]:
         train_set, (valid_set, valid_blank) = sentences, read_sentences([args.valid_text], tokenizer)
     else:
         (train_set, valid_set), valid_blank = _split(sentences, args.valid_fraction, args.seed), 0
+    if not valid_set or not train_set:
+        raise TextError(f"no sentence left for {'validation' if not valid_set else 'training'} "
+                        f"({args.valid_text or f'--valid_fraction {args.valid_fraction} of {len(sentences)}'})")
     n_tokens = sum(map(len, sentences))
     unk = sum(s.count(UNK_ID) for s in sentences)
     log.info("%d sentences (%d tokens, %d <unk>), %d blank lines skipped; %d for training, %d for validation%s",
@@ -182,7 +185,8 @@ def train_lm(args: argparse.Namespace) -> dict[str, Any]:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             restore_rng(state["rng"])
-            step, epoch, batches_done, best = state["step"], state["epoch"], state["batches_done"], state["best_valid_ppl"]
+            step, epoch, batches_done = state["step"], state["epoch"], state["batches_done"]
+            best = state["best_valid_ppl"]
             log.info("resumed at step %d (epoch %d, batch %d)", step, epoch + 1, batches_done)
         metrics = MetricsLog(out / "metrics.jsonl")
         metrics.truncate(step)
