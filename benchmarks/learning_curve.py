@@ -107,6 +107,12 @@ def main(argv: list[str] | None = None) -> None:
     # ---- every decoding method on the final weights and on the average of the last epochs ----
     run = Path(cfg.output_dir)
     finals = [("final", run / "latest.pt")]
+    latest = load_checkpoint(run / "latest.pt")
+    if latest.get("ema_model"):  # "final" decodes the moving average (--ema_decay): the training weights too
+        save_checkpoint({k: v for k, v in latest.items() if k not in ("ema_model", "format_version")},
+                        run / "latest_training_weights.pt")
+        finals = [("final (EMA)", run / "latest.pt"),
+                  ("final (training weights)", run / "latest_training_weights.pt")]
     epoch_ends = [p for step, p in step_checkpoints(run) if load_checkpoint(p).get("valid_step") == step]
     if len(epoch_ends) >= 2 and args.average_last > 1:
         averaged = run / f"average_last{args.average_last}.pt"
