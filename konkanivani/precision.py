@@ -59,8 +59,8 @@ _CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # the ones that dec
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_description() -> str:
-    """The CPU's model name and its bf16-relevant flags, e.g. "AMD EPYC with avx2", for logs and tables."""
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    """The CPU's model name and flags from /proc/cpuinfo (empty off Linux)."""
     name, flags = "", set()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -72,6 +72,12 @@ def cpu_description() -> str:
                     flags = set(value.split())
     except OSError:  # not Linux
         pass
+    return name, frozenset(flags)
+
+
+def cpu_description() -> str:
+    """The CPU's model name and its bf16-relevant flags, e.g. "AMD EPYC with avx2", for logs and tables."""
+    name, flags = _cpuinfo()
     name = name or platform.processor() or platform.machine() or "unknown CPU"
     shown = [f for f in _CPU_FLAGS if f in flags]
     return f"{name} with {', '.join(shown)}" if shown else name
@@ -91,14 +97,25 @@ def _matmul_seconds(dtype: torch.dtype, size: int = 256, seconds: float = 0.02) 
 @functools.lru_cache(maxsize=1)
 def cpu_bf16_speed_ratio(rounds: int = 5) -> float:
     """bf16 / fp32 matmul throughput on this CPU (about 0.5 with AVX512-BF16, 2 with AMX, under 0.05
-    without native bf16). The two dtypes alternate for ``rounds`` rounds after a warm-up of each, and
-    each keeps its fastest product, so a busy moment of the machine moves neither figure."""
-    for dtype in (torch.float32, torch.bfloat16):  # warm up: thread pools, kernel selection, JIT
-        _matmul_seconds(dtype, seconds=0.0)
-    fp32 = bf16 = float("inf")
-    for _ in range(rounds):
-        fp32 = min(fp32, _matmul_seconds(torch.float32))
-        bf16 = min(bf16, _matmul_seconds(torch.bfloat16))
+    without native bf16). The two dtypes alternate for ``rounds`` rounds after a warm-up of each, on
+    one thread, and each keeps its fastest product, so a busy moment of the machine moves neither
+    figure. (On two threads beside another busy process, an AVX2-only EPYC measured 0.38x: the fp32
+    product waited for its second thread, and bf16 was chosen for a run 20x slower.) An x86 CPU
+    without AVX512-BF16 or AMX has no native bf16, whatever the figure: 0 then."""
+    _, flags = _cpuinfo()
+    if "avx2" in flags and not flags & {"avx512_bf16", "amx_bf16"}:
+        return 0.0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for dtype in (torch.float32, torch.bfloat16):  # warm up: kernel selection, JIT
+            _matmul_seconds(dtype, seconds=0.0)
+        fp32 = bf16 = float("inf")
+        for _ in range(rounds):
+            fp32 = min(fp32, _matmul_seconds(torch.float32))
+            bf16 = min(bf16, _matmul_seconds(torch.bfloat16))
+    finally:
+        torch.set_num_threads(threads)
     return fp32 / bf16
 
 
@@ -121,10 +138,10 @@ def _explicit_precision(device: torch.device, precision: str) -> Precision:
             return Precision(torch.bfloat16, False,
                              f"precision: bf16 autocast (this CPU, {cpu_description()}, runs bf16 matmul at "
                              f"{ratio:.2f}x fp32)")
+        speed = f"bf16 matmul at {ratio:.3f}x fp32" if ratio else "no avx512_bf16 or amx_bf16"
         return Precision(torch.bfloat16, False, f"precision: bf16 autocast as asked, but this CPU "
-                                                f"({cpu_description()}) has no native bf16 (bf16 matmul at "
-                                                f"{ratio:.3f}x fp32): far slower than fp32",
-                         slow=True)
+                                                f"({cpu_description()}) has no native bf16 ({speed}): far slower "
+                                                "than fp32", slow=True)
     return Precision(torch.bfloat16, False, f"precision: bf16 autocast on {device.type}")
 
 
@@ -144,6 +161,7 @@ def resolve_precision(device: torch.device, mixed_precision: bool, precision: st
             return Precision(torch.bfloat16, False,
                              f"precision: bf16 autocast (this CPU, {cpu_description()}, runs bf16 matmul at "
                              f"{ratio:.2f}x fp32)")
-        return Precision(None, False, f"--mixed_precision: this CPU ({cpu_description()}) has no fast bf16 (bf16 "
-                                      f"matmul at {ratio:.3f}x fp32 speed), training in fp32")
+        speed = f"bf16 matmul at {ratio:.3f}x fp32 speed" if ratio else "no avx512_bf16 or amx_bf16"
+        return Precision(None, False, f"--mixed_precision: this CPU ({cpu_description()}) has no fast bf16 "
+                                      f"({speed}), training in fp32")
     return Precision(None, False, f"--mixed_precision is not supported on {device.type}, training in fp32")
