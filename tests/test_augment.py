@@ -205,32 +205,6 @@ def test_speed_perturbation_never_takes_a_batch_over_its_frame_budget():
     assert batching_duration(2.5, False) == 2.5
 
 
-BAD_FLAGS = [
-    (["--noise_prob", "1.5"], "--noise_prob must be in [0, 1], got 1.5"),
-    (["--reverb_prob", "-0.1"], "--reverb_prob must be in [0, 1], got -0.1"),
-    (["--vtlp_prob", "2"], "--vtlp_prob must be in [0, 1], got 2.0"),
-    (["--noise_snr_low_db", "20", "--noise_snr_high_db", "5"], "--noise_snr_low_db 20 is above --noise_snr_high_db 5"),
-    (["--noise_snr_high_db", "nan"], "--noise_snr_high_db must be a number of dB, got nan"),
-    (["--noise_dir", "no/such/folder"], "--noise_dir no/such/folder: folder not found"),
-    (["--rir_dir", "no/rirs"], "--rir_dir no/rirs: folder not found"),
-]
-
-
-@pytest.mark.parametrize("flags,message", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
-def test_bad_augmentation_flags_are_one_line_and_exit_2(flags, message, tmp_path, caplog):
-    from konkanivani.cli import train as cli
-
-    train_manifest, valid_manifest = tmp_path / "t.jsonl", tmp_path / "v.jsonl"
-    train_manifest.write_text("")
-    valid_manifest.write_text("")
-    out = tmp_path / "out"
-    assert cli.main(["--train_manifest", str(train_manifest), "--valid_manifest", str(valid_manifest),
-                     "--output_dir", str(out), *flags]) == 2
-    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(errors) == 1 and len(errors[0].splitlines()) == 1 and message in errors[0], errors
-    assert not out.exists()
-
-
 def test_corrupt_manifest_is_a_deterministic_noisy_copy(corpus, tokenizer, tmp_path):
     first = corrupt_manifest(corpus / "m.jsonl", tmp_path / "a", "test_noisy", seed=7, snr_db=(5.0, 10.0))
     again = corrupt_manifest(corpus / "m.jsonl", tmp_path / "b", "test_noisy", seed=7, snr_db=(5.0, 10.0))

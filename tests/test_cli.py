@@ -60,6 +60,13 @@ BAD_VALUES = [
      "--init_modules 'encoder,joiner': give a comma list of encoder, decoder, ctc_head"),
     (["--freeze_encoder_steps", "-1"], "--freeze_encoder_steps must be 0 or more, got -1"),
     (["--keep_init_cmvn"], "--keep_init_cmvn keeps the CMVN statistics of --init_from: give --init_from too"),
+    (["--noise_prob", "1.5"], "--noise_prob must be in [0, 1], got 1.5"),
+    (["--reverb_prob", "-0.1"], "--reverb_prob must be in [0, 1], got -0.1"),
+    (["--vtlp_prob", "2"], "--vtlp_prob must be in [0, 1], got 2.0"),
+    (["--noise_snr_low_db", "20", "--noise_snr_high_db", "5"], "--noise_snr_low_db 20 is above --noise_snr_high_db 5"),
+    (["--noise_snr_high_db", "nan"], "--noise_snr_high_db must be a number of dB, got nan"),
+    (["--noise_dir", "no/such/folder"], "--noise_dir no/such/folder: folder not found"),
+    (["--rir_dir", "no/rirs"], "--rir_dir no/rirs: folder not found"),
 ]
 
 
