@@ -2,25 +2,17 @@
 of its score, on a tiny random ASR model and LM (no training), then LM training, resume and the CLI."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 from konkanivani.config import model_config_from_preset
 from konkanivani.decode import (FUSED_METHODS, Fusion, attention_beam_search, attention_rescoring, attention_scores,
                                 ctc_prefix_beam_search, decode_batch)
 from konkanivani.lm import LMConfig, TransformerLM
 from konkanivani.model import ASRModel
-from konkanivani.tokenizer import BLANK_ID, SOS_EOS_ID
+from konkanivani.tokenizer import SOS_EOS_ID
+
+from test_decode import ctc_logprob  # log P(tokens | x) by torch's CTC forward algorithm
 
 V = 9  # a vocabulary small enough that random models end hypotheses early and beams really differ
-
-
-def ctc_logprob(log_probs, length, tokens):
-    """log P(tokens | x) by the CTC forward algorithm of torch."""
-    if not tokens:
-        return float(log_probs[:length, BLANK_ID].sum())
-    loss = F.ctc_loss(log_probs[:length, None], torch.tensor([tokens]), torch.tensor([length]),
-                      torch.tensor([len(tokens)]), blank=BLANK_ID, reduction="sum")
-    return -float(loss)
 
 
 @pytest.fixture(scope="module")
