@@ -140,9 +140,8 @@ def perplexity(model: TransformerLM, sentences: list[list[int]], batch_size: int
     return math.exp(nll / tokens) if tokens else math.nan
 
 
-def train_lm(args: argparse.Namespace) -> dict[str, Any]:
-    """The training loop; returns the final step, validation perplexity and what stopped it."""
-    tokenizer = load_tokenizer(args.tokenizer)
+def _read_text(args: argparse.Namespace, tokenizer: Tokenizer) -> tuple[list, list, list]:
+    """All sentences, the training set and the validation set (``TextError`` for an empty one), logged."""
     sentences, blank = read_sentences(args.text, tokenizer)
     if not sentences:
         raise TextError(f"no sentence in {', '.join(map(str, args.text))} ({blank} blank lines)")
@@ -158,21 +157,47 @@ def train_lm(args: argparse.Namespace) -> dict[str, Any]:
     log.info("%d sentences (%d tokens, %d <unk>), %d blank lines skipped; %d for training, %d for validation%s",
              len(sentences), n_tokens, unk, blank, len(train_set), len(valid_set),
              f" ({args.valid_text}, {valid_blank} blank lines skipped)" if args.valid_text else "")
+    return sentences, train_set, valid_set
+
+
+def _resumed_settings(args: argparse.Namespace, state: dict[str, Any], tokenizer: Tokenizer) -> None:
+    """A resumed run's tokenizer must be the checkpoint's, and it keeps the settings that decide its batches."""
+    if bytes(state["tokenizer"]) != tokenizer.model_proto:
+        raise CheckpointError(f"--resume {args.resume}: the checkpoint's tokenizer differs from --tokenizer "
+                              f"{args.tokenizer}")
+    for name in KEPT_ON_RESUME:
+        if getattr(args, name) != state["train_config"][name]:
+            log.warning("on resume, --%s %s as in the checkpoint (it decides the batches)", name,
+                        state["train_config"][name])
+            setattr(args, name, state["train_config"][name])
+
+
+def _train_step(model: TransformerLM, optimizer: torch.optim.Optimizer, batch: list[list[int]], lr: float,
+                device: torch.device) -> float:
+    """One update at learning rate ``lr``; the batch's mean loss per token."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    nll, n = model.loss(batch, device)
+    (nll / n).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(nll.detach()) / n
+
+
+def train_lm(args: argparse.Namespace) -> dict[str, Any]:
+    """The training loop; returns the final step, validation perplexity and what stopped it."""
+    tokenizer = load_tokenizer(args.tokenizer)
+    sentences, train_set, valid_set = _read_text(args, tokenizer)
     device = resolve_device(args.device)
     out = Path(args.output_dir)
     with hold_run_directory(out), StopRequest(args.max_time) as stop_request:
         claim_output_dir(out, args.resume, args.overwrite)
         state = load_resume_checkpoint(args.resume, out)[0] if args.resume else None
-        if state is not None and bytes(state["tokenizer"]) != tokenizer.model_proto:
-            raise CheckpointError(f"--resume {args.resume}: the checkpoint's tokenizer differs from --tokenizer "
-                                  f"{args.tokenizer}")
-        for name in KEPT_ON_RESUME if state is not None else ():
-            if getattr(args, name) != state["train_config"][name]:
-                log.warning("on resume, --%s %s as in the checkpoint (it decides the batches)", name,
-                            state["train_config"][name])
-                setattr(args, name, state["train_config"][name])
-        if state is not None and not args.valid_text:
-            train_set, valid_set = _split(sentences, args.valid_fraction, args.seed)
+        if state is not None:
+            _resumed_settings(args, state, tokenizer)
+            if not args.valid_text:
+                train_set, valid_set = _split(sentences, args.valid_fraction, args.seed)
         cfg = (LMConfig(**state["lm_config"]) if state else
                LMConfig(tokenizer.vocab_size, args.d_model, args.n_heads, args.ffn_dim, args.layers, args.dropout))
         torch.manual_seed(args.seed)
@@ -219,15 +244,8 @@ def train_lm(args: argparse.Namespace) -> dict[str, Any]:
             for i in range(batches_done, len(batches)):
                 model.train()
                 lr = args.lr * lr_factor(step, args.warmup_steps)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                nll, n = model.loss([train_set[j] for j in batches[i]], device)
-                (nll / n).backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                losses.append(_train_step(model, optimizer, [train_set[j] for j in batches[i]], lr, device))
                 step, batches_done = step + 1, i + 1
-                losses.append(float(nll.detach()) / n)
                 metrics.write("train", step, epoch, loss=losses[-1], lr=lr)
                 if 0 < args.max_steps <= step:
                     stop = "max_steps"
