@@ -249,10 +249,7 @@ def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam
 
     for step in range(int(limit.max()) + 1):
         logits, dec_state = model.decoder.step(ys[:, -1], dec_state)
-        att = F.log_softmax(logits.float(), dim=-1)  # (N, V)
-        att[:, BLANK_ID] = NEG_INF
-        at_limit = step >= limit.repeat_interleave(K)  # only the end symbol may follow
-        att[at_limit] = torch.where(torch.arange(att.shape[1], device=device) == SOS_EOS_ID, att[at_limit], NEG_INF)
+        att = _attention_log_probs(logits, at_limit=step >= limit.repeat_interleave(K))  # (N, V)
         fused = bonus.expand_as(att)  # (N, V): the fusion terms of each extension
         if lm_state is not None:
             lm_lp, lm_state = fusion.lm.step(ys[:, -1], lm_state)
@@ -289,15 +286,26 @@ def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam
             ctc_psi = psi[rows, col]
             ctc_r = r_new[:, rows, col]
 
-    best = []
-    for b in range(B):
-        pool = finished[b] or [Hypothesis([], NEG_INF)]
-        # With fusion the length bonus does length normalization's work (dividing by the length
-        # would all but cancel it): finished hypotheses are ranked by their fused score.
-        normalize = length_norm and not fusion.active
-        norm = (lambda h: h.score / (len(h.tokens) + 1)) if normalize else (lambda h: h.score)
-        best.append(max(pool, key=norm))
-    return best
+    # With fusion the length bonus does length normalization's work (dividing by the length would
+    # all but cancel it): finished hypotheses are ranked by their fused score.
+    return _best_finished(finished, normalize=length_norm and not fusion.active)
+
+
+def _attention_log_probs(logits: torch.Tensor, at_limit: torch.Tensor) -> torch.Tensor:
+    """The decoder's log-probabilities of the next token: never blank, and only the end symbol in the
+    rows `at_limit` (hypotheses at their length limit)."""
+    att = F.log_softmax(logits.float(), dim=-1)
+    att[:, BLANK_ID] = NEG_INF
+    only_end = torch.arange(att.shape[1], device=att.device) == SOS_EOS_ID
+    att[at_limit] = torch.where(only_end, att[at_limit], NEG_INF)
+    return att
+
+
+def _best_finished(finished: list[list[Hypothesis]], normalize: bool) -> list[Hypothesis]:
+    """The best finished hypothesis of each utterance, by score per token (counting the end symbol)
+    with `normalize`, else by score; an utterance with none gets an empty one scored -inf."""
+    norm = (lambda h: h.score / (len(h.tokens) + 1)) if normalize else (lambda h: h.score)
+    return [max(pool or [Hypothesis([], NEG_INF)], key=norm) for pool in finished]
 
 
 def _next_hypotheses(top_scores: torch.Tensor, top_idx: torch.Tensor, src: torch.Tensor, tok: torch.Tensor,
