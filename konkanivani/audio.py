@@ -7,6 +7,7 @@ on the training device and a checkpoint carries its statistics.
 """
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -16,27 +17,51 @@ import torchaudio
 
 from .frames import HOP_LENGTH, SAMPLE_RATE
 
-__all__ = ["SAMPLE_RATE", "HOP_LENGTH", "LOG_OFFSET", "load_audio", "resample", "LogMel"]
+__all__ = ["SAMPLE_RATE", "HOP_LENGTH", "LOG_OFFSET", "AudioError", "load_audio", "resample", "LogMel"]
 
 LOG_OFFSET = 1e-6  # added to the mel power before the log, so that digital silence stays finite
 
 
-def load_audio(path: str | Path, sample_rate: int = SAMPLE_RATE) -> torch.Tensor:
-    """Read any soundfile-supported file as a mono float32 waveform ``(N,)`` at ``sample_rate``.
+class AudioError(RuntimeError):
+    """Audio that cannot be used. ``reason`` is a fixed phrase that summaries count by ("audio file
+    missing", "audio unreadable", "audio empty", "audio holds NaN or infinite samples", "segment
+    outside its recording"); ``where`` names the file, ``detail`` says more (or is empty)."""
 
-    Raises ``RuntimeError`` naming the file when it cannot be decoded, holds no samples or
-    non-finite ones.
+    def __init__(self, reason: str, where: str, detail: str = ""):
+        super().__init__(f"{where}: {reason}" + (f" ({detail})" if detail else ""))
+        self.reason, self.where, self.detail = reason, where, detail
+
+
+def load_audio(source: str | Path | io.BytesIO, sample_rate: int = SAMPLE_RATE, start_s: float = 0.0,
+               end_s: float | None = None, label: str | None = None) -> torch.Tensor:
+    """Read any soundfile-supported file (or in-memory bytes) as a mono float32 waveform ``(N,)`` at
+    ``sample_rate``, from ``start_s`` to ``end_s`` seconds (its end when None or past it); only that
+    span is decoded. ``label`` names the source in messages (default: its path).
+
+    Raises ``AudioError`` (a ``RuntimeError``) naming the file when it is missing, cannot be
+    decoded, holds no samples (in that span) or non-finite ones.
     """
-    if not Path(path).is_file():
-        raise RuntimeError(f"cannot read audio {path}: file not found")
+    label = label or str(source)
+    if not isinstance(source, io.BytesIO) and not Path(source).is_file():
+        raise AudioError("audio file missing", label)
     try:
-        data, sr = sf.read(str(path), dtype="float32", always_2d=True)  # (N, channels)
-    except Exception as e:  # soundfile raises LibsndfileError, RuntimeError, TypeError...
-        raise RuntimeError(f"cannot read audio {path}: {e}") from e
+        with sf.SoundFile(source if isinstance(source, io.BytesIO) else str(source)) as f:
+            sr, frames = f.samplerate, f.frames
+            start = round(start_s * sr)
+            stop = frames if end_s is None else min(round(end_s * sr), frames)
+            if frames > 0 and not 0 <= start < stop:
+                raise AudioError("segment outside its recording", label, f"from {start_s} s to "
+                                 f"{'its end' if end_s is None else f'{end_s} s'} of {frames / sr:.2f} s")
+            f.seek(min(start, frames))
+            data = f.read(max(stop - start, 0), dtype="float32", always_2d=True)  # (N, channels)
+    except AudioError:
+        raise
+    except Exception as e:  # noqa: BLE001  soundfile raises LibsndfileError, RuntimeError, TypeError...
+        raise AudioError("audio unreadable", label, str(getattr(e, "error_string", e))) from e
     if data.shape[0] == 0:
-        raise RuntimeError(f"audio {path} holds no samples")
+        raise AudioError("audio empty", label)
     if not np.isfinite(data).all():  # a float file can hold NaN, which would turn into a NaN loss
-        raise RuntimeError(f"audio {path} holds NaN or infinite samples")
+        raise AudioError("audio holds NaN or infinite samples", label)
     return resample(torch.from_numpy(np.ascontiguousarray(data.mean(axis=1))), sr, sample_rate)  # (N,)
 
 

@@ -35,7 +35,7 @@ import soundfile as sf
 import torch
 from tqdm import tqdm
 
-from .audio import resample
+from .audio import AudioError, load_audio
 from .checks import check_row
 from .frames import SAMPLE_RATE
 from .inference import AUDIO_SUFFIXES
@@ -88,29 +88,11 @@ class Report:
 # --- audio ------------------------------------------------------------------------------------
 
 def _decode(source: Path | io.BytesIO, label: str, start_s: float = 0.0, end_s: float | None = None) -> torch.Tensor:
-    """Mono 16 kHz float32 waveform ``(N,)`` of a file or bytes (named ``label`` in messages), from
-    ``start_s`` to ``end_s`` seconds (the end of the audio when None or past it)."""
-    if isinstance(source, Path) and not source.is_file():
-        raise Unusable("audio file missing", label)
+    """``audio.load_audio`` of a file or bytes (named ``label``), its failures as ``Unusable`` rows."""
     try:
-        with sf.SoundFile(source if isinstance(source, io.BytesIO) else str(source)) as f:
-            sr, frames = f.samplerate, f.frames
-            start = round(start_s * sr)
-            stop = frames if end_s is None else min(round(end_s * sr), frames)
-            if not 0 <= start < stop:
-                raise Unusable("segment outside its recording", f"{label}: from {start_s} s to "
-                               f"{'its end' if end_s is None else f'{end_s} s'} of {frames / sr:.2f} s")
-            f.seek(start)
-            data = f.read(stop - start, dtype="float32", always_2d=True)  # (N, channels)
-    except Unusable:
-        raise
-    except Exception as e:  # noqa: BLE001  soundfile raises LibsndfileError, RuntimeError, TypeError...
-        raise Unusable("audio unreadable", f"{label}: {getattr(e, 'error_string', e)}") from e
-    if data.shape[0] == 0:
-        raise Unusable("audio empty", label)
-    if not np.isfinite(data).all():
-        raise Unusable("audio holds NaN or infinite samples", label)
-    return resample(torch.from_numpy(np.ascontiguousarray(data.mean(axis=1))), sr)  # (N,)
+        return load_audio(source, start_s=start_s, end_s=end_s, label=label)
+    except AudioError as e:
+        raise Unusable(e.reason, f"{label}: {e.detail}" if e.detail else label) from e
 
 
 def _writer(target: Path, source: Path | Callable[[], io.BytesIO], label: str, start_s: float = 0.0,
