@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from konkanivani.cli.train import model_flags, parse_args
 from konkanivani.config import TrainConfig, dataclass_from_args
 from konkanivani.data import read_manifest
+from konkanivani.plot import write_csv
 from konkanivani.train import train
 
 RECIPE = ["--config", str(ROOT / "configs" / "cpu_small.yaml")]
@@ -41,12 +42,13 @@ def language_manifest(src: Path, out: Path, voice: str) -> Path:
 
 
 def run(out_dir: Path, train_manifest: Path, valid_manifest: Path, steps: int, every: int, extra: list[str]) -> list:
-    """Train for `steps` optimizer steps, validating every `every`; the valid rows of metrics.jsonl."""
-    if not (out_dir / "latest.pt").is_file():
-        ns = parse_args(["--train_manifest", str(train_manifest), "--valid_manifest", str(valid_manifest),
-                         "--output_dir", str(out_dir), *RECIPE, "--max_steps", str(steps),
-                         "--validate_every_steps", str(every), *extra])
-        train(dataclass_from_args(TrainConfig, ns), model_flags(ns))
+    """Train for `steps` optimizer steps, validating every `every`; the valid rows of metrics.jsonl. A run
+    that was interrupted is resumed (one that already reached `steps` stops at once)."""
+    resume = ["--resume", "latest"] if (out_dir / "latest.pt").is_file() else []
+    ns = parse_args(["--train_manifest", str(train_manifest), "--valid_manifest", str(valid_manifest),
+                     "--output_dir", str(out_dir), *RECIPE, "--max_steps", str(steps),
+                     "--validate_every_steps", str(every), *extra, *resume])
+    train(dataclass_from_args(TrainConfig, ns), model_flags(ns))
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if r["kind"] == "valid"]
 
@@ -84,8 +86,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nfrom scratch: final CER {100 * target:.2f}% at step {scratch[-1]['step']}; fine-tuned: "
           + (f"reached it at step {reached} ({reached / scratch[-1]['step']:.0%} of the steps)" if reached else
              "did not reach it"))
+    write_csv(args.out / "finetune.csv", [{"step": a["step"], "cer_scratch": round(100 * a["cer"], 2),
+                                            "cer_finetuned": round(100 * b["cer"], 2)} for a, b in zip(scratch, tuned)])
     _plot(scratch, tuned, args.out / "finetune.png")
-    print(f"wrote {args.out / 'finetune.png'}")
+    print(f"wrote {args.out / 'finetune.csv'}, {args.out / 'finetune.png'}")
 
 
 def _plot(scratch: list, tuned: list, path: Path) -> None:

@@ -30,6 +30,7 @@ from konkanivani.demo_corpus import make_corpus
 from konkanivani.evaluation import evaluate_manifest
 from konkanivani.inference import Recognizer
 from konkanivani.model import ASRModel
+from konkanivani.plot import write_csv
 from konkanivani.tokenizer import Tokenizer
 from konkanivani.train import train
 
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
                      for row in csv.DictReader(f)]
     else:
         train(cfg, model_flags(ns), on_step=on_step)
-        _write_csv(args.out / "curve.csv", curve)
+        write_csv(args.out / "curve.csv", curve)
 
     # ---- every decoding method on the final weights and on the average of the last epochs ----
     run = Path(cfg.output_dir)
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
                              "wer": round(100 * result.wer, 2), "rtf": round(result.rtf, 4)})
                 log.info("%s, %s, %s: CER %.2f%% WER %.2f%% RTF %.4f", name, split, method, 100 * result.cer,
                          100 * result.wer, result.rtf)
-    _write_csv(args.out / "final.csv", rows)
+    write_csv(args.out / "final.csv", rows)
     _plot(curve, rows, args.out / "learning_curve.png",
           f"{args.budget_steps} steps" if args.budget_steps else f"{args.budget_minutes:g} min")
 
@@ -143,13 +144,6 @@ def main(argv: list[str] | None = None) -> None:
     print(_table(rows, ["weights", "split", "method", "cer", "wer", "rtf"],
                  ["weights", "split", "decoding", "CER %", "WER %", "RTF"]))
     print(f"\nwrote {args.out / 'curve.csv'}, {args.out / 'final.csv'}, {args.out / 'learning_curve.png'}")
-
-
-def _write_csv(path: Path, rows: list[dict]) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 def _table(rows: list[dict], keys: list[str], titles: list[str]) -> str:

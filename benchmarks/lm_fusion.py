@@ -13,13 +13,13 @@ valid decoding) and ``test.csv`` to ``--out`` and prints the test table.
 from __future__ import annotations
 
 import argparse
-import csv
 import logging
 from pathlib import Path
 
 from konkanivani.decode import DEFAULT_CTC_WEIGHT, FUSED_METHODS
 from konkanivani.evaluation import evaluate_manifest
 from konkanivani.inference import Recognizer
+from konkanivani.plot import write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("konkanivani")
@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> None:
         test.append({**score(args.test, method, 0.0, 0.0), "setting": "no LM" + (" (chosen)" if chosen == (0, 0) else "")})
         if chosen != (0, 0):
             test.append({**score(args.test, method, *chosen), "setting": "chosen on valid"})
-    _write_csv(args.out / "sweep.csv", sweep)
-    _write_csv(args.out / "test.csv", test)
+    write_csv(args.out / "sweep.csv", sweep)
+    write_csv(args.out / "test.csv", test)
     print(f"\nTest split {args.test}; LM weight and length bonus chosen on {args.valid} by WER "
           f"(beam {args.beam_size}, CTC weight {args.ctc_weight} in joint/rescore)")
     print("| decoding | setting | LM weight | length bonus | WER % | CER % | RTF |")
@@ -78,13 +78,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {r['method']} | {r['setting']} | {r['lm_weight']:g} | {r['length_bonus']:g} | {r['wer']} | {r['cer']} "
               f"| {r['rtf']} |")
     print(f"\nwrote {args.out / 'sweep.csv'}, {args.out / 'test.csv'}")
-
-
-def _write_csv(path: Path, rows: list[dict]) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 if __name__ == "__main__":

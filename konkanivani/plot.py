@@ -10,6 +10,7 @@ matplotlib is optional (``pip install "konkanivani[plot]"``). Examples::
 """
 from __future__ import annotations
 
+import csv
 import importlib.util
 import json
 import math
@@ -18,7 +19,7 @@ from typing import Any, Optional, Sequence
 
 from .checkpoint import atomic_file
 
-__all__ = ["CURVES", "have_matplotlib", "read_metrics", "run_labels", "write_curves", "plot_runs"]
+__all__ = ["CURVES", "have_matplotlib", "read_metrics", "run_labels", "write_curves", "plot_runs", "write_csv"]
 
 CURVES = "curves.png"
 
@@ -46,6 +47,15 @@ def run_labels(run_dirs: Sequence[Path]) -> list[str]:
     """Each run's directory name; the paths as given where two names are the same."""
     names = [Path(d).resolve().name for d in run_dirs]
     return names if len(set(names)) == len(names) else [str(d) for d in run_dirs]
+
+
+def write_csv(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
+    """``rows`` (dicts with the same keys, in order) as a CSV table with a header, as the benchmarks
+    keep their results beside their plots."""
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def write_curves(run_dir: str | Path) -> Path:
