@@ -2,14 +2,16 @@
 """Fine-tuning across languages against training from scratch, on the demo corpus.
 
 The demo corpus's training utterances are read by espeak-ng's Hindi (``hi``) and Marathi (``mr``)
-voices. This benchmark trains a model on the ``hi`` half with one tokenizer (subword pieces), then
-trains on the ``mr`` half with another (characters) twice, for the same number of steps: once from
-scratch, once with ``--init_from`` the ``hi`` model. Both validate on the ``mr`` half of the valid split
+voices. This benchmark trains a model on the ``hi`` half with one tokenizer (``--pretrain_tokens``,
+default 128 subword pieces), then trains on the ``mr`` half with another (``--tokens``, default
+characters) twice, for the same number of steps: once from scratch, once with ``--init_from`` the
+``hi`` model. Both validate on the ``mr`` half of the valid split
 every few steps; the table and plot show their validation CER by step, and the last line says at
 which step the fine-tuned run first reached the from-scratch run's final CER.
 
     python benchmarks/finetune_transfer.py --corpus data/demo --pretrain_steps 900 --steps 600 \\
         --out benchmarks/results/finetune
+    python benchmarks/finetune_transfer.py --corpus data/demo --pretrain_tokens chars --tokens pieces ...
 
 Every run is bounded by steps, so the result is the same on any machine (up to thread-count rounding).
 Other flags go to every run (``konkanivani-train``), over ``configs/cpu_small.yaml``.
@@ -30,6 +32,7 @@ from konkanivani.plot import write_csv
 from konkanivani.train import train
 
 RECIPE = ["--config", str(ROOT / "configs" / "cpu_small.yaml")]
+TOKENS = {"chars": ["--tokenizer_type", "char"], "pieces": ["--tokenizer_type", "unigram", "--vocab_size", "128"]}
 
 
 def language_manifest(src: Path, out: Path, voice: str) -> Path:
@@ -49,6 +52,10 @@ def run(out_dir: Path, train_manifest: Path, valid_manifest: Path, steps: int, e
                      "--output_dir", str(out_dir), *RECIPE, "--max_steps", str(steps),
                      "--validate_every_steps", str(every), *extra, *resume])
     train(dataclass_from_args(TrainConfig, ns), model_flags(ns))
+    return _valid_rows(out_dir)
+
+
+def _valid_rows(out_dir: Path) -> list:
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if r["kind"] == "valid"]
 
@@ -60,6 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=600, help="steps of each run on the mr voices")
     parser.add_argument("--every", type=int, default=50, help="validate every N steps")
     parser.add_argument("--freeze_encoder_steps", type=int, default=0, help="of the fine-tuned run")
+    parser.add_argument("--pretrain_tokens", choices=TOKENS, default="pieces", help="tokenizer of the hi model")
+    parser.add_argument("--tokens", choices=TOKENS, default="chars", help="tokenizer of both mr runs")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "finetune")
     args, extra = parser.parse_known_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -68,15 +77,17 @@ def main(argv: list[str] | None = None) -> None:
                                               voice)
             for split in ("train", "valid") for voice in ("hi", "mr")}
 
-    run(args.out / "hi_pieces", data["train", "hi"], data["valid", "hi"], args.pretrain_steps, args.every,
-        ["--tokenizer_type", "unigram", "--vocab_size", "128", *extra])
+    hi = args.out / f"hi_{args.pretrain_tokens}"
+    run(hi, data["train", "hi"], data["valid", "hi"], args.pretrain_steps, args.every,
+        [*TOKENS[args.pretrain_tokens], *extra])
     mr = (data["train", "mr"], data["valid", "mr"], args.steps, args.every)
-    scratch = run(args.out / "mr_scratch", *mr, ["--tokenizer_type", "char", *extra])
-    tuned = run(args.out / "mr_finetuned", *mr, ["--tokenizer_type", "char", "--init_from",
-                                                 str(args.out / "hi_pieces" / "latest.pt"), "--freeze_encoder_steps",
-                                                 str(args.freeze_encoder_steps), *extra])
+    scratch = run(args.out / "mr_scratch", *mr, [*TOKENS[args.tokens], *extra])
+    tuned = run(args.out / "mr_finetuned", *mr, [*TOKENS[args.tokens], "--init_from", str(hi / "latest.pt"),
+                                                 "--freeze_encoder_steps", str(args.freeze_encoder_steps), *extra])
 
-    print(f"\nvalidation CER (%) on the mr voices of {args.corpus / 'valid.jsonl'}, by optimizer step")
+    print(f"\nvalidation CER (%) on the mr voices of {args.corpus / 'valid.jsonl'}, by optimizer step; mr runs "
+          f"on {args.tokens}, the hi model on {args.pretrain_tokens} ({args.pretrain_steps} steps, final validation "
+          f"CER {100 * _valid_rows(hi)[-1]['cer']:.2f}% on the hi voices)")
     print("| step | from scratch | fine-tuned from hi |")
     print("|------|--------------|--------------------|")
     for a, b in zip(scratch, tuned, strict=True):
@@ -88,17 +99,18 @@ def main(argv: list[str] | None = None) -> None:
              "did not reach it"))
     write_csv(args.out / "finetune.csv", [{"step": a["step"], "cer_scratch": round(100 * a["cer"], 2),
                                             "cer_finetuned": round(100 * b["cer"], 2)} for a, b in zip(scratch, tuned)])
-    _plot(scratch, tuned, args.out / "finetune.png")
+    _plot(scratch, tuned, args.out / "finetune.png", args.tokens, args.pretrain_tokens)
     print(f"wrote {args.out / 'finetune.csv'}, {args.out / 'finetune.png'}")
 
 
-def _plot(scratch: list, tuned: list, path: Path) -> None:
+def _plot(scratch: list, tuned: list, path: Path, tokens: str, pretrain_tokens: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for rows, label in ((scratch, "from scratch (characters)"), (tuned, "fine-tuned from the hi model (pieces)")):
+    for rows, label in ((scratch, f"from scratch ({tokens})"),
+                        (tuned, f"fine-tuned from the hi model ({pretrain_tokens} -> {tokens})")):
         ax.plot([r["step"] for r in rows], [100 * r["cer"] for r in rows], "o-", label=label)
     ax.set_xlabel("optimizer step on the mr voices")
     ax.set_ylabel("validation CER % (mr voices)")
