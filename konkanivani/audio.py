@@ -49,16 +49,18 @@ def load_audio(source: str | Path | io.BytesIO, sample_rate: int = SAMPLE_RATE, 
             sr, frames = f.samplerate, f.frames
             start = round(start_s * sr)
             stop = frames if end_s is None else min(round(end_s * sr), frames)
-            if frames > 0 and not 0 <= start < stop:
+            if frames == 0:
+                raise AudioError("audio empty", label)
+            if not 0 <= start < stop:
                 raise AudioError("segment outside its recording", label, f"from {start_s} s to "
                                  f"{'its end' if end_s is None else f'{end_s} s'} of {frames / sr:.2f} s")
-            f.seek(min(start, frames))
-            data = f.read(max(stop - start, 0), dtype="float32", always_2d=True)  # (N, channels)
+            f.seek(start)
+            data = f.read(stop - start, dtype="float32", always_2d=True)  # (N, channels)
     except AudioError:
         raise
     except Exception as e:  # noqa: BLE001  soundfile raises LibsndfileError, RuntimeError, TypeError...
         raise AudioError("audio unreadable", label, str(getattr(e, "error_string", e))) from e
-    if data.shape[0] == 0:
+    if data.shape[0] == 0:  # a header can promise frames that do not decode
         raise AudioError("audio empty", label)
     if not np.isfinite(data).all():  # a float file can hold NaN, which would turn into a NaN loss
         raise AudioError("audio holds NaN or infinite samples", label)
