@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from konkanivani.cli.train import model_flags, parse_args
 from konkanivani.config import TrainConfig, dataclass_from_args
 from konkanivani.data import read_manifest
-from konkanivani.plot import write_csv
+from konkanivani.plot import read_metrics, write_csv
 from konkanivani.train import train
 
 RECIPE = ["--config", str(ROOT / "configs" / "cpu_small.yaml")]
@@ -52,12 +52,7 @@ def run(out_dir: Path, train_manifest: Path, valid_manifest: Path, steps: int, e
                      "--output_dir", str(out_dir), *RECIPE, "--max_steps", str(steps),
                      "--validate_every_steps", str(every), *extra, *resume])
     train(dataclass_from_args(TrainConfig, ns), model_flags(ns))
-    return _valid_rows(out_dir)
-
-
-def _valid_rows(out_dir: Path) -> list:
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["kind"] == "valid"]
+    return read_metrics(out_dir / "metrics.jsonl")["valid"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,8 +73,8 @@ def main(argv: list[str] | None = None) -> None:
             for split in ("train", "valid") for voice in ("hi", "mr")}
 
     hi = args.out / f"hi_{args.pretrain_tokens}"
-    run(hi, data["train", "hi"], data["valid", "hi"], args.pretrain_steps, args.every,
-        [*TOKENS[args.pretrain_tokens], *extra])
+    hi_final = run(hi, data["train", "hi"], data["valid", "hi"], args.pretrain_steps, args.every,
+        [*TOKENS[args.pretrain_tokens], *extra])[-1]
     mr = (data["train", "mr"], data["valid", "mr"], args.steps, args.every)
     scratch = run(args.out / "mr_scratch", *mr, [*TOKENS[args.tokens], *extra])
     tuned = run(args.out / "mr_finetuned", *mr, [*TOKENS[args.tokens], "--init_from", str(hi / "latest.pt"),
@@ -87,18 +82,19 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"\nvalidation CER (%) on the mr voices of {args.corpus / 'valid.jsonl'}, by optimizer step; mr runs "
           f"on {args.tokens}, the hi model on {args.pretrain_tokens} ({args.pretrain_steps} steps, final validation "
-          f"CER {100 * _valid_rows(hi)[-1]['cer']:.2f}% on the hi voices)")
+          f"CER {100 * hi_final['cer']:.2f}% on the hi voices)")
+    table = [{"step": a["step"], "cer_scratch": round(100 * a["cer"], 2), "cer_finetuned": round(100 * b["cer"], 2)}
+             for a, b in zip(scratch, tuned, strict=True)]
     print("| step | from scratch | fine-tuned from hi |")
     print("|------|--------------|--------------------|")
-    for a, b in zip(scratch, tuned, strict=True):
-        print(f"| {a['step']} | {100 * a['cer']:.2f} | {100 * b['cer']:.2f} |")
+    for row in table:
+        print(f"| {row['step']} | {row['cer_scratch']:.2f} | {row['cer_finetuned']:.2f} |")
     target = scratch[-1]["cer"]
     reached = next((r["step"] for r in tuned if r["cer"] <= target), None)
     print(f"\nfrom scratch: final CER {100 * target:.2f}% at step {scratch[-1]['step']}; fine-tuned: "
           + (f"reached it at step {reached} ({reached / scratch[-1]['step']:.0%} of the steps)" if reached else
              "did not reach it"))
-    write_csv(args.out / "finetune.csv", [{"step": a["step"], "cer_scratch": round(100 * a["cer"], 2),
-                                            "cer_finetuned": round(100 * b["cer"], 2)} for a, b in zip(scratch, tuned)])
+    write_csv(args.out / "finetune.csv", table)
     _plot(scratch, tuned, args.out / "finetune.png", args.tokens, args.pretrain_tokens)
     print(f"wrote {args.out / 'finetune.csv'}, {args.out / 'finetune.png'}")
 
