@@ -46,7 +46,8 @@ def worker(spec: dict) -> dict:
 
     torch.manual_seed(0)
     device = torch.device(spec["device"])
-    cfg = model_config_from_preset(spec["preset"], vocab_size=spec.get("vocab", 128))
+    cfg = model_config_from_preset(spec["preset"], vocab_size=spec.get("vocab", 128),
+                                   subsampling_channels=spec.get("subsampling_channels"))
     utts, frames, tokens = spec["utterances"], spec["frames"], spec["tokens"]
     per_micro = spec.get("micro_batch") or utts
     feats = torch.randn(utts, frames, cfg.n_mels)

@@ -204,7 +204,7 @@ def step(model, optimizer, batch, precision) -> float:
 
 def run_preset(preset: str, args, peaks: dict[str, float]) -> list[dict]:
     cfg = model_config_from_preset(preset, vocab_size=args.vocab, conv_kernel=args.conv_kernel,
-                                   subsampling=args.subsampling)
+                                   subsampling=args.subsampling, subsampling_channels=args.subsampling_channels)
     batch = make_batch(cfg, args.utterances, args.seconds, args.tokens)
     audio_seconds = args.utterances * args.seconds
     precisions = {"fp32": resolve_precision(torch.device("cpu"), False, "fp32")}
@@ -294,6 +294,8 @@ def main(argv=None) -> int:
     parser.add_argument("--conv_kernel", type=int, default=31)
     parser.add_argument("--subsampling", choices=("conv2d", "dw_striding"), default="conv2d",
                         help="our front-end (the peers keep theirs)")
+    parser.add_argument("--subsampling_channels", type=int, default=0,
+                        help="our conv2d front-end's first convolution width (0: d_model, as the peers')")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)

@@ -45,12 +45,17 @@ class ModelConfig:
                 "depthwise-separable: about 1.7x faster training steps, but on the demo corpus its CTC "
                 "branch had not started to align after 200 steps)",
         "choices": ("conv2d", "dw_striding")})
+    subsampling_channels: int = field(default=0, metadata=_help(
+        "channels of conv2d's first convolution (0: d_model, as WeNet and ESPnet; fewer make the "
+        "second convolution, the front-end's costliest part, that much cheaper)"))
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
         """The config stored in a checkpoint; those written before ``attention_dropout`` existed used
-        ``dropout`` on attention weights (and conv2d, before ``subsampling`` existed)."""
-        return cls(**{"subsampling": "conv2d", "attention_dropout": values.get("dropout", 0.1), **values})
+        ``dropout`` on attention weights (and conv2d at full width, before ``subsampling`` and
+        ``subsampling_channels`` existed)."""
+        return cls(**{"subsampling": "conv2d", "subsampling_channels": 0,
+                      "attention_dropout": values.get("dropout", 0.1), **values})
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -90,6 +95,9 @@ def model_config_from(base: dict[str, Any], **overrides: Any) -> ModelConfig:
     front_ends = ModelConfig.__dataclass_fields__["subsampling"].metadata["choices"]
     if cfg.subsampling not in front_ends:
         raise ConfigError(f"--subsampling {cfg.subsampling}: unknown; choose {' or '.join(front_ends)}")
+    if cfg.subsampling_channels < 0 or (cfg.subsampling_channels and cfg.subsampling != "conv2d"):
+        raise ConfigError(f"--subsampling_channels {cfg.subsampling_channels}: must be 0 (d_model) or a positive "
+                          f"width for --subsampling conv2d")
     if cfg.conv_kernel % 2 == 0:
         raise ConfigError(f"--conv_kernel must be odd, got {cfg.conv_kernel}")
     for name in ("dropout", "attention_dropout"):

@@ -137,8 +137,11 @@ def _activation_terms(cfg: ModelConfig, frames: int, tokens: int, layers: Option
     enc_layers, dec_layers = layers or (cfg.encoder_layers, cfg.decoder_layers)
     t = max(1, subsampled_lengths(frames))
     u = tokens + 1
+    first = cfg.subsampling_channels or cfg.d_model
     return {
-        "subsampling": frames * cfg.n_mels * cfg.d_model / 4,
+        # the two convolutions' outputs, T/2 x F/2 x first and T/4 x F/4 x D, scaled to T x F x D / 4
+        # where first = D (the width the coefficients were fitted at)
+        "subsampling": frames * cfg.n_mels * (first / 4 + cfg.d_model / 16) * 0.8,
         "encoder_width": enc_layers * t * cfg.d_model,
         "encoder_ffn": enc_layers * t * cfg.ffn_dim,
         "encoder_attention": enc_layers * cfg.n_heads * t * t,

@@ -68,6 +68,24 @@ def test_both_front_ends_give_the_same_shapes_and_old_configs_mean_conv2d():
         model_config_from_preset("tiny", subsampling="conv3d")
 
 
+def test_a_narrow_first_convolution_keeps_the_shapes_and_old_configs_mean_full_width():
+    feats, lens = torch.randn(2, 157, 80), torch.tensor([157, 33])
+    full, narrow = _model("small"), _model("small", subsampling_channels=32)
+    for model in (full, narrow):
+        out, out_lens = model.encode(feats, lens)
+        assert out.shape == (2, 38, 128) and out_lens.tolist() == [38, 7]
+    first, second = narrow.encoder.subsampling.conv[0], narrow.encoder.subsampling.conv[2]
+    assert (first.out_channels, second.in_channels, second.out_channels) == (32, 32, 128)
+    assert count_parameters(full) - count_parameters(narrow) == (128 - 32) * (1 * 9 + 1) + (128 - 32) * 128 * 9
+    stored = dict(vars(full.cfg))
+    del stored["subsampling_channels"]  # a checkpoint written before the flag existed
+    assert ModelConfig.from_dict(stored).subsampling_channels == 0
+    assert ASRModel(ModelConfig.from_dict(stored)).encoder.subsampling.conv[0].out_channels == 128
+    for bad in (dict(subsampling_channels=-1), dict(subsampling_channels=32, subsampling="dw_striding")):
+        with pytest.raises(ValueError, match="--subsampling_channels"):
+            model_config_from_preset("tiny", **bad)
+
+
 def test_bad_dimensions_are_refused():
     with pytest.raises(ValueError, match="heads"):
         model_config_from_preset("tiny", d_model=50, n_heads=4)
