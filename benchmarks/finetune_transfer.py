@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
 
     hi = args.out / f"hi_{args.pretrain_tokens}"
     hi_final = run(hi, data["train", "hi"], data["valid", "hi"], args.pretrain_steps, args.every,
-        [*TOKENS[args.pretrain_tokens], *extra])[-1]
+                   [*TOKENS[args.pretrain_tokens], *extra])[-1]
     mr = (data["train", "mr"], data["valid", "mr"], args.steps, args.every)
     scratch = run(args.out / "mr_scratch", *mr, [*TOKENS[args.tokens], *extra])
     tuned = run(args.out / "mr_finetuned", *mr, [*TOKENS[args.tokens], "--init_from", str(hi / "latest.pt"),

@@ -139,8 +139,8 @@ def _activation_terms(cfg: ModelConfig, frames: int, tokens: int, layers: Option
     u = tokens + 1
     first = cfg.subsampling_channels or cfg.d_model
     return {
-        # the two convolutions' outputs, T/2 x F/2 x first and T/4 x F/4 x D, scaled to T x F x D / 4
-        # where first = D (the width the coefficients were fitted at)
+        # the two convolutions' outputs, T/2 x F/2 x first and T/4 x F/4 x D; times 0.8, so that at
+        # first = D (the width the coefficients were fitted at) the term stays T x F x D / 4
         "subsampling": frames * cfg.n_mels * (first / 4 + cfg.d_model / 16) * 0.8,
         "encoder_width": enc_layers * t * cfg.d_model,
         "encoder_ffn": enc_layers * t * cfg.ffn_dim,
