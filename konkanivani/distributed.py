@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .precision import resolve_device
 
-__all__ = ["STRATEGIES", "Dist", "init_distributed", "wrap_data_parallel", "no_sync", "is_sharded",
+__all__ = ["STRATEGIES", "Dist", "distributed", "wrap_data_parallel", "no_sync", "is_sharded",
            "full_state_dicts", "load_optimizer_state"]
 
 STRATEGIES = ("ddp", "fsdp")
@@ -90,20 +90,34 @@ class Dist:
         return torch.device("cuda", torch.cuda.current_device()) if td.get_backend() == "nccl" else torch.device("cpu")
 
 
-def init_distributed(device_name: str) -> tuple[Dist, torch.device]:
+@contextlib.contextmanager
+def distributed(device_name: str) -> Iterator[tuple[Dist, torch.device]]:
     """The process group, when ``torchrun`` started this process (``WORLD_SIZE`` > 1), and this
-    process's device: its own GPU (``cuda:LOCAL_RANK``, NCCL) or the CPU (gloo)."""
+    process's device: its own GPU (``cuda:LOCAL_RANK``, NCCL) or the CPU (gloo).
+
+    A group made here is destroyed on the way out, after every process has got there: a process
+    that ends with gloo's threads still running aborts at interpreter exit (SIGABRT, "terminate
+    called without an active exception"), which fails the whole run after its last save. A
+    group the caller made is left to the caller."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
-        return Dist(), resolve_device(device_name)
+        yield Dist(), resolve_device(device_name)
+        return
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(device_name)
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    if not td.is_initialized():
+    made_here = not td.is_initialized()
+    if made_here:
         td.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30))
-    return Dist(rank, world, local_rank), device
+    try:
+        yield Dist(rank, world, local_rank), device
+        if made_here:
+            td.barrier()  # no process leaves while another still needs it (rank 0's last save)
+    finally:
+        if made_here:
+            td.destroy_process_group()
 
 
 def wrap_data_parallel(model: torch.nn.Module, dist: Dist, device: torch.device,

@@ -37,7 +37,7 @@ from .config_file import write_config_file
 from .data import (ASRDataset, Batch, EpochKeyed, LengthGroupedBatchSampler, ResumableBatchSampler, ShardedSampler,
                    Utterance, collate, compute_cmvn, load_utterances, log_skipped, read_manifest)
 from .decode import ctc_greedy
-from .distributed import (Dist, full_state_dicts, init_distributed, is_sharded, load_optimizer_state, no_sync,
+from .distributed import (Dist, distributed, full_state_dicts, is_sharded, load_optimizer_state, no_sync,
                           wrap_data_parallel)
 from .ema import ema_state, load_ema_state, make_ema
 from .finetune import hold_encoder, init_model_config, keep_init_cmvn, load_init_weights
@@ -77,16 +77,16 @@ def train(cfg: TrainConfig, model_overrides: Optional[dict[str, Any]] = None,
     Returns a summary: final step, epoch, last validation metrics, the best WER, what stopped it.
     """
     check_config(cfg, model_overrides)  # every flag value, before any work
-    dist, device = init_distributed(cfg.device)
-    _check_device_settings(cfg, device)
-    with _run_directory(Path(cfg.output_dir), cfg, dist), StopRequest(cfg.max_time) as stop_request:
-        run = setup_run(cfg, model_overrides or {}, dist, device)
-        with contextlib.closing(run):
-            stop = "max_steps" if 0 < cfg.max_steps <= run.step else None
-            while run.epoch < cfg.epochs and stop is None:
-                stop, epoch_ended = train_epoch(run, stop_request, on_step)
-                stop = end_epoch(run, stop, stop_request) if epoch_ended else stop_inside_epoch(run, stop)
-            return finish(run, stop)
+    with distributed(cfg.device) as (dist, device):
+        _check_device_settings(cfg, device)
+        with _run_directory(Path(cfg.output_dir), cfg, dist), StopRequest(cfg.max_time) as stop_request:
+            run = setup_run(cfg, model_overrides or {}, dist, device)
+            with contextlib.closing(run):
+                stop = "max_steps" if 0 < cfg.max_steps <= run.step else None
+                while run.epoch < cfg.epochs and stop is None:
+                    stop, epoch_ended = train_epoch(run, stop_request, on_step)
+                    stop = end_epoch(run, stop, stop_request) if epoch_ended else stop_inside_epoch(run, stop)
+                return finish(run, stop)
 
 
 def _check_device_settings(cfg: TrainConfig, device: torch.device) -> None:

@@ -145,3 +145,29 @@ def test_one_failing_process_ends_the_run_instead_of_hanging_the_others(tiny_cor
     output = proc.communicate(timeout=300)[0]  # a hang would run into the timeout
     assert proc.returncode != 0
     assert "injected failure of rank 1" in output
+
+
+GROUP_SCRIPT = """
+import sys
+import torch.distributed as td
+from konkanivani.distributed import distributed
+
+if sys.argv[1] == "caller":  # the caller's own group outlives the block
+    td.init_process_group("gloo")
+with distributed("cpu") as (dist, device):
+    total = dist.sum([dist.rank + 1.0])[0]
+with open(f"{sys.argv[2]}/rank{dist.rank}.txt", "w") as f:
+    f.write(f"sum {total:g}, group left {td.is_initialized()}")
+"""
+
+
+@pytest.mark.parametrize("owner", ["block", "caller"])
+def test_the_process_group_is_destroyed_by_whoever_made_it(owner, tmp_path):
+    """A process that leaves with gloo's threads running aborts at interpreter exit, failing the run."""
+    script = tmp_path / "group.py"
+    script.write_text(GROUP_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script), owner, str(tmp_path)], env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == f"sum 3, group left {owner == 'caller'}"
