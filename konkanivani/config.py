@@ -48,12 +48,17 @@ class ModelConfig:
     subsampling_channels: int = field(default=0, metadata=_help(
         "channels of conv2d's first convolution (0: d_model, as WeNet and ESPnet; fewer make the "
         "second convolution, the front-end's costliest part, that much cheaper)"))
+    cmvn: str = field(default="global", metadata={
+        "help": "feature normalization: global (the training set's mean and std per mel bin) or utterance "
+                "(each utterance's own mean, then the training set's std: a channel or loudness change "
+                "shifts log-mel bins by a constant, which this removes; ESPnet's utterance_mvn)",
+        "choices": ("global", "utterance")})
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
         """The config stored in a checkpoint; those written before ``attention_dropout`` existed used
         ``dropout`` on attention weights (and conv2d at full width, before ``subsampling`` and
-        ``subsampling_channels`` existed)."""
+        ``subsampling_channels`` existed, and with global CMVN, before ``cmvn``)."""
         return cls(**{"subsampling": "conv2d", "subsampling_channels": 0,
                       "attention_dropout": values.get("dropout", 0.1), **values})
 
@@ -98,6 +103,9 @@ def model_config_from(base: dict[str, Any], **overrides: Any) -> ModelConfig:
     if cfg.subsampling_channels < 0 or (cfg.subsampling_channels and cfg.subsampling != "conv2d"):
         raise ConfigError(f"--subsampling_channels {cfg.subsampling_channels}: must be 0 (d_model) or a positive "
                           f"width for --subsampling conv2d")
+    normalizations = ModelConfig.__dataclass_fields__["cmvn"].metadata["choices"]
+    if cfg.cmvn not in normalizations:
+        raise ConfigError(f"--cmvn {cfg.cmvn}: unknown; choose {' or '.join(normalizations)}")
     if cfg.conv_kernel % 2 == 0:
         raise ConfigError(f"--conv_kernel must be odd, got {cfg.conv_kernel}")
     for name in ("dropout", "attention_dropout"):

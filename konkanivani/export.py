@@ -8,7 +8,7 @@ An export folder holds::
     features.json           how the log-mel features are made (sample rate, window, hop, mel bins, log)
 
 Both graphs take ``features`` ``(B, T, F)`` float32, log-mel frames exactly as ``audio.LogMel`` makes
-them (the global CMVN lives in the model, so it is inside the graph), and ``feature_lengths`` ``(B,)``
+them (CMVN lives in the model, global or per utterance, so it is inside the graph), and ``feature_lengths`` ``(B,)``
 int64; they return ``log_probs`` ``(B, T', V)`` float32 CTC log-probabilities and
 ``log_prob_lengths`` ``(B,)`` int64. B and T are free (T >= ``MIN_FRAMES``).
 

@@ -67,7 +67,7 @@ class ASRModel(nn.Module):
         self.cfg = cfg
         self.ctc_weight = ctc_weight
         self.label_smoothing = label_smoothing
-        # Global CMVN statistics from the training set, saved with the weights.
+        # CMVN statistics from the training set, saved with the weights (cmvn "utterance" uses the std only).
         self.register_buffer("feat_mean", torch.zeros(cfg.n_mels))
         self.register_buffer("feat_std", torch.ones(cfg.n_mels))
         self.spec_augment = SpecAugment()
@@ -87,11 +87,20 @@ class ASRModel(nn.Module):
 
     def encode(self, feats: torch.Tensor, feat_lens: torch.Tensor,
                spec_augment: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(B, T, F)`` raw log-mel -> ``(B, T', D)`` encoder states and ``(B,)`` lengths."""
-        x = (feats - self.feat_mean) / self.feat_std
+        """``(B, T, F)`` raw log-mel, zero-padded -> ``(B, T', D)`` encoder states and ``(B,)`` lengths."""
+        x = (feats - self._mean(feats, feat_lens)) / self.feat_std
         if spec_augment and self.training:
             x = self.spec_augment(x)
         return self.encoder(x, feat_lens)
+
+    def _mean(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> torch.Tensor:
+        """What CMVN subtracts: the training set's mean ``(F,)``, or each utterance's own mean over its
+        frames, ``(B, T, F)`` with zeros on the padding (which then stays as it came)."""
+        if self.cfg.cmvn == "global":
+            return self.feat_mean
+        valid = torch.arange(feats.shape[1], device=feats.device)[None, :, None] < feat_lens[:, None, None]
+        frames = feat_lens.clamp_min(1).to(feats.dtype)[:, None, None]
+        return feats.masked_fill(~valid, 0.0).sum(1, keepdim=True) / frames * valid
 
     def ctc_log_probs(self, enc: torch.Tensor) -> torch.Tensor:
         """``(B, T', D)`` -> ``(B, T', V)`` float32 log-probabilities."""

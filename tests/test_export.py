@@ -22,8 +22,8 @@ from konkanivani.cli import train as train_cli
 from konkanivani.config import model_config_from_preset
 from konkanivani.data import read_manifest
 from konkanivani.decode import ctc_greedy, decode_batch
-from konkanivani.export import (FILES, MIN_FRAMES, CTCGraph, ExportError, feature_settings, max_difference,
-                                onnx_runner, torchscript_runner, vocabulary)
+from konkanivani.export import (FILES, MIN_FRAMES, CTCGraph, ExportError, export_checkpoint, feature_settings,
+                                max_difference, onnx_runner, torchscript_runner, vocabulary)
 from konkanivani.frames import subsampled_lengths
 from konkanivani.inference import Recognizer
 from konkanivani.model import ASRModel
@@ -80,6 +80,25 @@ def test_the_export_check_catches_a_graph_that_computes_something_else():
         max_difference(lambda f, n: (graph(f, n)[0] + 0.01, graph(f, n)[1]), graph)
     with pytest.raises(ExportError, match="lengths"):
         max_difference(lambda f, n: (graph(f, n)[0], graph(f, n)[1] - 1), graph)
+
+
+def test_per_utterance_cmvn_is_inside_both_exported_graphs(tmp_path):
+    """The mean of the frames each length says are real, computed in the graph, at other batch
+    sizes and lengths than the trace's (``export_checkpoint`` checks each file and raises if off)."""
+    tokenizer = train_tokenizer(TEXTS, vocab_size=40)
+    cfg = model_config_from_preset("tiny", vocab_size=tokenizer.vocab_size, cmvn="utterance")
+    torch.manual_seed(0)
+    path = tmp_path / "model.pt"
+    save_checkpoint({"model_config": dataclasses.asdict(cfg), "model": ASRModel(cfg).state_dict(),
+                     "tokenizer": tokenizer.model_proto}, path)
+    written = export_checkpoint(path, tmp_path / "out")
+    runner = torchscript_runner(tmp_path / "out" / FILES["torchscript"])
+    feats, lens = torch.randn(3, 90, 80), torch.tensor([90, 41, 12])
+    feats[torch.arange(90) >= lens[:, None]] = 0.0
+    louder = feats + 2.0 * (torch.arange(90) < lens[:, None])[..., None]
+    assert torch.allclose(runner(louder, lens)[0], runner(feats, lens)[0], atol=1e-4)
+    assert sorted(w.path.name for w in written if w.difference is not None) == sorted([FILES["onnx"],
+                                                                                       FILES["torchscript"]])
 
 
 @pytest.fixture(scope="module")

@@ -86,6 +86,31 @@ def test_a_narrow_first_convolution_keeps_the_shapes_and_old_configs_mean_full_w
             model_config_from_preset("tiny", **bad)
 
 
+def test_utterance_cmvn_ignores_a_constant_gain_and_the_batch_padding_and_old_configs_mean_global():
+    torch.manual_seed(1)
+    feats, lens = torch.randn(2, 157, 80) * 2 + 1, torch.tensor([157, 60])
+    feats[1, 60:] = 0.0  # zero padding, as collate and the Recognizer make it
+    models = {kind: _model(cmvn=kind) for kind in ("global", "utterance")}
+    for model in models.values():
+        model.set_cmvn(feats[0].mean(0), feats[0].std(0))
+    louder = feats.clone()
+    louder[0] += 2.0  # x3 the amplitude: every log-mel bin up by log(9), plus a tilt
+    louder[1, :60] += torch.linspace(-1.0, 1.0, 80)
+    with torch.no_grad():
+        enc = {kind: model.encode(feats, lens)[0] for kind, model in models.items()}
+        moved = {kind: model.encode(louder, lens)[0] for kind, model in models.items()}
+        alone = models["utterance"].encode(louder[1:, :60], lens[1:])[0]
+    assert torch.allclose(moved["utterance"], enc["utterance"], atol=1e-4)
+    assert not torch.allclose(moved["global"], enc["global"], atol=1e-2)
+    assert torch.allclose(alone[0], moved["utterance"][1, :alone.shape[1]], atol=1e-4)  # the same without padding
+    stored = dict(vars(models["utterance"].cfg))
+    assert ModelConfig.from_dict(stored).cmvn == "utterance"
+    del stored["cmvn"]  # a checkpoint written before the flag existed
+    assert ModelConfig.from_dict(stored).cmvn == "global"
+    with pytest.raises(ValueError, match="--cmvn speaker: unknown"):
+        model_config_from_preset("tiny", cmvn="speaker")
+
+
 def test_bad_dimensions_are_refused():
     with pytest.raises(ValueError, match="heads"):
         model_config_from_preset("tiny", d_model=50, n_heads=4)
