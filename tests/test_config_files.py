@@ -88,7 +88,7 @@ def test_cpu_small_config_is_the_learning_curve_recipe():
     recipe = ["--preset", "small", "--tokenizer_type", "char", "--batch_size", "16", "--lr", "2e-3", "--warmup_steps",
               "200", "--epochs", "1000", "--mixed_precision", "--num_workers", "1", "--keep_checkpoints", "10",
               "--no-progress", "--log_every", "20", "--validate_every_steps", "500", "--ema_decay", "0.998",
-              "--subsampling_channels", "32"]
+              "--subsampling_channels", "32", "--cmvn", "utterance"]
     given = ["--train_manifest", "t.jsonl", "--valid_manifest", "v.jsonl", "--output_dir", "out"]
     assert _resolve([*given, *recipe]) == _resolve([*given, *load("learning_curve").RECIPE])
 
