@@ -59,7 +59,7 @@ class ModelConfig:
         """The config stored in a checkpoint; those written before ``attention_dropout`` existed used
         ``dropout`` on attention weights (and conv2d at full width, before ``subsampling`` and
         ``subsampling_channels`` existed, and with global CMVN, before ``cmvn``)."""
-        return cls(**{"subsampling": "conv2d", "subsampling_channels": 0,
+        return cls(**{"subsampling": "conv2d", "subsampling_channels": 0, "cmvn": "global",
                       "attention_dropout": values.get("dropout", 0.1), **values})
 
 
