@@ -97,15 +97,13 @@ def model_config_from(base: dict[str, Any], **overrides: Any) -> ModelConfig:
             raise ConfigError(f"--{name} must be 0 or more, got {getattr(cfg, name)}")
     if cfg.d_model % cfg.n_heads or (cfg.d_model // cfg.n_heads) % 2:
         raise ConfigError(f"--d_model {cfg.d_model} must split into --n_heads {cfg.n_heads} heads of even width")
-    front_ends = ModelConfig.__dataclass_fields__["subsampling"].metadata["choices"]
-    if cfg.subsampling not in front_ends:
-        raise ConfigError(f"--subsampling {cfg.subsampling}: unknown; choose {' or '.join(front_ends)}")
+    for f in dataclasses.fields(ModelConfig):  # --subsampling, --cmvn: one of the field's choices
+        choices, value = f.metadata.get("choices"), getattr(cfg, f.name)
+        if choices and value not in choices:
+            raise ConfigError(f"--{f.name} {value}: unknown; choose {' or '.join(choices)}")
     if cfg.subsampling_channels < 0 or (cfg.subsampling_channels and cfg.subsampling != "conv2d"):
         raise ConfigError(f"--subsampling_channels {cfg.subsampling_channels}: must be 0 (d_model) or a positive "
                           f"width for --subsampling conv2d")
-    normalizations = ModelConfig.__dataclass_fields__["cmvn"].metadata["choices"]
-    if cfg.cmvn not in normalizations:
-        raise ConfigError(f"--cmvn {cfg.cmvn}: unknown; choose {' or '.join(normalizations)}")
     if cfg.conv_kernel % 2 == 0:
         raise ConfigError(f"--conv_kernel must be odd, got {cfg.conv_kernel}")
     for name in ("dropout", "attention_dropout"):

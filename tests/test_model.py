@@ -94,8 +94,8 @@ def test_utterance_cmvn_ignores_a_constant_gain_and_the_batch_padding_and_old_co
     for model in models.values():
         model.set_cmvn(feats[0].mean(0), feats[0].std(0))
     louder = feats.clone()
-    louder[0] += 2.0  # x3 the amplitude: every log-mel bin up by log(9), plus a tilt
-    louder[1, :60] += torch.linspace(-1.0, 1.0, 80)
+    louder[0] += 2.0  # every log-mel bin up by 2: the amplitude x e (the power x e^2)
+    louder[1, :60] += torch.linspace(-1.0, 1.0, 80)  # a spectral tilt over the real frames
     with torch.no_grad():
         enc = {kind: model.encode(feats, lens)[0] for kind, model in models.items()}
         moved = {kind: model.encode(louder, lens)[0] for kind, model in models.items()}
