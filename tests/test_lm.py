@@ -119,6 +119,7 @@ def test_greedy_refuses_fusion(models):
 # ---- training on text ---------------------------------------------------------------------------
 
 import json  # noqa: E402
+import logging  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -166,14 +167,19 @@ def test_read_sentences_counts_blank_lines_and_names_bad_text(text_setup, tmp_pa
         train_lm.read_sentences([bad], tok)
 
 
-def test_lm_learns_and_resume_is_exact(text_setup):
-    """Validation perplexity drops by a third over 20 steps; 10 steps then a resume to 24 give the unbroken run's losses."""
+def test_lm_learns_and_resume_is_exact(text_setup, caplog):
+    """Validation perplexity drops by a third over 20 steps; 10 steps then a resume to 24 give the unbroken run's
+    losses, with the checkpoint's split even when the resume asks for another (and the log says that split)."""
     d = text_setup
+    caplog.set_level(logging.INFO, logger="konkanivani")
     whole = _train(d, "whole", "--max_steps", "24")
+    split_line = next(r.getMessage() for r in caplog.records if "for validation" in r.getMessage())
     ppl = [r["ppl"] for r in _rows(d, "whole", "valid")]
     assert whole["step"] == 24 and ppl[-1] < 0.7 * ppl[0]
     assert _train(d, "broken", "--max_steps", "10")["stopped_by"] == "max_steps"
-    _train(d, "broken", "--max_steps", "24", "--resume", "latest")
+    caplog.clear()
+    _train(d, "broken", "--max_steps", "24", "--resume", "latest", "--valid_fraction", "0.5")
+    assert [r.getMessage() for r in caplog.records if "for validation" in r.getMessage()] == [split_line]
     assert [r["loss"] for r in _rows(d, "broken", "train")] == [r["loss"] for r in _rows(d, "whole", "train")]
     a, b = load_lm(d / "whole" / "latest.pt")[0], load_lm(d / "broken" / "latest.pt")[0]
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):

@@ -141,7 +141,8 @@ def perplexity(model: TransformerLM, sentences: list[list[int]], batch_size: int
 
 
 def _read_text(args: argparse.Namespace, tokenizer: Tokenizer) -> tuple[list, list, list]:
-    """All sentences, the training set and the validation set (``TextError`` for an empty one), logged."""
+    """All sentences, the training set and the validation set (``TextError`` for an empty one). What was
+    read is logged here; the split is logged by the caller, after a resume has redone it."""
     sentences, blank = read_sentences(args.text, tokenizer)
     if not sentences:
         raise TextError(f"no sentence in {', '.join(map(str, args.text))} ({blank} blank lines)")
@@ -154,9 +155,8 @@ def _read_text(args: argparse.Namespace, tokenizer: Tokenizer) -> tuple[list, li
                         f"({args.valid_text or f'--valid_fraction {args.valid_fraction} of {len(sentences)}'})")
     n_tokens = sum(map(len, sentences))
     unk = sum(s.count(UNK_ID) for s in sentences)
-    log.info("%d sentences (%d tokens, %d <unk>), %d blank lines skipped; %d for training, %d for validation%s",
-             len(sentences), n_tokens, unk, blank, len(train_set), len(valid_set),
-             f" ({args.valid_text}, {valid_blank} blank lines skipped)" if args.valid_text else "")
+    log.info("%d sentences (%d tokens, %d <unk>), %d blank lines skipped%s", len(sentences), n_tokens, unk, blank,
+             f"; validation on {args.valid_text} ({valid_blank} blank lines skipped)" if args.valid_text else "")
     return sentences, train_set, valid_set
 
 
@@ -198,6 +198,7 @@ def train_lm(args: argparse.Namespace) -> dict[str, Any]:
             _resumed_settings(args, state, tokenizer)
             if not args.valid_text:
                 train_set, valid_set = _split(sentences, args.valid_fraction, args.seed)
+        log.info("%d sentences for training, %d for validation", len(train_set), len(valid_set))
         cfg = (LMConfig(**state["lm_config"]) if state else
                LMConfig(tokenizer.vocab_size, args.d_model, args.n_heads, args.ffn_dim, args.layers, args.dropout))
         torch.manual_seed(args.seed)
