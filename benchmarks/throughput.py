@@ -26,6 +26,7 @@ utilization is the step's FLOP rate over the matmul peak measured in the same ru
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -36,13 +37,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from konkanivani.config import PRESETS, model_config_from_preset
+from konkanivani.config import PRESETS, ModelConfig, model_config_from_preset
 from konkanivani.conformer import ConformerEncoder
 from konkanivani.frames import subsampled_lengths
 from konkanivani.memory import precision_name
 from konkanivani.model import ASRModel
 from konkanivani.optim import build_optimizer
 from konkanivani.precision import cpu_description, resolve_precision
+
+SUBSAMPLING = next(f.metadata for f in dataclasses.fields(ModelConfig) if f.name == "subsampling")
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESET_ORDER = [p for p in ("small", "medium", "large") if p in PRESETS]
@@ -292,7 +295,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=20)
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--conv_kernel", type=int, default=31)
-    parser.add_argument("--subsampling", choices=("conv2d", "dw_striding"), default="conv2d",
+    parser.add_argument("--subsampling", choices=SUBSAMPLING["choices"], default="conv2d",
                         help="our front-end (the peers keep theirs)")
     parser.add_argument("--subsampling_channels", type=int, default=0,
                         help="our conv2d front-end's first convolution width (0: d_model, as the peers')")
