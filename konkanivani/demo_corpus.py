@@ -181,6 +181,25 @@ def plan_corpus(sentences: list[str], seed: int, num_utterances: int,
     return plan
 
 
+def read_text_into_train(plan: list[PlannedUtterance], extra: list[str], seed: int) -> list[PlannedUtterance]:
+    """The plan with its training utterances' sentences drawn, in reshuffled passes, from the train
+    split's sentences plus `extra`: more distinct sentences for the same utterances, speakers and
+    acoustics. A second RNG chooses them, so valid, test and heldout stay as they were."""
+    if not extra:
+        return plan
+    rng = random.Random(f"{seed}:train-from-text")
+    texts = list(dict.fromkeys([u.text for u in plan if u.split == "train"] + extra))
+    cycle: list[str] = []
+    out = []
+    for u in plan:
+        if u.split == "train":
+            if not cycle:
+                cycle = rng.sample(texts, len(texts))
+            u = u._replace(text=cycle.pop())
+        out.append(u)
+    return out
+
+
 def trim_silence(x: np.ndarray, sr: int, keep_s: float = KEEP_SILENCE_S) -> np.ndarray:
     """Cut leading/trailing near-silence (-45 dB re. loudest 10 ms frame) so that
     exactly ~keep_s of margin remains on each side (zero-padded where espeak-ng
@@ -314,10 +333,11 @@ def make_corpus(out_dir: str | Path, seed: int = 0, num_utterances: int = 4800,
                 max_sentences: Optional[int] = None, jobs: int = 2,
                 sentences_path: Optional[str | Path] = None, force: bool = False,
                 progress: bool = True, heldout: Optional[bool] = None,
-                text_path: Optional[str | Path] = None) -> dict[str, Any]:
+                text_path: Optional[str | Path] = None, train_from_text: int = 0) -> dict[str, Any]:
     """Generate (or reuse) the corpus in `out_dir`; returns the summary dict. `heldout` (default:
     when festival is installed) adds the festival split; `text_path` (default: the package's text-only
-    sentences, when present) gives text.txt."""
+    sentences, when present) gives text.txt. `train_from_text` N reads N of the text-only sentences
+    (a seeded choice) in the training split too, and text.txt keeps the rest."""
     if shutil.which("espeak-ng") is None:
         raise EspeakMissingError("espeak-ng not found on PATH; install it first, e.g. "
                                  "`sudo apt-get install espeak-ng`")
@@ -335,6 +355,10 @@ def make_corpus(out_dir: str | Path, seed: int = 0, num_utterances: int = 4800,
     info = {"version": INFO_VERSION, "seed": seed, "num_utterances": num_utterances,
             "max_sentences": max_sentences, "sentences_sha1": sha1_of(sent_path), "heldout": heldout,
             "text_sha1": sha1_of(text_file) if text_file else None}
+    if train_from_text:
+        if text_file is None:
+            raise ValueError("train_from_text needs a text-only sentence file")
+        info["train_from_text"] = train_from_text
     if not force and corpus_is_complete(out, info):
         if progress:
             print(f"corpus already present in {out}")
@@ -342,6 +366,9 @@ def make_corpus(out_dir: str | Path, seed: int = 0, num_utterances: int = 4800,
 
     sentences = load_sentences(sent_path)
     plan = plan_corpus(sentences, seed, num_utterances, max_sentences, heldout)
+    text_only = text_only_sentences(text_file, sentences) if text_file else []
+    extra = random.Random(seed).sample(text_only, min(train_from_text, len(text_only)))
+    plan = read_text_into_train(plan, extra, seed)
     (out / "corpus_info.json").unlink(missing_ok=True)
     (out / f"{HELDOUT}.jsonl").unlink(missing_ok=True)
     (out / f"{NOISY}.jsonl").unlink(missing_ok=True)
@@ -368,7 +395,7 @@ def make_corpus(out_dir: str | Path, seed: int = 0, num_utterances: int = 4800,
     corrupt_manifest(out / "test.jsonl", out, NOISY, seed=seed, snr_db=NOISY_SNR_DB, reverb=True)
     (out / "text.txt").unlink(missing_ok=True)
     if text_file:
-        lines = text_only_sentences(text_file, sentences)
+        lines = text_only_sentences(text_file, sentences + extra)
         (out / "text.txt").write_text("".join(t + "\n" for t in lines), encoding="utf-8")
     (out / "corpus_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     return {**summarize(out), "skipped": False}

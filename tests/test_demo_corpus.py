@@ -97,3 +97,23 @@ def test_parallel_synthesis_after_torch_has_run_in_this_process(tmp_path):
     result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["8"]
+
+
+def test_text_sentences_read_into_training_leave_valid_and_test_as_they_were(tiny_corpus, tmp_path):
+    """--train_from_text N: N text-only sentences join the training split's reading (same utterances,
+    speakers and acoustics), leave text.txt, and change nothing in valid and test."""
+    s = make_corpus(tmp_path, seed=3, num_utterances=64, max_sentences=24, jobs=2, progress=False,
+                    heldout=False, train_from_text=20)
+    for split in ("valid", "test", NOISY):
+        assert (tmp_path / f"{split}.jsonl").read_bytes() == (tiny_corpus / f"{split}.jsonl").read_bytes()
+    before, after = _rows(tiny_corpus, "train"), _rows(tmp_path, "train")
+    assert [(r["speaker"], r["speed"], r["pitch"]) for r in after] == \
+           [(r["speaker"], r["speed"], r["pitch"]) for r in before]
+    old_text = (tiny_corpus / "text.txt").read_text(encoding="utf-8").splitlines()
+    new_text = (tmp_path / "text.txt").read_text(encoding="utf-8").splitlines()
+    moved = set(old_text) - set(new_text)
+    assert len(moved) == 20 and set(new_text) < set(old_text)
+    trained = {r["text"] for r in after}
+    assert moved <= trained and {r["text"] for r in before} <= trained  # every sentence read at least once
+    assert s["test_sentences_disjoint"] and s["text_disjoint"]
+    assert json.loads((tmp_path / "corpus_info.json").read_text())["train_from_text"] == 20

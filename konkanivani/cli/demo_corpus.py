@@ -2,7 +2,7 @@
 konkanivani/demo_corpus.py).
 
     konkanivani-demo-corpus OUT_DIR [--seed 0] [--num_utterances 4800] [--max_sentences N] [--jobs 2]
-        [--sentences PATH] [--force]
+        [--sentences PATH] [--train_from_text N] [--force]
 """
 from __future__ import annotations
 
@@ -23,15 +23,21 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="use only the first N sentences after a seeded shuffle")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--sentences", type=Path, default=None, help=f"default: {DEFAULT_SENTENCES}")
+    p.add_argument("--train_from_text", type=int, default=0, metavar="N",
+                   help="also read N of the text-only sentences (a seeded choice) in the training split, for "
+                        "more distinct training sentences; text.txt keeps the rest, valid and test are unchanged")
     p.add_argument("--force", action="store_true", help="regenerate even if present")
     a = p.parse_args(argv)
     for name in ("num_utterances", "jobs", "max_sentences"):
         if getattr(a, name) is not None and getattr(a, name) < 1:
             p.error(f"--{name} must be a positive integer, got {getattr(a, name)}")
+    if a.train_from_text < 0:
+        p.error(f"--train_from_text must be 0 or more, got {a.train_from_text}")
     if a.sentences is not None and not a.sentences.is_file():
         p.error(f"--sentences {a.sentences}: file not found")
     try:
-        summary = make_corpus(a.out_dir, a.seed, a.num_utterances, a.max_sentences, a.jobs, a.sentences, a.force)
+        summary = make_corpus(a.out_dir, a.seed, a.num_utterances, a.max_sentences, a.jobs, a.sentences, a.force,
+                              train_from_text=a.train_from_text)
     except EspeakMissingError as e:
         return fail(str(e))
     print_summary(summary)
