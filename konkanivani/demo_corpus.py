@@ -3,9 +3,12 @@
 Sentences (Devanagari Konkani, ``resources/demo_sentences_kok.txt``, package data) are split into
 train / valid / test, and each utterance is read by an espeak-ng "speaker" = (language voice, variant) with a
 random speed and pitch. The test split uses sentences AND voice variants that never occur in
-train or valid. The ``heldout`` split reads the test sentences with a voice *source* that never
-occurs in training at all: festival's NSK diphone voice, recorded from a real speaker (made when
-festival and its Marathi voice are installed); ``test_noisy`` is the test split in a noisy, reverberant
+train or valid. With ``festival_share``, that share of the training utterances is read instead by
+festival's voices of other languages (Czech, Finnish, Italian, Catalan, US English; each recorded from
+one real speaker), through a transliteration (``transliterate.py``), so that training hears more
+than one synthesizer. The ``heldout`` split reads the test sentences with a voice *source* that never
+occurs in training at all: festival's Marathi NSK diphone voice, recorded from another real speaker
+(made when festival and its Marathi voice are installed); ``test_noisy`` is the test split in a noisy, reverberant
 room (synthetic, ``augment.corrupt_manifest``). ``text.txt`` is a text-only set
 (``resources/demo_text_kok.txt``): sentences in no speech split, for a language model. Output
 (relocatable, paths relative to OUT_DIR)::
@@ -42,6 +45,7 @@ from .augment import corrupt_manifest
 from .frames import SAMPLE_RATE
 from .data import read_manifest
 from .tokenizer import normalize_text
+from .transliterate import english_segments, spell
 
 # Package data: installed with the package (a wheel too), so the corpus can be made anywhere.
 DEFAULT_SENTENCES = Path(__file__).resolve().parent / "resources" / "demo_sentences_kok.txt"
@@ -70,6 +74,39 @@ FESTIVAL_SPEAKER = "festival:nsk"
 FESTIVAL_F0_RANGE = (100, 170)  # mean F0 in Hz (below ~90 Hz its LPC resynthesis crashes)
 FESTIVAL_STRETCH_RANGE = (1.0, 1.5)  # duration stretch (the voice's own is 1.4)
 HELDOUT_PER_SENTENCE = 2
+
+
+class FestivalVoice(NamedTuple):
+    """A festival voice of another language that reads Konkani in training: `language` is the
+    transliteration (a key of transliterate.SPELLINGS, or "en" for US English phones)."""
+
+    voice: str  # festival's voice function, e.g. voice_czech_dita
+    language: str
+    encoding: str  # of the spelled text given to text2wave
+    folder: str  # the voice's folder under festival's voices/
+    stretches: bool = True  # False: the voice keeps its own tempo (festival's HTS voices ignore the stretch)
+
+
+# Training voices: each one speaker's recordings (diphones, or an HTS model for Catalan), none of them
+# the held-out NSK speaker. Debian: festvox-czech-{dita,krb,machac,ph}, festvox-suopuhe-{lj,mv},
+# festvox-{italp16k,itapc16k}, festvox-ca-ona-hts, festvox-{kallpc16k,kdlpc16k}.
+FESTIVAL_TRAIN_VOICES = {
+    "festival:cs_dita": FestivalVoice("voice_czech_dita", "cs", "iso-8859-2", "czech/czech_dita"),
+    "festival:cs_krb": FestivalVoice("voice_czech_krb", "cs", "iso-8859-2", "czech/czech_krb"),
+    "festival:cs_machac": FestivalVoice("voice_czech_machac", "cs", "iso-8859-2", "czech/czech_machac"),
+    "festival:cs_ph": FestivalVoice("voice_czech_ph", "cs", "iso-8859-2", "czech/czech_ph"),
+    "festival:fi_lj": FestivalVoice("voice_suo_fi_lj_diphone", "fi", "iso-8859-15", "finnish/suo_fi_lj_diphone"),
+    "festival:fi_mv": FestivalVoice("voice_hy_fi_mv_diphone", "fi", "iso-8859-15", "finnish/hy_fi_mv_diphone"),
+    "festival:it_lp": FestivalVoice("voice_lp_diphone", "it", "ascii", "italian/lp_diphone"),
+    "festival:it_pc": FestivalVoice("voice_pc_diphone", "it", "ascii", "italian/pc_diphone"),
+    "festival:ca_ona": FestivalVoice("voice_upc_ca_ona_hts", "ca", "iso-8859-1", "catalan/upc_ca_ona_hts",
+                                     stretches=False),
+    "festival:en_kal": FestivalVoice("voice_kal_diphone", "en", "ascii", "english/kal_diphone"),
+    "festival:en_ked": FestivalVoice("voice_ked_diphone", "en", "ascii", "english/ked_diphone"),
+}
+FESTIVAL_TRAIN_STRETCH_RANGE = (0.8, 1.3)
+ENGLISH_F0_RANGE = (85, 150)  # the English voices read phones with our F0 (the others use their own intonation)
+FESTIVAL_VOICE_ROOTS = ("/usr/share/festival/voices", "/usr/local/share/festival/voices")
 PEAK_RANGE = (0.75, 0.95)  # peak-normalization target (random gain around ~0.9)
 NOISE_PROB = 0.7  # share of utterances that get light white noise
 SNR_RANGE_DB = (25.0, 40.0)
@@ -86,8 +123,15 @@ def festival_available() -> bool:
     """True when festival's text2wave and its Marathi diphone voice are installed (Debian:
     ``apt-get install festival festvox-mr-nsk``)."""
     return shutil.which("text2wave") is not None and any(
-        Path(root, "marathi", "marathi_NSK_diphone").is_dir()
-        for root in ("/usr/share/festival/voices", "/usr/local/share/festival/voices"))
+        Path(root, "marathi", "marathi_NSK_diphone").is_dir() for root in FESTIVAL_VOICE_ROOTS)
+
+
+def festival_train_voices() -> list[str]:
+    """The speaker names of FESTIVAL_TRAIN_VOICES whose voice is installed (with festival itself)."""
+    if shutil.which("festival") is None:
+        return []
+    return [name for name, v in FESTIVAL_TRAIN_VOICES.items()
+            if any(Path(root, v.folder).is_dir() for root in FESTIVAL_VOICE_ROOTS)]
 
 
 class PlannedUtterance(NamedTuple):
@@ -98,7 +142,7 @@ class PlannedUtterance(NamedTuple):
     text: str
     speaker: str
     speed: int  # espeak-ng: words per minute; festival: duration stretch in percent
-    pitch: int  # espeak-ng: -p (0..99); festival: mean F0 in Hz
+    pitch: int  # espeak-ng: -p (0..99); festival: mean F0 in Hz (0: the voice's own intonation)
     peak: float
     snr_db: Optional[float]
     noise_seed: int
@@ -200,6 +244,29 @@ def read_text_into_train(plan: list[PlannedUtterance], extra: list[str], seed: i
     return out
 
 
+def read_with_festival_voices(plan: list[PlannedUtterance], share: float, voices: list[str],
+                              seed: int) -> list[PlannedUtterance]:
+    """The plan with `share` of its training utterances (a seeded choice) read by festival's training
+    `voices` instead of espeak-ng, in reshuffled passes, each with a random duration stretch. A second
+    RNG chooses them, so valid, test and heldout stay as they were."""
+    if share <= 0 or not voices:
+        return plan
+    rng = random.Random(f"{seed}:festival-voices")
+    train = [i for i, u in enumerate(plan) if u.split == "train"]
+    chosen = sorted(rng.sample(train, round(share * len(train))))
+    out = list(plan)
+    cycle: list[str] = []
+    for i in chosen:
+        if not cycle:
+            cycle = rng.sample(voices, len(voices))
+        speaker = cycle.pop()
+        stretch, f0 = round(100 * rng.uniform(*FESTIVAL_TRAIN_STRETCH_RANGE)), rng.randint(*ENGLISH_F0_RANGE)
+        voice = FESTIVAL_TRAIN_VOICES[speaker]
+        out[i] = out[i]._replace(speaker=speaker, speed=stretch if voice.stretches else 100,
+                                 pitch=f0 if voice.language == "en" else 0)
+    return out
+
+
 def trim_silence(x: np.ndarray, sr: int, keep_s: float = KEEP_SILENCE_S) -> np.ndarray:
     """Cut leading/trailing near-silence (-45 dB re. loudest 10 ms frame) so that
     exactly ~keep_s of margin remains on each side (zero-padded where espeak-ng
@@ -219,8 +286,33 @@ def trim_silence(x: np.ndarray, sr: int, keep_s: float = KEEP_SILENCE_S) -> np.n
     return np.pad(core, (pad_left, pad_right))
 
 
+def _speak_festival_train(utt: PlannedUtterance, wav_path: str) -> None:
+    """One utterance read by a festival training voice: spelled text through text2wave, or, for the
+    English diphone voices, US English phones with their durations and F0 through a festival script."""
+    v = FESTIVAL_TRAIN_VOICES[utt.speaker]
+    setup = f"({v.voice}) (Parameter.set 'Duration_Stretch {utt.speed / 100})"
+    if v.language == "en":
+        segments = english_segments(utt.text, utt.speed / 100, utt.pitch)
+        body = (f"({v.voice})\n(set! utt (Utterance Segments ({segments})))\n(utt.synth utt)\n"
+                f"(utt.save.wave utt \"{wav_path}\" 'riff)\n").encode("ascii")
+    else:
+        body = (spell(utt.text, v.language) + "\n").encode(v.encoding)
+    fd, script = tempfile.mkstemp(suffix=".scm" if v.language == "en" else ".txt")
+    with os.fdopen(fd, "wb") as f:
+        f.write(body)
+    command = (["festival", "-b", script] if v.language == "en" else
+               ["text2wave", "-eval", f"(begin {setup})", script, "-o", wav_path])
+    try:
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    finally:
+        os.unlink(script)
+
+
 def _speak(utt: PlannedUtterance, wav_path: str) -> None:
     """Write the synthesizer's own wav of one utterance to `wav_path`."""
+    if utt.speaker in FESTIVAL_TRAIN_VOICES:
+        _speak_festival_train(utt, wav_path)
+        return
     if utt.speaker != FESTIVAL_SPEAKER:
         subprocess.run(["espeak-ng", "-b", "1", "-v", utt.speaker, "-s", str(utt.speed), "-p", str(utt.pitch),
                         "-w", wav_path, "--", utt.text], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -309,7 +401,7 @@ def summarize(out_dir: Path) -> dict[str, Any]:
                "test_sentences_disjoint": seen_text.isdisjoint(x["text"] for x in rows["test"]),
                "test_speakers_disjoint": seen_spk.isdisjoint(x["speaker"] for x in rows["test"])}
     if HELDOUT in rows:
-        summary["heldout_source_unseen"] = not any(x["speaker"].startswith("festival") for x in
+        summary["heldout_source_unseen"] = not any(x["speaker"] == FESTIVAL_SPEAKER for x in
                                                    rows["train"] + rows["valid"])
     if (out_dir / "text.txt").is_file():
         text = {normalize_text(t) for t in load_sentences(out_dir / "text.txt")}
@@ -333,11 +425,13 @@ def make_corpus(out_dir: str | Path, seed: int = 0, num_utterances: int = 4800,
                 max_sentences: Optional[int] = None, jobs: int = 2,
                 sentences_path: Optional[str | Path] = None, force: bool = False,
                 progress: bool = True, heldout: Optional[bool] = None,
-                text_path: Optional[str | Path] = None, train_from_text: int = 0) -> dict[str, Any]:
+                text_path: Optional[str | Path] = None, train_from_text: int = 0,
+                festival_share: float = 0.0) -> dict[str, Any]:
     """Generate (or reuse) the corpus in `out_dir`; returns the summary dict. `heldout` (default:
     when festival is installed) adds the festival split; `text_path` (default: the package's text-only
     sentences, when present) gives text.txt. `train_from_text` N reads N of the text-only sentences
-    (a seeded choice) in the training split too, and text.txt keeps the rest."""
+    (a seeded choice) in the training split too, and text.txt keeps the rest. `festival_share` of the
+    training utterances are read by festival's voices of other languages (those installed)."""
     if shutil.which("espeak-ng") is None:
         raise EspeakMissingError("espeak-ng not found on PATH; install it first, e.g. "
                                  "`sudo apt-get install espeak-ng`")
@@ -359,6 +453,16 @@ def make_corpus(out_dir: str | Path, seed: int = 0, num_utterances: int = 4800,
         if text_file is None:
             raise ValueError("train_from_text needs a text-only sentence file")
         info["train_from_text"] = train_from_text
+    train_voices = festival_train_voices() if festival_share > 0 else []
+    if festival_share > 0:
+        if not 0 < festival_share <= 1:
+            raise ValueError(f"festival_share must be in (0, 1], got {festival_share}")
+        if not train_voices:
+            raise EspeakMissingError("festival_share needs festival and at least one of its training voices: "
+                                     "`sudo apt-get install festival festvox-czech-ph festvox-italp16k ...` "
+                                     "(training_scripts/setup_env.sh installs them)")
+        info["festival_share"] = festival_share
+        info["festival_voices"] = train_voices
     if not force and corpus_is_complete(out, info):
         if progress:
             print(f"corpus already present in {out}")
@@ -369,6 +473,7 @@ def make_corpus(out_dir: str | Path, seed: int = 0, num_utterances: int = 4800,
     text_only = text_only_sentences(text_file, sentences) if text_file else []
     extra = random.Random(seed).sample(text_only, min(train_from_text, len(text_only)))
     plan = read_text_into_train(plan, extra, seed)
+    plan = read_with_festival_voices(plan, festival_share, train_voices, seed)
     (out / "corpus_info.json").unlink(missing_ok=True)
     (out / f"{HELDOUT}.jsonl").unlink(missing_ok=True)
     (out / f"{NOISY}.jsonl").unlink(missing_ok=True)

@@ -126,6 +126,7 @@ OTHER_BAD_VALUES = [
     ("plan_memory", ["--gpu_gb", "0"], "--gpu_gb must be a positive number, got 0.0"),
     ("plan_memory", ["--gpu_gb", "8", "--margin", "1.5"], "--margin must be in [0, 1), got 1.5"),
     ("demo_corpus", ["{dir}", "--num_utterances", "0"], "--num_utterances must be a positive integer, got 0"),
+    ("demo_corpus", ["{dir}", "--festival_share", "1.5"], "--festival_share must be between 0 and 1, got 1.5"),
 ]
 
 

@@ -7,7 +7,8 @@ import pytest
 import soundfile as sf
 
 from konkanivani.data import read_manifest
-from konkanivani.demo_corpus import HELDOUT, NOISY, festival_available, make_corpus, text_only_sentences
+from konkanivani.demo_corpus import (FESTIVAL_SPEAKER, FESTIVAL_TRAIN_VOICES, HELDOUT, NOISY, festival_available,
+                                     festival_train_voices, make_corpus, text_only_sentences)
 from konkanivani.tokenizer import normalize_text
 
 
@@ -117,3 +118,31 @@ def test_text_sentences_read_into_training_leave_valid_and_test_as_they_were(tin
     assert moved <= trained and {r["text"] for r in before} <= trained  # every sentence read at least once
     assert s["test_sentences_disjoint"] and s["text_disjoint"]
     assert json.loads((tmp_path / "corpus_info.json").read_text())["train_from_text"] == 20
+
+
+def test_festival_voices_of_other_languages_read_a_share_of_training_and_nothing_else(tiny_corpus, tmp_path):
+    """--festival_share F: that share of the training utterances is read by festival's Czech, Finnish,
+    Italian, Catalan and English voices instead of espeak-ng (same sentences); valid, test, test_noisy
+    and heldout are byte for byte as they were, and the held-out NSK speaker stays out of training."""
+    voices = festival_train_voices()
+    if len(voices) < len(FESTIVAL_TRAIN_VOICES):
+        pytest.skip(f"festival's training voices are not all installed ({len(voices)}): training_scripts/setup_env.sh")
+    s = make_corpus(tmp_path, seed=3, num_utterances=64, max_sentences=24, jobs=2, progress=False, festival_share=0.5)
+    for split in ("valid", "test", NOISY, *([HELDOUT] if festival_available() else [])):
+        assert (tmp_path / f"{split}.jsonl").read_bytes() == (tiny_corpus / f"{split}.jsonl").read_bytes()
+    before, after = _rows(tiny_corpus, "train"), _rows(tmp_path, "train")
+    assert [r["text"] for r in after] == [r["text"] for r in before]
+    read = [r for r in after if r["speaker"] in FESTIVAL_TRAIN_VOICES]
+    assert len(read) == round(0.5 * len(after))
+    assert {r["speaker"] for r in read} == set(voices)  # each voice reads some, in reshuffled passes
+    for r in read:
+        audio, sr = sf.read(tmp_path / r["audio_filepath"])
+        assert sr == 16000 and len(audio) / sr == pytest.approx(r["duration"], abs=1e-3)
+        assert r["duration"] > 0.5 and np.abs(audio).max() > 0.5  # speech, peak-normalized
+        voice = FESTIVAL_TRAIN_VOICES[r["speaker"]]
+        assert (80 <= r["speed"] <= 130) if voice.stretches else r["speed"] == 100
+        assert (85 <= r["pitch"] <= 150) if voice.language == "en" else r["pitch"] == 0  # F0 (Hz), or its own
+    assert not any(r["speaker"] == FESTIVAL_SPEAKER for r in after)
+    assert s["test_sentences_disjoint"] and s["test_speakers_disjoint"] and s.get("heldout_source_unseen", True)
+    info = json.loads((tmp_path / "corpus_info.json").read_text())
+    assert info["festival_share"] == 0.5 and info["festival_voices"] == voices

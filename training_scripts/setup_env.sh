@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up a machine for konkanivani: espeak-ng and festival (demo corpus and tests), PyTorch + torchaudio when
+# Set up a machine for konkanivani: espeak-ng and festival's voices (demo corpus and tests), PyTorch + torchaudio when
 # they are missing, and the package itself in editable mode.
 #   training_scripts/setup_env.sh          # for training (with 8-bit AdamW from bitsandbytes)
 #   training_scripts/setup_env.sh --dev    # also the test tools
@@ -9,11 +9,18 @@ PYTHON=${PYTHON:-python3}
 extras="[8bit]"
 [ "${1:-}" = "--dev" ] && extras="[dev,8bit]"
 
-# espeak-ng reads the demo corpus; festival's Marathi diphone voice reads its held-out split.
+# espeak-ng reads the demo corpus; festival's Marathi diphone voice reads its held-out split, and its
+# voices of other languages (Czech, Finnish, Italian, Catalan, US English) read the corpus's
+# --festival_share of the training split.
+FESTIVAL_VOICES="festvox-mr-nsk festvox-czech-dita festvox-czech-krb festvox-czech-machac festvox-czech-ph
+    festvox-suopuhe-lj festvox-suopuhe-mv festvox-italp16k festvox-itapc16k festvox-ca-ona-hts festvox-kallpc16k
+    festvox-kdlpc16k"
 missing=""
 command -v espeak-ng >/dev/null 2>&1 || missing="espeak-ng"
-{ command -v text2wave >/dev/null 2>&1 && [ -d /usr/share/festival/voices/marathi/marathi_NSK_diphone ]; } ||
-    missing="$missing festival festvox-mr-nsk"
+command -v text2wave >/dev/null 2>&1 || missing="$missing festival"
+for voice in $FESTIVAL_VOICES; do
+    dpkg-query -W -f='${Status}' "$voice" 2>/dev/null | grep -q "ok installed" || missing="$missing $voice"
+done
 if [ -n "$missing" ]; then
     sudo=""
     [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && sudo="sudo"

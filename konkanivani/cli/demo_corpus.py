@@ -2,7 +2,7 @@
 konkanivani/demo_corpus.py).
 
     konkanivani-demo-corpus OUT_DIR [--seed 0] [--num_utterances 4800] [--max_sentences N] [--jobs 2]
-        [--sentences PATH] [--train_from_text N] [--force]
+        [--sentences PATH] [--train_from_text N] [--festival_share F] [--force]
 """
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--train_from_text", type=int, default=0, metavar="N",
                    help="also read N of the text-only sentences (a seeded choice) in the training split, for "
                         "more distinct training sentences; text.txt keeps the rest, valid and test are unchanged")
+    p.add_argument("--festival_share", type=float, default=0.0, metavar="F",
+                   help="read this share of the training utterances with festival's voices of other languages "
+                        "(Czech, Finnish, Italian, Catalan, US English) instead of espeak-ng; valid, test and "
+                        "heldout are unchanged")
     p.add_argument("--force", action="store_true", help="regenerate even if present")
     a = p.parse_args(argv)
     for name in ("num_utterances", "jobs", "max_sentences"):
@@ -33,11 +37,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             p.error(f"--{name} must be a positive integer, got {getattr(a, name)}")
     if a.train_from_text < 0:
         p.error(f"--train_from_text must be 0 or more, got {a.train_from_text}")
+    if not 0 <= a.festival_share <= 1:
+        p.error(f"--festival_share must be between 0 and 1, got {a.festival_share}")
     if a.sentences is not None and not a.sentences.is_file():
         p.error(f"--sentences {a.sentences}: file not found")
     try:
         summary = make_corpus(a.out_dir, a.seed, a.num_utterances, a.max_sentences, a.jobs, a.sentences, a.force,
-                              train_from_text=a.train_from_text)
+                              train_from_text=a.train_from_text, festival_share=a.festival_share)
     except EspeakMissingError as e:
         return fail(str(e))
     print_summary(summary)
