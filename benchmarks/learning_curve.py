@@ -102,7 +102,10 @@ def main(argv: list[str] | None = None) -> None:
             curve = [{k: (float if k in ("minutes", "cer", "wer") else int)(v) for k, v in row.items()}
                      for row in csv.DictReader(f)]
     else:
-        train(cfg, model_flags(ns), on_step=on_step)
+        summary = train(cfg, model_flags(ns), on_step=on_step)
+        if summary["stopped_by"] is not None:  # Ctrl-C or SIGTERM before the budget: nothing final to score
+            log.info("stopped by %s before the budget: no final scoring", summary["stopped_by"])
+            return
         write_csv(args.out / "curve.csv", curve)
 
     # ---- every decoding method on the final weights and on the average of the last epochs ----

@@ -27,3 +27,26 @@ def test_learning_curve_writes_curve_table_and_plot(tiny_corpus, tmp_path, capsy
     assert (out / "learning_curve.png").stat().st_size > 10_000
     printed = capsys.readouterr().out
     assert "| train min |" in printed and "| weights" in printed
+
+
+def test_a_run_stopped_by_sigterm_before_its_budget_scores_nothing(tiny_corpus, tmp_path, monkeypatch, caplog):
+    """SIGTERM at step 3 of 40: the run saves and stops, and the benchmark says so instead of scoring
+    the stopped weights as the budget's (it used to fail on an empty curve)."""
+    import signal
+    real_train = learning_curve.train
+
+    def train_with_sigterm(cfg, flags, on_step):
+        def step(step, epoch, model):
+            if step == 3:
+                signal.raise_signal(signal.SIGTERM)
+            return on_step(step, epoch, model)
+        return real_train(cfg, flags, on_step=step)
+
+    monkeypatch.setattr(learning_curve, "train", train_with_sigterm)
+    out = tmp_path / "lc"
+    caplog.set_level("INFO")
+    learning_curve.main(["--corpus", str(tiny_corpus), "--budget_steps", "40", "--out", str(out), "--preset", "tiny",
+                         "--vocab_size", "48", "--batch_size", "16", "--num_workers", "0", "--warmup_steps", "5"])
+    assert "stopped by SIGTERM before the budget" in caplog.text
+    assert (out / "run" / "latest.pt").is_file()
+    assert not (out / "curve.csv").exists() and not (out / "final.csv").exists()
