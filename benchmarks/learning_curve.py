@@ -26,7 +26,7 @@ from konkanivani.checkpoint import average_checkpoints, load_checkpoint, save_ch
 from konkanivani.cli.train import model_flags, parse_args
 from konkanivani.config import TrainConfig, dataclass_from_args
 from konkanivani.decode import DEFAULT_CTC_WEIGHT, FUSED_METHODS, METHODS
-from konkanivani.demo_corpus import make_corpus
+from konkanivani.demo_corpus import default_options, make_corpus
 from konkanivani.evaluation import evaluate_manifest
 from konkanivani.inference import Recognizer
 from konkanivani.model import ASRModel
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     args, trainer_argv = parser.parse_known_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if not (args.corpus / "train.jsonl").is_file():
-        make_corpus(args.corpus)
+        make_corpus(args.corpus, **default_options())  # as konkanivani-demo-corpus makes it
     test_manifest = args.corpus / "test.jsonl"
     ns = parse_args(["--train_manifest", str(args.corpus / "train.jsonl"), "--valid_manifest",
                                  str(args.corpus / "valid.jsonl"), "--output_dir", str(args.out / "run"),

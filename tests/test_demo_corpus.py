@@ -146,3 +146,24 @@ def test_festival_voices_of_other_languages_read_a_share_of_training_and_nothing
     assert s["test_sentences_disjoint"] and s["test_speakers_disjoint"] and s.get("heldout_source_unseen", True)
     info = json.loads((tmp_path / "corpus_info.json").read_text())
     assert info["festival_share"] == 0.5 and info["festival_voices"] == voices
+
+
+def test_the_command_reads_festival_voices_and_text_sentences_by_default(tmp_path, monkeypatch, capsys):
+    """konkanivani-demo-corpus without flags: DEFAULT_FESTIVAL_SHARE of training read by festival's voices
+    when they are installed (0 and a note when not), DEFAULT_TRAIN_FROM_TEXT text sentences; flags win."""
+    from konkanivani import demo_corpus
+    from konkanivani.cli import demo_corpus as cli
+    calls = []
+    monkeypatch.setattr(cli, "make_corpus", lambda *a, **kw: calls.append(kw) or {"splits": {}})
+    monkeypatch.setattr(cli, "print_summary", lambda summary: None)
+    monkeypatch.setattr(demo_corpus, "festival_train_voices", lambda: ["festival:cs_ph"])
+    assert cli.main([str(tmp_path)]) == 0
+    assert calls[-1] == {"festival_share": demo_corpus.DEFAULT_FESTIVAL_SHARE,
+                         "train_from_text": demo_corpus.DEFAULT_TRAIN_FROM_TEXT} == {"festival_share": 0.3,
+                                                                                     "train_from_text": 800}
+    assert cli.main([str(tmp_path), "--festival_share", "0.5", "--train_from_text", "0"]) == 0
+    assert calls[-1] == {"festival_share": 0.5, "train_from_text": 0}
+    monkeypatch.setattr(demo_corpus, "festival_train_voices", lambda: [])
+    assert cli.main([str(tmp_path)]) == 0
+    assert calls[-1]["festival_share"] == 0.0
+    assert "festival's training voices are missing" in capsys.readouterr().out

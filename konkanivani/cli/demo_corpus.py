@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Optional
 
 from . import Parser, fail
-from ..demo_corpus import DEFAULT_SENTENCES, EspeakMissingError, make_corpus, print_summary
+from ..demo_corpus import (DEFAULT_FESTIVAL_SHARE, DEFAULT_SENTENCES, DEFAULT_TRAIN_FROM_TEXT, EspeakMissingError,
+                           default_options, make_corpus, print_summary)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -23,13 +24,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="use only the first N sentences after a seeded shuffle")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--sentences", type=Path, default=None, help=f"default: {DEFAULT_SENTENCES}")
-    p.add_argument("--train_from_text", type=int, default=0, metavar="N",
+    p.add_argument("--train_from_text", type=int, default=DEFAULT_TRAIN_FROM_TEXT, metavar="N",
                    help="also read N of the text-only sentences (a seeded choice) in the training split, for "
-                        "more distinct training sentences; text.txt keeps the rest, valid and test are unchanged")
-    p.add_argument("--festival_share", type=float, default=0.0, metavar="F",
+                        "more distinct training sentences; text.txt keeps the rest, valid and test are unchanged "
+                        "(default: %(default)s; 0 reads only the speech sentences)")
+    p.add_argument("--festival_share", type=float, default=None, metavar="F",
                    help="read this share of the training utterances with festival's voices of other languages "
                         "(Czech, Finnish, Italian, Catalan, US English) instead of espeak-ng; valid, test and "
-                        "heldout are unchanged")
+                        f"heldout are unchanged (default: {DEFAULT_FESTIVAL_SHARE} when the voices are installed, "
+                        "else 0)")
     p.add_argument("--force", action="store_true", help="regenerate even if present")
     a = p.parse_args(argv)
     for name in ("num_utterances", "jobs", "max_sentences"):
@@ -37,6 +40,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             p.error(f"--{name} must be a positive integer, got {getattr(a, name)}")
     if a.train_from_text < 0:
         p.error(f"--train_from_text must be 0 or more, got {a.train_from_text}")
+    if a.festival_share is None:
+        a.festival_share = default_options()["festival_share"]
+        if not a.festival_share:
+            print("festival's training voices are missing (training_scripts/setup_env.sh installs them): "
+                  "espeak-ng reads the whole training split")
     if not 0 <= a.festival_share <= 1:
         p.error(f"--festival_share must be between 0 and 1, got {a.festival_share}")
     if a.sentences is not None and not a.sentences.is_file():
