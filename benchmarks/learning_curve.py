@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import csv
 import logging
+import signal
+import sys
 import time
 from pathlib import Path
 
@@ -40,7 +42,7 @@ RECIPE = ["--config", str(ROOT / "configs" / "cpu_small.yaml")]
 log = logging.getLogger("konkanivani")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", type=Path, default=ROOT / "data" / "demo", help="made if missing")
     parser.add_argument("--budget_minutes", type=float, default=30.0)
@@ -104,8 +106,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         summary = train(cfg, model_flags(ns), on_step=on_step)
         if summary["stopped_by"] is not None:  # Ctrl-C or SIGTERM before the budget: nothing final to score
-            log.info("stopped by %s before the budget: no final scoring", summary["stopped_by"])
-            return
+            log.info("stopped by %s before the budget: no final scoring (the points scored so far are above)",
+                     summary["stopped_by"])
+            stop = summary["stopped_by"]
+            return 1 if stop == "--max_time" else 128 + signal.Signals[stop]
         write_csv(args.out / "curve.csv", curve)
 
     # ---- every decoding method on the final weights and on the average of the last epochs ----
@@ -147,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     print(_table(rows, ["weights", "split", "method", "cer", "wer", "rtf"],
                  ["weights", "split", "decoding", "CER %", "WER %", "RTF"]))
     print(f"\nwrote {args.out / 'curve.csv'}, {args.out / 'final.csv'}, {args.out / 'learning_curve.png'}")
+    return 0
 
 
 def _table(rows: list[dict], keys: list[str], titles: list[str]) -> str:
@@ -183,4 +188,4 @@ def _plot(curve: list[dict], finals: list[dict], path: Path, budget: str) -> Non
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

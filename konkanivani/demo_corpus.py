@@ -45,7 +45,7 @@ from .augment import corrupt_manifest
 from .frames import SAMPLE_RATE
 from .data import read_manifest
 from .tokenizer import normalize_text
-from .transliterate import english_segments, spell
+from .transliterate import english_segments, phrases, spell
 
 # Package data: installed with the package (a wheel too), so the corpus can be made anywhere.
 DEFAULT_SENTENCES = Path(__file__).resolve().parent / "resources" / "demo_sentences_kok.txt"
@@ -88,8 +88,7 @@ class FestivalVoice(NamedTuple):
 
 
 # Training voices: each one speaker's recordings (diphones, or an HTS model for Catalan), none of them
-# the held-out NSK speaker. Debian: festvox-czech-{dita,krb,machac,ph}, festvox-suopuhe-{lj,mv},
-# festvox-{italp16k,itapc16k}, festvox-ca-ona-hts, festvox-{kallpc16k,kdlpc16k}.
+# the held-out NSK speaker. training_scripts/setup_env.sh installs their Debian packages.
 FESTIVAL_TRAIN_VOICES = {
     "festival:cs_dita": FestivalVoice("voice_czech_dita", "cs", "iso-8859-2", "czech/czech_dita"),
     "festival:cs_krb": FestivalVoice("voice_czech_krb", "cs", "iso-8859-2", "czech/czech_krb"),
@@ -116,7 +115,7 @@ NOISE_PROB = 0.7  # share of utterances that get light white noise
 SNR_RANGE_DB = (25.0, 40.0)
 TARGET_SR = SAMPLE_RATE
 KEEP_SILENCE_S = 0.1
-INFO_VERSION = 2
+INFO_VERSION = 3  # 3: festival's training voices, the transliteration's fixes
 
 
 class EspeakMissingError(RuntimeError):
@@ -132,7 +131,7 @@ def festival_available() -> bool:
 
 def festival_train_voices() -> list[str]:
     """The speaker names of FESTIVAL_TRAIN_VOICES whose voice is installed (with festival itself)."""
-    if shutil.which("festival") is None:
+    if shutil.which("festival") is None or shutil.which("text2wave") is None:
         return []
     return [name for name, v in FESTIVAL_TRAIN_VOICES.items()
             if any(Path(root, v.folder).is_dir() for root in FESTIVAL_VOICE_ROOTS)]
@@ -140,8 +139,11 @@ def festival_train_voices() -> list[str]:
 
 def default_options() -> dict[str, Any]:
     """The corpus options konkanivani-demo-corpus uses by default: DEFAULT_FESTIVAL_SHARE of the training
-    utterances read by festival's voices (when installed) and DEFAULT_TRAIN_FROM_TEXT more sentences."""
-    return {"festival_share": DEFAULT_FESTIVAL_SHARE if festival_train_voices() else 0.0,
+    utterances read by festival's voices when all of them are installed (the share would otherwise fall
+    on the few that are: Debian's festival brings one English voice along), and DEFAULT_TRAIN_FROM_TEXT
+    more sentences."""
+    every_voice = len(festival_train_voices()) == len(FESTIVAL_TRAIN_VOICES)
+    return {"festival_share": DEFAULT_FESTIVAL_SHARE if every_voice else 0.0,
             "train_from_text": DEFAULT_TRAIN_FROM_TEXT}
 
 
@@ -278,6 +280,22 @@ def read_with_festival_voices(plan: list[PlannedUtterance], share: float, voices
     return out
 
 
+def check_transliterable(plan: list[PlannedUtterance], sources: list[Path]) -> None:
+    """Raise ValueError naming the file and line of the first sentence a festival training voice is to
+    read that the transliteration cannot (a digit or a Latin letter in it), before any synthesis."""
+    for u in plan:
+        if u.speaker not in FESTIVAL_TRAIN_VOICES:
+            continue
+        try:
+            phrases(u.text)
+        except ValueError as e:
+            where = next((f"{path}: line {n}" for path in sources
+                          for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+                          if line.strip() == u.text), "a sentence")
+            raise ValueError(f"{where}: {e}; festival's voices read only Devanagari (--festival_share 0 leaves "
+                             "the training split to espeak-ng)") from None
+
+
 def trim_silence(x: np.ndarray, sr: int, keep_s: float = KEEP_SILENCE_S) -> np.ndarray:
     """Cut leading/trailing near-silence (-45 dB re. loudest 10 ms frame) so that
     exactly ~keep_s of margin remains on each side (zero-padded where espeak-ng
@@ -297,26 +315,36 @@ def trim_silence(x: np.ndarray, sr: int, keep_s: float = KEEP_SILENCE_S) -> np.n
     return np.pad(core, (pad_left, pad_right))
 
 
+def _festival(command: list[str], body: bytes, suffix: str, wav_path: str) -> None:
+    """Run festival's `command` (text2wave or festival -b) on `body` written to a temporary file,
+    whose path stands for {} in the command; `wav_path` must then hold the wav."""
+    fd, path = tempfile.mkstemp(suffix=suffix)
+    with os.fdopen(fd, "wb") as f:
+        f.write(body)
+    try:
+        subprocess.run([a.replace("{}", path) for a in command], check=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE)
+    finally:
+        os.unlink(path)
+
+
+def _scheme_string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def _speak_festival_train(utt: PlannedUtterance, wav_path: str) -> None:
     """One utterance read by a festival training voice: spelled text through text2wave, or, for the
     English diphone voices, US English phones with their durations and F0 through a festival script."""
     v = FESTIVAL_TRAIN_VOICES[utt.speaker]
-    setup = f"({v.voice}) (Parameter.set 'Duration_Stretch {utt.speed / 100})"
     if v.language == "en":
         segments = english_segments(utt.text, utt.speed / 100, utt.pitch)
-        body = (f"({v.voice})\n(set! utt (Utterance Segments ({segments})))\n(utt.synth utt)\n"
-                f"(utt.save.wave utt \"{wav_path}\" 'riff)\n").encode("ascii")
+        script = (f"({v.voice})\n(set! utt (Utterance Segments ({segments})))\n(utt.synth utt)\n"
+                  f"(utt.save.wave utt {_scheme_string(wav_path)} 'riff)\n")
+        _festival(["festival", "-b", "{}"], script.encode("utf-8"), ".scm", wav_path)
     else:
-        body = (spell(utt.text, v.language) + "\n").encode(v.encoding)
-    fd, script = tempfile.mkstemp(suffix=".scm" if v.language == "en" else ".txt")
-    with os.fdopen(fd, "wb") as f:
-        f.write(body)
-    command = (["festival", "-b", script] if v.language == "en" else
-               ["text2wave", "-eval", f"(begin {setup})", script, "-o", wav_path])
-    try:
-        subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    finally:
-        os.unlink(script)
+        setup = f"(begin ({v.voice}) (Parameter.set 'Duration_Stretch {utt.speed / 100}))"
+        _festival(["text2wave", "-eval", setup, "{}", "-o", wav_path],
+                  (spell(utt.text, v.language) + "\n").encode(v.encoding), ".txt", wav_path)
 
 
 def _speak(utt: PlannedUtterance, wav_path: str) -> None:
@@ -332,13 +360,8 @@ def _speak(utt: PlannedUtterance, wav_path: str) -> None:
     # defined"); the simple intonation model with our mean F0 stands in.
     scheme = (f"(begin ({FESTIVAL_VOICE}) (set! int_simple_params '((f0_mean {utt.pitch}) (f0_std 15))) "
               f"(Parameter.set 'Int_Method 'Simple) (Parameter.set 'Duration_Stretch {utt.speed / 100}))")
-    text_path = wav_path + ".txt"
-    Path(text_path).write_text(utt.text + "\n", encoding="utf-8")
-    try:
-        subprocess.run(["text2wave", "-eval", scheme, text_path, "-o", wav_path],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    finally:
-        os.unlink(text_path)
+    _festival(["text2wave", "-eval", scheme, "{}", "-o", wav_path], (utt.text + "\n").encode("utf-8"), ".txt",
+              wav_path)
 
 
 def synthesize(utt: PlannedUtterance, out_dir: str) -> tuple[str, int, float]:
@@ -469,8 +492,7 @@ def make_corpus(out_dir: str | Path, seed: int = 0, num_utterances: int = 4800,
         if not 0 < festival_share <= 1:
             raise ValueError(f"festival_share must be in (0, 1], got {festival_share}")
         if not train_voices:
-            raise EspeakMissingError("festival_share needs festival and at least one of its training voices: "
-                                     "`sudo apt-get install festival festvox-czech-ph festvox-italp16k ...` "
+            raise EspeakMissingError("festival_share needs festival and at least one of its training voices "
                                      "(training_scripts/setup_env.sh installs them)")
         info["festival_share"] = festival_share
         info["festival_voices"] = train_voices
@@ -485,6 +507,7 @@ def make_corpus(out_dir: str | Path, seed: int = 0, num_utterances: int = 4800,
     extra = random.Random(seed).sample(text_only, min(train_from_text, len(text_only)))
     plan = read_text_into_train(plan, extra, seed)
     plan = read_with_festival_voices(plan, festival_share, train_voices, seed)
+    check_transliterable(plan, [sent_path, *([text_file] if text_file else [])])
     (out / "corpus_info.json").unlink(missing_ok=True)
     (out / f"{HELDOUT}.jsonl").unlink(missing_ok=True)
     (out / f"{NOISY}.jsonl").unlink(missing_ok=True)

@@ -150,20 +150,43 @@ def test_festival_voices_of_other_languages_read_a_share_of_training_and_nothing
 
 def test_the_command_reads_festival_voices_and_text_sentences_by_default(tmp_path, monkeypatch, capsys):
     """konkanivani-demo-corpus without flags: DEFAULT_FESTIVAL_SHARE of training read by festival's voices
-    when they are installed (0 and a note when not), DEFAULT_TRAIN_FROM_TEXT text sentences; flags win."""
+    when all of them are installed (0 and the missing ones named when not: Debian's festival brings one
+    English voice along, which would read the whole share), DEFAULT_TRAIN_FROM_TEXT text sentences but
+    none with --max_sentences or --sentences; flags win."""
     from konkanivani import demo_corpus
     from konkanivani.cli import demo_corpus as cli
     calls = []
     monkeypatch.setattr(cli, "make_corpus", lambda *a, **kw: calls.append(kw) or {"splits": {}})
     monkeypatch.setattr(cli, "print_summary", lambda summary: None)
-    monkeypatch.setattr(demo_corpus, "festival_train_voices", lambda: ["festival:cs_ph"])
+
+    def installed(voices):
+        monkeypatch.setattr(demo_corpus, "festival_train_voices", lambda: voices)
+        monkeypatch.setattr(cli, "festival_train_voices", lambda: voices)
+
+    installed(list(FESTIVAL_TRAIN_VOICES))
     assert cli.main([str(tmp_path)]) == 0
     assert calls[-1] == {"festival_share": demo_corpus.DEFAULT_FESTIVAL_SHARE,
                          "train_from_text": demo_corpus.DEFAULT_TRAIN_FROM_TEXT} == {"festival_share": 0.3,
                                                                                      "train_from_text": 800}
     assert cli.main([str(tmp_path), "--festival_share", "0.5", "--train_from_text", "0"]) == 0
     assert calls[-1] == {"festival_share": 0.5, "train_from_text": 0}
-    monkeypatch.setattr(demo_corpus, "festival_train_voices", lambda: [])
+    assert cli.main([str(tmp_path), "--max_sentences", "20"]) == 0
+    assert calls[-1]["train_from_text"] == 0
+    installed(["festival:en_kal"])
     assert cli.main([str(tmp_path)]) == 0
     assert calls[-1]["festival_share"] == 0.0
-    assert "festival's training voices are missing" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "festival's training voices missing: festival:ca_ona, festival:cs_dita" in out and "en_kal" not in out
+
+
+def test_a_sentence_festival_cannot_read_is_named_by_file_and_line_before_any_synthesis(tmp_path):
+    """A Latin word or a digit in a sentence that a festival voice is to read: one error with the file
+    and line, and no audio made (the voice would skip it and the audio would not say the transcript)."""
+    if not festival_train_voices():
+        pytest.skip("festival's training voices are not installed")
+    sentences = tmp_path / "sentences.txt"
+    sentences.write_text("".join(f"वाक्य {i} नंबर\n" for i in range(12)), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"sentences.txt: line \d+: cannot transliterate '\d'"):
+        make_corpus(tmp_path / "c", seed=1, num_utterances=20, jobs=1, progress=False, heldout=False,
+                    sentences_path=sentences, festival_share=1.0)
+    assert not any((tmp_path / "c").glob("wavs/*.wav"))

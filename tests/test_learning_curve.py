@@ -9,10 +9,11 @@ learning_curve = load("learning_curve")
 def test_learning_curve_writes_curve_table_and_plot(tiny_corpus, tmp_path, capsys):
     """Bounded by steps, not seconds: the same curve on a fast or a busy machine."""
     out = tmp_path / "lc"
-    learning_curve.main(["--corpus", str(tiny_corpus), "--budget_steps", "14", "--eval_every_steps", "5",
-                         "--out", str(out), "--methods", "greedy,rescore", "--beam_size", "2", "--average_last", "2",
-                         "--preset", "tiny", "--vocab_size", "48", "--batch_size", "16", "--num_workers", "0",
-                         "--warmup_steps", "5"])
+    code = learning_curve.main(["--corpus", str(tiny_corpus), "--budget_steps", "14", "--eval_every_steps", "5",
+                                "--out", str(out), "--methods", "greedy,rescore", "--beam_size", "2", "--average_last",
+                                "2", "--preset", "tiny", "--vocab_size", "48", "--batch_size", "16", "--num_workers",
+                                "0", "--warmup_steps", "5"])
+    assert code == 0
     curve = list(csv.DictReader(open(out / "curve.csv")))
     assert [int(r["step"]) for r in curve] == [5, 10, 14]
     minutes = [float(r["minutes"]) for r in curve]
@@ -30,8 +31,8 @@ def test_learning_curve_writes_curve_table_and_plot(tiny_corpus, tmp_path, capsy
 
 
 def test_a_run_stopped_by_sigterm_before_its_budget_scores_nothing(tiny_corpus, tmp_path, monkeypatch, caplog):
-    """SIGTERM at step 3 of 40: the run saves and stops, and the benchmark says so instead of scoring
-    the stopped weights as the budget's (it used to fail on an empty curve)."""
+    """SIGTERM at step 3 of 40: the run saves and stops, and the benchmark says so and exits 143 instead of
+    scoring the stopped weights as the budget's (it used to fail on an empty curve)."""
     import signal
     real_train = learning_curve.train
 
@@ -45,8 +46,10 @@ def test_a_run_stopped_by_sigterm_before_its_budget_scores_nothing(tiny_corpus, 
     monkeypatch.setattr(learning_curve, "train", train_with_sigterm)
     out = tmp_path / "lc"
     caplog.set_level("INFO")
-    learning_curve.main(["--corpus", str(tiny_corpus), "--budget_steps", "40", "--out", str(out), "--preset", "tiny",
-                         "--vocab_size", "48", "--batch_size", "16", "--num_workers", "0", "--warmup_steps", "5"])
+    code = learning_curve.main(["--corpus", str(tiny_corpus), "--budget_steps", "40", "--out", str(out), "--preset",
+                                "tiny", "--vocab_size", "48", "--batch_size", "16", "--num_workers", "0",
+                                "--warmup_steps", "5"])
+    assert code == 128 + signal.SIGTERM  # as konkanivani-train exits, so a script sees the stop
     assert "stopped by SIGTERM before the budget" in caplog.text
     assert (out / "run" / "latest.pt").is_file()
     assert not (out / "curve.csv").exists() and not (out / "final.csv").exists()

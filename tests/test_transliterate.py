@@ -3,7 +3,7 @@ import pytest
 
 from konkanivani.demo_corpus import DEFAULT_SENTENCES, DEFAULT_TEXT, FESTIVAL_TRAIN_VOICES, load_sentences
 from konkanivani.transliterate import (CONSONANTS, ENGLISH_PHONES, NASALS, VIRAMA, VISARGA, VOWEL_LETTERS,
-                                       VOWEL_SIGNS, english_phones, english_segments, phrases, spell,
+                                       VOWEL_SIGNS, VOWELS, english_phones, english_segments, phrases, spell,
                                        word_phones)
 
 
@@ -16,9 +16,19 @@ from konkanivani.transliterate import (CONSONANTS, ENGLISH_PHONES, NASALS, VIRAM
     ("रंग", ["r", "a", "ng", "g"]),
     ("म्हाका", ["m", "h", "aa", "k", "aa"]),
     ("मेळून", ["m", "e", "L", "uu", "n"]),
+    ("मित्र", ["m", "i", "t", "r", "a"]),  # after a cluster the final vowel stays
+    ("\u091c\u093cरा", ["z", "a", "r", "aa"]),  # a nukta, after its consonant...
+    ("\u095bरा", ["z", "a", "r", "aa"]),  # ...or in a precomposed letter
+    ("फ़ोन", ["f", "o", "n"]),
 ])
 def test_word_phones(word, phones):
     assert word_phones(word) == phones
+
+
+@pytest.mark.parametrize("word", ["abc", "१२", "3"])
+def test_a_character_it_cannot_read_is_an_error_not_silence(word):
+    with pytest.raises(ValueError, match="cannot transliterate"):
+        word_phones(word)
 
 
 def test_spelled_in_each_orthography():
@@ -27,6 +37,7 @@ def test_spelled_in_each_orthography():
     assert spell(text, "fi") == "tumkaan meeluun mhaakaa khuub khoos djaalii."
     assert spell(text, "it") == "tumcan melun maca cub cos giali."  # c before a, gi for j before a
     assert spell("कितें, जेवण", "it") == "chiten, gevan."  # ch before i, g before e
+    assert spell("जैत कृपा", "it") == "giait cripa."  # not before ai and ri, which are spelled a.., r..
     assert spell(text, "ca") == "tumcan melun maca cub coss tjali."
     assert english_phones("हांव, बरो") == "pau hh aa n v pau b ah r ow pau"
 
@@ -67,5 +78,4 @@ def test_english_segments_scale_with_the_stretch_and_fall_in_pitch_through_a_phr
     f0 = [float(f) for *_, f in segs if f]
     assert f0[0] == pytest.approx(115) and f0[-1] == pytest.approx(85)
     assert f0[:4] == sorted(f0[:4], reverse=True) and f0[4:] == sorted(f0[4:], reverse=True)
-    assert len(f0) == sum(p in {"a", "aa", "i", "ii", "u", "uu", "e", "o", "ai", "au", "ae", "ao", "ri"}
-                          for phrase in phrases(text) for w in phrase for p in w)
+    assert len(f0) == sum(p in VOWELS for phrase in phrases(text) for w in phrase for p in w)

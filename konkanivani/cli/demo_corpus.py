@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Optional
 
 from . import Parser, fail
-from ..demo_corpus import (DEFAULT_FESTIVAL_SHARE, DEFAULT_SENTENCES, DEFAULT_TRAIN_FROM_TEXT, EspeakMissingError,
-                           default_options, make_corpus, print_summary)
+from ..demo_corpus import (DEFAULT_FESTIVAL_SHARE, DEFAULT_SENTENCES, DEFAULT_TRAIN_FROM_TEXT, FESTIVAL_TRAIN_VOICES,
+                           EspeakMissingError, default_options, festival_train_voices, make_corpus, print_summary)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -24,27 +24,30 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="use only the first N sentences after a seeded shuffle")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--sentences", type=Path, default=None, help=f"default: {DEFAULT_SENTENCES}")
-    p.add_argument("--train_from_text", type=int, default=DEFAULT_TRAIN_FROM_TEXT, metavar="N",
+    p.add_argument("--train_from_text", type=int, default=None, metavar="N",
                    help="also read N of the text-only sentences (a seeded choice) in the training split, for "
                         "more distinct training sentences; text.txt keeps the rest, valid and test are unchanged "
-                        "(default: %(default)s; 0 reads only the speech sentences)")
+                        f"(default: {DEFAULT_TRAIN_FROM_TEXT}; 0 with --sentences or --max_sentences)")
     p.add_argument("--festival_share", type=float, default=None, metavar="F",
                    help="read this share of the training utterances with festival's voices of other languages "
                         "(Czech, Finnish, Italian, Catalan, US English) instead of espeak-ng; valid, test and "
-                        f"heldout are unchanged (default: {DEFAULT_FESTIVAL_SHARE} when the voices are installed, "
-                        "else 0)")
+                        f"heldout are unchanged (default: {DEFAULT_FESTIVAL_SHARE} when all {len(FESTIVAL_TRAIN_VOICES)} "
+                        "voices are installed, else 0)")
     p.add_argument("--force", action="store_true", help="regenerate even if present")
     a = p.parse_args(argv)
     for name in ("num_utterances", "jobs", "max_sentences"):
         if getattr(a, name) is not None and getattr(a, name) < 1:
             p.error(f"--{name} must be a positive integer, got {getattr(a, name)}")
+    if a.train_from_text is None:  # the package's text is no fit for another sentence set or a tiny corpus
+        a.train_from_text = DEFAULT_TRAIN_FROM_TEXT if a.sentences is None and a.max_sentences is None else 0
     if a.train_from_text < 0:
         p.error(f"--train_from_text must be 0 or more, got {a.train_from_text}")
     if a.festival_share is None:
         a.festival_share = default_options()["festival_share"]
         if not a.festival_share:
-            print("festival's training voices are missing (training_scripts/setup_env.sh installs them): "
-                  "espeak-ng reads the whole training split")
+            missing = sorted(set(FESTIVAL_TRAIN_VOICES) - set(festival_train_voices()))
+            print(f"festival's training voices missing: {', '.join(missing)} (training_scripts/setup_env.sh "
+                  "installs them); espeak-ng reads the whole training split")
     if not 0 <= a.festival_share <= 1:
         p.error(f"--festival_share must be between 0 and 1, got {a.festival_share}")
     if a.sentences is not None and not a.sentences.is_file():
@@ -52,7 +55,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         summary = make_corpus(a.out_dir, a.seed, a.num_utterances, a.max_sentences, a.jobs, a.sentences, a.force,
                               train_from_text=a.train_from_text, festival_share=a.festival_share)
-    except EspeakMissingError as e:
+    except (EspeakMissingError, ValueError) as e:
         return fail(str(e))
     print_summary(summary)
     return 0
