@@ -455,6 +455,20 @@ def print_summary(summary: dict[str, Any]) -> None:
     print("check: " + ", ".join(f"{k}={v}" for k, v in checks.items()) + f" -> {verdict}")
 
 
+def _voices_for_share(festival_share: float) -> list[str]:
+    """The installed festival training voices that are to read `festival_share` of training (none for
+    a share of 0); a share above 1, or one with no voice installed, is an error."""
+    if festival_share <= 0:
+        return []
+    if festival_share > 1:
+        raise ValueError(f"festival_share must be in (0, 1], got {festival_share}")
+    voices = festival_train_voices()
+    if not voices:
+        raise EspeakMissingError("festival_share needs festival and at least one of its training voices "
+                                 "(training_scripts/setup_env.sh installs them)")
+    return voices
+
+
 def make_corpus(out_dir: str | Path, seed: int = 0, num_utterances: int = 4800,
                 max_sentences: Optional[int] = None, jobs: int = 2,
                 sentences_path: Optional[str | Path] = None, force: bool = False,
@@ -487,15 +501,9 @@ def make_corpus(out_dir: str | Path, seed: int = 0, num_utterances: int = 4800,
         if text_file is None:
             raise ValueError("train_from_text needs a text-only sentence file")
         info["train_from_text"] = train_from_text
-    train_voices = festival_train_voices() if festival_share > 0 else []
-    if festival_share > 0:
-        if not 0 < festival_share <= 1:
-            raise ValueError(f"festival_share must be in (0, 1], got {festival_share}")
-        if not train_voices:
-            raise EspeakMissingError("festival_share needs festival and at least one of its training voices "
-                                     "(training_scripts/setup_env.sh installs them)")
-        info["festival_share"] = festival_share
-        info["festival_voices"] = train_voices
+    train_voices = _voices_for_share(festival_share)
+    if train_voices:
+        info.update(festival_share=festival_share, festival_voices=train_voices)
     if not force and corpus_is_complete(out, info):
         if progress:
             print(f"corpus already present in {out}")
