@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import Parser
+from . import Parser, tool
 from ..config import PRESETS, model_config_from_preset
 from ..frames import frames_of
 from ..memory import GIB, MemoryEstimator
@@ -45,6 +45,7 @@ def table(est: MemoryEstimator, batch: int, frames: int) -> str:
     return "\n".join(lines)
 
 
+@tool
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = model_config_from_preset(args.preset, vocab_size=args.vocab_size)

@@ -11,10 +11,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from . import Parser, fail
+from . import Parser, fail, tool
 from ..plot import CURVES, have_matplotlib, plot_runs, read_metrics
 
 
+@tool
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="training output directories")
