@@ -17,13 +17,18 @@ file's header), and writes ``OUT_DIR/<split>.jsonl``. A row that cannot be used 
 reason and never stops the others. Audio paths are relative to the manifest's folder when the file
 lies under it, absolute otherwise. Text is kept as written but for surrounding whitespace:
 ``tokenizer.normalize_text`` runs in training.
+
+Nothing is mislabeled or lost on the way (``outputs``): every written file's name comes from its
+source through ``safe_name``, so two sources never share one name, and two rows that would still
+land on one file are both refused by name; the output folder may not be or contain the source;
+everything is built in ``OUT_DIR/.prepare.partial/`` and moved in at the end (manifests last), so
+an interrupted run leaves the previous result as it was.
 """
 from __future__ import annotations
 
 import csv
 import io
 import json
-import os
 import random
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -39,6 +44,7 @@ from .audio import AudioError, load_audio
 from .checks import check_row
 from .frames import SAMPLE_RATE
 from .inference import AUDIO_SUFFIXES
+from .outputs import OutputError, Staging, child, safe_name
 from .tokenizer import Tokenizer, train_tokenizer
 
 __all__ = ["CONVERT_FORMATS", "PrepareError", "Item", "Report", "commonvoice_items", "kaldi_items", "folder_items",
@@ -49,6 +55,8 @@ _EXAMPLES = 10  # skipped rows named one by one in the report
 _CV_SPLITS = {"train": "train", "dev": "valid", "test": "test"}  # Common Voice file -> our manifest
 _HF_SPLITS = {"validation": "valid", "dev": "valid"}
 _HF_TEXT_COLUMNS = ("sentence", "text", "transcription")
+RECORD = ".prepare.json"  # what the last complete run wrote into OUT_DIR (outputs.Staging)
+_AUDIO_FOLDERS = ("wavs", "clips")  # the folders of written audio in OUT_DIR
 
 
 class PrepareError(ValueError):
@@ -70,10 +78,12 @@ class Item:
     where: str  # "train.tsv:14", "data/text:3": the file and line, for messages
     split: str
     text: str = ""
-    audio: Path | None = None  # the file the manifest names
-    write_audio: Callable[[], None] | None = None  # writes ``audio`` first (a conversion, a cut segment)
+    audio: Path | None = None  # the file the manifest names (for a written one, where it will lie in OUT_DIR)
+    write_audio: Callable[[Path], None] | None = None  # writes the audio to the given path (a conversion, a cut)
+    source: str = ""  # what is written to ``audio``: the source file (and span), for refusing two on one name
     extra: dict[str, Any] = field(default_factory=dict)  # more keys of the row ("speaker")
     error: Unusable | None = None  # known unusable before any audio is read
+    written_by: Item | None = None  # another item writes this item's audio (the same source)
 
 
 @dataclass
@@ -95,23 +105,23 @@ def _decode(source: Path | io.BytesIO, label: str, start_s: float = 0.0, end_s: 
         raise Unusable(e.reason, f"{label}: {e.detail}" if e.detail else label) from e
 
 
-def _writer(target: Path, source: Path | Callable[[], io.BytesIO], label: str, start_s: float = 0.0,
-            end_s: float | None = None) -> Callable[[], None]:
-    """A function that decodes ``source`` (a file, or a function giving bytes) and writes it to
-    ``target`` as 16 kHz mono 16-bit PCM, in the format of the target's suffix."""
-    def write() -> None:
+def _writer(source: Path | Callable[[], io.BytesIO], label: str, start_s: float = 0.0,
+            end_s: float | None = None) -> Callable[[Path], None]:
+    """A function that decodes ``source`` (a file, or a function giving bytes) and writes it to the
+    path it is given as 16 kHz mono 16-bit PCM, in the format of that path's suffix."""
+    def write(target: Path) -> None:
         wav = _decode(source if isinstance(source, Path) else source(), label, start_s, end_s)
         target.parent.mkdir(parents=True, exist_ok=True)
         sf.write(str(target), np.clip(wav.numpy(), -1.0, 1.0), SAMPLE_RATE, subtype="PCM_16")  # resampling overshoots
     return write
 
 
-def _source_audio(path: Path, out_dir: Path, convert: str | None, name: str) -> tuple[Path, Callable | None]:
-    """A source file as the manifest will name it: as it is, or decoded to ``out_dir/name.convert``."""
+def _source_audio(item: Item, path: Path, folder: Path, convert: str | None, name: str) -> None:
+    """Set ``item``'s audio to a source file as it is, or to it decoded to ``folder/name.convert``."""
     if convert is None:
-        return path, None
-    target = out_dir / f"{name}.{convert}"
-    return target, _writer(target, path, str(path))
+        item.audio = path
+        return
+    item.audio, item.write_audio, item.source = folder / f"{name}.{convert}", _writer(path, str(path)), str(path)
 
 
 # --- sources ----------------------------------------------------------------------------------
@@ -137,15 +147,23 @@ def commonvoice_items(cv_dir: Path, out_dir: Path, convert: str | None = None) -
                                    f"({', '.join(reader.fieldnames or ['empty file'])})")
             for row in reader:
                 item = Item(f"{tsv}:{reader.line_num}", split, (row["sentence"] or "").strip())
-                if not row["path"]:
+                clip = row["path"] or ""
+                if not clip:
                     item.error = Unusable("no clip named")
-                else:
-                    item.audio, item.write_audio = _source_audio(cv_dir / "clips" / row["path"], out_dir / "clips",
-                                                                 convert, Path(row["path"]).stem)
+                elif not _stays_inside(cv_dir / "clips", clip):
+                    item.error = Unusable("clip path leaves clips/", clip)
+                else:  # the name of the path without its suffix: "a/x.mp3" and "a_x.mp3" stay two files
+                    _source_audio(item, cv_dir / "clips" / clip, out_dir / "clips", convert,
+                                  safe_name(str(Path(clip).with_suffix(""))))
                 if row.get("client_id"):
                     item.extra["speaker"] = row["client_id"]
                 items.append(item)
     return items
+
+
+def _stays_inside(folder: Path, relative: str) -> bool:
+    """Whether ``folder / relative`` (a path a source file names) lies inside ``folder``."""
+    return not Path(relative).is_absolute() and folder.resolve() in (folder / relative).resolve().parents
 
 
 def _kaldi_table(path: Path) -> dict[str, tuple[str, int]]:
@@ -172,8 +190,8 @@ def _kaldi_audio(utt: str, recording: str, wav_scp: dict, path: Path, audio_root
 def kaldi_items(data_dir: Path, out_dir: Path, split: str, convert: str | None = None,
                 audio_root: Path = Path(".")) -> list[Item]:
     """One item per line of ``text``; its audio is the ``wav.scp`` recording of the same id, or with
-    ``segments`` its segment, cut to ``out_dir/wavs/<utt>.<convert or wav>``. Relative ``wav.scp``
-    paths are taken from ``audio_root`` (Kaldi reads them from the current directory)."""
+    ``segments`` its segment, cut to ``out_dir/wavs/<safe_name(utt)>.<convert or wav>``. Relative
+    ``wav.scp`` paths are taken from ``audio_root`` (Kaldi reads them from the current directory)."""
     for name in ("wav.scp", "text"):
         if not (data_dir / name).is_file():
             raise PrepareError(f"{data_dir}: no {name} (a Kaldi data directory holds wav.scp and text)")
@@ -185,22 +203,22 @@ def kaldi_items(data_dir: Path, out_dir: Path, split: str, convert: str | None =
         item = Item(f"{data_dir / 'text'}:{line_no}", split, text)
         if utt in speakers:
             item.extra["speaker"] = speakers[utt][0]
-        name = utt.replace("/", "_")
+        name = safe_name(utt)  # "a/b" and "a_b", "." and "..": each a file of its own in wavs/
         try:
             if segments is None:
-                item.audio, item.write_audio = _source_audio(_kaldi_audio(utt, utt, wav_scp, data_dir, audio_root),
-                                                             out_dir / "wavs", convert, name)
+                _source_audio(item, _kaldi_audio(utt, utt, wav_scp, data_dir, audio_root), out_dir / "wavs", convert,
+                              name)
             else:
-                item.audio, item.write_audio = _segment(utt, segments, wav_scp, data_dir, audio_root,
-                                                        out_dir / "wavs" / f"{name}.{convert or 'wav'}")
+                _segment(item, utt, segments, wav_scp, data_dir, audio_root,
+                         out_dir / "wavs" / f"{name}.{convert or 'wav'}")
         except Unusable as e:
             item.error = e
         items.append(item)
     return items
 
 
-def _segment(utt: str, segments: dict, wav_scp: dict, data_dir: Path, audio_root: Path,
-             target: Path) -> tuple[Path, Callable]:
+def _segment(item: Item, utt: str, segments: dict, wav_scp: dict, data_dir: Path, audio_root: Path,
+             target: Path) -> None:
     if utt not in segments:
         raise Unusable("not in segments", utt)
     value, line_no = segments[utt]
@@ -212,7 +230,8 @@ def _segment(utt: str, segments: dict, wav_scp: dict, data_dir: Path, audio_root
     if end >= 0 and end <= start:  # an end of -1 means the end of the recording
         raise Unusable("bad segments line", f"{data_dir / 'segments'}:{line_no}: ends at {end} before {start}")
     source = _kaldi_audio(utt, recording, wav_scp, data_dir, audio_root)
-    return target, _writer(target, source, str(source), start, None if end < 0 else end)
+    item.audio, item.write_audio = target, _writer(source, str(source), start, None if end < 0 else end)
+    item.source = f"{source} from {start} s to {end} s"
 
 
 def folder_items(audio_dir: Path, split: str, convert: str | None = None, out_dir: Path | None = None) -> list[Item]:
@@ -229,8 +248,8 @@ def folder_items(audio_dir: Path, split: str, convert: str | None = None, out_di
             item.where, item.error = str(path), Unusable("no transcript (.txt) beside it")
         except (UnicodeDecodeError, OSError) as e:
             item.error = Unusable("transcript unreadable", str(e))
-        name = str(path.relative_to(audio_dir).with_suffix("")).replace(os.sep, "_")
-        item.audio, item.write_audio = _source_audio(path, written, convert, name)
+        relative = path.relative_to(audio_dir).with_suffix("")  # its folders kept: "a/b" and "a_b" stay apart
+        _source_audio(item, path, written, convert, "/".join(safe_name(part) for part in relative.parts))
         items.append(item)
     if not items:
         raise PrepareError(f"{audio_dir}: no audio file ({', '.join(AUDIO_SUFFIXES)}) in it or below")
@@ -261,6 +280,10 @@ def hf_items(path: Path, out_dir: Path, split: str, text_column: str | None = No
     items = []
     for name, ds in parts:
         name = _HF_SPLITS.get(name, name)
+        try:
+            child(out_dir, name, "the dataset's split")  # it names a manifest
+        except OutputError as e:
+            raise PrepareError(f"{path}: {e}") from None
         audio_col = audio_column or next((c for c, f in ds.features.items() if isinstance(f, datasets.Audio)), None)
         text_col = text_column or next((c for c in _HF_TEXT_COLUMNS if c in ds.column_names), None)
         for flag, col in (("--audio_column", audio_col), ("--text_column", text_col)):
@@ -272,8 +295,9 @@ def hf_items(path: Path, out_dir: Path, split: str, text_column: str | None = No
         for index, text in enumerate(ds[text_col]):
             target = out_dir / "wavs" / f"{name}_{index:06d}.{convert or 'wav'}"
             stored = lambda raw=raw, i=index: _hf_bytes(raw[i][audio_col])  # noqa: E731  read when written
-            items.append(Item(f"{path} {name} row {index}", name, text.strip() if isinstance(text, str) else "",
-                              target, _writer(target, stored, "the stored audio")))
+            where = f"{path} {name} row {index}"
+            items.append(Item(where, name, text.strip() if isinstance(text, str) else "",
+                              target, _writer(stored, "the stored audio"), where))
     return items
 
 
@@ -296,20 +320,54 @@ def _manifest_path(audio: Path, out_dir: Path) -> str:
         return str(audio.absolute())
 
 
-def _check(items: list[Item], out_dir: Path, tokenizer: Tokenizer, max_duration: float, progress: bool,
-           report: Report) -> dict[str, list[dict]]:
-    """Write each item's audio when it must be, check its row, and group the good rows by split."""
+def _claim_targets(items: list[Item]) -> None:
+    """Refuse, by name, every two items that would write different audio to one file (both are
+    skipped: either would be mislabeled); an item whose file another item with the same source
+    writes just names it."""
+    first: dict[Path, Item] = {}
+    for item in items:
+        if item.error or item.write_audio is None:
+            continue
+        target = item.audio.resolve()
+        other = first.setdefault(target, item)
+        if other is item:
+            continue
+        if other.source == item.source:  # one clip named by two rows: written once
+            item.write_audio = None
+            item.written_by = other
+            continue
+        clash = Unusable("two sources, one output file", f"{other.source} ({other.where}) and {item.source} "
+                                                         f"({item.where}) would both write {item.audio}")
+        item.error = other.error = clash
+
+
+def _refuse_sources_in(items: list[Item], folders: list[Path]) -> None:
+    """A source file inside a folder this run replaces would be gone after it: such rows are skipped."""
+    roots = [f.resolve() for f in folders]
+    for item in items:
+        if item.error is None and item.write_audio is None and item.written_by is None and item.audio is not None:
+            resolved = item.audio.resolve()
+            if any(root == resolved or root in resolved.parents for root in roots):
+                item.error = Unusable("source audio inside the output folder's own audio, which this run replaces",
+                                      str(item.audio))
+
+
+def _check(items: list[Item], out_dir: Path, staging: Path, tokenizer: Tokenizer, max_duration: float,
+           progress: bool, report: Report) -> dict[str, list[dict]]:
+    """Write each item's audio (under ``staging``, laid out as in ``out_dir``) when it must be,
+    check its row, and group the good rows by split."""
     rows: dict[str, list[dict]] = defaultdict(list)
     for item in tqdm(items, desc="reading audio", unit="utt", disable=not progress):
+        written = item.write_audio is not None or item.written_by is not None
         try:
             if item.error:
                 raise item.error
             if not item.text:  # said before any audio is decoded for it
                 raise Unusable("empty text")
             if item.write_audio:
-                item.write_audio()
+                item.write_audio(staging / item.audio.relative_to(out_dir))
             row = {"audio_filepath": _manifest_path(item.audio, out_dir), "text": item.text, **item.extra}
-            check = check_row(row, out_dir, tokenizer, max_duration=max_duration)
+            check = check_row(row, staging if written else out_dir, tokenizer, max_duration=max_duration)
             if check.error:
                 raise Unusable(*check.error)
         except Unusable as e:
@@ -334,6 +392,17 @@ def _carve_valid(rows: dict[str, list[dict]], split: str, fraction: float, seed:
     rows[split] = [r for i, r in enumerate(source) if i not in chosen]
 
 
+def _audio_folders(items: list[Item], out_dir: Path, previous: list[str] | None) -> list[Path]:
+    """The folders of ``out_dir`` this run fills (and so replaces) with written audio. One that
+    exists and that no earlier run of this tool recorded as its own is the user's: refused."""
+    names = {item.audio.relative_to(out_dir).parts[0] for item in items if item.write_audio is not None}
+    for name in sorted(names):
+        if (out_dir / name).exists() and name not in (previous or ()):
+            raise PrepareError(f"{out_dir / name} exists and was not written by konkanivani-prepare; this run would "
+                               "replace it: move it away or choose another OUT_DIR")
+    return [out_dir / n for n in sorted(names | {n for n in previous or () if n in _AUDIO_FOLDERS})]
+
+
 def prepare(items: list[Item], out_dir: Path, *, tokenizer: Tokenizer | None = None, max_duration: float = 30.0,
             valid_fraction: float = 0.0, split_name: str = "train", seed: int = 0, progress: bool = True) -> Report:
     """Check ``items``, write ``out_dir/<split>.jsonl`` for every split with a usable row, and
@@ -342,8 +411,10 @@ def prepare(items: list[Item], out_dir: Path, *, tokenizer: Tokenizer | None = N
     Without ``tokenizer`` the texts are checked against a character tokenizer trained on them all:
     a row that passes with characters (the most tokens, so the strictest "too short for CTC") passes
     with any tokenizer trained on the same text.
+
+    The audio and the manifests are built in a staging folder and replace those of the previous
+    run only at the end: an interrupted run (Ctrl-C, a kill) leaves the previous result whole.
     """
-    out_dir.mkdir(parents=True, exist_ok=True)
     report = Report(total=len(items))
     if tokenizer is None:
         texts = [item.text for item in items if item.error is None and item.text]
@@ -351,14 +422,20 @@ def prepare(items: list[Item], out_dir: Path, *, tokenizer: Tokenizer | None = N
             tokenizer = train_tokenizer(texts, model_type="char")
         except ValueError:  # no text at all: every row fails as "empty text" below
             tokenizer = train_tokenizer(["a"], model_type="char")
-    rows = _check(items, out_dir, tokenizer, max_duration, progress, report)
-    _carve_valid(rows, split_name, valid_fraction, seed)
-    for split, split_rows in rows.items():
-        path = out_dir / f"{split}.jsonl"
-        with open(path, "w", encoding="utf-8") as f:
-            for row in split_rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        report.manifests[split] = (path, len(split_rows), sum(r["duration"] for r in split_rows))
+    _claim_targets(items)
+    with Staging(out_dir, "prepare", RECORD) as staging:
+        _refuse_sources_in(items, _audio_folders(items, out_dir, staging.previous()))
+        rows = _check(items, out_dir, staging.path, tokenizer, max_duration, progress, report)
+        _carve_valid(rows, split_name, valid_fraction, seed)
+        if not rows:  # nothing usable: the previous result stays as it was
+            return report
+        for split, split_rows in rows.items():
+            with open(child(staging.path, f"{split}.jsonl", "split"), "w", encoding="utf-8") as f:
+                for row in split_rows:
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            report.manifests[split] = (out_dir / f"{split}.jsonl", len(split_rows),
+                                       sum(r["duration"] for r in split_rows))
+        staging.publish(stale=[f"{split}.jsonl" for split in rows])
     return report
 
 

@@ -183,26 +183,27 @@ def test_folder_of_audio_with_txt_transcripts(tmp_path, capsys):
     for name, text in [("a", f"  {TEXTS[0]}\n"), ("deep/er/b", TEXTS[1]), ("d", TEXTS[2]), ("e", "\n")]:
         (clips / f"{name}.txt").write_text(text, encoding="utf-8")
     (clips / "notes.txt").write_text("not a transcript", encoding="utf-8")
-    status, printed = _run(capsys, "folder", clips, clips)  # the manifest beside the clips
+    out = tmp_path / "out"
+    status, printed = _run(capsys, "folder", clips, out)
     assert status == 0, printed
-    rows = _rows(clips / "train.jsonl")
-    assert rows == [{"audio_filepath": "a.wav", "duration": 1.5, "text": TEXTS[0]},
-                    {"audio_filepath": "deep/er/b.flac", "duration": 2.0, "text": TEXTS[1]}]
+    rows = _rows(out / "train.jsonl")
+    assert rows == [{"audio_filepath": str(clips / "a.wav"), "duration": 1.5, "text": TEXTS[0]},
+                    {"audio_filepath": str(clips / "deep/er/b.flac"), "duration": 2.0, "text": TEXTS[1]}]
     assert "skipped 3 of 5 utterances" in printed
     assert f"{clips / 'c.wav'}: no transcript (.txt) beside it" in printed
     assert f"{clips / 'd.txt'}: audio unreadable" in printed and f"{clips / 'e.txt'}: empty text" in printed
-    _validates(clips / "train.jsonl", capsys)
+    _validates(out / "train.jsonl", capsys)
 
 
-def test_folder_convert_into_the_folder_itself_does_not_read_its_own_output_again(tmp_path, capsys):
+def test_folder_convert_into_a_folder_inside_the_source_does_not_read_its_own_output_again(tmp_path, capsys):
     _audio(tmp_path / "c" / "a.wav", 1.5, sr=44100, channels=2)
     (tmp_path / "c" / "a.txt").write_text(TEXTS[0], encoding="utf-8")
+    out = tmp_path / "c" / "prepared"
     for _ in range(2):
-        status, printed = _run(capsys, "folder", tmp_path / "c", tmp_path / "c", "--convert", "flac")
+        status, printed = _run(capsys, "folder", tmp_path / "c", out, "--convert", "flac")
         assert status == 0 and "skipped" not in printed, printed
-        assert _rows(tmp_path / "c" / "train.jsonl") == [{"audio_filepath": "wavs/a.flac", "duration": 1.5,
-                                                            "text": TEXTS[0]}]
-    info = sf.info(str(tmp_path / "c" / "wavs" / "a.flac"))
+        assert _rows(out / "train.jsonl") == [{"audio_filepath": "wavs/a.flac", "duration": 1.5, "text": TEXTS[0]}]
+    info = sf.info(str(out / "wavs" / "a.flac"))
     assert (info.format, info.samplerate, info.channels) == ("FLAC", 16000, 1)
 
 

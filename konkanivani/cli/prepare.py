@@ -9,14 +9,16 @@ data directory, a folder of audio with .txt transcripts or a saved Hugging Face 
 
 Each row is checked as konkanivani-validate checks it; the rows that cannot be used are counted by
 reason at the end, the first few named with file and line. Exit status: 0 when a manifest was
-written, 1 when no row could be used, 2 when the source cannot be read at all.
+written, 1 when no row could be used, 2 when the source cannot be read at all or OUT_DIR is or
+contains it, 130 on Ctrl-C (the previous manifests and audio stay as they were).
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from . import Parser, fail
+from . import Parser, fail, tool
+from ..outputs import OutputError, child, refuse_overlap
 from ..prepare import (CONVERT_FORMATS, PrepareError, commonvoice_items, folder_items, hf_items, kaldi_items,
                        prepare, print_report)
 from ..tokenizer import Tokenizer
@@ -67,6 +69,12 @@ def parse_args(argv: list[str] | None = None):
         sub.error("--max_duration must be a positive number of seconds")
     if not 0 <= getattr(args, "valid_fraction", 0.0) < 1:
         sub.error(f"--valid_fraction must be at least 0 and below 1, got {args.valid_fraction}")
+    try:
+        refuse_overlap(args.source_dir, args.out_dir, f"the source {metavars[args.source]}")
+        if hasattr(args, "split_name"):
+            child(args.out_dir, args.split_name, "--split_name")
+    except OutputError as e:
+        sub.error(str(e))
     return args
 
 
@@ -80,16 +88,17 @@ def _items(args):
     return hf_items(args.source_dir, args.out_dir, args.split_name, args.text_column, args.audio_column, args.convert)
 
 
+@tool
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         items = _items(args)
+        report = prepare(items, args.out_dir, tokenizer=Tokenizer.load(args.tokenizer) if args.tokenizer else None,
+                         max_duration=args.max_duration, valid_fraction=getattr(args, "valid_fraction", 0.0),
+                         split_name=getattr(args, "split_name", "train"), seed=getattr(args, "seed", 0),
+                         progress=args.progress)
     except PrepareError as e:
         return fail(str(e))
-    report = prepare(items, args.out_dir, tokenizer=Tokenizer.load(args.tokenizer) if args.tokenizer else None,
-                     max_duration=args.max_duration, valid_fraction=getattr(args, "valid_fraction", 0.0),
-                     split_name=getattr(args, "split_name", "train"), seed=getattr(args, "seed", 0),
-                     progress=args.progress)
     print_report(report)
     return 0 if report.manifests else 1
 
