@@ -29,6 +29,7 @@ import torchaudio
 from .audio import load_audio, resample
 from .config import ConfigError
 from .frames import HOP_LENGTH, SAMPLE_RATE, subsampled_lengths
+from .outputs import child
 
 __all__ = ["SPEED_FACTORS", "VTLP_RANGE", "AugmentConfig", "Augmenter", "utterance_generator", "speed_perturb",
            "coloured_noise", "add_noise", "synthetic_rir", "reverberate", "vtlp_warp_matrix", "batching_duration",
@@ -347,7 +348,7 @@ def corrupt_manifest(src_manifest: str | Path, out_dir: str | Path, name: str, s
         raise ValueError(f"snr_db must be (low, high) with low <= high, got {snr_db}")
     augmenter = Augmenter(AugmentConfig(noise_prob=1.0, noise_snr_db=tuple(snr_db), reverb_prob=float(reverb),
                                         noise_dir=str(noise_dir or ""), rir_dir=str(rir_dir or ""), seed=seed))
-    (out_dir / name).mkdir(parents=True, exist_ok=True)
+    child(out_dir, name, "name").mkdir(parents=True, exist_ok=True)  # a plain name: it stays in out_dir
     rows = []
     for n, (line_no, row) in enumerate(read_manifest(src_manifest)):
         audio = Path(str(row.get("audio_filepath", "")))

@@ -29,6 +29,7 @@ import multiprocessing
 import os
 import random
 import shutil
+import signal
 import subprocess
 import tempfile
 from contextlib import nullcontext
@@ -43,6 +44,7 @@ from tqdm import tqdm
 from .audio import resample
 from .augment import corrupt_manifest
 from .frames import SAMPLE_RATE
+from .outputs import Staging
 from .data import read_manifest
 from .tokenizer import normalize_text
 from .transliterate import english_segments, phrases, spell
@@ -116,6 +118,7 @@ SNR_RANGE_DB = (25.0, 40.0)
 TARGET_SR = SAMPLE_RATE
 KEEP_SILENCE_S = 0.1
 INFO_VERSION = 3  # 3: festival's training voices, the transliteration's fixes
+INFO_FILE = "corpus_info.json"  # written last, when the corpus is whole
 
 
 class EspeakMissingError(RuntimeError):
@@ -318,7 +321,7 @@ def trim_silence(x: np.ndarray, sr: int, keep_s: float = KEEP_SILENCE_S) -> np.n
 def _festival(command: list[str], body: bytes, suffix: str, wav_path: str) -> None:
     """Run festival's `command` (text2wave or festival -b) on `body` written to a temporary file,
     whose path stands for {} in the command; `wav_path` must then hold the wav."""
-    fd, path = tempfile.mkstemp(suffix=suffix)
+    fd, path = tempfile.mkstemp(suffix=suffix, prefix=".festival", dir=os.path.dirname(wav_path) or None)
     with os.fdopen(fd, "wb") as f:
         f.write(body)
     try:
@@ -365,8 +368,10 @@ def _speak(utt: PlannedUtterance, wav_path: str) -> None:
 
 
 def synthesize(utt: PlannedUtterance, out_dir: str) -> tuple[str, int, float]:
-    """Synthesize one utterance, post-process and write the 16 kHz wav."""
-    fd, tmp = tempfile.mkstemp(suffix=".wav")
+    """Synthesize one utterance, post-process and write the 16 kHz wav. The synthesizer's own file
+    is a temporary inside `out_dir` (the corpus's staging folder), so a killed worker leaves
+    nothing behind that the next build does not remove."""
+    fd, tmp = tempfile.mkstemp(suffix=".wav", prefix=".synth", dir=out_dir)
     os.close(fd)
     try:
         _speak(utt, tmp)
@@ -391,6 +396,9 @@ def sha1_of(path: Path) -> str:
     return hashlib.sha1(path.read_bytes()).hexdigest()
 
 
+_OUTPUTS = ["wavs", NOISY, "text.txt", *(f"{s}.jsonl" for s in (*SPLITS, NOISY, HELDOUT))]  # before records
+
+
 def _rows(path: Path) -> list[dict[str, Any]]:
     return [row for _, row in read_manifest(path)]
 
@@ -401,9 +409,11 @@ def _splits(info: dict[str, Any]) -> tuple[str, ...]:
 
 def corpus_is_complete(out_dir: Path, info: dict[str, Any]) -> bool:
     """True when corpus_info.json matches `info` and every manifest + wav (and text.txt) exists."""
-    info_path = out_dir / "corpus_info.json"
+    info_path = out_dir / INFO_FILE
     try:
-        if json.loads(info_path.read_text(encoding="utf-8")) != info:
+        recorded = json.loads(info_path.read_text(encoding="utf-8"))
+        recorded.pop("outputs", None)  # what the build wrote (outputs.Staging)
+        if recorded != info:
             return False
         if info.get("text_sha1") and not (out_dir / "text.txt").is_file():
             return False
@@ -469,6 +479,37 @@ def _voices_for_share(festival_share: float) -> list[str]:
     return voices
 
 
+def _build(root: Path, plan: list[PlannedUtterance], info: dict[str, Any], jobs: int, progress: bool,
+           seed: int) -> None:
+    """Synthesize every planned utterance under `root` and write the manifests and the noisy copy."""
+    (root / "wavs").mkdir()
+    durations: dict[tuple[str, int], float] = {}
+    tasks = [(u, str(root)) for u in plan]
+    # Workers are started fresh ("spawn"), never forked: a fork of a process whose torch/OpenMP
+    # threads have already run hangs in the child's first parallel torch op (the resampler).
+    spawn = multiprocessing.get_context("spawn")
+    workers = spawn.Pool(jobs, initializer=_worker_init) if jobs > 1 else nullcontext()
+    with workers as pool:  # None without workers
+        results = pool.imap_unordered(_synthesize_job, tasks, chunksize=8) if pool else map(_synthesize_job, tasks)
+        for split, idx, dur in tqdm(results, total=len(tasks), desc="synthesizing", unit="utt",
+                                    disable=not progress):
+            durations[split, idx] = dur
+    for split in (s for s in _splits(info) if s != NOISY):
+        with open(root / f"{split}.jsonl", "w", encoding="utf-8") as f:
+            for u in (u for u in plan if u.split == split):
+                row = {"audio_filepath": u.rel_path, "duration": durations[split, u.index],
+                       "text": u.text, "speaker": u.speaker, "speed": u.speed, "pitch": u.pitch}
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    corrupt_manifest(root / "test.jsonl", root, NOISY, seed=seed, snr_db=NOISY_SNR_DB, reverb=True)
+
+
+def _worker_init() -> None:
+    """A synthesis worker: one torch thread, and Ctrl-C left to the main process (which ends the
+    pool and removes the staging folder), so a worker prints no traceback of its own."""
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def make_corpus(out_dir: str | Path, seed: int = 0, num_utterances: int = 4800,
                 max_sentences: Optional[int] = None, jobs: int = 2,
                 sentences_path: Optional[str | Path] = None, force: bool = False,
@@ -516,33 +557,10 @@ def make_corpus(out_dir: str | Path, seed: int = 0, num_utterances: int = 4800,
     plan = read_text_into_train(plan, extra, seed)
     plan = read_with_festival_voices(plan, festival_share, train_voices, seed)
     check_transliterable(plan, [sent_path, *([text_file] if text_file else [])])
-    (out / "corpus_info.json").unlink(missing_ok=True)
-    (out / f"{HELDOUT}.jsonl").unlink(missing_ok=True)
-    (out / f"{NOISY}.jsonl").unlink(missing_ok=True)
-    shutil.rmtree(out / NOISY, ignore_errors=True)
-    shutil.rmtree(out / "wavs", ignore_errors=True)
-    (out / "wavs").mkdir(parents=True)
-    durations: dict[tuple[str, int], float] = {}
-    tasks = [(u, str(out)) for u in plan]
-    # Workers are started fresh ("spawn"), never forked: a fork of a process whose torch/OpenMP
-    # threads have already run hangs in the child's first parallel torch op (the resampler).
-    spawn = multiprocessing.get_context("spawn")
-    workers = spawn.Pool(jobs, initializer=torch.set_num_threads, initargs=(1,)) if jobs > 1 else nullcontext()
-    with workers as pool:  # None without workers
-        results = pool.imap_unordered(_synthesize_job, tasks, chunksize=8) if pool else map(_synthesize_job, tasks)
-        for split, idx, dur in tqdm(results, total=len(tasks), desc="synthesizing", unit="utt",
-                                    disable=not progress):
-            durations[split, idx] = dur
-    for split in (s for s in _splits(info) if s != NOISY):
-        with open(out / f"{split}.jsonl", "w", encoding="utf-8") as f:
-            for u in (u for u in plan if u.split == split):
-                row = {"audio_filepath": u.rel_path, "duration": durations[split, u.index],
-                       "text": u.text, "speaker": u.speaker, "speed": u.speed, "pitch": u.pitch}
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    corrupt_manifest(out / "test.jsonl", out, NOISY, seed=seed, snr_db=NOISY_SNR_DB, reverb=True)
-    (out / "text.txt").unlink(missing_ok=True)
-    if text_file:
-        lines = text_only_sentences(text_file, sentences + extra)
-        (out / "text.txt").write_text("".join(t + "\n" for t in lines), encoding="utf-8")
-    (out / "corpus_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    with Staging(out, "demo_corpus", INFO_FILE) as staging:
+        _build(staging.path, plan, info, jobs, progress, seed)
+        if text_file:
+            lines = text_only_sentences(text_file, sentences + extra)
+            (staging.path / "text.txt").write_text("".join(t + "\n" for t in lines), encoding="utf-8")
+        staging.publish(info, stale=_OUTPUTS)
     return {**summarize(out), "skipped": False}

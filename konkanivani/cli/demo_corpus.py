@@ -10,11 +10,12 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from . import Parser, fail
+from . import Parser, fail, tool
 from ..demo_corpus import (DEFAULT_FESTIVAL_SHARE, DEFAULT_SENTENCES, DEFAULT_TRAIN_FROM_TEXT, FESTIVAL_TRAIN_VOICES,
                            EspeakMissingError, default_options, festival_train_voices, make_corpus, print_summary)
 
 
+@tool
 def main(argv: Optional[list[str]] = None) -> int:
     p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir", type=Path)
