@@ -18,7 +18,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from . import Parser, fail
+from . import Parser, fail, tool
+from ..checkpoint import write_file_atomic
 from ..checks import DEFAULT_DURATION_TOLERANCE, check_row
 from ..data import ManifestError, iter_manifest
 from ..tokenizer import Tokenizer, train_tokenizer
@@ -45,6 +46,9 @@ def parse_args(argv: list[str] | None = None):
         p.error(f"manifest {args.manifest}: file not found")
     if args.tokenizer is not None and not args.tokenizer.is_file():
         p.error(f"--tokenizer {args.tokenizer}: file not found")
+    if args.output is not None and args.output.resolve() == args.manifest.resolve():
+        p.error(f"--output {args.output} is the manifest being checked: a tool never rewrites its own input; "
+                "write the cleaned copy to another file")
     if args.vocab_size < 1 or args.max_duration <= 0:
         p.error("--vocab_size must be a positive integer" if args.vocab_size < 1 else
                 "--max_duration must be a positive number of seconds")
@@ -59,6 +63,7 @@ def _rebased(row: dict, source_dir: Path, target_dir: Path) -> dict:
     return {**row, "audio_filepath": os.path.relpath((source_dir / audio).resolve(), target_dir.resolve())}
 
 
+@tool
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -110,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {n:6d} {label}: {reason}")
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.output, "w", encoding="utf-8") as f:
-            for row in good:
-                f.write(json.dumps(_rebased(row, args.manifest.parent, args.output.parent), ensure_ascii=False) + "\n")
+        text = "".join(json.dumps(_rebased(row, args.manifest.parent, args.output.parent), ensure_ascii=False) + "\n"
+                       for row in good)
+        write_file_atomic(args.output, text.encode("utf-8"))  # a kill leaves the old file or the new one
         print(f"wrote {len(good)} good rows to {args.output}")
     return 1 if errors else 0
 
