@@ -12,8 +12,10 @@ Layout of an output directory::
 extra disk), copies otherwise; either way they are replaced by an atomic rename.
 
 A directory holds one run: a second process that starts in it is refused while the first runs
-(``hold_run_directory``), and a fresh start into a directory that already holds a run is refused
-unless asked for, when the old run is moved aside, never deleted (``existing_run``, ``move_run_aside``).
+(``hold_run_directory``), and a fresh start into a directory that already holds a run (any ``*.pt``
+file counts) is refused unless asked for, when the old run is moved aside, never deleted
+(``check_output_dir``, ``existing_run``, ``move_run_aside``). A run refused, or stopped before it
+wrote anything, leaves the directory as it found it.
 """
 from __future__ import annotations
 
@@ -42,8 +44,8 @@ except ImportError:  # Windows: no advisory locks; the directory is then not gua
 __all__ = ["CheckpointError", "FORMAT_VERSION", "LOCK_FILE", "TrainState", "capture_rng", "restore_rng",
            "save_checkpoint", "load_checkpoint", "point_to", "prune_checkpoints", "remove_stale_temporaries",
            "resolve_resume", "load_resume_checkpoint", "step_checkpoint_name", "step_checkpoints",
-           "select_checkpoints", "average_checkpoints", "hold_run_directory", "claim_output_dir", "existing_run",
-           "move_run_aside", "MetricsLog", "atomic_file", "write_file_atomic", "inference_state_dict"]
+           "select_checkpoints", "average_checkpoints", "hold_run_directory", "check_output_dir", "claim_output_dir",
+           "existing_run", "move_run_aside", "MetricsLog", "atomic_file", "write_file_atomic", "inference_state_dict"]
 
 log = logging.getLogger("konkanivani")
 
@@ -140,8 +142,11 @@ class MetricsLog:
 
     def write(self, kind: str, step: int, epoch: int, **values: float) -> None:
         values = {k: v if math.isfinite(v) else None for k, v in values.items()}  # strict JSON: no NaN
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"kind": kind, "step": step, "epoch": epoch, **values}) + "\n")
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"kind": kind, "step": step, "epoch": epoch, **values}) + "\n")
+        except OSError as e:  # a full disk, say: one line naming the file, not a traceback
+            raise CheckpointError(f"could not write {self.path}: {e.strerror or e}") from e
 
     def truncate(self, step: int) -> None:
         """Drop the rows written after ``step`` by a run that died before its next save, and a
@@ -203,15 +208,38 @@ def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
     _fsync_dir(path.parent)
 
 
+class _KeepsWriteError:
+    """A binary file that remembers the first ``OSError`` its ``write`` raised. torch.save turns
+    such an error into a RuntimeError of its own ("[enforce fail at inline_container.cc:...]
+    unexpected pos 704 vs 598"), which hides the reason: "No space left on device"."""
+
+    def __init__(self, f: BinaryIO):
+        self.f, self.error = f, None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def __getattr__(self, name: str) -> Any:  # flush, fileno, ...: the file's own
+        return getattr(self.f, name)
+
+
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
-    """Write ``state`` to ``path`` atomically: a reader sees the old file or the new one, never half."""
+    """Write ``state`` to ``path`` atomically: a reader sees the old file or the new one, never half.
+    ``CheckpointError`` when it cannot be written, with the system's reason (a full disk, say)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    f = None
     try:
-        with atomic_file(path) as f:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(path) as raw:
+            f = _KeepsWriteError(raw)
             torch.save({"format_version": FORMAT_VERSION, **state}, f)
-    except (OSError, RuntimeError) as e:  # torch.save reports a failed write (a full disk, say) as either
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as either
+        cause = f.error if f is not None and f.error is not None else e
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else cause
         raise CheckpointError(f"could not write checkpoint {path}: {reason}; "
                               "the previous checkpoints are untouched") from e
     return path
@@ -350,55 +378,144 @@ def load_resume_checkpoint(resume: str, output_dir: str | Path) -> tuple[dict[st
 def hold_run_directory(directory: str | Path) -> Iterator[None]:
     """Hold ``directory`` for this process while the block runs: an exclusive lock on
     ``directory/.lock``, which the kernel releases on any exit, kill -9 included. Raises
-    ``CheckpointError`` naming the holder when another process holds it.
+    ``CheckpointError`` naming the holder when another process holds it, and saying why when the
+    directory cannot be made or written to.
+
+    The directory (and its missing parents) and the lock file are made where missing. A block that
+    adds or removes nothing in the directory (a run refused, or one stopped before it wrote
+    anything) leaves it as it was found: what this call made is removed again on the way out.
 
     A POSIX record lock (``lockf``) rather than ``flock``: forked DataLoader workers do not inherit
     it, so the lock ends with the training process itself, not with its last worker."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    if fcntl is None:
-        yield
-        return
-    path = directory / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    made = _make_directory(directory)
     try:
+        if fcntl is None:
+            yield
+            return
+        found = _names(directory) or set()
+        fd, made_lock = _take_lock(directory)
+        try:
+            yield
+        finally:
+            if made_lock and _names(directory) == found | {LOCK_FILE}:  # the block changed nothing
+                (directory / LOCK_FILE).unlink(missing_ok=True)  # while held: see _take_lock for a waiting process
+            os.close(fd)  # releases the lock
+    finally:
+        _remove_empty(made)
+
+
+def _make_directory(directory: Path) -> list[Path]:
+    """Make ``directory`` and its missing parents; return those made, innermost first.
+    ``CheckpointError`` saying why when it cannot be made or written to."""
+    made, existing = [], directory
+    while not existing.exists() and existing != existing.parent:
+        made.append(existing)
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        raise CheckpointError(f"cannot use {directory} as the output directory: {existing} is a file")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _remove_empty(made)  # the parents made before the failure
+        raise CheckpointError(f"cannot make the output directory {directory}: {e.strerror or e}") from e
+    if not os.access(directory, os.W_OK | os.X_OK):  # for root, only a read-only file system says no
+        _remove_empty(made)
+        raise CheckpointError(f"cannot write to the output directory {directory}: permission denied or a "
+                              "read-only file system; give another --output_dir")
+    return made
+
+
+def _remove_empty(directories: list[Path]) -> None:
+    """Remove ``directories`` (innermost first) while they are empty."""
+    for d in directories:
+        try:
+            d.rmdir()
+        except OSError:
+            return
+
+
+def _names(directory: Path) -> set[str] | None:
+    try:
+        return set(os.listdir(directory))
+    except OSError:
+        return None
+
+
+def _take_lock(directory: Path) -> tuple[int, bool]:
+    """The open, locked ``directory/.lock`` with this process's id in it, and whether it was made here.
+
+    A holder that made the lock file removes it as it lets go (``hold_run_directory``); a process
+    that opened the file just before and locks it once it is released holds a file no longer in
+    the directory, so it checks that the one it locked is still the one there, and tries again
+    when not."""
+    path = directory / LOCK_FILE
+    for _ in range(10):
+        try:
+            try:
+                fd, made = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+            except FileExistsError:
+                fd, made = os.open(path, os.O_RDWR), False
+        except FileNotFoundError:  # removed between the two opens, or the directory with it
+            directory.mkdir(parents=True, exist_ok=True)
+            continue
+        except OSError as e:
+            raise CheckpointError(f"cannot write to the output directory {directory}: {e.strerror or e}") from e
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "another process"
+            os.close(fd)
             raise CheckpointError(f"{directory} is in use by another training run ({holder}); wait for it to end, "
                                   "or give this run another --output_dir") from None
+        try:
+            current = os.stat(path).st_ino
+        except FileNotFoundError:
+            current = None
+        if current != os.fstat(fd).st_ino:  # its holder removed it as it let go: take the new one
+            os.close(fd)
+            continue
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
-        yield
-    finally:
-        os.close(fd)  # releases the lock; the file stays, empty locks are harmless
+        return fd, made
+    raise CheckpointError(f"could not lock {path}: other processes keep replacing it")
 
 
-def claim_output_dir(directory: str | Path, resume: str, overwrite: bool) -> Path | None:
-    """A fresh run never writes over an earlier one: where ``directory`` holds a run and this one
-    does not resume it, it is refused (``CheckpointError``), or with ``overwrite`` the old run is
-    moved aside, not deleted (the folder it went to is returned)."""
+def check_output_dir(directory: str | Path, resume: str, overwrite: bool) -> bool:
+    """Whether a run may start in ``directory``, without changing anything: a fresh run never
+    writes over an earlier one, so where ``directory`` holds a run and this one does not resume
+    it, it is refused (``CheckpointError``) unless ``overwrite``. True when the earlier run must
+    first be moved aside (``move_run_aside``)."""
     directory = Path(directory)
     if resume or (found := existing_run(directory)) is None:
-        return None
+        return False
     if not overwrite:
         raise CheckpointError(f"{directory} already holds a run ({found}): continue it with --resume latest, or "
                               f"start a new one with --overwrite (moves the old run to {directory.name}.replaced-<time>/ "
                               "beside it; nothing is deleted) or with another --output_dir")
-    return move_run_aside(directory)
+    return True
+
+
+def claim_output_dir(directory: str | Path, resume: str, overwrite: bool) -> Path | None:
+    """``check_output_dir``, then the earlier run moved aside where it must be: the folder it went
+    to is returned (None when nothing was moved)."""
+    return move_run_aside(directory) if check_output_dir(directory, resume, overwrite) else None
 
 
 def existing_run(directory: str | Path) -> str | None:
     """What of an earlier run ``directory`` holds (checkpoints, training metrics), said in a few
-    words; None when there is nothing to lose (a tokenizer or log of a run that never saved)."""
+    words; None when there is nothing to lose (a tokenizer or log of a run that never saved). Any
+    ``*.pt`` counts, not only the run's own: a lone best.pt, or a checkpoint a user put there."""
     directory = Path(directory)
-    found = []
-    steps = step_checkpoints(directory) if directory.is_dir() else []
-    if (directory / "latest.pt").exists():
-        found.append("latest.pt")
+    if not directory.is_dir():
+        return None
+    steps = step_checkpoints(directory)
+    counted = {"latest.pt", *(p.name for _, p in steps)}
+    others = sorted(p.name for p in directory.glob("*.pt") if p.is_file() and p.name not in counted)
+    found = ["latest.pt"] if (directory / "latest.pt").exists() else []
     if steps:
         found.append(f"{len(steps)} step checkpoint{'s' if len(steps) > 1 else ''} (up to {steps[-1][1].name})")
+    found += others
     metrics = directory / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size > 0:
         found.append("metrics.jsonl")
@@ -407,7 +524,9 @@ def existing_run(directory: str | Path) -> str | None:
 
 def move_run_aside(directory: str | Path) -> Path:
     """Move everything in ``directory`` but its lock into a new sibling folder named after it and
-    the time (``run.replaced-20260101-120000``), and return that folder. Nothing is deleted."""
+    the time (``run.replaced-20260101-120000``), and return that folder. Nothing is deleted.
+    ``CheckpointError`` saying where things are when the move fails (no room for the folder
+    beside it, say)."""
     directory = Path(directory)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     aside = directory.with_name(f"{directory.name}.replaced-{stamp}")
@@ -415,10 +534,15 @@ def move_run_aside(directory: str | Path) -> Path:
     while aside.exists():
         n += 1
         aside = directory.with_name(f"{directory.name}.replaced-{stamp}-{n}")
-    aside.mkdir()
-    for entry in directory.iterdir():
-        if entry.name != LOCK_FILE:
-            os.replace(entry, aside / entry.name)
+    try:
+        aside.mkdir()
+        for entry in directory.iterdir():
+            if entry.name != LOCK_FILE:
+                os.replace(entry, aside / entry.name)
+    except OSError as e:
+        where = f"; what was moved is in {aside}" if aside.is_dir() and any(aside.iterdir()) else ""
+        raise CheckpointError(f"--overwrite could not move the run in {directory} aside to {aside}: "
+                              f"{e.strerror or e}{where}") from e
     _fsync_dir(directory)
     _fsync_dir(aside)
     return aside

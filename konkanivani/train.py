@@ -3,14 +3,15 @@
 ``train()`` is the outline; ``setup_run`` builds a ``Run`` (everything a run holds while it runs)
 from the flags or from a checkpoint's ``TrainState``; ``train_epoch`` loops over the epoch's
 batches and makes one optimizer step per accumulation group (``train_step``); ``end_epoch``
-saves and validates. Under ``torchrun`` every process runs this same loop on its share of the
-batches (``distributed.py``); rank 0 alone logs and writes.
+validates and saves. A step's checkpoint is written once at most. Under ``torchrun`` every process
+runs this same loop on its share of the batches (``distributed.py``); rank 0 alone logs and writes.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import logging
+import logging.handlers
 import math
 import random
 import shutil
@@ -29,13 +30,13 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from .augment import AugmentConfig, Augmenter, batching_duration
 from .batching import padding_fraction, select_samples, split_batch, train_sampler
-from .checkpoint import (MetricsLog, TrainState, capture_rng, claim_output_dir, hold_run_directory, load_checkpoint,
-                         load_resume_checkpoint, point_to, prune_checkpoints, remove_stale_temporaries, restore_rng,
-                         step_checkpoint_name)
+from .checkpoint import (CheckpointError, MetricsLog, TrainState, capture_rng, check_output_dir, hold_run_directory,
+                         load_checkpoint, load_resume_checkpoint, move_run_aside, point_to, prune_checkpoints,
+                         remove_stale_temporaries, restore_rng, step_checkpoint_name, write_file_atomic)
 from .config import ConfigError, ModelConfig, TrainConfig, check_config, model_config_from_preset
 from .config_file import write_config_file
-from .data import (ASRDataset, Batch, EpochKeyed, LengthGroupedBatchSampler, ResumableBatchSampler, ShardedSampler,
-                   Utterance, collate, compute_cmvn, load_utterances, log_skipped, read_manifest)
+from .data import (ASRDataset, Batch, EpochKeyed, LengthGroupedBatchSampler, ManifestError, ResumableBatchSampler,
+                   ShardedSampler, Utterance, collate, compute_cmvn, load_utterances, log_skipped, read_manifest)
 from .decode import ctc_greedy
 from .distributed import (Dist, distributed, full_state_dicts, is_sharded, load_optimizer_state, no_sync,
                           wrap_data_parallel)
@@ -79,8 +80,8 @@ def train(cfg: TrainConfig, model_overrides: Optional[dict[str, Any]] = None,
     check_config(cfg, model_overrides)  # every flag value, before any work
     with distributed(cfg.device) as (dist, device):
         _check_device_settings(cfg, device)
-        with _run_directory(Path(cfg.output_dir), cfg, dist), StopRequest(cfg.max_time) as stop_request:
-            run = setup_run(cfg, model_overrides or {}, dist, device)
+        with _run_directory(Path(cfg.output_dir), cfg, dist) as start, StopRequest(cfg.max_time) as stop_request:
+            run = setup_run(cfg, model_overrides or {}, dist, device, start)
             with contextlib.closing(run):
                 stop = "max_steps" if 0 < cfg.max_steps <= run.step else None
                 while run.epoch < cfg.epochs and stop is None:
@@ -146,46 +147,73 @@ class Run:
 
 
 @contextlib.contextmanager
-def _run_directory(out_dir: Path, cfg: TrainConfig, dist: Dist) -> Iterator[None]:
-    """Hold ``out_dir`` (one run at a time), refuse to write over an earlier run unless asked to,
-    and log to ``train.log`` there; the other processes of a data-parallel run wait for rank 0 to
-    do it, and log errors only."""
+def _run_directory(out_dir: Path, cfg: TrainConfig, dist: Dist) -> Iterator[Callable[[], None]]:
+    """Hold ``out_dir`` (one run at a time) and refuse at once to write over an earlier run unless
+    asked to; yield ``start``, for ``setup_run`` to call once the data is known usable. Only then
+    does the directory become this run's: an earlier run is moved aside (--overwrite) and
+    ``train.log`` opened, with the lines logged before it. A run that fails before leaves the
+    directory as it found it. The other processes of a data-parallel run wait for rank 0's
+    check, and log errors only."""
     with hold_run_directory(out_dir) if dist.is_main else contextlib.nullcontext():
-        moved_to = claim_output_dir(out_dir, cfg.resume, cfg.overwrite) if dist.is_main else None
+        replace = check_output_dir(out_dir, cfg.resume, cfg.overwrite) if dist.is_main else False
         dist.barrier()
-        handler = logging.FileHandler(out_dir / "train.log", encoding="utf-8") if dist.is_main else None
-        level = log.level
-        if handler is not None:
-            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-            log.addHandler(handler)
+        early = logging.handlers.MemoryHandler(1 << 30, flushLevel=logging.CRITICAL + 1, flushOnClose=False)
+        handlers, level = [early], log.level
+        if dist.is_main:
+            log.addHandler(early)
         else:
             log.setLevel(logging.ERROR)
-        try:
+
+        def start() -> None:
+            if not dist.is_main:
+                return
+            moved_to = move_run_aside(out_dir) if replace else None
+            handlers.append(_log_file(out_dir / "train.log"))
+            early.setTarget(handlers[-1])
+            early.flush()
+            log.removeHandler(early)
+            log.addHandler(handlers[-1])
             if moved_to is not None:
                 log.warning("--overwrite: the previous run in %s was moved to %s", out_dir, moved_to)
-            yield
+        try:
+            yield start
         finally:
             log.setLevel(level)
-            if handler is not None:
+            for handler in handlers:
                 log.removeHandler(handler)
                 handler.close()
 
 
+def _log_file(path: Path) -> logging.Handler:
+    try:
+        handler = logging.FileHandler(path, encoding="utf-8")
+    except OSError as e:
+        raise CheckpointError(f"could not write {path}: {e.strerror or e}") from e
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    return handler
+
+
 # ---- setting up a run -------------------------------------------------------------------------
 
-def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, device: torch.device) -> Run:
-    """A fresh run from the flags, or the one ``--resume`` names continued from its checkpoint."""
+def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, device: torch.device,
+              start: Callable[[], None] = lambda: None) -> Run:
+    """A fresh run from the flags, or the one ``--resume`` names continued from its checkpoint.
+    Nothing is written to the output directory until the data is known usable; then ``start``
+    (``_run_directory``) makes the directory this run's."""
     out_dir = Path(cfg.output_dir)
     _seed_everything(cfg.seed)  # the same initial weights in every process
-    if dist.is_main and (stale := remove_stale_temporaries(out_dir)):
-        log.warning("removed %d unfinished checkpoint writes of a run killed while saving: %s", len(stale),
-                    ", ".join(p.name for p in stale))
     state, source = _resume_state(cfg, out_dir)
     init = _init_checkpoint(cfg, state)
     cfg, model_cfg, tokenizer, samples_grew = _settings(cfg, model_overrides, state, dist, init)
     precision = resolve_precision(device, cfg.mixed_precision, cfg.precision)
     augmenter = _augmenter(cfg)  # lists --noise_dir / --rir_dir: a bad folder stops the run before any work
     train_utts, valid_utts = _load_data(cfg, tokenizer)
+    start()
+    if dist.is_main and (stale := remove_stale_temporaries(out_dir)):
+        log.warning("removed %d unfinished checkpoint writes of a run killed while saving: %s", len(stale),
+                    ", ".join(p.name for p in stale))
+    if dist.is_main and state is None:
+        write_file_atomic(out_dir / "tokenizer.model", tokenizer.model_proto)
     model = _build_model(cfg, model_cfg, train_utts, state, device, init, tokenizer)
     if dist.active:
         _seed_everything(cfg.seed + dist.rank)  # dropout and SpecAugment differ between processes
@@ -263,26 +291,12 @@ def _settings(cfg: TrainConfig, model_overrides: dict[str, Any], state: Optional
               init: Optional[dict[str, Any]] = None) -> tuple[TrainConfig, ModelConfig, Tokenizer, bool]:
     """The one place that decides what a resumed run takes from its checkpoint: the tokenizer, the
     model's shape, the settings that fix the data order, the optimizer (its state fits no other),
-    and --max_samples unless the new one is larger. A fresh run trains its tokenizer (rank 0; the
-    others read it); its model shape is the preset's, or the --init_from checkpoint's (``init``),
-    with the model flags over it. Returns the config, the model config, the tokenizer and whether
-    the training set grew."""
-    out_dir = Path(cfg.output_dir)
+    and --max_samples unless the new one is larger. A fresh run takes --tokenizer or trains one
+    (``_fresh_tokenizer``); its model shape is the preset's, or the --init_from checkpoint's
+    (``init``), with the model flags over it. Returns the config, the model config, the tokenizer
+    and whether the training set grew."""
     if state is None:
-        if cfg.tokenizer:
-            tokenizer = Tokenizer.load(cfg.tokenizer)
-        elif dist.is_main:
-            texts = [row.get("text") for _, row in read_manifest(cfg.train_manifest)]
-            try:
-                tokenizer = train_tokenizer([t for t in texts if isinstance(t, str)], cfg.vocab_size,
-                                            cfg.tokenizer_type)
-            except ValueError as e:
-                raise ConfigError(f"{cfg.train_manifest}: {e}") from e
-        if dist.is_main:
-            tokenizer.save(out_dir / "tokenizer.model")
-        dist.barrier()
-        if not dist.is_main and not cfg.tokenizer:
-            tokenizer = Tokenizer.load(out_dir / "tokenizer.model")
+        tokenizer = _fresh_tokenizer(cfg, dist)
         if init is None:
             return cfg, model_config_from_preset(cfg.preset, vocab_size=tokenizer.vocab_size, **model_overrides), \
                 tokenizer, False
@@ -312,6 +326,22 @@ def _settings(cfg: TrainConfig, model_overrides: dict[str, Any], state: Optional
     return dataclasses.replace(cfg, **changed), model_cfg, Tokenizer(state.tokenizer), grows
 
 
+def _fresh_tokenizer(cfg: TrainConfig, dist: Dist) -> Tokenizer:
+    """--tokenizer, or one trained on the training manifest's text by rank 0 and handed to the
+    other processes (in memory: ``setup_run`` writes tokenizer.model once the data is usable)."""
+    if cfg.tokenizer:
+        return Tokenizer.load(cfg.tokenizer)
+    proto = None
+    if dist.is_main:
+        texts = [row.get("text") for _, row in read_manifest(cfg.train_manifest)]
+        try:
+            proto = train_tokenizer([t for t in texts if isinstance(t, str)], cfg.vocab_size,
+                                    cfg.tokenizer_type).model_proto
+        except ValueError as e:
+            raise ConfigError(f"{cfg.train_manifest}: {e}") from e
+    return Tokenizer(dist.gather(proto)[0])
+
+
 def _augmenter(cfg: TrainConfig) -> Optional[Augmenter]:
     """The training augmentations the flags ask for (logged once), or None when none is on."""
     aug_cfg = AugmentConfig.from_train_config(cfg)
@@ -332,8 +362,9 @@ def _load_data(cfg: TrainConfig, tokenizer: Tokenizer) -> tuple[list[Utterance],
     valid_utts, skipped = load_utterances(cfg.valid_manifest, tokenizer, cfg.max_duration, cfg.duration_tolerance)
     log_skipped("valid", cfg.valid_manifest, len(valid_utts), skipped)
     if not train_utts or not valid_utts:
-        raise RuntimeError("no usable utterance in the " + ("training" if not train_utts else "validation")
-                           + " manifest; see the warnings above")
+        name, path = ("training", cfg.train_manifest) if not train_utts else ("validation", cfg.valid_manifest)
+        raise ManifestError(f"no usable utterance in the {name} manifest {path}; see the warnings above "
+                            "(konkanivani-validate lists every bad row)")
     return train_utts, valid_utts
 
 
@@ -500,17 +531,18 @@ def train_epoch(run: Run, stop_request: StopRequest,
                            **memory)
                 log.info("%s", _summary_line(run, stats, speed, memory))
                 speed.restart()
-            if cfg.save_every_steps and run.step % cfg.save_every_steps == 0:
-                save(run)
             if run.skips.exceeded:  # too many non-finite updates in a row: save and stop
-                if run.saved_step != run.step:
-                    save(run)
+                save(run)
                 raise TrainingDiverged(diverged_message(run.skips.in_a_row, run.step, run.out_dir,
                                                         run.scaler.is_enabled()))
-            if cfg.validate_every_steps and run.step % cfg.validate_every_steps == 0 \
-                    and run.batches_done < run.epoch_batches:  # the epoch's end validates anyway
-                validate_and_save(run)
-            if stop := _stop_after_step(run, stop_request, on_step):
+            epoch_goes_on = run.batches_done < run.epoch_batches
+            if cfg.validate_every_steps and run.step % cfg.validate_every_steps == 0 and epoch_goes_on:
+                validate_and_save(run)  # (the epoch's end validates anyway)
+            stop = _stop_after_step(run, stop_request, on_step)
+            if cfg.save_every_steps and run.step % cfg.save_every_steps == 0 and run.saved_step != run.step \
+                    and epoch_goes_on and stop is None:  # (the epoch's end and a stop save anyway)
+                save(run)
+            if stop:
                 break
     bar.close()
     _log_epoch_end(run, unreadable, run.skips.total - skips_before, epoch_speed)
@@ -566,19 +598,36 @@ def _stop_after_step(run: Run, stop_request: StopRequest,
 
 
 def end_epoch(run: Run, stop: Optional[str], stop_request: StopRequest) -> Optional[str]:
-    """Save at once, so that nothing that goes wrong in validation costs the epoch; validate and
-    save again with the metrics. A signal or the time budget skips the validation (the run stops;
-    the next one validates later). Returns what stops the run, if anything."""
-    save(run, quiet=True)
+    """Validate, and save the epoch's checkpoint once, with the metrics. A signal or the time
+    budget skips the validation (the run saves and stops; the next one validates later). Returns
+    what stops the run, if anything."""
     if stop not in SIGNAL_STOPS and (signal := _agreed_signal(run, stop_request)):
         stop = signal
     if stop in SIGNAL_STOPS:
-        log.info("saved %s", run.out_dir / step_checkpoint_name(run.step))
+        save(run)
         return stop
-    validate_and_save(run)
+    _validate_and_save_epoch(run)
     if stop is None and run.epoch < run.cfg.epochs:  # a stop asked for during validation
         stop = _agreed_signal(run, stop_request)
     return stop
+
+
+def _validate_and_save_epoch(run: Run) -> None:
+    """``validate_and_save``; should validation fail (or a second Ctrl-C come), the epoch is saved
+    without its metrics before the error goes on, so that it costs no training. Only in a run of
+    one process: in a data-parallel run the others may not come to the save, which would wait for
+    them."""
+    try:
+        validate_and_save(run)
+    except (Exception, KeyboardInterrupt):
+        if run.saved_step != run.step and not run.dist.active:
+            try:
+                save(run, quiet=True)
+                log.warning("validation at the end of epoch %d failed; the epoch is saved in %s", run.epoch,
+                            run.out_dir / step_checkpoint_name(run.step))
+            except Exception as e:  # noqa: BLE001 (the first error is the one to report)
+                log.warning("could not save the epoch after validation failed: %s", e)
+        raise
 
 
 def stop_inside_epoch(run: Run, stop: Optional[str]) -> Optional[str]:

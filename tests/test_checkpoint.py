@@ -1,3 +1,5 @@
+import errno
+import io
 import os
 
 import pytest
@@ -103,3 +105,49 @@ def test_train_state_round_trip_and_older_formats(tmp_path):
                                tmp_path / "avg.pt")
     with pytest.raises(CheckpointError, match="model weights only"):
         TrainState.load(averaged)
+
+
+needs_dev_full = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full (Linux only)")
+
+
+class _DiskFillsUp(io.FileIO):
+    """A file on a disk with 4 KiB left: a write past that fails as write(2) does, with ENOSPC
+    (unbuffered, as a large write that bypasses Python's buffer, so closing the file succeeds)."""
+
+    def write(self, data):
+        if self.tell() + len(data) > 4096:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return super().write(data)
+
+
+def test_a_full_disk_is_reported_as_such_not_in_torch_words(tmp_path, monkeypatch):
+    """torch.save turns the OSError of a write into a RuntimeError of its own ("[enforce fail at
+    inline_container.cc:...] unexpected pos ..."); the message gives the system's reason."""
+    from konkanivani import checkpoint
+
+    path = tmp_path / "latest.pt"
+    save_checkpoint(_state(1), path)
+    monkeypatch.setattr(checkpoint, "open", lambda name, mode: _DiskFillsUp(name, mode), raising=False)
+    with pytest.raises(CheckpointError) as error:
+        save_checkpoint({**_state(2), "model": {"w": torch.zeros(100_000)}}, path)
+    assert isinstance(error.value.__cause__, RuntimeError)  # torch's words, which the message does not repeat
+    assert str(error.value) == f"could not write checkpoint {path}: No space left on device; the previous " \
+                               "checkpoints are untouched"
+    assert load_checkpoint(path)["step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.pt"]
+
+
+@needs_dev_full
+def test_a_full_disk_under_the_metrics_log_is_a_checkpoint_error(tmp_path):
+    from konkanivani.checkpoint import MetricsLog
+
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    with pytest.raises(CheckpointError, match="metrics.jsonl: No space left on device"):
+        MetricsLog(tmp_path / "metrics.jsonl").write("train", 1, 1, loss=1.0)
+
+
+def test_a_checkpoint_path_under_a_file_is_a_checkpoint_error(tmp_path):
+    """konkanivani-average --output FILE/avg.pt, say: one line, not a NotADirectoryError traceback."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointError, match="could not write checkpoint .*file/avg.pt: "):
+        save_checkpoint(_state(1), tmp_path / "file" / "avg.pt")

@@ -93,6 +93,61 @@ def test_a_missing_manifest_is_named_before_any_work(tmp_path, caplog):
     assert not (tmp_path / "out").exists()
 
 
+MISSING_DEVICES = [
+    ("cuda", 0, "--device cuda: CUDA is not available on this machine (use --device cpu)"),
+    ("cuda:0", 0, "--device cuda:0: CUDA is not available on this machine (use --device cpu)"),
+    ("cuda:2", 1, "--device cuda:2: this machine has 1 CUDA device (cuda:0)"),
+    ("cuda:4", 2, "--device cuda:4: this machine has 2 CUDA devices (cuda:0 to cuda:1)"),
+    ("mps", 0, "--device mps: MPS (Apple silicon) is not available on this machine (use --device cpu)"),
+]
+
+
+@pytest.mark.parametrize("device,gpus,message", MISSING_DEVICES, ids=[d for d, _, _ in MISSING_DEVICES])
+def test_a_device_this_machine_lacks_is_one_line_and_exit_2(device, gpus, message, tmp_path, caplog, monkeypatch):
+    """The same on a machine with GPUs as without: the GPUs are counted by a stand-in."""
+    import torch
+
+    from konkanivani.precision import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("")
+    out = tmp_path / "out"
+    assert cli.main(["--train_manifest", str(manifest), "--valid_manifest", str(manifest), "--output_dir", str(out),
+                     "--device", device]) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert errors == [message]
+    assert not out.exists()
+    with pytest.raises(RuntimeError, match="--device"):  # what transcribe, evaluate and train-lm catch
+        resolve_device(device)
+
+
+def test_an_output_under_a_file_is_one_line_for_average_and_export(tmp_path, capsys):
+    """A folder that cannot be made (a file is in the way, which stops root too): exit 2, no traceback."""
+    import dataclasses
+
+    from konkanivani.checkpoint import save_checkpoint
+    from konkanivani.cli import average, export
+    from konkanivani.config import model_config_from_preset
+    from konkanivani.model import ASRModel
+    from konkanivani.tokenizer import train_tokenizer
+
+    tokenizer = train_tokenizer(["हांव घरा वता", "तूं कितें करता"] * 20, 30, "char")
+    cfg = model_config_from_preset("tiny", vocab_size=tokenizer.vocab_size)
+    checkpoint = save_checkpoint({"model_config": dataclasses.asdict(cfg), "model": ASRModel(cfg).state_dict(),
+                                  "tokenizer": tokenizer.model_proto}, tmp_path / "model.pt")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert average.main(["--inputs", str(checkpoint), str(checkpoint), "--output", str(blocker / "avg.pt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: could not write checkpoint {blocker / 'avg.pt'}: "), err
+    assert export.main([str(checkpoint), "--format", "torchscript", "-o", str(blocker / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: cannot write the export to {blocker / 'out'}: Not a directory"]
+
+
 def test_t4_recipe_script_runs_on_cpu(tiny_corpus, tmp_path):
     """The recipe script itself, made tiny by extra flags that pass through and override it."""
     env = dict(os.environ, PYTHON=sys.executable, TRAIN_MANIFEST=str(tiny_corpus / "train.jsonl"),

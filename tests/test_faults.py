@@ -263,3 +263,54 @@ def test_training_skips_bad_rows_and_counts_a_file_that_fails_mid_epoch(bad_corp
     # nan.wav passes the header check at start; reading it mid-epoch fails, and the epoch goes on.
     assert f"epoch 1: 1 audio files could not be read and were left out: {manifest}:56" in caplog.text
     assert load_checkpoint(out / "latest.pt")["step"] == 7
+
+
+def _checkpoint_writes(monkeypatch):
+    """The names of the checkpoint files written from now on, in order, one entry a write."""
+    from konkanivani import checkpoint
+
+    real, written = checkpoint.save_checkpoint, []
+
+    def counted(state, path):
+        written.append(Path(path).name)
+        return real(state, path)
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", counted)
+    return written
+
+
+def test_each_step_is_written_once_with_its_validation(tiny_corpus, tmp_path, monkeypatch):
+    """Saving every step, validating every second one and at each epoch's end, and stopping at
+    --max_steps: the saves that fall on the same step are one write, the one with the metrics."""
+    written = _checkpoint_writes(monkeypatch)
+    out = tmp_path / "run"
+    assert cli.main(tiny_args(tiny_corpus, out, "--epochs", "2", "--save_every_steps", "1", "--validate_every_steps",
+                              "2", "--keep_checkpoints", "100")) == 0
+    last = load_checkpoint(out / "latest.pt")["step"]
+    assert written == [f"step_{s:07d}.pt" for s in range(1, last + 1)]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    validated = [r["step"] for r in rows if r["kind"] == "valid"]
+    assert last in validated and len(validated) > last // 2  # every second step, and the epoch ends
+    for step in validated:
+        state = load_checkpoint(out / f"step_{step:07d}.pt")
+        assert state["valid_step"] == step and state["valid_metrics"]
+
+    written.clear()
+    assert cli.main(tiny_args(tiny_corpus, tmp_path / "stop", "--max_steps", "3", "--save_every_steps", "3")) == 0
+    assert written == ["step_0000003.pt"]
+    assert load_checkpoint(tmp_path / "stop" / "latest.pt")["valid_step"] == 3
+
+
+def test_a_validation_that_fails_at_an_epoch_end_still_keeps_the_epoch(tiny_corpus, tmp_path, monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected validation failure")
+
+    monkeypatch.setattr(train_module, "validate", broken)
+    written = _checkpoint_writes(monkeypatch)
+    out = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="konkanivani"), pytest.raises(RuntimeError, match="injected"):
+        cli.main(tiny_args(tiny_corpus, out))
+    state = load_checkpoint(out / "latest.pt")
+    assert state["epoch"] == 1 and state["batches_done"] == 0 and state["valid_step"] == -1
+    assert written == [f"step_{state['step']:07d}.pt"]
+    assert f"validation at the end of epoch 1 failed; the epoch is saved in {out / written[0]}" in caplog.text

@@ -9,11 +9,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
+import soundfile as sf
 import torch
 
-from konkanivani.checkpoint import (CheckpointError, hold_run_directory, load_checkpoint, load_resume_checkpoint,
-                                    point_to, save_checkpoint, step_checkpoint_name)
+from konkanivani.checkpoint import (CheckpointError, claim_output_dir, hold_run_directory, load_checkpoint,
+                                    load_resume_checkpoint, point_to, save_checkpoint, step_checkpoint_name)
 
 from konkanivani.cli import train as cli  # noqa: E402
 
@@ -154,3 +156,130 @@ def test_sigkill_of_a_training_run_frees_its_directory(tiny_corpus, tmp_path):
     assert proc.wait(timeout=300) == -signal.SIGKILL
     with hold_run_directory(out):  # nobody holds it any more
         pass
+
+
+# ---- nothing lost, nothing left behind (fast: no training) -------------------------------------
+
+TEXTS = ["हांव घरा वता", "तूं कितें करता"]
+
+
+def _manifests(tmp_path, usable=()):
+    """train.jsonl and valid.jsonl in ``tmp_path/data``, ten rows each: text to train a tokenizer
+    on, and audio only for the manifests named in ``usable`` (the others' audio files are missing)."""
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    sf.write(data / "a.wav", np.random.default_rng(0).normal(0, 0.1, 16000), 16000)
+    for name in ("train", "valid"):
+        audio = "a.wav" if name in usable else "missing.wav"
+        rows = [{"audio_filepath": audio, "duration": 1.0, "text": TEXTS[i % 2]} for i in range(10)]
+        (data / f"{name}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
+                                            encoding="utf-8")
+    return data
+
+
+def _flags(data, out, *extra):
+    return ["--train_manifest", str(data / "train.jsonl"), "--valid_manifest", str(data / "valid.jsonl"),
+            "--output_dir", str(out), "--device", "cpu", "--preset", "tiny", "--tokenizer_type", "char",
+            "--vocab_size", "30", "--num_workers", "0", "--no-progress", *extra]
+
+
+@pytest.mark.parametrize("name", ["best.pt", "model.pt"])
+def test_a_folder_holding_only_a_checkpoint_is_a_run_to_protect(name, tmp_path, caplog):
+    """A lone best.pt (or any checkpoint a user put there) is refused like a run, and the refusal
+    leaves the folder as it was: no .lock of its own."""
+    out = tmp_path / "run"
+    save_checkpoint(_state(7), out / name)
+    with caplog.at_level(logging.INFO, logger="konkanivani"):
+        assert cli.main(_flags(_manifests(tmp_path), out)) == 2
+    errors = _errors(caplog)
+    assert len(errors) == 1 and len(errors[0].splitlines()) == 1, errors
+    assert f"already holds a run ({name})" in errors[0]
+    assert "--resume latest" in errors[0] and "--overwrite" in errors[0]
+    assert sorted(p.name for p in out.iterdir()) == [name]
+
+
+def test_overwrite_moves_a_lone_checkpoint_aside(tmp_path):
+    out = tmp_path / "run"
+    save_checkpoint(_state(7), out / "best.pt")
+    aside = claim_output_dir(out, "", overwrite=True)
+    assert aside is not None and load_checkpoint(aside / "best.pt")["step"] == 7
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("unusable", ["train", "valid"])
+def test_nothing_is_written_or_moved_before_the_data_is_known_usable(unusable, tmp_path, caplog):
+    """A manifest with no usable row is one line and exit 2, and leaves the output folder as it
+    was: no tokenizer.model, train.log or .lock, an earlier run not moved aside by --overwrite,
+    a folder that did not exist not made."""
+    data = _manifests(tmp_path, usable={"train", "valid"} - {unusable})
+    manifest = data / f"{unusable}.jsonl"
+    kept = tmp_path / "kept"
+    save_checkpoint(_state(7), kept / "best.pt")
+    for out, extra in ((tmp_path / "new" / "run", ()), (kept, ("--overwrite",))):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="konkanivani"):
+            assert cli.main(_flags(data, out, *extra)) == 2
+        errors = _errors(caplog)
+        assert len(errors) == 1 and len(errors[0].splitlines()) == 1, errors
+        name = "training" if unusable == "train" else "validation"
+        assert f"no usable utterance in the {name} manifest {manifest}" in errors[0]
+    assert not (tmp_path / "new").exists()
+    assert sorted(p.name for p in kept.iterdir()) == ["best.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "kept"]  # nothing moved aside
+
+
+def test_an_output_dir_that_cannot_be_made_is_one_line_and_exit_2(tmp_path, caplog):
+    """Under a regular file (so that it fails as root too), and a regular file itself."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    data = _manifests(tmp_path)
+    for out in (blocker / "run", blocker):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="konkanivani"):
+            assert cli.main(_flags(data, out)) == 2
+        errors = _errors(caplog)
+        assert len(errors) == 1 and len(errors[0].splitlines()) == 1, errors
+        assert errors[0] == f"cannot use {out} as the output directory: {blocker} is a file"
+    assert blocker.read_text() == "not a folder"
+
+
+def test_a_read_only_output_dir_is_one_line_and_exit_2(tmp_path, caplog):
+    """Folders of mode 555: one to make the output directory in, and the output directory itself.
+    Root (with CAP_DAC_OVERRIDE) writes into them anyway: skipped then."""
+    data = _manifests(tmp_path)
+    parent, existing = tmp_path / "ro", tmp_path / "ro_run"
+    parent.mkdir()
+    existing.mkdir()
+    parent.chmod(0o555)
+    existing.chmod(0o555)
+    try:
+        try:
+            (parent / "probe").touch()
+        except PermissionError:
+            pass
+        else:
+            pytest.skip("this process writes into read-only folders (root)")
+        for out, message in ((parent / "run", f"cannot make the output directory {parent / 'run'}: Permission denied"),
+                             (existing, f"cannot write to the output directory {existing}: permission denied")):
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="konkanivani"):
+                assert cli.main(_flags(data, out)) == 2
+            errors = _errors(caplog)
+            assert len(errors) == 1 and message in errors[0], errors
+    finally:
+        parent.chmod(0o755)
+        existing.chmod(0o755)
+    assert list(parent.iterdir()) == [] and list(existing.iterdir()) == []
+
+
+def test_a_lock_made_for_a_block_that_wrote_nothing_is_removed_and_a_kept_one_is_not(tmp_path):
+    out = tmp_path / "a" / "b"
+    with hold_run_directory(out):
+        assert sorted(p.name for p in out.iterdir()) == [".lock"]
+    assert not (tmp_path / "a").exists()  # the folders it made went with it
+    with hold_run_directory(out):
+        (out / "metrics.jsonl").write_text("")
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "metrics.jsonl"]
+    with hold_run_directory(out):  # a lock found there stays
+        pass
+    assert (out / ".lock").exists()

@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         written = export_checkpoint(args.checkpoint, output, formats)
     except (CheckpointError, ExportError) as e:
         return fail(str(e))
+    except OSError as e:  # the folder cannot be made or written to: under a file, read-only, a full disk
+        return fail(f"cannot write the export to {output}: {e.strerror or e}")
     for item in written:
         check = "" if item.difference is None else f" (log-probs within {item.difference:.1e} of PyTorch's)"
         print(f"wrote {item.path}{check}")
