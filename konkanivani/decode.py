@@ -16,6 +16,13 @@ hypothesis ends, and a bonus ``B`` per emitted token, which offsets the LM's pul
 outputs. With fusion, the attention and joint searches rank finished hypotheses by their fused
 score, not divided by the length: the bonus takes that role. With ``W = B = 0`` each method returns
 what it returns without fusion, scores included.
+
+Long input: ``decode_batch``'s attention searches stop a hypothesis at a length the CTC head
+supports (``ctc_length_bound``, a margin over its greedy hypothesis), and it decodes an utterance
+longer than ``LONG_INPUT_SECONDS`` with CTC prefix beam search (``LONG_INPUT_METHOD``) when an
+attention-based method is asked for: their cost grows with the square of the length (each of the
+U steps of joint decoding runs the CTC prefix recursion over all T' frames), and the decoder never
+saw such input in training. CTC prefix beam search and greedy decoding grow about linearly.
 """
 from __future__ import annotations
 
@@ -26,13 +33,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .frames import frames_of
 from .lm import TransformerLM
 from .masks import pad_mask
 from .tokenizer import BLANK_ID, SOS_EOS_ID
 
-__all__ = ["DEFAULT_CTC_WEIGHT", "METHODS", "FUSED_METHODS", "Fusion", "Hypothesis", "attention_beam_search",
-           "attention_rescoring",
-           "attention_scores", "ctc_greedy", "ctc_prefix_beam_search", "decode_batch"]
+__all__ = ["ATTENTION_METHODS", "DEFAULT_CTC_WEIGHT", "LONG_INPUT_METHOD", "LONG_INPUT_SECONDS", "METHODS",
+           "FUSED_METHODS", "Fusion", "Hypothesis", "attention_beam_search", "attention_rescoring",
+           "attention_scores", "ctc_greedy", "ctc_length_bound", "ctc_prefix_beam_search", "decode_batch",
+           "method_for"]
 
 METHODS = ("greedy", "beam", "attention", "joint", "rescore")
 FUSED_METHODS = ("beam", "attention", "joint", "rescore")  # greedy has no hypotheses to weigh
@@ -40,6 +49,19 @@ FUSED_METHODS = ("beam", "attention", "joint", "rescore")  # greedy has no hypot
 # split (unseen sentences) among 0.3 / 0.5 / 0.7: the CTC head generalizes to new sentences better
 # than the attention decoder, which has learned the training sentences as a language model.
 DEFAULT_CTC_WEIGHT = 0.7
+ATTENTION_METHODS = ("attention", "joint", "rescore")  # those that run the attention decoder
+# Above this many seconds an utterance asked of an ATTENTION_METHODS method is decoded with
+# LONG_INPUT_METHOD instead: the training default --max_duration, so the decoder never saw longer
+# input, and where joint decoding's square-law cost starts to dominate. Tiny model, one thread of a
+# 2-core AMD EPYC: joint 0.7 s for 10 s of audio, 5.6 s for 30 s, 22 s for 60 s, 873 s for 5 min;
+# beam 0.13 / 0.25 / 1.5 s at 30 s / 60 s / 5 min, 10.5 s for 20 min.
+LONG_INPUT_SECONDS = 30.0
+LONG_INPUT_METHOD = "beam"  # CTC prefix beam search: linear in the length, takes the same fusion
+# The attention searches stop a hypothesis at MAX_LEN_RATIO * (tokens of the greedy CTC hypothesis)
+# + MAX_LEN_EXTRA tokens: a decoder that never emits the end symbol stops there, not at the
+# encoder length.
+MAX_LEN_RATIO = 1.5
+MAX_LEN_EXTRA = 10
 NEG_INF = float("-inf")
 
 
@@ -92,6 +114,47 @@ def ctc_greedy(log_probs: torch.Tensor, lengths: torch.Tensor) -> list[list[int]
     return hyps
 
 
+def ctc_length_bound(log_probs: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The most tokens an attention search may emit per utterance ``(B,)``: ``MAX_LEN_RATIO`` times
+    the greedy CTC hypothesis's tokens plus ``MAX_LEN_EXTRA``, never more than the encoder length
+    (the most CTC can align). Args as ``ctc_greedy``."""
+    greedy = torch.tensor([len(h) for h in ctc_greedy(log_probs, lengths)], dtype=torch.long)
+    bound = (greedy * MAX_LEN_RATIO).ceil().long() + MAX_LEN_EXTRA
+    return torch.minimum(lengths.cpu().long(), bound).to(lengths.device)
+
+
+class _Prefix:
+    """A CTC prefix as a linked list from its last token back, equal to any prefix of the same
+    tokens. Extending one, and hashing it, costs the same at any length; tuples of tokens are
+    copied and hashed whole, which made prefix beam search grow with the square of the length
+    (20 min of audio: 142 s, 300 s: 9 s on the tiny model)."""
+
+    __slots__ = ("parent", "token", "length", "_hash")
+
+    def __init__(self, parent: _Prefix | None = None, token: int | None = None):
+        self.parent, self.token = parent, token
+        self.length = 0 if parent is None else parent.length + 1
+        self._hash = hash(()) if parent is None else hash((parent._hash, token))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        a, b = self, other
+        while a is not b:  # equal prefixes usually share all but their last few tokens
+            if not isinstance(b, _Prefix) or a._hash != b._hash or a.length != b.length or a.token != b.token:
+                return False
+            a, b = a.parent, b.parent
+        return True
+
+    def tokens(self) -> list[int]:
+        out, node = [], self
+        while node.parent is not None:
+            out.append(node.token)
+            node = node.parent
+        return out[::-1]
+
+
 @torch.inference_mode()
 def ctc_prefix_beam_search(log_probs: torch.Tensor, length: int, beam_size: int,
                            fusion: Fusion | None = None) -> list[Hypothesis]:
@@ -101,30 +164,31 @@ def ctc_prefix_beam_search(log_probs: torch.Tensor, length: int, beam_size: int,
 
     Each frame considers only its ``beam_size`` most likely tokens. With fusion, prefixes are
     pruned by CTC + ``W * log P_LM(prefix) + B * len(prefix)``, and the end symbol's LM term ranks
-    the final list; the LM rescores each surviving prefix from its start once.
+    the final list; the LM rescores each surviving prefix from its start once. Without an LM, the
+    cost is linear in the length (``_Prefix``).
     """
     fusion = fusion or Fusion()
     lp = log_probs[:length].float().cpu()
     top_vals, top_ids = lp.topk(min(beam_size, lp.shape[-1]), dim=-1)
     blank_lp = lp[:, BLANK_ID].tolist()
+    empty = _Prefix()
     # prefix -> (log P ending in blank, log P ending in its last token)
-    beams: dict[tuple[int, ...], tuple[float, float]] = {(): (0.0, NEG_INF)}
-    extra: dict[tuple[int, ...], float] = {(): 0.0}  # prefix -> its fusion terms so far
-    lm_next: dict[tuple[int, ...], list[float]] = {}  # prefix -> W * log P_LM(token | prefix) per token
+    beams: dict[_Prefix, tuple[float, float]] = {empty: (0.0, NEG_INF)}
+    extra: dict[_Prefix, float] = {empty: 0.0}  # prefix -> its fusion terms so far
+    lm_next: dict[_Prefix, list[float]] = {}  # prefix -> W * log P_LM(token | prefix) per token
     for t in range(lp.shape[0]):
         lm_next = _weighted_lm_next(fusion, beams, lm_next)
-        nxt: dict[tuple[int, ...], list[float]] = {}
+        nxt: dict[_Prefix, list[float]] = {}
         for prefix, (pb, pnb) in beams.items():
             total = _logaddexp(pb, pnb)
             _accumulate(nxt, prefix, 0, total + blank_lp[t])
-            last = prefix[-1] if prefix else None
             for value, tok in zip(top_vals[t].tolist(), top_ids[t].tolist()):
                 if tok == BLANK_ID:
                     continue
-                longer = (*prefix, tok)
+                longer = _Prefix(prefix, tok)
                 if longer not in extra:
                     extra[longer] = extra[prefix] + (lm_next[prefix][tok] if lm_next else 0.0) + fusion.length_bonus
-                if tok == last:
+                if tok == prefix.token:
                     _accumulate(nxt, prefix, 1, pnb + value)  # repeat merged into the same token
                     _accumulate(nxt, longer, 1, pb + value)  # a new token, after a blank
                 else:
@@ -133,14 +197,14 @@ def ctc_prefix_beam_search(log_probs: torch.Tensor, length: int, beam_size: int,
         beams = {prefix: (pb, pnb) for prefix, (pb, pnb) in ranked}
         extra = {prefix: extra[prefix] for prefix in beams}
     lm_next = _weighted_lm_next(fusion, beams, lm_next)
-    hyps = [Hypothesis(list(prefix), _logaddexp(pb, pnb) + extra[prefix]
+    hyps = [Hypothesis(prefix.tokens(), _logaddexp(pb, pnb) + extra[prefix]
                        + (lm_next[prefix][SOS_EOS_ID] if lm_next else 0.0))
             for prefix, (pb, pnb) in beams.items()]
     return sorted(hyps, key=lambda h: h.score, reverse=True)  # stable: unchanged order without fusion
 
 
-def _weighted_lm_next(fusion: Fusion, beams: dict[tuple[int, ...], Any],
-                      known: dict[tuple[int, ...], list[float]]) -> dict[tuple[int, ...], list[float]]:
+def _weighted_lm_next(fusion: Fusion, beams: dict[_Prefix, Any],
+                      known: dict[_Prefix, list[float]]) -> dict[_Prefix, list[float]]:
     """``W * log P_LM(token | prefix)`` for each prefix of ``beams``: those of ``known`` reused, the
     others in one LM call. Empty without an LM."""
     if fusion.lm is None:
@@ -148,12 +212,12 @@ def _weighted_lm_next(fusion: Fusion, beams: dict[tuple[int, ...], Any],
     new = [p for p in beams if p not in known]
     out = {p: known[p] for p in beams if p in known}
     if new:
-        rows = (fusion.lm_weight * fusion.lm.next_log_probs([list(p) for p in new])).tolist()
+        rows = (fusion.lm_weight * fusion.lm.next_log_probs([p.tokens() for p in new])).tolist()
         out.update(zip(new, rows))
     return out
 
 
-def _accumulate(beams: dict[tuple[int, ...], list[float]], prefix: tuple[int, ...], which: int,
+def _accumulate(beams: dict[_Prefix, list[float]], prefix: _Prefix, which: int,
                 value: float) -> None:
     entry = beams.setdefault(prefix, [NEG_INF, NEG_INF])
     entry[which] = _logaddexp(entry[which], value)
@@ -214,7 +278,7 @@ class _CTCPrefixScorer:
 @torch.inference_mode()
 def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam_size: int = 10,
                           ctc_weight: float = 0.0, length_norm: bool = True,
-                          max_len: int | None = None, fusion: Fusion | None = None) -> list[Hypothesis]:
+                          max_len: int | torch.Tensor | None = None, fusion: Fusion | None = None) -> list[Hypothesis]:
     """Beam search of the attention decoder, batched over utterances and hypotheses; with
     ``ctc_weight`` > 0 it is joint CTC/attention decoding; with ``fusion`` an LM (stepped along
     with the decoder, its rows reordered with the decoder's) and a length bonus add to each
@@ -222,14 +286,15 @@ def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam
 
     Each step takes the top ``2 * beam_size`` extensions per utterance; those that end go to the
     finished list, the best ``beam_size`` others continue. An utterance stops once it has
-    ``beam_size`` finished hypotheses, or at ``max_len`` tokens (default: its encoder length, the
-    most CTC can align).
+    ``beam_size`` finished hypotheses, or at ``max_len`` tokens: one number, one per utterance
+    (``decode_batch`` gives ``ctc_length_bound``), or by default its encoder length, the most CTC can
+    align.
     """
     B = enc.shape[0]
     K = beam_size
     N = B * K
     device = enc.device
-    limit = enc_lens.clone() if max_len is None else torch.full_like(enc_lens, max_len)
+    limit = _limit(max_len, enc_lens)
     ys = torch.full((N, 1), SOS_EOS_ID, dtype=torch.long, device=device)
     scores = torch.full((B, K), NEG_INF, device=device)
     scores[:, 0] = 0.0  # one live hypothesis per utterance at the start
@@ -289,6 +354,15 @@ def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam
     # With fusion the length bonus does length normalization's work (dividing by the length would
     # all but cancel it): finished hypotheses are ranked by their fused score.
     return _best_finished(finished, normalize=length_norm and not fusion.active)
+
+
+def _limit(max_len: int | torch.Tensor | None, enc_lens: torch.Tensor) -> torch.Tensor:
+    """``attention_beam_search``'s length limit per utterance ``(B,)``."""
+    if max_len is None:
+        return enc_lens.clone()
+    if isinstance(max_len, torch.Tensor):
+        return max_len.to(enc_lens.device, enc_lens.dtype)
+    return torch.full_like(enc_lens, max_len)
 
 
 def _attention_log_probs(logits: torch.Tensor, at_limit: torch.Tensor) -> torch.Tensor:
@@ -385,10 +459,19 @@ def attention_rescoring(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam_s
     return best
 
 
+def method_for(method: str, frames: int, long_input_seconds: float = LONG_INPUT_SECONDS) -> str:
+    """The method an utterance of ``frames`` feature frames is decoded with when ``method`` is asked
+    for: ``LONG_INPUT_METHOD`` for an attention-based one above ``long_input_seconds``, else ``method``."""
+    if method in ATTENTION_METHODS and frames > frames_of(long_input_seconds):
+        return LONG_INPUT_METHOD
+    return method
+
+
 @torch.inference_mode()
 def decode_batch(model, feats: torch.Tensor, feat_lens: torch.Tensor, method: str = "greedy",
                  beam_size: int = 10, ctc_weight: float = DEFAULT_CTC_WEIGHT,
-                 length_norm: bool = True, fusion: Fusion | None = None) -> list[list[int]]:
+                 length_norm: bool = True, fusion: Fusion | None = None,
+                 long_input_seconds: float = LONG_INPUT_SECONDS) -> list[list[int]]:
     """Token ids per utterance of a feature batch ``(B, T, F)`` with one of ``METHODS``, each but
     greedy with optional shallow ``fusion``:
 
@@ -397,6 +480,10 @@ def decode_batch(model, feats: torch.Tensor, feat_lens: torch.Tensor, method: st
     - ``attention``: attention-decoder beam search alone (no CTC);
     - ``joint``: attention beam search with CTC prefix scores weighted by ``ctc_weight``;
     - ``rescore``: the CTC n-best rescored by the attention decoder.
+
+    An utterance longer than ``long_input_seconds`` asked of an attention-based method is decoded
+    with ``LONG_INPUT_METHOD`` (``method_for``); the caller says so, as it knows the files. The
+    attention searches stop a hypothesis at ``ctc_length_bound`` tokens.
     """
     if method not in METHODS:
         raise ValueError(f"unknown decoding method {method!r}; choose from {', '.join(METHODS)}")
@@ -404,6 +491,23 @@ def decode_batch(model, feats: torch.Tensor, feat_lens: torch.Tensor, method: st
         raise ValueError(f"{method} decoding takes no language model or length bonus; choose from "
                          f"{', '.join(FUSED_METHODS)}")
     enc, enc_lens = model.encode(feats, feat_lens)
+    methods = [method_for(method, n, long_input_seconds) for n in feat_lens.tolist()]
+    if len(set(methods)) == 1:
+        return _decode_encoded(model, enc, enc_lens, methods[0], beam_size, ctc_weight, length_norm, fusion)
+    out: list[list[int]] = [[] for _ in methods]
+    for each in dict.fromkeys(methods):  # each group cut to its own longest utterance
+        rows = [b for b, m in enumerate(methods) if m == each]
+        lens = enc_lens[rows]
+        ids = _decode_encoded(model, enc[rows, :int(lens.max())], lens, each, beam_size, ctc_weight, length_norm,
+                              fusion)
+        for b, h in zip(rows, ids):
+            out[b] = h
+    return out
+
+
+def _decode_encoded(model, enc: torch.Tensor, enc_lens: torch.Tensor, method: str, beam_size: int,
+                    ctc_weight: float, length_norm: bool, fusion: Fusion | None) -> list[list[int]]:
+    """``decode_batch`` from the encoder states on, every utterance with ``method``."""
     if method == "greedy":
         return ctc_greedy(model.ctc_log_probs(enc), enc_lens)
     if method == "beam":
@@ -413,5 +517,6 @@ def decode_batch(model, feats: torch.Tensor, feat_lens: torch.Tensor, method: st
     if method == "rescore":
         return [h.tokens for h in attention_rescoring(model, enc, enc_lens, beam_size, ctc_weight, fusion)]
     weight = ctc_weight if method == "joint" else 0.0
+    bound = ctc_length_bound(model.ctc_log_probs(enc), enc_lens)
     return [h.tokens for h in attention_beam_search(model, enc, enc_lens, beam_size, weight, length_norm,
-                                                    fusion=fusion)]
+                                                    max_len=bound, fusion=fusion)]

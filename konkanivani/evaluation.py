@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .checks import resolve_audio_path
 from .data import read_manifest
-from .decode import DEFAULT_CTC_WEIGHT
+from .decode import DEFAULT_CTC_WEIGHT, LONG_INPUT_METHOD, LONG_INPUT_SECONDS
 from .inference import Recognizer
 from .metrics import ErrorCounts, score
 from .tokenizer import normalize_text
@@ -25,6 +25,7 @@ class UtteranceResult:
     duration: float
     words: ErrorCounts
     chars: ErrorCounts
+    method: str = ""  # the method that decoded it (LONG_INPUT_METHOD for a long one)
 
     def to_json(self) -> dict:
         row = asdict(self)
@@ -55,6 +56,12 @@ class EvalResult:
     def rtf(self) -> float:
         return self.decode_seconds / self.audio_seconds if self.audio_seconds else float("nan")
 
+    @property
+    def long_inputs(self) -> int:
+        """Utterances decoded with another method than ``method``: too long for it
+        (``decode.LONG_INPUT_SECONDS``)."""
+        return sum(bool(u.method) and u.method != self.method for u in self.utterances)
+
     def worst(self, n: int = 10) -> list[UtteranceResult]:
         """The ``n`` utterances with the most word errors (then character errors)."""
         return sorted(self.utterances, key=lambda u: (u.words.errors, u.chars.errors), reverse=True)[:n]
@@ -65,7 +72,8 @@ def evaluate_manifest(recognizer: Recognizer, manifest: str | Path, method: str 
                       length_bonus: float = 0.0) -> EvalResult:
     """Decode every row of ``manifest`` and score it against its ``text`` (with shallow fusion of
     the recognizer's LM at ``lm_weight`` and ``length_bonus``). Rows without text or with
-    unreadable audio are listed in ``failed`` and left out of the totals."""
+    audio that cannot be read or decoded are listed in ``failed`` and left out of the totals; an
+    utterance too long for ``method`` is scored as ``LONG_INPUT_METHOD`` decoded it (``long_inputs``)."""
     manifest = Path(manifest)
     result = EvalResult(str(manifest), method)
     rows = []
@@ -87,7 +95,8 @@ def evaluate_manifest(recognizer: Recognizer, manifest: str | Path, method: str 
             result.failed.append((where, tr.error))
             continue
         words, chars = score(text, tr.text)
-        result.utterances.append(UtteranceResult(where, str(path), text, tr.text, tr.duration, words, chars))
+        result.utterances.append(UtteranceResult(where, str(path), text, tr.text, tr.duration, words, chars,
+                                                 tr.method))
         result.words += words
         result.chars += chars
         result.audio_seconds += tr.duration
@@ -98,7 +107,8 @@ def markdown_report(result: EvalResult, checkpoint: str, worst: int = 10) -> str
     w, c = result.words, result.chars
     lines = [
         f"# Evaluation of `{checkpoint}`", "",
-        f"Manifest `{result.manifest}`, decoding `{result.method}`: {len(result.utterances)} utterances scored, "
+        f"Manifest `{result.manifest}`, decoding `{result.method}`{_long_note(result)}: "
+        f"{len(result.utterances)} utterances scored, "
         f"{result.audio_seconds / 60:.1f} min of audio"
         + (f", real-time factor {result.rtf:.3f}." if result.audio_seconds else "."), "",
         "| unit | reference length | substitutions | deletions | insertions | error rate |",
@@ -115,6 +125,12 @@ def markdown_report(result: EvalResult, checkpoint: str, worst: int = 10) -> str
         lines.append(f"| `{u.where}` | {100 * u.words.rate:.0f}% | {100 * u.chars.rate:.0f}% | "
                      f"{_cell(u.reference)} | {_cell(u.hypothesis)} |")
     return "\n".join(lines) + "\n"
+
+
+def _long_note(result: EvalResult) -> str:
+    """How many utterances were too long for the method, and what decoded them; empty when none."""
+    n = result.long_inputs
+    return f" ({n} utterance{'s' * (n > 1)} over {LONG_INPUT_SECONDS:g} s with `{LONG_INPUT_METHOD}`)" if n else ""
 
 
 def _cell(text: str) -> str:

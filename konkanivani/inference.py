@@ -3,9 +3,15 @@
 A checkpoint carries everything needed (model shape, weights with CMVN statistics, tokenizer),
 so ``Recognizer.from_checkpoint(path)`` is all a user needs. A run trained with ``--ema_decay``
 decodes with its moving average of the weights (``inference_state_dict``).
+
+``Recognizer.transcribe`` loses no file to another: a file that cannot be read, is too short for
+the encoder, or fails to decode yields a ``Transcript`` with ``error`` set, and a file longer than
+``decode.LONG_INPUT_SECONDS`` asked of an attention-based method is decoded with CTC prefix beam
+search, said once per call and recorded in ``Transcript.method``.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -13,22 +19,28 @@ from pathlib import Path
 
 import torch
 
-from .audio import LogMel, load_audio
+from .audio import AudioError, LogMel, load_audio
 from .checkpoint import CheckpointError, inference_state_dict, load_checkpoint
 from .checks import resolve_audio_path
 from .config import ModelConfig
 from .data import read_manifest
-from .decode import DEFAULT_CTC_WEIGHT, FUSED_METHODS, METHODS, Fusion, decode_batch
-from .frames import SAMPLE_RATE
+from .decode import (DEFAULT_CTC_WEIGHT, FUSED_METHODS, LONG_INPUT_METHOD, LONG_INPUT_SECONDS, METHODS, Fusion,
+                     decode_batch, method_for)
+from .frames import HOP_LENGTH, SAMPLE_RATE, subsampled_lengths
 from .lm import TransformerLM, check_same_vocabulary, load_lm
 from .model import ASRModel
 from .tokenizer import Tokenizer
 
-__all__ = ["AUDIO_SUFFIXES", "Recognizer", "Transcript", "find_audio"]
+__all__ = ["AUDIO_SUFFIXES", "MIN_SAMPLES", "Recognizer", "Transcript", "find_audio"]
 
 log = logging.getLogger("konkanivani")
 
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".opus", ".mp3", ".aiff", ".aif", ".au")
+# The fewest samples the model decodes: LogMel makes 1 + N // HOP_LENGTH feature frames, and the
+# encoder's subsampling (frames.subsampled_lengths, the lengths it computes) needs enough of them
+# for one encoder frame; fewer make its convolutions fail.
+MIN_SAMPLES = (next(t for t in itertools.count(1) if subsampled_lengths(t) >= 1) - 1) * HOP_LENGTH
+_MAX_NAMED = 5  # files named in the long-input note; the rest counted
 
 
 @dataclass
@@ -37,6 +49,7 @@ class Transcript:
     text: str
     duration: float  # seconds of audio
     error: str | None = None  # why the file could not be transcribed
+    method: str = ""  # the method that decoded it: the one asked for, or LONG_INPUT_METHOD for a long file
 
 
 class Recognizer:
@@ -99,7 +112,15 @@ class Recognizer:
     def decode_waveforms(self, wavs: Sequence[torch.Tensor], method: str = "greedy", beam_size: int = 10,
                          ctc_weight: float = DEFAULT_CTC_WEIGHT, lm_weight: float = 0.0,
                          length_bonus: float = 0.0) -> list[str]:
-        """Texts of 16 kHz mono waveforms, decoded as one batch."""
+        """Texts of 16 kHz mono waveforms, decoded as one batch; those too long for ``method``
+        (``decode.method_for``) with ``LONG_INPUT_METHOD``, said in one warning."""
+        texts = self._decode_waveforms(wavs, method, beam_size, ctc_weight, lm_weight, length_bonus)
+        _say_long_inputs(method, [(f"waveform {i}", len(w) / SAMPLE_RATE) for i, w in enumerate(wavs)
+                                  if _method_of(method, w) != method])
+        return texts
+
+    def _decode_waveforms(self, wavs: Sequence[torch.Tensor], method: str, beam_size: int, ctc_weight: float,
+                          lm_weight: float, length_bonus: float) -> list[str]:
         fusion = self.fusion(method, lm_weight, length_bonus)
         feats = [self.log_mel(w) for w in wavs]
         lens = torch.tensor([len(f) for f in feats], device=self.device)
@@ -111,38 +132,90 @@ class Recognizer:
                    ctc_weight: float = DEFAULT_CTC_WEIGHT, batch_size: int = 8, lm_weight: float = 0.0,
                    length_bonus: float = 0.0) -> Iterator[Transcript]:
         """Transcripts in the order of ``paths``. Files are read a few batches at a time and batched
-        by length. A file that cannot be read yields a ``Transcript`` with ``error`` set, and the
-        others are still decoded."""
+        by length. A file that cannot be read, is shorter than ``MIN_SAMPLES`` or fails to decode
+        yields a ``Transcript`` with ``error`` set, and the others are still decoded (a failing
+        batch is decoded again file by file). Files longer than ``LONG_INPUT_SECONDS`` asked of an
+        attention-based method are decoded with ``LONG_INPUT_METHOD``: their ``method`` says so,
+        and one warning at the end of the call names them."""
         if method not in METHODS:
             raise ValueError(f"unknown decoding method {method!r}; choose from {', '.join(METHODS)}")
         self.fusion(method, lm_weight, length_bonus)  # refused here, before any file is read
         paths = list(paths)
         window = 8 * batch_size
+        long_inputs: list[tuple[str, float]] = []
         for first in range(0, len(paths), window):
-            yield from self._transcribe_window(paths[first:first + window], method, beam_size, ctc_weight,
-                                               batch_size, lm_weight, length_bonus)
+            for tr in self._transcribe_window(paths[first:first + window], method, beam_size, ctc_weight,
+                                              batch_size, lm_weight, length_bonus):
+                if tr.error is None and tr.method != method:
+                    long_inputs.append((tr.audio_filepath, tr.duration))
+                yield tr
+        _say_long_inputs(method, long_inputs)
 
     def _transcribe_window(self, paths: list[str | Path], method: str, beam_size: int, ctc_weight: float,
                            batch_size: int, lm_weight: float, length_bonus: float) -> Iterator[Transcript]:
-        wavs: list[torch.Tensor | None] = []
-        errors: list[str | None] = []
-        for p in paths:
-            try:
-                wavs.append(load_audio(p))
-                errors.append(None)
-            except RuntimeError as e:  # the caller names it (Transcript.error), once
-                wavs.append(None)
-                errors.append(str(e))
+        read = [_read(p) for p in paths]
+        wavs, errors = [w for w, _ in read], [e for _, e in read]
         texts: dict[int, str] = {}
-        readable = sorted((i for i, w in enumerate(wavs) if w is not None), key=lambda i: -len(wavs[i]))
-        for start in range(0, len(readable), batch_size):
-            chunk = readable[start:start + batch_size]
-            decoded = self.decode_waveforms([wavs[i] for i in chunk], method, beam_size, ctc_weight, lm_weight,
-                                            length_bonus)
-            texts.update(zip(chunk, decoded))
+        decodable = sorted((i for i, e in enumerate(errors) if e is None), key=lambda i: -len(wavs[i]))
+        for start in range(0, len(decodable), batch_size):
+            self._decode_files(decodable[start:start + batch_size], paths, wavs, texts, errors,
+                               (method, beam_size, ctc_weight, lm_weight, length_bonus))
         for i, path in enumerate(paths):
             duration = 0.0 if wavs[i] is None else len(wavs[i]) / SAMPLE_RATE
-            yield Transcript(str(path), texts.get(i, ""), duration, errors[i])
+            used = _method_of(method, wavs[i]) if errors[i] is None else ""
+            yield Transcript(str(path), texts.get(i, ""), duration, errors[i], used)
+
+    def _decode_files(self, chunk: list[int], paths: list[str | Path], wavs: Sequence[torch.Tensor | None],
+                      texts: dict[int, str], errors: list[str | None], decoding: tuple) -> None:
+        """Decode the files ``chunk`` (indices into ``paths``) as one batch into ``texts``. If the
+        batch raises, each file alone, so that only a file that fails by itself gets an ``errors``
+        entry (naming it and what was raised) and no other file is lost with it."""
+        try:
+            texts.update(zip(chunk, self._decode_waveforms([wavs[i] for i in chunk], *decoding)))
+        except Exception as e:  # noqa: BLE001  whatever one file makes the model raise
+            if len(chunk) > 1:
+                for i in chunk:
+                    self._decode_files([i], paths, wavs, texts, errors, decoding)
+            else:
+                reason = str(e).strip().splitlines()[0] if str(e).strip() else "no message"
+                errors[chunk[0]] = f"{paths[chunk[0]]}: decoding failed ({type(e).__name__}: {reason})"
+
+
+def _read(path: str | Path) -> tuple[torch.Tensor | None, str | None]:
+    """The waveform of ``path`` and why it cannot be decoded (None if it can): unreadable (no
+    waveform), or too short for the encoder's subsampling, decided here before any batching."""
+    try:
+        wav = load_audio(path)
+    except RuntimeError as e:  # the caller names it (Transcript.error), once
+        return None, str(e)
+    if subsampled_lengths(_frames(wav)) < 1:  # the encoder frames the model will compute
+        return wav, str(AudioError("audio too short", str(path), f"{len(wav) / SAMPLE_RATE:.3f} s; the model needs "
+                                   f"at least {MIN_SAMPLES / SAMPLE_RATE:.3f} s"))
+    return wav, None
+
+
+def _frames(wav: torch.Tensor) -> int:
+    """The feature frames ``LogMel`` makes of ``wav``, without computing them."""
+    return 1 + len(wav) // HOP_LENGTH
+
+
+def _method_of(method: str, wav: torch.Tensor) -> str:
+    """The method ``decode_batch`` decodes ``wav`` with when asked for ``method``."""
+    return method_for(method, _frames(wav))
+
+
+def _say_long_inputs(method: str, long_inputs: list[tuple[str, float]]) -> None:
+    """One warning naming the inputs (name, seconds) decoded with ``LONG_INPUT_METHOD`` instead of
+    ``method``, and what to do instead; nothing when there are none."""
+    if not long_inputs:
+        return
+    named = ", ".join(f"{name} ({seconds:.1f} s)" for name, seconds in long_inputs[:_MAX_NAMED])
+    more = f" and {len(long_inputs) - _MAX_NAMED} more" if len(long_inputs) > _MAX_NAMED else ""
+    log.warning("%d input%s longer than %g s decoded with %s (CTC prefix beam search) instead of %s, which is "
+                "meant for inputs up to that length (its cost grows with the square of the length): %s%s. Split long "
+                "recordings into pieces of at most %g s, or decode them with --method greedy", len(long_inputs),
+                "s" if len(long_inputs) > 1 else "", LONG_INPUT_SECONDS, LONG_INPUT_METHOD, method, named, more,
+                LONG_INPUT_SECONDS)
 
 
 def find_audio(inputs: Sequence[str | Path]) -> list[tuple[Path, dict]]:

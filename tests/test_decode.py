@@ -53,6 +53,25 @@ def test_ctc_prefix_beam_search_without_pruning_is_exact():
     assert torch.tensor([h.score for h in nbest]).logsumexp(0) == pytest.approx(0.0, abs=1e-4)
 
 
+def test_prefixes_are_equal_by_their_tokens_alone():
+    """Prefix beam search keys its dictionaries by linked prefixes: equal tokens, equal keys."""
+    from konkanivani.decode import _Prefix
+
+    def build(tokens, root=None):
+        node = root or _Prefix()
+        for tok in tokens:
+            node = _Prefix(node, tok)
+        return node
+
+    root = _Prefix()
+    a, b = build([5, 7, 5], root), build([5, 7], build([], root))
+    b = _Prefix(b, 5)
+    assert a == b and hash(a) == hash(b) and len({a, b, build([5, 7, 5])}) == 1 and a.tokens() == [5, 7, 5]
+    assert _Prefix() == root and root.tokens() == [] and root.token is None
+    others = [build([5, 7]), build([7, 5, 5]), build([5, 7, 5, 5]), build([5, 7, 6])]
+    assert all(a != o for o in others) and len({a, *others}) == 5 and a != (5, 7, 5)
+
+
 def test_ctc_prefix_beam_search_nbest_on_the_model(trained):
     model, _, enc, enc_lens = trained
     log_probs = model.ctc_log_probs(enc)

@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.report).write_text(markdown_report(result, str(args.checkpoint), args.worst), encoding="utf-8")
     w, c = result.words, result.chars
     if result.utterances:
-        print(f"{len(result.utterances)} utterances, {result.audio_seconds / 60:.1f} min, method {decoding_name(args)}, "
-              f"real-time factor {result.rtf:.3f}")
+        print(f"{len(result.utterances)} utterances, {result.audio_seconds / 60:.1f} min, "
+              f"method {decoding_name(args, result.long_inputs)}, real-time factor {result.rtf:.3f}")
         print(f"WER {100 * w.rate:.2f}% ({w.substitutions} sub, {w.deletions} del, {w.insertions} ins / "
               f"{w.length} words)")
         print(f"CER {100 * c.rate:.2f}% ({c.substitutions} sub, {c.deletions} del, {c.insertions} ins / "

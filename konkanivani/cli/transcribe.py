@@ -6,8 +6,10 @@ its tokenizer and model shape.
 
 Inputs are audio files (any sample rate and channel count soundfile reads), folders (searched
 recursively) and JSONL manifests. Prints ``path<TAB>text`` per file, or writes JSONL rows
-``{"audio_filepath", "text", "duration"}`` with ``--output``. A file that cannot be read is named
-once on stderr and the others are still transcribed; the exit status is then 1.
+``{"audio_filepath", "text", "duration"}`` with ``--output``. A file that cannot be read, is too
+short for the model (under 0.06 s) or fails to decode is named once on stderr and the others are
+still transcribed; the exit status is then 1. Files longer than 30 s asked of an attention-based
+method (joint, attention, rescore) are decoded with CTC prefix beam search, said once on stderr.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from pathlib import Path
 from . import Parser, fail
 from ..checkpoint import CheckpointError
 from ..data import ManifestError
-from ..decode import DEFAULT_CTC_WEIGHT, FUSED_METHODS, METHODS
+from ..decode import DEFAULT_CTC_WEIGHT, FUSED_METHODS, LONG_INPUT_METHOD, LONG_INPUT_SECONDS, METHODS
 from ..inference import Recognizer, find_audio
 from ..precision import resolve_device
 
@@ -75,10 +77,12 @@ def load_recognizer(args: argparse.Namespace) -> Recognizer:
     return Recognizer.from_checkpoint(args.checkpoint, resolve_device(args.device), lm=args.lm)
 
 
-def decoding_name(args: argparse.Namespace) -> str:
-    """The method and its fusion settings, for the summary line."""
+def decoding_name(args: argparse.Namespace, long_inputs: int = 0) -> str:
+    """The method and its fusion settings, for the summary line, and how many of the inputs were
+    too long for it (decoded with ``LONG_INPUT_METHOD``)."""
     fusion = f" + LM {args.lm} at {args.lm_weight:g}" if args.lm is not None else ""
-    return args.method + fusion + (f", length bonus {args.length_bonus:g}" if args.length_bonus else "")
+    name = args.method + fusion + (f", length bonus {args.length_bonus:g}" if args.length_bonus else "")
+    return name + (f" ({long_inputs} over {LONG_INPUT_SECONDS:g} s with {LONG_INPUT_METHOD})" if long_inputs else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     if not files:
         return fail("no audio files found in " + " ".join(args.inputs))
 
-    failed, audio_s, start = [], 0.0, time.perf_counter()
+    failed, long_inputs, audio_s, start = [], 0, 0.0, time.perf_counter()
     with open(args.output, "w", encoding="utf-8") if args.output else nullcontext() as out:
         for tr in recognizer.transcribe(files, args.method, args.beam_size, args.ctc_weight, args.batch_size,
                                         args.lm_weight, args.length_bonus):
@@ -105,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 failed.append(tr.error)
                 continue
             audio_s += tr.duration
+            long_inputs += tr.method != args.method
             if out is None:
                 print(f"{tr.audio_filepath}\t{tr.text}", flush=True)
             else:
@@ -113,10 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - start
     done = len(files) - len(failed)
     speed = f" in {elapsed:.1f} s: real-time factor {elapsed / audio_s:.3f}" if audio_s else ""
-    print(f"{done} of {len(files)} files ({audio_s:.1f} s of audio) transcribed with {decoding_name(args)}{speed}"
-          + (f"; wrote {args.output}" if args.output else ""), file=sys.stderr)
+    print(f"{done} of {len(files)} files ({audio_s:.1f} s of audio) transcribed with "
+          f"{decoding_name(args, long_inputs)}{speed}" + (f"; wrote {args.output}" if args.output else ""),
+          file=sys.stderr)
     if failed:
-        print(f"{len(failed)} files could not be read:", *failed, sep="\n  ", file=sys.stderr)
+        print(f"{len(failed)} files could not be transcribed:", *failed, sep="\n  ", file=sys.stderr)
         return 1
     return 0
 
