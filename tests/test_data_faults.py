@@ -408,3 +408,32 @@ def test_demo_corpus_killed_while_regenerating_keeps_the_old_corpus(tiny_corpus,
     fresh = tmp_path / "fresh"
     assert subprocess.run([*command[:3], str(fresh), *command[4:]], capture_output=True).returncode == 0
     assert _snapshot(corpus) == _snapshot(fresh) != before
+
+
+# --- tools that write next to what they read ------------------------------------------------------
+
+def test_average_never_writes_over_a_checkpoint_it_reads_or_a_runs_own_names(tmp_path, capsys):
+    from konkanivani.checkpoint import save_checkpoint
+    from konkanivani.cli import average
+
+    inputs = [save_checkpoint({"model": {}}, tmp_path / f"{name}.pt") for name in ("a", "b")]
+    before = [p.read_bytes() for p in inputs]
+    for output in (inputs[0], tmp_path / "latest.pt", tmp_path / "run" / "step_0000100.pt"):
+        status = average.main(["--inputs", *map(str, inputs), "--output", str(output)])
+        err = capsys.readouterr().err
+        assert status == 2 and len(err.strip().splitlines()) == 1 and str(output) in err, err
+    assert [p.read_bytes() for p in inputs] == before and not (tmp_path / "latest.pt").exists()
+
+
+def test_validate_output_may_not_be_the_manifest_it_reads(tmp_path, capsys):
+    from konkanivani.cli import validate
+
+    _write(tmp_path / "a.wav", _noise(500))
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(json.dumps({"audio_filepath": "a.wav", "duration": 1.0, "text": TEXTS[0]}) + "\n"
+                        + "not json\n", encoding="utf-8")
+    before = manifest.read_bytes()
+    with pytest.raises(SystemExit) as exit_:
+        validate.main([str(manifest), "--output", str(manifest)])
+    assert exit_.value.code == 2 and "never rewrites its own input" in capsys.readouterr().err
+    assert manifest.read_bytes() == before

@@ -12,13 +12,26 @@ optimizer: it cannot be resumed.
 """
 from __future__ import annotations
 
+import os
+import re
 import sys
 from pathlib import Path
 
-from . import Parser, fail
+from . import Parser, fail, tool
 from ..checkpoint import CheckpointError, average_checkpoints, save_checkpoint, select_checkpoints
 
 
+def _refuse_overwriting_inputs(output: Path, inputs: list[Path]) -> None:
+    """The average never replaces a checkpoint it reads, nor a run's own latest.pt, best.pt or step file."""
+    if output.name in ("latest.pt", "best.pt") or re.fullmatch(r"step_\d+\.pt", output.name):
+        raise CheckpointError(f"--output {output}: that name belongs to a training run's own checkpoints; "
+                              "choose another (average_*.pt)")
+    if output.exists() and any(p.exists() and os.path.samefile(p, output) for p in inputs):
+        raise CheckpointError(f"--output {output} is one of the checkpoints being averaged: a tool never rewrites "
+                              "its own input; choose another file")
+
+
+@tool
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("directory", nargs="?", type=Path, help="a training output directory")
@@ -48,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr)
         output = Path(args.output) if args.output else (
             args.directory / f"average_{'last' if args.last else 'best'}{args.last or args.best}.pt")
+        _refuse_overwriting_inputs(output, paths)
         save_checkpoint(average_checkpoints(paths), output)
     except CheckpointError as e:
         return fail(str(e))

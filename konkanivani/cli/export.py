@@ -15,11 +15,12 @@ import logging
 import sys
 from pathlib import Path
 
-from . import Parser, fail
+from . import Parser, fail, tool
 from ..checkpoint import CheckpointError
 from ..export import FORMATS, ExportError, export_checkpoint, unavailable
 
 
+@tool
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a step checkpoint, latest.pt, best.pt or an average")

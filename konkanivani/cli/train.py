@@ -29,7 +29,7 @@ import signal
 import sys
 from pathlib import Path
 
-from . import Parser
+from . import Parser, tool
 from ..checkpoint import CheckpointError
 from ..config import ConfigError, ModelConfig, TrainConfig, add_dataclass_args, dataclass_from_args
 from ..config_file import load_config_file
@@ -80,6 +80,7 @@ def resume_command(argv: list[str]) -> str:
     return shlex.join([*command, *kept, "--resume", "latest"])
 
 
+@tool
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     logging.captureWarnings(True)  # library warnings as log lines: above the progress bar, and in train.log

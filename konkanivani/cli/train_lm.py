@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import Parser
+from . import Parser, tool
 from ..checkpoint import (CheckpointError, MetricsLog, capture_rng, claim_output_dir, hold_run_directory,
                           load_checkpoint, load_resume_checkpoint, point_to, prune_checkpoints, restore_rng,
                           save_checkpoint, step_checkpoint_name)
@@ -266,6 +266,7 @@ def train_lm(args: argparse.Namespace) -> dict[str, Any]:
     return {"step": step, "epoch": epoch, "valid_ppl": last_ppl, "best_ppl": best, "stopped_by": stop}
 
 
+@tool
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     args = parse_args(argv)
