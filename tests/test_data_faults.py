@@ -437,3 +437,20 @@ def test_validate_output_may_not_be_the_manifest_it_reads(tmp_path, capsys):
         validate.main([str(manifest), "--output", str(manifest)])
     assert exit_.value.code == 2 and "never rewrites its own input" in capsys.readouterr().err
     assert manifest.read_bytes() == before
+
+
+@pytest.mark.parametrize("tool_name", ["transcribe", "evaluate"])
+def test_decoding_tools_never_write_their_results_over_the_manifest_they_read(tmp_path, capsys, tool_name):
+    import importlib
+
+    tool = importlib.import_module(f"konkanivani.cli.{tool_name}")
+    (tmp_path / "model.pt").write_bytes(b"never loaded: the flags are refused first")
+    manifest = tmp_path / "test.jsonl"
+    manifest.write_text(json.dumps({"audio_filepath": "a.wav", "duration": 1.0, "text": TEXTS[0]}) + "\n",
+                        encoding="utf-8")
+    before = manifest.read_bytes()
+    with pytest.raises(SystemExit) as exit_:
+        tool.main([str(tmp_path / "model.pt"), str(manifest), "--output", str(manifest)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "never rewrites its own input" in err and len(err.strip().splitlines()) == 1
+    assert manifest.read_bytes() == before

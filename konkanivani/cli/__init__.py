@@ -12,9 +12,10 @@ import argparse
 import functools
 import signal
 import sys
+from pathlib import Path
 from typing import Callable, NoReturn
 
-__all__ = ["Parser", "fail", "tool"]
+__all__ = ["Parser", "fail", "refuse_writing_inputs", "tool"]
 
 Main = Callable[[list[str] | None], int]
 
@@ -31,6 +32,17 @@ def fail(message: str) -> int:
     """Print ``error: message`` on stderr; the exit status of an unusable input (2)."""
     print(f"error: {message}", file=sys.stderr)
     return 2
+
+
+def refuse_writing_inputs(parser: Parser, flag: str, output: str | Path | None, inputs: list[str | Path]) -> None:
+    """A tool never rewrites its own input: ``flag``'s file may not be one of ``inputs`` (one line, exit 2)."""
+    if output is None:
+        return
+    target = Path(output).resolve()
+    for given in inputs:
+        if Path(given).resolve() == target:
+            parser.error(f"{flag} {output} is also an input of this command: a tool never rewrites its own input; "
+                         "write to another file")
 
 
 def tool(main: Main) -> Main:

@@ -11,13 +11,14 @@ import logging
 import sys
 from pathlib import Path
 
-from . import Parser, fail
+from . import Parser, fail, refuse_writing_inputs, tool
 from ..checkpoint import CheckpointError
 from ..data import ManifestError
 from ..evaluation import evaluate_manifest, markdown_report
 from .transcribe import add_decoding_args, check_decoding_args, decoding_name, load_recognizer
 
 
+@tool
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__.split("\n\n")[0])
     add_decoding_args(parser)
@@ -27,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worst", type=int, default=10, help="how many of the worst utterances to list")
     args = parser.parse_args(argv)
     check_decoding_args(parser, args)
+    refuse_writing_inputs(parser, "--output", args.output, [args.checkpoint, args.manifest])
+    refuse_writing_inputs(parser, "--report", args.report, [args.checkpoint, args.manifest])
     if not args.manifest.is_file():
         parser.error(f"manifest {args.manifest}: file not found")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)

@@ -21,7 +21,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from . import Parser, fail
+from . import Parser, fail, refuse_writing_inputs, tool
 from ..checkpoint import CheckpointError
 from ..data import ManifestError
 from ..decode import DEFAULT_CTC_WEIGHT, FUSED_METHODS, LONG_INPUT_METHOD, LONG_INPUT_SECONDS, METHODS
@@ -85,6 +85,7 @@ def decoding_name(args: argparse.Namespace, long_inputs: int = 0) -> str:
     return name + (f" ({long_inputs} over {LONG_INPUT_SECONDS:g} s with {LONG_INPUT_METHOD})" if long_inputs else "")
 
 
+@tool
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__.split("\n\n")[0])
     add_decoding_args(parser)
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", help="write JSONL here instead of printing")
     args = parser.parse_args(argv)
     check_decoding_args(parser, args)
+    refuse_writing_inputs(parser, "--output", args.output, [args.checkpoint, *args.inputs])
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
     try:
         recognizer = load_recognizer(args)
