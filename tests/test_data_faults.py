@@ -384,10 +384,12 @@ def test_demo_corpus_killed_while_regenerating_keeps_the_old_corpus(tiny_corpus,
                                 start_new_session=sig == signal.SIGKILL,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         staged = corpus / ".demo_corpus.partial" / "wavs"
-        killed_build = staged.stat().st_ino if staged.is_dir() else None  # the SIGKILLed run's leftover
+        leftover = staged / "left-by-the-killed-run"  # gone once this run has started its own build
+        if staged.is_dir():
+            leftover.touch()
         for _ in range(1200):  # until this run has synthesized a few files (bounded: 1200 polls)
             with contextlib.suppress(FileNotFoundError):
-                if proc.poll() is not None or (staged.is_dir() and staged.stat().st_ino != killed_build
+                if proc.poll() is not None or (staged.is_dir() and not leftover.exists()
                                                and len(list(staged.glob("*.wav"))) >= 4):
                     break
             time.sleep(0.05)
@@ -416,9 +418,9 @@ def test_average_never_writes_over_a_checkpoint_it_reads_or_a_runs_own_names(tmp
     from konkanivani.checkpoint import save_checkpoint
     from konkanivani.cli import average
 
-    inputs = [save_checkpoint({"model": {}}, tmp_path / f"{name}.pt") for name in ("a", "b")]
+    inputs = [save_checkpoint({"model": {}}, tmp_path / f"step_000000{n}.pt") for n in (1, 2)]  # a run's folder
     before = [p.read_bytes() for p in inputs]
-    for output in (inputs[0], tmp_path / "latest.pt", tmp_path / "run" / "step_0000100.pt"):
+    for output in (inputs[0], tmp_path / "latest.pt", tmp_path / "step_0000100.pt"):
         status = average.main(["--inputs", *map(str, inputs), "--output", str(output)])
         err = capsys.readouterr().err
         assert status == 2 and len(err.strip().splitlines()) == 1 and str(output) in err, err

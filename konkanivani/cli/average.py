@@ -22,8 +22,11 @@ from ..checkpoint import CheckpointError, average_checkpoints, save_checkpoint, 
 
 
 def _refuse_overwriting_inputs(output: Path, inputs: list[Path]) -> None:
-    """The average never replaces a checkpoint it reads, nor a run's own latest.pt, best.pt or step file."""
-    if output.name in ("latest.pt", "best.pt") or re.fullmatch(r"step_\d+\.pt", output.name):
+    """The average never replaces a checkpoint it reads, nor the latest.pt, best.pt or a step file of
+    the run in its folder."""
+    in_a_run = output.parent.is_dir() and (any(output.parent.glob("step_*.pt")) or
+                                           (output.parent / "latest.pt").exists())
+    if in_a_run and (output.name in ("latest.pt", "best.pt") or re.fullmatch(r"step_\d+\.pt", output.name)):
         raise CheckpointError(f"--output {output}: that name belongs to a training run's own checkpoints; "
                               "choose another (average_*.pt)")
     if output.exists() and any(p.exists() and os.path.samefile(p, output) for p in inputs):
