@@ -16,7 +16,7 @@ cd "$(dirname "$0")"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 PYTHON=${PYTHON:-python3}
 
-if ! "$PYTHON" -c "import konkanivani.train" >/dev/null 2>&1; then  # imports every dependency
+if ! "$PYTHON" -c "import konkanivani.training.loop" >/dev/null 2>&1; then  # imports every dependency
     training_scripts/setup_env.sh
 fi
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Re-measure the coefficients of konkanivani.memory's estimator on this machine.
+"""Re-measure the coefficients of konkanivani.training.memory's estimator on this machine.
 
 1. Activations: for a grid of model shapes and lengths, count the bytes of the tensors autograd
    saves for the backward pass (``saved_tensors_hooks``, one forward pass, batch 2 minus batch 1
@@ -24,9 +24,9 @@ from scipy.optimize import nnls
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from konkanivani import memory
+from konkanivani.training import memory
 from konkanivani.config import ModelConfig, model_config_from_preset
-from konkanivani.model import ASRModel
+from konkanivani.model.asr import ASRModel
 
 SHAPES = [  # d_model, heads, ffn, encoder layers, decoder layers, vocabulary
     (32, 2, 64, 1, 1, 64), (64, 2, 256, 2, 1, 256), (48, 4, 96, 1, 2, 128), (96, 4, 192, 2, 2, 64),

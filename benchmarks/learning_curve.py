@@ -27,14 +27,14 @@ ROOT = Path(__file__).resolve().parents[1]
 from konkanivani.checkpoint import average_checkpoints, load_checkpoint, save_checkpoint, step_checkpoints
 from konkanivani.cli.train import model_flags, parse_args
 from konkanivani.config import TrainConfig, dataclass_from_args
-from konkanivani.decode import DEFAULT_CTC_WEIGHT, FUSED_METHODS, METHODS
-from konkanivani.demo_corpus import default_options, make_corpus
-from konkanivani.evaluation import evaluate_manifest
-from konkanivani.inference import Recognizer
-from konkanivani.model import ASRModel
-from konkanivani.plot import write_csv
-from konkanivani.tokenizer import Tokenizer
-from konkanivani.train import train
+from konkanivani.decoding.search import DEFAULT_CTC_WEIGHT, FUSED_METHODS, METHODS
+from konkanivani.tools.demo_corpus import default_options, make_corpus
+from konkanivani.decoding.evaluation import evaluate_manifest
+from konkanivani.decoding.recognizer import Recognizer
+from konkanivani.model.asr import ASRModel
+from konkanivani.training.curves import write_csv
+from konkanivani.data.tokenizer import Tokenizer
+from konkanivani.training.loop import train
 
 # The CPU recipe (its reasons are in the file); command-line flags override it.
 RECIPE = ["--config", str(ROOT / "configs" / "cpu_small.yaml")]

@@ -16,10 +16,10 @@ import argparse
 import logging
 from pathlib import Path
 
-from konkanivani.decode import DEFAULT_CTC_WEIGHT, FUSED_METHODS
-from konkanivani.evaluation import evaluate_manifest
-from konkanivani.inference import Recognizer
-from konkanivani.plot import write_csv
+from konkanivani.decoding.search import DEFAULT_CTC_WEIGHT, FUSED_METHODS
+from konkanivani.decoding.evaluation import evaluate_manifest
+from konkanivani.decoding.recognizer import Recognizer
+from konkanivani.training.curves import write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("konkanivani")

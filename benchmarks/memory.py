@@ -37,12 +37,12 @@ def worker(spec: dict) -> dict:
     import torch
 
     from konkanivani.config import model_config_from_preset
-    from konkanivani.data import Batch
-    from konkanivani.memory import MemoryEstimator, peak_rss_bytes, precision_name, reset_peak_rss, rss_bytes
-    from konkanivani.model import ASRModel
-    from konkanivani.optim import build_optimizer
-    from konkanivani.precision import resolve_precision
-    from konkanivani.train import forward_backward, optimizer_step
+    from konkanivani.data.dataset import Batch
+    from konkanivani.training.memory import MemoryEstimator, peak_rss_bytes, precision_name, reset_peak_rss, rss_bytes
+    from konkanivani.model.asr import ASRModel
+    from konkanivani.training.optim import build_optimizer
+    from konkanivani.training.precision import resolve_precision
+    from konkanivani.training.loop import forward_backward, optimizer_step
 
     torch.manual_seed(0)
     device = torch.device(spec["device"])
@@ -94,11 +94,11 @@ def _warm_up(device, precision: str) -> None:
     import torch
 
     from konkanivani.config import model_config_from_preset
-    from konkanivani.data import Batch
-    from konkanivani.model import ASRModel
-    from konkanivani.optim import build_optimizer
-    from konkanivani.precision import resolve_precision
-    from konkanivani.train import forward_backward, optimizer_step
+    from konkanivani.data.dataset import Batch
+    from konkanivani.model.asr import ASRModel
+    from konkanivani.training.optim import build_optimizer
+    from konkanivani.training.precision import resolve_precision
+    from konkanivani.training.loop import forward_backward, optimizer_step
 
     cfg = model_config_from_preset("tiny", vocab_size=32)
     batch = Batch(torch.randn(1, 200, cfg.n_mels), torch.tensor([200]), torch.randint(3, 32, (1, 10)),

@@ -38,12 +38,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from konkanivani.config import PRESETS, ModelConfig, model_config_from_preset
-from konkanivani.conformer import ConformerEncoder
-from konkanivani.frames import subsampled_lengths
-from konkanivani.memory import precision_name
-from konkanivani.model import ASRModel
-from konkanivani.optim import build_optimizer
-from konkanivani.precision import cpu_description, resolve_precision
+from konkanivani.model.conformer import ConformerEncoder
+from konkanivani.data.frames import subsampled_lengths
+from konkanivani.training.memory import precision_name
+from konkanivani.model.asr import ASRModel
+from konkanivani.training.optim import build_optimizer
+from konkanivani.training.precision import cpu_description, resolve_precision
 
 SUBSAMPLING = next(f.metadata for f in dataclasses.fields(ModelConfig) if f.name == "subsampling")
 

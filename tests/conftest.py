@@ -9,7 +9,7 @@ def pytest_collection_modifyitems(config, items):
         if "tiny_corpus" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
 
-from konkanivani.demo_corpus import make_corpus
+from konkanivani.tools.demo_corpus import make_corpus
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +26,7 @@ def tiny_corpus(tmp_path_factory):
 def tiny_run(tiny_corpus, tmp_path_factory):
     """The output directory of a short real training run of the tiny preset (for decoding tests)."""
     from konkanivani.config import TrainConfig
-    from konkanivani.train import train
+    from konkanivani.training.loop import train
 
     out = tmp_path_factory.mktemp("tiny_run")
     cfg = TrainConfig(train_manifest=str(tiny_corpus / "train.jsonl"), valid_manifest=str(tiny_corpus / "valid.jsonl"),

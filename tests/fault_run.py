@@ -16,7 +16,8 @@ import sys
 
 import torch
 
-from konkanivani import checkpoint, train
+from konkanivani import checkpoint
+from konkanivani.training import loop as train
 from konkanivani.cli import train as cli
 
 

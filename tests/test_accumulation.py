@@ -3,10 +3,10 @@ import copy
 import torch
 
 from konkanivani.config import model_config_from_preset
-from konkanivani.data import Batch
-from konkanivani.model import ASRModel
-from konkanivani.precision import resolve_precision
-from konkanivani.train import forward_backward, optimizer_step
+from konkanivani.data.dataset import Batch
+from konkanivani.model.asr import ASRModel
+from konkanivani.training.precision import resolve_precision
+from konkanivani.training.loop import forward_backward, optimizer_step
 
 
 def _batches(n_utts, per_batch, seed=0):

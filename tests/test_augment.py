@@ -10,14 +10,14 @@ import soundfile as sf
 import torch
 from torch.utils.data import DataLoader
 
-from konkanivani.audio import LogMel, load_audio
-from konkanivani.augment import (SPEED_FACTORS, AugmentConfig, Augmenter, batching_duration, corrupt_manifest,
+from konkanivani.data.audio import LogMel, load_audio
+from konkanivani.data.augment import (SPEED_FACTORS, AugmentConfig, Augmenter, batching_duration, corrupt_manifest,
                                  reverberate, speed_perturb, utterance_generator, vtlp_warp_matrix)
-from konkanivani.batching import DurationBucketSampler
+from konkanivani.data.samplers import DurationBucketSampler
 from konkanivani.config import ConfigError
-from konkanivani.data import ASRDataset, EpochKeyed, LengthGroupedBatchSampler, collate, load_utterances
-from konkanivani.frames import frames_of
-from konkanivani.tokenizer import train_tokenizer
+from konkanivani.data.dataset import ASRDataset, EpochKeyed, LengthGroupedBatchSampler, collate, load_utterances
+from konkanivani.data.frames import frames_of
+from konkanivani.data.tokenizer import train_tokenizer
 
 TEXTS = ["हांव घरा वता", "तूं कितें करता", "आमी पणजेक गेलें", "ताणें जेवण केलें"]
 

@@ -107,7 +107,7 @@ def test_a_device_this_machine_lacks_is_one_line_and_exit_2(device, gpus, messag
     """The same on a machine with GPUs as without: the GPUs are counted by a stand-in."""
     import torch
 
-    from konkanivani.precision import resolve_device
+    from konkanivani.training.precision import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
@@ -131,8 +131,8 @@ def test_an_output_under_a_file_is_one_line_for_average_and_export(tmp_path, cap
     from konkanivani.checkpoint import save_checkpoint
     from konkanivani.cli import average, export
     from konkanivani.config import model_config_from_preset
-    from konkanivani.model import ASRModel
-    from konkanivani.tokenizer import train_tokenizer
+    from konkanivani.model.asr import ASRModel
+    from konkanivani.data.tokenizer import train_tokenizer
 
     tokenizer = train_tokenizer(["हांव घरा वता", "तूं कितें करता"] * 20, 30, "char")
     cfg = model_config_from_preset("tiny", vocab_size=tokenizer.vocab_size)
@@ -200,7 +200,7 @@ def test_every_tool_says_a_bad_value_in_one_line_with_exit_2(tool, argv, message
 
 def test_validate_on_a_csv_says_what_a_manifest_is_once(tmp_path, capsys):
     from konkanivani.cli import validate
-    from konkanivani.tokenizer import train_tokenizer
+    from konkanivani.data.tokenizer import train_tokenizer
 
     csv = tmp_path / "data.csv"
     csv.write_text("audio_filepath,text\n" + "".join(f"wavs/{i}.wav,हांव घरा वता {i}\n" for i in range(120)))
@@ -218,7 +218,7 @@ def test_validate_on_a_csv_says_what_a_manifest_is_once(tmp_path, capsys):
 
 def test_validate_counts_lines_that_are_not_json_once(tmp_path, capsys):
     from konkanivani.cli import validate
-    from konkanivani.tokenizer import train_tokenizer
+    from konkanivani.data.tokenizer import train_tokenizer
 
     manifest = tmp_path / "m.jsonl"
     manifest.write_text('a,b\n{"audio_filepath": "x.wav", "text": "हांव"}\nc,d\n')

@@ -10,8 +10,8 @@ import yaml
 from konkanivani.cli import train as cli
 from konkanivani.config import ModelConfig, TrainConfig, check_config, dataclass_from_args, model_config_from_preset
 from konkanivani.config_file import SECTION_OF, SECTIONS, load_config_file, resolved_config
-from konkanivani.frames import frames_of
-from konkanivani.memory import GIB, MemoryEstimator
+from konkanivani.data.frames import frames_of
+from konkanivani.training.memory import GIB, MemoryEstimator
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

@@ -6,10 +6,10 @@ import pytest
 import soundfile as sf
 import torch
 
-from konkanivani.checks import check_row
-from konkanivani.data import (ASRDataset, LengthGroupedBatchSampler, ManifestError, ShardedSampler, Unreadable,
+from konkanivani.data.checks import check_row
+from konkanivani.data.dataset import (ASRDataset, LengthGroupedBatchSampler, ManifestError, ShardedSampler, Unreadable,
                               collate, load_utterances, read_manifest)
-from konkanivani.tokenizer import train_tokenizer
+from konkanivani.data.tokenizer import train_tokenizer
 
 TEXTS = ["हांव घरा वता", "तूं कितें करता", "आमी पणजेक गेलें", "ताणें जेवण केलें"]
 

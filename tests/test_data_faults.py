@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from konkanivani import prepare as prepare_module
-from konkanivani.checks import resolve_audio_path
+from konkanivani.tools import prepare as prepare_module
+from konkanivani.data.checks import resolve_audio_path
 from konkanivani.cli import prepare as prepare_cli
-from konkanivani.data import read_manifest
-from konkanivani.outputs import child, safe_name
+from konkanivani.data.dataset import read_manifest
+from konkanivani.tools.outputs import child, safe_name
 
 SR = 16000
 TEXTS = ["हांव घरा वता", "तूं कितें करता", "आमी पणजेक गेलें", "ताणें जेवण केलें", "तो शाळेंत वता", "ती गावांत रावता"]

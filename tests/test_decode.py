@@ -3,11 +3,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from konkanivani.data import ASRDataset, collate, load_utterances
-from konkanivani.decode import (METHODS, attention_beam_search, attention_rescoring, attention_scores, ctc_greedy,
+from konkanivani.data.dataset import ASRDataset, collate, load_utterances
+from konkanivani.decoding.search import (METHODS, attention_beam_search, attention_rescoring, attention_scores, ctc_greedy,
                                 ctc_prefix_beam_search, decode_batch)
-from konkanivani.inference import Recognizer
-from konkanivani.tokenizer import BLANK_ID, SOS_EOS_ID
+from konkanivani.decoding.recognizer import Recognizer
+from konkanivani.data.tokenizer import BLANK_ID, SOS_EOS_ID
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_ctc_prefix_beam_search_without_pruning_is_exact():
 
 def test_prefixes_are_equal_by_their_tokens_alone():
     """Prefix beam search keys its dictionaries by linked prefixes: equal tokens, equal keys."""
-    from konkanivani.decode import _Prefix
+    from konkanivani.decoding.search import _Prefix
 
     def build(tokens, root=None):
         node = root or _Prefix()
@@ -151,7 +151,7 @@ def test_decode_batch_runs_every_method_and_refuses_unknown(trained):
 def test_incremental_decoder_steps_equal_the_full_forward():
     torch.manual_seed(0)
     from konkanivani.config import model_config_from_preset
-    from konkanivani.model import ASRModel
+    from konkanivani.model.asr import ASRModel
 
     model = ASRModel(model_config_from_preset("tiny", vocab_size=40)).eval()
     memory, memory_lens = torch.randn(3, 17, 48), torch.tensor([17, 12, 5])

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from konkanivani.data import read_manifest
-from konkanivani.demo_corpus import (FESTIVAL_SPEAKER, FESTIVAL_TRAIN_VOICES, HELDOUT, NOISY, festival_available,
+from konkanivani.data.dataset import read_manifest
+from konkanivani.tools.demo_corpus import (FESTIVAL_SPEAKER, FESTIVAL_TRAIN_VOICES, HELDOUT, NOISY, festival_available,
                                      festival_train_voices, make_corpus, text_only_sentences)
-from konkanivani.tokenizer import normalize_text
+from konkanivani.data.tokenizer import normalize_text
 
 
 def _rows(corpus, split):
@@ -86,8 +86,8 @@ def test_parallel_synthesis_after_torch_has_run_in_this_process(tmp_path):
     make a corpus with two jobs: forked workers used to hang in their first resample."""
     script = (
         "import sys, torch\n"
-        "from konkanivani.audio import resample\n"
-        "from konkanivani.demo_corpus import make_corpus\n"
+        "from konkanivani.data.audio import resample\n"
+        "from konkanivani.tools.demo_corpus import make_corpus\n"
         "torch.set_num_threads(2)\n"
         "resample(torch.randn(200000), 22050, 16000)\n"
         "if __name__ == '__main__':\n"
@@ -153,7 +153,7 @@ def test_the_command_reads_festival_voices_and_text_sentences_by_default(tmp_pat
     when all of them are installed (0 and the missing ones named when not: Debian's festival brings one
     English voice along, which would read the whole share), DEFAULT_TRAIN_FROM_TEXT text sentences but
     none with --max_sentences or --sentences; flags win."""
-    from konkanivani import demo_corpus
+    from konkanivani.tools import demo_corpus
     from konkanivani.cli import demo_corpus as cli
     calls = []
     monkeypatch.setattr(cli, "make_corpus", lambda *a, **kw: calls.append(kw) or {"splits": {}})

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from konkanivani.checkpoint import load_checkpoint
-from konkanivani.data import read_manifest
-from konkanivani.tokenizer import train_tokenizer
+from konkanivani.data.dataset import read_manifest
+from konkanivani.data.tokenizer import train_tokenizer
 
 from tiny_args import tiny_args
 
@@ -150,7 +150,7 @@ def test_one_failing_process_ends_the_run_instead_of_hanging_the_others(tiny_cor
 GROUP_SCRIPT = """
 import sys
 import torch.distributed as td
-from konkanivani.distributed import distributed
+from konkanivani.training.distributed import distributed
 
 if sys.argv[1] == "caller":  # the caller's own group outlives the block
     td.init_process_group("gloo")

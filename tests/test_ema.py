@@ -9,13 +9,13 @@ from torch.utils.data import DataLoader
 from konkanivani.checkpoint import TrainState, average_checkpoints, inference_state_dict, load_checkpoint
 from konkanivani.cli import train as cli
 from konkanivani.config import ModelConfig
-from konkanivani.data import ASRDataset, collate, load_utterances
-from konkanivani.ema import ema_state, load_ema_state, make_ema
-from konkanivani.inference import Recognizer
-from konkanivani.model import ASRModel
-from konkanivani.precision import resolve_precision
-from konkanivani.tokenizer import Tokenizer
-from konkanivani.train import validate
+from konkanivani.data.dataset import ASRDataset, collate, load_utterances
+from konkanivani.training.ema import ema_state, load_ema_state, make_ema
+from konkanivani.decoding.recognizer import Recognizer
+from konkanivani.model.asr import ASRModel
+from konkanivani.training.precision import resolve_precision
+from konkanivani.data.tokenizer import Tokenizer
+from konkanivani.training.loop import validate
 
 from tiny_args import tiny_args
 

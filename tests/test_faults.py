@@ -17,10 +17,10 @@ import soundfile as sf
 import torch
 from scipy.signal import resample_poly
 
-from konkanivani import train as train_module
+from konkanivani.training import loop as train_module
 from konkanivani.checkpoint import MetricsLog, load_checkpoint
-from konkanivani.safety import diverged_message
-from konkanivani.train import optimizer_step
+from konkanivani.training.signals import diverged_message
+from konkanivani.training.loop import optimizer_step
 
 ROOT = Path(__file__).resolve().parents[1]
 from konkanivani.cli import train as cli  # noqa: E402
@@ -34,7 +34,7 @@ def _temporaries(out):
 
 
 def _on_call(monkeypatch, name, action):
-    """Patch ``konkanivani.train.<name>`` to run ``action(call number, result, *args)`` after each call."""
+    """Patch ``konkanivani.training.loop.<name>`` to run ``action(call number, result, *args)`` after each call."""
     real, calls = getattr(train_module, name), [0]
 
     def wrapper(*args, **kwargs):

@@ -11,9 +11,9 @@ import torch
 from konkanivani.checkpoint import load_checkpoint, save_checkpoint
 from konkanivani.cli import train as cli
 from konkanivani.config import INIT_MODULES, model_config_from_preset
-from konkanivani.finetune import load_init_weights
-from konkanivani.model import ASRModel
-from konkanivani.tokenizer import Tokenizer, train_tokenizer
+from konkanivani.training.finetune import load_init_weights
+from konkanivani.model.asr import ASRModel
+from konkanivani.data.tokenizer import Tokenizer, train_tokenizer
 
 from tiny_args import tiny_args
 

@@ -11,9 +11,9 @@ import soundfile as sf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from konkanivani.checks import check_row
-from konkanivani.data import ManifestError, iter_manifest, read_manifest
-from konkanivani.tokenizer import normalize_text, train_tokenizer
+from konkanivani.data.checks import check_row
+from konkanivani.data.dataset import ManifestError, iter_manifest, read_manifest
+from konkanivani.data.tokenizer import normalize_text, train_tokenizer
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 TEXTS = ["हांव घरा वता", "तूं कितें करता", "आमी पणजेक गेलें", "ताणें जेवण केलें"]

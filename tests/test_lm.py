@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from konkanivani.config import model_config_from_preset
-from konkanivani.decode import (FUSED_METHODS, Fusion, attention_beam_search, attention_rescoring, attention_scores,
+from konkanivani.decoding.search import (FUSED_METHODS, Fusion, attention_beam_search, attention_rescoring, attention_scores,
                                 ctc_prefix_beam_search, decode_batch)
-from konkanivani.lm import LMConfig, TransformerLM
-from konkanivani.model import ASRModel
-from konkanivani.tokenizer import SOS_EOS_ID
+from konkanivani.model.lm import LMConfig, TransformerLM
+from konkanivani.model.asr import ASRModel
+from konkanivani.data.tokenizer import SOS_EOS_ID
 
 from test_decode import ctc_logprob  # log P(tokens | x) by torch's CTC forward algorithm
 
@@ -126,8 +126,8 @@ from pathlib import Path  # noqa: E402
 
 from konkanivani.checkpoint import CheckpointError  # noqa: E402
 from konkanivani.cli import train_lm  # noqa: E402
-from konkanivani.lm import check_same_vocabulary, load_lm  # noqa: E402
-from konkanivani.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
+from konkanivani.model.lm import check_same_vocabulary, load_lm  # noqa: E402
+from konkanivani.data.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 
 SENTENCES = Path(__file__).resolve().parents[1] / "konkanivani" / "resources" / "demo_sentences_kok.txt"
 TINY = ["--d_model", "32", "--layers", "1", "--n_heads", "2", "--batch_size", "16", "--warmup_steps", "5",

@@ -8,15 +8,16 @@ import pytest
 import soundfile as sf
 import torch
 
-from konkanivani import decode, inference
+from konkanivani.decoding import search as decode
+from konkanivani.decoding import recognizer as inference
 from konkanivani.config import model_config_from_preset
-from konkanivani.decode import (LONG_INPUT_METHOD, LONG_INPUT_SECONDS, MAX_LEN_EXTRA, attention_beam_search,
+from konkanivani.decoding.search import (LONG_INPUT_METHOD, LONG_INPUT_SECONDS, MAX_LEN_EXTRA, attention_beam_search,
                                 decode_batch)
-from konkanivani.evaluation import evaluate_manifest, markdown_report
-from konkanivani.frames import SAMPLE_RATE, frames_of
-from konkanivani.inference import MIN_SAMPLES, Recognizer
-from konkanivani.model import ASRModel
-from konkanivani.tokenizer import BLANK_ID, SOS_EOS_ID, train_tokenizer
+from konkanivani.decoding.evaluation import evaluate_manifest, markdown_report
+from konkanivani.data.frames import SAMPLE_RATE, frames_of
+from konkanivani.decoding.recognizer import MIN_SAMPLES, Recognizer
+from konkanivani.model.asr import ASRModel
+from konkanivani.data.tokenizer import BLANK_ID, SOS_EOS_ID, train_tokenizer
 
 SENTENCES = ["हांव घरा वता", "तुमी म्हाका कित्याक सांगलें ना",
              "ह्या कपड्याचें मोल कितलें"]

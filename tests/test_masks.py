@@ -1,7 +1,7 @@
 import torch
 
-from konkanivani.frames import subsampled_lengths
-from konkanivani.masks import causal_mask, pad_mask, valid_mask
+from konkanivani.data.frames import subsampled_lengths
+from konkanivani.model.masks import causal_mask, pad_mask, valid_mask
 
 
 def test_pad_mask_marks_padding():

@@ -18,7 +18,7 @@ from tiny_args import tiny_args  # noqa: E402
 
 from konkanivani.checkpoint import load_checkpoint  # noqa: E402
 from konkanivani.config import model_config_from_preset  # noqa: E402
-from konkanivani.memory import MemoryEstimator, largest_fitting  # noqa: E402
+from konkanivani.training.memory import MemoryEstimator, largest_fitting  # noqa: E402
 
 
 def _tensors(tree):

@@ -7,17 +7,17 @@ import sys
 import pytest
 import torch
 
-from konkanivani import precision as precision_module
-from konkanivani.batching import DurationBucketSampler, PreflightSampler, padding_fraction, select_samples, split_batch
+from konkanivani.training import precision as precision_module
+from konkanivani.data.samplers import DurationBucketSampler, PreflightSampler, padding_fraction, select_samples, split_batch
 from konkanivani.config import model_config_from_preset
-from konkanivani.conformer import LayerNorm
-from konkanivani.data import LengthGroupedBatchSampler
-from konkanivani.frames import frames_of
-from konkanivani.memory import BatchDoesNotFit, MemoryEstimator, is_out_of_memory
-from konkanivani.model import ASRModel
-from konkanivani.optim import build_optimizer
-from konkanivani.precision import resolve_precision
-from konkanivani.train import forward_backward, optimizer_step
+from konkanivani.model.conformer import LayerNorm
+from konkanivani.data.dataset import LengthGroupedBatchSampler
+from konkanivani.data.frames import frames_of
+from konkanivani.training.memory import BatchDoesNotFit, MemoryEstimator, is_out_of_memory
+from konkanivani.model.asr import ASRModel
+from konkanivani.training.optim import build_optimizer
+from konkanivani.training.precision import resolve_precision
+from konkanivani.training.loop import forward_backward, optimizer_step
 from test_accumulation import _assert_close, _batches
 
 CPU = torch.device("cpu")
@@ -75,7 +75,7 @@ def test_checkpointed_gradients_equal_plain_ones():
 def test_activations_offloaded_to_cpu_memory_give_the_same_gradients():
     """--offload_activations (save_on_cpu) changes where the saved tensors wait, not the numbers;
     on a CPU device the run itself refuses it (nothing to gain there)."""
-    from konkanivani.precision import Precision
+    from konkanivani.training.precision import Precision
 
     model = _tiny(dropout=0.0)
     batches = _batches(6, 3)

@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from konkanivani.config import PRESETS, ModelConfig, model_config_from_preset
-from konkanivani.conformer import ConformerBlock
-from konkanivani.decoder import DecoderLayer
-from konkanivani.model import ASRModel, count_parameters
+from konkanivani.model.conformer import ConformerBlock
+from konkanivani.model.decoder import DecoderLayer
+from konkanivani.model.asr import ASRModel, count_parameters
 
 V = 64
 
@@ -153,7 +153,7 @@ def test_spec_augment_only_in_training_mode():
 
 
 def test_cpu_dropout_drops_its_share_keeps_the_mean_and_repeats_with_the_seed():
-    from konkanivani.conformer import Dropout
+    from konkanivani.model.conformer import Dropout
 
     drop = Dropout(0.1).train()
     x = torch.ones(64, 100, 128, requires_grad=True)
@@ -173,7 +173,7 @@ def test_cpu_dropout_trains_through_torch_compile():
     """Inside torch.compile the dropout is torch's: the byte view of the 64-bit draws broke
     AOTAutograd's aliasing (out-of-bounds storage at the first backward), so --compile fell back to
     eager. ``aot_eager`` runs that same tracing without needing a C++ compiler."""
-    from konkanivani.conformer import Dropout
+    from konkanivani.model.conformer import Dropout
 
     drop = Dropout(0.1).train()
     x = torch.ones(8, 99, 512, requires_grad=True)

@@ -1,8 +1,8 @@
 import torch
 
-from konkanivani import precision as precision_module
-from konkanivani.precision import resolve_precision
-from konkanivani.train import lr_factor, maybe_empty_cache
+from konkanivani.training import precision as precision_module
+from konkanivani.training.precision import resolve_precision
+from konkanivani.training.loop import lr_factor, maybe_empty_cache
 
 
 def test_fp32_unless_asked():
@@ -105,11 +105,11 @@ def test_bf16_autocast_trains_and_validates_on_cpu():
     from types import SimpleNamespace
 
     from konkanivani.config import model_config_from_preset
-    from konkanivani.data import Batch
-    from konkanivani.model import ASRModel
-    from konkanivani.precision import Precision
-    from konkanivani.tokenizer import train_tokenizer
-    from konkanivani.train import forward_backward, optimizer_step, validate
+    from konkanivani.data.dataset import Batch
+    from konkanivani.model.asr import ASRModel
+    from konkanivani.training.precision import Precision
+    from konkanivani.data.tokenizer import train_tokenizer
+    from konkanivani.training.loop import forward_backward, optimizer_step, validate
 
     texts = ["हांव घरा वता", "तूं कितें करता"]
     tok = train_tokenizer(texts, vocab_size=30)

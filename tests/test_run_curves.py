@@ -9,9 +9,9 @@ import pytest
 
 from konkanivani.cli import plot as plot_cli
 from konkanivani.cli import train as train_cli
-from konkanivani.plot import read_metrics, write_curves
-from konkanivani.tensorboard_log import open_tensorboard
-from konkanivani.train import _redraw_curves
+from konkanivani.training.curves import read_metrics, write_curves
+from konkanivani.training.tensorboard_log import open_tensorboard
+from konkanivani.training.loop import _redraw_curves
 
 from tiny_args import tiny_args
 

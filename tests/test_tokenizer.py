@@ -1,6 +1,6 @@
 import pytest
 
-from konkanivani.tokenizer import BLANK_ID, SOS_EOS_ID, UNK_ID, Tokenizer, normalize_text, train_tokenizer
+from konkanivani.data.tokenizer import BLANK_ID, SOS_EOS_ID, UNK_ID, Tokenizer, normalize_text, train_tokenizer
 
 SENTENCES = [
     "हांव घरा वता।", "तूं कितें करता?", "आमी काल पणजेक गेलें॥", "ताणें जेवण केलें, आनी तो न्हिदलो।",

@@ -1,8 +1,8 @@
 """The Devanagari transliteration that lets festival's voices of other languages read Konkani."""
 import pytest
 
-from konkanivani.demo_corpus import DEFAULT_SENTENCES, DEFAULT_TEXT, FESTIVAL_TRAIN_VOICES, load_sentences
-from konkanivani.transliterate import (CONSONANTS, ENGLISH_PHONES, NASALS, VIRAMA, VISARGA, VOWEL_LETTERS,
+from konkanivani.tools.demo_corpus import DEFAULT_SENTENCES, DEFAULT_TEXT, FESTIVAL_TRAIN_VOICES, load_sentences
+from konkanivani.tools.transliterate import (CONSONANTS, ENGLISH_PHONES, NASALS, VIRAMA, VISARGA, VOWEL_LETTERS,
                                        VOWEL_SIGNS, VOWELS, english_phones, english_segments, phrases, spell,
                                        word_phones)
 

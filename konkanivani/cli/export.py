@@ -17,7 +17,7 @@ from pathlib import Path
 
 from . import Parser, fail, tool
 from ..checkpoint import CheckpointError
-from ..export import FORMATS, ExportError, export_checkpoint, unavailable
+from ..decoding.export import FORMATS, ExportError, export_checkpoint, unavailable
 
 
 @tool

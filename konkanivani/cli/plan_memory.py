@@ -11,8 +11,8 @@ import sys
 
 from . import Parser, tool
 from ..config import PRESETS, model_config_from_preset
-from ..frames import frames_of
-from ..memory import GIB, MemoryEstimator
+from ..data.frames import frames_of
+from ..training.memory import GIB, MemoryEstimator
 
 _MIB = 2 ** 20
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from . import Parser, fail, tool
-from ..plot import CURVES, have_matplotlib, plot_runs, read_metrics
+from ..training.curves import CURVES, have_matplotlib, plot_runs, read_metrics
 
 
 @tool

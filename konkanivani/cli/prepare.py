@@ -1,6 +1,6 @@
 """Write NeMo manifests (train.jsonl, valid.jsonl, test.jsonl) from a Common Voice release, a Kaldi
 data directory, a folder of audio with .txt transcripts or a saved Hugging Face dataset
-(``konkanivani-prepare``; the code is konkanivani/prepare.py).
+(``konkanivani-prepare``; the code is konkanivani/tools/prepare.py).
 
     konkanivani-prepare commonvoice CV_DIR OUT_DIR [--convert wav]
     konkanivani-prepare kaldi DATA_DIR OUT_DIR [--audio_root DIR] [--split_name train] [--valid_fraction 0.1]
@@ -18,10 +18,10 @@ import sys
 from pathlib import Path
 
 from . import Parser, fail, tool
-from ..outputs import OutputError, child, refuse_overlap
-from ..prepare import (CONVERT_FORMATS, PrepareError, commonvoice_items, folder_items, hf_items, kaldi_items,
+from ..tools.outputs import OutputError, child, refuse_overlap
+from ..tools.prepare import (CONVERT_FORMATS, PrepareError, commonvoice_items, folder_items, hf_items, kaldi_items,
                        prepare, print_report)
-from ..tokenizer import Tokenizer
+from ..data.tokenizer import Tokenizer
 
 
 def parse_args(argv: list[str] | None = None):

@@ -33,9 +33,9 @@ from . import Parser, tool
 from ..checkpoint import CheckpointError
 from ..config import ConfigError, ModelConfig, TrainConfig, add_dataclass_args, dataclass_from_args
 from ..config_file import load_config_file
-from ..data import ManifestError
-from ..safety import TrainingDiverged
-from ..train import train
+from ..data.dataset import ManifestError
+from ..training.signals import TrainingDiverged
+from ..training.loop import train
 
 CONFIG_HELP = ("YAML recipe (sections model, data, training; see configs/): its values become the defaults, "
                "flags given here override them")

@@ -27,12 +27,12 @@ from . import Parser, tool
 from ..checkpoint import (CheckpointError, MetricsLog, capture_rng, claim_output_dir, hold_run_directory,
                           load_checkpoint, load_resume_checkpoint, point_to, prune_checkpoints, restore_rng,
                           save_checkpoint, step_checkpoint_name)
-from ..lm import LMConfig, TransformerLM
-from ..optim import adamw
-from ..precision import resolve_device
-from ..safety import StopRequest
-from ..tokenizer import UNK_ID, Tokenizer, normalize_text
-from ..train import lr_factor
+from ..model.lm import LMConfig, TransformerLM
+from ..training.optim import adamw
+from ..training.precision import resolve_device
+from ..training.signals import StopRequest
+from ..data.tokenizer import UNK_ID, Tokenizer, normalize_text
+from ..training.loop import lr_factor
 
 log = logging.getLogger("konkanivani")
 

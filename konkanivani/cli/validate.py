@@ -20,9 +20,9 @@ from pathlib import Path
 
 from . import Parser, fail, tool
 from ..checkpoint import write_file_atomic
-from ..checks import DEFAULT_DURATION_TOLERANCE, check_row
-from ..data import ManifestError, iter_manifest
-from ..tokenizer import Tokenizer, train_tokenizer
+from ..data.checks import DEFAULT_DURATION_TOLERANCE, check_row
+from ..data.dataset import ManifestError, iter_manifest
+from ..data.tokenizer import Tokenizer, train_tokenizer
 
 _NOT_JSON = "not a JSON object line"
 _MANIFEST_FORMAT = 'a NeMo manifest holds one JSON object a line: {"audio_filepath": ..., "duration": ..., "text": ...}'

@@ -37,11 +37,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .audio import LOG_OFFSET, LogMel
-from .frames import subsampled_lengths
-from .inference import Recognizer
-from .model import ASRModel
-from .tokenizer import BLANK_ID, SOS_EOS_ID, UNK_ID, Tokenizer
+from ..data.audio import LOG_OFFSET, LogMel
+from ..data.frames import subsampled_lengths
+from .recognizer import Recognizer
+from ..model.asr import ASRModel
+from ..data.tokenizer import BLANK_ID, SOS_EOS_ID, UNK_ID, Tokenizer
 
 __all__ = ["ExportError", "FORMATS", "FILES", "MIN_FRAMES", "ONNX_PACKAGES", "CTCGraph", "Exported",
            "unavailable", "export_checkpoint", "export_onnx", "export_torchscript", "onnx_runner",

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from .checkpoint import inference_state_dict
-from .config import ModelConfig, model_config_from
-from .model import ASRModel
-from .tokenizer import BLANK_ID, SOS_EOS_ID, UNK_ID, Tokenizer
+from ..checkpoint import inference_state_dict
+from ..config import ModelConfig, model_config_from
+from ..model.asr import ASRModel
+from ..data.tokenizer import BLANK_ID, SOS_EOS_ID, UNK_ID, Tokenizer
 
 __all__ = ["InitReport", "init_model_config", "token_row_map", "load_init_weights", "keep_init_cmvn",
            "hold_encoder"]

@@ -6,12 +6,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .checks import resolve_audio_path
-from .data import read_manifest
-from .decode import DEFAULT_CTC_WEIGHT, LONG_INPUT_METHOD, LONG_INPUT_SECONDS
-from .inference import Recognizer
+from ..data.checks import resolve_audio_path
+from ..data.dataset import read_manifest
+from .search import DEFAULT_CTC_WEIGHT, LONG_INPUT_METHOD, LONG_INPUT_SECONDS
+from .recognizer import Recognizer
 from .metrics import ErrorCounts, score
-from .tokenizer import normalize_text
+from ..data.tokenizer import normalize_text
 
 __all__ = ["ErrorCounts", "EvalResult", "UtteranceResult", "evaluate_manifest", "markdown_report", "score"]
 

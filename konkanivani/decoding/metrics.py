@@ -6,7 +6,7 @@ from typing import Sequence
 
 import jiwer
 
-from .tokenizer import normalize_text
+from ..data.tokenizer import normalize_text
 
 __all__ = ["ErrorCounts", "score", "error_rates"]
 

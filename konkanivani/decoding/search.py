@@ -33,10 +33,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .frames import frames_of
-from .lm import TransformerLM
-from .masks import pad_mask
-from .tokenizer import BLANK_ID, SOS_EOS_ID
+from ..data.frames import frames_of
+from ..model.lm import TransformerLM
+from ..model.masks import pad_mask
+from ..data.tokenizer import BLANK_ID, SOS_EOS_ID
 
 __all__ = ["ATTENTION_METHODS", "DEFAULT_CTC_WEIGHT", "LONG_INPUT_METHOD", "LONG_INPUT_SECONDS", "METHODS",
            "FUSED_METHODS", "Fusion", "Hypothesis", "attention_beam_search", "attention_rescoring",

@@ -12,8 +12,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .config import ModelConfig
-from .frames import subsampled_lengths
+from ..config import ModelConfig
+from ..data.frames import subsampled_lengths
 
 __all__ = ["GIB", "MemoryEstimator", "precision_name", "largest_fitting", "available_memory_bytes", "auto_batch_frames",
            "is_out_of_memory", "free_memory", "BatchDoesNotFit", "rss_bytes", "peak_rss_bytes", "reset_peak_rss",
@@ -166,7 +166,7 @@ class MemoryEstimator:
 
     def __init__(self, cfg: ModelConfig, precision: str = "fp32", optimizer: str = "adamw",
                  checkpointing: bool = False):
-        from .model import ASRModel  # here: model imports nothing from this module, but keep it light
+        from ..model.asr import ASRModel  # here: model imports nothing from this module, but keep it light
         from .optim import canonical_optimizer
 
         self.cfg, self.precision, self.checkpointing = cfg, precision, checkpointing

@@ -19,17 +19,17 @@ from pathlib import Path
 
 import torch
 
-from .audio import AudioError, LogMel, load_audio
-from .checkpoint import CheckpointError, inference_state_dict, load_checkpoint
-from .checks import resolve_audio_path
-from .config import ModelConfig
-from .data import read_manifest
-from .decode import (DEFAULT_CTC_WEIGHT, FUSED_METHODS, LONG_INPUT_METHOD, LONG_INPUT_SECONDS, METHODS, Fusion,
+from ..data.audio import AudioError, LogMel, load_audio
+from ..checkpoint import CheckpointError, inference_state_dict, load_checkpoint
+from ..data.checks import resolve_audio_path
+from ..config import ModelConfig
+from ..data.dataset import read_manifest
+from .search import (DEFAULT_CTC_WEIGHT, FUSED_METHODS, LONG_INPUT_METHOD, LONG_INPUT_SECONDS, METHODS, Fusion,
                      decode_batch, method_for)
-from .frames import HOP_LENGTH, SAMPLE_RATE, subsampled_lengths
-from .lm import TransformerLM, check_same_vocabulary, load_lm
-from .model import ASRModel
-from .tokenizer import Tokenizer
+from ..data.frames import HOP_LENGTH, SAMPLE_RATE, subsampled_lengths
+from ..model.lm import TransformerLM, check_same_vocabulary, load_lm
+from ..model.asr import ASRModel
+from ..data.tokenizer import Tokenizer
 
 __all__ = ["AUDIO_SUFFIXES", "MIN_SAMPLES", "Recognizer", "Transcript", "find_audio"]
 

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from .config import ConfigError
+from ..config import ConfigError
 
 __all__ = ["PRECISIONS", "DeviceError", "Precision", "resolve_device", "resolve_precision", "cpu_bf16_speed_ratio",
            "cpu_description"]

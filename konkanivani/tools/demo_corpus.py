@@ -41,17 +41,17 @@ import soundfile as sf
 import torch
 from tqdm import tqdm
 
-from .audio import resample
-from .augment import corrupt_manifest
-from .frames import SAMPLE_RATE
+from ..data.audio import resample
+from ..data.augment import corrupt_manifest
+from ..data.frames import SAMPLE_RATE
 from .outputs import Staging
-from .data import read_manifest
-from .tokenizer import normalize_text
+from ..data.dataset import read_manifest
+from ..data.tokenizer import normalize_text
 from .transliterate import english_segments, phrases, spell
 
 # Package data: installed with the package (a wheel too), so the corpus can be made anywhere.
-DEFAULT_SENTENCES = Path(__file__).resolve().parent / "resources" / "demo_sentences_kok.txt"
-DEFAULT_TEXT = Path(__file__).resolve().parent / "resources" / "demo_text_kok.txt"
+DEFAULT_SENTENCES = Path(__file__).resolve().parent.parent / "resources" / "demo_sentences_kok.txt"
+DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "resources" / "demo_text_kok.txt"
 SPLITS = ("train", "valid", "test")  # sentence splits; "heldout" reads the test sentences
 HELDOUT = "heldout"
 NOISY = "test_noisy"  # the test split reverberated and with noise at 5-20 dB SNR

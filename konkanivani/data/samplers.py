@@ -8,7 +8,7 @@ from typing import Callable, Optional, Sequence
 
 from torch.utils.data import Sampler
 
-from .data import Batch, LengthGroupedBatchSampler, ResumableBatchSampler, ShardedSampler
+from .dataset import Batch, LengthGroupedBatchSampler, ResumableBatchSampler, ShardedSampler
 from .frames import frames_of
 
 __all__ = ["DurationBucketSampler", "PreflightSampler", "train_sampler", "padding_fraction", "split_batch",

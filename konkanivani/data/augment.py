@@ -27,9 +27,9 @@ import torch
 import torchaudio
 
 from .audio import load_audio, resample
-from .config import ConfigError
+from ..config import ConfigError
 from .frames import HOP_LENGTH, SAMPLE_RATE, subsampled_lengths
-from .outputs import child
+from ..tools.outputs import child
 
 __all__ = ["SPEED_FACTORS", "VTLP_RANGE", "AugmentConfig", "Augmenter", "utterance_generator", "speed_perturb",
            "coloured_noise", "add_noise", "synthetic_rir", "reverberate", "vtlp_warp_matrix", "batching_duration",
@@ -341,7 +341,7 @@ def corrupt_manifest(src_manifest: str | Path, out_dir: str | Path, name: str, s
     audio path relative to ``OUT_DIR`` and the duration of the new file. The same seed gives the
     same files. A row whose audio cannot be read is an error naming the manifest and line.
     """
-    from .data import read_manifest  # here: data imports this module
+    from .dataset import read_manifest  # here: data imports this module
 
     src_manifest, out_dir = Path(src_manifest), Path(out_dir)
     if not snr_db[0] <= snr_db[1]:

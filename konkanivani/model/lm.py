@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import CheckpointError, load_checkpoint
+from ..checkpoint import CheckpointError, load_checkpoint
 from .conformer import Dropout, FeedForward, KVCache, LayerNorm, MultiHeadAttention, RotaryEmbedding
 from .masks import causal_mask, pad_mask
-from .tokenizer import SOS_EOS_ID, Tokenizer
+from ..data.tokenizer import SOS_EOS_ID, Tokenizer
 
 __all__ = ["LMConfig", "LMState", "TransformerLM", "check_same_vocabulary", "load_lm"]
 

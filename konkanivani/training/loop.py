@@ -28,32 +28,32 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from .augment import AugmentConfig, Augmenter, batching_duration
-from .batching import padding_fraction, select_samples, split_batch, train_sampler
-from .checkpoint import (CheckpointError, MetricsLog, TrainState, capture_rng, check_output_dir, hold_run_directory,
+from ..data.augment import AugmentConfig, Augmenter, batching_duration
+from ..data.samplers import padding_fraction, select_samples, split_batch, train_sampler
+from ..checkpoint import (CheckpointError, MetricsLog, TrainState, capture_rng, check_output_dir, hold_run_directory,
                          load_checkpoint, load_resume_checkpoint, move_run_aside, point_to, prune_checkpoints,
                          remove_stale_temporaries, restore_rng, step_checkpoint_name, write_file_atomic)
-from .config import ConfigError, ModelConfig, TrainConfig, check_config, model_config_from_preset
-from .config_file import write_config_file
-from .data import (ASRDataset, Batch, EpochKeyed, LengthGroupedBatchSampler, ManifestError, ResumableBatchSampler,
+from ..config import ConfigError, ModelConfig, TrainConfig, check_config, model_config_from_preset
+from ..config_file import write_config_file
+from ..data.dataset import (ASRDataset, Batch, EpochKeyed, LengthGroupedBatchSampler, ManifestError, ResumableBatchSampler,
                    ShardedSampler, Utterance, collate, compute_cmvn, load_utterances, log_skipped, read_manifest)
-from .decode import ctc_greedy
+from ..decoding.search import ctc_greedy
 from .distributed import (Dist, distributed, full_state_dicts, is_sharded, load_optimizer_state, no_sync,
                           wrap_data_parallel)
 from .ema import ema_state, load_ema_state, make_ema
 from .finetune import hold_encoder, init_model_config, keep_init_cmvn, load_init_weights
-from .frames import budget_frames, frames_of
+from ..data.frames import budget_frames, frames_of
 from .memory import (GIB, BatchDoesNotFit, MemoryEstimator, auto_batch_frames, free_memory, is_out_of_memory,
                      memory_status, precision_name)
-from .metrics import error_rates
-from .model import ASRModel, compiled, count_parameters
+from ..decoding.metrics import error_rates
+from ..model.asr import ASRModel, compiled, count_parameters
 from .optim import build_optimizer, canonical_optimizer
-from .plot import CURVES, have_matplotlib, write_curves
+from .curves import CURVES, have_matplotlib, write_curves
 from .precision import Precision, resolve_precision
-from .safety import (NonFiniteSkips, StopRequest, TrainingDiverged, diverged_message, ignore_stop_signals,
+from .signals import (NonFiniteSkips, StopRequest, TrainingDiverged, diverged_message, ignore_stop_signals,
                      stop_workers)
 from .tensorboard_log import TensorBoardLog, open_tensorboard
-from .tokenizer import Tokenizer, train_tokenizer
+from ..data.tokenizer import Tokenizer, train_tokenizer
 
 __all__ = ["train", "Run", "lr_factor", "forward_backward", "optimizer_step", "validate", "maybe_empty_cache"]
 

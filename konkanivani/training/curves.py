@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .checkpoint import atomic_file
+from ..checkpoint import atomic_file
 
 __all__ = ["CURVES", "have_matplotlib", "read_metrics", "run_labels", "write_curves", "plot_runs", "write_csv"]
 

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .config import ModelConfig
-from .frames import subsampled_lengths
+from ..config import ModelConfig
+from ..data.frames import subsampled_lengths
 from .masks import pad_mask
 
 __all__ = ["Dropout", "random_bytes", "LayerNorm", "RotaryEmbedding", "KVCache", "MultiHeadAttention", "FeedForward", "ConvolutionModule", "ConformerBlock",

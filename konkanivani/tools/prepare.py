@@ -40,12 +40,12 @@ import soundfile as sf
 import torch
 from tqdm import tqdm
 
-from .audio import AudioError, load_audio
-from .checks import check_row
-from .frames import SAMPLE_RATE
-from .inference import AUDIO_SUFFIXES
+from ..data.audio import AudioError, load_audio
+from ..data.checks import check_row
+from ..data.frames import SAMPLE_RATE
+from ..decoding.recognizer import AUDIO_SUFFIXES
 from .outputs import OutputError, Staging, child, safe_name
-from .tokenizer import Tokenizer, train_tokenizer
+from ..data.tokenizer import Tokenizer, train_tokenizer
 
 __all__ = ["CONVERT_FORMATS", "PrepareError", "Item", "Report", "commonvoice_items", "kaldi_items", "folder_items",
            "hf_items", "prepare", "print_report"]

@@ -10,9 +10,9 @@ import torchaudio
 from torch import nn
 
 from .conformer import ConformerEncoder
-from .config import ModelConfig
+from ..config import ModelConfig
 from .decoder import TransformerDecoder
-from .tokenizer import BLANK_ID, SOS_EOS_ID
+from ..data.tokenizer import BLANK_ID, SOS_EOS_ID
 
 __all__ = ["ASRModel", "LossOutput", "SpecAugment", "count_parameters", "compiled"]
 
@@ -146,7 +146,7 @@ def count_parameters(model: nn.Module) -> int:
 def compiled(model: nn.Module) -> Callable[..., Any]:
     """The model's forward through ``torch.compile`` (dynamic shapes: batches vary in length); the
     eager model, with a warning, wherever compiling fails (no compiler, an unsupported platform)."""
-    from .memory import is_out_of_memory
+    from ..training.memory import is_out_of_memory
 
     try:
         compiled_model = torch.compile(model, dynamic=True)
