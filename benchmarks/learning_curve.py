@@ -24,7 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from konkanivani.checkpoint import average_checkpoints, load_checkpoint, save_checkpoint, step_checkpoints
+from konkanivani.checkpoint import average_checkpoints, load_checkpoint, save_checkpoint
+from konkanivani.training.rundir import step_checkpoints
 from konkanivani.cli.train import model_flags, parse_args
 from konkanivani.config import TrainConfig, dataclass_from_args
 from konkanivani.decoding.search import DEFAULT_CTC_WEIGHT, FUSED_METHODS, METHODS

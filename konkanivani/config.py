@@ -258,8 +258,11 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def check_config(cfg: TrainConfig, model_overrides: dict[str, Any] | None = None) -> None:
-    """Every flag value that can be checked before any work; ``ConfigError`` naming the first bad one."""
+def check_config(cfg: TrainConfig, model_overrides: dict[str, Any] | None = None,
+                 init_model_config: dict[str, Any] | None = None) -> None:
+    """Every flag value that can be checked before any work; ``ConfigError`` naming the first bad one.
+    ``init_model_config``: the model config of a fresh run's --init_from checkpoint, whose dimensions
+    the overrides then change (``training.finetune.init_checkpoint_config`` reads it)."""
     for name, (ok, wanted) in _CHECKS.items():
         value = getattr(cfg, name)
         if not ok(value):
@@ -295,26 +298,9 @@ def check_config(cfg: TrainConfig, model_overrides: dict[str, Any] | None = None
     if cfg.keep_init_cmvn and not cfg.init_from:
         raise ConfigError("--keep_init_cmvn keeps the CMVN statistics of --init_from: give --init_from too")
     base = PRESETS.get(cfg.preset, {})
-    if cfg.init_from and not cfg.resume:  # on --resume the run's own checkpoint decides everything
-        base = dataclasses.asdict(ModelConfig.from_dict(_init_checkpoint_config(cfg.init_from)))
+    if init_model_config is not None:  # the --init_from checkpoint's dimensions replace the preset's
+        base = dataclasses.asdict(ModelConfig.from_dict(init_model_config))
     model_config_from({**base, "vocab_size": 1}, **(model_overrides or {}))  # dimensions that fit together
-
-
-def _init_checkpoint_config(path: str) -> dict[str, Any]:
-    """The model config of the --init_from checkpoint; ``ConfigError`` naming the file when it is
-    missing or holds no model."""
-    from .checkpoint import CheckpointError, load_checkpoint  # torch loads only where a checkpoint is read
-
-    if not Path(path).is_file():
-        raise ConfigError(f"--init_from {path}: file not found")
-    try:
-        state = load_checkpoint(path)
-    except CheckpointError as e:
-        raise ConfigError(f"--init_from: {e}") from e
-    missing = [k for k in ("model_config", "model", "tokenizer") if k not in state]
-    if missing:
-        raise ConfigError(f"--init_from {path}: not a model checkpoint (no {', '.join(missing)})")
-    return state["model_config"]
 
 
 def _flag_type(tp: Any) -> Any:

@@ -11,11 +11,13 @@ import torch
 from torch.utils.data import DataLoader
 
 from konkanivani.data.audio import LogMel, load_audio
-from konkanivani.data.augment import (SPEED_FACTORS, AugmentConfig, Augmenter, batching_duration, corrupt_manifest,
+from konkanivani.tools.corrupt import corrupt_manifest
+from konkanivani.data.augment import (SPEED_FACTORS, AugmentConfig, Augmenter, batching_duration,
                                  reverberate, speed_perturb, utterance_generator, vtlp_warp_matrix)
 from konkanivani.data.samplers import DurationBucketSampler
 from konkanivani.config import ConfigError
-from konkanivani.data.dataset import ASRDataset, EpochKeyed, LengthGroupedBatchSampler, collate, load_utterances
+from konkanivani.data.dataset import ASRDataset, collate, load_utterances
+from konkanivani.data.samplers import EpochKeyed, LengthGroupedBatchSampler
 from konkanivani.data.frames import frames_of
 from konkanivani.data.tokenizer import train_tokenizer
 

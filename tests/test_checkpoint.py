@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from konkanivani.checkpoint import (CheckpointError, load_checkpoint, point_to, prune_checkpoints,
-                                    remove_stale_temporaries, resolve_resume, save_checkpoint, step_checkpoint_name)
+from konkanivani.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from konkanivani.training.rundir import point_to, prune_checkpoints, remove_stale_temporaries, resolve_resume, step_checkpoint_name
 
 
 def _state(step):
@@ -86,7 +86,7 @@ def test_stale_temporaries_of_a_killed_process_are_removed(tmp_path):
 
 
 def test_train_state_round_trip_and_older_formats(tmp_path):
-    from konkanivani.checkpoint import TrainState
+    from konkanivani.training.state import TrainState
 
     state = TrainState(model_config={"d_model": 8}, train_config={"lr": 1e-3}, tokenizer=b"sp",
                        model={"w": torch.ones(2)}, optimizer={"state": {}, "param_groups": []}, step=7, epoch=1,
@@ -139,7 +139,7 @@ def test_a_full_disk_is_reported_as_such_not_in_torch_words(tmp_path, monkeypatc
 
 @needs_dev_full
 def test_a_full_disk_under_the_metrics_log_is_a_checkpoint_error(tmp_path):
-    from konkanivani.checkpoint import MetricsLog
+    from konkanivani.training.metrics_log import MetricsLog
 
     (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
     with pytest.raises(CheckpointError, match="metrics.jsonl: No space left on device"):

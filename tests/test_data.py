@@ -6,9 +6,10 @@ import pytest
 import soundfile as sf
 import torch
 
-from konkanivani.data.checks import check_row
-from konkanivani.data.dataset import (ASRDataset, LengthGroupedBatchSampler, ManifestError, ShardedSampler, Unreadable,
-                              collate, load_utterances, read_manifest)
+from konkanivani.data.manifest import check_row
+from konkanivani.data.dataset import ASRDataset, Unreadable, collate, load_utterances
+from konkanivani.data.samplers import LengthGroupedBatchSampler, ShardedSampler
+from konkanivani.data.manifest import ManifestError, read_manifest
 from konkanivani.data.tokenizer import train_tokenizer
 
 TEXTS = ["हांव घरा वता", "तूं कितें करता", "आमी पणजेक गेलें", "ताणें जेवण केलें"]

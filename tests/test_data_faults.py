@@ -20,9 +20,9 @@ import pytest
 import soundfile as sf
 
 from konkanivani.tools import prepare as prepare_module
-from konkanivani.data.checks import resolve_audio_path
+from konkanivani.data.manifest import resolve_audio_path
 from konkanivani.cli import prepare as prepare_cli
-from konkanivani.data.dataset import read_manifest
+from konkanivani.data.manifest import read_manifest
 from konkanivani.tools.outputs import child, safe_name
 
 SR = 16000

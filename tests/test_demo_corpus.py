@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from konkanivani.data.dataset import read_manifest
+from konkanivani.data.manifest import read_manifest
 from konkanivani.tools.demo_corpus import (FESTIVAL_SPEAKER, FESTIVAL_TRAIN_VOICES, HELDOUT, NOISY, festival_available,
                                      festival_train_voices, make_corpus, text_only_sentences)
 from konkanivani.data.tokenizer import normalize_text

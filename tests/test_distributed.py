@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from konkanivani.checkpoint import load_checkpoint
-from konkanivani.data.dataset import read_manifest
+from konkanivani.data.manifest import read_manifest
 from konkanivani.data.tokenizer import train_tokenizer
 
 from tiny_args import tiny_args

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from konkanivani.checkpoint import TrainState, average_checkpoints, inference_state_dict, load_checkpoint
+from konkanivani.training.state import TrainState
+from konkanivani.checkpoint import average_checkpoints, inference_state_dict, load_checkpoint
 from konkanivani.cli import train as cli
 from konkanivani.config import ModelConfig
 from konkanivani.data.dataset import ASRDataset, collate, load_utterances

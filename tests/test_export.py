@@ -20,7 +20,7 @@ from konkanivani.checkpoint import load_checkpoint, save_checkpoint
 from konkanivani.cli import export as export_cli
 from konkanivani.cli import train as train_cli
 from konkanivani.config import model_config_from_preset
-from konkanivani.data.dataset import read_manifest
+from konkanivani.data.manifest import read_manifest
 from konkanivani.decoding.search import ctc_greedy, decode_batch
 from konkanivani.decoding.export import (FILES, MIN_FRAMES, CTCGraph, ExportError, export_checkpoint, feature_settings,
                                 max_difference, onnx_runner, torchscript_runner, vocabulary)

@@ -18,7 +18,8 @@ import torch
 from scipy.signal import resample_poly
 
 from konkanivani.training import loop as train_module
-from konkanivani.checkpoint import MetricsLog, load_checkpoint
+from konkanivani.training.metrics_log import MetricsLog
+from konkanivani.checkpoint import load_checkpoint
 from konkanivani.training.signals import diverged_message
 from konkanivani.training.loop import optimizer_step
 
@@ -267,15 +268,15 @@ def test_training_skips_bad_rows_and_counts_a_file_that_fails_mid_epoch(bad_corp
 
 def _checkpoint_writes(monkeypatch):
     """The names of the checkpoint files written from now on, in order, one entry a write."""
-    from konkanivani import checkpoint
+    from konkanivani.training import state
 
-    real, written = checkpoint.save_checkpoint, []
+    real, written = state.save_checkpoint, []
 
     def counted(state, path):
         written.append(Path(path).name)
         return real(state, path)
 
-    monkeypatch.setattr(checkpoint, "save_checkpoint", counted)
+    monkeypatch.setattr(state, "save_checkpoint", counted)
     return written
 
 

@@ -17,7 +17,7 @@ from konkanivani.cli import transcribe  # noqa: E402
 from konkanivani.data.audio import load_audio  # noqa: E402
 from konkanivani.checkpoint import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
 from konkanivani.config import TrainConfig  # noqa: E402
-from konkanivani.data.dataset import read_manifest  # noqa: E402
+from konkanivani.data.manifest import read_manifest  # noqa: E402
 from konkanivani.decoding.evaluation import score  # noqa: E402
 from konkanivani.training.loop import train  # noqa: E402
 

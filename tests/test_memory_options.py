@@ -11,7 +11,7 @@ from konkanivani.training import precision as precision_module
 from konkanivani.data.samplers import DurationBucketSampler, PreflightSampler, padding_fraction, select_samples, split_batch
 from konkanivani.config import model_config_from_preset
 from konkanivani.model.conformer import LayerNorm
-from konkanivani.data.dataset import LengthGroupedBatchSampler
+from konkanivani.data.samplers import LengthGroupedBatchSampler
 from konkanivani.data.frames import frames_of
 from konkanivani.training.memory import BatchDoesNotFit, MemoryEstimator, is_out_of_memory
 from konkanivani.model.asr import ASRModel

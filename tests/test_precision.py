@@ -2,7 +2,8 @@ import torch
 
 from konkanivani.training import precision as precision_module
 from konkanivani.training.precision import resolve_precision
-from konkanivani.training.loop import lr_factor, maybe_empty_cache
+from konkanivani.training.optim import lr_factor
+from konkanivani.training.loop import maybe_empty_cache
 
 
 def test_fp32_unless_asked():

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from konkanivani.data.checks import resolve_audio_path
+from konkanivani.data.manifest import resolve_audio_path
 from konkanivani.cli import prepare as prepare_cli
 from konkanivani.cli import validate
-from konkanivani.data.dataset import read_manifest
+from konkanivani.data.manifest import read_manifest
 
 TEXTS = ["हांव घरा वता", "तूं कितें करता", "आमी पणजेक गेलें", "ताणें जेवण केलें", "तो शाळेंत वता"]
 

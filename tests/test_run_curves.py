@@ -9,7 +9,8 @@ import pytest
 
 from konkanivani.cli import plot as plot_cli
 from konkanivani.cli import train as train_cli
-from konkanivani.training.curves import read_metrics, write_curves
+from konkanivani.training.metrics_log import read_metrics
+from konkanivani.training.curves import write_curves
 from konkanivani.training.tensorboard_log import open_tensorboard
 from konkanivani.training.loop import _redraw_curves
 

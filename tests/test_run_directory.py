@@ -14,8 +14,8 @@ import pytest
 import soundfile as sf
 import torch
 
-from konkanivani.checkpoint import (CheckpointError, claim_output_dir, hold_run_directory, load_checkpoint,
-                                    load_resume_checkpoint, point_to, save_checkpoint, step_checkpoint_name)
+from konkanivani.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from konkanivani.training.rundir import claim_output_dir, hold_run_directory, load_resume_checkpoint, point_to, step_checkpoint_name
 
 from konkanivani.cli import train as cli  # noqa: E402
 
@@ -71,7 +71,7 @@ def test_a_second_run_in_the_same_directory_is_refused_while_the_first_holds_it(
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys
-            from konkanivani.checkpoint import hold_run_directory
+            from konkanivani.training.rundir import hold_run_directory
             with hold_run_directory({str(out)!r}):
                 print("held", flush=True)
                 sys.stdin.read()
@@ -98,7 +98,7 @@ def test_the_lock_is_released_on_every_exit_of_a_run(tiny_corpus, tmp_path):
     corpus_missing = tmp_path / "nothing"
     corpus_missing.mkdir()
     assert cli.main(tiny_args(corpus_missing, out)) == 2  # an error inside the run
-    probe = [sys.executable, "-c", f"from konkanivani.checkpoint import hold_run_directory as h\nwith h({str(out)!r}): "
+    probe = [sys.executable, "-c", f"from konkanivani.training.rundir import hold_run_directory as h\nwith h({str(out)!r}): "
              "print('free')"]
     assert subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip() == "free"
 

@@ -14,7 +14,7 @@ import torch
 from konkanivani.cli import train as cli  # noqa: E402
 
 from konkanivani.checkpoint import load_checkpoint  # noqa: E402
-from konkanivani.training.loop import lr_factor  # noqa: E402
+from konkanivani.training.optim import lr_factor  # noqa: E402
 
 from tiny_args import tiny_args  # noqa: E402
 

@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 from . import Parser, fail, tool
-from ..checkpoint import CheckpointError, average_checkpoints, save_checkpoint, select_checkpoints
+from ..checkpoint import CheckpointError, average_checkpoints, save_checkpoint
+from ..training.rundir import select_checkpoints
 
 
 def _refuse_overwriting_inputs(output: Path, inputs: list[Path]) -> None:

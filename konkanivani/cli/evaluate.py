@@ -13,7 +13,7 @@ from pathlib import Path
 
 from . import Parser, fail, refuse_writing_inputs, tool
 from ..checkpoint import CheckpointError
-from ..data.dataset import ManifestError
+from ..data.manifest import ManifestError
 from ..decoding.evaluation import evaluate_manifest, markdown_report
 from .transcribe import add_decoding_args, check_decoding_args, decoding_name, load_recognizer
 

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 from . import Parser, fail, tool
-from ..training.curves import CURVES, have_matplotlib, plot_runs, read_metrics
+from ..training.curves import CURVES, have_matplotlib, plot_runs
+from ..training.metrics_log import read_metrics
 
 
 @tool

@@ -33,7 +33,7 @@ from . import Parser, tool
 from ..checkpoint import CheckpointError
 from ..config import ConfigError, ModelConfig, TrainConfig, add_dataclass_args, dataclass_from_args
 from ..config_file import load_config_file
-from ..data.dataset import ManifestError
+from ..data.manifest import ManifestError
 from ..training.signals import TrainingDiverged
 from ..training.loop import train
 

@@ -24,15 +24,16 @@ from typing import Any
 import torch
 
 from . import Parser, tool
-from ..checkpoint import (CheckpointError, MetricsLog, capture_rng, claim_output_dir, hold_run_directory,
-                          load_checkpoint, load_resume_checkpoint, point_to, prune_checkpoints, restore_rng,
-                          save_checkpoint, step_checkpoint_name)
+from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from ..training.metrics_log import MetricsLog
+from ..training.state import capture_rng, restore_rng
+from ..training.rundir import claim_output_dir, hold_run_directory, load_resume_checkpoint, point_to, prune_checkpoints, step_checkpoint_name
 from ..model.lm import LMConfig, TransformerLM
 from ..training.optim import adamw
 from ..training.precision import resolve_device
 from ..training.signals import StopRequest
 from ..data.tokenizer import UNK_ID, Tokenizer, normalize_text
-from ..training.loop import lr_factor
+from ..training.optim import lr_factor
 
 log = logging.getLogger("konkanivani")
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from . import Parser, fail, refuse_writing_inputs, tool
 from ..checkpoint import CheckpointError
-from ..data.dataset import ManifestError
+from ..data.manifest import ManifestError
 from ..decoding.search import DEFAULT_CTC_WEIGHT, FUSED_METHODS, LONG_INPUT_METHOD, LONG_INPUT_SECONDS, METHODS
 from ..decoding.recognizer import Recognizer, find_audio
 from ..training.precision import resolve_device

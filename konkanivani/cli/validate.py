@@ -20,8 +20,8 @@ from pathlib import Path
 
 from . import Parser, fail, tool
 from ..checkpoint import write_file_atomic
-from ..data.checks import DEFAULT_DURATION_TOLERANCE, check_row
-from ..data.dataset import ManifestError, iter_manifest
+from ..data.manifest import DEFAULT_DURATION_TOLERANCE, check_row
+from ..data.manifest import ManifestError, iter_manifest
 from ..data.tokenizer import Tokenizer, train_tokenizer
 
 _NOT_JSON = "not a JSON object line"

@@ -15,6 +15,7 @@ import soundfile as sf
 import torch
 import torchaudio
 
+from ..config import ConfigError
 from .frames import HOP_LENGTH, SAMPLE_RATE
 
 __all__ = ["SAMPLE_RATE", "HOP_LENGTH", "LOG_OFFSET", "AudioError", "load_audio", "resample", "LogMel"]
@@ -99,3 +100,26 @@ class LogMel(torch.nn.Module):
     def n_freqs(self) -> int:
         """Frequency bins of the power spectrum (n_fft // 2 + 1)."""
         return self.mel.n_fft // 2 + 1
+
+
+# The suffixes of audio files that folders are searched for (the importers, transcribe, --noise_dir):
+# the common formats soundfile reads.
+AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aiff", ".aif", ".au", ".caf", ".w64", ".rf64")
+
+
+def list_audio_files(folder: str | Path, flag: str) -> list[Path]:
+    """The readable audio files under ``folder`` (recursively, sorted), checked by their headers;
+    ``ConfigError`` naming the folder and ``flag`` when there is none."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ConfigError(f"--{flag} {folder}: folder not found")
+    files = []
+    for path in sorted(p for p in folder.rglob("*") if p.suffix.lower() in AUDIO_SUFFIXES and p.is_file()):
+        try:
+            if sf.info(str(path)).frames > 0:
+                files.append(path)
+        except Exception:  # noqa: BLE001 (soundfile raises LibsndfileError, RuntimeError, TypeError...)
+            continue
+    if not files:
+        raise ConfigError(f"--{flag} {folder}: no readable audio file in it (wav, flac, ogg, mp3, ...)")
+    return files

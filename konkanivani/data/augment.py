@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import logging
 import math
 from dataclasses import dataclass
@@ -26,14 +25,11 @@ import soundfile as sf
 import torch
 import torchaudio
 
-from .audio import load_audio, resample
-from ..config import ConfigError
+from .audio import list_audio_files, load_audio, resample
 from .frames import HOP_LENGTH, SAMPLE_RATE, subsampled_lengths
-from ..tools.outputs import child
 
 __all__ = ["SPEED_FACTORS", "VTLP_RANGE", "AugmentConfig", "Augmenter", "utterance_generator", "speed_perturb",
-           "coloured_noise", "add_noise", "synthetic_rir", "reverberate", "vtlp_warp_matrix", "batching_duration",
-           "list_audio_files", "corrupt_manifest"]
+           "coloured_noise", "add_noise", "synthetic_rir", "reverberate", "vtlp_warp_matrix", "batching_duration"]
 
 log = logging.getLogger("konkanivani")
 
@@ -201,25 +197,6 @@ def vtlp_warp_matrix(alpha: float, n_freqs: int) -> torch.Tensor:
 
 # ---- the per-utterance pipeline -----------------------------------------------------------------
 
-AUDIO_SUFFIXES = tuple(f".{fmt.lower()}" for fmt in sf.available_formats()) + (".oga", ".opus", ".aif")
-
-
-def list_audio_files(folder: str | Path, flag: str) -> list[Path]:
-    """The readable audio files under ``folder`` (recursively, sorted), checked by their headers;
-    ``ConfigError`` naming the folder and ``flag`` when there is none."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ConfigError(f"--{flag} {folder}: folder not found")
-    files = []
-    for path in sorted(p for p in folder.rglob("*") if p.suffix.lower() in AUDIO_SUFFIXES and p.is_file()):
-        try:
-            if sf.info(str(path)).frames > 0:
-                files.append(path)
-        except Exception:  # noqa: BLE001 (soundfile raises LibsndfileError, RuntimeError, TypeError...)
-            continue
-    if not files:
-        raise ConfigError(f"--{flag} {folder}: no readable audio file in it (wav, flac, ogg, mp3, ...)")
-    return files
 
 
 @dataclass(frozen=True)
@@ -327,42 +304,3 @@ class Augmenter:
 
 
 # ---- a corrupted copy of a manifest -------------------------------------------------------------
-
-def corrupt_manifest(src_manifest: str | Path, out_dir: str | Path, name: str, seed: int = 0,
-                     snr_db: tuple[float, float] = (5.0, 20.0), reverb: bool = True,
-                     noise_dir: Optional[str | Path] = None, rir_dir: Optional[str | Path] = None) -> Path:
-    """Write a noisy (and, with ``reverb``, reverberant) copy of ``src_manifest`` for testing in
-    harder conditions; return the new manifest, ``OUT_DIR/NAME.jsonl``.
-
-    Every utterance is reverberated (synthetic rooms, or RIRs from ``rir_dir``) and gets noise at
-    an SNR drawn uniformly from ``snr_db`` (generated coloured/babble-like noise, or excerpts of the
-    files in ``noise_dir``), then is written as 16 kHz 16-bit PCM to ``OUT_DIR/NAME/<n>_<stem>.wav``
-    (peak-limited to avoid clipping). The manifest keeps each row's text and other keys, with the
-    audio path relative to ``OUT_DIR`` and the duration of the new file. The same seed gives the
-    same files. A row whose audio cannot be read is an error naming the manifest and line.
-    """
-    from .dataset import read_manifest  # here: data imports this module
-
-    src_manifest, out_dir = Path(src_manifest), Path(out_dir)
-    if not snr_db[0] <= snr_db[1]:
-        raise ValueError(f"snr_db must be (low, high) with low <= high, got {snr_db}")
-    augmenter = Augmenter(AugmentConfig(noise_prob=1.0, noise_snr_db=tuple(snr_db), reverb_prob=float(reverb),
-                                        noise_dir=str(noise_dir or ""), rir_dir=str(rir_dir or ""), seed=seed))
-    child(out_dir, name, "name").mkdir(parents=True, exist_ok=True)  # a plain name: it stays in out_dir
-    rows = []
-    for n, (line_no, row) in enumerate(read_manifest(src_manifest)):
-        audio = Path(str(row.get("audio_filepath", "")))
-        audio = audio if audio.is_absolute() else src_manifest.parent / audio
-        try:
-            wav = load_audio(audio)
-        except RuntimeError as e:
-            raise RuntimeError(f"{src_manifest}:{line_no}: {e}") from e
-        wav = augmenter.waveform(wav, 0, n)
-        peak = float(wav.abs().max())
-        wav = wav * (0.99 / peak) if peak > 0.99 else wav
-        relative = Path(name) / f"{n:05d}_{audio.stem}.wav"
-        sf.write(out_dir / relative, wav.numpy(), SAMPLE_RATE, subtype="PCM_16")
-        rows.append({**row, "audio_filepath": relative.as_posix(), "duration": round(len(wav) / SAMPLE_RATE, 4)})
-    manifest = out_dir / f"{name}.jsonl"
-    manifest.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    return manifest

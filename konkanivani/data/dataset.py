@@ -1,37 +1,28 @@
-"""Manifests, the dataset, length-grouped batches and collation.
-
-A manifest is NeMo-style JSON lines: ``audio_filepath`` (absolute or relative to the manifest's
-folder), ``duration`` (seconds) and ``text``; other keys are kept and ignored.
-"""
+"""The dataset: a manifest's usable rows as utterances (``load_utterances``), CMVN statistics,
+examples as log-mel features, and their collation into padded batches."""
 from __future__ import annotations
 
-import json
 import logging
 import random
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset
 
 from .audio import LogMel, load_audio
 from .augment import Augmenter, vtlp_warp_matrix
-from .checks import DEFAULT_DURATION_TOLERANCE, check_row
+from .manifest import DEFAULT_DURATION_TOLERANCE, check_row, read_manifest
 from .tokenizer import Tokenizer
 
-__all__ = ["ManifestError", "Utterance", "iter_manifest", "read_manifest", "load_utterances", "log_skipped",
-           "compute_cmvn", "ASRDataset", "Example", "Unreadable", "Batch", "collate", "ResumableBatchSampler",
-           "LengthGroupedBatchSampler", "ShardedSampler", "EpochKeyed"]
+__all__ = ["Utterance", "load_utterances", "log_skipped", "compute_cmvn", "ASRDataset", "Example", "Unreadable",
+           "Batch", "collate"]
 
 log = logging.getLogger("konkanivani")
 
 _MAX_ROW_WARNINGS = 20
-
-
-class ManifestError(ValueError):
-    """A manifest that cannot be used at all (missing file, a line that is not a JSON object)."""
 
 
 @dataclass
@@ -41,42 +32,6 @@ class Utterance:
     text: str
     tokens: list[int]
     where: str  # "manifest.jsonl:LINE", for messages
-
-
-def iter_manifest(path: str | Path) -> Iterator[tuple[int, dict | ManifestError]]:
-    """``(line number, row)`` for every non-blank line, or ``(line number, ManifestError)`` for a
-    line that is not UTF-8 JSON holding an object, so that a checker can report them all."""
-    path = Path(path)
-    if not path.is_file():
-        raise ManifestError(f"manifest {path} does not exist")
-    with path.open("rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8").strip()  # a BOM may open the file
-                if not line:
-                    continue
-                row = json.loads(line)
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                yield line_no, ManifestError(
-                    f"{path}:{line_no}: not a JSON line ({e}); a manifest holds one JSON object a line "
-                    '{"audio_filepath": ..., "duration": ..., "text": ...}')
-                continue
-            if not isinstance(row, dict):
-                yield line_no, ManifestError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
-                continue
-            yield line_no, row
-
-
-def read_manifest(path: str | Path) -> list[tuple[int, dict]]:
-    """``(line number, row)`` for every non-blank line. Raises ``ManifestError`` naming the file and
-    line when the file is missing or a line is not UTF-8 JSON holding an object."""
-    rows = []
-    for line_no, row in iter_manifest(path):
-        if isinstance(row, ManifestError):
-            raise ManifestError(f"{row}; konkanivani-validate (training_scripts/validate_manifest.py) lists every "
-                                "bad line and writes a cleaned manifest")
-        rows.append((line_no, row))
-    return rows
 
 
 def load_utterances(path: str | Path, tokenizer: Tokenizer, max_duration: float = float("inf"),
@@ -216,106 +171,3 @@ def collate(examples: Sequence[Example | Unreadable]) -> Batch:
     tokens = torch.nn.utils.rnn.pad_sequence([e.tokens for e in examples], batch_first=True, padding_value=-1)
     return Batch(feats, torch.tensor([len(e.feats) for e in examples]), tokens,
                  torch.tensor([len(e.tokens) for e in examples]), [e.index for e in examples], missing)
-
-
-class ResumableBatchSampler(Sampler[list[int]]):
-    """A batch sampler whose batches for an epoch are a pure function of its settings and the
-    epoch (``epoch_batches``), so that ``set_epoch(epoch, start)`` / ``load_state_dict`` can
-    restart an epoch after the ``start`` batches already consumed: a mid-epoch resume."""
-
-    epoch = 0
-    start = 0  # batches of this epoch to skip
-
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        self.epoch, self.start = epoch, start
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "start": self.start}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.set_epoch(state["epoch"], state["start"])
-
-    def epoch_batches(self) -> list[list[int]]:
-        raise NotImplementedError
-
-    def __iter__(self) -> Iterator[list[int]]:
-        yield from self.epoch_batches()[self.start:]
-
-    def __len__(self) -> int:
-        return max(0, len(self.epoch_batches()) - self.start)
-
-
-class EpochKeyed(Sampler[list[tuple[int, int]]]):
-    """The batches of ``sampler`` as ``(epoch, index)`` keys, for a dataset that augments: the
-    epoch reaches ``ASRDataset.__getitem__`` in every worker with each index (persistent workers
-    hold copies of the dataset made once, so setting it on the dataset would not), and it is the
-    sampler's own, so a resumed epoch draws as the unbroken one did."""
-
-    def __init__(self, sampler: ResumableBatchSampler):
-        self.sampler = sampler
-
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        epoch = self.sampler.epoch
-        for batch in self.sampler:
-            yield [(epoch, i) for i in batch]
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-
-class ShardedSampler(ResumableBatchSampler):
-    """One process's share of another batch sampler's batches under data parallelism: of the
-    epoch's batches (the same list in every process: they are seeded alike), process ``rank`` of
-    ``world`` takes every ``world``-th, starting at its rank, after the last few batches are dropped
-    so that every process has the same number (each optimizer step needs every process)."""
-
-    def __init__(self, inner: ResumableBatchSampler, rank: int, world: int, even: bool = True):
-        self.inner, self.rank, self.world, self.even = inner, rank, world, even  # even=False: keep them all
-
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        super().set_epoch(epoch, start)
-        self.inner.set_epoch(epoch, 0)
-
-    def epoch_batches(self) -> list[list[int]]:
-        batches = self.inner.epoch_batches()
-        if self.even:
-            batches = batches[:len(batches) // self.world * self.world]
-        return batches[self.rank::self.world]
-
-
-class LengthGroupedBatchSampler(ResumableBatchSampler):
-    """Fixed-size batches of similar duration, so padding stays small.
-
-    Each epoch (seeded by ``seed + epoch``) the utterances are shuffled, cut into pools of
-    ``pool_batches`` batches, sorted by duration inside each pool and batched; then the batches are
-    shuffled. Without ``shuffle`` the batches go shortest first. ``load_state_dict`` restarts an
-    epoch after the batches already consumed, which is what a mid-epoch resume needs.
-    """
-
-    def __init__(self, durations: Sequence[float], batch_size: int, seed: int = 0, shuffle: bool = True,
-                 pool_batches: int = 50):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.durations = list(durations)
-        self.batch_size = batch_size
-        self.seed = seed
-        self.shuffle = shuffle
-        self.pool_batches = pool_batches
-
-    def epoch_batches(self) -> list[list[int]]:
-        order = list(range(len(self.durations)))
-        if not self.shuffle:
-            order.sort(key=self.durations.__getitem__)
-            return [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
-        rng = random.Random(self.seed + self.epoch)
-        rng.shuffle(order)
-        pool = self.batch_size * self.pool_batches
-        batches = []
-        for p in range(0, len(order), pool):
-            chunk = sorted(order[p:p + pool], key=self.durations.__getitem__)
-            batches += [chunk[i:i + self.batch_size] for i in range(0, len(chunk), self.batch_size)]
-        rng.shuffle(batches)
-        return batches
-
-    def __len__(self) -> int:  # without building the epoch's batches
-        return max(0, -(-len(self.durations) // self.batch_size) - self.start)

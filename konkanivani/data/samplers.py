@@ -1,18 +1,122 @@
-"""Dynamic batching by duration: batches hold as many utterances as fit a frame budget, grouped by
+"""The batch samplers, all resumable mid-epoch: length-grouped batches of a fixed size (validation),
+a process's share of them under torchrun, and dynamic batching by duration: batches hold as many utterances as fit a frame budget, grouped by
 length so that little of each batch is padding; plus the helpers that change a batch's size
 (halving a micro-batch after an out-of-memory error) or the training set's (``--max_samples``)."""
 from __future__ import annotations
 
 import random
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from torch.utils.data import Sampler
 
-from .dataset import Batch, LengthGroupedBatchSampler, ResumableBatchSampler, ShardedSampler
+from .dataset import Batch
 from .frames import frames_of
 
-__all__ = ["DurationBucketSampler", "PreflightSampler", "train_sampler", "padding_fraction", "split_batch",
+__all__ = ["ResumableBatchSampler", "LengthGroupedBatchSampler", "ShardedSampler", "EpochKeyed", "DurationBucketSampler", "PreflightSampler", "train_sampler", "padding_fraction", "split_batch",
            "select_samples"]
+
+
+class ResumableBatchSampler(Sampler[list[int]]):
+    """A batch sampler whose batches for an epoch are a pure function of its settings and the
+    epoch (``epoch_batches``), so that ``set_epoch(epoch, start)`` / ``load_state_dict`` can
+    restart an epoch after the ``start`` batches already consumed: a mid-epoch resume."""
+
+    epoch = 0
+    start = 0  # batches of this epoch to skip
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "start": self.start}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.set_epoch(state["epoch"], state["start"])
+
+    def epoch_batches(self) -> list[list[int]]:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[list[int]]:
+        yield from self.epoch_batches()[self.start:]
+
+    def __len__(self) -> int:
+        return max(0, len(self.epoch_batches()) - self.start)
+
+
+class EpochKeyed(Sampler[list[tuple[int, int]]]):
+    """The batches of ``sampler`` as ``(epoch, index)`` keys, for a dataset that augments: the
+    epoch reaches ``ASRDataset.__getitem__`` in every worker with each index (persistent workers
+    hold copies of the dataset made once, so setting it on the dataset would not), and it is the
+    sampler's own, so a resumed epoch draws as the unbroken one did."""
+
+    def __init__(self, sampler: ResumableBatchSampler):
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        epoch = self.sampler.epoch
+        for batch in self.sampler:
+            yield [(epoch, i) for i in batch]
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+class ShardedSampler(ResumableBatchSampler):
+    """One process's share of another batch sampler's batches under data parallelism: of the
+    epoch's batches (the same list in every process: they are seeded alike), process ``rank`` of
+    ``world`` takes every ``world``-th, starting at its rank, after the last few batches are dropped
+    so that every process has the same number (each optimizer step needs every process)."""
+
+    def __init__(self, inner: ResumableBatchSampler, rank: int, world: int, even: bool = True):
+        self.inner, self.rank, self.world, self.even = inner, rank, world, even  # even=False: keep them all
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        super().set_epoch(epoch, start)
+        self.inner.set_epoch(epoch, 0)
+
+    def epoch_batches(self) -> list[list[int]]:
+        batches = self.inner.epoch_batches()
+        if self.even:
+            batches = batches[:len(batches) // self.world * self.world]
+        return batches[self.rank::self.world]
+
+
+class LengthGroupedBatchSampler(ResumableBatchSampler):
+    """Fixed-size batches of similar duration, so padding stays small.
+
+    Each epoch (seeded by ``seed + epoch``) the utterances are shuffled, cut into pools of
+    ``pool_batches`` batches, sorted by duration inside each pool and batched; then the batches are
+    shuffled. Without ``shuffle`` the batches go shortest first. ``load_state_dict`` restarts an
+    epoch after the batches already consumed, which is what a mid-epoch resume needs.
+    """
+
+    def __init__(self, durations: Sequence[float], batch_size: int, seed: int = 0, shuffle: bool = True,
+                 pool_batches: int = 50):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.durations = list(durations)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.pool_batches = pool_batches
+
+    def epoch_batches(self) -> list[list[int]]:
+        order = list(range(len(self.durations)))
+        if not self.shuffle:
+            order.sort(key=self.durations.__getitem__)
+            return [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        rng = random.Random(self.seed + self.epoch)
+        rng.shuffle(order)
+        pool = self.batch_size * self.pool_batches
+        batches = []
+        for p in range(0, len(order), pool):
+            chunk = sorted(order[p:p + pool], key=self.durations.__getitem__)
+            batches += [chunk[i:i + self.batch_size] for i in range(0, len(chunk), self.batch_size)]
+        rng.shuffle(batches)
+        return batches
+
+    def __len__(self) -> int:  # without building the epoch's batches
+        return max(0, -(-len(self.durations) // self.batch_size) - self.start)
 
 
 class DurationBucketSampler(ResumableBatchSampler):

@@ -6,8 +6,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..data.checks import resolve_audio_path
-from ..data.dataset import read_manifest
+from ..data.manifest import resolve_audio_path
+from ..data.manifest import read_manifest
 from .search import DEFAULT_CTC_WEIGHT, LONG_INPUT_METHOD, LONG_INPUT_SECONDS
 from .recognizer import Recognizer
 from .metrics import ErrorCounts, score

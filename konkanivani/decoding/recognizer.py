@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from ..data.audio import AudioError, LogMel, load_audio
+from ..data.audio import load_audio, AUDIO_SUFFIXES, AudioError, LogMel
 from ..checkpoint import CheckpointError, inference_state_dict, load_checkpoint
-from ..data.checks import resolve_audio_path
+from ..data.manifest import resolve_audio_path
 from ..config import ModelConfig
-from ..data.dataset import read_manifest
+from ..data.manifest import read_manifest
 from .search import (DEFAULT_CTC_WEIGHT, FUSED_METHODS, LONG_INPUT_METHOD, LONG_INPUT_SECONDS, METHODS, Fusion,
                      decode_batch, method_for)
 from ..data.frames import HOP_LENGTH, SAMPLE_RATE, subsampled_lengths
@@ -31,11 +31,10 @@ from ..model.lm import TransformerLM, check_same_vocabulary, load_lm
 from ..model.asr import ASRModel
 from ..data.tokenizer import Tokenizer
 
-__all__ = ["AUDIO_SUFFIXES", "MIN_SAMPLES", "Recognizer", "Transcript", "find_audio"]
+__all__ = ["MIN_SAMPLES", "Recognizer", "Transcript", "find_audio"]
 
 log = logging.getLogger("konkanivani")
 
-AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".opus", ".mp3", ".aiff", ".aif", ".au")
 # The fewest samples the model decodes: LogMel makes 1 + N // HOP_LENGTH feature frames, and the
 # encoder's subsampling (frames.subsampled_lengths, the lengths it computes) needs enough of them
 # for one encoder frame; fewer make its convolutions fail.

@@ -1,8 +1,7 @@
 """The hybrid CTC/attention model: CMVN, SpecAugment, Conformer encoder, CTC head, Transformer decoder."""
 from __future__ import annotations
 
-import logging
-from typing import Any, Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -14,9 +13,8 @@ from ..config import ModelConfig
 from .decoder import TransformerDecoder
 from ..data.tokenizer import BLANK_ID, SOS_EOS_ID
 
-__all__ = ["ASRModel", "LossOutput", "SpecAugment", "count_parameters", "compiled"]
+__all__ = ["ASRModel", "LossOutput", "SpecAugment", "count_parameters"]
 
-log = logging.getLogger("konkanivani")
 
 IGNORE_ID = -1
 
@@ -141,32 +139,3 @@ class ASRModel(nn.Module):
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-def compiled(model: nn.Module) -> Callable[..., Any]:
-    """The model's forward through ``torch.compile`` (dynamic shapes: batches vary in length); the
-    eager model, with a warning, wherever compiling fails (no compiler, an unsupported platform)."""
-    from ..training.memory import is_out_of_memory
-
-    try:
-        compiled_model = torch.compile(model, dynamic=True)
-    except Exception as e:
-        log.warning("--compile: torch.compile is not available here (%s: %s); running eager", type(e).__name__, e)
-        return model
-    current = [compiled_model]
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if current[0] is not model:
-            try:
-                return current[0](*args, **kwargs)
-            except Exception as e:
-                if is_out_of_memory(e):
-                    raise
-                first_line = (str(e).strip().splitlines() or [""])[0]
-                log.warning("--compile: compiling the model failed (%s: %s); running eager", type(e).__name__,
-                            first_line)
-                current[0] = model
-        return model(*args, **kwargs)
-
-    log.info("--compile: the model is compiled with torch.compile at its first batches")
-    return forward

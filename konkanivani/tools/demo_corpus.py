@@ -42,10 +42,10 @@ import torch
 from tqdm import tqdm
 
 from ..data.audio import resample
-from ..data.augment import corrupt_manifest
 from ..data.frames import SAMPLE_RATE
+from .corrupt import corrupt_manifest
 from .outputs import Staging
-from ..data.dataset import read_manifest
+from ..data.manifest import read_manifest
 from ..data.tokenizer import normalize_text
 from .transliterate import english_segments, phrases, spell
 

@@ -40,10 +40,9 @@ import soundfile as sf
 import torch
 from tqdm import tqdm
 
-from ..data.audio import AudioError, load_audio
-from ..data.checks import check_row
+from ..data.audio import AUDIO_SUFFIXES, AudioError, load_audio
+from ..data.manifest import check_row
 from ..data.frames import SAMPLE_RATE
-from ..decoding.recognizer import AUDIO_SUFFIXES
 from .outputs import OutputError, Staging, child, safe_name
 from ..data.tokenizer import Tokenizer, train_tokenizer
 

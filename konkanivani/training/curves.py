@@ -12,35 +12,19 @@ from __future__ import annotations
 
 import csv
 import importlib.util
-import json
 import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..checkpoint import atomic_file
+from .metrics_log import Rows, read_metrics
 
-__all__ = ["CURVES", "have_matplotlib", "read_metrics", "run_labels", "write_curves", "plot_runs", "write_csv"]
+__all__ = ["CURVES", "have_matplotlib", "run_labels", "write_curves", "plot_runs", "write_csv"]
 
 CURVES = "curves.png"
 
-Rows = dict[str, list[dict[str, Any]]]  # kind ("train", "valid") -> its rows, by step
-
-
 def have_matplotlib() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
-
-
-def read_metrics(path: str | Path) -> Rows:
-    """The rows of a ``metrics.jsonl`` by kind, in step order; a step logged twice keeps its last
-    row, and a line that is not JSON (cut short by a kill) is left out."""
-    by_step: dict[str, dict[int, dict[str, Any]]] = {}
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-            by_step.setdefault(row["kind"], {})[int(row["step"])] = row
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            continue
-    return {kind: [rows[step] for step in sorted(rows)] for kind, rows in by_step.items()}
 
 
 def run_labels(run_dirs: Sequence[Path]) -> list[str]:

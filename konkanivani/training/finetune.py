@@ -10,17 +10,18 @@ its shape is the same and skipped otherwise (another ``--d_model``, say), and th
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..checkpoint import inference_state_dict
-from ..config import ModelConfig, model_config_from
+from ..checkpoint import CheckpointError, inference_state_dict, load_checkpoint
+from ..config import ConfigError, ModelConfig, TrainConfig, model_config_from
 from ..model.asr import ASRModel
 from ..data.tokenizer import BLANK_ID, SOS_EOS_ID, UNK_ID, Tokenizer
 
-__all__ = ["InitReport", "init_model_config", "token_row_map", "load_init_weights", "keep_init_cmvn",
+__all__ = ["InitReport", "init_checkpoint_config", "init_model_config", "token_row_map", "load_init_weights", "keep_init_cmvn",
            "hold_encoder"]
 
 
@@ -130,3 +131,22 @@ def hold_encoder(model: torch.nn.Module, step: int, freeze_steps: int) -> bool:
     for p in model.encoder.parameters():
         p.grad = None
     return True
+
+
+def init_checkpoint_config(cfg: TrainConfig) -> dict[str, Any] | None:
+    """The model config of a fresh run's --init_from checkpoint (None without one, or on --resume,
+    where the run's own checkpoint decides everything); ``ConfigError`` naming the file when it is
+    missing or holds no model."""
+    if not cfg.init_from or cfg.resume:
+        return None
+    path = cfg.init_from
+    if not Path(path).is_file():
+        raise ConfigError(f"--init_from {path}: file not found")
+    try:
+        state = load_checkpoint(path)
+    except CheckpointError as e:
+        raise ConfigError(f"--init_from: {e}") from e
+    missing = [k for k in ("model_config", "model", "tokenizer") if k not in state]
+    if missing:
+        raise ConfigError(f"--init_from {path}: not a model checkpoint (no {', '.join(missing)})")
+    return state["model_config"]

@@ -30,24 +30,27 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..data.augment import AugmentConfig, Augmenter, batching_duration
 from ..data.samplers import padding_fraction, select_samples, split_batch, train_sampler
-from ..checkpoint import (CheckpointError, MetricsLog, TrainState, capture_rng, check_output_dir, hold_run_directory,
-                         load_checkpoint, load_resume_checkpoint, move_run_aside, point_to, prune_checkpoints,
-                         remove_stale_temporaries, restore_rng, step_checkpoint_name, write_file_atomic)
+from ..checkpoint import CheckpointError, load_checkpoint, write_file_atomic
+from .metrics_log import MetricsLog
+from .state import TrainState, capture_rng, restore_rng
+from .rundir import check_output_dir, hold_run_directory, load_resume_checkpoint, move_run_aside, point_to, prune_checkpoints, remove_stale_temporaries, step_checkpoint_name
 from ..config import ConfigError, ModelConfig, TrainConfig, check_config, model_config_from_preset
 from ..config_file import write_config_file
-from ..data.dataset import (ASRDataset, Batch, EpochKeyed, LengthGroupedBatchSampler, ManifestError, ResumableBatchSampler,
-                   ShardedSampler, Utterance, collate, compute_cmvn, load_utterances, log_skipped, read_manifest)
+from ..data.dataset import ASRDataset, Batch, Utterance, collate, compute_cmvn, load_utterances, log_skipped
+from ..data.samplers import EpochKeyed, LengthGroupedBatchSampler, ResumableBatchSampler, ShardedSampler
+from ..data.manifest import ManifestError, read_manifest
 from ..decoding.search import ctc_greedy
 from .distributed import (Dist, distributed, full_state_dicts, is_sharded, load_optimizer_state, no_sync,
                           wrap_data_parallel)
 from .ema import ema_state, load_ema_state, make_ema
-from .finetune import hold_encoder, init_model_config, keep_init_cmvn, load_init_weights
+from .finetune import hold_encoder, init_checkpoint_config, init_model_config, keep_init_cmvn, load_init_weights
 from ..data.frames import budget_frames, frames_of
 from .memory import (GIB, BatchDoesNotFit, MemoryEstimator, auto_batch_frames, free_memory, is_out_of_memory,
                      memory_status, precision_name)
 from ..decoding.metrics import error_rates
-from ..model.asr import ASRModel, compiled, count_parameters
-from .optim import build_optimizer, canonical_optimizer
+from ..model.asr import ASRModel, count_parameters
+from .optim import build_optimizer, canonical_optimizer, lr_factor
+from .compile import compiled
 from .curves import CURVES, have_matplotlib, write_curves
 from .precision import Precision, resolve_precision
 from .signals import (NonFiniteSkips, StopRequest, TrainingDiverged, diverged_message, ignore_stop_signals,
@@ -55,7 +58,7 @@ from .signals import (NonFiniteSkips, StopRequest, TrainingDiverged, diverged_me
 from .tensorboard_log import TensorBoardLog, open_tensorboard
 from ..data.tokenizer import Tokenizer, train_tokenizer
 
-__all__ = ["train", "Run", "lr_factor", "forward_backward", "optimizer_step", "validate", "maybe_empty_cache"]
+__all__ = ["train", "Run", "forward_backward", "optimizer_step", "validate", "maybe_empty_cache"]
 
 log = logging.getLogger("konkanivani")
 
@@ -77,7 +80,7 @@ def train(cfg: TrainConfig, model_overrides: Optional[dict[str, Any]] = None,
 
     Returns a summary: final step, epoch, last validation metrics, the best WER, what stopped it.
     """
-    check_config(cfg, model_overrides)  # every flag value, before any work
+    check_config(cfg, model_overrides, init_checkpoint_config(cfg))  # every flag value, before any work
     with distributed(cfg.device) as (dist, device):
         _check_device_settings(cfg, device)
         with _run_directory(Path(cfg.output_dir), cfg, dist) as start, StopRequest(cfg.max_time) as stop_request:
@@ -717,15 +720,6 @@ def save(run: Run, is_best: bool = False, quiet: bool = False) -> None:
 
 # ---- the step's parts (benchmarks and tests call them too) ------------------------------------
 
-def lr_factor(step: int, warmup_steps: int) -> float:
-    """Multiplier of the peak LR after ``step`` optimizer steps: linear warm-up, then 1/sqrt decay.
-
-    A pure function of the step, so resuming needs only the step count.
-    """
-    step += 1
-    if warmup_steps <= 0:
-        return 1.0
-    return min(step / warmup_steps, math.sqrt(warmup_steps / step))
 
 
 def maybe_empty_cache(device: torch.device, batches_done: int, every: int) -> bool:

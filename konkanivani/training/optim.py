@@ -1,7 +1,9 @@
-"""The optimizer: standard AdamW, or 8-bit AdamW from bitsandbytes (its two moments stored in
+"""The optimizer and the learning-rate schedule (``lr_factor``, a pure function of the step): standard AdamW, or 8-bit AdamW from bitsandbytes (its two moments stored in
 8 bits, 2 bytes per parameter instead of 8), with a fallback to standard AdamW when bitsandbytes
 is missing or cannot run on the device."""
 from __future__ import annotations
+
+import math
 
 import logging
 from typing import Iterable
@@ -62,3 +64,14 @@ def adamw(params: list[torch.nn.Parameter], **kwargs) -> torch.optim.Optimizer:
         except (RuntimeError, TypeError, ValueError):
             pass
     return torch.optim.AdamW(params, foreach=True, **kwargs)
+
+
+def lr_factor(step: int, warmup_steps: int) -> float:
+    """Multiplier of the peak LR after ``step`` optimizer steps: linear warm-up, then 1/sqrt decay.
+
+    A pure function of the step, so resuming needs only the step count.
+    """
+    step += 1
+    if warmup_steps <= 0:
+        return 1.0
+    return min(step / warmup_steps, math.sqrt(warmup_steps / step))

@@ -1,4 +1,8 @@
-"""The checks one manifest row must pass, shared by training and ``validate_manifest.py``.
+"""Manifests and the checks one row must pass, shared by training, ``konkanivani-validate`` and
+``konkanivani-prepare``.
+
+A manifest is NeMo-style JSON lines: ``audio_filepath`` (absolute or relative to the manifest's
+folder), ``duration`` (seconds) and ``text``; other keys are kept and ignored.
 
 A row fails (an *error*, the row is skipped) when its audio is missing, unreadable or empty, its
 duration differs from the file's, it is longer than the limit, its text is empty, leaves no token
@@ -8,10 +12,11 @@ resampled and mixed down) unless ``strict``.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import soundfile as sf
@@ -19,7 +24,8 @@ import soundfile as sf
 from .frames import SAMPLE_RATE, frames_of, subsampled_lengths
 from .tokenizer import UNK_ID, Tokenizer, normalize_text
 
-__all__ = ["DEFAULT_DURATION_TOLERANCE", "RowCheck", "check_row", "resolve_audio_path"]
+__all__ = ["DEFAULT_DURATION_TOLERANCE", "ManifestError", "RowCheck", "check_row", "iter_manifest", "read_manifest",
+           "resolve_audio_path"]
 
 DEFAULT_DURATION_TOLERANCE = 0.5  # seconds; rounding passes, a truncated or mismatched file does not
 
@@ -105,3 +111,43 @@ def check_row(row: dict[str, Any], base_dir: Path, tokenizer: Tokenizer, *, max_
         return _fail(check, "too short for CTC", f"{duration:.2f} s for {len(tokens)} tokens")
     check.tokens = tokens
     return check
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be used at all (missing file, a line that is not a JSON object)."""
+
+
+def iter_manifest(path: str | Path) -> Iterator[tuple[int, dict | ManifestError]]:
+    """``(line number, row)`` for every non-blank line, or ``(line number, ManifestError)`` for a
+    line that is not UTF-8 JSON holding an object, so that a checker can report them all."""
+    path = Path(path)
+    if not path.is_file():
+        raise ManifestError(f"manifest {path} does not exist")
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8").strip()  # a BOM may open the file
+                if not line:
+                    continue
+                row = json.loads(line)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                yield line_no, ManifestError(
+                    f"{path}:{line_no}: not a JSON line ({e}); a manifest holds one JSON object a line "
+                    '{"audio_filepath": ..., "duration": ..., "text": ...}')
+                continue
+            if not isinstance(row, dict):
+                yield line_no, ManifestError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
+                continue
+            yield line_no, row
+
+
+def read_manifest(path: str | Path) -> list[tuple[int, dict]]:
+    """``(line number, row)`` for every non-blank line. Raises ``ManifestError`` naming the file and
+    line when the file is missing or a line is not UTF-8 JSON holding an object."""
+    rows = []
+    for line_no, row in iter_manifest(path):
+        if isinstance(row, ManifestError):
+            raise ManifestError(f"{row}; konkanivani-validate (training_scripts/validate_manifest.py) lists every "
+                                "bad line and writes a cleaned manifest")
+        rows.append((line_no, row))
+    return rows
