@@ -242,14 +242,14 @@ def test_a_vocabulary_too_small_for_the_text_is_one_line(tiny_corpus, tmp_path, 
     assert "--tokenizer_type char" in errors[0] and len(errors[0].splitlines()) == 1
 
 
-def test_the_readme_flag_table_lists_every_flag_and_which_are_required():
+def test_the_flags_page_lists_every_flag_and_which_are_required():
     import dataclasses
     import re
 
     from konkanivani.config import ModelConfig, TrainConfig
 
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    table = readme.split("## Flags")[1].split("\n## ")[0]
+    flags = (ROOT / "docs" / "flags.md").read_text(encoding="utf-8")
+    table = flags.split("## konkanivani-train\n")[1].split("\n## ")[0]
     rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `--(\w+)`[^|]*\| ([^|]+) \|", table, re.M)}
     fields = [f for f in dataclasses.fields(TrainConfig)] + [f for f in dataclasses.fields(ModelConfig)
                                                             if f.name != "vocab_size"]

@@ -82,7 +82,7 @@ def test_t4_config_is_the_recipe_the_script_passed_as_flags():
 
 
 def test_cpu_small_config_is_the_learning_curve_recipe():
-    """The trainer flags the learning-curve benchmark used (the README's curve) before it read the file."""
+    """The trainer flags the learning-curve benchmark used (the curves of docs/results.md) before it read the file."""
     from benchmark_modules import load
 
     recipe = ["--preset", "small", "--tokenizer_type", "char", "--batch_size", "16", "--lr", "2e-3", "--warmup_steps",

@@ -38,7 +38,7 @@ ATOL = 1e-4  # |log-prob| difference allowed from PyTorch; observed: ONNX up to 
 
 
 def join_pieces(ids, vocab):
-    """Text of token ids as vocabulary.json says (and the README snippet does)."""
+    """Text of token ids as vocabulary.json says (and the snippet in docs/decoding.md does)."""
     ids = [i for i in ids if i not in (vocab["blank_id"], vocab["sos_eos_id"])]
     boundary = vocab["word_boundary"]
     return "".join(vocab["pieces"][i] for i in ids).lstrip(boundary).replace(boundary, " ")
@@ -263,9 +263,9 @@ def test_batch_and_length_axes_are_free(exported, recognizer, tiny_corpus, fmt):
 
 
 def readme_snippet(marker="<!-- snippet: onnx-transcribe -->"):
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    readme = (ROOT / "docs" / "decoding.md").read_text(encoding="utf-8")
     match = re.search(re.escape(marker) + r"\s*```python\n(.*?)```", readme, re.S)
-    assert match, f"README.md has no python block after {marker}"
+    assert match, f"docs/decoding.md has no python block after {marker}"
     return match.group(1)
 
 
