@@ -47,12 +47,12 @@ def _flag_rows(cls: type, *, defaults: bool, skip: tuple[str, ...] = ()) -> list
     """Each field of ``cls`` with the parser action ``add_dataclass_args`` makes for it."""
     parser = argparse.ArgumentParser(add_help=False)
     add_dataclass_args(parser, cls, defaults=defaults, skip=skip)
-    actions = {a.dest: a for a in parser._actions}
+    actions = {a.dest: a for a in parser._actions if a.help != argparse.SUPPRESS}  # not an old spelling
     return [(f, actions[f.name]) for f in dataclasses.fields(cls) if f.name in actions]
 
 
 def _type(action: argparse.Action) -> str:
-    if isinstance(action, argparse.BooleanOptionalAction):
+    if action.nargs == 0:  # a switch: --name / --no_name
         return "bool"
     name = getattr(action.type, "__name__", str(action.type)) if action.type is not None else "str"
     if action.choices:
@@ -151,7 +151,7 @@ def render() -> str:
              "# Flags", "",
              "Every flag of `konkanivani-train` (and of `python training_scripts/train_konkanivani_asr.py`, "
              "the same code) is a field of `TrainConfig` or `ModelConfig` in "
-             "[konkanivani/config.py](../konkanivani/config.py). A boolean has a `--no-` form. "
+             "[konkanivani/config.py](../konkanivani/config.py). A boolean has a `--no_` form. "
              "*config file* is the section of a `--config` YAML file the key belongs in "
              "([training.md](training.md#recipes-yaml-configs)). A bad value stops the run before any work, "
              "in one line, with exit status 2.", "",

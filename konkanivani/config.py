@@ -9,11 +9,12 @@ import argparse
 import dataclasses
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Union, get_args, get_origin, get_type_hints
 
-__all__ = ["ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "INIT_MODULES", "model_config_from_preset",
+__all__ = ["DEFAULT_SEED", "ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "INIT_MODULES", "model_config_from_preset",
            "model_config_from", "check_config", "add_dataclass_args", "dataclass_from_args"]
 
 
@@ -21,8 +22,13 @@ class ConfigError(ValueError):
     """A flag value that cannot work; the message names the flag, in one line."""
 
 
-def _help(text: str) -> dict:
-    return {"help": text}
+def _help(text: str, section: str = "") -> dict:
+    """A field's metadata: its flag's help, and for a TrainConfig field the section of a YAML recipe
+    it belongs to when that is not "training" ("data", or "model" for where the model starts)."""
+    return {"help": text, **({"section": section} if section else {})}
+
+
+DEFAULT_SEED = 0  # every tool's --seed (training, the LM, prepare's valid split, the demo corpus)
 
 
 @dataclass
@@ -116,18 +122,18 @@ def model_config_from(base: dict[str, Any], **overrides: Any) -> ModelConfig:
 class TrainConfig:
     """One training run. Defaults suit the demo corpus on a small GPU or a CPU."""
 
-    train_manifest: str = field(default="", metadata={"help": "NeMo-style JSONL manifest for training",
+    train_manifest: str = field(default="", metadata={"section": "data", "help": "NeMo-style JSONL manifest for training",
                                                       "required": True})
-    valid_manifest: str = field(default="", metadata={"help": "JSONL manifest for validation", "required": True})
+    valid_manifest: str = field(default="", metadata={"section": "data", "help": "JSONL manifest for validation", "required": True})
     output_dir: str = field(default="checkpoints/run", metadata=_help("where checkpoints and logs go"))
-    preset: str = field(default="medium", metadata=_help("model size: " + ", ".join(PRESETS)))
-    tokenizer: str = field(default="", metadata=_help("existing SentencePiece .model (default: train one)"))
-    vocab_size: int = field(default=128, metadata=_help("SentencePiece vocabulary size when training one"))
-    tokenizer_type: str = field(default="unigram", metadata=_help(
+    preset: str = field(default="medium", metadata=_help(section="model", text="model size: " + ", ".join(PRESETS)))
+    tokenizer: str = field(default="", metadata=_help(section="data", text="existing SentencePiece .model (default: train one)"))
+    vocab_size: int = field(default=128, metadata=_help(section="data", text="SentencePiece vocabulary size when training one"))
+    tokenizer_type: str = field(default="unigram", metadata=_help(section="data", text=
         "SentencePiece model type: unigram, bpe, or char (one token per character; --vocab_size is then ignored)"))
     epochs: int = field(default=20, metadata=_help("passes over the training set"))
     max_steps: int = field(default=0, metadata=_help("stop after this many optimizer steps (0: no limit)"))
-    batch_size: int = field(default=8, metadata=_help("utterances per micro-batch"))
+    batch_size: int = field(default=8, metadata=_help(section="data", text="utterances per micro-batch"))
     gradient_accumulation_steps: int = field(default=1, metadata=_help("micro-batches per optimizer step"))
     lr: float = field(default=1e-3, metadata=_help("peak learning rate"))
     warmup_steps: int = field(default=300, metadata=_help("linear warm-up, then inverse square-root decay"))
@@ -139,7 +145,7 @@ class TrainConfig:
     mixed_precision: bool = field(default=False, metadata=_help(
         "fp16 autocast + GradScaler on CUDA; bf16 on a CPU only where it computes bf16 natively"))
     device: str = field(default="auto", metadata=_help("auto, cpu, cuda or cuda:N"))
-    num_workers: int = field(default=2, metadata=_help("DataLoader worker processes"))
+    num_workers: int = field(default=2, metadata=_help(section="data", text="DataLoader worker processes"))
     empty_cache_every: int = field(default=50, metadata=_help(
         "call torch.cuda.empty_cache() every N batches on CUDA (0: never)"))
     save_every_steps: int = field(default=0, metadata=_help("also save every N optimizer steps (0: each epoch only)"))
@@ -148,8 +154,8 @@ class TrainConfig:
         "checkpoint path, or 'latest' for OUTPUT_DIR/latest.pt (the newest readable step file if that is broken)"))
     overwrite: bool = field(default=False, metadata=_help(
         "start afresh in an OUTPUT_DIR that holds a run: the old run is moved to OUTPUT_DIR.replaced-<time>/"))
-    seed: int = field(default=1234, metadata=_help("seeds python, numpy and torch"))
-    max_duration: float = field(default=30.0, metadata=_help("skip utterances longer than this many seconds"))
+    seed: int = field(default=DEFAULT_SEED, metadata=_help("seeds python, numpy and torch"))
+    max_duration: float = field(default=30.0, metadata=_help(section="data", text="skip utterances longer than this many seconds"))
     log_every: int = field(default=50, metadata=_help(
         "log a summary line (loss, lr, utt/s, memory) every N optimizer steps, to the console and train.log"))
     validate_every_steps: int = field(default=0, metadata=_help(
@@ -161,7 +167,7 @@ class TrainConfig:
         "wall-clock budget in seconds: after the step that passes it, save and stop (0: none)"))
     max_consecutive_skips: int = field(default=20, metadata=_help(
         "stop after this many updates in a row skipped for a non-finite loss or gradients (0: never)"))
-    duration_tolerance: float = field(default=0.5, metadata=_help(
+    duration_tolerance: float = field(default=0.5, metadata=_help(section="data", text=
         "skip rows whose 'duration' differs from the audio file's by more seconds than this (<0: don't compare)"))
     optimizer: str = field(default="adamw", metadata=_help(
         "adamw, or adamw_8bit (also adamw8bit): 8-bit AdamW states from bitsandbytes"))
@@ -169,18 +175,18 @@ class TrainConfig:
         "recompute each encoder/decoder layer in the backward pass instead of storing its activations"))
     precision: str = field(default="", metadata=_help(
         "fp32, fp16 or bf16 autocast; overrides --mixed_precision (default: as --mixed_precision decides)"))
-    max_batch_frames: int = field(default=0, metadata=_help(
+    max_batch_frames: int = field(default=0, metadata=_help(section="data", text=
         "dynamic batches of at most this many padded 10 ms frames, bucketed by length (0: --batch_size)"))
-    max_batch_seconds: float = field(default=0.0, metadata=_help(
+    max_batch_seconds: float = field(default=0.0, metadata=_help(section="data", text=
         "the same budget in seconds of padded audio (100 frames a second)"))
-    num_buckets: int = field(default=10, metadata=_help("length buckets of the dynamic batches"))
-    max_memory_gb: float = field(default=0.0, metadata=_help(
+    num_buckets: int = field(default=10, metadata=_help(section="data", text="length buckets of the dynamic batches"))
+    max_memory_gb: float = field(default=0.0, metadata=_help(section="data", text=
         "cap each dynamic batch so the estimated peak training memory stays under this (0: no cap)"))
-    auto_batch: bool = field(default=False, metadata=_help(
+    auto_batch: bool = field(default=False, metadata=_help(section="data", text=
         "probe the device before training for the largest batch budget that fits"))
-    preflight: bool = field(default=True, metadata=_help(
+    preflight: bool = field(default=True, metadata=_help(section="data", text=
         "first epoch starts with the largest batches, so an out-of-memory error shows at once"))
-    max_samples: int = field(default=0, metadata=_help(
+    max_samples: int = field(default=0, metadata=_help(section="data", text=
         "train on a seeded choice of N utterances (0: all); may grow on resume"))
     compile: bool = field(default=False, metadata=_help("torch.compile the model (eager if compiling fails)"))
     strategy: str = field(default="ddp", metadata=_help(
@@ -191,29 +197,29 @@ class TrainConfig:
     ema_decay: float = field(default=0.0, metadata=_help(
         "keep an exponential moving average of the weights with this decay (e.g. 0.999; 0: off); validation, "
         "best.pt and decoding use it"))
-    init_from: str = field(default="", metadata=_help(
+    init_from: str = field(default="", metadata=_help(section="model", text=
         "start a fresh run from another run's checkpoint: its weights where they fit (vocabulary rows matched by "
         "token), its model dimensions unless model flags are given; own tokenizer, optimizer and step 0"))
-    init_modules: str = field(default=",".join(INIT_MODULES), metadata=_help(
+    init_modules: str = field(default=",".join(INIT_MODULES), metadata=_help(section="model", text=
         "with --init_from: the modules to take from it, a comma list of " + ", ".join(INIT_MODULES)))
-    keep_init_cmvn: bool = field(default=False, metadata=_help(
+    keep_init_cmvn: bool = field(default=False, metadata=_help(section="model", text=
         "with --init_from: keep its CMVN statistics instead of computing them from the new training data"))
     freeze_encoder_steps: int = field(default=0, metadata=_help(
         "leave the encoder unchanged for the first N optimizer steps (the heads learn first), then train it"))
-    speed_perturb: bool = field(default=False, metadata=_help(
+    speed_perturb: bool = field(default=False, metadata=_help(section="data", text=
         "play each training utterance at a speed drawn from 0.9, 1.0, 1.1 (tempo and pitch; batches are planned "
         "for the slowest)"))
-    noise_prob: float = field(default=0.0, metadata=_help(
+    noise_prob: float = field(default=0.0, metadata=_help(section="data", text=
         "share of training utterances that get additive noise (generated, or from --noise_dir)"))
-    noise_snr_low_db: float = field(default=5.0, metadata=_help("lowest signal-to-noise ratio of the added noise"))
-    noise_snr_high_db: float = field(default=20.0, metadata=_help("highest signal-to-noise ratio of the added noise"))
-    noise_dir: str = field(default="", metadata=_help(
+    noise_snr_low_db: float = field(default=5.0, metadata=_help(section="data", text="lowest signal-to-noise ratio of the added noise"))
+    noise_snr_high_db: float = field(default=20.0, metadata=_help(section="data", text="highest signal-to-noise ratio of the added noise"))
+    noise_dir: str = field(default="", metadata=_help(section="data", text=
         "folder of noise recordings (searched recursively), random excerpts of them (default: generated noise)"))
-    reverb_prob: float = field(default=0.0, metadata=_help(
+    reverb_prob: float = field(default=0.0, metadata=_help(section="data", text=
         "share of training utterances convolved with a room impulse response (synthetic, or from --rir_dir)"))
-    rir_dir: str = field(default="", metadata=_help(
+    rir_dir: str = field(default="", metadata=_help(section="data", text=
         "folder of room impulse responses (searched recursively) (default: synthetic rooms, RT60 0.2-0.9 s)"))
-    vtlp_prob: float = field(default=0.0, metadata=_help(
+    vtlp_prob: float = field(default=0.0, metadata=_help(section="data", text=
         "share of training utterances whose spectrum is warped by a factor in [0.9, 1.1] (vocal tract length "
         "perturbation)"))
 
@@ -309,12 +315,29 @@ def _flag_type(tp: Any) -> Any:
     return tp
 
 
+class _Switch(argparse.Action):
+    """A boolean flag: ``--name`` sets it, ``--no_name`` clears it; ``--no-name`` (argparse's
+    spelling, which this project used before) clears it too and says once what it is now."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+        self.said = False
+
+    def __call__(self, parser, namespace, values, option_string: str | None = None) -> None:
+        name = self.dest
+        if option_string == f"--no-{name}" and not self.said:
+            print(f"{parser.prog}: note: --no-{name} is now spelled --no_{name}", file=sys.stderr)
+            self.said = True
+        setattr(namespace, name, option_string == f"--{name}")
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, *, defaults: bool = True,
                        skip: tuple[str, ...] = ()) -> None:
     """Add one ``--field`` flag per dataclass field, typed from its annotation.
 
     With ``defaults=False`` every flag defaults to None, meaning "not given" (used for model
-    dimensions, which fall back to the chosen preset). Booleans take ``--flag`` / ``--no-flag``.
+    dimensions, which fall back to the chosen preset). Booleans take ``--flag`` / ``--no_flag``
+    (``--no-flag``, the old spelling, still works and says so once).
     """
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -329,8 +352,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, *, defaults: 
         elif defaults and tp is not bool:
             help_text += f" (default: {f.default!r})"
         if tp is bool:
-            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=default,
-                                help=help_text)
+            parser.add_argument(f"--{f.name}", f"--no_{f.name}", action=_Switch, default=default, help=help_text)
+            parser.add_argument(f"--no-{f.name}", dest=f.name, action=_Switch, help=argparse.SUPPRESS)
         else:
             parser.add_argument(f"--{f.name}", type=tp, default=default, help=help_text, required=required,
                                 choices=f.metadata.get("choices"))

@@ -36,24 +36,13 @@ __all__ = ["SECTIONS", "SECTION_OF", "load_config_file", "resolved_config", "wri
 
 SECTIONS = ("model", "data", "training")
 
-# The fields of the data section (augmentation included), in the order a file lists them; the model section holds
-# --preset and the ModelConfig fields, the training section every other TrainConfig field.
-_DATA_FIELDS = ("train_manifest", "valid_manifest", "tokenizer", "tokenizer_type", "vocab_size", "max_duration",
-                "duration_tolerance", "max_samples", "num_workers", "batch_size", "max_batch_frames",
-                "max_batch_seconds", "num_buckets", "max_memory_gb", "auto_batch", "preflight", "speed_perturb",
-                "noise_prob", "noise_snr_low_db", "noise_snr_high_db", "noise_dir", "reverb_prob", "rir_dir",
-                "vtlp_prob")
-# ModelConfig.vocab_size is no key: the tokenizer decides it (data.vocab_size is the size of one trained).
-# --init_from and its options say where the model starts, as --preset does (its dimensions replace the preset's).
-_MODEL_FIELDS = ("preset", "init_from", "init_modules", "keep_init_cmvn",
-                 *(f.name for f in dataclasses.fields(ModelConfig) if f.name != "vocab_size"))
-
-# The section of every key: the one place that decides it.
+# The section of every key, from the fields' own metadata (config._help): the model section holds
+# --preset, --init_from and its options and the ModelConfig fields (but vocab_size, which the tokenizer
+# decides; data.vocab_size is the size of one trained), the data section the fields marked "data"
+# (augmentation included), the training section every other TrainConfig field.
 SECTION_OF: dict[str, str] = {
-    **{name: "model" for name in _MODEL_FIELDS},
-    **{name: "data" for name in _DATA_FIELDS},
-    **{f.name: "training" for f in dataclasses.fields(TrainConfig)
-       if f.name not in _MODEL_FIELDS and f.name not in _DATA_FIELDS},
+    **{f.name: f.metadata.get("section", "training") for f in dataclasses.fields(TrainConfig)},
+    **{f.name: "model" for f in dataclasses.fields(ModelConfig) if f.name != "vocab_size"},
 }
 
 # How this command started, not what the run is: a config.yaml with them would resume, or move
@@ -147,9 +136,9 @@ def resolved_config(cfg: TrainConfig, model_cfg: ModelConfig) -> dict[str, dict[
     """Every value a run uses, in the sections of a config file, in the order of the dataclasses."""
     values = {**dataclasses.asdict(cfg), **dataclasses.asdict(model_cfg), "vocab_size": cfg.vocab_size}
     sections: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
-    for name in (*_MODEL_FIELDS, *_DATA_FIELDS, *(f.name for f in dataclasses.fields(TrainConfig))):
-        if name not in _NOT_WRITTEN and name not in sections[SECTION_OF[name]]:
-            sections[SECTION_OF[name]][name] = values[name]
+    for name, section in SECTION_OF.items():
+        if name not in _NOT_WRITTEN:
+            sections[section][name] = values[name]
     return sections
 
 

@@ -66,7 +66,7 @@ def test_every_shipped_config_trains_a_step_of_the_tiny_model(path, tiny_corpus,
     out = tmp_path / "run"
     assert cli.main(["--config", str(path), "--train_manifest", str(tiny_corpus / "train.jsonl"), "--valid_manifest",
                      str(tiny_corpus / "valid.jsonl"), "--output_dir", str(out), "--preset", "tiny", "--max_steps", "1",
-                     "--num_workers", "0", "--device", "cpu", "--no-progress"]) == 0
+                     "--num_workers", "0", "--device", "cpu", "--no_progress"]) == 0
     assert load_config_file(out / "config.yaml")["max_steps"] == 1
 
 
@@ -75,7 +75,7 @@ def test_t4_config_is_the_recipe_the_script_passed_as_flags():
     script_flags = ["--preset", "medium", "--d_model", "192", "--encoder_layers", "8", "--decoder_layers", "4",
                     "--tokenizer_type", "char", "--batch_size", "2", "--gradient_accumulation_steps", "4",
                     "--mixed_precision", "--empty_cache_every", "50", "--num_workers", "2",
-                    "--validate_every_steps", "200"]
+                    "--validate_every_steps", "200", "--seed", "1234"]  # the default seed then
     given = ["--train_manifest", "t.jsonl", "--valid_manifest", "v.jsonl", "--output_dir", "out"]
     assert _resolve([*given, *script_flags]) == _resolve(["--config", str(ROOT / "configs" / "t4.yaml"), *given])
     assert "--config configs/t4.yaml" in (ROOT / "run_training_memory_optimized.sh").read_text()
@@ -87,8 +87,8 @@ def test_cpu_small_config_is_the_learning_curve_recipe():
 
     recipe = ["--preset", "small", "--tokenizer_type", "char", "--batch_size", "16", "--lr", "2e-3", "--warmup_steps",
               "200", "--epochs", "1000", "--mixed_precision", "--num_workers", "1", "--keep_checkpoints", "10",
-              "--no-progress", "--log_every", "20", "--validate_every_steps", "500", "--ema_decay", "0.998",
-              "--subsampling_channels", "32", "--cmvn", "utterance"]
+              "--no_progress", "--log_every", "20", "--validate_every_steps", "500", "--ema_decay", "0.998",
+              "--subsampling_channels", "32", "--cmvn", "utterance", "--seed", "1234"]  # the default seed then
     given = ["--train_manifest", "t.jsonl", "--valid_manifest", "v.jsonl", "--output_dir", "out"]
     assert _resolve([*given, *recipe]) == _resolve([*given, *load("learning_curve").RECIPE])
 
@@ -119,7 +119,7 @@ def test_flags_override_the_file_and_model_fields_the_preset(tmp_path):
     assert (cfg.preset, model_cfg.d_model, model_cfg.encoder_layers) == ("small", 96, 6)
     assert (cfg.batch_size, cfg.lr, cfg.mixed_precision) == (3, 2e-3, True)  # 2e-3: a string to YAML, a float here
     cfg, model_cfg = _resolve(["--config", str(path), *_manifests(tmp_path), "--batch_size", "5", "--d_model", "64",
-                               "--no-mixed_precision", "--preset", "tiny"])
+                               "--no_mixed_precision", "--preset", "tiny"])
     assert (cfg.preset, model_cfg.d_model, model_cfg.encoder_layers) == ("tiny", 64, 2)
     assert (cfg.batch_size, cfg.lr, cfg.mixed_precision) == (5, 2e-3, False)
 

@@ -53,9 +53,14 @@ def _audio_by_text(manifest):
     return {r["text"]: _read(resolve_audio_path(r["audio_filepath"], manifest.parent)) for r in _rows(manifest)}
 
 
+def _output_dir_flag(argv):
+    """SOURCE SOURCE_DIR OUT_DIR ... as the tool spells it: SOURCE SOURCE_DIR --output_dir OUT_DIR ..."""
+    return [*argv[:2], "--output_dir", *argv[2:]] if len(argv) > 2 and not argv[2].startswith("-") else argv
+
+
 def _run(capsys, *argv):
     try:
-        status = prepare_cli.main([*map(str, argv), "--no-progress"])
+        status = prepare_cli.main(_output_dir_flag([*map(str, argv), "--no_progress"]))
     except SystemExit as e:  # a flag refused by the parser: one line, exit 2
         status = e.code
     captured = capsys.readouterr()
@@ -332,14 +337,14 @@ def test_prepare_killed_by_a_real_ctrl_c_exits_130_without_a_traceback(tmp_path)
     data1, data2, old, new, texts = _two_generations(tmp_path, n=6)
     out = tmp_path / "out"
     subprocess.run([sys.executable, "-m", "konkanivani.cli.prepare", "kaldi", str(data1), str(out), "--convert",
-                    "wav", "--no-progress"], check=True, capture_output=True)
+                    "wav", "--no_progress"], check=True, capture_output=True)
     many = {f"w{i}": _noise(400 + i, seconds=2.0) for i in range(400)}  # long enough to be caught in the middle
     for u, samples in many.items():
         _write(tmp_path / "v3" / f"{u}.wav", samples)
     data3 = _kaldi(tmp_path / "d3", {u: tmp_path / "v3" / f"{u}.wav" for u in many}, None,
                    {u: f"{TEXTS[0]} {u}" for u in many})
     proc = subprocess.Popen([sys.executable, "-m", "konkanivani.cli.prepare", "kaldi", str(data3), str(out),
-                             "--convert", "wav", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             "--convert", "wav", "--no_progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     staged = out / ".prepare.partial" / "wavs"
     for _ in range(600):  # until it has written some files (bounded: 600 polls)

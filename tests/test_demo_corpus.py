@@ -70,13 +70,15 @@ def test_text_only_set_holds_no_sentence_of_the_speech_corpus(tiny_corpus, tmp_p
 
 
 def test_deterministic_for_a_seed_and_reused_when_present(tiny_corpus, tmp_path):
-    again = make_corpus(tmp_path, seed=3, num_utterances=64, max_sentences=24, jobs=1, progress=False)
+    again = make_corpus(tmp_path, seed=3, num_utterances=64, max_sentences=24, jobs=1, progress=False,
+                        festival_share=0)
     assert not again["skipped"]
     for split in ("train", "valid", "test", NOISY, *([HELDOUT] if festival_available() else [])):
         assert (tmp_path / f"{split}.jsonl").read_bytes() == (tiny_corpus / f"{split}.jsonl").read_bytes()
     first = _rows(tmp_path, "train")[0]["audio_filepath"]
     assert (tmp_path / first).read_bytes() == (tiny_corpus / first).read_bytes()
-    assert make_corpus(tmp_path, seed=3, num_utterances=64, max_sentences=24, progress=False)["skipped"]
+    assert make_corpus(tmp_path, seed=3, num_utterances=64, max_sentences=24, progress=False,
+                       festival_share=0)["skipped"]
     info = json.loads((tmp_path / "corpus_info.json").read_text())
     assert info["seed"] == 3
 
@@ -92,7 +94,7 @@ def test_parallel_synthesis_after_torch_has_run_in_this_process(tmp_path):
         "resample(torch.randn(200000), 22050, 16000)\n"
         "if __name__ == '__main__':\n"
         "    s = make_corpus(sys.argv[1], seed=5, num_utterances=8, max_sentences=8, jobs=2, progress=False,\n"
-        "                    heldout=False)\n"
+        "                    heldout=False, festival_share=0)\n"
         "    print(sum(s['splits'][k]['utterances'] for k in ('train', 'valid', 'test')))\n")
     # The limit only turns a hang into a failure; the work itself takes a few seconds.
     result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=600)
@@ -104,7 +106,7 @@ def test_text_sentences_read_into_training_leave_valid_and_test_as_they_were(tin
     """--train_from_text N: N text-only sentences join the training split's reading (same utterances,
     speakers and acoustics), leave text.txt, and change nothing in valid and test."""
     s = make_corpus(tmp_path, seed=3, num_utterances=64, max_sentences=24, jobs=2, progress=False,
-                    heldout=False, train_from_text=20)
+                    heldout=False, train_from_text=20, festival_share=0)
     for split in ("valid", "test", NOISY):
         assert (tmp_path / f"{split}.jsonl").read_bytes() == (tiny_corpus / f"{split}.jsonl").read_bytes()
     before, after = _rows(tiny_corpus, "train"), _rows(tmp_path, "train")
@@ -148,33 +150,46 @@ def test_festival_voices_of_other_languages_read_a_share_of_training_and_nothing
     assert info["festival_share"] == 0.5 and info["festival_voices"] == voices
 
 
-def test_the_command_reads_festival_voices_and_text_sentences_by_default(tmp_path, monkeypatch, capsys):
-    """konkanivani-demo-corpus without flags: DEFAULT_FESTIVAL_SHARE of training read by festival's voices
-    when all of them are installed (0 and the missing ones named when not: Debian's festival brings one
-    English voice along, which would read the whole share), DEFAULT_TRAIN_FROM_TEXT text sentences but
-    none with --max_sentences or --sentences; flags win."""
+def test_the_command_and_make_corpus_share_one_set_of_defaults(tmp_path, monkeypatch, capsys):
+    """Without flags, DEFAULT_FESTIVAL_SHARE of training is read by festival's voices when all of them
+    are installed (0 and the missing ones named when not: Debian's festival brings one English voice
+    along, which would read the whole share), and DEFAULT_TRAIN_FROM_TEXT text sentences are read, none
+    with --max_sentences or --sentences; flags win. The command leaves what it was not given to
+    make_corpus, which takes default_options, the one home of these defaults."""
     from konkanivani.tools import demo_corpus
     from konkanivani.cli import demo_corpus as cli
+    resolved = []
+    real_defaults = demo_corpus.default_options
+    monkeypatch.setattr(demo_corpus, "default_options", lambda *a: resolved.append(real_defaults(*a)) or resolved[-1])
+    monkeypatch.setattr(demo_corpus.shutil, "which", lambda name: None)  # make_corpus stops after its defaults
     calls = []
-    monkeypatch.setattr(cli, "make_corpus", lambda *a, **kw: calls.append(kw) or {"splits": {}})
     monkeypatch.setattr(cli, "print_summary", lambda summary: None)
 
     def installed(voices):
         monkeypatch.setattr(demo_corpus, "festival_train_voices", lambda: voices)
         monkeypatch.setattr(cli, "festival_train_voices", lambda: voices)
 
+    def run(*flags):
+        real = demo_corpus.make_corpus
+        monkeypatch.setattr(cli, "make_corpus", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+        assert cli.main(["--output_dir", str(tmp_path), *flags]) == 2  # no espeak-ng (patched): after the defaults
+
     installed(list(FESTIVAL_TRAIN_VOICES))
-    assert cli.main([str(tmp_path)]) == 0
-    assert calls[-1] == {"festival_share": demo_corpus.DEFAULT_FESTIVAL_SHARE,
-                         "train_from_text": demo_corpus.DEFAULT_TRAIN_FROM_TEXT} == {"festival_share": 0.3,
-                                                                                     "train_from_text": 800}
-    assert cli.main([str(tmp_path), "--festival_share", "0.5", "--train_from_text", "0"]) == 0
-    assert calls[-1] == {"festival_share": 0.5, "train_from_text": 0}
-    assert cli.main([str(tmp_path), "--max_sentences", "20"]) == 0
-    assert calls[-1]["train_from_text"] == 0
+    run()
+    assert {k: calls[-1][k] for k in ("festival_share", "train_from_text")} == {"festival_share": None,
+                                                                                "train_from_text": None}
+    assert resolved[-1] == {"festival_share": demo_corpus.DEFAULT_FESTIVAL_SHARE,
+                            "train_from_text": demo_corpus.DEFAULT_TRAIN_FROM_TEXT} == {"festival_share": 0.3,
+                                                                                       "train_from_text": 800}
+    run("--festival_share", "0.5", "--train_from_text", "0")
+    assert {k: calls[-1][k] for k in ("festival_share", "train_from_text")} == {"festival_share": 0.5,
+                                                                                "train_from_text": 0}
+    run("--max_sentences", "20")
+    assert resolved[-1]["train_from_text"] == 0
     installed(["festival:en_kal"])
-    assert cli.main([str(tmp_path)]) == 0
-    assert calls[-1]["festival_share"] == 0.0
+    capsys.readouterr()
+    run()
+    assert resolved[-1]["festival_share"] == 0.0
     out = capsys.readouterr().out
     assert "festival's training voices missing: festival:ca_ona, festival:cs_dita" in out and "en_kal" not in out
 

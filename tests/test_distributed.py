@@ -40,12 +40,12 @@ def tokenizer_path(tiny_corpus, tmp_path_factory):
 
 
 def _args(tiny_corpus, out, tokenizer_path, *extra):
-    args = tiny_args(tiny_corpus, out, "--tokenizer", str(tokenizer_path), "--no-preflight", *extra)
+    args = tiny_args(tiny_corpus, out, "--tokenizer", str(tokenizer_path), "--no_preflight", *extra)
     i = args.index("--gradient_accumulation_steps")
     return args[:i] + args[i + 2:]  # each test says its own accumulation
 
 
-EXACT = ("--dropout", "0", "--no-spec_augment", "--max_steps", "6", "--save_every_steps", "3",
+EXACT = ("--dropout", "0", "--no_spec_augment", "--max_steps", "6", "--save_every_steps", "3",
          "--keep_checkpoints", "5")
 
 

@@ -81,7 +81,7 @@ def test_decoding_reads_the_ema_weights_averaging_the_training_ones_and_old_file
 def ema_runs(tiny_corpus, tmp_path_factory):
     """Six steps with --ema_decay 0.9 unbroken, and stopped at 3 then resumed to 6."""
     whole, split = tmp_path_factory.mktemp("ema_whole") / "run", tmp_path_factory.mktemp("ema_split") / "run"
-    flags = ("--ema_decay", "0.9", "--no-tensorboard")
+    flags = ("--ema_decay", "0.9", "--no_tensorboard")
     assert cli.main(tiny_args(tiny_corpus, whole, "--max_steps", "6", *flags)) == 0
     assert cli.main(tiny_args(tiny_corpus, split, "--max_steps", "3", *flags)) == 0
     assert cli.main(tiny_args(tiny_corpus, split, "--max_steps", "6", "--resume", "latest", *flags)) == 0

@@ -139,10 +139,10 @@ def test_a_missing_foreign_or_broken_checkpoint_is_one_line_and_status_2(untrain
     assert "truncated, corrupt" in one_error_line(capsys)
     no_model = tmp_path / "no_model.pt"
     save_checkpoint({"model_config": {"vocab_size": 40}}, no_model)
-    assert status([str(no_model), "--format", "torchscript", "-o", str(tmp_path / "out")]) == 2
+    assert status([str(no_model), "--format", "torchscript", "--output_dir", str(tmp_path / "out")]) == 2
     assert "does not hold a usable model" in one_error_line(capsys)
     assert not any((tmp_path / "out").glob("*"))
-    assert status([str(untrained_checkpoint), "-o", str(untrained_checkpoint)]) == 2
+    assert status([str(untrained_checkpoint), "--output_dir", str(untrained_checkpoint)]) == 2
     assert "is not a folder" in one_error_line(capsys)
 
 
@@ -183,7 +183,7 @@ def exported(tiny_corpus, tmp_path_factory):
     assert train_cli.main(tiny_args(tiny_corpus, run, "--max_steps", "36")) == 0
     checkpoint = redraw_ctc_head(run / "latest.pt", run.parent / "model.pt")
     out = run.parent / "exported"
-    result = subprocess.run([sys.executable, "-m", "konkanivani.cli.export", str(checkpoint), "-o", str(out),
+    result = subprocess.run([sys.executable, "-m", "konkanivani.cli.export", str(checkpoint), "--output_dir", str(out),
                              "--format", "both"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return checkpoint, out, result.stdout.splitlines()

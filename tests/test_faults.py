@@ -120,7 +120,7 @@ def test_ctrl_c_saves_and_stops_and_a_second_one_interrupts_at_once(tiny_corpus,
     assert "stopped by SIGINT at step 2" in printed
     assert printed.rstrip().endswith(f"--output_dir {once} --preset tiny --vocab_size 48 --batch_size 4 "
                                      "--gradient_accumulation_steps 2 --lr 2e-3 --warmup_steps 8 --epochs 100 "
-                                     "--log_every 1 --num_workers 0 --no-progress --seed 5 --max_steps 50 "
+                                     "--log_every 1 --num_workers 0 --no_progress --seed 5 --max_steps 50 "
                                      "--resume latest")
     assert signal.getsignal(signal.SIGINT) is sigint_before and signal.getsignal(signal.SIGTERM) is sigterm_before
 

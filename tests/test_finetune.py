@@ -125,14 +125,14 @@ def base(tiny_corpus, tmp_path_factory):
     """Four steps of a unigram-48 run, its checkpoint copied with shifted CMVN statistics (so that
     kept and recomputed ones differ)."""
     out = tmp_path_factory.mktemp("base") / "run"
-    assert cli.main(tiny_args(tiny_corpus, out, "--max_steps", "4", "--no-tensorboard")) == 0
+    assert cli.main(tiny_args(tiny_corpus, out, "--max_steps", "4", "--no_tensorboard")) == 0
     ckpt = load_checkpoint(out / "latest.pt")
     ckpt["model"]["feat_mean"] = ckpt["model"]["feat_mean"] + 1.0
     return save_checkpoint({k: v for k, v in ckpt.items() if k != "format_version"}, out.parent / "init.pt")
 
 
 FINE_TUNE = ("--tokenizer_type", "char", "--freeze_encoder_steps", "2", "--save_every_steps", "1",
-             "--keep_checkpoints", "5", "--no-tensorboard")
+             "--keep_checkpoints", "5", "--no_tensorboard")
 
 
 def test_a_fine_tune_loads_what_fits_holds_the_encoder_then_trains_it(base, tiny_corpus, tmp_path, caplog):
@@ -180,7 +180,7 @@ def test_kept_cmvn_and_a_model_flag_over_the_init_dimensions(base, tiny_corpus, 
     out = tmp_path / "narrow"
     with caplog.at_level(logging.INFO, logger="konkanivani"):
         assert cli.main(tiny_args(tiny_corpus, out, "--init_from", str(base), "--max_steps", "1", "--keep_init_cmvn",
-                                  "--d_model", "32", "--no-tensorboard")) == 0
+                                  "--d_model", "32", "--no_tensorboard")) == 0
     assert f"model dimensions from {base}, with --d_model 32 from the command line" in caplog.text
     assert re.search(r"resized 0, skipped \d+ \(", caplog.text)  # another width: nothing of it fits
     assert f"CMVN statistics: kept from {base} (--keep_init_cmvn)" in caplog.text

@@ -70,7 +70,7 @@ def test_the_notebook_trains_resumes_draws_and_transcribes_on_a_cpu(tmp_path, mo
         "REPO_DIR": str(ROOT), "DATA": "demo", "DATA_DIR": str(tmp_path / "demo"),
         "DEMO_FLAGS": ["--num_utterances", "40", "--max_sentences", "20", "--jobs", "1"],
         "RUN_DIR": str(run_dir), "VALIDATE_EVERY_STEPS": 2, "MAX_STEPS": 3,
-        "EXTRA_FLAGS": ["--preset", "tiny", "--num_workers", "0", "--no-progress"],
+        "EXTRA_FLAGS": ["--preset", "tiny", "--num_workers", "0", "--no_progress"],
         "AUDIO": str(recording),
     }
 

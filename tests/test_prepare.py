@@ -29,8 +29,13 @@ def _audio(path, seconds, sr=16000, channels=1, **kwargs):
     return path
 
 
+def _output_dir_flag(argv):
+    """SOURCE SOURCE_DIR OUT_DIR ... as the tool spells it: SOURCE SOURCE_DIR --output_dir OUT_DIR ..."""
+    return [*argv[:2], "--output_dir", *argv[2:]] if len(argv) > 2 and not argv[2].startswith("-") else argv
+
+
 def _run(capsys, *argv):
-    status = prepare_cli.main([*map(str, argv), "--no-progress"])
+    status = prepare_cli.main(_output_dir_flag([*map(str, argv), "--no_progress"]))
     return status, capsys.readouterr().out
 
 
@@ -114,7 +119,7 @@ def test_commonvoice_convert_writes_16khz_wavs_beside_the_manifest(cv_dir, tmp_p
 
 def test_commonvoice_folder_without_tsv_is_one_clear_error(tmp_path, capsys):
     (tmp_path / "cv").mkdir()
-    assert prepare_cli.main(["commonvoice", str(tmp_path / "cv"), str(tmp_path / "out")]) == 2
+    assert prepare_cli.main(["commonvoice", str(tmp_path / "cv"), "--output_dir", str(tmp_path / "out")]) == 2
     assert "no train.tsv, dev.tsv or test.tsv" in capsys.readouterr().err
 
 
@@ -217,9 +222,11 @@ def test_nothing_usable_writes_no_manifest_and_exits_1(tmp_path, capsys):
 
 
 def test_bad_flags_are_one_line_exit_2(tmp_path, capsys):
-    for argv in (["folder", str(tmp_path / "nope"), str(tmp_path)],
-                 ["folder", str(tmp_path), str(tmp_path), "--valid_fraction", "1.5"],
-                 ["kaldi", str(tmp_path), str(tmp_path), "--max_duration", "0"]):
+    out = str(tmp_path / "out")
+    for argv in (["folder", str(tmp_path / "nope"), "--output_dir", out],
+                 ["folder", str(tmp_path), "--output_dir", out, "--valid_fraction", "1.5"],
+                 ["kaldi", str(tmp_path), "--output_dir", out, "--max_duration", "0"],
+                 ["kaldi", str(tmp_path)]):  # no output folder
         with pytest.raises(SystemExit) as e:
             prepare_cli.main(argv)
         assert e.value.code == 2
@@ -268,7 +275,7 @@ def test_hf_single_dataset_with_a_chosen_text_column(tmp_path, capsys):
     ds = datasets.Dataset.from_dict({"clip": [{"bytes": _encoded(1.5 + 0.1 * i), "path": f"{i}.wav"} for i in range(4)],
                                      "words": TEXTS[:4]}).cast_column("clip", datasets.Audio())
     ds.save_to_disk(str(tmp_path / "hf"))
-    assert prepare_cli.main(["hf", str(tmp_path / "hf"), str(tmp_path / "out")]) == 2
+    assert prepare_cli.main(["hf", str(tmp_path / "hf"), "--output_dir", str(tmp_path / "out")]) == 2
     assert "no text column found; its columns: clip, words (--text_column chooses)" in capsys.readouterr().err
     status, printed = _run(capsys, "hf", tmp_path / "hf", tmp_path / "out", "--text_column", "words",
                            "--split_name", "all", "--valid_fraction", "0.25")
@@ -278,7 +285,7 @@ def test_hf_single_dataset_with_a_chosen_text_column(tmp_path, capsys):
 
 def test_hf_without_datasets_says_how_to_install(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets raises ImportError
-    assert prepare_cli.main(["hf", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert prepare_cli.main(["hf", str(tmp_path), "--output_dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "pip install 'konkanivani[hf]'" in err
 

@@ -180,6 +180,6 @@ def test_without_tensorboard_and_matplotlib_training_runs_and_says_how_to_get_th
 def test_no_tensorboard_flag_writes_no_event_files(tiny_corpus, tmp_path, caplog):
     out = tmp_path / "run"
     with caplog.at_level(logging.INFO, logger="konkanivani"):
-        assert train_cli.main(tiny_args(tiny_corpus, out, "--max_steps", "1", "--no-tensorboard")) == 0
+        assert train_cli.main(tiny_args(tiny_corpus, out, "--max_steps", "1", "--no_tensorboard")) == 0
     assert not (out / "tensorboard").exists() and _rows(out, "train")
     assert "TensorBoard" not in (out / "train.log").read_text()

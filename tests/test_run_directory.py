@@ -180,7 +180,7 @@ def _manifests(tmp_path, usable=()):
 def _flags(data, out, *extra):
     return ["--train_manifest", str(data / "train.jsonl"), "--valid_manifest", str(data / "valid.jsonl"),
             "--output_dir", str(out), "--device", "cpu", "--preset", "tiny", "--tokenizer_type", "char",
-            "--vocab_size", "30", "--num_workers", "0", "--no-progress", *extra]
+            "--vocab_size", "30", "--num_workers", "0", "--no_progress", *extra]
 
 
 @pytest.mark.parametrize("name", ["best.pt", "model.pt"])

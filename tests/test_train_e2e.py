@@ -152,7 +152,7 @@ def test_missing_manifest_is_a_clear_error_before_training(tmp_path, caplog):
 def test_summary_lines_reach_a_redirected_console_and_train_log_without_a_bar(tiny_corpus, tmp_path):
     """Output redirected to a file (not a terminal): no progress bar, the --log_every lines instead."""
     out = tmp_path / "quiet"
-    argv = [a for a in tiny_args(tiny_corpus, out, "--max_steps", "4", "--log_every", "2") if a != "--no-progress"]
+    argv = [a for a in tiny_args(tiny_corpus, out, "--max_steps", "4", "--log_every", "2") if a != "--no_progress"]
     with open(tmp_path / "console.txt", "w") as console:
         result = subprocess.run([sys.executable, "-m", "konkanivani.cli.train", *argv], stdout=console, stderr=subprocess.STDOUT,
                                 timeout=300)
@@ -180,7 +180,7 @@ def test_progress_bar_fits_80_columns_and_log_lines_start_their_own_line(tiny_co
     import termios
 
     out = tmp_path / "tty"
-    argv = [a for a in tiny_args(tiny_corpus, out, "--max_steps", "6", "--log_every", "1") if a != "--no-progress"]
+    argv = [a for a in tiny_args(tiny_corpus, out, "--max_steps", "6", "--log_every", "1") if a != "--no_progress"]
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 200, 0, 0))  # 30 rows, 200 columns
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}

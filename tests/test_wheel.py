@@ -37,7 +37,7 @@ def test_the_wheel_installs_and_trains_from_an_unrelated_directory(tmp_path):
     assert (elsewhere / "corpus" / "train.jsonl").is_file()
     run(str(bin_dir / "konkanivani-train"), "--train_manifest", "corpus/train.jsonl", "--valid_manifest",
         "corpus/valid.jsonl", "--preset", "tiny", "--tokenizer_type", "char", "--max_steps", "3", "--num_workers", "0",
-        "--output_dir", "run", "--no-progress")
+        "--output_dir", "run", "--no_progress")
     assert (elsewhere / "run" / "latest.pt").is_file()
     for tool in ("transcribe", "evaluate", "average", "validate", "plan-memory", "prepare", "plot", "export"):
         assert "usage:" in run(str(bin_dir / f"konkanivani-{tool}"), "--help").stdout

@@ -2,20 +2,31 @@
 see pyproject.toml) and callable as ``python -m konkanivani.cli.NAME``; the files in
 ``training_scripts/`` call the same ``main`` functions.
 
-Every tool checks its flags before any work and reports a bad one in one line with exit status 2,
-and Ctrl-C ends any of them with one line and exit status 130 (128 + SIGINT), never a traceback
-(``tool``).
+The conventions every tool keeps, all here:
+
+- one logging setup (``setup_logging``): progress and warnings on stderr, timestamped;
+- one error path (``fail``): an unusable input or flag is one line, ``error: ...``, exit status 2
+  (the parser's own errors are one line too, ``Parser``);
+- Ctrl-C ends any tool with one line and exit status 130 (128 + SIGINT), never a traceback
+  (``tool``);
+- an output folder is ``--output_dir``, an output file ``--output``; no tool writes over its own
+  input (``refuse_writing_inputs``); ``--seed`` defaults to ``config.DEFAULT_SEED``;
+- an old spelling of a flag still works and says once what it is now called (``Renamed``).
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import signal
 import sys
 from pathlib import Path
 from typing import Callable, NoReturn
 
-__all__ = ["Parser", "fail", "refuse_writing_inputs", "tool"]
+__all__ = ["Parser", "Renamed", "add_output_dir", "fail", "output_dir", "refuse_writing_inputs", "setup_logging",
+           "tool"]
+
+log = logging.getLogger("konkanivani")
 
 Main = Callable[[list[str] | None], int]
 
@@ -28,9 +39,85 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+class Renamed(argparse.Action):
+    """An old spelling of a flag: sets the new flag's value and says once, on stderr, what it is
+    now called (``parser.add_argument("--old", dest="new", action=Renamed, new="--new", ...)``)."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.new, self.said = new, False
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if not self.said:
+            print(f"{parser.prog}: note: {option_string} is now spelled {self.new}", file=sys.stderr)
+            self.said = True
+        setattr(namespace, self.dest, values)
+
+
+class _Stderr(logging.StreamHandler):
+    """A handler that writes to the ``sys.stderr`` of the moment (a test's capture, say)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+class _Format(logging.Formatter):
+    """``HH:MM:SS LEVEL message``; an error reads ``error: message``, the one form every tool's
+    unusable input takes."""
+
+    def __init__(self):
+        super().__init__("%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"error: {record.getMessage()}" if record.levelno >= logging.ERROR else super().format(record)
+
+
+def setup_logging() -> None:
+    """The one logging setup of every tool: konkanivani's log (and library warnings) on stderr at
+    INFO. Records still propagate, so an application's or a test's own handlers see them too."""
+    logging.captureWarnings(True)  # library warnings as log lines: above a progress bar, and in train.log
+    for name in ("konkanivani", "py.warnings"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO)
+        if not any(isinstance(h, _Stderr) for h in logger.handlers):
+            handler = _Stderr()
+            handler.setFormatter(_Format())
+            logger.addHandler(handler)
+
+
+def add_output_dir(parser: argparse.ArgumentParser, help: str, old_positional: bool = False) -> None:
+    """``--output_dir``, the one name of an output folder; with ``old_positional`` the folder may
+    still be given as the positional OUT_DIR it used to be (``output_dir`` says so once)."""
+    parser.add_argument("--output_dir", type=Path, help=help)
+    if old_positional:
+        parser.add_argument("old_output_dir", nargs="?", type=Path, metavar="OUT_DIR", help=argparse.SUPPRESS)
+
+
+def output_dir(parser: Parser, args: argparse.Namespace) -> Path:
+    """The output folder of ``add_output_dir``'s flags, required; stored in ``args.output_dir``."""
+    old = getattr(args, "old_output_dir", None)
+    if old is not None:
+        if args.output_dir is not None:
+            parser.error(f"two output folders: {old} and --output_dir {args.output_dir}")
+        print(f"{parser.prog}: note: the output folder is now given as --output_dir {old}", file=sys.stderr)
+        args.output_dir = old
+    if args.output_dir is None:
+        parser.error("the following arguments are required: --output_dir")
+    return args.output_dir
+
+
 def fail(message: str) -> int:
-    """Print ``error: message`` on stderr; the exit status of an unusable input (2)."""
-    print(f"error: {message}", file=sys.stderr)
+    """Report an unusable input in one line (``error: message`` on stderr, and in the run's log
+    where there is one); returns the exit status for it, 2."""
+    if any(isinstance(h, _Stderr) for h in log.handlers):
+        log.error("%s", message)
+    else:  # a tool's main called without setup_logging (a library caller): still one line
+        print(f"error: {message}", file=sys.stderr)
     return 2
 
 

@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from . import Parser, fail, tool
+from . import Parser, fail, setup_logging, tool
 from ..checkpoint import CheckpointError, average_checkpoints, save_checkpoint
 from ..training.rundir import select_checkpoints
 
@@ -37,6 +37,7 @@ def _refuse_overwriting_inputs(output: Path, inputs: list[Path]) -> None:
 
 @tool
 def main(argv: list[str] | None = None) -> int:
+    setup_logging()
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("directory", nargs="?", type=Path, help="a training output directory")
     which = parser.add_mutually_exclusive_group(required=True)

@@ -7,15 +7,14 @@ substitutions, deletions and insertions, the worst utterances, per-utterance JSO
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from pathlib import Path
 
-from . import Parser, fail, refuse_writing_inputs, tool
+from . import Parser, fail, refuse_writing_inputs, setup_logging, tool
 from ..checkpoint import CheckpointError
 from ..data.manifest import ManifestError
 from ..decoding.evaluation import evaluate_manifest, markdown_report
-from .transcribe import add_decoding_args, check_decoding_args, decoding_name, load_recognizer
+from .decoding_flags import add_decoding_args, check_decoding_args, decoding_name, load_recognizer
 
 
 @tool
@@ -32,10 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     refuse_writing_inputs(parser, "--report", args.report, [args.checkpoint, args.manifest])
     if not args.manifest.is_file():
         parser.error(f"manifest {args.manifest}: file not found")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
+    setup_logging()
     try:
         result = evaluate_manifest(load_recognizer(args), args.manifest, args.method, args.beam_size,
-                                   args.ctc_weight, args.batch_size, args.lm_weight, args.length_bonus)
+                                   args.decode_ctc_weight, args.batch_size, args.lm_weight, args.length_bonus)
     except (CheckpointError, ManifestError, RuntimeError) as e:
         return fail(str(e))
 

@@ -1,7 +1,7 @@
 """Export a checkpoint's encoder and CTC head as ONNX and/or TorchScript, with its vocabulary and
 feature settings, for decoding without konkanivani (``konkanivani-export``).
 
-    konkanivani-export checkpoints/run/best.pt -o exported/ --format both
+    konkanivani-export checkpoints/run/best.pt --output_dir exported/ --format both
 
 Writes into the output folder ``model.onnx`` and/or ``model.torchscript.pt`` (``features`` (B, T,
 n_mels) float32 log-mel and ``feature_lengths`` (B,) int64 in; ``log_probs`` (B, T', V) and
@@ -11,11 +11,12 @@ model. ONNX needs the ``export`` extra: pip install 'konkanivani[export]'.
 """
 from __future__ import annotations
 
-import logging
+import argparse
+
 import sys
 from pathlib import Path
 
-from . import Parser, fail, tool
+from . import Parser, Renamed, fail, setup_logging, tool
 from ..checkpoint import CheckpointError
 from ..decoding.export import FORMATS, ExportError, export_checkpoint, unavailable
 
@@ -24,19 +25,21 @@ from ..decoding.export import FORMATS, ExportError, export_checkpoint, unavailab
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a step checkpoint, latest.pt, best.pt or an average")
-    parser.add_argument("-o", "--output", type=Path,
+    parser.add_argument("--output_dir", type=Path,
                         help="output folder (default: the checkpoint's path without .pt, plus _export)")
+    parser.add_argument("-o", "--output", dest="output_dir", type=Path, action=Renamed, new="--output_dir",
+                        help=argparse.SUPPRESS)
     parser.add_argument("--format", choices=(*FORMATS, "both"), default="onnx", help="default: %(default)s")
     args = parser.parse_args(argv)
     if not args.checkpoint.is_file():
         parser.error(f"checkpoint {args.checkpoint}: file not found")
-    output = args.output or args.checkpoint.with_name(f"{args.checkpoint.stem}_export")
+    output = args.output_dir or args.checkpoint.with_name(f"{args.checkpoint.stem}_export")
     if output.exists() and not output.is_dir():
-        parser.error(f"--output {output}: exists and is not a folder")
+        parser.error(f"--output_dir {output}: exists and is not a folder")
     formats = FORMATS if args.format == "both" else (args.format,)
     if reason := unavailable(formats):
         return fail(reason)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
+    setup_logging()
     try:
         written = export_checkpoint(args.checkpoint, output, formats)
     except (CheckpointError, ExportError) as e:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import Parser, tool
+from . import Parser, setup_logging, tool
 from ..config import PRESETS, model_config_from_preset
 from ..data.frames import frames_of
 from ..training.memory import GIB, MemoryEstimator
@@ -47,6 +47,7 @@ def table(est: MemoryEstimator, batch: int, frames: int) -> str:
 
 @tool
 def main(argv: list[str] | None = None) -> int:
+    setup_logging()
     args = parse_args(argv)
     cfg = model_config_from_preset(args.preset, vocab_size=args.vocab_size)
     longest = frames_of(args.seconds)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from . import Parser, fail, tool
+from . import Parser, fail, setup_logging, tool
 from ..training.curves import CURVES, have_matplotlib, plot_runs
 from ..training.metrics_log import read_metrics
 
 
 @tool
 def main(argv: list[str] | None = None) -> int:
+    setup_logging()
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="training output directories")
     parser.add_argument("-o", "--output", type=Path,

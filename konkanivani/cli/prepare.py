@@ -2,10 +2,10 @@
 data directory, a folder of audio with .txt transcripts or a saved Hugging Face dataset
 (``konkanivani-prepare``; the code is konkanivani/tools/prepare.py).
 
-    konkanivani-prepare commonvoice CV_DIR OUT_DIR [--convert wav]
-    konkanivani-prepare kaldi DATA_DIR OUT_DIR [--audio_root DIR] [--split_name train] [--valid_fraction 0.1]
-    konkanivani-prepare folder AUDIO_DIR OUT_DIR [--split_name train] [--valid_fraction 0.1]
-    konkanivani-prepare hf DATASET_DIR OUT_DIR [--text_column sentence] [--valid_fraction 0.1]
+    konkanivani-prepare commonvoice CV_DIR --output_dir OUT_DIR [--convert wav]
+    konkanivani-prepare kaldi DATA_DIR --output_dir OUT_DIR [--audio_root DIR] [--split_name train] [--valid_fraction 0.1]
+    konkanivani-prepare folder AUDIO_DIR --output_dir OUT_DIR [--split_name train] [--valid_fraction 0.1]
+    konkanivani-prepare hf DATASET_DIR --output_dir OUT_DIR [--text_column sentence] [--valid_fraction 0.1]
 
 Each row is checked as konkanivani-validate checks it; the rows that cannot be used are counted by
 reason at the end, the first few named with file and line. Exit status: 0 when a manifest was
@@ -14,10 +14,12 @@ contains it, 130 on Ctrl-C (the previous manifests and audio stay as they were).
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
-from . import Parser, fail, tool
+from . import Parser, add_output_dir, fail, output_dir, setup_logging, tool
+from ..config import DEFAULT_SEED
 from ..tools.outputs import OutputError, child, refuse_overlap
 from ..tools.prepare import (CONVERT_FORMATS, PrepareError, commonvoice_items, folder_items, hf_items, kaldi_items,
                        prepare, print_report)
@@ -36,7 +38,7 @@ def parse_args(argv: list[str] | None = None):
     for name, text in helps.items():
         s = sources.add_parser(name, help=text, description=text)
         s.add_argument("source_dir", type=Path, metavar=metavars[name])
-        s.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="where the manifests (and any audio written) go")
+        add_output_dir(s, "where the manifests (and any audio written) go", old_positional=True)
         s.add_argument("--convert", choices=CONVERT_FORMATS, help="decode the audio to 16 kHz mono files of this "
                        "format under OUT_DIR" + (" (always done here; default: wav)" if name == "hf" else
                                                  " (Kaldi segments are always cut to files; default: wav)"
@@ -45,14 +47,15 @@ def parse_args(argv: list[str] | None = None):
                        "characters, the strictest)")
         s.add_argument("--max_duration", type=float, default=30.0,
                        help="skip audio longer than this many seconds (default: 30.0, as training)")
-        s.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+        s.add_argument("--no_progress", dest="progress", action="store_false", help="no progress bar")
+        s.add_argument("--no-progress", dest="progress", action="store_false", help=argparse.SUPPRESS)  # old spelling
         if name != "commonvoice":
             s.add_argument("--split_name", default="train", help="the manifest's name (default: train)"
                            + ("; a dataset with splits keeps their names, validation/dev as valid" if name == "hf"
                               else ""))
             s.add_argument("--valid_fraction", type=float, default=0.0,
                            help="move this share of the rows, drawn at random, to valid.jsonl (default: 0)")
-            s.add_argument("--seed", type=int, default=0, help="seed of that draw (default: 0)")
+            s.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of that draw (default: %(default)s)")
         if name == "kaldi":
             s.add_argument("--audio_root", type=Path, default=Path("."),
                            help="folder relative wav.scp paths start from (default: the current one, as in Kaldi)")
@@ -61,6 +64,7 @@ def parse_args(argv: list[str] | None = None):
             s.add_argument("--audio_column", help="default: the dataset's Audio column")
     args = p.parse_args(argv)
     sub = sources.choices[args.source]
+    args.out_dir = output_dir(sub, args)
     if not args.source_dir.is_dir():
         sub.error(f"{args.source_dir}: not a folder")
     if args.tokenizer is not None and not args.tokenizer.is_file():
@@ -90,6 +94,7 @@ def _items(args):
 
 @tool
 def main(argv: list[str] | None = None) -> int:
+    setup_logging()
     args = parse_args(argv)
     try:
         items = _items(args)

@@ -29,7 +29,7 @@ import signal
 import sys
 from pathlib import Path
 
-from . import Parser, tool
+from . import Parser, fail, setup_logging, tool
 from ..checkpoint import CheckpointError
 from ..config import ConfigError, ModelConfig, TrainConfig, add_dataclass_args, dataclass_from_args
 from ..config_file import load_config_file
@@ -82,21 +82,18 @@ def resume_command(argv: list[str]) -> str:
 
 @tool
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    logging.captureWarnings(True)  # library warnings as log lines: above the progress bar, and in train.log
+    setup_logging()
     log = logging.getLogger("konkanivani")
     try:
         args = parse_args(argv)
     except ConfigError as e:  # a --config file that cannot be used
-        log.error("%s", e)
-        return 2
+        return fail(str(e))
     cfg = dataclass_from_args(TrainConfig, args)
     argv = sys.argv[1:] if argv is None else argv
     try:
         summary = train(cfg, model_flags(args))
     except (ConfigError, ManifestError, CheckpointError) as e:
-        log.error("%s", e)
-        return 2
+        return fail(str(e))
     except TrainingDiverged as e:
         log.error("%s", e)
         return 3

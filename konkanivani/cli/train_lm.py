@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from . import Parser, tool
+from . import Parser, fail, setup_logging, tool
+from ..config import DEFAULT_SEED
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..training.metrics_log import MetricsLog
 from ..training.state import capture_rng, restore_rng
@@ -103,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_steps", type=int, default=0, help="stop after this many steps (0: --epochs decides)")
     p.add_argument("--valid_every", type=int, default=500, help="validate and save every N steps, and each epoch")
     p.add_argument("--keep_checkpoints", type=int, default=3)
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="default: %(default)s")
     p.add_argument("--max_time", type=float, default=0.0, help="seconds; then save and stop (0: no limit)")
     p.add_argument("--resume", default="", help="latest, or a checkpoint path")
     p.add_argument("--overwrite", action="store_true", help="move an earlier run in --output_dir aside")
@@ -269,13 +270,12 @@ def train_lm(args: argparse.Namespace) -> dict[str, Any]:
 
 @tool
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    setup_logging()
     args = parse_args(argv)
     try:
         summary = train_lm(args)
     except (TextError, CheckpointError, RuntimeError) as e:
-        log.error("%s", e)
-        return 2
+        return fail(str(e))
     print(f"step {summary['step']}: validation perplexity {summary['valid_ppl']:.2f} (best {summary['best_ppl']:.2f}); "
           f"checkpoints in {args.output_dir}"
           + (f"; stopped by {summary['stopped_by']}, continue with --resume latest"

@@ -18,7 +18,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from . import Parser, fail, tool
+from . import Parser, fail, setup_logging, tool
 from ..checkpoint import write_file_atomic
 from ..data.manifest import DEFAULT_DURATION_TOLERANCE, check_row
 from ..data.manifest import ManifestError, iter_manifest
@@ -65,6 +65,7 @@ def _rebased(row: dict, source_dir: Path, target_dir: Path) -> dict:
 
 @tool
 def main(argv: list[str] | None = None) -> int:
+    setup_logging()
     args = parse_args(argv)
     try:
         lines = list(iter_manifest(args.manifest))

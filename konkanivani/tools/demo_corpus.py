@@ -41,6 +41,7 @@ import soundfile as sf
 import torch
 from tqdm import tqdm
 
+from ..config import DEFAULT_SEED
 from ..data.audio import resample
 from ..data.frames import SAMPLE_RATE
 from .corrupt import corrupt_manifest
@@ -140,14 +141,16 @@ def festival_train_voices() -> list[str]:
             if any(Path(root, v.folder).is_dir() for root in FESTIVAL_VOICE_ROOTS)]
 
 
-def default_options() -> dict[str, Any]:
-    """The corpus options konkanivani-demo-corpus uses by default: DEFAULT_FESTIVAL_SHARE of the training
-    utterances read by festival's voices when all of them are installed (the share would otherwise fall
-    on the few that are: Debian's festival brings one English voice along), and DEFAULT_TRAIN_FROM_TEXT
-    more sentences."""
+def default_options(sentences_path: Optional[str | Path] = None, max_sentences: Optional[int] = None) -> dict[str, Any]:
+    """The options a corpus gets when they are not given, for ``make_corpus`` and
+    konkanivani-demo-corpus alike: DEFAULT_FESTIVAL_SHARE of the training utterances read by
+    festival's voices when all of them are installed (the share would otherwise fall on the few that
+    are: Debian's festival brings one English voice along), and DEFAULT_TRAIN_FROM_TEXT more
+    sentences, none with another sentence set or a cut one (the package's text is no fit for them)."""
     every_voice = len(festival_train_voices()) == len(FESTIVAL_TRAIN_VOICES)
+    own_sentences = sentences_path is None and max_sentences is None
     return {"festival_share": DEFAULT_FESTIVAL_SHARE if every_voice else 0.0,
-            "train_from_text": DEFAULT_TRAIN_FROM_TEXT}
+            "train_from_text": DEFAULT_TRAIN_FROM_TEXT if own_sentences else 0}
 
 
 class PlannedUtterance(NamedTuple):
@@ -510,17 +513,21 @@ def _worker_init() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def make_corpus(out_dir: str | Path, seed: int = 0, num_utterances: int = 4800,
+def make_corpus(out_dir: str | Path, seed: int = DEFAULT_SEED, num_utterances: int = 4800,
                 max_sentences: Optional[int] = None, jobs: int = 2,
                 sentences_path: Optional[str | Path] = None, force: bool = False,
                 progress: bool = True, heldout: Optional[bool] = None,
-                text_path: Optional[str | Path] = None, train_from_text: int = 0,
-                festival_share: float = 0.0) -> dict[str, Any]:
+                text_path: Optional[str | Path] = None, train_from_text: Optional[int] = None,
+                festival_share: Optional[float] = None) -> dict[str, Any]:
     """Generate (or reuse) the corpus in `out_dir`; returns the summary dict. `heldout` (default:
     when festival is installed) adds the festival split; `text_path` (default: the package's text-only
     sentences, when present) gives text.txt. `train_from_text` N reads N of the text-only sentences
     (a seeded choice) in the training split too, and text.txt keeps the rest. `festival_share` of the
-    training utterances are read by festival's voices of other languages (those installed)."""
+    training utterances are read by festival's voices of other languages (those installed). Options
+    left None take ``default_options``, as konkanivani-demo-corpus does."""
+    defaults = default_options(sentences_path, max_sentences)
+    train_from_text = defaults["train_from_text"] if train_from_text is None else train_from_text
+    festival_share = defaults["festival_share"] if festival_share is None else festival_share
     if shutil.which("espeak-ng") is None:
         raise EspeakMissingError("espeak-ng not found on PATH; install it first, e.g. "
                                  "`sudo apt-get install espeak-ng`")

@@ -88,7 +88,7 @@ class TrainingDiverged(RuntimeError):
 
 def diverged_message(in_a_row: int, step: int, out_dir: Path, fp16: bool) -> str:
     advice = ("with fp16 the gradients overflowed every time: go on in bf16 or fp32 (--precision bf16 or "
-              "--precision fp32; --no-mixed_precision trains in fp32)" if fp16 else
+              "--precision fp32; --no_mixed_precision trains in fp32)" if fp16 else
               "lower --lr or --grad_clip, and check the utterances named above")
     return (f"{in_a_row} updates in a row were skipped for a non-finite loss or gradients (steps "
             f"{step - in_a_row + 1} to {step}), so training stopped. The weights are those of step {step - in_a_row}, "

@@ -50,6 +50,6 @@ def open_tensorboard(log_dir: str | Path, start_step: int) -> TensorBoardLog:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         log.info('TensorBoard is not installed: no event files in %s (pip install "konkanivani[tensorboard]", '
-                 'or --no-tensorboard to leave them out)', log_dir)
+                 'or --no_tensorboard to leave them out)', log_dir)
         return TensorBoardLog()
     return TensorBoardLog(SummaryWriter(str(log_dir), purge_step=start_step + 1, flush_secs=30))
