@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Union, get_args, get_origin, get_type_hints
 
-__all__ = ["DEFAULT_SEED", "ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "INIT_MODULES", "model_config_from_preset",
+__all__ = ["DEFAULT_SEED", "kept_settings", "ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "INIT_MODULES", "model_config_from_preset",
            "model_config_from", "check_config", "add_dataclass_args", "dataclass_from_args"]
 
 
@@ -22,10 +22,20 @@ class ConfigError(ValueError):
     """A flag value that cannot work; the message names the flag, in one line."""
 
 
-def _help(text: str, section: str = "") -> dict:
-    """A field's metadata: its flag's help, and for a TrainConfig field the section of a YAML recipe
-    it belongs to when that is not "training" ("data", or "model" for where the model starts)."""
-    return {"help": text, **({"section": section} if section else {})}
+def flag_help(text: str, section: str = "", kept_on_resume: bool = False) -> dict:
+    """A field's metadata: its flag's help; for a TrainConfig field the section of a YAML recipe
+    it belongs to when that is not "training" ("data", or "model" for where the model starts); and
+    ``kept_on_resume`` for a setting a resumed run takes from its checkpoint whatever the flags say,
+    because it decides which batches remain in the epoch in progress (``kept_settings``)."""
+    return {"help": text, **({"section": section} if section else {}),
+            **({"kept_on_resume": True} if kept_on_resume else {})}
+
+
+def kept_settings(cfg: Any, saved: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's value of every field of ``cfg`` (a dataclass) marked ``kept_on_resume``
+    where it differs from ``cfg``'s: what a resumed run must take back (both trainers ask this)."""
+    return {f.name: saved[f.name] for f in dataclasses.fields(cfg)
+            if f.metadata.get("kept_on_resume") and f.name in saved and getattr(cfg, f.name) != saved[f.name]}
 
 
 DEFAULT_SEED = 0  # every tool's --seed (training, the LM, prepare's valid split, the demo corpus)
@@ -36,22 +46,22 @@ class ModelConfig:
     """Dimensions of the Conformer encoder + Transformer decoder. ``vocab_size`` is set from the tokenizer."""
 
     vocab_size: int = 0
-    n_mels: int = field(default=80, metadata=_help("log-mel bins per frame"))
-    d_model: int = field(default=192, metadata=_help("model width D (encoder and decoder)"))
-    n_heads: int = field(default=4, metadata=_help("attention heads H"))
-    ffn_dim: int = field(default=768, metadata=_help("hidden size of the feed-forward modules"))
-    encoder_layers: int = field(default=8, metadata=_help("Conformer blocks"))
-    decoder_layers: int = field(default=4, metadata=_help("Transformer decoder layers"))
-    conv_kernel: int = field(default=15, metadata=_help("depthwise convolution kernel (odd), in frames after subsampling"))
-    dropout: float = field(default=0.1, metadata=_help("dropout in every block"))
-    attention_dropout: float = field(default=0.0, metadata=_help(
+    n_mels: int = field(default=80, metadata=flag_help("log-mel bins per frame"))
+    d_model: int = field(default=192, metadata=flag_help("model width D (encoder and decoder)"))
+    n_heads: int = field(default=4, metadata=flag_help("attention heads H"))
+    ffn_dim: int = field(default=768, metadata=flag_help("hidden size of the feed-forward modules"))
+    encoder_layers: int = field(default=8, metadata=flag_help("Conformer blocks"))
+    decoder_layers: int = field(default=4, metadata=flag_help("Transformer decoder layers"))
+    conv_kernel: int = field(default=15, metadata=flag_help("depthwise convolution kernel (odd), in frames after subsampling"))
+    dropout: float = field(default=0.1, metadata=flag_help("dropout in every block"))
+    attention_dropout: float = field(default=0.0, metadata=flag_help(
         "dropout on attention weights (0 lets a CPU run the fused attention kernel)"))
     subsampling: str = field(default="conv2d", metadata={
         "help": "4x front-end: conv2d (two full 3x3 stride-2 convs) or dw_striding (the second one "
                 "depthwise-separable: about 1.7x faster training steps, but on the demo corpus its CTC "
                 "branch had not started to align after 200 steps)",
         "choices": ("conv2d", "dw_striding")})
-    subsampling_channels: int = field(default=0, metadata=_help(
+    subsampling_channels: int = field(default=0, metadata=flag_help(
         "channels of conv2d's first convolution (0: d_model, as WeNet and ESPnet; fewer make the "
         "second convolution, the front-end's costliest part, that much cheaper)"))
     cmvn: str = field(default="global", metadata={
@@ -125,101 +135,101 @@ class TrainConfig:
     train_manifest: str = field(default="", metadata={"section": "data", "help": "NeMo-style JSONL manifest for training",
                                                       "required": True})
     valid_manifest: str = field(default="", metadata={"section": "data", "help": "JSONL manifest for validation", "required": True})
-    output_dir: str = field(default="checkpoints/run", metadata=_help("where checkpoints and logs go"))
-    preset: str = field(default="medium", metadata=_help(section="model", text="model size: " + ", ".join(PRESETS)))
-    tokenizer: str = field(default="", metadata=_help(section="data", text="existing SentencePiece .model (default: train one)"))
-    vocab_size: int = field(default=128, metadata=_help(section="data", text="SentencePiece vocabulary size when training one"))
-    tokenizer_type: str = field(default="unigram", metadata=_help(section="data", text=
+    output_dir: str = field(default="checkpoints/run", metadata=flag_help("where checkpoints and logs go"))
+    preset: str = field(default="medium", metadata=flag_help(section="model", text="model size: " + ", ".join(PRESETS)))
+    tokenizer: str = field(default="", metadata=flag_help(section="data", text="existing SentencePiece .model (default: train one)"))
+    vocab_size: int = field(default=128, metadata=flag_help(section="data", text="SentencePiece vocabulary size when training one"))
+    tokenizer_type: str = field(default="unigram", metadata=flag_help(section="data", text=
         "SentencePiece model type: unigram, bpe, or char (one token per character; --vocab_size is then ignored)"))
-    epochs: int = field(default=20, metadata=_help("passes over the training set"))
-    max_steps: int = field(default=0, metadata=_help("stop after this many optimizer steps (0: no limit)"))
-    batch_size: int = field(default=8, metadata=_help(section="data", text="utterances per micro-batch"))
-    gradient_accumulation_steps: int = field(default=1, metadata=_help("micro-batches per optimizer step"))
-    lr: float = field(default=1e-3, metadata=_help("peak learning rate"))
-    warmup_steps: int = field(default=300, metadata=_help("linear warm-up, then inverse square-root decay"))
-    weight_decay: float = field(default=1e-2, metadata=_help("AdamW weight decay"))
-    grad_clip: float = field(default=5.0, metadata=_help("clip the gradient norm to this (0: off)"))
-    ctc_weight: float = field(default=0.3, metadata=_help("loss = w * CTC + (1 - w) * attention"))
-    label_smoothing: float = field(default=0.1, metadata=_help("label smoothing of the attention loss"))
-    spec_augment: bool = field(default=True, metadata=_help("time and frequency masks on training batches"))
-    mixed_precision: bool = field(default=False, metadata=_help(
+    epochs: int = field(default=20, metadata=flag_help("passes over the training set"))
+    max_steps: int = field(default=0, metadata=flag_help("stop after this many optimizer steps (0: no limit)"))
+    batch_size: int = field(default=8, metadata=flag_help(kept_on_resume=True, section="data", text="utterances per micro-batch"))
+    gradient_accumulation_steps: int = field(default=1, metadata=flag_help("micro-batches per optimizer step"))
+    lr: float = field(default=1e-3, metadata=flag_help("peak learning rate"))
+    warmup_steps: int = field(default=300, metadata=flag_help("linear warm-up, then inverse square-root decay"))
+    weight_decay: float = field(default=1e-2, metadata=flag_help("AdamW weight decay"))
+    grad_clip: float = field(default=5.0, metadata=flag_help("clip the gradient norm to this (0: off)"))
+    ctc_weight: float = field(default=0.3, metadata=flag_help("loss = w * CTC + (1 - w) * attention"))
+    label_smoothing: float = field(default=0.1, metadata=flag_help("label smoothing of the attention loss"))
+    spec_augment: bool = field(default=True, metadata=flag_help("time and frequency masks on training batches"))
+    mixed_precision: bool = field(default=False, metadata=flag_help(
         "fp16 autocast + GradScaler on CUDA; bf16 on a CPU only where it computes bf16 natively"))
-    device: str = field(default="auto", metadata=_help("auto, cpu, cuda or cuda:N"))
-    num_workers: int = field(default=2, metadata=_help(section="data", text="DataLoader worker processes"))
-    empty_cache_every: int = field(default=50, metadata=_help(
+    device: str = field(default="auto", metadata=flag_help("auto, cpu, cuda or cuda:N"))
+    num_workers: int = field(default=2, metadata=flag_help(section="data", text="DataLoader worker processes"))
+    empty_cache_every: int = field(default=50, metadata=flag_help(
         "call torch.cuda.empty_cache() every N batches on CUDA (0: never)"))
-    save_every_steps: int = field(default=0, metadata=_help("also save every N optimizer steps (0: each epoch only)"))
-    keep_checkpoints: int = field(default=3, metadata=_help("step checkpoints to keep (latest.pt and best.pt are extra)"))
-    resume: str = field(default="", metadata=_help(
+    save_every_steps: int = field(default=0, metadata=flag_help("also save every N optimizer steps (0: each epoch only)"))
+    keep_checkpoints: int = field(default=3, metadata=flag_help("step checkpoints to keep (latest.pt and best.pt are extra)"))
+    resume: str = field(default="", metadata=flag_help(
         "checkpoint path, or 'latest' for OUTPUT_DIR/latest.pt (the newest readable step file if that is broken)"))
-    overwrite: bool = field(default=False, metadata=_help(
+    overwrite: bool = field(default=False, metadata=flag_help(
         "start afresh in an OUTPUT_DIR that holds a run: the old run is moved to OUTPUT_DIR.replaced-<time>/"))
-    seed: int = field(default=DEFAULT_SEED, metadata=_help("seeds python, numpy and torch"))
-    max_duration: float = field(default=30.0, metadata=_help(section="data", text="skip utterances longer than this many seconds"))
-    log_every: int = field(default=50, metadata=_help(
+    seed: int = field(default=DEFAULT_SEED, metadata=flag_help(kept_on_resume=True, text="seeds python, numpy and torch"))
+    max_duration: float = field(default=30.0, metadata=flag_help(kept_on_resume=True, section="data", text="skip utterances longer than this many seconds"))
+    log_every: int = field(default=50, metadata=flag_help(
         "log a summary line (loss, lr, utt/s, memory) every N optimizer steps, to the console and train.log"))
-    validate_every_steps: int = field(default=0, metadata=_help(
+    validate_every_steps: int = field(default=0, metadata=flag_help(
         "also validate (and keep best.pt current) every N optimizer steps, not only at epoch ends (0: epochs only)"))
-    progress: bool = field(default=True, metadata=_help("show tqdm progress bars"))
-    tensorboard: bool = field(default=True, metadata=_help(
+    progress: bool = field(default=True, metadata=flag_help("show tqdm progress bars"))
+    tensorboard: bool = field(default=True, metadata=flag_help(
         "write the metrics as TensorBoard event files to OUTPUT_DIR/tensorboard/ (when TensorBoard is installed)"))
-    max_time: float = field(default=0.0, metadata=_help(
+    max_time: float = field(default=0.0, metadata=flag_help(
         "wall-clock budget in seconds: after the step that passes it, save and stop (0: none)"))
-    max_consecutive_skips: int = field(default=20, metadata=_help(
+    max_consecutive_skips: int = field(default=20, metadata=flag_help(
         "stop after this many updates in a row skipped for a non-finite loss or gradients (0: never)"))
-    duration_tolerance: float = field(default=0.5, metadata=_help(section="data", text=
+    duration_tolerance: float = field(default=0.5, metadata=flag_help(section="data", text=
         "skip rows whose 'duration' differs from the audio file's by more seconds than this (<0: don't compare)"))
-    optimizer: str = field(default="adamw", metadata=_help(
+    optimizer: str = field(default="adamw", metadata=flag_help(
         "adamw, or adamw_8bit (also adamw8bit): 8-bit AdamW states from bitsandbytes"))
-    gradient_checkpointing: bool = field(default=False, metadata=_help(
+    gradient_checkpointing: bool = field(default=False, metadata=flag_help(
         "recompute each encoder/decoder layer in the backward pass instead of storing its activations"))
-    precision: str = field(default="", metadata=_help(
+    precision: str = field(default="", metadata=flag_help(
         "fp32, fp16 or bf16 autocast; overrides --mixed_precision (default: as --mixed_precision decides)"))
-    max_batch_frames: int = field(default=0, metadata=_help(section="data", text=
+    max_batch_frames: int = field(default=0, metadata=flag_help(kept_on_resume=True, section="data", text=
         "dynamic batches of at most this many padded 10 ms frames, bucketed by length (0: --batch_size)"))
-    max_batch_seconds: float = field(default=0.0, metadata=_help(section="data", text=
+    max_batch_seconds: float = field(default=0.0, metadata=flag_help(kept_on_resume=True, section="data", text=
         "the same budget in seconds of padded audio (100 frames a second)"))
-    num_buckets: int = field(default=10, metadata=_help(section="data", text="length buckets of the dynamic batches"))
-    max_memory_gb: float = field(default=0.0, metadata=_help(section="data", text=
+    num_buckets: int = field(default=10, metadata=flag_help(kept_on_resume=True, section="data", text="length buckets of the dynamic batches"))
+    max_memory_gb: float = field(default=0.0, metadata=flag_help(kept_on_resume=True, section="data", text=
         "cap each dynamic batch so the estimated peak training memory stays under this (0: no cap)"))
-    auto_batch: bool = field(default=False, metadata=_help(section="data", text=
+    auto_batch: bool = field(default=False, metadata=flag_help(section="data", text=
         "probe the device before training for the largest batch budget that fits"))
-    preflight: bool = field(default=True, metadata=_help(section="data", text=
+    preflight: bool = field(default=True, metadata=flag_help(kept_on_resume=True, section="data", text=
         "first epoch starts with the largest batches, so an out-of-memory error shows at once"))
-    max_samples: int = field(default=0, metadata=_help(section="data", text=
+    max_samples: int = field(default=0, metadata=flag_help(section="data", text=
         "train on a seeded choice of N utterances (0: all); may grow on resume"))
-    compile: bool = field(default=False, metadata=_help("torch.compile the model (eager if compiling fails)"))
-    strategy: str = field(default="ddp", metadata=_help(
+    compile: bool = field(default=False, metadata=flag_help("torch.compile the model (eager if compiling fails)"))
+    strategy: str = field(default="ddp", metadata=flag_help(
         "under torchrun: ddp (each process holds the model) or fsdp (parameters, gradients and optimizer states "
         "sharded between the processes, offloaded to CPU memory on CUDA; for models past ~100 M parameters)"))
-    offload_activations: bool = field(default=False, metadata=_help(
+    offload_activations: bool = field(default=False, metadata=flag_help(
         "keep the activations saved for the backward pass in pinned CPU memory (CUDA only; slower, less GPU memory)"))
-    ema_decay: float = field(default=0.0, metadata=_help(
+    ema_decay: float = field(default=0.0, metadata=flag_help(
         "keep an exponential moving average of the weights with this decay (e.g. 0.999; 0: off); validation, "
         "best.pt and decoding use it"))
-    init_from: str = field(default="", metadata=_help(section="model", text=
+    init_from: str = field(default="", metadata=flag_help(section="model", text=
         "start a fresh run from another run's checkpoint: its weights where they fit (vocabulary rows matched by "
         "token), its model dimensions unless model flags are given; own tokenizer, optimizer and step 0"))
-    init_modules: str = field(default=",".join(INIT_MODULES), metadata=_help(section="model", text=
+    init_modules: str = field(default=",".join(INIT_MODULES), metadata=flag_help(section="model", text=
         "with --init_from: the modules to take from it, a comma list of " + ", ".join(INIT_MODULES)))
-    keep_init_cmvn: bool = field(default=False, metadata=_help(section="model", text=
+    keep_init_cmvn: bool = field(default=False, metadata=flag_help(section="model", text=
         "with --init_from: keep its CMVN statistics instead of computing them from the new training data"))
-    freeze_encoder_steps: int = field(default=0, metadata=_help(
+    freeze_encoder_steps: int = field(default=0, metadata=flag_help(
         "leave the encoder unchanged for the first N optimizer steps (the heads learn first), then train it"))
-    speed_perturb: bool = field(default=False, metadata=_help(section="data", text=
+    speed_perturb: bool = field(default=False, metadata=flag_help(kept_on_resume=True, section="data", text=
         "play each training utterance at a speed drawn from 0.9, 1.0, 1.1 (tempo and pitch; batches are planned "
         "for the slowest)"))
-    noise_prob: float = field(default=0.0, metadata=_help(section="data", text=
+    noise_prob: float = field(default=0.0, metadata=flag_help(section="data", text=
         "share of training utterances that get additive noise (generated, or from --noise_dir)"))
-    noise_snr_low_db: float = field(default=5.0, metadata=_help(section="data", text="lowest signal-to-noise ratio of the added noise"))
-    noise_snr_high_db: float = field(default=20.0, metadata=_help(section="data", text="highest signal-to-noise ratio of the added noise"))
-    noise_dir: str = field(default="", metadata=_help(section="data", text=
+    noise_snr_low_db: float = field(default=5.0, metadata=flag_help(section="data", text="lowest signal-to-noise ratio of the added noise"))
+    noise_snr_high_db: float = field(default=20.0, metadata=flag_help(section="data", text="highest signal-to-noise ratio of the added noise"))
+    noise_dir: str = field(default="", metadata=flag_help(section="data", text=
         "folder of noise recordings (searched recursively), random excerpts of them (default: generated noise)"))
-    reverb_prob: float = field(default=0.0, metadata=_help(section="data", text=
+    reverb_prob: float = field(default=0.0, metadata=flag_help(section="data", text=
         "share of training utterances convolved with a room impulse response (synthetic, or from --rir_dir)"))
-    rir_dir: str = field(default="", metadata=_help(section="data", text=
+    rir_dir: str = field(default="", metadata=flag_help(section="data", text=
         "folder of room impulse responses (searched recursively) (default: synthetic rooms, RT60 0.2-0.9 s)"))
-    vtlp_prob: float = field(default=0.0, metadata=_help(section="data", text=
+    vtlp_prob: float = field(default=0.0, metadata=flag_help(section="data", text=
         "share of training utterances whose spectrum is warped by a factor in [0.9, 1.1] (vocal tract length "
         "perturbation)"))
 

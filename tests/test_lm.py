@@ -125,7 +125,8 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from konkanivani.checkpoint import CheckpointError  # noqa: E402
-from konkanivani.cli import train_lm  # noqa: E402
+from konkanivani.cli import train_lm
+from konkanivani.training import lm as lm_training  # noqa: E402
 from konkanivani.model.lm import check_same_vocabulary, load_lm  # noqa: E402
 from konkanivani.data.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 
@@ -149,7 +150,7 @@ def _train(d: Path, out: str, *flags: str) -> dict:
     with torch.inference_mode(False):
         args = train_lm.parse_args([str(d / "text.txt"), "--tokenizer", str(d / "tok.model"), "--output_dir",
                                     str(d / out), *TINY, *flags])
-        return train_lm.train_lm(args)
+        return lm_training.train_lm(*train_lm.configs(args))
 
 
 def _rows(d: Path, out: str, kind: str) -> list[dict]:
@@ -159,12 +160,12 @@ def _rows(d: Path, out: str, kind: str) -> list[dict]:
 
 def test_read_sentences_counts_blank_lines_and_names_bad_text(text_setup, tmp_path):
     tok = Tokenizer.load(text_setup / "tok.model")
-    sentences, blank = train_lm.read_sentences([text_setup / "text.txt"], tok)
+    sentences, blank = lm_training.read_sentences([text_setup / "text.txt"], tok)
     assert len(sentences) == 200 and blank == 3
     bad = tmp_path / "bad.txt"
     bad.write_bytes("ठीक\nठीक\n".encode() + b"\xff\xfe\n")
-    with pytest.raises(train_lm.TextError, match=rf"^{bad}:3: not UTF-8 text$"):
-        train_lm.read_sentences([bad], tok)
+    with pytest.raises(lm_training.TextError, match=rf"^{bad}:3: not UTF-8 text$"):
+        lm_training.read_sentences([bad], tok)
 
 
 def test_lm_learns_and_resume_is_exact(text_setup, caplog):

@@ -11,7 +11,7 @@ by one token per step instead of recomputing its prefix.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint import CheckpointError, load_checkpoint
+from ..config import flag_help
 from .conformer import Dropout, FeedForward, KVCache, LayerNorm, MultiHeadAttention, RotaryEmbedding
 from .masks import causal_mask, pad_mask
 from ..data.tokenizer import SOS_EOS_ID, Tokenizer
@@ -31,12 +32,15 @@ __all__ = ["LMConfig", "LMState", "TransformerLM", "check_same_vocabulary", "loa
 class LMConfig:
     """Dimensions of the LM; ``vocab_size`` comes from the tokenizer."""
 
-    vocab_size: int
-    d_model: int = 256
-    n_heads: int = 4
-    ffn_dim: int = 1024
-    layers: int = 4
-    dropout: float = 0.1
+    vocab_size: int = 0
+    d_model: int = field(default=256, metadata=flag_help("model width"))
+    n_heads: int = field(default=4, metadata=flag_help("attention heads (of even width)"))
+    ffn_dim: int = field(default=0, metadata=flag_help("feed-forward width (0: 4 x d_model)"))
+    layers: int = field(default=4, metadata=flag_help("Transformer layers"))
+    dropout: float = field(default=0.1, metadata=flag_help("dropout probability"))
+
+    def __post_init__(self):
+        self.ffn_dim = self.ffn_dim or 4 * self.d_model
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

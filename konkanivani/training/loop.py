@@ -30,11 +30,11 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..data.augment import AugmentConfig, Augmenter, batching_duration
 from ..data.samplers import padding_fraction, select_samples, split_batch, train_sampler
-from ..checkpoint import CheckpointError, load_checkpoint, write_file_atomic
+from ..checkpoint import load_checkpoint, write_file_atomic
 from .metrics_log import MetricsLog
 from .state import TrainState, capture_rng, restore_rng
-from .rundir import check_output_dir, hold_run_directory, load_resume_checkpoint, move_run_aside, point_to, prune_checkpoints, remove_stale_temporaries, step_checkpoint_name
-from ..config import ConfigError, ModelConfig, TrainConfig, check_config, model_config_from_preset
+from .rundir import load_resume_checkpoint, remove_stale_temporaries, run_directory, save_step, step_checkpoint_name
+from ..config import ConfigError, kept_settings, ModelConfig, TrainConfig, check_config, model_config_from_preset
 from ..config_file import write_config_file
 from ..data.dataset import ASRDataset, Batch, Utterance, collate, compute_cmvn, load_utterances, log_skipped
 from ..data.samplers import EpochKeyed, LengthGroupedBatchSampler, ResumableBatchSampler, ShardedSampler
@@ -62,11 +62,6 @@ __all__ = ["train", "Run", "forward_backward", "optimizer_step", "validate", "ma
 
 log = logging.getLogger("konkanivani")
 
-# Settings a resumed run takes from its checkpoint, whatever the flags say: they decide which
-# batches remain in the epoch in progress. --max_samples may grow (``_settings``). --speed_perturb
-# changes the durations the batches are planned with (``augment.batching_duration``).
-KEPT_ON_RESUME = ("batch_size", "seed", "max_duration", "max_batch_frames", "max_batch_seconds", "num_buckets",
-                  "max_memory_gb", "preflight", "speed_perturb")
 SIGNAL_STOPS = ("SIGINT", "SIGTERM", "--max_time")  # stops that end a run early; the others are its limits
 
 
@@ -83,7 +78,7 @@ def train(cfg: TrainConfig, model_overrides: Optional[dict[str, Any]] = None,
     check_config(cfg, model_overrides, init_checkpoint_config(cfg))  # every flag value, before any work
     with distributed(cfg.device) as (dist, device):
         _check_device_settings(cfg, device)
-        with _run_directory(Path(cfg.output_dir), cfg, dist) as start, StopRequest(cfg.max_time) as stop_request:
+        with run_directory(Path(cfg.output_dir), cfg.resume, cfg.overwrite, dist) as start, StopRequest(cfg.max_time) as stop_request:
             run = setup_run(cfg, model_overrides or {}, dist, device, start)
             with contextlib.closing(run):
                 stop = "max_steps" if 0 < cfg.max_steps <= run.step else None
@@ -149,60 +144,13 @@ class Run:
             self.board.write(kind, self.step, **values)
 
 
-@contextlib.contextmanager
-def _run_directory(out_dir: Path, cfg: TrainConfig, dist: Dist) -> Iterator[Callable[[], None]]:
-    """Hold ``out_dir`` (one run at a time) and refuse at once to write over an earlier run unless
-    asked to; yield ``start``, for ``setup_run`` to call once the data is known usable. Only then
-    does the directory become this run's: an earlier run is moved aside (--overwrite) and
-    ``train.log`` opened, with the lines logged before it. A run that fails before leaves the
-    directory as it found it. The other processes of a data-parallel run wait for rank 0's
-    check, and log errors only."""
-    with hold_run_directory(out_dir) if dist.is_main else contextlib.nullcontext():
-        replace = check_output_dir(out_dir, cfg.resume, cfg.overwrite) if dist.is_main else False
-        dist.barrier()
-        early = logging.handlers.MemoryHandler(1 << 30, flushLevel=logging.CRITICAL + 1, flushOnClose=False)
-        handlers, level = [early], log.level
-        if dist.is_main:
-            log.addHandler(early)
-        else:
-            log.setLevel(logging.ERROR)
-
-        def start() -> None:
-            if not dist.is_main:
-                return
-            moved_to = move_run_aside(out_dir) if replace else None
-            handlers.append(_log_file(out_dir / "train.log"))
-            early.setTarget(handlers[-1])
-            early.flush()
-            log.removeHandler(early)
-            log.addHandler(handlers[-1])
-            if moved_to is not None:
-                log.warning("--overwrite: the previous run in %s was moved to %s", out_dir, moved_to)
-        try:
-            yield start
-        finally:
-            log.setLevel(level)
-            for handler in handlers:
-                log.removeHandler(handler)
-                handler.close()
-
-
-def _log_file(path: Path) -> logging.Handler:
-    try:
-        handler = logging.FileHandler(path, encoding="utf-8")
-    except OSError as e:
-        raise CheckpointError(f"could not write {path}: {e.strerror or e}") from e
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    return handler
-
-
 # ---- setting up a run -------------------------------------------------------------------------
 
 def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, device: torch.device,
               start: Callable[[], None] = lambda: None) -> Run:
     """A fresh run from the flags, or the one ``--resume`` names continued from its checkpoint.
     Nothing is written to the output directory until the data is known usable; then ``start``
-    (``_run_directory``) makes the directory this run's."""
+    (``rundir.run_directory``) makes the directory this run's."""
     out_dir = Path(cfg.output_dir)
     _seed_everything(cfg.seed)  # the same initial weights in every process
     state, source = _resume_state(cfg, out_dir)
@@ -309,7 +257,7 @@ def _settings(cfg: TrainConfig, model_overrides: dict[str, Any], state: Optional
                  if given else "")
         return cfg, model_cfg, tokenizer, False
     saved = {**dataclasses.asdict(TrainConfig()), **state.train_config}
-    changed = {k: saved[k] for k in KEPT_ON_RESUME if getattr(cfg, k) != saved[k]}
+    changed = kept_settings(cfg, saved)  # the fields that decide which batches remain in the epoch
     if canonical_optimizer(cfg.optimizer) != canonical_optimizer(saved["optimizer"]):
         log.warning("on resume, --optimizer %s as in the checkpoint (its optimizer state is for that optimizer)",
                     saved["optimizer"])
@@ -709,11 +657,7 @@ def save(run: Run, is_best: bool = False, quiet: bool = False) -> None:
         processes=run.dist.world, rng=rng,
         best_wer=run.best_wer, best_cer=run.best_cer, valid_metrics=run.valid_metrics, valid_step=run.valid_step,
         ema_model=ema_model, ema_updates=ema_updates)
-    path = state.save(run.out_dir / step_checkpoint_name(run.step))
-    point_to(path, run.out_dir / "latest.pt")
-    if is_best:
-        point_to(path, run.out_dir / "best.pt")
-    prune_checkpoints(run.out_dir, run.cfg.keep_checkpoints)
+    path = save_step(run.out_dir, run.step, state.save, is_best, run.cfg.keep_checkpoints)
     if not quiet:
         log.info("saved %s%s", path, " (best so far: also best.pt)" if is_best else "")
 

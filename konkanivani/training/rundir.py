@@ -21,22 +21,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import logging.handlers
 import os
 import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint import CheckpointError, fsync_dir, load_checkpoint, temporary_path
+from .distributed import Dist
 
 try:
     import fcntl
 except ImportError:  # Windows: no advisory locks; the directory is then not guarded
     fcntl = None
 
-__all__ = ["LOCK_FILE", "check_output_dir", "claim_output_dir", "existing_run", "hold_run_directory",
+__all__ = ["LOCK_FILE", "run_directory", "save_step", "check_output_dir", "claim_output_dir", "existing_run", "hold_run_directory",
            "load_resume_checkpoint", "move_run_aside", "point_to", "prune_checkpoints", "remove_stale_temporaries",
            "resolve_resume", "select_checkpoints", "step_checkpoint_name", "step_checkpoints"]
 
@@ -347,3 +349,63 @@ def select_checkpoints(directory: str | Path, last: int = 0, best: int = 0) -> l
         if state.get("valid_step") == step and state["valid_metrics"]:
             scored.append((state["valid_metrics"]["wer"], -step, p))
     return [p for _, _, p in sorted(scored)[:best]]
+
+
+@contextlib.contextmanager
+def run_directory(out_dir: Path, resume: str, overwrite: bool, dist: Dist = Dist(),
+                  log_name: str = "train.log") -> Iterator[Callable[[], None]]:
+    """Hold ``out_dir`` (one run at a time) and refuse at once to write over an earlier run unless
+    asked to; yield ``start``, for the trainer to call once the data is known usable. Only then
+    does the directory become this run's: an earlier run is moved aside (--overwrite) and
+    ``log_name`` opened, with the lines logged before it. Both trainers (the ASR model's and the
+    LM's) run in it. A run that fails before leaves the
+    directory as it found it. The other processes of a data-parallel run wait for rank 0's
+    check, and log errors only."""
+    with hold_run_directory(out_dir) if dist.is_main else contextlib.nullcontext():
+        replace = check_output_dir(out_dir, resume, overwrite) if dist.is_main else False
+        dist.barrier()
+        early = logging.handlers.MemoryHandler(1 << 30, flushLevel=logging.CRITICAL + 1, flushOnClose=False)
+        handlers, level = [early], log.level
+        if dist.is_main:
+            log.addHandler(early)
+        else:
+            log.setLevel(logging.ERROR)
+
+        def start() -> None:
+            if not dist.is_main:
+                return
+            moved_to = move_run_aside(out_dir) if replace else None
+            handlers.append(_log_file(out_dir / log_name))
+            early.setTarget(handlers[-1])
+            early.flush()
+            log.removeHandler(early)
+            log.addHandler(handlers[-1])
+            if moved_to is not None:
+                log.warning("--overwrite: the previous run in %s was moved to %s", out_dir, moved_to)
+        try:
+            yield start
+        finally:
+            log.setLevel(level)
+            for handler in handlers:
+                log.removeHandler(handler)
+                handler.close()
+
+
+def _log_file(path: Path) -> logging.Handler:
+    try:
+        handler = logging.FileHandler(path, encoding="utf-8")
+    except OSError as e:
+        raise CheckpointError(f"could not write {path}: {e.strerror or e}") from e
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    return handler
+
+
+def save_step(out_dir: Path, step: int, write: Callable[[Path], Path], is_best: bool, keep: int) -> Path:
+    """This step's checkpoint, written by ``write(path)`` (atomically), with latest.pt (and best.pt)
+    pointed at it and all but the newest ``keep`` step files removed; both trainers save this way."""
+    path = write(out_dir / step_checkpoint_name(step))
+    point_to(path, out_dir / "latest.pt")
+    if is_best:
+        point_to(path, out_dir / "best.pt")
+    prune_checkpoints(out_dir, keep)
+    return path
