@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without the package installed
     sys.path.insert(0, str(ROOT))
 
-from konkanivani.config import (PRESETS, ModelConfig, TrainConfig, _flag_type,  # noqa: E402
-                                add_dataclass_args, model_config_from_preset)
+from konkanivani.config import (PRESETS, ModelConfig, TrainConfig, _flag_type, add_dataclass_args,  # noqa: E402
+                                flag_fields, model_config_from_preset)
 
 FLAGS_MD = ROOT / "docs" / "flags.md"
 MODEL_SKIP = ("vocab_size",)  # set from the tokenizer, not a flag (as konkanivani-train skips it)
@@ -48,7 +48,7 @@ def _flag_rows(cls: type, *, defaults: bool, skip: tuple[str, ...] = ()) -> list
     parser = argparse.ArgumentParser(add_help=False)
     add_dataclass_args(parser, cls, defaults=defaults, skip=skip)
     actions = {a.dest: a for a in parser._actions if a.help != argparse.SUPPRESS}  # not an old spelling
-    return [(f, actions[f.name]) for f in dataclasses.fields(cls) if f.name in actions]
+    return [(f, actions[f.name]) for f in flag_fields(cls) if f.name in actions]
 
 
 def _type(action: argparse.Action) -> str:

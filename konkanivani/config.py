@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Union, get_args, get_origin, get_type_hints
 
-__all__ = ["DEFAULT_SEED", "kept_settings", "ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "INIT_MODULES", "model_config_from_preset",
+__all__ = ["DEFAULT_SEED", "flag_fields", "AugmentConfig", "OPTIMIZERS", "PRECISIONS", "STRATEGIES", "kept_settings", "ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "INIT_MODULES", "model_config_from_preset",
            "model_config_from", "check_config", "add_dataclass_args", "dataclass_from_args"]
 
 
@@ -129,7 +129,40 @@ def model_config_from(base: dict[str, Any], **overrides: Any) -> ModelConfig:
 
 
 @dataclass
-class TrainConfig:
+class AugmentConfig:
+    """Which augmentations run on training utterances and how, every one off by default, and the seed
+    of every random draw (``data.augment.Augmenter`` takes this; a ``TrainConfig`` is one)."""
+
+    seed: int = field(default=DEFAULT_SEED, metadata=flag_help(kept_on_resume=True, text="seeds python, numpy and torch"))
+    speed_perturb: bool = field(default=False, metadata=flag_help(kept_on_resume=True, section="data", text=
+        "play each training utterance at a speed drawn from 0.9, 1.0, 1.1 (tempo and pitch; batches are planned "
+        "for the slowest)"))
+    noise_prob: float = field(default=0.0, metadata=flag_help(section="data", text=
+        "share of training utterances that get additive noise (generated, or from --noise_dir)"))
+    noise_snr_low_db: float = field(default=5.0, metadata=flag_help(section="data", text="lowest signal-to-noise ratio of the added noise"))
+    noise_snr_high_db: float = field(default=20.0, metadata=flag_help(section="data", text="highest signal-to-noise ratio of the added noise"))
+    noise_dir: str = field(default="", metadata=flag_help(section="data", text=
+        "folder of noise recordings (searched recursively), random excerpts of them (default: generated noise)"))
+    reverb_prob: float = field(default=0.0, metadata=flag_help(section="data", text=
+        "share of training utterances convolved with a room impulse response (synthetic, or from --rir_dir)"))
+    rir_dir: str = field(default="", metadata=flag_help(section="data", text=
+        "folder of room impulse responses (searched recursively) (default: synthetic rooms, RT60 0.2-0.9 s)"))
+    vtlp_prob: float = field(default=0.0, metadata=flag_help(section="data", text=
+        "share of training utterances whose spectrum is warped by a factor in [0.9, 1.1] (vocal tract length "
+        "perturbation)"))
+
+    @property
+    def noise_snr_db(self) -> tuple[float, float]:
+        return self.noise_snr_low_db, self.noise_snr_high_db
+
+    @property
+    def augments(self) -> bool:
+        """Whether any augmentation is on."""
+        return self.speed_perturb or self.noise_prob > 0 or self.reverb_prob > 0 or self.vtlp_prob > 0
+
+
+@dataclass
+class TrainConfig(AugmentConfig):
     """One training run. Defaults suit the demo corpus on a small GPU or a CPU."""
 
     train_manifest: str = field(default="", metadata={"section": "data", "help": "NeMo-style JSONL manifest for training",
@@ -164,7 +197,6 @@ class TrainConfig:
         "checkpoint path, or 'latest' for OUTPUT_DIR/latest.pt (the newest readable step file if that is broken)"))
     overwrite: bool = field(default=False, metadata=flag_help(
         "start afresh in an OUTPUT_DIR that holds a run: the old run is moved to OUTPUT_DIR.replaced-<time>/"))
-    seed: int = field(default=DEFAULT_SEED, metadata=flag_help(kept_on_resume=True, text="seeds python, numpy and torch"))
     max_duration: float = field(default=30.0, metadata=flag_help(kept_on_resume=True, section="data", text="skip utterances longer than this many seconds"))
     log_every: int = field(default=50, metadata=flag_help(
         "log a summary line (loss, lr, utt/s, memory) every N optimizer steps, to the console and train.log"))
@@ -216,28 +248,13 @@ class TrainConfig:
         "with --init_from: keep its CMVN statistics instead of computing them from the new training data"))
     freeze_encoder_steps: int = field(default=0, metadata=flag_help(
         "leave the encoder unchanged for the first N optimizer steps (the heads learn first), then train it"))
-    speed_perturb: bool = field(default=False, metadata=flag_help(kept_on_resume=True, section="data", text=
-        "play each training utterance at a speed drawn from 0.9, 1.0, 1.1 (tempo and pitch; batches are planned "
-        "for the slowest)"))
-    noise_prob: float = field(default=0.0, metadata=flag_help(section="data", text=
-        "share of training utterances that get additive noise (generated, or from --noise_dir)"))
-    noise_snr_low_db: float = field(default=5.0, metadata=flag_help(section="data", text="lowest signal-to-noise ratio of the added noise"))
-    noise_snr_high_db: float = field(default=20.0, metadata=flag_help(section="data", text="highest signal-to-noise ratio of the added noise"))
-    noise_dir: str = field(default="", metadata=flag_help(section="data", text=
-        "folder of noise recordings (searched recursively), random excerpts of them (default: generated noise)"))
-    reverb_prob: float = field(default=0.0, metadata=flag_help(section="data", text=
-        "share of training utterances convolved with a room impulse response (synthetic, or from --rir_dir)"))
-    rir_dir: str = field(default="", metadata=flag_help(section="data", text=
-        "folder of room impulse responses (searched recursively) (default: synthetic rooms, RT60 0.2-0.9 s)"))
-    vtlp_prob: float = field(default=0.0, metadata=flag_help(section="data", text=
-        "share of training utterances whose spectrum is warped by a factor in [0.9, 1.1] (vocal tract length "
-        "perturbation)"))
 
 
 TOKENIZER_TYPES = ("unigram", "bpe", "char")
-PRECISION_CHOICES = ("", "fp32", "fp16", "bf16")
-OPTIMIZERS = ("adamw", "adamw_8bit", "adamw8bit")
-STRATEGY_CHOICES = ("ddp", "fsdp")
+PRECISIONS = ("fp32", "fp16", "bf16")  # --precision ("" or left out: decided by --mixed_precision and the device)
+# --optimizer's accepted spellings -> the name stored in checkpoints (training.optim builds them).
+OPTIMIZERS = {"adamw": "adamw", "adamw_8bit": "adamw_8bit", "adamw8bit": "adamw_8bit"}
+STRATEGIES = ("ddp", "fsdp")  # --strategy under torchrun (training.distributed)
 
 
 def _at_least(low: float, integer: bool = True) -> Callable[[Any], bool]:
@@ -266,9 +283,9 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "label_smoothing": (lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
     "ema_decay": (lambda v: 0.0 <= v < 1.0, "in [0, 1) (0: off)"),
     "tokenizer_type": (TOKENIZER_TYPES.__contains__, "one of " + ", ".join(TOKENIZER_TYPES)),
-    "precision": (PRECISION_CHOICES.__contains__, "one of fp32, fp16, bf16 (or left out)"),
+    "precision": (lambda v: v in ("", *PRECISIONS), f"one of {', '.join(PRECISIONS)} (or left out)"),
     "optimizer": (OPTIMIZERS.__contains__, "adamw or adamw_8bit"),
-    "strategy": (STRATEGY_CHOICES.__contains__, "ddp or fsdp"),
+    "strategy": (STRATEGIES.__contains__, " or ".join(STRATEGIES)),
     "device": (lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", v) is not None, "auto, cpu, cuda or cuda:N"),
     "preset": (PRESETS.__contains__, "one of " + ", ".join(PRESETS)),
 }
@@ -341,6 +358,13 @@ class _Switch(argparse.Action):
         setattr(namespace, name, option_string == f"--{name}")
 
 
+def flag_fields(cls: type) -> list[dataclasses.Field]:
+    """The fields of ``cls`` in the order its flags, its help and a recipe list them: its own first,
+    then those it inherits (a TrainConfig's augmentation fields come after the run's own)."""
+    own = set(cls.__dict__.get("__annotations__", {}))
+    return sorted(dataclasses.fields(cls), key=lambda f: f.name not in own)
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, *, defaults: bool = True,
                        skip: tuple[str, ...] = ()) -> None:
     """Add one ``--field`` flag per dataclass field, typed from its annotation.
@@ -350,7 +374,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, *, defaults: 
     (``--no-flag``, the old spelling, still works and says so once).
     """
     hints = get_type_hints(cls)
-    for f in dataclasses.fields(cls):
+    for f in flag_fields(cls):
         if f.name in skip:
             continue
         tp = _flag_type(hints[f.name])

@@ -30,7 +30,7 @@ from typing import Any, get_type_hints
 import yaml
 
 from .checkpoint import write_file_atomic
-from .config import ConfigError, ModelConfig, TrainConfig
+from .config import ConfigError, ModelConfig, TrainConfig, flag_fields
 
 __all__ = ["SECTIONS", "SECTION_OF", "load_config_file", "resolved_config", "write_config_file"]
 
@@ -41,7 +41,7 @@ SECTIONS = ("model", "data", "training")
 # decides; data.vocab_size is the size of one trained), the data section the fields marked "data"
 # (augmentation included), the training section every other TrainConfig field.
 SECTION_OF: dict[str, str] = {
-    **{f.name: f.metadata.get("section", "training") for f in dataclasses.fields(TrainConfig)},
+    **{f.name: f.metadata.get("section", "training") for f in flag_fields(TrainConfig)},
     **{f.name: "model" for f in dataclasses.fields(ModelConfig) if f.name != "vocab_size"},
 }
 

@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader
 
 from konkanivani.data.audio import LogMel, load_audio
 from konkanivani.tools.corrupt import corrupt_manifest
-from konkanivani.data.augment import (SPEED_FACTORS, AugmentConfig, Augmenter, batching_duration,
+from konkanivani.config import AugmentConfig
+from konkanivani.data.augment import (SPEED_FACTORS, Augmenter, batching_duration,
                                  reverberate, speed_perturb, utterance_generator, vtlp_warp_matrix)
 from konkanivani.data.samplers import DurationBucketSampler
 from konkanivani.config import ConfigError
@@ -129,7 +130,7 @@ def test_added_noise_has_the_drawn_snr_generated_or_from_a_folder(utts, tmp_path
     sf.write(tmp_path / "noise" / "long.flac", np.random.default_rng(1).normal(0, 0.2, 48000 * 3), 48000)
     (tmp_path / "noise" / "notes.txt").write_text("not audio")
     for noise_dir in ("", str(tmp_path / "noise")):
-        augmenter = Augmenter(AugmentConfig(noise_prob=1.0, noise_snr_db=(0.0, 15.0), noise_dir=noise_dir, seed=2))
+        augmenter = Augmenter(AugmentConfig(noise_prob=1.0, noise_snr_low_db=0.0, noise_snr_high_db=15.0, noise_dir=noise_dir, seed=2))
         assert len(augmenter.noise_files) == (2 if noise_dir else 0)
         drawn = []
         for index in range(12):

@@ -17,18 +17,18 @@ import functools
 import hashlib
 import logging
 import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import soundfile as sf
 import torch
 import torchaudio
 
+from ..config import AugmentConfig
 from .audio import list_audio_files, load_audio, resample
 from .frames import HOP_LENGTH, SAMPLE_RATE, subsampled_lengths
 
-__all__ = ["SPEED_FACTORS", "VTLP_RANGE", "AugmentConfig", "Augmenter", "utterance_generator", "speed_perturb",
+__all__ = ["SPEED_FACTORS", "VTLP_RANGE", "Augmenter", "utterance_generator", "speed_perturb",
            "coloured_noise", "add_noise", "synthetic_rir", "reverberate", "vtlp_warp_matrix", "batching_duration"]
 
 log = logging.getLogger("konkanivani")
@@ -199,27 +199,6 @@ def vtlp_warp_matrix(alpha: float, n_freqs: int) -> torch.Tensor:
 
 
 
-@dataclass(frozen=True)
-class AugmentConfig:
-    """Which augmentations run on training utterances and how; every one off by default."""
-
-    speed_perturb: bool = False
-    noise_prob: float = 0.0
-    noise_snr_db: tuple[float, float] = (5.0, 20.0)
-    noise_dir: str = ""
-    reverb_prob: float = 0.0
-    rir_dir: str = ""
-    vtlp_prob: float = 0.0
-    seed: int = 0
-
-    @classmethod
-    def from_train_config(cls, cfg: Any) -> "AugmentConfig":
-        return cls(cfg.speed_perturb, cfg.noise_prob, (cfg.noise_snr_low_db, cfg.noise_snr_high_db), cfg.noise_dir,
-                   cfg.reverb_prob, cfg.rir_dir, cfg.vtlp_prob, cfg.seed)
-
-    @property
-    def active(self) -> bool:
-        return self.speed_perturb or self.noise_prob > 0 or self.reverb_prob > 0 or self.vtlp_prob > 0
 
 
 class Augmenter:

@@ -9,7 +9,8 @@ from typing import Optional
 import soundfile as sf
 
 from ..data.audio import load_audio
-from ..data.augment import AugmentConfig, Augmenter
+from ..config import AugmentConfig
+from ..data.augment import Augmenter
 from ..data.manifest import read_manifest
 from ..data.frames import SAMPLE_RATE
 from .outputs import child
@@ -33,7 +34,7 @@ def corrupt_manifest(src_manifest: str | Path, out_dir: str | Path, name: str, s
     src_manifest, out_dir = Path(src_manifest), Path(out_dir)
     if not snr_db[0] <= snr_db[1]:
         raise ValueError(f"snr_db must be (low, high) with low <= high, got {snr_db}")
-    augmenter = Augmenter(AugmentConfig(noise_prob=1.0, noise_snr_db=tuple(snr_db), reverb_prob=float(reverb),
+    augmenter = Augmenter(AugmentConfig(noise_prob=1.0, noise_snr_low_db=snr_db[0], noise_snr_high_db=snr_db[1], reverb_prob=float(reverb),
                                         noise_dir=str(noise_dir or ""), rir_dir=str(rir_dir or ""), seed=seed))
     child(out_dir, name, "name").mkdir(parents=True, exist_ok=True)  # a plain name: it stays in out_dir
     rows = []

@@ -28,10 +28,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .precision import resolve_device
 
-__all__ = ["STRATEGIES", "Dist", "distributed", "wrap_data_parallel", "no_sync", "is_sharded",
+__all__ = ["Dist", "distributed", "wrap_data_parallel", "no_sync", "is_sharded",
            "full_state_dicts", "load_optimizer_state"]
 
-STRATEGIES = ("ddp", "fsdp")
 
 log = logging.getLogger("konkanivani")
 

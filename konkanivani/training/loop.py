@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from ..data.augment import AugmentConfig, Augmenter, batching_duration
+from ..data.augment import Augmenter, batching_duration
 from ..data.samplers import padding_fraction, select_samples, split_batch, train_sampler
 from ..checkpoint import load_checkpoint, write_file_atomic
 from .metrics_log import MetricsLog
@@ -295,10 +295,9 @@ def _fresh_tokenizer(cfg: TrainConfig, dist: Dist) -> Tokenizer:
 
 def _augmenter(cfg: TrainConfig) -> Optional[Augmenter]:
     """The training augmentations the flags ask for (logged once), or None when none is on."""
-    aug_cfg = AugmentConfig.from_train_config(cfg)
-    if not aug_cfg.active:
+    if not cfg.augments:
         return None
-    augmenter = Augmenter(aug_cfg)
+    augmenter = Augmenter(cfg)  # a TrainConfig is an AugmentConfig
     log.info("augmentation of training utterances: %s", augmenter.describe())
     return augmenter
 

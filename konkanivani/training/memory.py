@@ -21,7 +21,7 @@ __all__ = ["GIB", "MemoryEstimator", "precision_name", "largest_fitting", "avail
 
 log = logging.getLogger("konkanivani")
 
-_GIB = 1024 ** 3
+GIB = 1024 ** 3
 
 
 class BatchDoesNotFit(RuntimeError):
@@ -81,15 +81,14 @@ def reset_peak_rss() -> bool:
 def memory_status(device: torch.device) -> dict[str, float]:
     """GiB in use now and at the peak: CUDA's allocated/peak/reserved, or the process RSS on a CPU."""
     if device.type == "cuda":
-        return {"mem_gb": torch.cuda.memory_allocated(device) / _GIB,
-                "peak_gb": torch.cuda.max_memory_allocated(device) / _GIB,
-                "reserved_gb": torch.cuda.memory_reserved(device) / _GIB}
-    return {"rss_gb": rss_bytes() / _GIB, "peak_rss_gb": peak_rss_bytes() / _GIB}
+        return {"mem_gb": torch.cuda.memory_allocated(device) / GIB,
+                "peak_gb": torch.cuda.max_memory_allocated(device) / GIB,
+                "reserved_gb": torch.cuda.memory_reserved(device) / GIB}
+    return {"rss_gb": rss_bytes() / GIB, "peak_rss_gb": peak_rss_bytes() / GIB}
 
 
 # ---- the estimator ---------------------------------------------------------------------------
 
-GIB = _GIB
 TOKENS_PER_SECOND = 5.0  # decoder length assumed per second of audio (SentencePiece, vocabulary ~128)
 
 # Activation bytes kept for the backward pass, per utterance, as coefficients of the terms of
@@ -271,7 +270,7 @@ def available_memory_bytes(device: torch.device) -> int:
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 8 * _GIB
+    return 8 * GIB
 
 
 def auto_batch_frames(forward: Callable[..., Any], model: torch.nn.Module, device: torch.device,

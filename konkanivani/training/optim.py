@@ -9,13 +9,12 @@ import logging
 from typing import Iterable
 
 import torch
+from ..config import OPTIMIZERS
 
-__all__ = ["OPTIMIZERS", "canonical_optimizer", "build_optimizer", "adamw"]
+__all__ = ["canonical_optimizer", "build_optimizer", "adamw"]
 
 log = logging.getLogger("konkanivani")
 
-# Accepted spellings -> the name stored in checkpoints.
-OPTIMIZERS = {"adamw": "adamw", "adamw_8bit": "adamw_8bit", "adamw8bit": "adamw_8bit"}
 
 
 def canonical_optimizer(name: str) -> str:

@@ -27,11 +27,11 @@ from typing import Optional
 import torch
 
 from ..config import ConfigError
+from ..config import PRECISIONS
 
-__all__ = ["PRECISIONS", "DeviceError", "Precision", "resolve_device", "resolve_precision", "cpu_bf16_speed_ratio",
+__all__ = ["DeviceError", "Precision", "resolve_device", "resolve_precision", "cpu_bf16_speed_ratio",
            "cpu_description"]
 
-PRECISIONS = ("fp32", "fp16", "bf16")
 
 
 class DeviceError(ConfigError, RuntimeError):
