@@ -30,7 +30,6 @@ from konkanivani.config import (PRESETS, ModelConfig, TrainConfig, _flag_type, a
                                 flag_fields, model_config_from_preset)
 
 FLAGS_MD = ROOT / "docs" / "flags.md"
-MODEL_SKIP = ("vocab_size",)  # set from the tokenizer, not a flag (as konkanivani-train skips it)
 
 
 def _cell(text: Any) -> str:
@@ -95,7 +94,7 @@ def _train_table(sections: dict[str, str]) -> list[str]:
 def _model_table(sections: dict[str, str]) -> list[str]:
     from_preset = {name for values in PRESETS.values() for name in values}
     lines = ["| flag | default | type | config file | meaning |", "| --- | --- | --- | --- | --- |"]
-    for f, action in _flag_rows(ModelConfig, defaults=False, skip=MODEL_SKIP):
+    for f, action in _flag_rows(ModelConfig, defaults=False):  # vocab_size: no flag (config.FROM_TOKENIZER)
         default = "the preset's" if f.name in from_preset else f"`{f.default!r}`"
         lines.append(f"| {_flag(action)} | {default} | {_type(action)} | {sections.get(f.name, '—')} | "
                      f"{_cell(f.metadata.get('help', ''))} |")
@@ -104,7 +103,7 @@ def _model_table(sections: dict[str, str]) -> list[str]:
 
 def _presets_table() -> list[str]:
     resolved = {name: dataclasses.asdict(model_config_from_preset(name)) for name in PRESETS}
-    names = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in MODEL_SKIP]
+    names = [f.name for f in dataclasses.fields(ModelConfig) if not f.metadata.get("from_tokenizer")]
     varying = [n for n in names if len({repr(r[n]) for r in resolved.values()}) > 1]
     same = [n for n in names if n not in varying]
     lines = ["| `--preset` | " + " | ".join(f"`{n}`" for n in varying) + " |",

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Union, get_args, get_origin, get_type_hints
 
-__all__ = ["DEFAULT_SEED", "flag_fields", "AugmentConfig", "OPTIMIZERS", "PRECISIONS", "STRATEGIES", "kept_settings", "ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "INIT_MODULES", "model_config_from_preset",
+__all__ = ["DEFAULT_SEED", "FROM_TOKENIZER", "flag_fields", "AugmentConfig", "OPTIMIZERS", "PRECISIONS", "STRATEGIES", "kept_settings", "ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "INIT_MODULES", "model_config_from_preset",
            "model_config_from", "check_config", "add_dataclass_args", "dataclass_from_args"]
 
 
@@ -38,6 +38,10 @@ def kept_settings(cfg: Any, saved: dict[str, Any]) -> dict[str, Any]:
             if f.metadata.get("kept_on_resume") and f.name in saved and getattr(cfg, f.name) != saved[f.name]}
 
 
+# The metadata of a model's vocab_size: the tokenizer decides it, so it is no flag and no recipe key
+# (a TrainConfig's vocab_size, a flag, is the size to train a tokenizer to).
+FROM_TOKENIZER = {"from_tokenizer": True}
+
 DEFAULT_SEED = 0  # every tool's --seed (training, the LM, prepare's valid split, the demo corpus)
 
 
@@ -45,7 +49,7 @@ DEFAULT_SEED = 0  # every tool's --seed (training, the LM, prepare's valid split
 class ModelConfig:
     """Dimensions of the Conformer encoder + Transformer decoder. ``vocab_size`` is set from the tokenizer."""
 
-    vocab_size: int = 0
+    vocab_size: int = field(default=0, metadata=FROM_TOKENIZER)  # no flag: the tokenizer decides it
     n_mels: int = field(default=80, metadata=flag_help("log-mel bins per frame"))
     d_model: int = field(default=192, metadata=flag_help("model width D (encoder and decoder)"))
     n_heads: int = field(default=4, metadata=flag_help("attention heads H"))
@@ -375,7 +379,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, *, defaults: 
     """
     hints = get_type_hints(cls)
     for f in flag_fields(cls):
-        if f.name in skip:
+        if f.name in skip or f.metadata.get("from_tokenizer"):
             continue
         tp = _flag_type(hints[f.name])
         default = f.default if defaults else None

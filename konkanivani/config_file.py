@@ -42,7 +42,7 @@ SECTIONS = ("model", "data", "training")
 # (augmentation included), the training section every other TrainConfig field.
 SECTION_OF: dict[str, str] = {
     **{f.name: f.metadata.get("section", "training") for f in flag_fields(TrainConfig)},
-    **{f.name: "model" for f in dataclasses.fields(ModelConfig) if f.name != "vocab_size"},
+    **{f.name: "model" for f in dataclasses.fields(ModelConfig) if not f.metadata.get("from_tokenizer")},
 }
 
 # How this command started, not what the run is: a config.yaml with them would resume, or move

@@ -11,17 +11,16 @@ extras="[8bit]"
 
 # espeak-ng reads the demo corpus; festival's Marathi diphone voice reads its held-out split; festival's
 # voices of other languages (Czech, Finnish, Italian, Catalan, US English) read 30% of its training
-# split (demo_corpus.FESTIVAL_TRAIN_VOICES; without all of them, espeak-ng reads it all).
-VOICES="festvox-czech-dita:czech/czech_dita festvox-czech-krb:czech/czech_krb festvox-czech-machac:czech/czech_machac
-    festvox-czech-ph:czech/czech_ph festvox-suopuhe-lj:finnish/suo_fi_lj_diphone festvox-suopuhe-mv:finnish/hy_fi_mv_diphone
-    festvox-italp16k:italian/lp_diphone festvox-itapc16k:italian/pc_diphone festvox-ca-ona-hts:catalan/upc_ca_ona_hts
-    festvox-kallpc16k:english/kal_diphone festvox-kdlpc16k:english/ked_diphone"
+# split (without all of them, espeak-ng reads it all). konkanivani/tools/voices.py names them with their
+# Debian packages, one "package:folder" line each, the held-out voice first (it needs only Python).
+VOICES=$("$PYTHON" konkanivani/tools/voices.py)
+HELDOUT_VOICE=${VOICES%%$'\n'*}
 missing=""
 command -v espeak-ng >/dev/null 2>&1 || missing="espeak-ng"
-{ command -v text2wave >/dev/null 2>&1 && [ -d /usr/share/festival/voices/marathi/marathi_NSK_diphone ]; } ||
-    missing="$missing festival festvox-mr-nsk"
+{ command -v text2wave >/dev/null 2>&1 && [ -d "/usr/share/festival/voices/${HELDOUT_VOICE#*:}" ]; } ||
+    missing="$missing festival ${HELDOUT_VOICE%%:*}"
 voices=""
-for entry in $VOICES; do
+for entry in $(printf '%s\n' "$VOICES" | tail -n +2); do
     [ -d "/usr/share/festival/voices/${entry#*:}" ] || voices="$voices ${entry%%:*}"
 done
 if [ -n "$missing$voices" ]; then

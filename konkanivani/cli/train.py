@@ -22,6 +22,7 @@ in a row had a non-finite loss.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import shlex
@@ -47,8 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     add_dataclass_args(parser.add_argument_group("training"), TrainConfig)
-    add_dataclass_args(parser.add_argument_group("model (overrides the preset)"), ModelConfig, defaults=False,
-                       skip=("vocab_size",))
+    add_dataclass_args(parser.add_argument_group("model (overrides the preset)"), ModelConfig, defaults=False)
     config = Parser(add_help=False)  # --config alone first: its file sets the defaults of the others
     config.add_argument("--config")
     path = config.parse_known_args(argv)[0].config
@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def model_flags(args: argparse.Namespace) -> dict:
     """The model dimensions given on the command line (None: the preset decides)."""
-    return {name: getattr(args, name) for name in ModelConfig.__dataclass_fields__ if name != "vocab_size"}
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelConfig) if not f.metadata.get("from_tokenizer")}
 
 
 def resume_command(argv: list[str]) -> str:

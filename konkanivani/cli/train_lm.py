@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("text", nargs="+", type=Path, help="text files, one sentence a line")
     add_dataclass_args(p.add_argument_group("training"), LMTrainConfig, skip=("text",))
-    add_dataclass_args(p.add_argument_group("model"), LMConfig, skip=("vocab_size",))
+    add_dataclass_args(p.add_argument_group("model"), LMConfig)
     return p.parse_args(argv)
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint import CheckpointError, load_checkpoint
-from ..config import flag_help
+from ..config import FROM_TOKENIZER, flag_help
 from .conformer import Dropout, FeedForward, KVCache, LayerNorm, MultiHeadAttention, RotaryEmbedding
 from .masks import causal_mask, pad_mask
 from ..data.tokenizer import SOS_EOS_ID, Tokenizer
@@ -32,7 +32,7 @@ __all__ = ["LMConfig", "LMState", "TransformerLM", "check_same_vocabulary", "loa
 class LMConfig:
     """Dimensions of the LM; ``vocab_size`` comes from the tokenizer."""
 
-    vocab_size: int = 0
+    vocab_size: int = field(default=0, metadata=FROM_TOKENIZER)
     d_model: int = field(default=256, metadata=flag_help("model width"))
     n_heads: int = field(default=4, metadata=flag_help("attention heads (of even width)"))
     ffn_dim: int = field(default=0, metadata=flag_help("feed-forward width (0: 4 x d_model)"))

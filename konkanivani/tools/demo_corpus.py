@@ -45,6 +45,7 @@ from ..config import DEFAULT_SEED
 from ..data.audio import resample
 from ..data.frames import SAMPLE_RATE
 from .corrupt import corrupt_manifest
+from .voices import FESTIVAL_TRAIN_VOICES, FESTIVAL_VOICE, FESTIVAL_VOICE_FOLDER, FESTIVAL_VOICE_PACKAGE
 from .outputs import Staging
 from ..data.manifest import read_manifest
 from ..data.tokenizer import normalize_text
@@ -71,41 +72,12 @@ TRAIN_VARIANTS = ("", "f1", "f2", "f3", "f4", "m1", "m2", "m3", "m4", "m5", "m6"
 TEST_VARIANTS = ("f5", "m7", "klatt3", "travis", "steph2", "edward2")  # held out: never in train / valid
 SPEED_RANGE = (115, 215)  # words per minute (espeak -s)
 PITCH_RANGE = (15, 85)  # espeak -p, 0..99
-# The held-out voice source: festival's diphone voice (one real speaker's recordings), never in training.
-FESTIVAL_VOICE = "voice_marathi_NSK_diphone"
 FESTIVAL_SPEAKER = "festival:nsk"
 FESTIVAL_F0_RANGE = (100, 170)  # mean F0 in Hz (below ~90 Hz its LPC resynthesis crashes)
 FESTIVAL_STRETCH_RANGE = (1.0, 1.5)  # duration stretch (the voice's own is 1.4)
 HELDOUT_PER_SENTENCE = 2
 
 
-class FestivalVoice(NamedTuple):
-    """A festival voice of another language that reads Konkani in training: `language` is the
-    transliteration (a key of transliterate.SPELLINGS, or "en" for US English phones)."""
-
-    voice: str  # festival's voice function, e.g. voice_czech_dita
-    language: str
-    encoding: str  # of the spelled text given to text2wave
-    folder: str  # the voice's folder under festival's voices/
-    stretches: bool = True  # False: the voice keeps its own tempo (festival's HTS voices ignore the stretch)
-
-
-# Training voices: each one speaker's recordings (diphones, or an HTS model for Catalan), none of them
-# the held-out NSK speaker. training_scripts/setup_env.sh installs their Debian packages.
-FESTIVAL_TRAIN_VOICES = {
-    "festival:cs_dita": FestivalVoice("voice_czech_dita", "cs", "iso-8859-2", "czech/czech_dita"),
-    "festival:cs_krb": FestivalVoice("voice_czech_krb", "cs", "iso-8859-2", "czech/czech_krb"),
-    "festival:cs_machac": FestivalVoice("voice_czech_machac", "cs", "iso-8859-2", "czech/czech_machac"),
-    "festival:cs_ph": FestivalVoice("voice_czech_ph", "cs", "iso-8859-2", "czech/czech_ph"),
-    "festival:fi_lj": FestivalVoice("voice_suo_fi_lj_diphone", "fi", "iso-8859-15", "finnish/suo_fi_lj_diphone"),
-    "festival:fi_mv": FestivalVoice("voice_hy_fi_mv_diphone", "fi", "iso-8859-15", "finnish/hy_fi_mv_diphone"),
-    "festival:it_lp": FestivalVoice("voice_lp_diphone", "it", "ascii", "italian/lp_diphone"),
-    "festival:it_pc": FestivalVoice("voice_pc_diphone", "it", "ascii", "italian/pc_diphone"),
-    "festival:ca_ona": FestivalVoice("voice_upc_ca_ona_hts", "ca", "iso-8859-1", "catalan/upc_ca_ona_hts",
-                                     stretches=False),
-    "festival:en_kal": FestivalVoice("voice_kal_diphone", "en", "ascii", "english/kal_diphone"),
-    "festival:en_ked": FestivalVoice("voice_ked_diphone", "en", "ascii", "english/ked_diphone"),
-}
 FESTIVAL_TRAIN_STRETCH_RANGE = (0.8, 1.3)
 # konkanivani-demo-corpus's defaults, measured side by side (README, "A model that recognizes Konkani"):
 # at 2,000 steps they took the held-out voice from 64% to 36% CER, for 1.4 points on the clean test split.
@@ -128,9 +100,9 @@ class EspeakMissingError(RuntimeError):
 
 def festival_available() -> bool:
     """True when festival's text2wave and its Marathi diphone voice are installed (Debian:
-    ``apt-get install festival festvox-mr-nsk``)."""
+    ``apt-get install festival festvox-mr-nsk``, ``voices.FESTIVAL_VOICE_PACKAGE``)."""
     return shutil.which("text2wave") is not None and any(
-        Path(root, "marathi", "marathi_NSK_diphone").is_dir() for root in FESTIVAL_VOICE_ROOTS)
+        Path(root, FESTIVAL_VOICE_FOLDER).is_dir() for root in FESTIVAL_VOICE_ROOTS)
 
 
 def festival_train_voices() -> list[str]:
@@ -534,11 +506,11 @@ def make_corpus(out_dir: str | Path, seed: int = DEFAULT_SEED, num_utterances: i
     if heldout is None:
         heldout = festival_available()
         if not heldout and progress:
-            print("festival or its Marathi voice is missing (apt-get install festival festvox-mr-nsk): "
+            print(f"festival or its Marathi voice is missing (apt-get install festival {FESTIVAL_VOICE_PACKAGE}): "
                   f"no {HELDOUT} split")
     elif heldout and not festival_available():
         raise EspeakMissingError("the heldout split needs festival and its Marathi voice: "
-                                 "`sudo apt-get install festival festvox-mr-nsk`")
+                                 f"`sudo apt-get install festival {FESTIVAL_VOICE_PACKAGE}`")
     out = Path(out_dir)
     sent_path = Path(sentences_path) if sentences_path else DEFAULT_SENTENCES
     text_file = Path(text_path) if text_path else (DEFAULT_TEXT if DEFAULT_TEXT.is_file() else None)
