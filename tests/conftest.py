@@ -8,6 +8,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tiny_corpus" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+    _skip_gpu_tests_without_gpus(items)
+
+
+def _skip_gpu_tests_without_gpus(items):
+    """A test marked ``gpu`` (``gpu(devices=2)``: two of them) is skipped, with one line saying why,
+    where this machine has fewer CUDA GPUs."""
+    marked = [(item, item.get_closest_marker("gpu")) for item in items if item.get_closest_marker("gpu")]
+    if not marked:
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item, marker in marked:
+        needed = marker.kwargs.get("devices", 1)
+        if count == 0:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False here"))
+        elif count < needed:
+            item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA GPUs, this machine has {count}"))
 
 from konkanivani.tools.demo_corpus import make_corpus
 
