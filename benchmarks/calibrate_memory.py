@@ -24,9 +24,9 @@ from scipy.optimize import nnls
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from konkanivani.training import memory
 from konkanivani.config import ModelConfig, model_config_from_preset
 from konkanivani.model.asr import ASRModel
+from konkanivani.training import memory
 
 SHAPES = [  # d_model, heads, ffn, encoder layers, decoder layers, vocabulary
     (32, 2, 64, 1, 1, 64), (64, 2, 256, 2, 1, 256), (48, 4, 96, 1, 2, 128), (96, 4, 192, 2, 2, 64),

@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 from konkanivani.cli.train import model_flags, parse_args
 from konkanivani.config import TrainConfig, dataclass_from_args
 from konkanivani.data.manifest import read_manifest
-from konkanivani.training.metrics_log import read_metrics
 from konkanivani.training.curves import write_csv
 from konkanivani.training.loop import train
+from konkanivani.training.metrics_log import read_metrics
 
 RECIPE = ["--config", str(ROOT / "configs" / "cpu_small.yaml")]
 TOKENS = {"chars": ["--tokenizer_type", "char"], "pieces": ["--tokenizer_type", "unigram", "--vocab_size", "128"]}

@@ -25,17 +25,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 from konkanivani.checkpoint import average_checkpoints, load_checkpoint, save_checkpoint
-from konkanivani.training.rundir import step_checkpoints
 from konkanivani.cli.train import model_flags, parse_args
 from konkanivani.config import TrainConfig, dataclass_from_args
-from konkanivani.decoding.search import DEFAULT_CTC_WEIGHT, FUSED_METHODS, METHODS
-from konkanivani.tools.demo_corpus import default_options, make_corpus
+from konkanivani.data.tokenizer import Tokenizer
 from konkanivani.decoding.evaluation import evaluate_manifest
 from konkanivani.decoding.recognizer import Recognizer
+from konkanivani.decoding.search import DEFAULT_CTC_WEIGHT, FUSED_METHODS, METHODS
 from konkanivani.model.asr import ASRModel
+from konkanivani.tools.demo_corpus import default_options, make_corpus
 from konkanivani.training.curves import write_csv
-from konkanivani.data.tokenizer import Tokenizer
 from konkanivani.training.loop import train
+from konkanivani.training.rundir import step_checkpoints
 
 # The CPU recipe (its reasons are in the file); command-line flags override it.
 RECIPE = ["--config", str(ROOT / "configs" / "cpu_small.yaml")]

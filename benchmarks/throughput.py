@@ -38,10 +38,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from konkanivani.config import PRESETS, ModelConfig, model_config_from_preset
-from konkanivani.model.conformer import ConformerEncoder
 from konkanivani.data.frames import subsampled_lengths
-from konkanivani.training.memory import precision_name
 from konkanivani.model.asr import ASRModel
+from konkanivani.model.conformer import ConformerEncoder
+from konkanivani.training.memory import precision_name
 from konkanivani.training.optim import build_optimizer
 from konkanivani.training.precision import cpu_description, resolve_precision
 

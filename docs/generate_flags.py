@@ -26,8 +26,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without the package installed
     sys.path.insert(0, str(ROOT))
 
-from konkanivani.config import (PRESETS, ModelConfig, TrainConfig, _flag_type, add_dataclass_args,  # noqa: E402
-                                flag_fields, model_config_from_preset)
+from konkanivani.config import (  # noqa: E402
+    PRESETS,
+    ModelConfig,
+    TrainConfig,
+    _flag_type,
+    add_dataclass_args,
+    flag_fields,
+    model_config_from_preset,
+)
 
 FLAGS_MD = ROOT / "docs" / "flags.md"
 

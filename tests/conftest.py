@@ -2,6 +2,8 @@ import shutil
 
 import pytest
 
+from konkanivani.tools.demo_corpus import make_corpus
+
 
 def pytest_collection_modifyitems(config, items):
     """Every test that needs the synthesized corpus (to train on it, or to decode it) is slow."""
@@ -27,7 +29,6 @@ def _skip_gpu_tests_without_gpus(items):
         elif count < needed:
             item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA GPUs, this machine has {count}"))
 
-from konkanivani.tools.demo_corpus import make_corpus
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +37,7 @@ def tiny_corpus(tmp_path_factory):
     if shutil.which("espeak-ng") is None:
         pytest.fail("espeak-ng is required for the end-to-end tests: apt-get install espeak-ng")
     out = tmp_path_factory.mktemp("corpus")
-    make_corpus(out, seed=3, num_utterances=64, max_sentences=24, jobs=2, progress=False)
+    make_corpus(out, seed=3, num_utterances=64, max_sentences=24, jobs=2, progress=False, festival_share=0)
     return out
 
 

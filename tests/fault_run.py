@@ -17,8 +17,8 @@ import sys
 import torch
 
 from konkanivani import checkpoint
-from konkanivani.training import loop as train
 from konkanivani.cli import train as cli
+from konkanivani.training import loop as train
 
 
 def _on_call(module, name, n, action):

@@ -10,17 +10,22 @@ import soundfile as sf
 import torch
 from torch.utils.data import DataLoader
 
+from konkanivani.config import AugmentConfig, ConfigError
 from konkanivani.data.audio import LogMel, load_audio
-from konkanivani.tools.corrupt import corrupt_manifest
-from konkanivani.config import AugmentConfig
-from konkanivani.data.augment import (SPEED_FACTORS, Augmenter, batching_duration,
-                                 reverberate, speed_perturb, utterance_generator, vtlp_warp_matrix)
-from konkanivani.data.samplers import DurationBucketSampler
-from konkanivani.config import ConfigError
+from konkanivani.data.augment import (
+    SPEED_FACTORS,
+    Augmenter,
+    batching_duration,
+    reverberate,
+    speed_perturb,
+    utterance_generator,
+    vtlp_warp_matrix,
+)
 from konkanivani.data.dataset import ASRDataset, collate, load_utterances
-from konkanivani.data.samplers import EpochKeyed, LengthGroupedBatchSampler
 from konkanivani.data.frames import frames_of
+from konkanivani.data.samplers import DurationBucketSampler, EpochKeyed, LengthGroupedBatchSampler
 from konkanivani.data.tokenizer import train_tokenizer
+from konkanivani.tools.corrupt import corrupt_manifest
 
 TEXTS = ["हांव घरा वता", "तूं कितें करता", "आमी पणजेक गेलें", "ताणें जेवण केलें"]
 
@@ -234,9 +239,10 @@ def test_corrupt_manifest_is_a_deterministic_noisy_copy(corpus, tokenizer, tmp_p
 def test_an_unbroken_and_a_resumed_augmented_run_see_the_same_batches(tiny_corpus, tmp_path, caplog):
     """Every augmentation on: stopped mid-epoch at step 3 and resumed (with a worker process this
     time) to step 8, across an epoch boundary (5 steps an epoch), the losses are those of the unbroken run."""
+    from tiny_args import tiny_args
+
     from konkanivani.checkpoint import load_checkpoint
     from konkanivani.cli import train as cli
-    from tiny_args import tiny_args
 
     augment = ["--speed_perturb", "--noise_prob", "0.5", "--reverb_prob", "0.5", "--vtlp_prob", "0.5",
                "--max_batch_frames", "2400"]

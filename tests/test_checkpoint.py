@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from konkanivani.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from konkanivani.training.rundir import point_to, prune_checkpoints, remove_stale_temporaries, resolve_resume, step_checkpoint_name
+from konkanivani.training.rundir import (
+    point_to,
+    prune_checkpoints,
+    remove_stale_temporaries,
+    resolve_resume,
+    step_checkpoint_name,
+)
 
 
 def _state(step):

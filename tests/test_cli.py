@@ -131,8 +131,8 @@ def test_an_output_under_a_file_is_one_line_for_average_and_export(tmp_path, cap
     from konkanivani.checkpoint import save_checkpoint
     from konkanivani.cli import average, export
     from konkanivani.config import model_config_from_preset
-    from konkanivani.model.asr import ASRModel
     from konkanivani.data.tokenizer import train_tokenizer
+    from konkanivani.model.asr import ASRModel
 
     tokenizer = train_tokenizer(["हांव घरा वता", "तूं कितें करता"] * 20, 30, "char")
     cfg = model_config_from_preset("tiny", vocab_size=tokenizer.vocab_size)

@@ -6,10 +6,9 @@ import pytest
 import soundfile as sf
 import torch
 
-from konkanivani.data.manifest import check_row
 from konkanivani.data.dataset import ASRDataset, Unreadable, collate, load_utterances
+from konkanivani.data.manifest import ManifestError, check_row, read_manifest
 from konkanivani.data.samplers import LengthGroupedBatchSampler, ShardedSampler
-from konkanivani.data.manifest import ManifestError, read_manifest
 from konkanivani.data.tokenizer import train_tokenizer
 
 TEXTS = ["हांव घरा वता", "तूं कितें करता", "आमी पणजेक गेलें", "ताणें जेवण केलें"]

@@ -19,10 +19,9 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from konkanivani.tools import prepare as prepare_module
-from konkanivani.data.manifest import resolve_audio_path
 from konkanivani.cli import prepare as prepare_cli
-from konkanivani.data.manifest import read_manifest
+from konkanivani.data.manifest import read_manifest, resolve_audio_path
+from konkanivani.tools import prepare as prepare_module
 from konkanivani.tools.outputs import child, safe_name
 
 SR = 16000

@@ -4,10 +4,17 @@ import torch
 import torch.nn.functional as F
 
 from konkanivani.data.dataset import ASRDataset, collate, load_utterances
-from konkanivani.decoding.search import (METHODS, attention_beam_search, attention_rescoring, attention_scores, ctc_greedy,
-                                ctc_prefix_beam_search, decode_batch)
-from konkanivani.decoding.recognizer import Recognizer
 from konkanivani.data.tokenizer import BLANK_ID, SOS_EOS_ID
+from konkanivani.decoding.recognizer import Recognizer
+from konkanivani.decoding.search import (
+    METHODS,
+    attention_beam_search,
+    attention_rescoring,
+    attention_scores,
+    ctc_greedy,
+    ctc_prefix_beam_search,
+    decode_batch,
+)
 
 
 @pytest.fixture(scope="module")

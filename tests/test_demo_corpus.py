@@ -7,9 +7,17 @@ import pytest
 import soundfile as sf
 
 from konkanivani.data.manifest import read_manifest
-from konkanivani.tools.demo_corpus import (FESTIVAL_SPEAKER, FESTIVAL_TRAIN_VOICES, HELDOUT, NOISY, festival_available,
-                                     festival_train_voices, make_corpus, text_only_sentences)
 from konkanivani.data.tokenizer import normalize_text
+from konkanivani.tools.demo_corpus import (
+    FESTIVAL_SPEAKER,
+    FESTIVAL_TRAIN_VOICES,
+    HELDOUT,
+    NOISY,
+    festival_available,
+    festival_train_voices,
+    make_corpus,
+    text_only_sentences,
+)
 
 
 def _rows(corpus, split):
@@ -156,8 +164,8 @@ def test_the_command_and_make_corpus_share_one_set_of_defaults(tmp_path, monkeyp
     along, which would read the whole share), and DEFAULT_TRAIN_FROM_TEXT text sentences are read, none
     with --max_sentences or --sentences; flags win. The command leaves what it was not given to
     make_corpus, which takes default_options, the one home of these defaults."""
-    from konkanivani.tools import demo_corpus
     from konkanivani.cli import demo_corpus as cli
+    from konkanivani.tools import demo_corpus
     resolved = []
     real_defaults = demo_corpus.default_options
     monkeypatch.setattr(demo_corpus, "default_options", lambda *a: resolved.append(real_defaults(*a)) or resolved[-1])

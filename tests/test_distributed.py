@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_args import tiny_args
 
 from konkanivani.checkpoint import load_checkpoint
 from konkanivani.data.manifest import read_manifest
 from konkanivani.data.tokenizer import train_tokenizer
-
-from tiny_args import tiny_args
 
 SCRIPT = Path(__file__).resolve().parents[1] / "training_scripts" / "train_konkanivani_asr.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # two processes on two cores

@@ -4,21 +4,20 @@ import json
 
 import pytest
 import torch
+from tiny_args import tiny_args
 from torch.utils.data import DataLoader
 
-from konkanivani.training.state import TrainState
 from konkanivani.checkpoint import average_checkpoints, inference_state_dict, load_checkpoint
 from konkanivani.cli import train as cli
 from konkanivani.config import ModelConfig
 from konkanivani.data.dataset import ASRDataset, collate, load_utterances
-from konkanivani.training.ema import ema_state, load_ema_state, make_ema
+from konkanivani.data.tokenizer import Tokenizer
 from konkanivani.decoding.recognizer import Recognizer
 from konkanivani.model.asr import ASRModel
-from konkanivani.training.precision import resolve_precision
-from konkanivani.data.tokenizer import Tokenizer
+from konkanivani.training.ema import ema_state, load_ema_state, make_ema
 from konkanivani.training.loop import validate
-
-from tiny_args import tiny_args
+from konkanivani.training.precision import resolve_precision
+from konkanivani.training.state import TrainState
 
 
 class _Toy(torch.nn.Module):

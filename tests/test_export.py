@@ -14,22 +14,31 @@ import soundfile as sf
 import torch
 import torchaudio
 from scipy.signal import resample_poly
+from tiny_args import tiny_args
 
-from konkanivani.data.audio import LogMel, load_audio
 from konkanivani.checkpoint import load_checkpoint, save_checkpoint
 from konkanivani.cli import export as export_cli
 from konkanivani.cli import train as train_cli
 from konkanivani.config import model_config_from_preset
-from konkanivani.data.manifest import read_manifest
-from konkanivani.decoding.search import ctc_greedy, decode_batch
-from konkanivani.decoding.export import (FILES, MIN_FRAMES, CTCGraph, ExportError, export_checkpoint, feature_settings,
-                                max_difference, onnx_runner, torchscript_runner, vocabulary)
+from konkanivani.data.audio import LogMel, load_audio
 from konkanivani.data.frames import subsampled_lengths
-from konkanivani.decoding.recognizer import Recognizer
-from konkanivani.model.asr import ASRModel
+from konkanivani.data.manifest import read_manifest
 from konkanivani.data.tokenizer import SOS_EOS_ID, UNK_ID, train_tokenizer
-
-from tiny_args import tiny_args
+from konkanivani.decoding.export import (
+    FILES,
+    MIN_FRAMES,
+    CTCGraph,
+    ExportError,
+    export_checkpoint,
+    feature_settings,
+    max_difference,
+    onnx_runner,
+    torchscript_runner,
+    vocabulary,
+)
+from konkanivani.decoding.recognizer import Recognizer
+from konkanivani.decoding.search import ctc_greedy, decode_batch
+from konkanivani.model.asr import ASRModel
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = ["हांव घरा वता", "तूं कितें करता", "आमी पणजेक गेलें", "ताणें जेवण केलें"]

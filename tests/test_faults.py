@@ -17,17 +17,17 @@ import soundfile as sf
 import torch
 from scipy.signal import resample_poly
 
-from konkanivani.training import loop as train_module
-from konkanivani.training.metrics_log import MetricsLog
 from konkanivani.checkpoint import load_checkpoint
-from konkanivani.training.signals import diverged_message
+from konkanivani.training import loop as train_module
 from konkanivani.training.loop import optimizer_step
+from konkanivani.training.metrics_log import MetricsLog
+from konkanivani.training.signals import diverged_message
 
 ROOT = Path(__file__).resolve().parents[1]
+from tiny_args import tiny_args  # noqa: E402
+
 from konkanivani.cli import train as cli  # noqa: E402
 from konkanivani.cli import validate as validate_manifest  # noqa: E402
-
-from tiny_args import tiny_args  # noqa: E402
 
 
 def _temporaries(out):

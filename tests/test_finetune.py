@@ -7,15 +7,14 @@ import re
 
 import pytest
 import torch
+from tiny_args import tiny_args
 
 from konkanivani.checkpoint import load_checkpoint, save_checkpoint
 from konkanivani.cli import train as cli
 from konkanivani.config import INIT_MODULES, model_config_from_preset
-from konkanivani.training.finetune import load_init_weights
-from konkanivani.model.asr import ASRModel
 from konkanivani.data.tokenizer import Tokenizer, train_tokenizer
-
-from tiny_args import tiny_args
+from konkanivani.model.asr import ASRModel
+from konkanivani.training.finetune import load_init_weights
 
 TEXTS = ["मुजें नांव राम", "तुजें नांव कितें", "हांव घरा वता", "आमी शाळेंत शिकतात", "ताणें पुस्तक वाचलें"] * 4
 SPECIALS = 3  # blank, unk, sos/eos

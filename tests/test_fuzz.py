@@ -11,8 +11,7 @@ import soundfile as sf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from konkanivani.data.manifest import check_row
-from konkanivani.data.manifest import ManifestError, iter_manifest, read_manifest
+from konkanivani.data.manifest import ManifestError, check_row, iter_manifest, read_manifest
 from konkanivani.data.tokenizer import normalize_text, train_tokenizer
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -10,13 +10,11 @@ import torch
 from scipy.signal import resample_poly
 
 ROOT = Path(__file__).resolve().parents[1]
-from konkanivani.cli import average as average_checkpoints  # noqa: E402
-from konkanivani.cli import evaluate  # noqa: E402
-from konkanivani.cli import transcribe  # noqa: E402
-
-from konkanivani.data.audio import load_audio  # noqa: E402
 from konkanivani.checkpoint import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
+from konkanivani.cli import average as average_checkpoints  # noqa: E402
+from konkanivani.cli import evaluate, transcribe  # noqa: E402
 from konkanivani.config import TrainConfig  # noqa: E402
+from konkanivani.data.audio import load_audio  # noqa: E402
 from konkanivani.data.manifest import read_manifest  # noqa: E402
 from konkanivani.decoding.evaluation import score  # noqa: E402
 from konkanivani.training.loop import train  # noqa: E402

@@ -2,15 +2,21 @@
 of its score, on a tiny random ASR model and LM (no training), then LM training, resume and the CLI."""
 import pytest
 import torch
+from test_decode import ctc_logprob  # log P(tokens | x) by torch's CTC forward algorithm
 
 from konkanivani.config import model_config_from_preset
-from konkanivani.decoding.search import (FUSED_METHODS, Fusion, attention_beam_search, attention_rescoring, attention_scores,
-                                ctc_prefix_beam_search, decode_batch)
-from konkanivani.model.lm import LMConfig, TransformerLM
-from konkanivani.model.asr import ASRModel
 from konkanivani.data.tokenizer import SOS_EOS_ID
-
-from test_decode import ctc_logprob  # log P(tokens | x) by torch's CTC forward algorithm
+from konkanivani.decoding.search import (
+    FUSED_METHODS,
+    Fusion,
+    attention_beam_search,
+    attention_rescoring,
+    attention_scores,
+    ctc_prefix_beam_search,
+    decode_batch,
+)
+from konkanivani.model.asr import ASRModel
+from konkanivani.model.lm import LMConfig, TransformerLM
 
 V = 9  # a vocabulary small enough that random models end hypotheses early and beams really differ
 
@@ -106,8 +112,8 @@ def test_fused_ctc_prefix_beam_search_without_pruning_is_exact(models):
     nbest = ctc_prefix_beam_search(log_probs, 4, beam_size=100_000, fusion=Fusion(lm, 0.7, 1.2))
     assert len(nbest) > 500 and [h.score for h in nbest] == sorted((h.score for h in nbest), reverse=True)
     lm_lp = lm.sentence_log_probs([h.tokens for h in nbest])
-    for h, l in zip(nbest, lm_lp.tolist()):
-        assert h.score == pytest.approx(ctc_logprob(log_probs, 4, h.tokens) + 0.7 * l + 1.2 * len(h.tokens), abs=1e-4)
+    for h, lp in zip(nbest, lm_lp.tolist()):
+        assert h.score == pytest.approx(ctc_logprob(log_probs, 4, h.tokens) + 0.7 * lp + 1.2 * len(h.tokens), abs=1e-4)
 
 
 def test_greedy_refuses_fusion(models):
@@ -125,10 +131,10 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from konkanivani.checkpoint import CheckpointError  # noqa: E402
-from konkanivani.cli import train_lm
-from konkanivani.training import lm as lm_training  # noqa: E402
-from konkanivani.model.lm import check_same_vocabulary, load_lm  # noqa: E402
+from konkanivani.cli import train_lm  # noqa: E402
 from konkanivani.data.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
+from konkanivani.model.lm import check_same_vocabulary, load_lm  # noqa: E402
+from konkanivani.training import lm as lm_training  # noqa: E402
 
 SENTENCES = Path(__file__).resolve().parents[1] / "konkanivani" / "resources" / "demo_sentences_kok.txt"
 TINY = ["--d_model", "32", "--layers", "1", "--n_heads", "2", "--batch_size", "16", "--warmup_steps", "5",
@@ -211,9 +217,10 @@ def test_cli_end_to_end(text_setup, tmp_path, caplog, capsys):
     assert train_lm.main([str(tmp_path / "nope.txt"), *cmd[4:6], "--output_dir", str(tmp_path / "x")]) == 2
     assert f"{tmp_path / 'nope.txt'}: file not found" in caplog.text
     # ...and its checkpoint fuses into konkanivani-transcribe, whose ASR checkpoint must share its tokenizer.
+    import soundfile
+
     from konkanivani.checkpoint import save_checkpoint
     from konkanivani.cli import transcribe
-    import soundfile
 
     soundfile.write(tmp_path / "noise.wav", 0.1 * torch.randn(16000).numpy(), 16000)
     for name, tok in (("asr.pt", "tok.model"), ("other_asr.pt", "other.model")):

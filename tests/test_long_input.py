@@ -8,16 +8,21 @@ import pytest
 import soundfile as sf
 import torch
 
-from konkanivani.decoding import search as decode
-from konkanivani.decoding import recognizer as inference
 from konkanivani.config import model_config_from_preset
-from konkanivani.decoding.search import (LONG_INPUT_METHOD, LONG_INPUT_SECONDS, MAX_LEN_EXTRA, attention_beam_search,
-                                decode_batch)
-from konkanivani.decoding.evaluation import evaluate_manifest, markdown_report
 from konkanivani.data.frames import SAMPLE_RATE, frames_of
-from konkanivani.decoding.recognizer import MIN_SAMPLES, Recognizer
-from konkanivani.model.asr import ASRModel
 from konkanivani.data.tokenizer import BLANK_ID, SOS_EOS_ID, train_tokenizer
+from konkanivani.decoding import recognizer as inference
+from konkanivani.decoding import search as decode
+from konkanivani.decoding.evaluation import evaluate_manifest, markdown_report
+from konkanivani.decoding.recognizer import MIN_SAMPLES, Recognizer
+from konkanivani.decoding.search import (
+    LONG_INPUT_METHOD,
+    LONG_INPUT_SECONDS,
+    MAX_LEN_EXTRA,
+    attention_beam_search,
+    decode_batch,
+)
+from konkanivani.model.asr import ASRModel
 
 SENTENCES = ["हांव घरा वता", "तुमी म्हाका कित्याक सांगलें ना",
              "ह्या कपड्याचें मोल कितलें"]

@@ -6,19 +6,25 @@ import sys
 
 import pytest
 import torch
+from test_accumulation import _assert_close, _batches
 
-from konkanivani.training import precision as precision_module
-from konkanivani.data.samplers import DurationBucketSampler, PreflightSampler, padding_fraction, select_samples, split_batch
 from konkanivani.config import model_config_from_preset
-from konkanivani.model.conformer import LayerNorm
-from konkanivani.data.samplers import LengthGroupedBatchSampler
 from konkanivani.data.frames import frames_of
-from konkanivani.training.memory import BatchDoesNotFit, MemoryEstimator, is_out_of_memory
+from konkanivani.data.samplers import (
+    DurationBucketSampler,
+    LengthGroupedBatchSampler,
+    PreflightSampler,
+    padding_fraction,
+    select_samples,
+    split_batch,
+)
 from konkanivani.model.asr import ASRModel
+from konkanivani.model.conformer import LayerNorm
+from konkanivani.training import precision as precision_module
+from konkanivani.training.loop import forward_backward, optimizer_step
+from konkanivani.training.memory import BatchDoesNotFit, MemoryEstimator, is_out_of_memory
 from konkanivani.training.optim import build_optimizer
 from konkanivani.training.precision import resolve_precision
-from konkanivani.training.loop import forward_backward, optimizer_step
-from test_accumulation import _assert_close, _batches
 
 CPU = torch.device("cpu")
 

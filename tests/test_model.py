@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from konkanivani.config import PRESETS, ModelConfig, model_config_from_preset
+from konkanivani.model.asr import ASRModel, count_parameters
 from konkanivani.model.conformer import ConformerBlock
 from konkanivani.model.decoder import DecoderLayer
-from konkanivani.model.asr import ASRModel, count_parameters
 
 V = 64
 

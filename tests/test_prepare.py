@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from konkanivani.data.manifest import resolve_audio_path
 from konkanivani.cli import prepare as prepare_cli
 from konkanivani.cli import validate
-from konkanivani.data.manifest import read_manifest
+from konkanivani.data.manifest import read_manifest, resolve_audio_path
 
 TEXTS = ["हांव घरा वता", "तूं कितें करता", "आमी पणजेक गेलें", "ताणें जेवण केलें", "तो शाळेंत वता"]
 

@@ -6,15 +6,14 @@ import shutil
 import sys
 
 import pytest
+from tiny_args import tiny_args
 
 from konkanivani.cli import plot as plot_cli
 from konkanivani.cli import train as train_cli
-from konkanivani.training.metrics_log import read_metrics
 from konkanivani.training.curves import write_curves
-from konkanivani.training.tensorboard_log import open_tensorboard
 from konkanivani.training.loop import _redraw_curves
-
-from tiny_args import tiny_args
+from konkanivani.training.metrics_log import read_metrics
+from konkanivani.training.tensorboard_log import open_tensorboard
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

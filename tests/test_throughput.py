@@ -3,9 +3,8 @@ import json
 
 import pytest
 import torch
-from torch import nn
-
 from benchmark_modules import load
+from torch import nn
 
 throughput = load("throughput")
 

@@ -10,13 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from konkanivani.cli import train as cli  # noqa: E402
+from tiny_args import tiny_args  # noqa: E402
 
 from konkanivani.checkpoint import load_checkpoint  # noqa: E402
+from konkanivani.cli import train as cli  # noqa: E402
 from konkanivani.training.optim import lr_factor  # noqa: E402
-
-from tiny_args import tiny_args  # noqa: E402
 
 
 def _train_rows(out):

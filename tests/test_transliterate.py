@@ -2,9 +2,21 @@
 import pytest
 
 from konkanivani.tools.demo_corpus import DEFAULT_SENTENCES, DEFAULT_TEXT, FESTIVAL_TRAIN_VOICES, load_sentences
-from konkanivani.tools.transliterate import (CONSONANTS, ENGLISH_PHONES, NASALS, VIRAMA, VISARGA, VOWEL_LETTERS,
-                                       VOWEL_SIGNS, VOWELS, english_phones, english_segments, phrases, spell,
-                                       word_phones)
+from konkanivani.tools.transliterate import (
+    CONSONANTS,
+    ENGLISH_PHONES,
+    NASALS,
+    VIRAMA,
+    VISARGA,
+    VOWEL_LETTERS,
+    VOWEL_SIGNS,
+    VOWELS,
+    english_phones,
+    english_segments,
+    phrases,
+    spell,
+    word_phones,
+)
 
 
 @pytest.mark.parametrize("word, phones", [

@@ -17,9 +17,9 @@ import re
 import sys
 from pathlib import Path
 
-from . import Parser, fail, setup_logging, tool
 from ..checkpoint import CheckpointError, average_checkpoints, save_checkpoint
 from ..training.rundir import select_checkpoints
+from . import Parser, fail, setup_logging, tool
 
 
 def _refuse_overwriting_inputs(output: Path, inputs: list[Path]) -> None:

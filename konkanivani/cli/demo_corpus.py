@@ -10,10 +10,19 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from . import Parser, add_output_dir, fail, output_dir, setup_logging, tool
 from ..config import DEFAULT_SEED
-from ..tools.demo_corpus import (DEFAULT_FESTIVAL_SHARE, DEFAULT_SENTENCES, DEFAULT_TRAIN_FROM_TEXT, FESTIVAL_TRAIN_VOICES,
-                           EspeakMissingError, default_options, festival_train_voices, make_corpus, print_summary)
+from ..tools.demo_corpus import (
+    DEFAULT_FESTIVAL_SHARE,
+    DEFAULT_SENTENCES,
+    DEFAULT_TRAIN_FROM_TEXT,
+    FESTIVAL_TRAIN_VOICES,
+    EspeakMissingError,
+    default_options,
+    festival_train_voices,
+    make_corpus,
+    print_summary,
+)
+from . import Parser, add_output_dir, fail, output_dir, setup_logging, tool
 
 
 @tool

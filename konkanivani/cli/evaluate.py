@@ -10,10 +10,10 @@ import json
 import sys
 from pathlib import Path
 
-from . import Parser, fail, refuse_writing_inputs, setup_logging, tool
 from ..checkpoint import CheckpointError
 from ..data.manifest import ManifestError
 from ..decoding.evaluation import evaluate_manifest, markdown_report
+from . import Parser, fail, refuse_writing_inputs, setup_logging, tool
 from .decoding_flags import add_decoding_args, check_decoding_args, decoding_name, load_recognizer
 
 

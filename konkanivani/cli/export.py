@@ -12,13 +12,12 @@ model. ONNX needs the ``export`` extra: pip install 'konkanivani[export]'.
 from __future__ import annotations
 
 import argparse
-
 import sys
 from pathlib import Path
 
-from . import Parser, Renamed, fail, setup_logging, tool
 from ..checkpoint import CheckpointError
 from ..decoding.export import FORMATS, ExportError, export_checkpoint, unavailable
+from . import Parser, Renamed, fail, setup_logging, tool
 
 
 @tool

@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import Parser, setup_logging, tool
 from ..config import PRESETS, model_config_from_preset
 from ..data.frames import frames_of
 from ..training.memory import GIB, MemoryEstimator
+from . import Parser, setup_logging, tool
 
 _MIB = 2 ** 20
 

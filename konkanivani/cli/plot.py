@@ -11,9 +11,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from . import Parser, fail, setup_logging, tool
 from ..training.curves import CURVES, have_matplotlib, plot_runs
 from ..training.metrics_log import read_metrics
+from . import Parser, fail, setup_logging, tool
 
 
 @tool

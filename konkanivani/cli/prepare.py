@@ -18,12 +18,20 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import Parser, add_output_dir, fail, output_dir, setup_logging, tool
 from ..config import DEFAULT_SEED
-from ..tools.outputs import OutputError, child, refuse_overlap
-from ..tools.prepare import (CONVERT_FORMATS, PrepareError, commonvoice_items, folder_items, hf_items, kaldi_items,
-                       prepare, print_report)
 from ..data.tokenizer import Tokenizer
+from ..tools.outputs import OutputError, child, refuse_overlap
+from ..tools.prepare import (
+    CONVERT_FORMATS,
+    PrepareError,
+    commonvoice_items,
+    folder_items,
+    hf_items,
+    kaldi_items,
+    prepare,
+    print_report,
+)
+from . import Parser, add_output_dir, fail, output_dir, setup_logging, tool
 
 
 def parse_args(argv: list[str] | None = None):

@@ -30,13 +30,13 @@ import signal
 import sys
 from pathlib import Path
 
-from . import Parser, fail, setup_logging, tool
 from ..checkpoint import CheckpointError
 from ..config import ConfigError, ModelConfig, TrainConfig, add_dataclass_args, dataclass_from_args
 from ..config_file import load_config_file
 from ..data.manifest import ManifestError
-from ..training.signals import TrainingDiverged
 from ..training.loop import train
+from ..training.signals import TrainingDiverged
+from . import Parser, fail, setup_logging, tool
 
 CONFIG_HELP = ("YAML recipe (sections model, data, training; see configs/): its values become the defaults, "
                "flags given here override them")

@@ -18,11 +18,11 @@ import sys
 import time
 from contextlib import nullcontext
 
-from .decoding_flags import add_decoding_args, check_decoding_args, decoding_name, load_recognizer
-from . import Parser, fail, refuse_writing_inputs, setup_logging, tool
 from ..checkpoint import CheckpointError
 from ..data.manifest import ManifestError
 from ..decoding.recognizer import find_audio
+from . import Parser, fail, refuse_writing_inputs, setup_logging, tool
+from .decoding_flags import add_decoding_args, check_decoding_args, decoding_name, load_recognizer
 
 
 @tool

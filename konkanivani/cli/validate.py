@@ -18,11 +18,10 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from . import Parser, fail, setup_logging, tool
 from ..checkpoint import write_file_atomic
-from ..data.manifest import DEFAULT_DURATION_TOLERANCE, check_row
-from ..data.manifest import ManifestError, iter_manifest
+from ..data.manifest import DEFAULT_DURATION_TOLERANCE, ManifestError, check_row, iter_manifest
 from ..data.tokenizer import Tokenizer, train_tokenizer
+from . import Parser, fail, setup_logging, tool
 
 _NOT_JSON = "not a JSON object line"
 _MANIFEST_FORMAT = 'a NeMo manifest holds one JSON object a line: {"audio_filepath": ..., "duration": ..., "text": ...}'

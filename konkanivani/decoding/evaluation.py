@@ -6,12 +6,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..data.manifest import resolve_audio_path
-from ..data.manifest import read_manifest
-from .search import DEFAULT_CTC_WEIGHT, LONG_INPUT_METHOD, LONG_INPUT_SECONDS
-from .recognizer import Recognizer
-from .metrics import ErrorCounts, score
+from ..data.manifest import read_manifest, resolve_audio_path
 from ..data.tokenizer import normalize_text
+from .metrics import ErrorCounts, score
+from .recognizer import Recognizer
+from .search import DEFAULT_CTC_WEIGHT, LONG_INPUT_METHOD, LONG_INPUT_SECONDS
 
 __all__ = ["ErrorCounts", "EvalResult", "UtteranceResult", "evaluate_manifest", "markdown_report", "score"]
 

@@ -39,9 +39,9 @@ from torch import nn
 
 from ..data.audio import LOG_OFFSET, LogMel
 from ..data.frames import subsampled_lengths
-from .recognizer import Recognizer
-from ..model.asr import ASRModel
 from ..data.tokenizer import BLANK_ID, SOS_EOS_ID, UNK_ID, Tokenizer
+from ..model.asr import ASRModel
+from .recognizer import Recognizer
 
 __all__ = ["ExportError", "FORMATS", "FILES", "MIN_FRAMES", "ONNX_PACKAGES", "CTCGraph", "Exported",
            "unavailable", "export_checkpoint", "export_onnx", "export_torchscript", "onnx_runner",

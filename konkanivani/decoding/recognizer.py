@@ -19,17 +19,24 @@ from pathlib import Path
 
 import torch
 
-from ..data.audio import load_audio, AUDIO_SUFFIXES, AudioError, LogMel
 from ..checkpoint import CheckpointError, inference_state_dict, load_checkpoint
-from ..data.manifest import resolve_audio_path
 from ..config import ModelConfig
-from ..data.manifest import read_manifest
-from .search import (DEFAULT_CTC_WEIGHT, FUSED_METHODS, LONG_INPUT_METHOD, LONG_INPUT_SECONDS, METHODS, Fusion,
-                     decode_batch, method_for)
+from ..data.audio import AUDIO_SUFFIXES, AudioError, LogMel, load_audio
 from ..data.frames import HOP_LENGTH, SAMPLE_RATE, subsampled_lengths
-from ..model.lm import TransformerLM, check_same_vocabulary, load_lm
-from ..model.asr import ASRModel
+from ..data.manifest import read_manifest, resolve_audio_path
 from ..data.tokenizer import Tokenizer
+from ..model.asr import ASRModel
+from ..model.lm import TransformerLM, check_same_vocabulary, load_lm
+from .search import (
+    DEFAULT_CTC_WEIGHT,
+    FUSED_METHODS,
+    LONG_INPUT_METHOD,
+    LONG_INPUT_SECONDS,
+    METHODS,
+    Fusion,
+    decode_batch,
+    method_for,
+)
 
 __all__ = ["MIN_SAMPLES", "Recognizer", "Transcript", "find_audio"]
 

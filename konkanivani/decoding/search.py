@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from ..data.frames import frames_of
+from ..data.tokenizer import BLANK_ID, SOS_EOS_ID
 from ..model.lm import TransformerLM
 from ..model.masks import pad_mask
-from ..data.tokenizer import BLANK_ID, SOS_EOS_ID
 
 __all__ = ["ATTENTION_METHODS", "DEFAULT_CTC_WEIGHT", "LONG_INPUT_METHOD", "LONG_INPUT_SECONDS", "METHODS",
            "FUSED_METHODS", "Fusion", "Hypothesis", "attention_beam_search", "attention_rescoring",
@@ -451,8 +451,8 @@ def attention_rescoring(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam_s
     lm = ([0.0] * len(flat) if fusion.lm is None
           else (fusion.lm_weight * fusion.lm.sentence_log_probs([h.tokens for h in flat], enc.device)).tolist())
     best: list[Hypothesis | None] = [None] * len(nbests)
-    for b, h, a, l in zip(rows.tolist(), flat, att, lm):
-        cand = Hypothesis(h.tokens, ctc_weight * h.score + (1 - ctc_weight) * a + l
+    for b, h, a, lm_score in zip(rows.tolist(), flat, att, lm):
+        cand = Hypothesis(h.tokens, ctc_weight * h.score + (1 - ctc_weight) * a + lm_score
                           + fusion.length_bonus * len(h.tokens))
         if best[b] is None or cand.score > best[b].score:
             best[b] = cand

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 import torchaudio
 from torch import nn
 
-from .conformer import ConformerEncoder
 from ..config import ModelConfig
-from .decoder import TransformerDecoder
 from ..data.tokenizer import BLANK_ID, SOS_EOS_ID
+from .conformer import ConformerEncoder
+from .decoder import TransformerDecoder
 
 __all__ = ["ASRModel", "LossOutput", "SpecAugment", "count_parameters"]
 

@@ -7,8 +7,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
-from .conformer import Dropout, FeedForward, KVCache, LayerNorm, MultiHeadAttention, RotaryEmbedding, run_layers
 from ..config import ModelConfig
+from .conformer import Dropout, FeedForward, KVCache, LayerNorm, MultiHeadAttention, RotaryEmbedding, run_layers
 from .masks import causal_mask, pad_mask
 
 

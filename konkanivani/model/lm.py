@@ -21,9 +21,9 @@ from torch import nn
 
 from ..checkpoint import CheckpointError, load_checkpoint
 from ..config import FROM_TOKENIZER, flag_help
+from ..data.tokenizer import SOS_EOS_ID, Tokenizer
 from .conformer import Dropout, FeedForward, KVCache, LayerNorm, MultiHeadAttention, RotaryEmbedding
 from .masks import causal_mask, pad_mask
-from ..data.tokenizer import SOS_EOS_ID, Tokenizer
 
 __all__ = ["LMConfig", "LMState", "TransformerLM", "check_same_vocabulary", "load_lm"]
 

@@ -8,11 +8,11 @@ from typing import Optional
 
 import soundfile as sf
 
-from ..data.audio import load_audio
 from ..config import AugmentConfig
+from ..data.audio import load_audio
 from ..data.augment import Augmenter
-from ..data.manifest import read_manifest
 from ..data.frames import SAMPLE_RATE
+from ..data.manifest import read_manifest
 from .outputs import child
 
 __all__ = ["corrupt_manifest"]

@@ -44,12 +44,12 @@ from tqdm import tqdm
 from ..config import DEFAULT_SEED
 from ..data.audio import resample
 from ..data.frames import SAMPLE_RATE
-from .corrupt import corrupt_manifest
-from .voices import FESTIVAL_TRAIN_VOICES, FESTIVAL_VOICE, FESTIVAL_VOICE_FOLDER, FESTIVAL_VOICE_PACKAGE
-from .outputs import Staging
 from ..data.manifest import read_manifest
 from ..data.tokenizer import normalize_text
+from .corrupt import corrupt_manifest
+from .outputs import Staging
 from .transliterate import english_segments, phrases, spell
+from .voices import FESTIVAL_TRAIN_VOICES, FESTIVAL_VOICE, FESTIVAL_VOICE_FOLDER, FESTIVAL_VOICE_PACKAGE
 
 # Package data: installed with the package (a wheel too), so the corpus can be made anywhere.
 DEFAULT_SENTENCES = Path(__file__).resolve().parent.parent / "resources" / "demo_sentences_kok.txt"

@@ -41,10 +41,10 @@ import torch
 from tqdm import tqdm
 
 from ..data.audio import AUDIO_SUFFIXES, AudioError, load_audio
-from ..data.manifest import check_row
 from ..data.frames import SAMPLE_RATE
-from .outputs import OutputError, Staging, child, safe_name
+from ..data.manifest import check_row
 from ..data.tokenizer import Tokenizer, train_tokenizer
+from .outputs import OutputError, Staging, child, safe_name
 
 __all__ = ["CONVERT_FORMATS", "PrepareError", "Item", "Report", "commonvoice_items", "kaldi_items", "folder_items",
            "hf_items", "prepare", "print_report"]

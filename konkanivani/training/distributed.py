@@ -153,8 +153,7 @@ def full_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     can resume. Sharded models gather them (every process must call this; keys are parameter names)."""
     if not is_sharded(model):
         return model.state_dict(), optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)

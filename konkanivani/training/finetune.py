@@ -10,16 +10,16 @@ its shape is the same and skipped otherwise (another ``--d_model``, say), and th
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..checkpoint import CheckpointError, inference_state_dict, load_checkpoint
 from ..config import ConfigError, ModelConfig, TrainConfig, model_config_from
-from ..model.asr import ASRModel
 from ..data.tokenizer import BLANK_ID, SOS_EOS_ID, UNK_ID, Tokenizer
+from ..model.asr import ASRModel
 
 __all__ = ["InitReport", "init_checkpoint_config", "init_model_config", "token_row_map", "load_init_weights", "keep_init_cmvn",
            "hold_encoder"]

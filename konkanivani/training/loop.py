@@ -28,35 +28,57 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from ..data.augment import Augmenter, batching_duration
-from ..data.samplers import padding_fraction, select_samples, split_batch, train_sampler
 from ..checkpoint import load_checkpoint, write_file_atomic
-from .metrics_log import MetricsLog
-from .state import TrainState, capture_rng, restore_rng
-from .rundir import load_resume_checkpoint, remove_stale_temporaries, run_directory, save_step, step_checkpoint_name
-from ..config import ConfigError, kept_settings, ModelConfig, TrainConfig, check_config, model_config_from_preset
+from ..config import ConfigError, ModelConfig, TrainConfig, check_config, kept_settings, model_config_from_preset
 from ..config_file import write_config_file
+from ..data.augment import Augmenter, batching_duration
 from ..data.dataset import ASRDataset, Batch, Utterance, collate, compute_cmvn, load_utterances, log_skipped
-from ..data.samplers import EpochKeyed, LengthGroupedBatchSampler, ResumableBatchSampler, ShardedSampler
-from ..data.manifest import ManifestError, read_manifest
-from ..decoding.search import ctc_greedy
-from .distributed import (Dist, distributed, full_state_dicts, is_sharded, load_optimizer_state, no_sync,
-                          wrap_data_parallel)
-from .ema import ema_state, load_ema_state, make_ema
-from .finetune import hold_encoder, init_checkpoint_config, init_model_config, keep_init_cmvn, load_init_weights
 from ..data.frames import budget_frames, frames_of
-from .memory import (GIB, BatchDoesNotFit, MemoryEstimator, auto_batch_frames, free_memory, is_out_of_memory,
-                     memory_status, precision_name)
+from ..data.manifest import ManifestError, read_manifest
+from ..data.samplers import (
+    EpochKeyed,
+    LengthGroupedBatchSampler,
+    ResumableBatchSampler,
+    ShardedSampler,
+    padding_fraction,
+    select_samples,
+    split_batch,
+    train_sampler,
+)
+from ..data.tokenizer import Tokenizer, train_tokenizer
 from ..decoding.metrics import error_rates
+from ..decoding.search import ctc_greedy
 from ..model.asr import ASRModel, count_parameters
-from .optim import build_optimizer, canonical_optimizer, lr_factor
 from .compile import compiled
 from .curves import CURVES, have_matplotlib, write_curves
+from .distributed import (
+    Dist,
+    distributed,
+    full_state_dicts,
+    is_sharded,
+    load_optimizer_state,
+    no_sync,
+    wrap_data_parallel,
+)
+from .ema import ema_state, load_ema_state, make_ema
+from .finetune import hold_encoder, init_checkpoint_config, init_model_config, keep_init_cmvn, load_init_weights
+from .memory import (
+    GIB,
+    BatchDoesNotFit,
+    MemoryEstimator,
+    auto_batch_frames,
+    free_memory,
+    is_out_of_memory,
+    memory_status,
+    precision_name,
+)
+from .metrics_log import MetricsLog
+from .optim import build_optimizer, canonical_optimizer, lr_factor
 from .precision import Precision, resolve_precision
-from .signals import (NonFiniteSkips, StopRequest, TrainingDiverged, diverged_message, ignore_stop_signals,
-                     stop_workers)
+from .rundir import load_resume_checkpoint, remove_stale_temporaries, run_directory, save_step, step_checkpoint_name
+from .signals import NonFiniteSkips, StopRequest, TrainingDiverged, diverged_message, ignore_stop_signals, stop_workers
+from .state import TrainState, capture_rng, restore_rng
 from .tensorboard_log import TensorBoardLog, open_tensorboard
-from ..data.tokenizer import Tokenizer, train_tokenizer
 
 __all__ = ["train", "Run", "forward_backward", "optimizer_step", "validate", "maybe_empty_cache"]
 

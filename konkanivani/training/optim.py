@@ -3,12 +3,12 @@
 is missing or cannot run on the device."""
 from __future__ import annotations
 
-import math
-
 import logging
+import math
 from typing import Iterable
 
 import torch
+
 from ..config import OPTIMIZERS
 
 __all__ = ["canonical_optimizer", "build_optimizer", "adamw"]

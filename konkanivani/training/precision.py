@@ -26,8 +26,7 @@ from typing import Optional
 
 import torch
 
-from ..config import ConfigError
-from ..config import PRECISIONS
+from ..config import PRECISIONS, ConfigError
 
 __all__ = ["DeviceError", "Precision", "resolve_device", "resolve_precision", "cpu_bf16_speed_ratio",
            "cpu_description"]
