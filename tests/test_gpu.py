@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from benchmark_modules import load
+
 from konkanivani.checkpoint import load_checkpoint
 from konkanivani.config import ModelConfig, TrainConfig, model_config_from_preset
 from konkanivani.data.dataset import Batch
