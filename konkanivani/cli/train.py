@@ -1,17 +1,20 @@
 """Train a konkanivani Conformer CTC/attention model (``konkanivani-train``).
 
 Every field of ``TrainConfig`` is a flag; model dimensions (``--d_model``, ``--encoder_layers``, ...)
-override the chosen ``--preset``. Example, the T4 recipe on the demo corpus::
+override the chosen ``--preset``. Example, the T4 recipe's model, batches and precision on the
+demo corpus::
 
     konkanivani-train --train_manifest data/demo/train.jsonl \\
         --valid_manifest data/demo/valid.jsonl --preset medium --batch_size 2 \\
         --gradient_accumulation_steps 4 --mixed_precision --output_dir checkpoints/t4
 
-or the same from its YAML recipe, with any flag overriding the file::
+or the whole recipe from its YAML file (character tokens, ``seed: 1234`` and the rest; without a
+recipe ``--seed`` is 0), with any flag overriding the file::
 
     konkanivani-train --config configs/t4.yaml --output_dir checkpoints/t4
 
-Under ``torchrun --nproc_per_node N`` it trains data-parallel (see the README).
+Under ``torchrun --nproc_per_node N`` it trains data-parallel (see docs/training.md, "Several GPUs
+or CPU processes: torchrun").
 
 Exit status: 0 when training finished or stopped at --max_time (both leave a checkpoint to resume
 from), 130 / 143 when SIGINT / SIGTERM stopped it after saving (128 + the signal, as a shell

@@ -163,7 +163,7 @@ def _quiet_exporter() -> Iterator[None]:
             # MultiHeadAttention compares the query and memory batch sizes, equal in the encoder's
             # self-attention at every shape: the traced constant holds for all inputs.
             warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
-            # torch.jit is deprecated upstream (README, "Ship the model", says so once).
+            # torch.jit is deprecated upstream (docs/decoding.md, "Ship the model", says so once).
             warnings.filterwarnings("ignore", message=r"`torch\.jit\.\w+` is deprecated", category=FutureWarning)
             yield
     finally:

@@ -19,7 +19,9 @@ room (synthetic, ``augment.corrupt_manifest``). ``text.txt`` is a text-only set
     OUT_DIR/text.txt                         text-only sentences, one a line
     OUT_DIR/corpus_info.json                 generation parameters
 
-The command line is ``training_scripts/make_demo_corpus.py``.
+The command line is ``konkanivani-demo-corpus --output_dir OUT_DIR`` (``konkanivani/cli/demo_corpus.py``;
+``training_scripts/make_demo_corpus.py`` runs the same), with the defaults of ``default_options``, as
+``make_corpus``.
 """
 from __future__ import annotations
 
@@ -79,7 +81,7 @@ HELDOUT_PER_SENTENCE = 2
 
 
 FESTIVAL_TRAIN_STRETCH_RANGE = (0.8, 1.3)
-# konkanivani-demo-corpus's defaults, measured side by side (README, "A model that recognizes Konkani"):
+# konkanivani-demo-corpus's defaults, measured side by side (benchmarks/results/festival_voices/README.md):
 # at 2,000 steps they took the held-out voice from 64% to 36% CER, for 1.4 points on the clean test split.
 DEFAULT_FESTIVAL_SHARE = 0.3
 DEFAULT_TRAIN_FROM_TEXT = 800
@@ -100,7 +102,7 @@ class EspeakMissingError(RuntimeError):
 
 def festival_available() -> bool:
     """True when festival's text2wave and its Marathi diphone voice are installed (Debian:
-    ``apt-get install festival festvox-mr-nsk``, ``voices.FESTIVAL_VOICE_PACKAGE``)."""
+    ``apt-get install festival`` and ``voices.FESTIVAL_VOICE_PACKAGE``)."""
     return shutil.which("text2wave") is not None and any(
         Path(root, FESTIVAL_VOICE_FOLDER).is_dir() for root in FESTIVAL_VOICE_ROOTS)
 
