@@ -479,7 +479,7 @@ def train_epoch(run: Run, stop_request: StopRequest,
     bar = _progress_bar(run.epoch_batches, run.batches_done, f"epoch {run.epoch + 1}/{cfg.epochs}", show_bar)
     micro: list[Batch] = []
     speed, epoch_speed = _Speed(), _Speed()  # since the last summary line; since the epoch (re)started
-    with logging_redirect_tqdm() if show_bar else contextlib.nullcontext():  # log lines above the bar
+    with logging_redirect_tqdm([logging.root, log]) if show_bar else contextlib.nullcontext():  # log lines above the bar
         for batch in _timed(run.train_loader, speed, epoch_speed):
             run.batches_done += 1
             bar.update()
