@@ -24,7 +24,7 @@ TRAIN_MANIFEST=${TRAIN_MANIFEST:-}
 VALID_MANIFEST=${VALID_MANIFEST:-}
 if [ -z "$TRAIN_MANIFEST" ]; then
     command -v espeak-ng >/dev/null 2>&1 || training_scripts/setup_env.sh
-    "$PYTHON" training_scripts/make_demo_corpus.py data/demo  # returns at once when the corpus is there
+    "$PYTHON" training_scripts/make_demo_corpus.py --output_dir data/demo  # returns at once when the corpus is there
     TRAIN_MANIFEST=data/demo/train.jsonl
     VALID_MANIFEST=${VALID_MANIFEST:-data/demo/valid.jsonl}
 fi

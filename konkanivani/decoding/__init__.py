@@ -1,1 +1,2 @@
-"""decoding"""
+"""From a trained checkpoint to text: the searches (greedy, CTC prefix beam, attention, joint,
+rescoring, LM fusion), the ``Recognizer``, evaluation with WER/CER, and ONNX/TorchScript export."""

@@ -22,6 +22,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint import fsync_dir, write_file_atomic
+
 __all__ = ["OutputError", "Staging", "child", "refuse_overlap", "safe_name"]
 
 _PLAIN = re.compile(r"[\w][\w.\-]*")  # letters (any script), digits, _ . - ; not starting with a dot
@@ -71,19 +73,6 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
     else:
         path.unlink(missing_ok=True)
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class Staging:
@@ -140,9 +129,7 @@ class Staging:
         for name in manifests:
             os.replace(self.path / name, self.out / name)
         record = {**(info or {}), "outputs": new}
-        tmp = self.out / f".{self.record}.tmp"
-        tmp.write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        os.replace(tmp, self.out / self.record)
+        write_file_atomic(self.out / self.record, (json.dumps(record, indent=2, ensure_ascii=False) + "\n").encode())
         self.path.rmdir()
-        _fsync_dir(self.out)
+        fsync_dir(self.out)
         return new
