@@ -39,10 +39,10 @@ def worker(spec: dict) -> dict:
     from konkanivani.config import model_config_from_preset
     from konkanivani.data.dataset import Batch
     from konkanivani.model.asr import ASRModel
-    from konkanivani.training.loop import forward_backward, optimizer_step
     from konkanivani.training.memory import MemoryEstimator, peak_rss_bytes, precision_name, reset_peak_rss, rss_bytes
     from konkanivani.training.optim import build_optimizer
     from konkanivani.training.precision import resolve_precision
+    from konkanivani.training.step import forward_backward, optimizer_step
 
     torch.manual_seed(0)
     device = torch.device(spec["device"])
@@ -96,9 +96,9 @@ def _warm_up(device, precision: str) -> None:
     from konkanivani.config import model_config_from_preset
     from konkanivani.data.dataset import Batch
     from konkanivani.model.asr import ASRModel
-    from konkanivani.training.loop import forward_backward, optimizer_step
     from konkanivani.training.optim import build_optimizer
     from konkanivani.training.precision import resolve_precision
+    from konkanivani.training.step import forward_backward, optimizer_step
 
     cfg = model_config_from_preset("tiny", vocab_size=32)
     batch = Batch(torch.randn(1, 200, cfg.n_mels), torch.tensor([200]), torch.randint(3, 32, (1, 10)),

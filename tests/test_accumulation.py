@@ -5,8 +5,8 @@ import torch
 from konkanivani.config import model_config_from_preset
 from konkanivani.data.dataset import Batch
 from konkanivani.model.asr import ASRModel
-from konkanivani.training.loop import forward_backward, optimizer_step
 from konkanivani.training.precision import resolve_precision
+from konkanivani.training.step import forward_backward, optimizer_step
 
 
 def _batches(n_utts, per_batch, seed=0):

@@ -15,9 +15,9 @@ from konkanivani.data.tokenizer import Tokenizer
 from konkanivani.decoding.recognizer import Recognizer
 from konkanivani.model.asr import ASRModel
 from konkanivani.training.ema import ema_state, load_ema_state, make_ema
-from konkanivani.training.loop import validate
 from konkanivani.training.precision import resolve_precision
 from konkanivani.training.state import TrainState
+from konkanivani.training.step import validate
 
 
 class _Toy(torch.nn.Module):

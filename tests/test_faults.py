@@ -19,9 +19,9 @@ from scipy.signal import resample_poly
 
 from konkanivani.checkpoint import load_checkpoint
 from konkanivani.training import loop as train_module
-from konkanivani.training.loop import optimizer_step
 from konkanivani.training.metrics_log import MetricsLog
 from konkanivani.training.signals import diverged_message
+from konkanivani.training.step import optimizer_step
 
 ROOT = Path(__file__).resolve().parents[1]
 from tiny_args import tiny_args  # noqa: E402

@@ -33,9 +33,10 @@ from konkanivani.data.samplers import split_batch
 from konkanivani.model.asr import ASRModel
 from konkanivani.training import loop
 from konkanivani.training.distributed import Dist
-from konkanivani.training.loop import forward_backward, train
+from konkanivani.training.loop import train
 from konkanivani.training.memory import BatchDoesNotFit
 from konkanivani.training.precision import resolve_precision
+from konkanivani.training.step import forward_backward
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "training_scripts" / "train_konkanivani_asr.py"

@@ -21,10 +21,10 @@ from konkanivani.data.samplers import (
 from konkanivani.model.asr import ASRModel
 from konkanivani.model.conformer import LayerNorm
 from konkanivani.training import precision as precision_module
-from konkanivani.training.loop import forward_backward, optimizer_step
 from konkanivani.training.memory import BatchDoesNotFit, MemoryEstimator, is_out_of_memory
 from konkanivani.training.optim import build_optimizer
 from konkanivani.training.precision import resolve_precision
+from konkanivani.training.step import forward_backward, optimizer_step
 
 CPU = torch.device("cpu")
 

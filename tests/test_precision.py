@@ -1,9 +1,9 @@
 import torch
 
 from konkanivani.training import precision as precision_module
-from konkanivani.training.loop import maybe_empty_cache
 from konkanivani.training.optim import lr_factor
 from konkanivani.training.precision import resolve_precision
+from konkanivani.training.step import maybe_empty_cache
 
 
 def test_fp32_unless_asked():
@@ -109,8 +109,8 @@ def test_bf16_autocast_trains_and_validates_on_cpu():
     from konkanivani.data.dataset import Batch
     from konkanivani.data.tokenizer import train_tokenizer
     from konkanivani.model.asr import ASRModel
-    from konkanivani.training.loop import forward_backward, optimizer_step, validate
     from konkanivani.training.precision import Precision
+    from konkanivani.training.step import forward_backward, optimizer_step, validate
 
     texts = ["हांव घरा वता", "तूं कितें करता"]
     tok = train_tokenizer(texts, vocab_size=30)

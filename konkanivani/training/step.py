@@ -1,0 +1,179 @@
+"""A training step's parts, which the loop, the benchmarks and the tests call: forward and backward
+over an accumulation group with the out-of-memory split-and-retry (``forward_backward``), the
+optimizer step with clipping and the fp16 scaler's inf/NaN skip (``optimizer_step``), releasing
+cached CUDA memory every N batches, and validation with WER/CER (``validate``)."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import logging.handlers
+import math
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from ..data.dataset import Batch, Utterance
+from ..data.samplers import (
+    split_batch,
+)
+from ..data.tokenizer import Tokenizer
+from ..decoding.metrics import error_rates
+from ..decoding.search import ctc_greedy
+from ..model.asr import ASRModel
+from .distributed import (
+    Dist,
+    no_sync,
+)
+from .memory import (
+    BatchDoesNotFit,
+    free_memory,
+    is_out_of_memory,
+)
+from .precision import Precision
+
+__all__ = ["forward_backward", "maybe_empty_cache", "optimizer_step", "validate"]
+
+log = logging.getLogger("konkanivani")
+
+
+def maybe_empty_cache(device: torch.device, batches_done: int, every: int) -> bool:
+    """Release cached CUDA blocks every ``every`` batches, against fragmentation over long runs.
+    A no-op elsewhere. Returns whether the cache was emptied."""
+    if device.type != "cuda" or every <= 0 or batches_done % every:
+        return False
+    torch.cuda.empty_cache()
+    return True
+
+
+def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], device: torch.device,
+                     precision: Precision, scaler: torch.amp.GradScaler, spec_augment: bool,
+                     name_of: Optional[Callable[[int], str]] = None, dist: Dist = Dist(),
+                     offload_activations: bool = False) -> Optional[dict[str, float]]:
+    """Accumulate gradients over ``micro_batches``, normalized by their total utterance count (over
+    every process of a data-parallel run), so that the update equals the one from a single batch
+    holding all of them. Returns the mean losses and the utterance count; None when no process had
+    an utterance (the batches' audio could not be read).
+
+    A micro-batch that runs out of memory is split in halves and retried; the normalization by
+    the group's utterance count keeps the update as it would have been. An error in the forward
+    pass leaves the gradients alone; one in the backward pass may have added part of them, so the
+    gradients are cleared and the group starts again. Only a single utterance that does not fit
+    stops training (``BatchDoesNotFit``; ``name_of`` turns its index into a name for the message),
+    and so does an error in a data-parallel run's synchronizing backward pass (the last one), which
+    the other processes are waiting in. ``offload_activations`` keeps what the backward pass needs
+    in (pinned, on CUDA) CPU memory until then.
+    """
+    pending = [b for b in micro_batches if len(b)]
+    n_utts = dist.sum([sum(len(b) for b in pending)])[0]
+    if n_utts == 0:
+        return None
+    if not pending:  # this process has nothing, the others have: join their gradient sync with zeros
+        pending = [_empty_batch(model)]
+    per_process = n_utts / dist.world  # data parallelism averages the processes' gradients
+    done: list[Batch] = []
+    sums = {"loss": 0.0, "ctc": 0.0, "attention": 0.0}
+    while pending:
+        batch = pending.pop(0)
+        in_backward = False
+        try:
+            dev_batch = batch.to(device)
+            with precision.autocast(device), _saved_on_cpu(offload_activations, device):
+                out = model(dev_batch.feats, dev_batch.feat_lens, dev_batch.tokens, dev_batch.token_lens,
+                            spec_augment=spec_augment)
+            in_backward = True
+            with no_sync(model, skip=bool(pending)):  # gradients sync on the group's last backward pass
+                scaler.scale(out.loss / per_process if len(batch.indices) else out.loss * 0.0).backward()
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not is_out_of_memory(e) or (dist.active and in_backward and not pending):
+                raise
+            failed = str(e)  # not the error itself: its traceback holds the failed attempt's tensors
+        else:
+            if len(batch.indices):
+                for name, value in out._asdict().items():
+                    sums[name] += value.item()
+                done.append(batch)
+            continue
+        dev_batch = out = None  # noqa: F841 (release the failed attempt's tensors before retrying)
+        free_memory(device)
+        pending, done, sums = _after_out_of_memory(model, batch, pending, done, sums, in_backward, failed, device,
+                                                   name_of)
+    totals = dist.sum(list(sums.values()))
+    return {**{name: value / n_utts for name, value in zip(sums, totals)}, "utterances": n_utts}
+
+
+def _after_out_of_memory(model: Any, batch: Batch, pending: list[Batch], done: list[Batch], sums: dict[str, float],
+                         in_backward: bool, failed: str, device: torch.device,
+                         name_of: Optional[Callable[[int], str]]) -> tuple[list[Batch], list[Batch], dict[str, float]]:
+    """The micro-batches left to run after ``batch`` ran out of memory: its halves, and the whole
+    group again when the error came in the backward pass (its gradients are cleared)."""
+    if len(batch) == 1:
+        who = name_of(batch.indices[0]) if name_of else f"utterance {batch.indices[0]}"
+        raise BatchDoesNotFit(
+            f"{who} ({int(batch.feat_lens[0])} frames) does not fit in {device.type} memory even alone "
+            f"({failed}); lower --max_duration, or use --gradient_checkpointing, --precision bf16/fp16, "
+            "--optimizer adamw_8bit or a smaller --preset")
+    halves = list(split_batch(batch))
+    log.warning("out of memory on a micro-batch of %d utterances (%d frames each)%s; retrying it as %d + %d "
+                "utterances, the update is unchanged", len(batch), batch.feats.shape[1],
+                " in the backward pass: the accumulation group starts again" if in_backward else "",
+                len(halves[0]), len(halves[1]))
+    if in_backward:
+        model.zero_grad(set_to_none=True)
+        return done + halves + pending, [], dict.fromkeys(sums, 0.0)
+    return halves + pending, done, sums
+
+
+def _saved_on_cpu(offload: bool, device: torch.device) -> Any:
+    if not offload:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+
+
+def _empty_batch(model: Any) -> Batch:
+    """A one-utterance batch of silence that stands in, with its loss multiplied by 0, for a
+    process whose whole accumulation group failed to load (``indices`` is empty: it counts for nothing)."""
+    cfg = getattr(model, "module", model).cfg
+    return Batch(torch.zeros(1, 101, cfg.n_mels), torch.tensor([101]), torch.full((1, 1), 3), torch.tensor([1]), [])
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                   grad_clip: float, loss: float = 0.0) -> float:
+    """Unscale, clip, step, update the scale, zero the gradients. Returns the gradient norm.
+
+    A non-finite gradient norm or ``loss`` skips the update in every precision (with fp16 the
+    GradScaler then also lowers its scale); the caller tells a skip by the returned norm and the loss.
+    """
+    scaler.unscale_(optimizer)
+    params = [p for p in model.parameters() if p.grad is not None]
+    max_norm = grad_clip if grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)  # sharded: DTensor
+    if math.isfinite(grad_norm) and math.isfinite(loss):
+        scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+@torch.no_grad()
+def validate(model: ASRModel, loader: Iterable[Batch], tokenizer: Tokenizer, utterances: list[Utterance],
+             device: torch.device, precision: Precision, dist: Dist = Dist()) -> dict[str, float]:
+    """Loss per utterance, and CER/WER of greedy CTC, in eval mode; over the shares of every process."""
+    model.eval()
+    loss_sum, n, refs, hyps = 0.0, 0, [], []
+    for batch in loader:
+        if not len(batch):
+            continue
+        batch = batch.to(device)
+        with precision.autocast(device):
+            enc, enc_lens = model.encode(batch.feats, batch.feat_lens)
+            out = model.losses(enc, enc_lens, batch.tokens, batch.token_lens)
+            log_probs = model.ctc_log_probs(enc)
+        loss_sum += out.loss.item()
+        n += len(batch)
+        hyps += [tokenizer.decode(h) for h in ctc_greedy(log_probs, enc_lens)]
+        refs += [utterances[i].text for i in batch.indices]
+    model.train()
+    loss_sum, n = dist.sum([loss_sum, n])
+    pairs = [pair for share in dist.gather(list(zip(refs, hyps))) for pair in share]
+    return {"loss": loss_sum / max(n, 1), **error_rates([r for r, _ in pairs], [h for _, h in pairs])}
