@@ -32,7 +32,6 @@ __all__ = ["DeviceError", "Precision", "resolve_device", "resolve_precision", "c
            "cpu_description"]
 
 
-
 class DeviceError(ConfigError, RuntimeError):
     """A ``--device`` this machine does not have. A ``ConfigError`` (the training CLI's "bad flag
     value", exit 2) and a ``RuntimeError`` (what the decoding CLIs catch), so every tool that
@@ -152,14 +151,18 @@ def _explicit_precision(device: torch.device, precision: str) -> Precision:
     if device.type == "cpu":
         ratio = cpu_bf16_speed_ratio()
         if ratio >= 0.2:
-            return Precision(torch.bfloat16, False,
-                             f"precision: bf16 autocast (this CPU, {cpu_description()}, runs bf16 matmul at "
-                             f"{ratio:.2f}x fp32)")
+            return _fast_cpu_bf16(ratio)
         speed = f"bf16 matmul at {ratio:.3f}x fp32" if ratio else "no avx512_bf16 or amx_bf16"
         return Precision(torch.bfloat16, False, f"precision: bf16 autocast as asked, but this CPU "
                                                 f"({cpu_description()}) has no native bf16 ({speed}): far slower "
                                                 "than fp32", slow=True)
     return Precision(torch.bfloat16, False, f"precision: bf16 autocast on {device.type}")
+
+
+def _fast_cpu_bf16(ratio: float) -> Precision:
+    """bf16 autocast on a CPU whose bf16 matmul runs at ``ratio`` of fp32 speed (at least 0.2)."""
+    return Precision(torch.bfloat16, False, f"precision: bf16 autocast (this CPU, {cpu_description()}, runs bf16 "
+                                            f"matmul at {ratio:.2f}x fp32)")
 
 
 def resolve_precision(device: torch.device, mixed_precision: bool, precision: str = "") -> Precision:
@@ -175,9 +178,7 @@ def resolve_precision(device: torch.device, mixed_precision: bool, precision: st
     if device.type == "cpu":
         ratio = cpu_bf16_speed_ratio()
         if ratio >= 0.2:
-            return Precision(torch.bfloat16, False,
-                             f"precision: bf16 autocast (this CPU, {cpu_description()}, runs bf16 matmul at "
-                             f"{ratio:.2f}x fp32)")
+            return _fast_cpu_bf16(ratio)
         speed = f"bf16 matmul at {ratio:.3f}x fp32 speed" if ratio else "no avx512_bf16 or amx_bf16"
         return Precision(None, False, f"--mixed_precision: this CPU ({cpu_description()}) has no fast bf16 "
                                       f"({speed}), training in fp32")
