@@ -32,9 +32,10 @@ import yaml
 from .checkpoint import write_file_atomic
 from .config import ConfigError, ModelConfig, TrainConfig, flag_fields
 
-__all__ = ["SECTIONS", "SECTION_OF", "load_config_file", "resolved_config", "write_config_file"]
+__all__ = ["SECTIONS", "SWEEP_SECTION", "load_sweep_section", "SECTION_OF", "load_config_file", "resolved_config", "write_config_file"]
 
 SECTIONS = ("model", "data", "training")
+SWEEP_SECTION = "sweep"  # konkanivani-sweep's grid (and options) in a recipe; the trainer ignores it
 
 # The section of every key, from the fields' own metadata (config._help): the model section holds
 # --preset, --init_from and its options and the ModelConfig fields (but vocab_size, which the tokenizer
@@ -78,6 +79,8 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: a config is a mapping of the sections {', '.join(SECTIONS)}")
     values: dict[str, Any] = {}
     for section, entries in document.items():
+        if section == SWEEP_SECTION:  # konkanivani-sweep's (load_sweep_section); every trial runs the rest
+            continue
         if section not in SECTIONS:
             raise ConfigError(_unknown_section(path, section))
         if entries is None:  # a section left empty
@@ -87,6 +90,26 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         for key, value in entries.items():
             values[key] = _checked(path, section, key, value)
     return values
+
+
+def load_sweep_section(path: str | Path) -> dict[str, Any]:
+    """The ``sweep:`` section of a recipe: ``grid`` (flag -> list of values) and the sweep's own
+    options (``target_cer``, ``gpu_gb``); {} without one. ``ConfigError`` naming the file otherwise."""
+    path = Path(path)
+    try:
+        document = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"--config {path}: cannot read it ({type(e).__name__})") from e
+    section = document.get(SWEEP_SECTION) if isinstance(document, dict) else None
+    if section is None:
+        return {}
+    grid = section.get("grid", {}) if isinstance(section, dict) else None
+    if not isinstance(grid, dict) or not all(isinstance(v, list) for v in grid.values()):
+        raise ConfigError(f"{path}: sweep: holds grid:, a mapping of flags to lists of values")
+    unknown = set(section) - {"grid", "target_cer", "gpu_gb"}
+    if unknown:
+        raise ConfigError(f"{path}: sweep: {sorted(unknown)[0]} is not a sweep option (grid, target_cer, gpu_gb)")
+    return section
 
 
 def _unknown_section(path: Path, section: Any) -> str:

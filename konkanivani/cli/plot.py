@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from ..tools.sweep import SWEEP_FILE, plot_sweep
 from ..training.curves import CURVES, have_matplotlib, plot_runs
 from ..training.metrics_log import read_metrics
 from . import Parser, fail, setup_logging, tool
@@ -20,12 +21,14 @@ from . import Parser, fail, setup_logging, tool
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
     parser = Parser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="training output directories")
+    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="training output directories, or one konkanivani-sweep folder")
     parser.add_argument("-o", "--output", type=Path,
                         help=f"the PNG to write (default with one RUN_DIR: RUN_DIR/{CURVES}; required with several)")
     args = parser.parse_args(argv)
     if args.output is None and len(args.run_dirs) > 1:
         parser.error("give -o PNG to compare several runs")
+    if len(args.run_dirs) == 1 and (args.run_dirs[0] / SWEEP_FILE).is_file():  # a konkanivani-sweep folder
+        return _plot_sweep(args.run_dirs[0], args.output)
     for run_dir in args.run_dirs:
         metrics = run_dir / "metrics.jsonl"
         if not metrics.is_file():
@@ -40,6 +43,18 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         return fail(f"could not write {output}: {e}")
     print(f"wrote {output}")
+    return 0
+
+
+def _plot_sweep(folder: Path, output: Path | None) -> int:
+    """A sweep's folder: the same sweep.png as the sweep draws (CER against time, best CER against size)."""
+    if not have_matplotlib():
+        return fail('drawing needs matplotlib: pip install "konkanivani[plot]"')
+    try:
+        written = plot_sweep(folder, output)
+    except OSError as e:
+        return fail(f"could not write {output or folder / 'sweep.png'}: {e}")
+    print(f"wrote {written}")
     return 0
 
 

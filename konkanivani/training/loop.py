@@ -304,7 +304,7 @@ def save(run: Run, is_best: bool = False, quiet: bool = False) -> None:
         scaler=run.scaler.state_dict(), step=run.step, epoch=run.epoch, batches_done=run.batches_done,
         processes=run.dist.world, rng=rng,
         best_wer=run.best_wer, best_cer=run.best_cer, valid_metrics=run.valid_metrics, valid_step=run.valid_step,
-        ema_model=ema_model, ema_updates=ema_updates)
+        ema_model=ema_model, ema_updates=ema_updates, train_seconds=run.elapsed())
     path = save_step(run.out_dir, run.step, state.save, is_best, run.cfg.keep_checkpoints)
     if not quiet:
         log.info("saved %s%s", path, " (best so far: also best.pt)" if is_best else "")

@@ -8,6 +8,7 @@ import logging
 import logging.handlers
 import math
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -97,6 +98,13 @@ class Run:
     board: TensorBoardLog = field(default_factory=TensorBoardLog)  # the metrics rows again, for TensorBoard
     ema: Optional[AveragedModel] = None  # the moving average of the weights (--ema_decay)
     draw_curves: bool = False  # redraw curves.png after each validation (rank 0, with matplotlib)
+    elapsed_before: float = 0.0  # seconds of training before this process took over (TrainState.train_seconds)
+    started: float = field(default_factory=time.monotonic)  # when this process's part of the run began
+
+    def elapsed(self) -> float:
+        """Seconds of training so far, over every process that ran this run (resumes included, the
+        time between a kill and its resume not)."""
+        return self.elapsed_before + time.monotonic() - self.started
 
     def close(self) -> None:
         """End the data workers and the TensorBoard writer, however the run ended."""
@@ -108,6 +116,7 @@ class Run:
         """A metrics row, in metrics.jsonl and TensorBoard. Each carries the 1-based epoch its step
         belongs to: the one in progress, or the one that just ended for an epoch-end validation."""
         if self.dist.is_main:
+            values = {**values, "elapsed_s": round(self.elapsed(), 2)}  # time to a figure: sweeps compare runs by it
             self.metrics.write(kind, self.step, self.epoch + 1 if self.batches_done else self.epoch, **values)
             self.board.write(kind, self.step, **values)
 
@@ -326,6 +335,7 @@ def _restore(run: Run, state: TrainState, source: str, samples_grew: bool) -> No
     if run.scaler.is_enabled() and state.scaler:  # empty when the saved run had no fp16
         run.scaler.load_state_dict(state.scaler)
     run.step, run.epoch, run.batches_done = state.step, state.epoch, state.batches_done
+    run.elapsed_before = state.train_seconds
     if state.processes == run.dist.world:
         restore_rng(state.rng[run.dist.rank])
     else:  # the processes took interleaved shares of the same batches: so many of them are done

@@ -40,6 +40,7 @@ class TrainState:
     valid_step: int = -1  # the step valid_metrics were measured at
     ema_model: dict[str, Any] = field(default_factory=dict)  # the EMA weights (--ema_decay); empty when off
     ema_updates: int = 0  # optimizer steps averaged into ema_model (AveragedModel.n_averaged)
+    train_seconds: float = 0.0  # seconds of training up to this step (Run.elapsed); 0 in older checkpoints
 
     def save(self, path: str | Path) -> Path:
         return save_checkpoint({f.name: getattr(self, f.name) for f in fields(self)}, path)

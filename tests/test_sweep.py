@@ -1,0 +1,156 @@
+"""konkanivani-sweep: a grid of trainer flags, each trial an ordinary run; a sweep never loses work."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from tiny_args import tiny_args
+
+from konkanivani.cli import sweep as sweep_cli
+from konkanivani.tools.sweep import SweepError, grid_trials, parse_grid
+from konkanivani.training.metrics_log import read_metrics
+
+
+def _shared(corpus, *extra):
+    """tiny_args without --output_dir (the sweep sets each trial's)."""
+    args = tiny_args(corpus, "unused", *extra)
+    i = args.index("--output_dir")
+    return args[:i] + args[i + 2:]
+
+
+def test_a_grid_is_typed_and_every_combination_is_a_trial():
+    grid = parse_grid(["preset=tiny,small", "lr=1e-3,2e-3", "spec_augment=false"])
+    assert grid == {"preset": ["tiny", "small"], "lr": [1e-3, 2e-3], "spec_augment": [False]}
+    trials = grid_trials(grid)
+    assert [t.settings for t in trials][:2] == [{"preset": "tiny", "lr": 1e-3, "spec_augment": False},
+                                                {"preset": "tiny", "lr": 2e-3, "spec_augment": False}]
+    assert len({t.name for t in trials}) == 4 and trials[0].name == "preset-tiny_lr-0.001_spec_augment-False"
+
+
+@pytest.mark.parametrize("items, message", [
+    (["lrr=1e-3"], "--grid lrr: not a trainer flag (did you mean lr?)"),
+    (["lr=fast"], "--grid lr: 'fast' is not a float"),
+    (["d_model=128,wide"], "--grid d_model: 'wide' is not a int"),
+    ([], "an empty grid"),
+    (["lr=1e-3", "lr=2e-3"], "--grid lr: given twice"),
+    (["lr="], "--grid lr: no value"),
+    (["output_dir=a,b"], "--grid output_dir: not a trainer flag"),
+])
+def test_a_bad_grid_is_one_line_naming_the_flag(items, message):
+    with pytest.raises(SweepError) as e:
+        parse_grid(items)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--grid", "lrr=1"], "did you mean lr?"),
+    (["--grid", "lr=1e-3", "--target_cer", "0"], "--target_cer must be in (0, 100]"),
+    (["--grid", "lr=1e-3", "--target_cer", "150"], "--target_cer must be in (0, 100]"),
+    (["--grid", "lr=1e-3", "--resume", "latest"], "--resume is the sweep's to set"),
+])
+def test_the_command_says_a_bad_sweep_in_one_line_with_exit_2(tmp_path, capsys, argv, message):
+    try:
+        status = sweep_cli.main(["--output_dir", str(tmp_path / "s"), *argv, "--train_manifest", "t.jsonl",
+                                 "--valid_manifest", "v.jsonl"])
+    except SystemExit as e:
+        status = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_sweep_section_in_the_recipe_is_the_grid(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  preset: tiny\nsweep:\n  grid:\n    lr: [0.001, 0.002]\n  target_cer: 50\n",
+                      encoding="utf-8")
+    args, shared = sweep_cli.parse_args(["--output_dir", str(tmp_path / "s"), "--config", str(recipe),
+                                         "--grid", "warmup_steps=4,8"])
+    assert args.grid == ["lr=0.001,0.002", "warmup_steps=4,8"] and args.target_cer == 50
+    assert shared == ["--config", str(recipe)]
+
+
+def _train_steps(trial_dir):
+    return [r["step"] for r in read_metrics(trial_dir / "metrics.jsonl").get("train", [])]
+
+
+@pytest.mark.slow
+def test_a_sweep_killed_in_its_second_trial_continues_without_repeating_a_step(tiny_corpus, tmp_path):
+    """Three trials; SIGTERM while the second trains; the same command again finishes all three, the
+    first kept as it was, the second resumed from its own checkpoint: every step once."""
+    out = tmp_path / "sweep"
+    argv = ["--output_dir", str(out), "--grid", "lr=1e-3,2e-3,3e-3", "--target_cer", "99",
+            *_shared(tiny_corpus, "--max_steps", "12", "--save_every_steps", "2", "--validate_every_steps", "6")]
+    proc = subprocess.Popen([sys.executable, "-m", "konkanivani.cli.sweep", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    second = out / "lr-0.002"
+    for _ in range(2400):  # until the second trial has saved a few steps (bounded: 2400 polls)
+        if proc.poll() is not None or ((second / "latest.pt").exists() and len(_train_steps(second)) >= 5):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the sweep ended before it could be stopped"
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert "continue with:" in stdout and "Traceback" not in stderr
+    first = out / "lr-0.001"
+    assert json.loads((first / "trial.json").read_text())["status"] == "done"
+    first_metrics = (first / "metrics.jsonl").read_bytes()
+    assert json.loads((second / "trial.json").read_text())["status"] == "stopped"
+    assert not (out / "lr-0.003").exists()
+
+    assert sweep_cli.main(argv) == 0  # the same command again
+    assert (first / "metrics.jsonl").read_bytes() == first_metrics  # kept, not run again
+    for name in ("lr-0.001", "lr-0.002", "lr-0.003"):
+        assert _train_steps(out / name) == list(range(1, 13)), name  # every step once
+        assert json.loads((out / name / "trial.json").read_text())["status"] == "done"
+    table = (out / "sweep.csv").read_text().splitlines()
+    assert table[0].startswith("trial,lr,status,parameters_m,steps") and len(table) == 4
+    assert all(",done," in line and ",12," in line for line in table[1:])
+    assert "| lr-0.003 | 0.003 | done |" in (out / "sweep.md").read_text()
+    assert (out / "sweep.png").stat().st_size > 0  # CER against time, best CER against size
+    from konkanivani.cli import plot as plot_cli
+
+    assert plot_cli.main([str(out), "--output", str(tmp_path / "again.png")]) == 0  # konkanivani-plot of the folder
+    assert (tmp_path / "again.png").stat().st_size > 0
+
+    changed = [a if a != "12" else "13" for a in argv]  # another --max_steps under the same trial names
+    assert sweep_cli.main(changed) == 2
+
+
+def test_a_trial_that_cannot_fit_the_budget_is_skipped_not_run(tmp_path, capsys):
+    from konkanivani.data.frames import SAMPLE_RATE  # noqa: F401  a manifest needs no audio for the planner
+
+    manifest = tmp_path / "train.jsonl"
+    manifest.write_text(json.dumps({"audio_filepath": "a.wav", "duration": 20.0, "text": "क"}) + "\n",
+                        encoding="utf-8")
+    status = sweep_cli.main(["--output_dir", str(tmp_path / "s"), "--grid", "preset=large,medium", "--gpu_gb", "0.5",
+                             "--train_manifest", str(manifest), "--valid_manifest", str(manifest),
+                             "--batch_size", "8"])
+    assert status == 0
+    for name in ("preset-large", "preset-medium"):
+        record = json.loads((tmp_path / "s" / name / "trial.json").read_text())
+        assert record["status"] == "skipped" and "GiB (memory planner" in record["reason"] and "of 0.5 GiB" in record["reason"]
+        assert not (tmp_path / "s" / name / "metrics.jsonl").exists()
+    assert "2 trials: 2 skipped" in capsys.readouterr().out
+
+
+def test_a_second_sweep_into_a_running_sweeps_folder_is_refused(tmp_path, capsys):
+    manifest = tmp_path / "train.jsonl"
+    manifest.write_text(json.dumps({"audio_filepath": "a.wav", "duration": 1.0, "text": "क"}) + "\n", encoding="utf-8")
+    out = tmp_path / "s"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                               "from konkanivani.training.rundir import hold_run_directory\n"
+                               f"with hold_run_directory({str(out)!r}):\n"
+                               "    print('held', flush=True)\n    time.sleep(120)\n"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"  # another process runs a sweep there
+        status = sweep_cli.main(["--output_dir", str(out), "--grid", "lr=1e-3", "--gpu_gb", "0.001",
+                                 "--train_manifest", str(manifest), "--valid_manifest", str(manifest)])
+    finally:
+        holder.kill()
+        holder.wait()
+    assert status == 2 and "in use by another" in capsys.readouterr().err
+    assert not (out / "sweep.json").exists()
