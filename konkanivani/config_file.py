@@ -93,8 +93,9 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def load_sweep_section(path: str | Path) -> dict[str, Any]:
-    """The ``sweep:`` section of a recipe: ``grid`` (flag -> list of values) and the sweep's own
-    options (``target_cer``, ``gpu_gb``); {} without one. ``ConfigError`` naming the file otherwise."""
+    """The ``sweep:`` section of a recipe: ``grid`` (flag -> list of values) or ``search`` (flag ->
+    {kind: values}, ``tools.search``) and the sweep's own options (``target_cer``, ``gpu_gb``); {}
+    without one. ``ConfigError`` naming the file otherwise."""
     path = Path(path)
     try:
         document = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
@@ -106,9 +107,10 @@ def load_sweep_section(path: str | Path) -> dict[str, Any]:
     grid = section.get("grid", {}) if isinstance(section, dict) else None
     if not isinstance(grid, dict) or not all(isinstance(v, list) for v in grid.values()):
         raise ConfigError(f"{path}: sweep: holds grid:, a mapping of flags to lists of values")
-    unknown = set(section) - {"grid", "target_cer", "gpu_gb"}
+    unknown = set(section) - {"grid", "search", "target_cer", "gpu_gb"}
     if unknown:
-        raise ConfigError(f"{path}: sweep: {sorted(unknown)[0]} is not a sweep option (grid, target_cer, gpu_gb)")
+        raise ConfigError(f"{path}: sweep: {sorted(unknown)[0]} is not a sweep option (grid, search, target_cer, "
+                          "gpu_gb)")
     return section
 
 

@@ -188,7 +188,7 @@ def test_resolved_config_has_every_value_but_how_the_command_started():
 
 def _train_rows(out):
     """The rows of metrics.jsonl without the machine's figures (speed, data wait, memory)."""
-    machine = ("utt_per_s", "data_wait", "rss_gb", "peak_rss_gb", "mem_gb", "peak_gb", "reserved_gb")
+    machine = ("utt_per_s", "data_wait", "rss_gb", "peak_rss_gb", "mem_gb", "peak_gb", "reserved_gb", "elapsed_s")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if k not in machine} for r in rows]
 

@@ -154,3 +154,94 @@ def test_a_second_sweep_into_a_running_sweeps_folder_is_refused(tmp_path, capsys
         holder.wait()
     assert status == 2 and "in use by another" in capsys.readouterr().err
     assert not (out / "sweep.json").exists()
+
+
+# --- search with Optuna ---------------------------------------------------------------------------
+
+from konkanivani.tools.search import parse_space  # noqa: E402
+
+SPACE = "sweep:\n  search:\n    lr: {log_uniform: [1.0e-3, 3.0e-3]}\n    warmup_steps: {int: [4, 8]}\n"
+
+
+@pytest.mark.parametrize("space, message", [
+    ({"lrr": {"uniform": [0, 1]}}, "lrr: not a trainer flag (did you mean lr?)"),
+    ({"lr": {"normal": [0, 1]}}, "lr: write one of"),
+    ({"lr": {"uniform": [2, 1]}}, "lr: uniform takes [low, high] numbers with low < high"),
+    ({"lr": {"log_uniform": [0, 1]}}, "lr: log_uniform needs low > 0"),
+    ({"warmup_steps": {"uniform": [1, 9]}}, "warmup_steps: an integer flag takes int: [low, high] or choices"),
+    ({}, "sweep: search: must map trainer flags"),
+])
+def test_a_bad_search_space_is_one_line_naming_the_flag(space, message):
+    with pytest.raises(SweepError) as e:
+        parse_space(space, "r.yaml")
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def _search_argv(corpus, out, recipe, *extra):
+    return ["--output_dir", str(out), "--search", "optuna", "--config", str(recipe),
+            *_shared(corpus, "--max_steps", "6", "--save_every_steps", "2", "--validate_every_steps", "3"), *extra]
+
+
+def _study_trials(url):
+    import optuna
+
+    study = optuna.load_study(study_name="konkanivani-sweep", storage=url)
+    return study.get_trials(deepcopy=False)
+
+
+@pytest.mark.slow
+def test_a_search_killed_in_a_trial_resumes_from_its_sqlite_study(tiny_corpus, tmp_path):
+    pytest.importorskip("optuna")
+    from optuna.trial import TrialState
+
+    recipe = tmp_path / "search.yaml"
+    recipe.write_text(SPACE, encoding="utf-8")
+    out = tmp_path / "search"
+    argv = _search_argv(tiny_corpus, out, recipe, "--trials", "3")
+    proc = subprocess.Popen([sys.executable, "-m", "konkanivani.cli.sweep", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    second = out / "trial-0001"
+    for _ in range(2400):  # until the second trial has saved a step (bounded: 2400 polls)
+        if proc.poll() is not None or ((second / "latest.pt").exists() and len(_train_steps(second)) >= 3):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the search ended before it could be stopped"
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    url = f"sqlite:///{out / 'study.db'}"
+    stopped = [t for t in _study_trials(url) if t.user_attrs.get("run_dir") == "trial-0001"]
+    assert [t.state for t in stopped] == [TrialState.FAIL, TrialState.WAITING]  # given again, same parameters
+    params = stopped[0].params
+
+    assert sweep_cli.main(argv) == 0  # the same command again
+    finished = [t for t in _study_trials(url) if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert len(finished) == 3
+    again = [t for t in finished if t.user_attrs["run_dir"] == "trial-0001"]
+    assert len(again) == 1 and again[0].params == params
+    assert _train_steps(second) == list(range(1, len(_train_steps(second)) + 1))  # resumed: every step once
+    assert len((out / "sweep.csv").read_text().splitlines()) >= 2
+
+
+@pytest.mark.slow
+def test_two_sweep_processes_share_one_sqlite_study(tiny_corpus, tmp_path):
+    pytest.importorskip("optuna")
+    from optuna.trial import TrialState
+
+    recipe = tmp_path / "search.yaml"
+    recipe.write_text(SPACE, encoding="utf-8")
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    procs = [subprocess.Popen([sys.executable, "-m", "konkanivani.cli.sweep",
+                               *_search_argv(tiny_corpus, tmp_path / f"machine{i}", recipe, "--trials", "4",
+                                             "--storage", url)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for i in range(2)]
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-2000:]
+    trials = _study_trials(url)
+    finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert 4 <= len(finished) <= 5  # each process stops once four are done; one may be finishing its own
+    folders = [{p.name for p in (tmp_path / f"machine{i}").glob("trial-*")} for i in range(2)]
+    assert folders[0] and folders[1] and not folders[0] & folders[1]  # each trial ran once, on one machine
+    assert {t.user_attrs["run_dir"] for t in finished} <= folders[0] | folders[1]

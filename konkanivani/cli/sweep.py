@@ -9,6 +9,10 @@ options below. Each trial is a run directory ``OUTPUT_DIR/<its settings>``, so r
 TensorBoard, evaluate and export work on it as on any run. Run the same command again to continue a
 sweep that stopped; ``OUTPUT_DIR/sweep.md`` and ``sweep.csv`` tabulate the trials.
 
+``--search optuna --trials N`` samples the trials from the recipe's ``sweep: search:`` space instead
+(konkanivani/tools/search.py): pruned by validation CER, the study in ``OUTPUT_DIR/study.db`` (or
+``--storage URL``, shared by several machines), resumed by the same command.
+
 Exit status: 0 when every trial ended (finished or skipped as too large), 1 when one failed, 2 for
 a bad flag or grid, 130 / 143 when SIGINT / SIGTERM stopped the sweep after saving its trial.
 """
@@ -25,6 +29,7 @@ from ..checkpoint import CheckpointError
 from ..config import ConfigError, TrainConfig, check_config, dataclass_from_args
 from ..config_file import load_sweep_section
 from ..data.manifest import ManifestError
+from ..tools.search import parse_space, run_search
 from ..tools.sweep import SweepError, grid_trials, parse_grid, run_sweep
 from . import Parser, fail, setup_logging, tool
 from . import train as train_cli
@@ -42,10 +47,24 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         "sweep: gpu_gb, else no check)")
     p.add_argument("--target_cer", type=float, default=None,
                    help="report when each trial reached this validation CER, in percent (default: none)")
+    p.add_argument("--search", choices=("optuna",), default=None,
+                   help="sample --trials trials from the recipe's sweep: search: space with Optuna (TPE, median "
+                        "pruning at --validate_every_steps) instead of a grid")
+    p.add_argument("--trials", type=int, default=10, help="with --search: trials to complete (default: %(default)s)")
+    p.add_argument("--storage", default="",
+                   help="with --search: an Optuna storage URL shared by several machines (default: OUTPUT_DIR/study.db)")
+    p.add_argument("--study_name", default="konkanivani-sweep", help="with --search: the study in --storage")
     args, rest = p.parse_known_args(argv)
     config = _config_path(rest)
     section = load_sweep_section(config) if config else {}
     args.grid = [f"{k}={','.join(map(str, v))}" for k, v in section.get("grid", {}).items()] + args.grid
+    args.space = section.get("search")
+    if args.search and args.grid:
+        p.error("--search samples the recipe's sweep: search: space; give no --grid (nor sweep: grid:) with it")
+    if args.search and not args.space:
+        p.error("--search optuna needs a sweep: search: section in the --config recipe (see docs/training.md)")
+    if args.trials < 1:
+        p.error(f"--trials must be a positive integer, got {args.trials}")
     args.gpu_gb = section.get("gpu_gb", 0.0) if args.gpu_gb is None else args.gpu_gb
     args.target_cer = section.get("target_cer") if args.target_cer is None else args.target_cer
     if args.target_cer is not None and not 0 < args.target_cer <= 100:
@@ -90,15 +109,22 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args, shared = parse_args(argv)
-        grid = parse_grid(args.grid)
         make_trial = trial_maker(shared)
-        for trial in grid_trials(grid):  # every trial's flags, checked before the first one runs
-            cfg, flags = make_trial(trial.settings, args.output_dir / trial.name, "")
+        if args.search:
+            space = parse_space(args.space, _config_path(shared))
+            cfg, flags = make_trial({}, args.output_dir / "trial-0000", "")  # the shared flags, checked at once
             check_config(cfg, flags)
-        trials, stopped = run_sweep(args.output_dir, grid, make_trial, args.gpu_gb, args.target_cer, shared)
+            trials, stopped = run_search(args.output_dir, space, make_trial, args.trials, args.storage,
+                                         args.study_name, args.target_cer, shared)
+        else:
+            grid = parse_grid(args.grid)
+            for trial in grid_trials(grid):  # every trial's flags, checked before the first one runs
+                cfg, flags = make_trial(trial.settings, args.output_dir / trial.name, "")
+                check_config(cfg, flags)
+            trials, stopped = run_sweep(args.output_dir, grid, make_trial, args.gpu_gb, args.target_cer, shared)
     except (SweepError, ConfigError, CheckpointError, ManifestError) as e:
         return fail(str(e))
-    counts = {s: sum(t.status == s for t in trials) for s in ("done", "skipped", "failed", "stopped")}
+    counts = {s: sum(t.status == s for t in trials) for s in ("done", "pruned", "skipped", "failed", "stopped")}
     print(f"{len(trials)} trials: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
           + f"; table in {args.output_dir / 'sweep.md'}")
     if stopped is not None:

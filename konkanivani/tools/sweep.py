@@ -106,10 +106,11 @@ class Trial:
     status: str = "pending"  # pending, done, stopped, skipped, failed
     reason: str = ""  # why it was skipped or failed
     summary: dict[str, Any] = field(default_factory=dict)  # train()'s
+    label: str = ""  # its folder's name when not its settings' (a search's trial-NNNN)
 
     @property
     def name(self) -> str:
-        return safe_name("_".join(f"{k}-{v}" for k, v in self.settings.items()))
+        return self.label or safe_name("_".join(f"{k}-{v}" for k, v in self.settings.items()))
 
 
 def grid_trials(grid: dict[str, list[Any]]) -> list[Trial]:
@@ -317,8 +318,12 @@ def _cell(value: Any) -> str:
 
 def read_sweep(out: Path) -> list[Trial]:
     """The trials of the sweep in ``out`` as its record and the trials' own records hold them."""
-    grid = json.loads((out / SWEEP_FILE).read_text(encoding="utf-8"))["grid"]
-    trials = grid_trials(grid)
+    record = json.loads((out / SWEEP_FILE).read_text(encoding="utf-8"))
+    if "grid" in record:
+        trials = grid_trials(record["grid"])
+    else:  # a search (tools.search): its trials are the folders it ran
+        trials = [Trial((_recorded(d) or {}).get("settings", {}), label=d.name)
+                  for d in sorted(out.glob("trial-*")) if (d / TRIAL_FILE).is_file()]
     for trial in trials:
         recorded = _recorded(out / trial.name) or {}
         trial.status, trial.reason = recorded.get("status", "pending"), recorded.get("reason", "")
