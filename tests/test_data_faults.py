@@ -322,13 +322,66 @@ def test_a_rerun_without_a_split_removes_the_old_manifest_of_that_split(tmp_path
     _assert_manifest_matches(out, new, texts)
 
 
-def test_an_audio_folder_prepare_did_not_write_is_not_replaced(tmp_path, capsys):
+def test_a_file_prepare_did_not_write_is_never_replaced(tmp_path, capsys):
     data1, _, old, _, texts = _two_generations(tmp_path)
     out = tmp_path / "out"
-    _write(out / "wavs" / "mine.wav", _noise(300))
+    mine = _write(out / "wavs" / "mine.wav", _noise(300)).read_bytes()
+    assert _run(capsys, "kaldi", data1, out, "--convert", "wav")[0] == 0  # beside it: fine
+    _assert_manifest_matches(out, old, texts)
+    assert (out / "wavs" / "mine.wav").read_bytes() == mine
+    (out / ".prepare.json").unlink()  # as if an older konkanivani had written wavs/u0.wav: not ours to replace
+    before = (out / "wavs" / "u0.wav").read_bytes()
     status, printed = _run(capsys, "kaldi", data1, out, "--convert", "wav")
     assert status == 2 and "was not written by konkanivani-prepare" in printed
-    assert _files(out) == ["wavs/mine.wav"]
+    assert (out / "wavs" / "u0.wav").read_bytes() == before and (out / "wavs" / "mine.wav").read_bytes() == mine
+
+
+def test_splits_prepared_one_at_a_time_into_one_folder_keep_each_other(tmp_path, capsys):
+    """kaldi data/train then kaldi data/test into one OUT_DIR: the second run adds test.jsonl and its
+    audio and leaves train's; running train again replaces train's alone."""
+    train = {f"tr{i}": _noise(600 + i) for i in range(3)}
+    test = {f"te{i}": _noise(700 + i) for i in range(2)}
+    for u, samples in {**train, **test}.items():
+        _write(tmp_path / "audio" / f"{u}.wav", samples)
+    texts = {u: f"{TEXTS[i % len(TEXTS)]} {u}" for i, u in enumerate([*train, *test])}
+    d_train = _kaldi(tmp_path / "train", {u: tmp_path / "audio" / f"{u}.wav" for u in train}, None,
+                     {u: texts[u] for u in train})
+    d_test = _kaldi(tmp_path / "test", {u: tmp_path / "audio" / f"{u}.wav" for u in test}, None,
+                    {u: texts[u] for u in test})
+    out = tmp_path / "out"
+    assert _run(capsys, "kaldi", d_train, out, "--convert", "wav", "--split_name", "train")[0] == 0
+    assert _run(capsys, "kaldi", d_test, out, "--convert", "wav", "--split_name", "test")[0] == 0
+    for split, audio in (("train", train), ("test", test)):
+        got = _audio_by_text(out / f"{split}.jsonl")
+        assert sorted(got) == sorted(texts[u] for u in audio)
+        assert all(np.array_equal(got[texts[u]], audio[u]) for u in audio)
+    assert _run(capsys, "kaldi", d_train, out, "--convert", "wav", "--split_name", "train")[0] == 0
+    assert sorted(_audio_by_text(out / "test.jsonl")) == sorted(texts[u] for u in test)
+    assert len(_files(out / "wavs")) == 5
+
+
+def test_a_kill_while_publishing_does_not_block_the_next_run(tmp_path, capsys, monkeypatch):
+    """Ctrl-C between the renames of publishing: the next run starts clean and finishes."""
+    from konkanivani.tools import outputs
+
+    data1, data2, old, new, texts = _two_generations(tmp_path)
+    out = tmp_path / "out"
+    assert _run(capsys, "kaldi", data1, out, "--convert", "wav")[0] == 0
+    real, moved = outputs.Staging._move_in, []
+
+    def move_then_interrupt(self, relative):
+        moved.append(relative)
+        if len(moved) == 3:
+            raise KeyboardInterrupt
+        return real(self, relative)
+
+    monkeypatch.setattr(outputs.Staging, "_move_in", move_then_interrupt)
+    assert _run(capsys, "kaldi", data2, out, "--convert", "wav")[0] == 130
+    monkeypatch.setattr(outputs.Staging, "_move_in", real)
+    assert not (out / "train.jsonl").exists()  # no manifest naming another build's audio
+    assert _run(capsys, "kaldi", data2, out, "--convert", "wav")[0] == 0
+    _assert_manifest_matches(out, new, texts)
+    assert not (out / ".prepare.old").exists() and not (out / ".prepare.partial").exists()
 
 
 @pytest.mark.slow

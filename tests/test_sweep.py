@@ -245,3 +245,22 @@ def test_two_sweep_processes_share_one_sqlite_study(tiny_corpus, tmp_path):
     folders = [{p.name for p in (tmp_path / f"machine{i}").glob("trial-*")} for i in range(2)]
     assert folders[0] and folders[1] and not folders[0] & folders[1]  # each trial ran once, on one machine
     assert {t.user_attrs["run_dir"] for t in finished} <= folders[0] | folders[1]
+
+
+@pytest.mark.slow
+def test_a_pruned_trial_stops_at_its_validation_and_counts_as_pruned(tiny_corpus, tmp_path, monkeypatch):
+    optuna = pytest.importorskip("optuna")
+    from optuna.trial import TrialState
+
+    monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: True)  # every report is below the median
+    recipe = tmp_path / "search.yaml"
+    recipe.write_text(SPACE, encoding="utf-8")
+    out = tmp_path / "search"
+    assert sweep_cli.main(_search_argv(tiny_corpus, out, recipe, "--trials", "2")) == 0
+    trials = _study_trials(f"sqlite:///{out / 'study.db'}")
+    assert [t.state for t in trials] == [TrialState.PRUNED, TrialState.PRUNED]
+    for t in trials:  # stopped at the first validation (step 3 of 6), saved there
+        assert _train_steps(out / t.user_attrs["run_dir"]) == [1, 2, 3]
+        assert json.loads((out / t.user_attrs["run_dir"] / "trial.json").read_text())["status"] == "pruned"
+    assert sweep_cli.main(_search_argv(tiny_corpus, out, recipe, "--trials", "2")) == 0  # finished: nothing more
+    assert len(_study_trials(f"sqlite:///{out / 'study.db'}")) == 2

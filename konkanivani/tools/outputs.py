@@ -77,23 +77,30 @@ def _remove(path: Path) -> None:
 
 class Staging:
     """A build of a tool's outputs in ``OUT/.<tool>.partial/``, laid out as they will lie in
-    ``OUT``, then ``publish``\\ ed. ``OUT/<record>`` lists what the last complete build wrote
-    (JSON), so the next build replaces exactly that and nothing a user put beside it.
+    ``OUT``, then published. ``OUT/<record>`` (JSON) says what earlier builds wrote, so a build
+    replaces exactly that and nothing a user put beside it.
 
-    Publishing removes the record and every old manifest first, then swaps the audio folders and
-    files, then moves the new manifests in and writes the record last. A kill while building
-    leaves the old result untouched (the partial folder is removed by the next build); a kill in
-    the instant of publishing leaves no manifest rather than one naming another build's audio.
+    Publishing renames the old outputs into ``OUT/.<tool>.old/`` (manifests first), moves the new
+    ones in (manifests last), writes the record and only then deletes the old ones: every step before
+    the record is a rename, so a kill leaves the old result or, in the instant of renaming, no
+    manifest rather than one naming another build's audio; the slow deletion comes after. A kill
+    while building leaves the old result untouched; the next build removes the partial folders.
+
+    ``publish`` replaces whole top-level entries (a tool that owns its folder: the demo corpus);
+    ``publish_group`` replaces only the group of manifests and files an earlier build of the same
+    manifests wrote, keeping other groups (``konkanivani-prepare`` run one split at a time).
     """
 
     def __init__(self, out: Path, tool: str, record: str):
         self.out, self.record = out, record
         self.path = out / f".{tool}.partial"
+        self.trash = out / f".{tool}.old"
 
     def __enter__(self) -> Staging:
         self.out.mkdir(parents=True, exist_ok=True)
-        if self.path.exists():  # a build that was killed: start clean
-            _remove(self.path)
+        for leftover in (self.path, self.trash):  # a build or a deletion that was killed: start clean
+            if leftover.exists():
+                _remove(leftover)
         self.path.mkdir()
         return self
 
@@ -101,13 +108,39 @@ class Staging:
         if self.path.exists():  # not published: an error or a kill on the way
             _remove(self.path)
 
-    def previous(self) -> list[str] | None:
-        """The names the last complete build wrote (None when no build recorded any)."""
+    def _read(self) -> dict[str, Any]:
         try:
-            names = json.loads((self.out / self.record).read_text(encoding="utf-8"))["outputs"]
-        except (OSError, ValueError, KeyError, TypeError):
+            record = json.loads((self.out / self.record).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        return record if isinstance(record, dict) else {}
+
+    def previous(self) -> list[str] | None:
+        """The top-level names the last complete ``publish`` wrote (None when none was recorded)."""
+        names = self._read().get("outputs")
+        if not isinstance(names, list):
             return None
         return [n for n in names if isinstance(n, str) and n and "/" not in n and n not in (".", "..")]
+
+    def _set_aside(self, relative: str) -> None:
+        """Rename ``OUT/relative`` into the trash (a rename: instant), if it exists."""
+        source = self.out / relative
+        if source.exists() or source.is_symlink():
+            target = self.trash / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(source, target)
+
+    def _move_in(self, relative: str) -> None:
+        target = self.out / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(self.path / relative, target)
+
+    def _finish(self, record: dict[str, Any]) -> None:
+        write_file_atomic(self.out / self.record, (json.dumps(record, indent=2, ensure_ascii=False) + "\n").encode())
+        fsync_dir(self.out)
+        for folder in (self.path, self.trash):
+            if folder.exists():
+                _remove(folder)
 
     def publish(self, info: dict[str, Any] | None = None, stale: list[str] = ()) -> list[str]:
         """Move everything built into ``OUT``, replacing what the last build wrote (and ``stale``,
@@ -116,20 +149,49 @@ class Staging:
         new = sorted(p.name for p in self.path.iterdir())
         old = set(self.previous() or ()) | set(stale)
         manifests = [n for n in new if n.endswith(".jsonl")]
-        (self.out / self.record).unlink(missing_ok=True)
-        for name in sorted(old | set(manifests)):  # first: no manifest may outlive the audio it names
-            if name.endswith(".jsonl"):
-                (self.out / name).unlink(missing_ok=True)
-        for name in sorted(old - set(new)):
-            _remove(self.out / name)
-        for name in new:
-            if name not in manifests:
-                _remove(self.out / name)
-                os.replace(self.path / name, self.out / name)
-        for name in manifests:
-            os.replace(self.path / name, self.out / name)
-        record = {**(info or {}), "outputs": new}
-        write_file_atomic(self.out / self.record, (json.dumps(record, indent=2, ensure_ascii=False) + "\n").encode())
-        self.path.rmdir()
-        fsync_dir(self.out)
+        self.trash.mkdir(exist_ok=True)
+        self._set_aside(self.record)
+        for name in sorted(old | set(new), key=lambda n: not n.endswith(".jsonl")):  # manifests first
+            self._set_aside(name)
+        for name in [n for n in new if n not in manifests] + manifests:  # manifests last
+            self._move_in(name)
+        self._finish({**(info or {}), "outputs": new})
         return new
+
+    def publish_group(self, manifests: list[str], files: list[str]) -> None:
+        """Move this build's ``manifests`` (top-level names) and ``files`` (paths relative to ``OUT``)
+        into ``OUT``. An earlier group that wrote any of these manifests is replaced whole; other groups
+        stay. ``OutputError`` (before anything moves) for a file that another group, or no build of this
+        tool, wrote."""
+        groups = [g for g in self._read().get("groups", []) if isinstance(g, dict)]
+        replaced = [g for g in groups if set(g.get("manifests", [])) & set(manifests)]
+        kept = [g for g in groups if g not in replaced]
+        owned = {f: g for g in kept for f in g.get("files", [])}
+        ours = {f for g in replaced for f in g.get("files", [])}
+        for relative in files:
+            if relative in owned:
+                raise OutputError(f"{self.out / relative} belongs to {', '.join(owned[relative]['manifests'])} of an "
+                                  "earlier run; give this run another OUT_DIR, or run both in one")
+            if relative not in ours and (self.out / relative).exists():
+                raise OutputError(f"{self.out / relative} exists and was not written by this tool; this run would "
+                                  "replace it: move it away or choose another OUT_DIR")
+        self.trash.mkdir(exist_ok=True)
+        for g in replaced:  # manifests first, then their files
+            for relative in [*g.get("manifests", []), *g.get("files", [])]:
+                self._set_aside(relative)
+        for name in manifests:  # a manifest of the same name that no recorded group wrote (an older version's)
+            self._set_aside(name)
+        for relative in files:
+            self._move_in(relative)
+        for name in manifests:
+            self._move_in(name)
+        self._finish({"groups": [*kept, {"manifests": sorted(manifests), "files": sorted(files)}]})
+
+    def owned_files(self) -> set[str]:
+        """The files (relative to ``OUT``) every recorded group wrote."""
+        return {f for g in self._read().get("groups", []) if isinstance(g, dict) for f in g.get("files", [])}
+
+    def group_files(self, manifests: list[str]) -> set[str]:
+        """The files of the recorded groups that wrote any of ``manifests`` (which a build of them replaces)."""
+        return {f for g in self._read().get("groups", []) if isinstance(g, dict)
+                and set(g.get("manifests", [])) & set(manifests) for f in g.get("files", [])}

@@ -54,8 +54,7 @@ _EXAMPLES = 10  # skipped rows named one by one in the report
 _CV_SPLITS = {"train": "train", "dev": "valid", "test": "test"}  # Common Voice file -> our manifest
 _HF_SPLITS = {"validation": "valid", "dev": "valid"}
 _HF_TEXT_COLUMNS = ("sentence", "text", "transcription")
-RECORD = ".prepare.json"  # what the last complete run wrote into OUT_DIR (outputs.Staging)
-_AUDIO_FOLDERS = ("wavs", "clips")  # the folders of written audio in OUT_DIR
+RECORD = ".prepare.json"  # what the runs wrote into OUT_DIR, a group of manifests and files each (outputs.Staging)
 
 
 class PrepareError(ValueError):
@@ -340,15 +339,30 @@ def _claim_targets(items: list[Item]) -> None:
         item.error = other.error = clash
 
 
-def _refuse_sources_in(items: list[Item], folders: list[Path]) -> None:
-    """A source file inside a folder this run replaces would be gone after it: such rows are skipped."""
-    roots = [f.resolve() for f in folders]
+def _refuse_sources_in(items: list[Item], out_dir: Path, replaced: set[str]) -> None:
+    """A source file among the files this run replaces (an earlier run's output) would be gone after
+    it: such rows are skipped."""
+    gone = {(out_dir / f).resolve() for f in replaced}
     for item in items:
         if item.error is None and item.write_audio is None and item.written_by is None and item.audio is not None:
-            resolved = item.audio.resolve()
-            if any(root == resolved or root in resolved.parents for root in roots):
-                item.error = Unusable("source audio inside the output folder's own audio, which this run replaces",
+            if item.audio.resolve() in gone:
+                item.error = Unusable("source audio is an earlier run's output, which this run replaces",
                                       str(item.audio))
+
+
+def _check_targets(items: list[Item], out_dir: Path, staging: Staging, replaced: set[str]) -> None:
+    """Before any work: a file this run would write that another run's manifests name, or that no
+    run of this tool wrote, is refused (``PrepareError``); the same check guards the publishing."""
+    owned = staging.owned_files() - replaced
+    for item in items:
+        if item.error is None and item.write_audio is not None:
+            relative = item.audio.relative_to(out_dir).as_posix()
+            if relative in owned:
+                raise PrepareError(f"{item.audio} belongs to another run's manifests in {out_dir}; give this run "
+                                   "another OUT_DIR, or prepare both in one run")
+            if relative not in replaced and item.audio.exists():
+                raise PrepareError(f"{item.audio} exists and was not written by konkanivani-prepare; this run would "
+                                   "replace it: move it away or choose another OUT_DIR")
 
 
 def _check(items: list[Item], out_dir: Path, staging: Path, tokenizer: Tokenizer, max_duration: float,
@@ -391,17 +405,6 @@ def _carve_valid(rows: dict[str, list[dict]], split: str, fraction: float, seed:
     rows[split] = [r for i, r in enumerate(source) if i not in chosen]
 
 
-def _audio_folders(items: list[Item], out_dir: Path, previous: list[str] | None) -> list[Path]:
-    """The folders of ``out_dir`` this run fills (and so replaces) with written audio. One that
-    exists and that no earlier run of this tool recorded as its own is the user's: refused."""
-    names = {item.audio.relative_to(out_dir).parts[0] for item in items if item.write_audio is not None}
-    for name in sorted(names):
-        if (out_dir / name).exists() and name not in (previous or ()):
-            raise PrepareError(f"{out_dir / name} exists and was not written by konkanivani-prepare; this run would "
-                               "replace it: move it away or choose another OUT_DIR")
-    return [out_dir / n for n in sorted(names | {n for n in previous or () if n in _AUDIO_FOLDERS})]
-
-
 def prepare(items: list[Item], out_dir: Path, *, tokenizer: Tokenizer | None = None, max_duration: float = 30.0,
             valid_fraction: float = 0.0, split_name: str = "train", seed: int = 0, progress: bool = True) -> Report:
     """Check ``items``, write ``out_dir/<split>.jsonl`` for every split with a usable row, and
@@ -423,7 +426,11 @@ def prepare(items: list[Item], out_dir: Path, *, tokenizer: Tokenizer | None = N
             tokenizer = train_tokenizer(["a"], model_type="char")
     _claim_targets(items)
     with Staging(out_dir, "prepare", RECORD) as staging:
-        _refuse_sources_in(items, _audio_folders(items, out_dir, staging.previous()))
+        # The manifests this run may write, and so the earlier run's files it replaces (runs of other splits stay).
+        splits = {item.split for item in items} | ({"valid"} if valid_fraction > 0 else set())
+        replaced = staging.group_files([f"{split}.jsonl" for split in splits])
+        _check_targets(items, out_dir, staging, replaced)
+        _refuse_sources_in(items, out_dir, replaced)
         rows = _check(items, out_dir, staging.path, tokenizer, max_duration, progress, report)
         _carve_valid(rows, split_name, valid_fraction, seed)
         if not rows:  # nothing usable: the previous result stays as it was
@@ -434,7 +441,12 @@ def prepare(items: list[Item], out_dir: Path, *, tokenizer: Tokenizer | None = N
                     f.write(json.dumps(row, ensure_ascii=False) + "\n")
             report.manifests[split] = (out_dir / f"{split}.jsonl", len(split_rows),
                                        sum(r["duration"] for r in split_rows))
-        staging.publish(stale=[f"{split}.jsonl" for split in rows])
+        written = sorted({p.relative_to(staging.path).as_posix() for p in staging.path.rglob("*")
+                          if p.is_file() and not (p.parent == staging.path and p.suffix == ".jsonl")})
+        try:
+            staging.publish_group([f"{split}.jsonl" for split in rows], written)
+        except OutputError as e:
+            raise PrepareError(str(e)) from None
     return report
 
 

@@ -32,9 +32,23 @@ from typing import Any, Callable, Optional
 from ..checkpoint import write_file_atomic
 from ..training.loop import train
 from ..training.metrics_log import read_metrics
-from ..training.rundir import existing_run, hold_run_directory
+from ..training.rundir import existing_run, hold_run_directory, move_run_aside
 from ..training.signals import TrainingDiverged
-from .sweep import STOPS, SWEEP_FILE, MakeTrial, SweepError, Trial, _flag_types, plot_sweep, read_sweep, write_tables
+from .sweep import (
+    STOPS,
+    SWEEP_FILE,
+    MakeTrial,
+    SweepError,
+    Trial,
+    check_same_settings,
+    flag_types,
+    plot_sweep,
+    read_sweep,
+    record_trial,
+    recorded_trial,
+    resolved_settings,
+    write_tables,
+)
 
 __all__ = ["KINDS", "parse_space", "run_search"]
 
@@ -50,7 +64,7 @@ def parse_space(space: Any, where: str) -> dict[str, tuple[str, list[Any]]]:
     flag for an unknown flag (and the nearest), kind or bounds."""
     if not isinstance(space, dict) or not space:
         raise SweepError(f"{where}: sweep: search: must map trainer flags to {{kind: values}} ({', '.join(KINDS)})")
-    types, parsed = _flag_types(), {}
+    types, parsed = flag_types(), {}
     for flag, spec in space.items():
         if flag not in types:
             near = difflib.get_close_matches(str(flag), types, n=1)
@@ -131,6 +145,20 @@ def _requeue(study: Any, states: tuple, only: Callable[[Any], bool] = lambda t: 
         RetryFailedTrialCallback(max_retry=None)(study, frozen)
 
 
+def _interrupted(out: Path, study: Any, frozen: Any) -> bool:
+    """A failed trial of this folder that was stopped (a signal, a second Ctrl-C, an error outside the
+    trial) rather than failed by its settings, and not already given again."""
+    from optuna.trial import TrialState
+
+    name = frozen.user_attrs.get("run_dir")
+    recorded = recorded_trial(out / name) if name else None
+    if recorded is None or recorded.get("status") not in ("running", "stopped"):
+        return False
+    later = study.get_trials(deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING, TrialState.COMPLETE,
+                                                     TrialState.PRUNED))
+    return not any(t.user_attrs.get("run_dir") == name and t.number > frozen.number for t in later)
+
+
 def run_search(out: Path, space: dict[str, tuple[str, list[Any]]], make_trial: MakeTrial, n_trials: int,
                storage: str = "", study_name: str = "konkanivani-sweep", target_cer: float = 0.0,
                shared: Optional[list[str]] = None) -> tuple[list[Trial], Optional[str]]:
@@ -150,17 +178,20 @@ def run_search(out: Path, space: dict[str, tuple[str, list[Any]]], make_trial: M
                   "study_name": study_name, "shared_flags": shared or []}
         write_file_atomic(out / SWEEP_FILE, (json.dumps(record, indent=2) + "\n").encode())
         study = optuna.create_study(study_name=study_name, storage=_storage(out, storage), direction="minimize",
-                                    load_if_exists=True, sampler=optuna.samplers.TPESampler(seed=0),
+                                    load_if_exists=True, sampler=optuna.samplers.TPESampler(),
                                     pruner=optuna.pruners.MedianPruner(n_startup_trials=2))
         if not storage:  # the study is this folder's, and this process holds the folder: a running trial is stale
             _requeue(study, (TrialState.RUNNING,))
+        _requeue(study, (TrialState.FAIL,), only=lambda t: _interrupted(out, study, t))
         ran: dict[str, Trial] = {}
         objective = _objective(out, space, make_trial, ran, target_cer)
         stop: Optional[str] = None
+        finished = (TrialState.COMPLETE, TrialState.PRUNED)
+        remaining = n_trials - len(study.get_trials(deepcopy=False, states=finished))
         try:
-            study.optimize(objective, callbacks=[MaxTrialsCallback(n_trials, states=(TrialState.COMPLETE,
-                                                                                       TrialState.PRUNED))],
-                           catch=())
+            if remaining > 0:  # (the callback stops this process when other processes finished the rest)
+                study.optimize(objective, n_trials=remaining, catch=(),
+                               callbacks=[MaxTrialsCallback(n_trials, states=finished)])
         except _Stopped as e:
             stop, number = e.signal_name, e.number
             # Give the stopped trial again (same parameters, same folder): the command's next run resumes it.
@@ -186,12 +217,16 @@ def _objective(out: Path, space: dict[str, tuple[str, list[Any]]], make_trial: M
         ran[name] = record
         resume = "latest" if (trial_dir / "latest.pt").exists() else ""
         cfg, model_flags = make_trial(settings, trial_dir, resume)
-        if not resume and existing_run(trial_dir):
-            import dataclasses
-            cfg = dataclasses.replace(cfg, overwrite=True)
-        from .sweep import _record, _resolved
-        resolved = _resolved(cfg, model_flags)
-        _record(trial_dir, record, resolved)
+        if not resume and existing_run(trial_dir):  # killed before its first checkpoint: start again, the rest aside
+            log.warning("search trial %s: no checkpoint to resume; its partial run moved to %s", name,
+                        move_run_aside(trial_dir))
+        resolved = resolved_settings(cfg, model_flags)
+        if (recorded := recorded_trial(trial_dir)) is not None:  # this folder's run: the same trial, the same settings
+            if recorded.get("settings") != json.loads(json.dumps(settings)):
+                raise SweepError(f"{trial_dir} holds another trial (settings {recorded.get('settings')}); a new "
+                                 "study needs its own --output_dir")
+            check_same_settings(record, recorded, resolved, trial_dir)
+        record_trial(trial_dir, record, resolved)
         log.info("search trial %s (%s): %s", name, "resuming" if resume else "starting",
                  ", ".join(f"--{k} {v:.4g}" if isinstance(v, float) else f"--{k} {v}" for k, v in settings.items()))
         every = cfg.validate_every_steps
@@ -207,24 +242,29 @@ def _objective(out: Path, space: dict[str, tuple[str, list[Any]]], make_trial: M
 
         try:
             record.summary = train(cfg, model_flags, on_step=on_step)
+        except KeyboardInterrupt:  # a second Ctrl-C: the trial's last checkpoint stands; give it again next time
+            record.status = "stopped"
+            record_trial(trial_dir, record, resolved)
+            raise _Stopped("SIGINT", trial.number) from None
         except TrainingDiverged as e:  # this trial's settings diverge: the worst score, and the search goes on
             record.status, record.reason = "failed", str(e).splitlines()[0]
-            _record(trial_dir, record, resolved)
+            record_trial(trial_dir, record, resolved)
             return 100.0
         except Exception as e:  # a broken recipe would break every trial: the search stops, saying why
             record.status, record.reason = "failed", str(e).splitlines()[0] if str(e) else type(e).__name__
-            _record(trial_dir, record, resolved)
+            record_trial(trial_dir, record, resolved)
             raise
         stopped = record.summary.get("stopped_by")
+        pruned = record.summary.get("stop") == "on_step"
         if stopped in STOPS:
             record.status = "stopped"
-            _record(trial_dir, record, resolved)
+            record_trial(trial_dir, record, resolved)
             raise _Stopped(stopped, trial.number)
         valid = read_metrics(trial_dir / "metrics.jsonl").get("valid", [])
         scored = [100 * r["cer"] for r in valid if r.get("cer") is not None]
-        record.status = "pruned" if stopped == "on_step" else "done"
-        _record(trial_dir, record, resolved)
-        if stopped == "on_step":
+        record.status = "pruned" if pruned else "done"
+        record_trial(trial_dir, record, resolved)
+        if pruned:
             raise optuna.TrialPruned()
         return min(scored) if scored else 100.0
 

@@ -21,19 +21,20 @@ import itertools
 import json
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, get_type_hints
 
 from ..checkpoint import write_file_atomic
-from ..config import ConfigError, ModelConfig, TrainConfig, flag_fields, model_config_from_preset
+from ..config import ModelConfig, TrainConfig, flag_fields, model_config_from_preset
 from ..data.frames import frames_of
 from ..data.manifest import read_manifest
 from ..training.curves import have_matplotlib
 from ..training.loop import train
-from ..training.memory import GIB, MemoryEstimator
+from ..training.memory import GIB, BatchDoesNotFit, MemoryEstimator
 from ..training.metrics_log import read_metrics
-from ..training.rundir import existing_run, hold_run_directory
+from ..training.rundir import existing_run, hold_run_directory, move_run_aside
 from ..training.signals import TrainingDiverged
 from .outputs import safe_name
 
@@ -54,7 +55,7 @@ class SweepError(ValueError):
     """A grid or sweep folder that cannot be used (one line)."""
 
 
-def _flag_types() -> dict[str, type]:
+def flag_types() -> dict[str, type]:
     """Every trainer flag a grid may vary, with its type."""
     hints = {**get_type_hints(ModelConfig), **get_type_hints(TrainConfig)}
     names = [f.name for f in flag_fields(TrainConfig) if f.name not in NOT_SETTINGS]
@@ -80,7 +81,7 @@ def parse_grid(items: list[str]) -> dict[str, list[Any]]:
     """``["preset=small,medium", "lr=1e-3,2e-3"]`` -> ``{"preset": ["small", "medium"], "lr": [...]}``;
     ``SweepError`` naming the item for an unknown flag (and the nearest one), a value of the wrong
     type, an empty list or a flag given twice."""
-    types, grid = _flag_types(), {}
+    types, grid = flag_types(), {}
     if not items:
         raise SweepError("an empty grid: give --grid FLAG=V1,V2 (or a sweep: section with grid: in --config)")
     for item in items:
@@ -118,27 +119,27 @@ def grid_trials(grid: dict[str, list[Any]]) -> list[Trial]:
     return [Trial(dict(zip(grid, values))) for values in itertools.product(*grid.values())]
 
 
-def _resolved(cfg: TrainConfig, model_flags: dict[str, Any]) -> dict[str, Any]:
+def resolved_settings(cfg: TrainConfig, model_flags: dict[str, Any]) -> dict[str, Any]:
     """What a trial is: every setting but how it runs (its folder, resuming), for comparing runs."""
     values = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_SETTINGS}
     return {**values, **{k: v for k, v in model_flags.items() if v is not None}}
 
 
-def _record(trial_dir: Path, trial: Trial, resolved: dict[str, Any]) -> None:
+def record_trial(trial_dir: Path, trial: Trial, resolved: dict[str, Any]) -> None:
     record = {"settings": trial.settings, "status": trial.status, "reason": trial.reason, "resolved": resolved,
               "summary": trial.summary}
     trial_dir.mkdir(parents=True, exist_ok=True)
     write_file_atomic(trial_dir / TRIAL_FILE, (json.dumps(record, indent=2, default=str) + "\n").encode())
 
 
-def _recorded(trial_dir: Path) -> Optional[dict[str, Any]]:
+def recorded_trial(trial_dir: Path) -> Optional[dict[str, Any]]:
     try:
         return json.loads((trial_dir / TRIAL_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
 
 
-def _check_same(trial: Trial, recorded: dict[str, Any], resolved: dict[str, Any], trial_dir: Path) -> None:
+def check_same_settings(trial: Trial, recorded: dict[str, Any], resolved: dict[str, Any], trial_dir: Path) -> None:
     """A trial's settings may not change under its name: that would mix two runs in one folder."""
     before = json.loads(json.dumps(recorded.get("resolved", {}), default=str))
     now = json.loads(json.dumps(resolved, default=str))
@@ -188,36 +189,38 @@ def run_sweep(out: Path, grid: dict[str, list[Any]], make_trial: MakeTrial, budg
 def _run_trial(out: Path, trial: Trial, make_trial: MakeTrial, budget_gb: float, label: str) -> Optional[str]:
     trial_dir = out / trial.name
     cfg, model_flags = make_trial(trial.settings, trial_dir, "")
-    resolved = _resolved(cfg, model_flags)
-    recorded = _recorded(trial_dir)
+    resolved = resolved_settings(cfg, model_flags)
+    recorded = recorded_trial(trial_dir)
     if recorded is not None:
-        _check_same(trial, recorded, resolved, trial_dir)
+        check_same_settings(trial, recorded, resolved, trial_dir)
         if recorded["status"] in ("done", "failed"):
             trial.status, trial.reason, trial.summary = recorded["status"], recorded["reason"], recorded["summary"]
             log.info("%s %s: %s before, kept", label, trial.name, trial.status)
             return None
     if budget_gb > 0 and (why := _fits(cfg, model_flags, budget_gb)) is not None:
         trial.status, trial.reason = "skipped", why
-        _record(trial_dir, trial, resolved)
+        record_trial(trial_dir, trial, resolved)
         log.warning("%s %s: skipped, %s", label, trial.name, why)
         return None
     resume = "latest" if (trial_dir / "latest.pt").exists() else ""
     cfg, model_flags = make_trial(trial.settings, trial_dir, resume)
     if not resume and existing_run(trial_dir):  # killed before its first checkpoint: start it again, the rest aside
-        cfg = dataclasses.replace(cfg, overwrite=True)
+        log.warning("%s %s: no checkpoint to resume; its partial run moved to %s", label, trial.name,
+                    move_run_aside(trial_dir))
     trial.status = "running"
-    _record(trial_dir, trial, resolved)
+    record_trial(trial_dir, trial, resolved)
     log.info("%s %s: %s", label, trial.name, "resuming from its latest.pt" if resume else "starting")
     try:
         trial.summary = train(cfg, model_flags)
-    except (ConfigError, TrainingDiverged, ValueError, RuntimeError) as e:  # one trial's end, not the sweep's
+    except (TrainingDiverged, BatchDoesNotFit) as e:  # these settings cannot train: this trial's end, not the sweep's
+        # (anything else, a full disk or a missing manifest, stops the sweep; the same command then resumes the trial)
         trial.status, trial.reason = "failed", str(e).splitlines()[0]
-        _record(trial_dir, trial, resolved)
+        record_trial(trial_dir, trial, resolved)
         log.error("%s %s failed: %s", label, trial.name, trial.reason)
         return None
     stopped = trial.summary.get("stopped_by")
     trial.status = "stopped" if stopped in STOPS else "done"
-    _record(trial_dir, trial, resolved)
+    record_trial(trial_dir, trial, resolved)
     return stopped if stopped in STOPS else None
 
 
@@ -230,7 +233,7 @@ COLUMNS = ["trial", "status", "parameters_m", "steps", "s_per_step", "audio_s_pe
 def _trial_row(out: Path, trial: Trial, target_cer: float) -> dict[str, Any]:
     trial_dir = out / trial.name
     row: dict[str, Any] = {"trial": trial.name, **trial.settings, "status": trial.status, "reason": trial.reason}
-    recorded = _recorded(trial_dir) or {}
+    recorded = recorded_trial(trial_dir) or {}
     resolved = recorded.get("resolved") or {}
     if resolved.get("preset"):
         with_flags = {f.name: resolved[f.name] for f in dataclasses.fields(ModelConfig)
@@ -322,10 +325,10 @@ def read_sweep(out: Path) -> list[Trial]:
     if "grid" in record:
         trials = grid_trials(record["grid"])
     else:  # a search (tools.search): its trials are the folders it ran
-        trials = [Trial((_recorded(d) or {}).get("settings", {}), label=d.name)
-                  for d in sorted(out.glob("trial-*")) if (d / TRIAL_FILE).is_file()]
+        trials = [Trial((recorded_trial(d) or {}).get("settings", {}), label=d.name)
+                  for d in sorted(out.glob("trial-*")) if re.fullmatch(r"trial-\d+", d.name) and (d / TRIAL_FILE).is_file()]
     for trial in trials:
-        recorded = _recorded(out / trial.name) or {}
+        recorded = recorded_trial(out / trial.name) or {}
         trial.status, trial.reason = recorded.get("status", "pending"), recorded.get("reason", "")
     return trials
 

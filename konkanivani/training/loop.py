@@ -76,6 +76,8 @@ def train(cfg: TrainConfig, model_overrides: Optional[dict[str, Any]] = None,
                 while run.epoch < cfg.epochs and stop is None:
                     stop, epoch_ended = train_epoch(run, stop_request, on_step)
                     stop = end_epoch(run, stop, stop_request) if epoch_ended else stop_inside_epoch(run, stop)
+                if stop not in SIGNAL_STOPS and stop_request.signum is not None:  # a signal during the last step
+                    stop = stop_request.reason()  # (the run saved): say so, so that a caller stops too
                 return finish(run, stop)
 
 
@@ -254,7 +256,8 @@ def finish(run: Run, stop: Optional[str]) -> dict[str, Any]:
                     "with --resume latest", stopped_by, run.step, run.epoch + 1, run.batches_done,
                     run.out_dir / "latest.pt")
     return {"step": run.step, "epoch": run.epoch, "valid": run.valid_metrics, "best_wer": run.best_wer,
-            "stopped_by": stopped_by, "skipped_updates": run.skips.total, "unreadable_files": run.unreadable}
+            "stopped_by": stopped_by, "stop": stop,  # stop: any reason, --max_steps and on_step's too
+            "skipped_updates": run.skips.total, "unreadable_files": run.unreadable}
 
 
 def validate_and_save(run: Run) -> None:
