@@ -264,3 +264,20 @@ def test_a_pruned_trial_stops_at_its_validation_and_counts_as_pruned(tiny_corpus
         assert json.loads((out / t.user_attrs["run_dir"] / "trial.json").read_text())["status"] == "pruned"
     assert sweep_cli.main(_search_argv(tiny_corpus, out, recipe, "--trials", "2")) == 0  # finished: nothing more
     assert len(_study_trials(f"sqlite:///{out / 'study.db'}")) == 2
+
+
+@pytest.mark.parametrize("flags, fits", [
+    ({}, False),  # 8 utterances of 20 s, medium, fp32: about 3 GiB
+    ({"auto_batch": True}, True),  # the run sizes its batches: one utterance must fit
+    ({"max_batch_seconds": 40.0}, True),  # two utterances a batch
+    ({"max_memory_gb": 1.5}, True),  # the sampler keeps batches under it
+    ({"max_memory_gb": 4.0}, False),  # ...which is past the budget
+])
+def test_the_fit_check_plans_with_the_batch_flags_the_run_has(tmp_path, flags, fits):
+    from konkanivani.config import TrainConfig
+    from konkanivani.tools.sweep import _fits
+
+    manifest = tmp_path / "train.jsonl"
+    manifest.write_text(json.dumps({"audio_filepath": "a.wav", "duration": 20.0, "text": "क"}) + "\n", encoding="utf-8")
+    cfg = TrainConfig(train_manifest=str(manifest), valid_manifest=str(manifest), preset="medium", batch_size=8, **flags)
+    assert (_fits(cfg, {}, 2.0) is None) == fits

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, get_type_hints
 
 from ..checkpoint import write_file_atomic
 from ..config import ModelConfig, TrainConfig, flag_fields, model_config_from_preset
-from ..data.frames import frames_of
+from ..data.frames import budget_frames, frames_of
 from ..data.manifest import read_manifest
 from ..training.curves import have_matplotlib
 from ..training.loop import train
@@ -158,7 +158,15 @@ def _fits(cfg: TrainConfig, model_flags: dict[str, Any], budget_gb: float) -> Op
                                     **{k: v for k, v in model_flags.items() if v is not None})
     precision = cfg.precision or ("fp16" if cfg.mixed_precision else "fp32")  # as on a GPU, which the budget is
     estimator = MemoryEstimator(base, precision, cfg.optimizer, cfg.gradient_checkpointing)
-    utterances = max(1, cfg.max_batch_frames // longest) if cfg.max_batch_frames else cfg.batch_size
+    if cfg.auto_batch:  # the run sizes its batches to the device itself: only one utterance must fit
+        utterances = 1
+    else:
+        frames = budget_frames(cfg.max_batch_frames, cfg.max_batch_seconds)
+        utterances = max(1, frames // longest) if frames else cfg.batch_size
+    if cfg.max_memory_gb > 0:  # the sampler keeps every batch under it: one utterance must fit, and it under the budget
+        if cfg.max_memory_gb > budget_gb:
+            return f"--max_memory_gb {cfg.max_memory_gb:g} plans batches past the {budget_gb:g} GiB budget"
+        budget_gb, utterances = cfg.max_memory_gb, 1
     peak = estimator.peak_bytes(utterances, longest) / GIB
     if peak <= budget_gb:
         return None
