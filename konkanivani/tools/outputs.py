@@ -92,7 +92,7 @@ class Staging:
     """
 
     def __init__(self, out: Path, tool: str, record: str):
-        self.out, self.record = out, record
+        self.out, self.record, self.tool = out, record, tool
         self.path = out / f".{tool}.partial"
         self.trash = out / f".{tool}.old"
 
@@ -158,23 +158,33 @@ class Staging:
         self._finish({**(info or {}), "outputs": new})
         return new
 
-    def publish_group(self, manifests: list[str], files: list[str]) -> None:
-        """Move this build's ``manifests`` (top-level names) and ``files`` (paths relative to ``OUT``)
-        into ``OUT``. An earlier group that wrote any of these manifests is replaced whole; other groups
-        stay. ``OutputError`` (before anything moves) for a file that another group, or no build of this
-        tool, wrote."""
-        groups = [g for g in self._read().get("groups", []) if isinstance(g, dict)]
-        replaced = [g for g in groups if set(g.get("manifests", [])) & set(manifests)]
-        kept = [g for g in groups if g not in replaced]
-        owned = {f: g for g in kept for f in g.get("files", [])}
-        ours = {f for g in replaced for f in g.get("files", [])}
+    def _groups(self) -> list[dict[str, Any]]:
+        return [g for g in self._read().get("groups", []) if isinstance(g, dict)]
+
+    def check_group(self, manifests: list[str], files: list[str]) -> None:
+        """``OutputError`` for a file of ``files`` (relative to ``OUT``) that a build of ``manifests``
+        may not write: one another group wrote, or one that exists and no build of this tool wrote.
+        ``publish_group`` checks this before anything moves; a tool may check it before any work."""
+        groups = self._groups()
+        owned = {f: g for g in groups if not set(g.get("manifests", [])) & set(manifests) for f in g.get("files", [])}
+        ours = self.group_files(manifests)
         for relative in files:
             if relative in owned:
                 raise OutputError(f"{self.out / relative} belongs to {', '.join(owned[relative]['manifests'])} of an "
                                   "earlier run; give this run another OUT_DIR, or run both in one")
             if relative not in ours and (self.out / relative).exists():
-                raise OutputError(f"{self.out / relative} exists and was not written by this tool; this run would "
-                                  "replace it: move it away or choose another OUT_DIR")
+                raise OutputError(f"{self.out / relative} exists and was not written by konkanivani-"
+                                  f"{self.tool.replace('_', '-')}; this run would replace it: move it away or choose "
+                                  "another OUT_DIR")
+
+    def publish_group(self, manifests: list[str], files: list[str]) -> None:
+        """Move this build's ``manifests`` (top-level names) and ``files`` (paths relative to ``OUT``)
+        into ``OUT``. An earlier group that wrote any of these manifests is replaced whole; other groups
+        stay. ``OutputError`` (before anything moves) where ``check_group`` says so."""
+        self.check_group(manifests, files)
+        groups = self._groups()
+        replaced = [g for g in groups if set(g.get("manifests", [])) & set(manifests)]
+        kept = [g for g in groups if g not in replaced]
         self.trash.mkdir(exist_ok=True)
         for g in replaced:  # manifests first, then their files
             for relative in [*g.get("manifests", []), *g.get("files", [])]:
@@ -187,11 +197,6 @@ class Staging:
             self._move_in(name)
         self._finish({"groups": [*kept, {"manifests": sorted(manifests), "files": sorted(files)}]})
 
-    def owned_files(self) -> set[str]:
-        """The files (relative to ``OUT``) every recorded group wrote."""
-        return {f for g in self._read().get("groups", []) if isinstance(g, dict) for f in g.get("files", [])}
-
     def group_files(self, manifests: list[str]) -> set[str]:
         """The files of the recorded groups that wrote any of ``manifests`` (which a build of them replaces)."""
-        return {f for g in self._read().get("groups", []) if isinstance(g, dict)
-                and set(g.get("manifests", [])) & set(manifests) for f in g.get("files", [])}
+        return {f for g in self._groups() if set(g.get("manifests", [])) & set(manifests) for f in g.get("files", [])}

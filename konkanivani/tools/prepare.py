@@ -350,21 +350,6 @@ def _refuse_sources_in(items: list[Item], out_dir: Path, replaced: set[str]) -> 
                                       str(item.audio))
 
 
-def _check_targets(items: list[Item], out_dir: Path, staging: Staging, replaced: set[str]) -> None:
-    """Before any work: a file this run would write that another run's manifests name, or that no
-    run of this tool wrote, is refused (``PrepareError``); the same check guards the publishing."""
-    owned = staging.owned_files() - replaced
-    for item in items:
-        if item.error is None and item.write_audio is not None:
-            relative = item.audio.relative_to(out_dir).as_posix()
-            if relative in owned:
-                raise PrepareError(f"{item.audio} belongs to another run's manifests in {out_dir}; give this run "
-                                   "another OUT_DIR, or prepare both in one run")
-            if relative not in replaced and item.audio.exists():
-                raise PrepareError(f"{item.audio} exists and was not written by konkanivani-prepare; this run would "
-                                   "replace it: move it away or choose another OUT_DIR")
-
-
 def _check(items: list[Item], out_dir: Path, staging: Path, tokenizer: Tokenizer, max_duration: float,
            progress: bool, report: Report) -> dict[str, list[dict]]:
     """Write each item's audio (under ``staging``, laid out as in ``out_dir``) when it must be,
@@ -428,9 +413,14 @@ def prepare(items: list[Item], out_dir: Path, *, tokenizer: Tokenizer | None = N
     with Staging(out_dir, "prepare", RECORD) as staging:
         # The manifests this run may write, and so the earlier run's files it replaces (runs of other splits stay).
         splits = {item.split for item in items} | ({"valid"} if valid_fraction > 0 else set())
-        replaced = staging.group_files([f"{split}.jsonl" for split in splits])
-        _check_targets(items, out_dir, staging, replaced)
-        _refuse_sources_in(items, out_dir, replaced)
+        manifests = [f"{split}.jsonl" for split in splits]
+        targets = [item.audio.relative_to(out_dir).as_posix() for item in items
+                   if item.error is None and item.write_audio is not None]
+        try:
+            staging.check_group(manifests, targets)  # before any work; publishing checks again
+        except OutputError as e:
+            raise PrepareError(str(e)) from None
+        _refuse_sources_in(items, out_dir, staging.group_files(manifests))
         rows = _check(items, out_dir, staging.path, tokenizer, max_duration, progress, report)
         _carve_valid(rows, split_name, valid_fraction, seed)
         if not rows:  # nothing usable: the previous result stays as it was
