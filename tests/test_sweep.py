@@ -76,6 +76,22 @@ def _train_steps(trial_dir):
     return [r["step"] for r in read_metrics(trial_dir / "metrics.jsonl").get("train", [])]
 
 
+def _sigterm_when_saved(argv, trial_dir, steps):
+    """konkanivani-sweep ARGV as a process, sent SIGTERM once ``trial_dir`` has saved and logged
+    ``steps`` steps (bounded: 2400 polls); asserts it then exits 143, and returns its output."""
+    proc = subprocess.Popen([sys.executable, "-m", "konkanivani.cli.sweep", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for _ in range(2400):
+        if proc.poll() is not None or ((trial_dir / "latest.pt").exists() and len(_train_steps(trial_dir)) >= steps):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the sweep ended before it could be stopped"
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    return stdout, stderr
+
+
 @pytest.mark.slow
 def test_a_sweep_killed_in_its_second_trial_continues_without_repeating_a_step(tiny_corpus, tmp_path):
     """Three trials; SIGTERM while the second trains; the same command again finishes all three, the
@@ -83,17 +99,8 @@ def test_a_sweep_killed_in_its_second_trial_continues_without_repeating_a_step(t
     out = tmp_path / "sweep"
     argv = ["--output_dir", str(out), "--grid", "lr=1e-3,2e-3,3e-3", "--target_cer", "99",
             *_shared(tiny_corpus, "--max_steps", "12", "--save_every_steps", "2", "--validate_every_steps", "6")]
-    proc = subprocess.Popen([sys.executable, "-m", "konkanivani.cli.sweep", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     second = out / "lr-0.002"
-    for _ in range(2400):  # until the second trial has saved a few steps (bounded: 2400 polls)
-        if proc.poll() is not None or ((second / "latest.pt").exists() and len(_train_steps(second)) >= 5):
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the sweep ended before it could be stopped"
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    stdout, stderr = _sigterm_when_saved(argv, second, steps=5)
     assert "continue with:" in stdout and "Traceback" not in stderr
     first = out / "lr-0.001"
     assert json.loads((first / "trial.json").read_text())["status"] == "done"
@@ -198,17 +205,8 @@ def test_a_search_killed_in_a_trial_resumes_from_its_sqlite_study(tiny_corpus, t
     recipe.write_text(SPACE, encoding="utf-8")
     out = tmp_path / "search"
     argv = _search_argv(tiny_corpus, out, recipe, "--trials", "3")
-    proc = subprocess.Popen([sys.executable, "-m", "konkanivani.cli.sweep", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     second = out / "trial-0001"
-    for _ in range(2400):  # until the second trial has saved a step (bounded: 2400 polls)
-        if proc.poll() is not None or ((second / "latest.pt").exists() and len(_train_steps(second)) >= 3):
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the search ended before it could be stopped"
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    _sigterm_when_saved(argv, second, steps=3)
     url = f"sqlite:///{out / 'study.db'}"
     stopped = [t for t in _study_trials(url) if t.user_attrs.get("run_dir") == "trial-0001"]
     assert [t.state for t in stopped] == [TrialState.FAIL, TrialState.WAITING]  # given again, same parameters

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 from ..checkpoint import write_file_atomic
 from ..training.loop import train
 from ..training.metrics_log import read_metrics
-from ..training.rundir import existing_run, hold_run_directory, move_run_aside
+from ..training.rundir import hold_run_directory
 from ..training.signals import TrainingDiverged
 from .sweep import (
     STOPS,
@@ -47,6 +47,7 @@ from .sweep import (
     record_trial,
     recorded_trial,
     resolved_settings,
+    set_aside_unsaved_run,
     write_tables,
 )
 
@@ -217,9 +218,7 @@ def _objective(out: Path, space: dict[str, tuple[str, list[Any]]], make_trial: M
         ran[name] = record
         resume = "latest" if (trial_dir / "latest.pt").exists() else ""
         cfg, model_flags = make_trial(settings, trial_dir, resume)
-        if not resume and existing_run(trial_dir):  # killed before its first checkpoint: start again, the rest aside
-            log.warning("search trial %s: no checkpoint to resume; its partial run moved to %s", name,
-                        move_run_aside(trial_dir))
+        set_aside_unsaved_run(trial_dir, resume, f"search trial {name}")
         resolved = resolved_settings(cfg, model_flags)
         if (recorded := recorded_trial(trial_dir)) is not None:  # this folder's run: the same trial, the same settings
             if recorded.get("settings") != json.loads(json.dumps(settings)):

@@ -14,9 +14,9 @@ flags)`` (``cli/sweep.py`` builds it from the command line), so every flag means
 """
 from __future__ import annotations
 
-import csv
 import dataclasses
 import difflib
+import functools
 import itertools
 import json
 import logging
@@ -30,7 +30,7 @@ from ..checkpoint import write_file_atomic
 from ..config import ModelConfig, TrainConfig, flag_fields, model_config_from_preset
 from ..data.frames import budget_frames, frames_of
 from ..data.manifest import read_manifest
-from ..training.curves import have_matplotlib
+from ..training.curves import have_matplotlib, write_csv
 from ..training.loop import train
 from ..training.memory import GIB, BatchDoesNotFit, MemoryEstimator
 from ..training.metrics_log import read_metrics
@@ -150,10 +150,16 @@ def check_same_settings(trial: Trial, recorded: dict[str, Any], resolved: dict[s
                          " use another --output_dir for the changed sweep, or give the same flags")
 
 
+def set_aside_unsaved_run(trial_dir: Path, resume: str, label: str) -> None:
+    """A trial killed before its first checkpoint has nothing to resume but its folder holds a run
+    (metrics, a log), which a fresh start would be refused: move that aside, as --overwrite does."""
+    if not resume and existing_run(trial_dir):
+        log.warning("%s: no checkpoint to resume; its partial run moved to %s", label, move_run_aside(trial_dir))
+
+
 def _fits(cfg: TrainConfig, model_flags: dict[str, Any], budget_gb: float) -> Optional[str]:
     """None when the memory planner says the trial's largest micro-batch fits ``budget_gb``; else why not."""
-    durations = [float(row.get("duration", 0) or 0) for _, row in read_manifest(cfg.train_manifest)]
-    longest = frames_of(min(max(durations, default=1.0), cfg.max_duration))
+    longest = frames_of(min(max(_durations(cfg.train_manifest), default=1.0), cfg.max_duration))
     base = model_config_from_preset(cfg.preset, vocab_size=cfg.vocab_size,
                                     **{k: v for k, v in model_flags.items() if v is not None})
     precision = cfg.precision or ("fp16" if cfg.mixed_precision else "fp32")  # as on a GPU, which the budget is
@@ -196,8 +202,9 @@ def run_sweep(out: Path, grid: dict[str, list[Any]], make_trial: MakeTrial, budg
 
 def _run_trial(out: Path, trial: Trial, make_trial: MakeTrial, budget_gb: float, label: str) -> Optional[str]:
     trial_dir = out / trial.name
-    cfg, model_flags = make_trial(trial.settings, trial_dir, "")
-    resolved = resolved_settings(cfg, model_flags)
+    resume = "latest" if (trial_dir / "latest.pt").exists() else ""
+    cfg, model_flags = make_trial(trial.settings, trial_dir, resume)
+    resolved = resolved_settings(cfg, model_flags)  # (resuming is no setting: the same either way)
     recorded = recorded_trial(trial_dir)
     if recorded is not None:
         check_same_settings(trial, recorded, resolved, trial_dir)
@@ -210,11 +217,7 @@ def _run_trial(out: Path, trial: Trial, make_trial: MakeTrial, budget_gb: float,
         record_trial(trial_dir, trial, resolved)
         log.warning("%s %s: skipped, %s", label, trial.name, why)
         return None
-    resume = "latest" if (trial_dir / "latest.pt").exists() else ""
-    cfg, model_flags = make_trial(trial.settings, trial_dir, resume)
-    if not resume and existing_run(trial_dir):  # killed before its first checkpoint: start it again, the rest aside
-        log.warning("%s %s: no checkpoint to resume; its partial run moved to %s", label, trial.name,
-                    move_run_aside(trial_dir))
+    set_aside_unsaved_run(trial_dir, resume, f"{label} {trial.name}")
     trial.status = "running"
     record_trial(trial_dir, trial, resolved)
     log.info("%s %s: %s", label, trial.name, "resuming from its latest.pt" if resume else "starting")
@@ -275,17 +278,18 @@ def _trial_row(out: Path, trial: Trial, target_cer: float) -> dict[str, Any]:
     return row
 
 
-_DURATIONS: dict[str, float] = {}
+@functools.lru_cache(maxsize=8)
+def _durations(manifest: str) -> tuple[float, ...]:
+    """The ``duration`` of every row of a manifest (read once: each trial of a sweep asks)."""
+    return tuple(float(row.get("duration", 0) or 0) for _, row in read_manifest(manifest))
 
 
 def _mean_duration(manifest: str) -> float:
-    if manifest not in _DURATIONS:
-        try:
-            durations = [float(r.get("duration", 0) or 0) for _, r in read_manifest(manifest)]
-        except (OSError, ValueError):
-            durations = []
-        _DURATIONS[manifest] = sum(durations) / len(durations) if durations else math.nan
-    return _DURATIONS[manifest]
+    try:
+        durations = _durations(manifest)
+    except (OSError, ValueError):
+        return math.nan
+    return sum(durations) / len(durations) if durations else math.nan
 
 
 def sweep_table(out: Path, trials: list[Trial], target_cer: float = 0.0) -> list[dict[str, Any]]:
@@ -300,23 +304,12 @@ def write_tables(out: Path, trials: list[Trial], target_cer: float = 0.0) -> lis
     keys = list(dict.fromkeys(["trial", *(k for t in trials for k in t.settings), *COLUMNS[1:]]))
     if not target_cer:
         keys.remove("target_at_s")
-    text = io_csv(rows, keys)
-    write_file_atomic(out / "sweep.csv", text.encode())
+    write_csv(out / "sweep.csv", rows, keys)
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(_cell(r.get(k)) for k in keys) + " |" for r in rows]
     header = f"# Sweep {out}\n\n" + (f"Target CER {target_cer:g}%.\n\n" if target_cer else "")
     write_file_atomic(out / "sweep.md", (header + "\n".join(lines) + "\n").encode())
     return rows
-
-
-def io_csv(rows: list[dict[str, Any]], keys: list[str]) -> str:
-    import io
-
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=keys, extrasaction="ignore", lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    return buffer.getvalue()
 
 
 def _cell(value: Any) -> str:

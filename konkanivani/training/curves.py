@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import io
 import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -33,13 +34,17 @@ def run_labels(run_dirs: Sequence[Path]) -> list[str]:
     return names if len(set(names)) == len(names) else [str(d) for d in run_dirs]
 
 
-def write_csv(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
-    """``rows`` (dicts with the same keys, in order) as a CSV table with a header, as the benchmarks
-    keep their results beside their plots."""
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+def write_csv(path: str | Path, rows: Sequence[dict[str, Any]], columns: Optional[Sequence[str]] = None) -> None:
+    """``rows`` as a CSV table with a header, as the benchmarks keep their results beside their plots
+    and a sweep its table: the ``columns`` given (a row's other keys left out, a missing one empty),
+    else the first row's keys. Written atomically: a reader sees the old table or the new one."""
+    with atomic_file(path) as raw:
+        text = io.TextIOWrapper(raw, encoding="utf-8", newline="")
+        writer = csv.DictWriter(text, fieldnames=list(columns or rows[0]), extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
+        text.flush()
+        text.detach()  # atomic_file syncs, closes and renames the file itself
 
 
 def write_curves(run_dir: str | Path) -> Path:
