@@ -26,7 +26,7 @@ import torchaudio
 
 from ..config import AugmentConfig
 from .audio import list_audio_files, load_audio, resample
-from .frames import HOP_LENGTH, SAMPLE_RATE, subsampled_lengths
+from .frames import SAMPLE_RATE, frames_of_samples, subsampled_lengths
 
 __all__ = ["SPEED_FACTORS", "VTLP_RANGE", "Augmenter", "utterance_generator", "speed_perturb",
            "coloured_noise", "add_noise", "synthetic_rir", "reverberate", "vtlp_warp_matrix", "batching_duration"]
@@ -245,7 +245,7 @@ class Augmenter:
         would leave fewer than ``min_encoder_frames`` encoder frames (its token count: CTC could not
         align it, and its loss would be zeroed) is not applied."""
         factor = self.speed_factor(epoch, index)
-        if factor > 1 and subsampled_lengths(1 + int(len(wav) / factor) // HOP_LENGTH) < min_encoder_frames:
+        if factor > 1 and subsampled_lengths(frames_of_samples(int(len(wav) / factor))) < min_encoder_frames:
             factor = 1.0
         wav = speed_perturb(wav, factor)
         if self.cfg.reverb_prob:

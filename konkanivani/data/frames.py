@@ -18,13 +18,18 @@ FRAMES_PER_SECOND = SAMPLE_RATE // HOP_LENGTH  # 100
 Lengths = TypeVar("Lengths", int, torch.Tensor)
 
 
+def frames_of_samples(samples: int) -> int:
+    """Feature frames ``LogMel`` makes of ``samples`` samples: 1 + samples // 160."""
+    return 1 + samples // HOP_LENGTH
+
+
 def frames_of(seconds: float) -> int:
-    """Feature frames of ``seconds`` of audio, as ``LogMel`` makes them (1 + samples // 160).
+    """Feature frames of ``seconds`` of audio, as ``LogMel`` makes them (``frames_of_samples``).
 
     >>> frames_of(1.0), frames_of(0.0)
     (101, 1)
     """
-    return 1 + int(seconds * SAMPLE_RATE) // HOP_LENGTH
+    return frames_of_samples(int(seconds * SAMPLE_RATE))
 
 
 def subsampled_lengths(frames: Lengths) -> Lengths:

@@ -22,7 +22,7 @@ import torch
 from ..checkpoint import CheckpointError, inference_state_dict, load_checkpoint
 from ..config import ModelConfig
 from ..data.audio import AUDIO_SUFFIXES, AudioError, LogMel, load_audio
-from ..data.frames import HOP_LENGTH, SAMPLE_RATE, subsampled_lengths
+from ..data.frames import HOP_LENGTH, SAMPLE_RATE, frames_of_samples, subsampled_lengths
 from ..data.manifest import read_manifest, resolve_audio_path
 from ..data.tokenizer import Tokenizer
 from ..model.asr import ASRModel
@@ -194,20 +194,15 @@ def _read(path: str | Path) -> tuple[torch.Tensor | None, str | None]:
         wav = load_audio(path)
     except RuntimeError as e:  # the caller names it (Transcript.error), once
         return None, str(e)
-    if subsampled_lengths(_frames(wav)) < 1:  # the encoder frames the model will compute
+    if subsampled_lengths(frames_of_samples(len(wav))) < 1:  # the encoder frames the model will compute
         return wav, str(AudioError("audio too short", str(path), f"{len(wav) / SAMPLE_RATE:.3f} s; the model needs "
                                    f"at least {MIN_SAMPLES / SAMPLE_RATE:.3f} s"))
     return wav, None
 
 
-def _frames(wav: torch.Tensor) -> int:
-    """The feature frames ``LogMel`` makes of ``wav``, without computing them."""
-    return 1 + len(wav) // HOP_LENGTH
-
-
 def _method_of(method: str, wav: torch.Tensor) -> str:
     """The method ``decode_batch`` decodes ``wav`` with when asked for ``method``."""
-    return method_for(method, _frames(wav))
+    return method_for(method, frames_of_samples(len(wav)))
 
 
 def _say_long_inputs(method: str, long_inputs: list[tuple[str, float]]) -> None:
