@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Union, get_args, get_origin, get_type_hints
 
-__all__ = ["DEFAULT_SEED", "FROM_TOKENIZER", "flag_fields", "AugmentConfig", "OPTIMIZERS", "PRECISIONS", "STRATEGIES", "kept_settings", "ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "INIT_MODULES", "model_config_from_preset",
+__all__ = ["DEFAULT_SEED", "Renamed", "FROM_TOKENIZER", "flag_fields", "AugmentConfig", "OPTIMIZERS", "PRECISIONS", "STRATEGIES", "kept_settings", "ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "INIT_MODULES", "model_config_from_preset",
            "model_config_from", "check_config", "add_dataclass_args", "dataclass_from_args"]
 
 
@@ -346,20 +346,30 @@ def _flag_type(tp: Any) -> Any:
     return tp
 
 
+class Renamed(argparse.Action):
+    """An old spelling of a flag: sets the new flag's value and says once, on stderr, what it is
+    now called (``parser.add_argument("--old", dest="new", action=Renamed, new="--new", ...)``; with
+    ``nargs=0`` it sets ``const``, as the old spelling of a switch)."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str, **kwargs: Any):
+        super().__init__(option_strings, dest, **kwargs)
+        self.new, self.said = new, False
+
+    def __call__(self, parser, namespace, values, option_string: str | None = None) -> None:
+        if not self.said:
+            print(f"{parser.prog}: note: {option_string} is now spelled {self.new}", file=sys.stderr)
+            self.said = True
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+
+
 class _Switch(argparse.Action):
-    """A boolean flag: ``--name`` sets it, ``--no_name`` clears it; ``--no-name`` (argparse's
-    spelling, which this project used before) clears it too and says once what it is now."""
+    """A boolean flag: ``--name`` sets it, ``--no_name`` clears it."""
 
     def __init__(self, option_strings: list[str], dest: str, **kwargs: Any):
         super().__init__(option_strings, dest, nargs=0, **kwargs)
-        self.said = False
 
     def __call__(self, parser, namespace, values, option_string: str | None = None) -> None:
-        name = self.dest
-        if option_string == f"--no-{name}" and not self.said:
-            print(f"{parser.prog}: note: --no-{name} is now spelled --no_{name}", file=sys.stderr)
-            self.said = True
-        setattr(namespace, name, option_string == f"--{name}")
+        setattr(namespace, self.dest, option_string == f"--{self.dest}")
 
 
 def flag_fields(cls: type) -> list[dataclasses.Field]:
@@ -375,7 +385,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, *, defaults: 
 
     With ``defaults=False`` every flag defaults to None, meaning "not given" (used for model
     dimensions, which fall back to the chosen preset). Booleans take ``--flag`` / ``--no_flag``
-    (``--no-flag``, the old spelling, still works and says so once).
+    (``--no-flag``, the old spelling, still works and says so once: ``Renamed``).
     """
     hints = get_type_hints(cls)
     for f in flag_fields(cls):
@@ -391,7 +401,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, *, defaults: 
             help_text += f" (default: {f.default!r})"
         if tp is bool:
             parser.add_argument(f"--{f.name}", f"--no_{f.name}", action=_Switch, default=default, help=help_text)
-            parser.add_argument(f"--no-{f.name}", dest=f.name, action=_Switch, help=argparse.SUPPRESS)
+            parser.add_argument(f"--no-{f.name}", dest=f.name, action=Renamed, new=f"--no_{f.name}", nargs=0,
+                                const=False, help=argparse.SUPPRESS)  # argparse's spelling, this project's before
         else:
             parser.add_argument(f"--{f.name}", type=tp, default=default, help=help_text, required=required,
                                 choices=f.metadata.get("choices"))

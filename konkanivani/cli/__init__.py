@@ -11,7 +11,7 @@ The conventions every tool keeps, all here:
   (``tool``);
 - an output folder is ``--output_dir``, an output file ``--output``; no tool writes over its own
   input (``refuse_writing_inputs``); ``--seed`` defaults to ``config.DEFAULT_SEED``;
-- an old spelling of a flag still works and says once what it is now called (``Renamed``).
+- an old spelling of a flag still works and says once what it is now called (``config.Renamed``).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Callable, NoReturn
 
-__all__ = ["Parser", "Renamed", "add_output_dir", "fail", "output_dir", "refuse_writing_inputs", "setup_logging",
+__all__ = ["Parser", "add_output_dir", "fail", "output_dir", "refuse_writing_inputs", "setup_logging",
            "tool"]
 
 log = logging.getLogger("konkanivani")
@@ -37,21 +37,6 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-class Renamed(argparse.Action):
-    """An old spelling of a flag: sets the new flag's value and says once, on stderr, what it is
-    now called (``parser.add_argument("--old", dest="new", action=Renamed, new="--new", ...)``)."""
-
-    def __init__(self, option_strings: list[str], dest: str, new: str, **kwargs):
-        super().__init__(option_strings, dest, **kwargs)
-        self.new, self.said = new, False
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        if not self.said:
-            print(f"{parser.prog}: note: {option_string} is now spelled {self.new}", file=sys.stderr)
-            self.said = True
-        setattr(namespace, self.dest, values)
 
 
 class _Stderr(logging.StreamHandler):

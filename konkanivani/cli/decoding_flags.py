@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..config import Renamed
 from ..decoding.recognizer import Recognizer
 from ..decoding.search import DEFAULT_CTC_WEIGHT, FUSED_METHODS, LONG_INPUT_METHOD, LONG_INPUT_SECONDS, METHODS
 from ..training.precision import resolve_device
-from . import Parser, Renamed
+from . import Parser
 
 __all__ = ["DEFAULT_LM_WEIGHT", "add_decoding_args", "check_decoding_args", "decoding_name", "load_recognizer"]
 

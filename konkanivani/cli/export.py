@@ -16,8 +16,9 @@ import sys
 from pathlib import Path
 
 from ..checkpoint import CheckpointError
+from ..config import Renamed
 from ..decoding.export import FORMATS, ExportError, export_checkpoint, unavailable
-from . import Parser, Renamed, fail, setup_logging, tool
+from . import Parser, fail, setup_logging, tool
 
 
 @tool
