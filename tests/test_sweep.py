@@ -264,6 +264,24 @@ def test_a_pruned_trial_stops_at_its_validation_and_counts_as_pruned(tiny_corpus
     assert len(_study_trials(f"sqlite:///{out / 'study.db'}")) == 2
 
 
+def test_a_combination_the_trainer_refuses_fails_that_trial_and_the_search_goes_on(tiny_corpus, tmp_path, capsys):
+    pytest.importorskip("optuna")
+    recipe = tmp_path / "search.yaml"  # dw_striding takes no --subsampling_channels: every sample is refused
+    recipe.write_text("sweep:\n  search:\n    subsampling: {choices: [dw_striding]}\n"
+                      "    subsampling_channels: {choices: [8]}\n", encoding="utf-8")
+    out = tmp_path / "search"
+    assert sweep_cli.main(_search_argv(tiny_corpus, out, recipe, "--trials", "2")) == 1  # failed trials: exit 1
+    for name in ("trial-0000", "trial-0001"):
+        record = json.loads((out / name / "trial.json").read_text())
+        assert record["status"] == "failed" and "--subsampling_channels 8" in record["reason"]
+        assert not (out / name / "latest.pt").exists()
+
+    recipe.write_text("model:\n  subsampling: dw_striding\n  subsampling_channels: 8\n" + SPACE, encoding="utf-8")
+    assert sweep_cli.main(_search_argv(tiny_corpus, tmp_path / "broken", recipe, "--trials", "2")) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # the recipe's own refusal stops the search
+    assert "--subsampling_channels 8" in err
+
+
 @pytest.mark.parametrize("flags, fits", [
     ({}, False),  # 8 utterances of 20 s, medium, fp32: about 3 GiB
     ({"auto_batch": True}, True),  # the run sizes its batches: one utterance must fit

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..checkpoint import write_file_atomic
+from ..config import ConfigError
 from ..training.loop import train
 from ..training.metrics_log import read_metrics
 from ..training.rundir import hold_run_directory
@@ -248,6 +249,15 @@ def _objective(out: Path, space: dict[str, tuple[str, list[Any]]], make_trial: M
         except TrainingDiverged as e:  # this trial's settings diverge: the worst score, and the search goes on
             record.status, record.reason = "failed", str(e).splitlines()[0]
             record_trial(trial_dir, record, resolved)
+            return 100.0
+        except ConfigError as e:
+            if not any(f"--{flag} " in f"{e} " or f"--{flag}:" in str(e) for flag in space):
+                raise  # the recipe's own settings: every trial would fail alike
+            # a combination the trainer refuses (--subsampling_channels with dw_striding): the worst score,
+            # so that the sampler learns to avoid it, and the search goes on
+            record.status, record.reason = "failed", str(e).splitlines()[0]
+            record_trial(trial_dir, record, resolved)
+            log.warning("search trial %s refused: %s", name, record.reason)
             return 100.0
         except Exception as e:  # a broken recipe would break every trial: the search stops, saying why
             record.status, record.reason = "failed", str(e).splitlines()[0] if str(e) else type(e).__name__

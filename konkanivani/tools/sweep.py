@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, get_type_hints
 
 from ..checkpoint import write_file_atomic
-from ..config import ModelConfig, TrainConfig, flag_fields, model_config_from_preset
+from ..config import ConfigError, ModelConfig, TrainConfig, flag_fields, model_config_from_preset
 from ..data.frames import budget_frames, frames_of
 from ..data.manifest import read_manifest
 from ..training.curves import have_matplotlib, write_csv
@@ -249,9 +249,12 @@ def _trial_row(out: Path, trial: Trial, target_cer: float) -> dict[str, Any]:
     if resolved.get("preset"):
         with_flags = {f.name: resolved[f.name] for f in dataclasses.fields(ModelConfig)
                       if f.name in resolved and not f.metadata.get("from_tokenizer")}
-        params = MemoryEstimator(model_config_from_preset(resolved["preset"], vocab_size=resolved.get("vocab_size", 128),
-                                                          **with_flags)).n_params
-        row["parameters_m"] = round(params / 1e6, 2)
+        try:
+            params = MemoryEstimator(model_config_from_preset(resolved["preset"], vocab_size=resolved.get("vocab_size", 128),
+                                                              **with_flags)).n_params
+            row["parameters_m"] = round(params / 1e6, 2)
+        except ConfigError:  # a combination the trainer refused: no model, its reason says why
+            pass
     metrics = trial_dir / "metrics.jsonl"
     if not metrics.is_file():
         return row
