@@ -1,7 +1,15 @@
+import doctest
+
+import pytest
 import torch
 
 from konkanivani.data.frames import subsampled_lengths
-from konkanivani.model.masks import causal_mask, pad_mask, valid_mask
+from konkanivani.model import masks
+from konkanivani.model.masks import causal_mask, chunk_mask, pad_mask, valid_mask
+
+
+def test_the_doctests_hold():
+    assert doctest.testmod(masks).failed == 0
 
 
 def test_pad_mask_marks_padding():
@@ -24,6 +32,15 @@ def test_causal_mask_lower_triangular():
     for i in range(4):
         for j in range(4):
             assert bool(m[i, j]) == (j <= i)
+
+
+@pytest.mark.parametrize("size,chunk,left", [(1, 1, -1), (7, 1, 0), (7, 3, -1), (7, 3, 1), (10, 4, 0), (10, 2, 2)])
+def test_chunk_mask_allows_the_own_chunk_and_the_left_ones(size, chunk, left):
+    mask = chunk_mask(size, chunk, left)
+    for i in range(size):
+        for j in range(size):
+            behind = i // chunk - j // chunk
+            assert bool(mask[i, j]) == (0 <= behind and (left < 0 or behind <= left)), (i, j)
 
 
 def test_subsampled_lengths_match_convolution_output():
