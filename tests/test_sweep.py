@@ -254,13 +254,14 @@ def test_a_pruned_trial_stops_at_its_validation_and_counts_as_pruned(tiny_corpus
     recipe = tmp_path / "search.yaml"
     recipe.write_text(SPACE, encoding="utf-8")
     out = tmp_path / "search"
-    assert sweep_cli.main(_search_argv(tiny_corpus, out, recipe, "--trials", "2")) == 0
+    argv = _search_argv(tiny_corpus, out, recipe, "--trials", "2", "--max_steps", "9")
+    assert sweep_cli.main(argv) == 0
     trials = _study_trials(f"sqlite:///{out / 'study.db'}")
     assert [t.state for t in trials] == [TrialState.PRUNED, TrialState.PRUNED]
-    for t in trials:  # stopped at the first validation (step 3 of 6), saved there
-        assert _train_steps(out / t.user_attrs["run_dir"]) == [1, 2, 3]
+    for t in trials:  # not at the first validation (step 3: nothing has aligned yet); at the second, saved there
+        assert _train_steps(out / t.user_attrs["run_dir"]) == [1, 2, 3, 4, 5, 6]
         assert json.loads((out / t.user_attrs["run_dir"] / "trial.json").read_text())["status"] == "pruned"
-    assert sweep_cli.main(_search_argv(tiny_corpus, out, recipe, "--trials", "2")) == 0  # finished: nothing more
+    assert sweep_cli.main(argv) == 0  # finished: nothing more
     assert len(_study_trials(f"sqlite:///{out / 'study.db'}")) == 2
 
 

@@ -237,7 +237,9 @@ def _objective(out: Path, space: dict[str, tuple[str, list[Any]]], make_trial: M
             valid = read_metrics(trial_dir / "metrics.jsonl").get("valid", []) if (trial_dir / "metrics.jsonl").is_file() else []
             if valid and valid[-1]["step"] == step and valid[-1].get("cer") is not None:
                 trial.report(100 * valid[-1]["cer"], step)
-                return trial.should_prune()
+                # The first validation comes before a model has learned to align (every trial's CER is
+                # near 100% then): ranking by it would prune on noise. Pruning starts at the second.
+                return step > every and trial.should_prune()
             return False
 
         try:
