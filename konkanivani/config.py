@@ -73,13 +73,28 @@ class ModelConfig:
                 "(each utterance's own mean, then the training set's std: a channel or loudness change "
                 "shifts log-mel bins by a constant, which this removes; ESPnet's utterance_mvn)",
         "choices": ("global", "utterance")})
+    # Streaming: one model for full-context and chunk-by-chunk recognition (docs/architecture.md, "Streaming").
+    dynamic_chunk: bool = field(default=False, metadata=flag_help(
+        "train for chunk-by-chunk recognition too: each training batch attends with full context half the "
+        "time, otherwise in chunks of 1 to --max_chunk encoder frames drawn per batch (each frame sees its "
+        "own chunk and those before it)"))
+    max_chunk: int = field(default=25, metadata=flag_help(
+        "the largest chunk --dynamic_chunk draws, in encoder frames of 40 ms (25: 1 s)"))
+    dynamic_left_chunks: bool = field(default=False, metadata=flag_help(
+        "with --dynamic_chunk, also draw per batch how many chunks to the left a chunk sees (0 up to all of "
+        "them), for recognition with a bounded left context; off: all of them"))
+    causal_conv: bool = field(default=False, metadata=flag_help(
+        "the convolution module's depthwise convolution sees past frames only (--conv_kernel - 1 of them), "
+        "as chunk-by-chunk recognition needs; off: centered on the frame"))
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
         """The config stored in a checkpoint; those written before ``attention_dropout`` existed used
         ``dropout`` on attention weights (and conv2d at full width, before ``subsampling`` and
-        ``subsampling_channels`` existed, and with global CMVN, before ``cmvn``)."""
+        ``subsampling_channels`` existed, with global CMVN, before ``cmvn``, and full context with a
+        centered convolution, before the streaming fields)."""
         return cls(**{"subsampling": "conv2d", "subsampling_channels": 0, "cmvn": "global",
+                      "dynamic_chunk": False, "dynamic_left_chunks": False, "causal_conv": False,
                       "attention_dropout": values.get("dropout", 0.1), **values})
 
 

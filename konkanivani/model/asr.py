@@ -1,7 +1,7 @@
 """The hybrid CTC/attention model: CMVN, SpecAugment, Conformer encoder, CTC head, Transformer decoder."""
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -83,13 +83,15 @@ class ASRModel(nn.Module):
         self.feat_mean.copy_(mean)
         self.feat_std.copy_(std.clamp_min(1e-5))
 
-    def encode(self, feats: torch.Tensor, feat_lens: torch.Tensor,
-               spec_augment: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(B, T, F)`` raw log-mel, zero-padded -> ``(B, T', D)`` encoder states and ``(B,)`` lengths."""
+    def encode(self, feats: torch.Tensor, feat_lens: torch.Tensor, spec_augment: bool = False,
+               chunk_size: Optional[int] = None, left_chunks: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(B, T, F)`` raw log-mel, zero-padded -> ``(B, T', D)`` encoder states and ``(B,)`` lengths.
+        ``chunk_size`` and ``left_chunks``: the attention's chunks (``ConformerEncoder.forward``; 0 full
+        context, None the model's own: full context, drawn per batch in training with ``dynamic_chunk``)."""
         x = (feats - self._mean(feats, feat_lens)) / self.feat_std
         if spec_augment and self.training:
             x = self.spec_augment(x)
-        return self.encoder(x, feat_lens)
+        return self.encoder(x, feat_lens, chunk_size, left_chunks)
 
     def _mean(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> torch.Tensor:
         """What CMVN subtracts: the training set's mean ``(F,)``, or each utterance's own mean over its

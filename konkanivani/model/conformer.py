@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
 from ..data.frames import subsampled_lengths
-from .masks import pad_mask
+from .masks import chunk_mask, pad_mask
 
 __all__ = ["Dropout", "random_bytes", "LayerNorm", "RotaryEmbedding", "KVCache", "MultiHeadAttention", "FeedForward", "ConvolutionModule", "ConformerBlock",
            "Conv2dSubsampling", "ConformerEncoder", "run_layers"]
@@ -178,13 +178,19 @@ class ConvolutionModule(nn.Module):
 
     LayerNorm rather than BatchNorm after the depthwise convolution: T4 recipes train with two
     utterances per micro-batch, where batch statistics are noise.
+
+    ``causal``: the depthwise convolution sees the frame and the ``kernel_size - 1`` before it (zeros
+    before the first frame), no later one, so a stream needs no look-ahead.
     """
 
-    def __init__(self, d_model: int, kernel_size: int, dropout: float):
+    def __init__(self, d_model: int, kernel_size: int, dropout: float, causal: bool = False):
         super().__init__()
+        self.causal = causal
+        self.past = kernel_size - 1  # the frames before one that a causal kernel sees
         self.norm = LayerNorm(d_model)
         self.pointwise_in = nn.Linear(d_model, 2 * d_model)
-        self.depthwise = nn.Conv1d(d_model, d_model, kernel_size, padding=kernel_size // 2, groups=d_model)
+        self.depthwise = nn.Conv1d(d_model, d_model, kernel_size, padding=0 if causal else kernel_size // 2,
+                                   groups=d_model)
         self.depthwise_norm = LayerNorm(d_model)
         self.pointwise_out = nn.Linear(d_model, d_model)
         self.dropout = Dropout(dropout)
@@ -194,7 +200,9 @@ class ConvolutionModule(nn.Module):
         x = F.glu(self.pointwise_in(self.norm(x)), dim=-1)  # (B, T', D)
         # Zero the padding so it does not leak into real frames near the end through the kernel.
         x = x.masked_fill(pad.unsqueeze(-1), 0.0)
-        x = self.depthwise(x.transpose(1, 2)).transpose(1, 2)  # (B, D, T') conv, back to (B, T', D)
+        if self.causal:
+            x = F.pad(x, (0, 0, self.past, 0))  # zeros before the first frame
+        x = self.depthwise(x.transpose(1, 2)).transpose(1, 2)  # (B, D, T) conv, back to (B, T', D)
         x = self.pointwise_out(F.silu(self.depthwise_norm(x)))
         return self.dropout(x)
 
@@ -203,21 +211,24 @@ class ConformerBlock(nn.Module):
     """Half-step FFN, self-attention, convolution, half-step FFN, final norm."""
 
     def __init__(self, d_model: int, n_heads: int, ffn_dim: int, conv_kernel: int, dropout: float,
-                 attention_dropout: float = 0.0):
+                 attention_dropout: float = 0.0, causal_conv: bool = False):
         super().__init__()
         self.ffn1 = FeedForward(d_model, ffn_dim, dropout)
         self.attn_norm = LayerNorm(d_model)
         self.attn = MultiHeadAttention(d_model, n_heads, attention_dropout)
         self.attn_dropout = Dropout(dropout)
-        self.conv_module = ConvolutionModule(d_model, conv_kernel, dropout)
+        self.conv_module = ConvolutionModule(d_model, conv_kernel, dropout, causal=causal_conv)
         self.ffn2 = FeedForward(d_model, ffn_dim, dropout)
         self.final_norm = LayerNorm(d_model)
 
-    def forward(self, x: torch.Tensor, pad: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """``x`` ``(B, T', D)``, ``pad`` ``(B, T')`` -> ``(B, T', D)``."""
+    def forward(self, x: torch.Tensor, pad: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x`` ``(B, T', D)``, ``pad`` ``(B, T')`` -> ``(B, T', D)``; ``allowed`` ``(B, 1, T', T')``, True
+        where a frame may attend to another (None: every frame sees every real frame)."""
         x = x + 0.5 * self.ffn1(x)
         h = self.attn_norm(x)
-        allowed = ~pad[:, None, None, :]  # (B, 1, 1, T'): every query may see every real frame
+        if allowed is None:
+            allowed = ~pad[:, None, None, :]  # (B, 1, 1, T'): every query may see every real frame
         x = x + self.attn_dropout(self.attn(h, None, allowed, rope))
         x = x + self.conv_module(x, pad)
         x = x + 0.5 * self.ffn2(x)
@@ -268,6 +279,13 @@ class Conv2dSubsampling(nn.Module):
         return F.relu(F.linear(x, pointwise.weight.flatten(1), pointwise.bias))
 
 
+def _chunk_allowed(pad: torch.Tensor, chunk_size: int, left_chunks: int) -> torch.Tensor:
+    """``(B, 1, T', T')``: the chunk mask among real frames. A padding frame's row sees every real
+    frame, as without chunks: a row that sees nothing would make the attention NaN."""
+    chunks = chunk_mask(pad.shape[1], chunk_size, left_chunks, pad.device)  # (T', T')
+    return ((chunks | pad[:, :, None]) & ~pad[:, None, :]).unsqueeze(1)
+
+
 class ConformerEncoder(nn.Module):
     """Log-mel features to encoder states.
 
@@ -280,25 +298,46 @@ class ConformerEncoder(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.cfg = cfg
         self.subsampling = Conv2dSubsampling(cfg.n_mels, cfg.d_model, cfg.dropout,
                                              depthwise_separable=cfg.subsampling == "dw_striding",
                                              channels=cfg.subsampling_channels)
         self.rotary = RotaryEmbedding(cfg.d_model // cfg.n_heads)
         self.blocks = nn.ModuleList(
-            ConformerBlock(cfg.d_model, cfg.n_heads, cfg.ffn_dim, cfg.conv_kernel, cfg.dropout, cfg.attention_dropout)
+            ConformerBlock(cfg.d_model, cfg.n_heads, cfg.ffn_dim, cfg.conv_kernel, cfg.dropout, cfg.attention_dropout,
+                           causal_conv=cfg.causal_conv)
             for _ in range(cfg.encoder_layers))
         self.gradient_checkpointing = False  # set by ASRModel.set_gradient_checkpointing
 
-    def forward(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, feats: torch.Tensor, feat_lens: torch.Tensor, chunk_size: Optional[int] = None,
+                left_chunks: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
         """
         Args:
             feats: ``(B, T, F)`` normalized log-mel features.
             feat_lens: ``(B,)`` int64 frame counts.
+            chunk_size: 0 for full context; > 0 each encoder frame attends to its chunk of that many
+                frames and ``left_chunks`` chunks before it (< 0: all), as in a stream; None: full
+                context, except in training with ``dynamic_chunk`` (``draw_chunk``).
         Returns:
             ``(B, T', D)`` encoder states and ``(B,)`` their lengths.
         """
         x, lengths = self.subsampling(feats, feat_lens)
         pad = pad_mask(lengths, x.shape[1])  # (B, T')
         rope = self.rotary(x.shape[1], x.device)
-        x = run_layers(self.blocks, x, pad, rope, checkpointed=self.gradient_checkpointing and self.training)
+        if chunk_size is None and self.training and self.cfg.dynamic_chunk:
+            chunk_size, left_chunks = self.draw_chunk(x.shape[1])
+        allowed = _chunk_allowed(pad, chunk_size, left_chunks) if chunk_size else None
+        x = run_layers(self.blocks, x, pad, rope, allowed, checkpointed=self.gradient_checkpointing and self.training)
         return x, lengths
+
+    def draw_chunk(self, frames: int) -> tuple[int, int]:
+        """A training batch's ``(chunk_size, left_chunks)`` under ``dynamic_chunk``, for ``frames``
+        encoder frames, from torch's default generator (the run's seed): full context ``(0, -1)`` half
+        the time, otherwise a chunk of 1 to ``max_chunk`` frames (uniform) with all chunks to its left
+        (-1), or with ``dynamic_left_chunks`` 0 up to all of them (uniform)."""
+        if torch.randint(2, ()) == 0:
+            return 0, -1
+        chunk = int(torch.randint(1, self.cfg.max_chunk + 1, ()))
+        if not self.cfg.dynamic_left_chunks:
+            return chunk, -1
+        return chunk, int(torch.randint(max(frames - 1, 0) // chunk + 1, ()))

@@ -1,0 +1,113 @@
+"""Streaming: one model for full-context and chunk-by-chunk recognition. The chunk mask, the causal
+convolution and the per-batch chunk draw of --dynamic_chunk."""
+import functools
+
+import torch
+
+from konkanivani.config import ModelConfig, model_config_from_preset
+from konkanivani.model import conformer
+from konkanivani.model.asr import ASRModel
+from konkanivani.model.conformer import ConformerEncoder
+
+V = 40
+
+
+def _model(**kw):
+    torch.manual_seed(0)
+    return ASRModel(model_config_from_preset("tiny", vocab_size=V, **kw))
+
+
+@functools.lru_cache(maxsize=None)
+def _causal_encoder(subsampling):
+    torch.manual_seed(0)
+    return ConformerEncoder(model_config_from_preset("tiny", vocab_size=V, subsampling=subsampling,
+                                                     causal_conv=True)).eval()
+
+
+def test_the_chunk_mask_changes_the_output_and_a_chunk_longer_than_the_input_does_not():
+    encoder = _causal_encoder("conv2d")
+    feats, lens = torch.randn(1, 217, 80), torch.tensor([217])
+    with torch.no_grad():
+        full = encoder(feats, lens)[0]
+        assert not torch.allclose(encoder(feats, lens, chunk_size=4)[0], full, atol=1e-3)
+        torch.testing.assert_close(encoder(feats, lens, chunk_size=53)[0], full)
+
+
+def test_the_causal_convolution_sees_no_later_frame():
+    encoder = _causal_encoder("conv2d")
+    feats = torch.randn(1, 217, 80)
+    later = feats.clone()
+    later[:, 118:] += 1.0  # changes encoder frames 28 on (frame t sees features 4t .. 4t + 6)
+    with torch.no_grad():
+        a = encoder(feats, torch.tensor([217]), chunk_size=1)[0]
+        b = encoder(later, torch.tensor([217]), chunk_size=1)[0]
+    assert torch.allclose(a[:, :28], b[:, :28], atol=1e-6)
+    assert all(not torch.allclose(a[:, t], b[:, t], atol=1e-3) for t in range(28, a.shape[1]))
+
+
+def test_default_flags_take_no_chunk_path(monkeypatch):
+    """A model of default flags builds no chunk mask and draws no chunk size, in training either: it
+    computes what it computed before the streaming flags existed."""
+    cfg = ModelConfig(vocab_size=V, d_model=48, n_heads=2, ffn_dim=96, encoder_layers=2, decoder_layers=1)
+    assert not (cfg.dynamic_chunk or cfg.dynamic_left_chunks or cfg.causal_conv)
+    torch.manual_seed(0)
+    model = ASRModel(cfg)
+    assert all(b.conv_module.depthwise.padding == (cfg.conv_kernel // 2,) for b in model.encoder.blocks)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the chunk path was taken")
+    monkeypatch.setattr(conformer, "chunk_mask", refused)
+    monkeypatch.setattr(ConformerEncoder, "draw_chunk", refused)
+    feats, lens = torch.randn(2, 120, 80), torch.tensor([120, 90])
+    model.train()
+    out = model(feats, lens, torch.tensor([[5, 6, 7], [8, 9, -1]]), torch.tensor([3, 2]), spec_augment=True)
+    out.loss.backward()
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model.encode(feats, lens)[0], model.encode(feats, lens, chunk_size=0)[0])
+
+
+def test_old_checkpoint_configs_load_as_full_context_models():
+    stored = dict(vars(model_config_from_preset("tiny", vocab_size=V)))
+    for key in ("dynamic_chunk", "max_chunk", "dynamic_left_chunks", "causal_conv"):
+        del stored[key]  # a checkpoint written before the streaming flags existed
+    cfg = ModelConfig.from_dict(stored)
+    assert (cfg.dynamic_chunk, cfg.dynamic_left_chunks, cfg.causal_conv) == (False, False, False)
+    assert not any(b.conv_module.causal for b in ASRModel(cfg).encoder.blocks)
+    streaming = vars(model_config_from_preset("tiny", vocab_size=V, dynamic_chunk=True, causal_conv=True, max_chunk=8))
+    assert ModelConfig.from_dict(streaming) == ModelConfig(**streaming)
+
+
+def test_dynamic_chunk_draws_a_chunk_per_training_batch_and_trains():
+    model = _model(dynamic_chunk=True, dynamic_left_chunks=True, max_chunk=8, causal_conv=True, dropout=0.0)
+    encoder = model.encoder
+    torch.manual_seed(3)
+    draws = [encoder.draw_chunk(30) for _ in range(300)]
+    assert (0, -1) in draws
+    chunks = {c for c, _ in draws if c}
+    assert chunks == set(range(1, 9))
+    assert all(0 <= left <= 29 // c for c, left in draws if c)
+    assert len({left for c, left in draws if c == 1}) > 5
+
+    # A training forward draws with torch's generator: the same seed, the same chunks.
+    feats, lens = torch.randn(2, 130, 80), torch.tensor([130, 100])
+    seen = set()
+    for seed in range(6):
+        torch.manual_seed(seed)
+        chunk, left = encoder.draw_chunk(31)
+        seen.add(chunk)
+        torch.manual_seed(seed)
+        trained = encoder.train()(feats, lens)[0]
+        with torch.no_grad():
+            torch.testing.assert_close(trained, encoder.eval()(feats, lens, chunk_size=chunk, left_chunks=left)[0])
+    assert len(seen) > 1
+
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens, token_lens = torch.tensor([[5, 6, 7], [8, 9, -1]]), torch.tensor([3, 2])
+    for _ in range(4):
+        out = model(feats, lens, tokens, token_lens, spec_augment=True)
+        assert torch.isfinite(out.loss)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
