@@ -93,6 +93,14 @@ class ASRModel(nn.Module):
             x = self.spec_augment(x)
         return self.encoder(x, feat_lens, chunk_size, left_chunks)
 
+    def normalize(self, feats: torch.Tensor, mean: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """CMVN of raw log-mel frames ``(B, T, F)`` for a stream (``ConformerEncoder.forward_chunk``),
+        frame by frame: minus ``mean`` (default: the training set's, ``feat_mean``), over the training
+        set's std. With cmvn "utterance" the model was trained on each utterance's own mean, which a
+        stream does not know yet: pass the mean of the frames seen so far (a running mean), which
+        comes closer to it as the stream goes on; with cmvn "global" pass nothing."""
+        return (feats - (self.feat_mean if mean is None else mean)) / self.feat_std
+
     def _mean(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> torch.Tensor:
         """What CMVN subtracts: the training set's mean ``(F,)``, or each utterance's own mean over its
         frames, ``(B, T, F)`` with zeros on the padding (which then stays as it came)."""

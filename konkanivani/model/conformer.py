@@ -7,11 +7,15 @@ Letters used for shapes across the package:
 Positional information enters through rotary embeddings (RoPE) on queries and keys: relative
 positions like Transformer-XL style attention, but still one fused ``scaled_dot_product_attention``
 call, which keeps memory low on small GPUs.
+
+Streaming (docs/architecture.md, "Streaming"): under a chunk mask (``masks.chunk_mask``) and with
+causal convolutions, ``ConformerEncoder.forward_chunk`` encodes a stream one chunk at a time with
+caches and gives the frames the full forward gives under the same mask.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +27,7 @@ from ..data.frames import subsampled_lengths
 from .masks import chunk_mask, pad_mask
 
 __all__ = ["Dropout", "random_bytes", "LayerNorm", "RotaryEmbedding", "KVCache", "MultiHeadAttention", "FeedForward", "ConvolutionModule", "ConformerBlock",
-           "Conv2dSubsampling", "ConformerEncoder", "run_layers"]
+           "Conv2dSubsampling", "ConformerEncoder", "StreamState", "feature_windows", "run_layers"]
 
 
 class LayerNorm(nn.LayerNorm):
@@ -121,17 +125,20 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, query: torch.Tensor, memory: Optional[torch.Tensor] = None,
                 allowed: Optional[torch.Tensor] = None, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                cache: Optional[KVCache] = None) -> torch.Tensor:
+                cache: Optional[KVCache] = None, offset: Optional[int] = None) -> torch.Tensor:
         """
         Args:
             query: ``(N, Tq, D)``.
             memory: ``(B, Tk, D)`` keys and values of cross-attention; None for self-attention.
             allowed: bool, broadcastable to ``(N, H, Tq, Tk)``, True where attention is allowed.
-            rope: ``(cos, sin)`` of shape ``(T, D/H)``, rotary tables (self-attention only).
+            rope: ``(cos, sin)`` of shape ``(T, D/H)``, rotary tables (self-attention only), row p for
+                position p.
             cache: incremental decoding. Self-attention appends the new keys and values to
                 ``cache[self]`` (the queries are the positions after those cached); cross-attention
                 projects ``memory`` once and reuses it. Cross-attention memory may have fewer rows
                 than the queries: the N = B x K hypotheses of an utterance share its row.
+            offset: the position of the first query, for ``rope`` (default: after the cached keys); a
+                stream whose cache keeps only the last frames passes it.
         Returns:
             ``(N, Tq, D)``.
         """
@@ -143,8 +150,9 @@ class MultiHeadAttention(nn.Module):
             source = query if memory is None else memory
             k, v = self._heads(self.k_proj(source)), self._heads(self.v_proj(source))  # (., H, Tk, D/H)
         if rope is not None:
-            past = cache[self][0].shape[2] if cache is not None and self in cache else 0
-            cos, sin = rope[0][past:past + Tq], rope[1][past:past + Tq]  # the new positions' tables
+            if offset is None:
+                offset = cache[self][0].shape[2] if cache is not None and self in cache else 0
+            cos, sin = rope[0][offset:offset + Tq], rope[1][offset:offset + Tq]  # the new positions' tables
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if cache is not None:
             if memory is None and self in cache:
@@ -180,7 +188,7 @@ class ConvolutionModule(nn.Module):
     utterances per micro-batch, where batch statistics are noise.
 
     ``causal``: the depthwise convolution sees the frame and the ``kernel_size - 1`` before it (zeros
-    before the first frame), no later one, so a stream needs no look-ahead.
+    before the first frame), no later one, so a stream needs no look-ahead (``forward_chunk``).
     """
 
     def __init__(self, d_model: int, kernel_size: int, dropout: float, causal: bool = False):
@@ -202,6 +210,21 @@ class ConvolutionModule(nn.Module):
         x = x.masked_fill(pad.unsqueeze(-1), 0.0)
         if self.causal:
             x = F.pad(x, (0, 0, self.past, 0))  # zeros before the first frame
+        return self._depthwise_on(x)
+
+    def forward_chunk(self, x: torch.Tensor, cache: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chunk of a stream (``causal`` only): ``x`` ``(B, C, D)`` and ``cache`` ``(B, kernel-1, D)``,
+        the depthwise convolution's inputs just before the chunk (None at the start: zeros) ->
+        ``(B, C, D)`` and the cache for the next chunk."""
+        x = F.glu(self.pointwise_in(self.norm(x)), dim=-1)  # (B, C, D)
+        if cache is None:
+            cache = x.new_zeros(x.shape[0], self.past, x.shape[2])
+        x = torch.cat([cache, x], dim=1)  # (B, kernel-1 + C, D)
+        return self._depthwise_on(x), x[:, x.shape[1] - self.past:]
+
+    def _depthwise_on(self, x: torch.Tensor) -> torch.Tensor:
+        """The depthwise convolution over ``x`` ``(B, T, D)`` (with its left context when causal), norm,
+        Swish, pointwise conv, dropout."""
         x = self.depthwise(x.transpose(1, 2)).transpose(1, 2)  # (B, D, T) conv, back to (B, T', D)
         x = self.pointwise_out(F.silu(self.depthwise_norm(x)))
         return self.dropout(x)
@@ -234,6 +257,25 @@ class ConformerBlock(nn.Module):
         x = x + 0.5 * self.ffn2(x)
         return self.final_norm(x)
 
+    def forward_chunk(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], offset: int,
+                      keys_values: Optional[tuple[torch.Tensor, torch.Tensor]], conv_inputs: Optional[torch.Tensor],
+                      left_frames: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """One chunk of a stream: ``x`` ``(B, C, D)``, frames ``offset`` .. ``offset + C - 1``; the chunk
+        attends to itself and to ``keys_values`` (this block's cached keys, rotated, and values; None
+        at the start). Returns ``(B, C, D)``, the keys and values with this chunk's, cut to the last
+        ``left_frames`` (all when < 0), and the convolution's cache (``ConvolutionModule.forward_chunk``)."""
+        x = x + 0.5 * self.ffn1(x)
+        cache = {} if keys_values is None else {self.attn: keys_values}
+        x = x + self.attn_dropout(self.attn(self.attn_norm(x), None, None, rope, cache, offset=offset))
+        k, v = cache[self.attn]  # (B, H, past + C, D/H)
+        if left_frames >= 0:
+            first = max(0, k.shape[2] - left_frames)
+            k, v = k[:, :, first:], v[:, :, first:]
+        conv, conv_inputs = self.conv_module.forward_chunk(x, conv_inputs)
+        x = x + conv
+        x = x + 0.5 * self.ffn2(x)
+        return self.final_norm(x), (k, v), conv_inputs
+
 
 class Conv2dSubsampling(nn.Module):
     """Two stride-2 3x3 convolutions: ``(B, T, F)`` -> ``(B, T', D)`` with T' = ((T-1)//2 - 1)//2.
@@ -247,7 +289,11 @@ class Conv2dSubsampling(nn.Module):
 
     ``channels`` (0: ``d_model``) narrows the first convolution's output, as icefall's front-ends
     do: the second convolution's work falls in proportion (a quarter of it at 32 channels for D=128).
+
+    Output frame t comes from input frames ``4t`` .. ``4t + 6``: ``STRIDE`` and ``CONTEXT``.
     """
+
+    STRIDE, CONTEXT = 4, 7
 
     def __init__(self, n_mels: int, d_model: int, dropout: float, depthwise_separable: bool = False,
                  channels: int = 0):
@@ -277,6 +323,28 @@ class Conv2dSubsampling(nn.Module):
         x = F.conv2d(x, depthwise.weight.to(memory_format=cl), depthwise.bias, stride=2, groups=depthwise.groups)
         x = x.permute(0, 2, 3, 1)  # (B, D, T', F') stored channels-last -> (B, T', F', D), no copy
         return F.relu(F.linear(x, pointwise.weight.flatten(1), pointwise.bias))
+
+
+class StreamState(NamedTuple):
+    """What chunk-by-chunk encoding carries from one chunk to the next (``ConformerEncoder.forward_chunk``)."""
+
+    offset: int  # encoder frames made so far: the position of the next chunk's first frame
+    keys_values: list[tuple[torch.Tensor, torch.Tensor]]  # per block: the visible past's keys (rotated), values
+    conv_inputs: list[torch.Tensor]  # per block: its depthwise convolution's last kernel - 1 inputs
+
+
+def feature_windows(feats: torch.Tensor, chunk_size: int) -> list[torch.Tensor]:
+    """``(B, T, F)`` -> the feature windows that ``ConformerEncoder.forward_chunk`` turns into chunks of
+    ``chunk_size`` encoder frames: ``(chunk_size - 1) * 4 + 7`` frames each, the next ``4 * chunk_size``
+    frames later (they overlap by 3); the last may be shorter and make fewer encoder frames. Together
+    they make the ``subsampled_lengths(T)`` frames of the whole.
+
+    >>> [w.shape[1] for w in feature_windows(torch.zeros(1, 50, 80), 4)]  # 4 + 4 + 3 = 11 encoder frames
+    [19, 19, 18]
+    """
+    stride, context = Conv2dSubsampling.STRIDE, Conv2dSubsampling.CONTEXT
+    size = (chunk_size - 1) * stride + context
+    return [feats[:, start:start + size] for start in range(0, feats.shape[1] - context + 1, stride * chunk_size)]
 
 
 def _chunk_allowed(pad: torch.Tensor, chunk_size: int, left_chunks: int) -> torch.Tensor:
@@ -316,8 +384,8 @@ class ConformerEncoder(nn.Module):
             feats: ``(B, T, F)`` normalized log-mel features.
             feat_lens: ``(B,)`` int64 frame counts.
             chunk_size: 0 for full context; > 0 each encoder frame attends to its chunk of that many
-                frames and ``left_chunks`` chunks before it (< 0: all), as in a stream; None: full
-                context, except in training with ``dynamic_chunk`` (``draw_chunk``).
+                frames and ``left_chunks`` chunks before it (< 0: all), as ``forward_chunk`` encodes a
+                stream; None: full context, except in training with ``dynamic_chunk`` (``draw_chunk``).
         Returns:
             ``(B, T', D)`` encoder states and ``(B,)`` their lengths.
         """
@@ -341,3 +409,42 @@ class ConformerEncoder(nn.Module):
         if not self.cfg.dynamic_left_chunks:
             return chunk, -1
         return chunk, int(torch.randint(max(frames - 1, 0) // chunk + 1, ()))
+
+    def forward_chunk(self, feats: torch.Tensor, state: Optional[StreamState] = None,
+                      left_frames: int = -1) -> tuple[torch.Tensor, StreamState]:
+        """Encode one chunk of a stream (a model with ``causal_conv``).
+
+        Args:
+            feats: ``(B, W, F)`` normalized features, a window of ``feature_windows``: W =
+                ``(C - 1) * 4 + 7`` frames make C encoder frames; the next window starts ``4 * C``
+                frames later (B streams in step).
+            state: what the chunks before left (None for the first chunk).
+            left_frames: encoder frames of the past that later chunks may attend to, ``left_chunks *
+                chunk_size`` (< 0: all of them); the attention caches keep no more.
+        Returns:
+            ``(B, C, D)`` encoder states, those ``forward(..., chunk_size=C, left_chunks=...)`` gives
+            for these frames, and the state for the next chunk.
+        """
+        if not self.cfg.causal_conv:
+            raise ValueError("chunk-by-chunk encoding needs a model with causal_conv (its convolutions "
+                             "would otherwise look ahead of the chunk)")
+        x, _ = self.subsampling(feats, torch.tensor([feats.shape[1]]))
+        offset = 0 if state is None else state.offset
+        rope = self.rotary(offset + x.shape[1], x.device)  # rows for positions 0 .. offset + C - 1
+        past = [(None, None)] * len(self.blocks) if state is None else zip(state.keys_values, state.conv_inputs)
+        keys_values, conv_inputs = [], []
+        for block, (kv, conv) in zip(self.blocks, past):
+            x, kv, conv = block.forward_chunk(x, rope, offset, kv, conv, left_frames)
+            keys_values.append(kv)
+            conv_inputs.append(conv)
+        return x, StreamState(offset + x.shape[1], keys_values, conv_inputs)
+
+    def forward_chunk_by_chunk(self, feats: torch.Tensor, chunk_size: int, left_chunks: int = -1) -> torch.Tensor:
+        """``(B, T, F)`` normalized features of whole utterances (no padding) -> ``(B, T', D)``,
+        encoded chunk by chunk with ``forward_chunk`` as a stream would be."""
+        left_frames = left_chunks * chunk_size if left_chunks >= 0 else -1
+        state, outs = None, []
+        for window in feature_windows(feats, chunk_size):
+            out, state = self.forward_chunk(window, state, left_frames)
+            outs.append(out)
+        return torch.cat(outs, dim=1) if outs else feats.new_zeros(feats.shape[0], 0, self.cfg.d_model)
