@@ -8,6 +8,7 @@ from konkanivani.data.tokenizer import BLANK_ID, SOS_EOS_ID
 from konkanivani.decoding.recognizer import Recognizer
 from konkanivani.decoding.search import (
     METHODS,
+    CTCPrefixBeam,
     attention_beam_search,
     attention_rescoring,
     attention_scores,
@@ -77,6 +78,32 @@ def test_prefixes_are_equal_by_their_tokens_alone():
     assert _Prefix() == root and root.tokens() == [] and root.token is None
     others = [build([5, 7]), build([7, 5, 5]), build([5, 7, 5, 5]), build([5, 7, 6])]
     assert all(a != o for o in others) and len({a, *others}) == 5 and a != (5, 7, 5)
+
+
+@pytest.mark.parametrize("pieces", [[23], [1] * 23, [5, 0, 7, 11], [2, 3, 18]])
+def test_the_search_fed_frames_piece_by_piece_equals_the_search_over_all_of_them(trained, pieces):
+    """A stream's CTC prefix beam search: the same n-best, scores and token frames however the frames come."""
+    model, _, enc, enc_lens = trained
+    log_probs = model.ctc_log_probs(enc)[0, :23]
+    whole = CTCPrefixBeam(5)
+    whole.advance(log_probs)
+    parts, start = CTCPrefixBeam(5), 0
+    for n in pieces:
+        parts.advance(log_probs[start:start + n])
+        start += n
+        assert parts.frames == start
+    assert parts.hypotheses() == whole.hypotheses() == ctc_prefix_beam_search(log_probs, 23, 5)
+
+
+def test_each_token_carries_the_frame_where_it_was_likeliest():
+    tokens, at = [3, 5, 3], [2, 6, 7]  # frames where each token is spoken; blank elsewhere
+    log_probs = torch.full((10, 6), -8.0)
+    log_probs[:, BLANK_ID] = 0.0
+    for tok, t in zip(tokens, at):
+        log_probs[t, tok], log_probs[t, BLANK_ID] = 0.0, -8.0
+    log_probs[3, 3], log_probs[3, BLANK_ID] = -0.5, -1.0  # the first 3 held for two frames, likeliest at 2
+    best = ctc_prefix_beam_search(log_probs.log_softmax(-1), 10, 4)[0]
+    assert best.tokens == tokens and best.frames == at
 
 
 def test_ctc_prefix_beam_search_nbest_on_the_model(trained):

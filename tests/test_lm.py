@@ -116,6 +116,19 @@ def test_fused_ctc_prefix_beam_search_without_pruning_is_exact(models):
         assert h.score == pytest.approx(ctc_logprob(log_probs, 4, h.tokens) + 0.7 * lp + 1.2 * len(h.tokens), abs=1e-4)
 
 
+def test_a_fused_search_fed_piece_by_piece_with_partial_results_equals_one_pass(models):
+    from konkanivani.decoding.search import CTCPrefixBeam
+
+    asr, lm, _, _, enc, enc_lens = models
+    log_probs = asr.ctc_log_probs(enc)[0, :int(enc_lens[0])]
+    fusion = Fusion(lm, 0.5, 0.8)
+    stream = CTCPrefixBeam(4, fusion)
+    for start in range(0, log_probs.shape[0], 3):
+        stream.advance(log_probs[start:start + 3])
+        stream.hypotheses()  # a partial result on the way changes nothing
+    assert stream.hypotheses() == ctc_prefix_beam_search(log_probs, log_probs.shape[0], 4, fusion)
+
+
 def test_greedy_refuses_fusion(models):
     asr, lm, feats, feat_lens, *_ = models
     with pytest.raises(ValueError, match="greedy decoding takes no language model"):

@@ -40,7 +40,7 @@ from ..model.masks import pad_mask
 
 __all__ = ["ATTENTION_METHODS", "DEFAULT_CTC_WEIGHT", "LONG_INPUT_METHOD", "LONG_INPUT_SECONDS", "METHODS",
            "FUSED_METHODS", "Fusion", "Hypothesis", "attention_beam_search", "attention_rescoring",
-           "attention_scores", "ctc_greedy", "ctc_length_bound", "ctc_prefix_beam_search", "decode_batch",
+           "attention_scores", "CTCPrefixBeam", "ctc_greedy", "ctc_length_bound", "ctc_prefix_beam_search", "decode_batch",
            "method_for"]
 
 METHODS = ("greedy", "beam", "attention", "joint", "rescore")
@@ -69,6 +69,7 @@ NEG_INF = float("-inf")
 class Hypothesis:
     tokens: list[int]
     score: float  # the method's total log score (not length-normalized), fusion terms included
+    frames: list[int] | None = None  # CTC prefix beam search: the encoder frame where each token peaked
 
 
 @dataclass
@@ -129,10 +130,12 @@ class _Prefix:
     copied and hashed whole, which made prefix beam search grow with the square of the length
     (20 min of audio: 142 s, 300 s: 9 s on the tiny model)."""
 
-    __slots__ = ("parent", "token", "length", "_hash")
+    __slots__ = ("parent", "token", "length", "_hash", "frame", "peak")
 
-    def __init__(self, parent: _Prefix | None = None, token: int | None = None):
+    def __init__(self, parent: _Prefix | None = None, token: int | None = None, frame: int = -1,
+                 peak: float = NEG_INF):
         self.parent, self.token = parent, token
+        self.frame, self.peak = frame, peak  # the frame where its last token was likeliest, and that log-prob
         self.length = 0 if parent is None else parent.length + 1
         self._hash = hash(()) if parent is None else hash((parent._hash, token))
 
@@ -154,53 +157,105 @@ class _Prefix:
             node = node.parent
         return out[::-1]
 
+    def frames(self) -> list[int]:
+        out, node = [], self
+        while node.parent is not None:
+            out.append(node.frame)
+            node = node.parent
+        return out[::-1]
+
 
 @torch.inference_mode()
 def ctc_prefix_beam_search(log_probs: torch.Tensor, length: int, beam_size: int,
                            fusion: Fusion | None = None) -> list[Hypothesis]:
     """Prefix beam search over one utterance's CTC output ``(T', V)``; returns up to ``beam_size``
     prefixes, best first, scored by log P(prefix) summed over all alignments (plus, with
-    ``fusion``, ``W * log P_LM(prefix + end) + B * len(prefix)``).
+    ``fusion``, ``W * log P_LM(prefix + end) + B * len(prefix)``). ``CTCPrefixBeam`` over all the
+    frames at once."""
+    search = CTCPrefixBeam(beam_size, fusion)
+    search.advance(log_probs[:length])
+    return search.hypotheses()
+
+
+class CTCPrefixBeam:
+    """CTC prefix beam search that advances over the frames as they come: ``advance`` takes the next
+    frames' log-probabilities ``(T, V)``, ``hypotheses`` returns the current n-best at any point
+    (a streaming recognizer's partial result, or the final one), best first.
 
     Each frame considers only its ``beam_size`` most likely tokens. With fusion, prefixes are
     pruned by CTC + ``W * log P_LM(prefix) + B * len(prefix)``, and the end symbol's LM term ranks
-    the final list; the LM rescores each surviving prefix from its start once. Without an LM, the
-    cost is linear in the length (``_Prefix``).
+    the final list; the LM scores each surviving prefix from its start once. Without an LM, the
+    cost is linear in the length (``_Prefix``). Each hypothesis carries, for timestamps, the frame at
+    which each of its tokens was likeliest (counted from the stream's first frame).
+
+    Examples:
+        >>> lp = torch.log_softmax(torch.tensor([[0., 5, 0], [5, 0, 0], [0, 0, 5]]), -1)
+        >>> search = CTCPrefixBeam(beam_size=3)
+        >>> search.advance(lp[:2]); search.hypotheses()[0].tokens
+        [1]
+        >>> search.advance(lp[2:]); best = search.hypotheses()[0]; best.tokens, best.frames
+        ([1, 2], [0, 2])
     """
-    fusion = fusion or Fusion()
-    lp = log_probs[:length].float().cpu()
-    top_vals, top_ids = lp.topk(min(beam_size, lp.shape[-1]), dim=-1)
-    blank_lp = lp[:, BLANK_ID].tolist()
-    empty = _Prefix()
-    # prefix -> (log P ending in blank, log P ending in its last token)
-    beams: dict[_Prefix, tuple[float, float]] = {empty: (0.0, NEG_INF)}
-    extra: dict[_Prefix, float] = {empty: 0.0}  # prefix -> its fusion terms so far
-    lm_next: dict[_Prefix, list[float]] = {}  # prefix -> W * log P_LM(token | prefix) per token
-    for t in range(lp.shape[0]):
-        lm_next = _weighted_lm_next(fusion, beams, lm_next)
-        nxt: dict[_Prefix, list[float]] = {}
-        for prefix, (pb, pnb) in beams.items():
-            total = _logaddexp(pb, pnb)
-            _accumulate(nxt, prefix, 0, total + blank_lp[t])
-            for value, tok in zip(top_vals[t].tolist(), top_ids[t].tolist()):
-                if tok == BLANK_ID:
-                    continue
-                longer = _Prefix(prefix, tok)
-                if longer not in extra:
-                    extra[longer] = extra[prefix] + (lm_next[prefix][tok] if lm_next else 0.0) + fusion.length_bonus
-                if tok == prefix.token:
-                    _accumulate(nxt, prefix, 1, pnb + value)  # repeat merged into the same token
-                    _accumulate(nxt, longer, 1, pb + value)  # a new token, after a blank
-                else:
-                    _accumulate(nxt, longer, 1, total + value)
-        ranked = sorted(nxt.items(), key=lambda kv: _logaddexp(*kv[1]) + extra[kv[0]], reverse=True)[:beam_size]
-        beams = {prefix: (pb, pnb) for prefix, (pb, pnb) in ranked}
-        extra = {prefix: extra[prefix] for prefix in beams}
-    lm_next = _weighted_lm_next(fusion, beams, lm_next)
-    hyps = [Hypothesis(prefix.tokens(), _logaddexp(pb, pnb) + extra[prefix]
-                       + (lm_next[prefix][SOS_EOS_ID] if lm_next else 0.0))
-            for prefix, (pb, pnb) in beams.items()]
-    return sorted(hyps, key=lambda h: h.score, reverse=True)  # stable: unchanged order without fusion
+
+    def __init__(self, beam_size: int, fusion: Fusion | None = None):
+        self.beam_size, self.fusion = beam_size, fusion or Fusion()
+        empty = _Prefix()
+        # prefix -> (log P ending in blank, log P ending in its last token)
+        self.beams: dict[_Prefix, tuple[float, float]] = {empty: (0.0, NEG_INF)}
+        self.extra: dict[_Prefix, float] = {empty: 0.0}  # prefix -> its fusion terms so far
+        self.lm_next: dict[_Prefix, list[float]] = {}  # prefix -> W * log P_LM(token | prefix) per token
+        self.nodes: dict[_Prefix, _Prefix] = {empty: empty}  # the one node of each prefix, holding its peak
+        self.frames = 0  # frames seen so far
+
+    def advance(self, log_probs: torch.Tensor) -> None:
+        """Take the next ``(T, V)`` frames (T may be 0)."""
+        lp = log_probs.float().cpu()
+        if lp.shape[0] == 0:
+            return
+        top_vals, top_ids = lp.topk(min(self.beam_size, lp.shape[-1]), dim=-1)
+        blank_lp = lp[:, BLANK_ID].tolist()
+        beams, extra, nodes, fusion = self.beams, self.extra, self.nodes, self.fusion
+        for t in range(lp.shape[0]):
+            self.lm_next = lm_next = _weighted_lm_next(fusion, beams, self.lm_next)
+            nxt: dict[_Prefix, list[float]] = {}
+            for prefix, (pb, pnb) in beams.items():
+                total = _logaddexp(pb, pnb)
+                _accumulate(nxt, prefix, 0, total + blank_lp[t])
+                for value, tok in zip(top_vals[t].tolist(), top_ids[t].tolist()):
+                    if tok == BLANK_ID:
+                        continue
+                    longer = _Prefix(prefix, tok, self.frames + t, value)
+                    if longer in nodes:
+                        longer = nodes[longer]
+                        _peak(longer, self.frames + t, value)
+                    else:
+                        nodes[longer] = longer
+                        extra[longer] = extra[prefix] + (lm_next[prefix][tok] if lm_next else 0.0) + fusion.length_bonus
+                    if tok == prefix.token:
+                        _peak(prefix, self.frames + t, value)
+                        _accumulate(nxt, prefix, 1, pnb + value)  # repeat merged into the same token
+                        _accumulate(nxt, longer, 1, pb + value)  # a new token, after a blank
+                    else:
+                        _accumulate(nxt, longer, 1, total + value)
+            ranked = sorted(nxt.items(), key=lambda kv: _logaddexp(*kv[1]) + extra[kv[0]], reverse=True)
+            beams = {prefix: (pb, pnb) for prefix, (pb, pnb) in ranked[:self.beam_size]}
+            extra = {prefix: extra[prefix] for prefix in beams}
+            nodes = {prefix: nodes[prefix] for prefix in beams}
+        self.beams, self.extra, self.nodes = beams, extra, nodes
+        self.frames += lp.shape[0]
+
+    def hypotheses(self) -> list[Hypothesis]:
+        """The n-best so far, best first; with fusion each ends with the LM's end symbol."""
+        self.lm_next = lm_next = _weighted_lm_next(self.fusion, self.beams, self.lm_next)
+        hyps = [Hypothesis(prefix.tokens(), _logaddexp(pb, pnb) + self.extra[prefix]
+                           + (lm_next[prefix][SOS_EOS_ID] if lm_next else 0.0), prefix.frames())
+                for prefix, (pb, pnb) in self.beams.items()]
+        return sorted(hyps, key=lambda h: h.score, reverse=True)  # stable: unchanged order without fusion
+
+
+def _peak(node: _Prefix, frame: int, value: float) -> None:
+    if value > node.peak:
+        node.frame, node.peak = frame, value
 
 
 def _weighted_lm_next(fusion: Fusion, beams: dict[_Prefix, Any],
