@@ -124,7 +124,7 @@ def model_config_from(base: dict[str, Any], **overrides: Any) -> ModelConfig:
     values = dict(base)
     values.update({k: v for k, v in overrides.items() if v is not None})
     cfg = ModelConfig(**values)
-    for name in ("n_mels", "d_model", "n_heads", "ffn_dim", "conv_kernel"):
+    for name in ("n_mels", "d_model", "n_heads", "ffn_dim", "conv_kernel", "max_chunk"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name} must be a positive integer, got {getattr(cfg, name)}")
     for name in ("encoder_layers", "decoder_layers"):

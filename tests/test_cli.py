@@ -50,6 +50,7 @@ BAD_VALUES = [
     (["--tokenizer", "missing.model"], "--tokenizer missing.model: file not found"),
     (["--resume", "nowhere.pt"], "--resume nowhere.pt: file not found"),
     (["--d_model", "50", "--n_heads", "4"], "--d_model 50 must split into --n_heads 4 heads of even width"),
+    (["--dynamic_chunk", "--max_chunk", "0"], "--max_chunk must be a positive integer, got 0"),
     (["--strategy", "fsdp", "--optimizer", "adamw_8bit"], "--strategy fsdp shards AdamW's states itself"),
     (["--device", "gpu"], "--device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
     (["--offload_activations", "--device", "cpu"], "--offload_activations needs a CUDA device"),
