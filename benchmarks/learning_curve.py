@@ -37,7 +37,7 @@ from konkanivani.training.curves import write_csv
 from konkanivani.training.loop import train
 from konkanivani.training.rundir import step_checkpoints
 
-# The CPU recipe (its reasons are in the file); command-line flags override it.
+# The CPU recipe (its reasons are in the file); --recipe names another, command-line flags override it.
 RECIPE = ["--config", str(ROOT / "configs" / "cpu_small.yaml")]
 
 log = logging.getLogger("konkanivani")
@@ -46,6 +46,9 @@ log = logging.getLogger("konkanivani")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", type=Path, default=ROOT / "data" / "demo", help="made if missing")
+    parser.add_argument("--recipe", type=Path, help="a recipe (YAML) instead of configs/cpu_small.yaml")
+    parser.add_argument("--target_cer", type=float, default=10.0,
+                        help="report when the scored curve first reaches this test CER (percent)")
     parser.add_argument("--budget_minutes", type=float, default=30.0)
     parser.add_argument("--eval_every_minutes", type=float, default=3.0)
     parser.add_argument("--budget_steps", type=int, default=0,
@@ -70,9 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.corpus / "train.jsonl").is_file():
         make_corpus(args.corpus, **default_options())  # as konkanivani-demo-corpus makes it
     test_manifest = args.corpus / "test.jsonl"
+    recipe = ["--config", str(args.recipe)] if args.recipe else RECIPE
     ns = parse_args(["--train_manifest", str(args.corpus / "train.jsonl"), "--valid_manifest",
                                  str(args.corpus / "valid.jsonl"), "--output_dir", str(args.out / "run"),
-                                 *RECIPE, *trainer_argv])
+                                 *recipe, *trainer_argv])
     cfg = dataclass_from_args(TrainConfig, ns)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     budget, every = 60 * args.budget_minutes, 60 * args.eval_every_minutes
@@ -146,13 +150,35 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.budget_steps} steps" if args.budget_steps else f"{args.budget_minutes:g} min")
 
     print(f"\nTest split of {args.corpus} (sentences and voices unseen in training); training flags:",
-          " ".join(RECIPE + trainer_argv))
+          " ".join(recipe + trainer_argv))
     print(_table(curve, ["minutes", "step", "epoch", "cer", "wer"], ["train min", "step", "epoch", "CER %", "WER %"]))
+    reached = time_to_cer(curve, args.target_cer)
+    print(f"test CER {args.target_cer:g}% (greedy, training weights) reached at "
+          + (f"{reached:.2f} training minutes (interpolated between the scored points)" if reached is not None
+             else "none of the scored points"))
     print()
     print(_table(rows, ["weights", "split", "method", "cer", "wer", "rtf"],
                  ["weights", "split", "decoding", "CER %", "WER %", "RTF"]))
     print(f"\nwrote {args.out / 'curve.csv'}, {args.out / 'final.csv'}, {args.out / 'learning_curve.png'}")
     return 0
+
+
+def time_to_cer(curve: list[dict], target: float) -> float | None:
+    """The training minutes at which the curve first reaches ``target`` CER, interpolated linearly
+    between the last point above it and the first at or below; None if no point reaches it.
+
+    >>> time_to_cer([{"minutes": 2, "cer": 30.0}, {"minutes": 4, "cer": 14.0}, {"minutes": 6, "cer": 6.0}], 10)
+    5.0
+    """
+    before = None
+    for point in curve:
+        if point["cer"] <= target:
+            if before is None:
+                return point["minutes"]
+            share = (before["cer"] - target) / (before["cer"] - point["cer"])
+            return before["minutes"] + share * (point["minutes"] - before["minutes"])
+        before = point
+    return None
 
 
 def _table(rows: list[dict], keys: list[str], titles: list[str]) -> str:

@@ -1,6 +1,7 @@
 """The learning-curve benchmark end to end on the tiny corpus, for a few seconds of training."""
 import csv
 
+import yaml
 from benchmark_modules import load
 
 learning_curve = load("learning_curve")
@@ -28,6 +29,28 @@ def test_learning_curve_writes_curve_table_and_plot(tiny_corpus, tmp_path, capsy
     assert (out / "learning_curve.png").stat().st_size > 10_000
     printed = capsys.readouterr().out
     assert "| train min |" in printed and "| weights" in printed
+    assert "test CER 10% (greedy, training weights) reached at" in printed
+
+
+def test_time_to_cer_interpolates_the_first_crossing():
+    curve = [{"minutes": 2, "cer": 30.0}, {"minutes": 4, "cer": 14.0}, {"minutes": 6, "cer": 6.0},
+             {"minutes": 8, "cer": 12.0}, {"minutes": 10, "cer": 4.0}]
+    assert learning_curve.time_to_cer(curve, 10.0) == 5.0
+    assert learning_curve.time_to_cer(curve, 40.0) == 2
+    assert learning_curve.time_to_cer(curve, 3.0) is None
+
+
+def test_a_recipe_file_replaces_the_cpu_recipe(tiny_corpus, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  preset: tiny\ntraining:\n  lr: 3.0e-3\n  ema_decay: 0.0\n", encoding="utf-8")
+    out = tmp_path / "lc"
+    code = learning_curve.main(["--corpus", str(tiny_corpus), "--recipe", str(recipe), "--budget_steps", "3",
+                                "--eval_every_steps", "3", "--out", str(out), "--methods", "greedy",
+                                "--average_last", "1", "--vocab_size", "48", "--num_workers", "0"])
+    assert code == 0
+    run = yaml.safe_load((out / "run" / "config.yaml").read_text())
+    flat = {k: v for section in run.values() if isinstance(section, dict) for k, v in section.items()}
+    assert flat["lr"] == 3.0e-3 and flat["ema_decay"] == 0.0 and flat["batch_size"] == 8  # not cpu_small's 16
 
 
 def test_a_run_stopped_by_sigterm_before_its_budget_scores_nothing(tiny_corpus, tmp_path, monkeypatch, caplog):
