@@ -1,6 +1,8 @@
 """konkanivani-export: ONNX and TorchScript files of a tiny trained model, run outside the package's
-model code (onnxruntime, torch.jit.load) and compared with the PyTorch model and the Recognizer."""
+model code (onnxruntime, torch.jit.load) and compared with the PyTorch model and the Recognizer; the
+streaming graph (--streaming) run chunk by chunk and compared with the model's chunk-by-chunk encoding."""
 import dataclasses
+import doctest
 import json
 import random
 import re
@@ -24,21 +26,30 @@ from konkanivani.data.audio import LogMel, load_audio
 from konkanivani.data.frames import subsampled_lengths
 from konkanivani.data.manifest import read_manifest
 from konkanivani.data.tokenizer import SOS_EOS_ID, UNK_ID, train_tokenizer
+from konkanivani.decoding import export as export_module
 from konkanivani.decoding.export import (
+    CHUNK_OUTPUTS,
     FILES,
     MIN_FRAMES,
+    STREAMING_FILES,
+    ChunkGraph,
     CTCGraph,
     ExportError,
+    Streaming,
+    chunk_runner,
     export_checkpoint,
+    export_chunk_onnx,
     feature_settings,
     max_difference,
     onnx_runner,
+    stream_difference,
     torchscript_runner,
     vocabulary,
 )
 from konkanivani.decoding.recognizer import Recognizer
 from konkanivani.decoding.search import ctc_greedy, decode_batch
 from konkanivani.model.asr import ASRModel
+from konkanivani.model.conformer import feature_windows
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = ["हांव घरा वता", "तूं कितें करता", "आमी पणजेक गेलें", "ताणें जेवण केलें"]
@@ -161,11 +172,115 @@ def test_without_the_onnx_packages_is_one_line_and_status_2(untrained_checkpoint
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *args: None if name == "onnxscript" else real_find_spec(name, *args))
-    for fmt in ("onnx", "both"):
-        assert status([str(untrained_checkpoint), "--format", fmt]) == 2
+    for flags in (["--format", "onnx"], ["--format", "both"], ["--format", "torchscript", "--streaming"]):
+        assert status([str(untrained_checkpoint), *flags]) == 2
         line = one_error_line(capsys)
         assert "needs onnxscript" in line and "pip install 'konkanivani[export]'" in line
     assert not (untrained_checkpoint.parent / "model_export").exists()
+
+
+# --- the streaming graph, without a trained model -----------------------------------------------
+
+def causal_model(**kw):
+    """An untrained tiny model with causal convolutions and CMVN statistics away from 0 and 1."""
+    torch.manual_seed(0)
+    model = ASRModel(model_config_from_preset("tiny", vocab_size=40, causal_conv=True, **kw))
+    generator = torch.Generator().manual_seed(0)
+    model.set_cmvn(torch.randn(80, generator=generator) - 8.0, torch.rand(80, generator=generator) + 0.5)
+    return model.eval()
+
+
+def test_the_chunk_graph_example_holds():
+    globs = {"model_config_from_preset": model_config_from_preset}
+    finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner()
+    for test in finder.find(ChunkGraph, "ChunkGraph", globs={**vars(export_module), **globs}):
+        runner.run(test)
+    assert runner.failures == 0 and runner.tries == 6
+
+
+STREAMS = [("conv2d", "global", 4, 2), ("dw_striding", "utterance", 3, 1), ("conv2d", "global", 1, 3),
+           ("conv2d", "utterance", 8, 1)]
+
+
+@pytest.mark.parametrize("subsampling,cmvn,chunk,left", STREAMS, ids=["-".join(map(str, s)) for s in STREAMS])
+def test_the_onnx_chunk_graph_streams_as_forward_chunk_does(subsampling, cmvn, chunk, left, tmp_path):
+    """Chunk after chunk through onnxruntime, each fed the caches of the one before: the first
+    chunks with the attention cache not yet full, then full ones, then a shorter last window; the
+    log-probs and encoder frames are forward_chunk's (and with global CMVN, the full forward's
+    under the same chunk mask)."""
+    import onnxruntime as ort
+
+    model = causal_model(subsampling=subsampling, cmvn=cmvn)
+    graph = ChunkGraph(model, Streaming(chunk, left))
+    path = tmp_path / STREAMING_FILES["onnx"]
+    export_chunk_onnx(graph, path)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    window = graph.window_frames if chunk == 1 else "window"
+    expected_inputs = {"features": [1, window, 80], "offset": [], "attention_cache": [2, 2, 2, left * chunk, 24],
+                       "conv_cache": [2, 6, 48], **({"feature_mean": [80]} if cmvn == "utterance" else {})}
+    assert {i.name: i.shape for i in session.get_inputs()} == expected_inputs
+    assert [o.name for o in session.get_outputs()] == list(CHUNK_OUTPUTS)
+
+    last = max(chunk // 2, 1)  # encoder frames of the last window
+    frames = (left + 3) * 4 * chunk + (last - 1) * 4 + 7
+    generator = torch.Generator().manual_seed(2)
+    feats = torch.randn(1, frames, 80, generator=generator) * model.feat_std + model.feat_mean
+    caches = {name: np.zeros(c.shape, np.float32) for name, c in graph.initial_caches().items()}
+    state, got, worst = None, [], 0.0
+    for k, window in enumerate(feature_windows(feats, chunk)):
+        offset = k * chunk
+        inputs = {"features": window.numpy(), "offset": np.array(offset, np.int64), **caches}
+        mean = None
+        if cmvn == "utterance":
+            inputs["feature_mean"] = (mean := feats[0, :k * 4 * chunk + window.shape[1]].mean(0)).numpy()
+        log_probs, enc, caches["attention_cache"], caches["conv_cache"] = session.run(None, inputs)
+        with torch.no_grad():
+            reference, state = model.encoder.forward_chunk(model.normalize(window, mean), state, left * chunk)
+            reference_log_probs = model.ctc_log_probs(reference)
+        assert state.offset == offset + log_probs.shape[1]
+        worst = max(worst, float((torch.from_numpy(enc) - reference).abs().max()),
+                    float((torch.from_numpy(log_probs) - reference_log_probs).abs().max()))
+        got.append(torch.from_numpy(log_probs))
+    assert [g.shape[1] for g in got] == [chunk] * (left + 3) + [last]
+    assert worst < ATOL
+    if cmvn == "global":
+        with torch.no_grad():
+            enc, _ = model.encode(feats, torch.tensor([frames]), chunk_size=chunk, left_chunks=left)
+            expected = model.ctc_log_probs(enc)
+        assert (torch.cat(got, dim=1) - expected).abs().max() < ATOL
+    assert stream_difference(chunk_runner(path), graph) < ATOL  # the export's own check agrees
+
+
+def test_the_stream_check_catches_a_chunk_graph_that_computes_something_else():
+    graph = ChunkGraph(causal_model(), Streaming(2, 2))
+    assert stream_difference(lambda **kw: graph(**kw), graph) < 1e-5
+    shifted = lambda **kw: (graph(**kw)[0] + 0.01, *graph(**kw)[1:])  # noqa: E731
+    with pytest.raises(ExportError, match="differ from the model's chunk by chunk by up to 0.01"):
+        stream_difference(shifted, graph)
+    forgetful = lambda **kw: graph(**{**kw, **graph.initial_caches()})  # noqa: E731
+    with pytest.raises(ExportError, match="chunk by chunk"):
+        stream_difference(forgetful, graph)
+    first_position = lambda **kw: graph(**{**kw, "offset": torch.tensor(0)})  # noqa: E731
+    with pytest.raises(ExportError, match="chunk by chunk"):
+        stream_difference(first_position, graph)
+
+
+def test_streaming_a_model_without_causal_convolutions_is_refused_in_one_line(untrained_checkpoint, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert status([str(untrained_checkpoint), "--streaming", "--output_dir", str(out)]) == 2
+    line = one_error_line(capsys)
+    assert "trained without --causal_conv" in line and "train with --causal_conv" in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--chunk_size", "4"], "--chunk_size and --left_chunks go with --streaming"),
+    (["--streaming", "--left_chunks", "0"], "--left_chunks must be a positive integer, got 0"),
+    (["--streaming", "--chunk_size", "-1"], "--chunk_size must be a positive integer, got -1"),
+])
+def test_bad_streaming_flags_are_one_line_and_status_2(untrained_checkpoint, flags, message, capsys):
+    assert status([str(untrained_checkpoint), *flags]) == 2
+    assert message in one_error_line(capsys)
 
 
 # --- a tiny trained model, exported in both formats ----------------------------------------------

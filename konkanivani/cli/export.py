@@ -8,6 +8,12 @@ n_mels) float32 log-mel and ``feature_lengths`` (B,) int64 in; ``log_probs`` (B,
 ``log_prob_lengths`` (B,) out), ``vocabulary.json`` and ``features.json``; files of the same names
 already there are replaced. Each model file is run once written and compared with the checkpoint's
 model. ONNX needs the ``export`` extra: pip install 'konkanivani[export]'.
+
+    konkanivani-export checkpoints/run/best.pt --output_dir exported/ --streaming --chunk_size 16 --left_chunks 4
+
+``--streaming`` (a model trained with --causal_conv) also writes ``encoder_chunk.onnx``, which
+encodes a stream one chunk of ``--chunk_size`` encoder frames at a time with caches of
+``--left_chunks`` chunks, and ``streaming.json``, how to feed it (docs/decoding.md).
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ from pathlib import Path
 
 from ..checkpoint import CheckpointError
 from ..config import Renamed
-from ..decoding.export import FORMATS, ExportError, export_checkpoint, unavailable
+from ..decoding.export import FORMATS, STREAMING_FILES, ExportError, Streaming, export_checkpoint, unavailable
 from . import Parser, fail, setup_logging, tool
 
 
@@ -30,24 +36,43 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output", dest="output_dir", type=Path, action=Renamed, new="--output_dir",
                         help=argparse.SUPPRESS)
     parser.add_argument("--format", choices=(*FORMATS, "both"), default="onnx", help="default: %(default)s")
+    parser.add_argument("--streaming", action="store_true",
+                        help="also write encoder_chunk.onnx, one chunk of a stream with its caches, and streaming.json "
+                             "(a model trained with --causal_conv)")
+    parser.add_argument("--chunk_size", type=int,
+                        help=f"with --streaming: encoder frames (40 ms) a chunk (default: {Streaming.chunk_size})")
+    parser.add_argument("--left_chunks", type=int,
+                        help=f"with --streaming: chunks before its own a chunk attends to, the caches' size "
+                             f"(default: {Streaming.left_chunks})")
     args = parser.parse_args(argv)
+    if not args.streaming and (args.chunk_size is not None or args.left_chunks is not None):
+        parser.error("--chunk_size and --left_chunks go with --streaming")
+    for name in ("chunk_size", "left_chunks"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name} must be a positive integer, got {getattr(args, name)}")
     if not args.checkpoint.is_file():
         parser.error(f"checkpoint {args.checkpoint}: file not found")
     output = args.output_dir or args.checkpoint.with_name(f"{args.checkpoint.stem}_export")
     if output.exists() and not output.is_dir():
         parser.error(f"--output_dir {output}: exists and is not a folder")
     formats = FORMATS if args.format == "both" else (args.format,)
-    if reason := unavailable(formats):
+    streaming = None
+    if args.streaming:
+        given = {name: getattr(args, name) for name in ("chunk_size", "left_chunks") if getattr(args, name)}
+        streaming = Streaming(**given)
+    if reason := unavailable((*formats, "onnx") if streaming else formats):
         return fail(reason)
     setup_logging()
     try:
-        written = export_checkpoint(args.checkpoint, output, formats)
+        written = export_checkpoint(args.checkpoint, output, formats, streaming)
     except (CheckpointError, ExportError) as e:
         return fail(str(e))
     except OSError as e:  # the folder cannot be made or written to: under a file, read-only, a full disk
         return fail(f"cannot write the export to {output}: {e.strerror or e}")
     for item in written:
         check = "" if item.difference is None else f" (log-probs within {item.difference:.1e} of PyTorch's)"
+        if item.difference is not None and item.path.name == STREAMING_FILES["onnx"]:
+            check = f" (log-probs and encoder frames within {item.difference:.1e} of PyTorch's, chunk by chunk)"
         print(f"wrote {item.path}{check}")
     return 0
 

@@ -18,6 +18,18 @@ The older TorchScript-based ONNX exporter records Python-level branches on shape
 warns and carries on) and is deprecated. TorchScript is ``torch.jit.trace`` of the same module,
 frozen so the file holds only the weights the graph uses. Every file is run after it is written on
 a batch of other lengths than it was traced with, and compared with the PyTorch model.
+
+For streaming (a model trained with ``causal_conv``), ``export_checkpoint(..., streaming=...)`` also
+writes::
+
+    encoder_chunk.onnx      one chunk of a stream: a window of log-mel frames and the caches in,
+                            the chunk's CTC log-probabilities, encoder frames and the next caches out
+    streaming.json          the chunk size, the window and its hop, the cache shapes, the CMVN mode
+
+``ChunkGraph`` says what it takes and gives. Its caches have a fixed size (``left_chunks`` chunks of
+attention keys and values): the offset says how many of them a stream has filled, so one graph runs
+every chunk, the first ones and a shorter last one included. It is checked like the others: a
+stream of several chunks through onnxruntime against ``ConformerEncoder.forward_chunk``.
 """
 from __future__ import annotations
 
@@ -41,21 +53,27 @@ from ..data.audio import LOG_OFFSET, LogMel
 from ..data.frames import subsampled_lengths
 from ..data.tokenizer import BLANK_ID, SOS_EOS_ID, UNK_ID, Tokenizer
 from ..model.asr import ASRModel
+from ..model.conformer import Conv2dSubsampling
 from .recognizer import Recognizer
 
-__all__ = ["ExportError", "FORMATS", "FILES", "MIN_FRAMES", "ONNX_PACKAGES", "CTCGraph", "Exported",
-           "unavailable", "export_checkpoint", "export_onnx", "export_torchscript", "onnx_runner",
-           "torchscript_runner", "max_difference", "vocabulary", "feature_settings"]
+__all__ = ["ExportError", "FORMATS", "FILES", "STREAMING_FILES", "CHUNK_OUTPUTS", "MIN_FRAMES", "ONNX_PACKAGES", "CTCGraph",
+           "ChunkGraph", "Streaming", "Exported", "unavailable", "export_checkpoint", "export_onnx",
+           "export_torchscript", "export_chunk_onnx", "onnx_runner", "torchscript_runner", "chunk_runner",
+           "max_difference", "stream_difference", "vocabulary", "feature_settings", "streaming_settings"]
 
 FORMATS = ("onnx", "torchscript")
 FILES = {"onnx": "model.onnx", "torchscript": "model.torchscript.pt", "vocabulary": "vocabulary.json",
          "features": "features.json"}
+STREAMING_FILES = {"onnx": "encoder_chunk.onnx", "settings": "streaming.json"}  # written with streaming=
+CHUNK_OUTPUTS = ("log_probs", "encoder_out", "next_attention_cache", "next_conv_cache")  # encoder_chunk.onnx's
 ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")  # the `export` extra
 OPSET = 18  # onnxruntime 1.14 and later run it
 MIN_FRAMES = next(t for t in range(1, 64) if subsampled_lengths(t) >= 1)  # the fewest frames the encoder takes: 7
 TOLERANCE = 1e-3  # the largest |log-prob difference| from PyTorch an export may show on its check batch
 
 Runner = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# features, offset, attention_cache, conv_cache[, feature_mean] -> log_probs, encoder_out, the next caches
+ChunkRunner = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 class ExportError(RuntimeError):
@@ -89,6 +107,108 @@ class CTCGraph(nn.Module):
         return self.model.ctc_log_probs(enc), lengths
 
 
+@dataclass(frozen=True)
+class Streaming:
+    """The chunking a streaming export is made for: ``chunk_size`` encoder frames a chunk (40 ms
+    each), attending to itself and ``left_chunks`` chunks before it (the caches' fixed size)."""
+
+    chunk_size: int = 16
+    left_chunks: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_size", "left_chunks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+
+
+class ChunkGraph(nn.Module):
+    """One chunk of a stream through CMVN, the Conformer encoder and the CTC head of an ``ASRModel``
+    with ``causal_conv`` (eval mode), with caches of a fixed size: the graph ``encoder_chunk.onnx``
+    holds. It runs the model's own modules as ``ConformerEncoder.forward_chunk`` does, and gives
+    what it gives with ``left_frames = left_chunks * chunk_size``; where that keeps a cache of the
+    frames so far (fewer at the start), this keeps ``cache_frames`` rows, the newest last, and masks
+    those the stream has not filled yet (the first ``cache_frames - offset``).
+
+    With C = ``chunk_size``, L = ``cache_frames``, N blocks, H heads of width d, model width D,
+    vocabulary V, K = ``conv_kernel - 1``:
+
+    Args:
+        features: ``(1, W, F)`` raw log-mel frames (``LogMel``; the CMVN is in the graph), a window of
+            ``feature_windows``: W = ``window_frames`` = (C - 1) * 4 + 7; the next starts ``window_hop``
+            = 4C frames later; the stream's last window may be shorter (7 frames or more) and make
+            fewer than C frames.
+        offset: int64 scalar, the encoder frames made so far (0 for the first chunk, then + C).
+        attention_cache: ``(N, 2, H, L, d)``, each block's keys (rotated) and values of the last L
+            frames; zeros at the start (``initial_caches``), then the last chunk's ``next_attention_cache``.
+        conv_cache: ``(N, K, D)``, each block's last K inputs of its depthwise convolution: zeros,
+            then ``next_conv_cache``.
+        feature_mean: ``(F,)``, models with cmvn "utterance" only: what CMVN subtracts, the mean of
+            the raw frames of the stream so far (up to the window's end).
+    Returns:
+        ``log_probs`` ``(1, C, V)`` float32 CTC log-probabilities, ``encoder_out`` ``(1, C, D)``, and
+        the caches for the next chunk (``CHUNK_OUTPUTS`` names them in the ONNX file).
+
+    Examples:
+        >>> model = ASRModel(model_config_from_preset("tiny", vocab_size=40, causal_conv=True))
+        >>> graph = ChunkGraph(model, Streaming(chunk_size=4, left_chunks=2))
+        >>> caches = graph.initial_caches()
+        >>> [tuple(c.shape) for c in caches.values()]  # 2 blocks, 2 heads of 24, kernel 7
+        [(2, 2, 2, 8, 24), (2, 6, 48)]
+        >>> log_probs, enc, *caches = graph(torch.randn(1, graph.window_frames, 80), torch.tensor(0), **caches)
+        >>> log_probs.shape, enc.shape
+        (torch.Size([1, 4, 40]), torch.Size([1, 4, 48]))
+    """
+
+    def __init__(self, model: ASRModel, streaming: Streaming):
+        super().__init__()
+        if not model.cfg.causal_conv:
+            raise ValueError("a streaming graph needs a model with causal_conv")
+        self.model = model
+        self.streaming = streaming
+        self.window_frames = _window_frames(streaming.chunk_size)
+        self.window_hop = Conv2dSubsampling.STRIDE * streaming.chunk_size
+        self.cache_frames = streaming.left_chunks * streaming.chunk_size
+        self.eval()  # for inference: no dropout, no SpecAugment
+
+    @property
+    def utterance_cmvn(self) -> bool:
+        return self.model.cfg.cmvn == "utterance"
+
+    def initial_caches(self) -> dict[str, torch.Tensor]:
+        """The caches of a stream's first chunk: zeros, by input name."""
+        cfg = self.model.cfg
+        heads, width = cfg.n_heads, cfg.d_model // cfg.n_heads
+        return {"attention_cache": torch.zeros(cfg.encoder_layers, 2, heads, self.cache_frames, width),
+                "conv_cache": torch.zeros(cfg.encoder_layers, cfg.conv_kernel - 1, cfg.d_model)}
+
+    def forward(self, features: torch.Tensor, offset: torch.Tensor, attention_cache: torch.Tensor,
+                conv_cache: torch.Tensor, feature_mean: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        model, encoder, past = self.model, self.model.encoder, self.cache_frames
+        x = model.normalize(features, feature_mean if self.utterance_cmvn else None)
+        x, _ = encoder.subsampling(x, torch.ones(1, dtype=torch.int64))  # the lengths it gives go unused
+        frames = x.shape[1]
+        # Rotary tables of positions offset .. offset + C - 1, as RotaryEmbedding makes them.
+        angles = (offset + torch.arange(frames, device=x.device)).float()[:, None] * encoder.rotary.inv_freq[None, :]
+        angles = torch.cat([angles, angles], dim=-1)
+        rope = (angles.cos(), angles.sin())
+        filled = torch.arange(past, device=x.device) >= past - offset  # the cache rows the stream has filled
+        allowed = torch.cat([filled, filled.new_ones(frames)])[None, None, None, :]  # (1, 1, 1, L + C)
+        keys_values, conv_inputs = [], []
+        for i, block in enumerate(encoder.blocks):  # ConformerBlock.forward_chunk, caches of fixed size
+            x = x + 0.5 * block.ffn1(x)
+            cache = {block.attn: (attention_cache[i, 0:1], attention_cache[i, 1:2])}  # (1, H, L, d) each
+            x = x + block.attn_dropout(block.attn(block.attn_norm(x), None, allowed, rope, cache, offset=0))
+            k, v = cache[block.attn]  # (1, H, L + C, d): the cache, then this chunk's
+            keys_values.append(torch.cat([k, v])[:, :, k.shape[2] - past:])  # (2, H, L, d)
+            conv, conv_in = block.conv_module.forward_chunk(x, conv_cache[i:i + 1])
+            conv_inputs.append(conv_in[0])
+            x = x + conv
+            x = x + 0.5 * block.ffn2(x)
+            x = block.final_norm(x)
+        return model.ctc_log_probs(x), x, torch.stack(keys_values), torch.stack(conv_inputs)
+
+
 @dataclass
 class Exported:
     path: Path
@@ -109,15 +229,21 @@ def unavailable(formats: Sequence[str]) -> str | None:
     return None
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, formats: Sequence[str] = FORMATS) -> list[Exported]:
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, formats: Sequence[str] = FORMATS,
+                      streaming: Streaming | None = None) -> list[Exported]:
     """Export ``checkpoint`` into ``out_dir`` (created) as ``formats`` plus vocabulary.json and
-    features.json. Files are written to a temporary folder, checked, then moved into place, so a
-    failed export leaves an earlier one whole. Raises ``CheckpointError`` for a checkpoint that
-    holds no usable model and ``ExportError`` when an export fails or its check does."""
+    features.json, and with ``streaming`` encoder_chunk.onnx and streaming.json too. Files are
+    written to a temporary folder, checked, then moved into place, so a failed export leaves an
+    earlier one whole. Raises ``CheckpointError`` for a checkpoint that holds no usable model and
+    ``ExportError`` when an export fails or its check does, or a streaming export of a model
+    without ``causal_conv`` is asked for (before anything is written)."""
     for fmt in formats:
         if fmt not in FORMATS:
             raise ValueError(f"unknown export format {fmt!r}; choose from {', '.join(FORMATS)}")
     recognizer = Recognizer.from_checkpoint(checkpoint)  # CPU, eval mode
+    if streaming is not None and not recognizer.model.cfg.causal_conv:
+        raise ExportError(f"{checkpoint} was trained without --causal_conv: its convolutions look at later frames, "
+                          "so it cannot stream; train with --causal_conv --dynamic_chunk for a streaming model")
     graph = CTCGraph(recognizer.model)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -129,6 +255,13 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, formats: Sequ
             path = Path(tmp) / FILES[fmt]
             export(graph, path)
             written.append(Exported(out_dir / FILES[fmt], max_difference(runner(path), graph)))
+        if streaming is not None:
+            chunk_graph = ChunkGraph(recognizer.model, streaming)
+            path = Path(tmp) / STREAMING_FILES["onnx"]
+            export_chunk_onnx(chunk_graph, path)
+            written.append(Exported(out_dir / path.name, stream_difference(chunk_runner(path), chunk_graph)))
+            _write_json(Path(tmp) / STREAMING_FILES["settings"], streaming_settings(chunk_graph, recognizer.log_mel))
+            written.append(Exported(out_dir / STREAMING_FILES["settings"]))
         _write_json(Path(tmp) / FILES["vocabulary"], vocabulary(recognizer.tokenizer))
         _write_json(Path(tmp) / FILES["features"], feature_settings(recognizer.log_mel))
         written += [Exported(out_dir / FILES["vocabulary"]), Exported(out_dir / FILES["features"])]
@@ -185,6 +318,36 @@ def export_onnx(graph: CTCGraph, path: str | Path) -> None:
         raise ExportError(f"ONNX export failed ({type(e).__name__}: {_first_line(e)})") from e
 
 
+def _chunk_example(graph: ChunkGraph, generator: torch.Generator, frames: int) -> dict[str, torch.Tensor]:
+    """Inputs of a chunk in the middle of a stream: ``frames`` feature frames drawn around the CMVN
+    statistics, random caches, an offset that fills a part of the attention cache."""
+    model = graph.model
+    features = torch.randn(1, frames, model.cfg.n_mels, generator=generator) * model.feat_std + model.feat_mean
+    inputs = {"features": features, "offset": torch.tensor(max(graph.cache_frames - 1, 0)),
+              **{name: torch.randn(c.shape, generator=generator) for name, c in graph.initial_caches().items()}}
+    if graph.utterance_cmvn:
+        inputs["feature_mean"] = model.feat_mean + 0.1 * torch.randn(model.cfg.n_mels, generator=generator)
+    return inputs
+
+
+def export_chunk_onnx(graph: ChunkGraph, path: str | Path) -> None:
+    """Write ``graph`` to ``path`` as one ONNX file: the window's frame axis free (7 frames up to
+    ``window_frames``, for a stream's shorter last window), every other axis fixed; the outputs
+    named ``CHUNK_OUTPUTS``."""
+    inputs = _chunk_example(graph, torch.Generator().manual_seed(0), graph.window_frames)
+    names = list(inputs)  # feature_mean only with cmvn "utterance"
+    window = None if graph.window_frames == MIN_FRAMES else torch.export.Dim("window", min=MIN_FRAMES,
+                                                                               max=graph.window_frames)
+    dynamic = {name: {1: window} if name == "features" and window else None for name in names}
+    try:
+        with _quiet_exporter(), torch.no_grad():
+            torch.onnx.export(graph, (), str(path), kwargs=inputs, dynamo=True, opset_version=OPSET, verbose=False,
+                              external_data=False, input_names=names, output_names=list(CHUNK_OUTPUTS),
+                              dynamic_shapes=dynamic)
+    except Exception as e:
+        raise ExportError(f"ONNX export of the chunk graph failed ({type(e).__name__}: {_first_line(e)})") from e
+
+
 def export_torchscript(graph: CTCGraph, path: str | Path) -> None:
     """Write ``graph`` to ``path`` as a traced, frozen TorchScript module."""
     feats, lens = _example_inputs(graph, [100, 80], seed=0)
@@ -208,6 +371,22 @@ def onnx_runner(path: str | Path) -> Runner:
         log_probs, lengths = session.run(None, {"features": features.numpy(),
                                                 "feature_lengths": feature_lengths.numpy()})
         return torch.from_numpy(log_probs), torch.from_numpy(lengths)
+
+    return run
+
+
+def chunk_runner(path: str | Path) -> ChunkRunner:
+    """The chunk graph at ``path`` (``export_chunk_onnx``) on onnxruntime's CPU provider, as a
+    function of torch tensors taking ``ChunkGraph``'s inputs by name."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+    def run(**inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        outputs = session.run(None, {name: value.numpy() for name, value in inputs.items()})
+        return tuple(torch.from_numpy(o) for o in outputs)
 
     return run
 
@@ -240,6 +419,45 @@ def max_difference(run: Runner, graph: CTCGraph, lengths: Sequence[int] = (137, 
         raise ExportError(f"the exported model's log-probs differ from the model's by up to {difference:.3g} "
                           f"(tolerance {TOLERANCE})")
     return difference
+
+
+def stream_difference(run: ChunkRunner, graph: ChunkGraph, chunks: int | None = None, seed: int = 1) -> float:
+    """The largest |difference| of log-probs and encoder frames between ``run`` driven as a stream
+    (its own caches fed back, from ``initial_caches``) and ``ConformerEncoder.forward_chunk`` on the
+    same windows. The stream has ``chunks`` full chunks (default ``left_chunks + 2``: the first ones
+    with the attention cache not yet full, then full), then a shorter last one (of half a chunk, or
+    a whole one for chunks of 1). ``ExportError`` if a shape differs or the difference exceeds
+    ``TOLERANCE``."""
+    model, chunk = graph.model, graph.streaming.chunk_size
+    chunks = graph.streaming.left_chunks + 2 if chunks is None else chunks
+    frames = chunks * graph.window_hop + _window_frames(max(chunk // 2, 1))
+    features = _chunk_example(graph, torch.Generator().manual_seed(seed), frames)["features"]
+    state, caches, difference = None, graph.initial_caches(), 0.0
+    for start in range(0, frames - MIN_FRAMES + 1, graph.window_hop):
+        window = features[:, start:start + graph.window_frames]
+        inputs = {"features": window, "offset": torch.tensor(0 if state is None else state.offset), **caches}
+        mean = None
+        if graph.utterance_cmvn:  # the running mean of the stream's raw frames, as a client keeps it
+            inputs["feature_mean"] = mean = features[0, :start + window.shape[1]].mean(0)
+        with torch.no_grad():
+            expected, state = model.encoder.forward_chunk(model.normalize(window, mean), state, graph.cache_frames)
+            expected_log_probs = model.ctc_log_probs(expected)
+            log_probs, enc, *next_caches = run(**inputs)
+        if log_probs.shape != expected_log_probs.shape or enc.shape != expected.shape:
+            raise ExportError(f"the exported chunk graph gives log-probs {tuple(log_probs.shape)} for a window of "
+                              f"{window.shape[1]} frames where the model gives {tuple(expected_log_probs.shape)}")
+        difference = max(difference, float((log_probs - expected_log_probs).abs().max()),
+                         float((enc - expected).abs().max()))
+        caches = dict(zip(caches, next_caches))
+    if not difference <= TOLERANCE:  # NaN fails too
+        raise ExportError(f"the exported chunk graph's outputs differ from the model's chunk by chunk by up to "
+                          f"{difference:.3g} (tolerance {TOLERANCE})")
+    return difference
+
+
+def _window_frames(encoder_frames: int) -> int:
+    """The fewest feature frames that make ``encoder_frames`` (>= 1) encoder frames: (n - 1) * 4 + 7."""
+    return (encoder_frames - 1) * Conv2dSubsampling.STRIDE + Conv2dSubsampling.CONTEXT
 
 
 def vocabulary(tokenizer: Tokenizer) -> dict[str, Any]:
@@ -282,6 +500,42 @@ def feature_settings(log_mel: LogMel) -> dict[str, Any]:
         "min_frames": MIN_FRAMES,
         "output_lengths": "T' = ((T - 1) // 2 - 1) // 2",
         "output_frame_seconds": 4 * stft.hop_length / sample_rate,
+    }
+
+
+def streaming_settings(graph: ChunkGraph, log_mel: LogMel) -> dict[str, Any]:
+    """How a client streams through ``encoder_chunk.onnx`` (``ChunkGraph``) with features of
+    ``log_mel``, as JSON."""
+    caches = graph.initial_caches()
+    return {
+        "chunk_size": graph.streaming.chunk_size,
+        "left_chunks": graph.streaming.left_chunks,
+        "chunk_seconds": graph.streaming.chunk_size * feature_settings(log_mel)["output_frame_seconds"],
+        "window_frames": graph.window_frames,
+        "window_hop": graph.window_hop,
+        "min_window_frames": MIN_FRAMES,
+        "windows": "feature frames start .. start + window_frames - 1 for start = 0, window_hop, 2 * window_hop, ... "
+                   "while start + min_window_frames <= T: the last window may be shorter and give fewer frames",
+        "cmvn": graph.model.cfg.cmvn,
+        "inputs": {
+            "features": f"(1, W, n_mels) float32 raw log-mel frames of a window (as features.json says; the CMVN "
+                        f"is in the graph), W = window_frames, or {MIN_FRAMES} .. window_frames for the last",
+            "offset": "() int64: the encoder frames of the windows before (0, then + chunk_size)",
+            "attention_cache": f"{list(caches['attention_cache'].shape)} float32 (blocks, keys and values, heads, "
+                               "left_chunks * chunk_size frames, head width): zeros, then next_attention_cache",
+            "conv_cache": f"{list(caches['conv_cache'].shape)} float32 (blocks, conv_kernel - 1, d_model): zeros, "
+                          "then next_conv_cache",
+            **({"feature_mean": "(n_mels,) float32: the mean of the raw log-mel frames from the stream's start to "
+                                "this window's end"} if graph.utterance_cmvn else {}),
+        },
+        "cache_shapes": {name: list(c.shape) for name, c in caches.items()},
+        "outputs": {
+            "log_probs": "(1, C, V) float32 CTC log-probabilities of the window's C encoder frames (C = chunk_size "
+                         "but in a shorter last window)",
+            "encoder_out": "(1, C, d_model) float32 encoder frames (for attention rescoring)",
+            "next_attention_cache": "the attention_cache input of the next window",
+            "next_conv_cache": "the conv_cache input of the next window",
+        },
     }
 
 
