@@ -409,3 +409,68 @@ def test_the_readme_snippet_transcribes_like_the_recognizer_without_konkanivani(
     assert result.returncode == 0, result.stderr[-3000:]
     [expected] = recognizer.transcribe([tmp_path / wav_path], method="greedy")
     assert expected.text and result.stdout == expected.text + "\n"
+
+
+# --- a tiny streaming model, exported with --streaming -------------------------------------------
+
+STREAM_FLAGS = ["--streaming", "--chunk_size", "4", "--left_chunks", "2"]
+
+
+@pytest.fixture(scope="module")
+def streaming_exported(tiny_corpus, tmp_path_factory):
+    """A tiny model trained 2 steps with --causal_conv --dynamic_chunk, its CTC head redrawn,
+    exported with --streaming in chunks of 4 with 2 left: (checkpoint, export folder, stdout lines).
+    Barely trained, so that a random head spells several tokens: after 36 steps the encoder's frames
+    differ so little over time that it spells one."""
+    run = tmp_path_factory.mktemp("streaming") / "run"
+    assert train_cli.main(tiny_args(tiny_corpus, run, "--max_steps", "2", "--causal_conv", "--dynamic_chunk",
+                                    "--max_chunk", "4")) == 0
+    checkpoint = redraw_ctc_head(run / "latest.pt", run.parent / "model.pt")
+    out = run.parent / "exported"
+    result = subprocess.run([sys.executable, "-m", "konkanivani.cli.export", str(checkpoint), "--output_dir", str(out),
+                             *STREAM_FLAGS], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return checkpoint, out, result.stdout.splitlines()
+
+
+def test_the_streaming_export_writes_the_chunk_graph_and_how_to_feed_it(streaming_exported):
+    import onnxruntime as ort
+
+    _, out, lines = streaming_exported
+    names = [FILES["onnx"], *STREAMING_FILES.values(), FILES["vocabulary"], FILES["features"]]
+    assert sorted(p.name for p in out.iterdir()) == sorted(names)
+    assert [line.split()[1] for line in lines] == [str(out / name) for name in names]
+    assert "chunk by chunk" in lines[1]
+    settings = json.loads((out / STREAMING_FILES["settings"]).read_text(encoding="utf-8"))
+    assert (settings["chunk_size"], settings["left_chunks"], settings["window_frames"], settings["window_hop"]) == \
+        (4, 2, 19, 16)
+    session = ort.InferenceSession(str(out / STREAMING_FILES["onnx"]), providers=["CPUExecutionProvider"])
+    shapes = {i.name: i.shape for i in session.get_inputs()}
+    assert settings["cmvn"] == "global" and set(shapes) == {"features", "offset", *settings["cache_shapes"]}
+    assert all(shapes[name] == shape for name, shape in settings["cache_shapes"].items())
+
+
+def test_the_streaming_snippet_transcribes_as_the_model_chunk_by_chunk_without_konkanivani(streaming_exported,
+                                                                                          tiny_corpus, tmp_path):
+    checkpoint, out, _ = streaming_exported
+    snippet = readme_snippet("<!-- snippet: onnx-stream -->")
+    export_dir, wav_path = re.search(r'export_dir, wav_path = "(.+)", "(.+)"', snippet).groups()
+    (tmp_path / export_dir).symlink_to(out, target_is_directory=True)
+    wav = corpus_wavs(tiny_corpus, 1)[0].numpy()
+    wav44 = resample_poly(wav, 441, 160).astype(np.float32)  # 44.1 kHz stereo, as in the snippet test above
+    sf.write(tmp_path / wav_path, np.stack([1.5 * wav44, 0.5 * wav44], axis=1), 44100, subtype="FLOAT")
+    check = "\nimport sys\nassert not [m for m in sys.modules if m.startswith('konkanivani')]\n"
+    result = subprocess.run([sys.executable, "-c", snippet + check], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    partials = result.stdout.splitlines()
+
+    recognizer = Recognizer.from_checkpoint(checkpoint)  # greedy CTC over forward_chunk_by_chunk, in PyTorch
+    model, feats = recognizer.model, recognizer.log_mel(load_audio(tmp_path / wav_path))[None]
+    with torch.no_grad():
+        log_probs = model.ctc_log_probs(model.encoder.forward_chunk_by_chunk(model.normalize(feats), 4, 2))
+    [ids] = ctc_greedy(log_probs, torch.tensor([log_probs.shape[1]]))
+    expected = recognizer.tokenizer.decode(ids)
+    assert len(set(ids)) >= 3 and partials[-1] == expected
+    assert len(partials) == len(feature_windows(feats, 4))  # the text so far after each chunk
+    assert all(later.startswith(earlier) for earlier, later in zip(partials, partials[1:]))
