@@ -8,6 +8,8 @@ on the training device and a checkpoint carries its statistics.
 from __future__ import annotations
 
 import io
+import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +20,8 @@ import torchaudio
 from ..config import ConfigError
 from .frames import HOP_LENGTH, SAMPLE_RATE
 
-__all__ = ["SAMPLE_RATE", "HOP_LENGTH", "LOG_OFFSET", "AudioError", "load_audio", "resample", "LogMel"]
+__all__ = ["SAMPLE_RATE", "HOP_LENGTH", "LOG_OFFSET", "AudioError", "load_audio", "read_blocks", "resample",
+           "Resampler", "LogMel"]
 
 LOG_OFFSET = 1e-6  # added to the mel power before the log, so that digital silence stays finite
 
@@ -73,6 +76,90 @@ def resample(wav: torch.Tensor, sample_rate: int, target_rate: int = SAMPLE_RATE
     if sample_rate == target_rate:
         return wav
     return torchaudio.functional.resample(wav, sample_rate, target_rate)
+
+
+class Resampler:
+    """``resample`` of a waveform that comes in pieces, piece by piece: the pieces it returns, put
+    together, are what ``resample`` makes of the whole (to float rounding). The sinc filter reaches a
+    few input samples to each side, so each call keeps back the input whose output needs samples not
+    yet given (a few milliseconds), and ``flush`` gives the rest at the end.
+
+    >>> r = Resampler(8000)
+    >>> wav = torch.randn(8000)
+    >>> pieces = [r(p) for p in wav.split(1234)] + [r.flush()]
+    >>> bool(torch.allclose(torch.cat(pieces), resample(wav, 8000), atol=1e-5))
+    True
+    """
+
+    def __init__(self, sample_rate: int, target_rate: int = SAMPLE_RATE):
+        self.sample_rate, self.target_rate = sample_rate, target_rate
+        gcd = math.gcd(sample_rate, target_rate)
+        self.period, self.out_period = sample_rate // gcd, target_rate // gcd  # input, output samples per step
+        # torchaudio's filter reaches ceil(6 * period / (0.99 * min(period, out_period))) samples to each
+        # side of a step, and a step spans one period: whole periods that cover both.
+        self.context = self.period * (math.ceil(7 / min(self.period, self.out_period)) + 1)
+        # The input not yet resampled, after the `context` samples before it (zeros at the start, as
+        # `resample` pads the waveform's start).
+        self.buffer = torch.zeros(self.context)
+
+    def __call__(self, piece: torch.Tensor) -> torch.Tensor:
+        if self.sample_rate == self.target_rate:
+            return piece
+        self.buffer = torch.cat([self.buffer, piece])
+        ready = (len(self.buffer) - 2 * self.context) // self.period * self.period  # the whole steps it can give
+        if ready <= 0:
+            return self.buffer[:0]
+        out = self._resample(self.buffer[:ready + 2 * self.context])[:ready // self.period * self.out_period]
+        self.buffer = self.buffer[ready:]
+        return out
+
+    def flush(self) -> torch.Tensor:
+        """The output of what remains (the end of the waveform)."""
+        if self.sample_rate == self.target_rate or len(self.buffer) == self.context:
+            return self.buffer[:0]
+        out = self._resample(self.buffer)
+        self.buffer = self.buffer[len(self.buffer) - self.context:]
+        return out
+
+    def _resample(self, wav: torch.Tensor) -> torch.Tensor:
+        """``wav`` resampled, without the output of its first ``context`` samples."""
+        return resample(wav, self.sample_rate, self.target_rate)[self.context // self.period * self.out_period:]
+
+
+def read_blocks(source: str | Path, seconds: float = 1.0, sample_rate: int = SAMPLE_RATE,
+                label: str | None = None) -> Iterator[torch.Tensor]:
+    """The waveform of a file as ``load_audio`` gives it (mono float32 at ``sample_rate``), in blocks
+    of about ``seconds``, read one at a time (``soundfile``'s ``blocks``) and resampled piece by piece
+    (``Resampler``): a recording of any length in the memory of a block. Put together, the blocks
+    are ``load_audio(source)`` to float rounding. Raises ``AudioError`` as ``load_audio`` does, for
+    a file that turns out to be unreadable or non-finite part way too."""
+    label = label or str(source)
+    if not Path(source).is_file():
+        raise AudioError("audio file missing", label)
+    try:
+        f = sf.SoundFile(str(source))
+    except Exception as e:  # noqa: BLE001  soundfile raises LibsndfileError, RuntimeError, TypeError...
+        raise AudioError("audio unreadable", label, str(getattr(e, "error_string", e))) from e
+    with f:
+        if f.frames == 0:
+            raise AudioError("audio empty", label)
+        resampler = Resampler(f.samplerate, sample_rate)
+        blocks = f.blocks(blocksize=max(1, round(seconds * f.samplerate)), dtype="float32", always_2d=True)
+        while True:
+            try:
+                block = next(blocks, None)
+            except Exception as e:  # noqa: BLE001  as above
+                raise AudioError("audio unreadable", label, str(getattr(e, "error_string", e))) from e
+            if block is None:
+                break
+            if not np.isfinite(block).all():
+                raise AudioError("audio holds NaN or infinite samples", label)
+            out = resampler(torch.from_numpy(np.ascontiguousarray(block.mean(axis=1))))
+            if len(out):
+                yield out
+        out = resampler.flush()
+        if len(out):
+            yield out
 
 
 class LogMel(torch.nn.Module):
