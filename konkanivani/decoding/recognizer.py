@@ -21,7 +21,7 @@ import torch
 
 from ..checkpoint import CheckpointError, inference_state_dict, load_checkpoint
 from ..config import ModelConfig
-from ..data.audio import AUDIO_SUFFIXES, AudioError, LogMel, load_audio
+from ..data.audio import AUDIO_SUFFIXES, AudioError, LogMel, load_audio, read_blocks
 from ..data.frames import HOP_LENGTH, SAMPLE_RATE, frames_of_samples, subsampled_lengths
 from ..data.manifest import read_manifest, resolve_audio_path
 from ..data.tokenizer import Tokenizer
@@ -36,6 +36,14 @@ from .search import (
     Fusion,
     decode_batch,
     method_for,
+)
+from .streaming import (
+    DEFAULT_ENDPOINT_MS,
+    STREAM_METHODS,
+    Result,
+    Stream,
+    check_streaming,
+    quiet_windows,
 )
 
 __all__ = ["MIN_SAMPLES", "Recognizer", "Transcript", "find_audio"]
@@ -73,6 +81,7 @@ class Recognizer:
         self.device = device
         self.log_mel = LogMel(model.cfg.n_mels)
         self.lm = None if lm is None else lm.to(device).eval()
+        self._said: set[str] = set()  # the warnings given: each once
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, device: str | torch.device = "cpu",
@@ -134,6 +143,77 @@ class Recognizer:
         ids = decode_batch(self.model, padded, lens, method, beam_size, ctc_weight, fusion=fusion)
         return [self.tokenizer.decode(h) for h in ids]
 
+    def stream(self, chunk_size: int = 16, left_chunks: int = -1, method: str = "rescore", beam_size: int = 10,
+               ctc_weight: float = DEFAULT_CTC_WEIGHT, lm_weight: float = 0.0, length_bonus: float = 0.0,
+               endpoint_ms: float = DEFAULT_ENDPOINT_MS, sample_rate: int = SAMPLE_RATE) -> Stream:
+        """A ``Stream`` of mono float audio at ``sample_rate`` (resampled to 16 kHz as it comes), encoded
+        in chunks of ``chunk_size`` encoder frames (40 ms each) that see ``left_chunks`` chunks back (-1:
+        all of the segment), decoded with ``method`` (``STREAM_METHODS``); a segment ends after
+        ``endpoint_ms`` of blank frames following speech (0: only at ``MAX_SEGMENT_SECONDS``).
+        ``ValueError`` in one line for a model that cannot stream (trained without ``causal_conv``) or
+        settings it cannot take; a warning, once, for chunks it was not trained with."""
+        for message in check_streaming(self.model.cfg, chunk_size, left_chunks):
+            if message not in self._said:
+                self._said.add(message)
+                log.warning("%s", message)
+        if method not in STREAM_METHODS:
+            raise ValueError(f"{method} decoding cannot stream; choose from {', '.join(STREAM_METHODS)}")
+        for name, value, least in (("beam_size", beam_size, 1), ("endpoint_ms", endpoint_ms, 0),
+                                   ("sample_rate", sample_rate, 1)):
+            if value < least:
+                raise ValueError(f"{name} must be at least {least}, got {value}")
+        return Stream(self.model, self.tokenizer, self.log_mel, chunk_size, left_chunks, method, beam_size, ctc_weight,
+                      self.fusion(method, lm_weight, length_bonus), endpoint_ms, sample_rate)
+
+    def stream_results(self, pieces: Iterable[torch.Tensor], **settings) -> Iterator[Result]:
+        """The results of a stream (``stream(**settings)``, its settings checked at once) fed ``pieces``
+        one by one, then finished:
+
+            >>> for result in rec.stream_results(pieces, chunk_size=8):  # doctest: +SKIP
+            ...     print(result.is_final, result.start, result.end, result.text)
+        """
+        return _stream_results(self.stream(**settings), pieces)
+
+    def transcribe_long(self, path: str | Path, method: str = "joint", beam_size: int = 10,
+                        ctc_weight: float = DEFAULT_CTC_WEIGHT, lm_weight: float = 0.0, length_bonus: float = 0.0,
+                        chunk_size: int = 0, left_chunks: int = -1, endpoint_ms: float = DEFAULT_ENDPOINT_MS,
+                        partials: bool = False) -> Iterator[Result]:
+        """The results of one recording of any length, read block by block (``read_blocks``), in the
+        memory of a segment: with ``chunk_size`` > 0 through a ``stream`` (its final results, and with
+        ``partials`` its partial ones); else in windows of at most ``WINDOW_SECONDS`` cut at quiet
+        moments (``quiet_windows``), each decoded whole with ``method``, one final result each (no word
+        times). As a stream does, it leaves out a final result without text unless there is no other.
+        ``AudioError`` for a file that cannot be read or is too short for the model."""
+        seen = 0
+
+        def blocks() -> Iterator[torch.Tensor]:
+            nonlocal seen
+            for block in read_blocks(path):
+                seen += len(block)
+                yield block
+
+        if chunk_size:
+            stream = self.stream(chunk_size, left_chunks, method, beam_size, ctc_weight, lm_weight, length_bonus,
+                                 endpoint_ms)
+            for block in blocks():
+                yield from (r for r in stream.accept(block) if partials or r.is_final)
+            _check_length(path, seen)
+            yield from (r for r in stream.finish() if partials or r.is_final)
+            return
+        if method not in METHODS:
+            raise ValueError(f"unknown decoding method {method!r}; choose from {', '.join(METHODS)}")
+        self.fusion(method, lm_weight, length_bonus)
+        given = False
+        for first, wav in quiet_windows(blocks()):
+            text = "" if _too_short(path, len(wav)) else self._decode_waveforms(
+                [wav], method, beam_size, ctc_weight, lm_weight, length_bonus)[0]
+            if text:
+                given = True
+                yield Result(text, True, round(first / SAMPLE_RATE, 3), round((first + len(wav)) / SAMPLE_RATE, 3))
+        _check_length(path, seen)
+        if not given:
+            yield Result("", True, 0.0, round(seen / SAMPLE_RATE, 3))
+
     def transcribe(self, paths: Iterable[str | Path], method: str = "greedy", beam_size: int = 10,
                    ctc_weight: float = DEFAULT_CTC_WEIGHT, batch_size: int = 8, lm_weight: float = 0.0,
                    length_bonus: float = 0.0) -> Iterator[Transcript]:
@@ -194,10 +274,29 @@ def _read(path: str | Path) -> tuple[torch.Tensor | None, str | None]:
         wav = load_audio(path)
     except RuntimeError as e:  # the caller names it (Transcript.error), once
         return None, str(e)
-    if subsampled_lengths(frames_of_samples(len(wav))) < 1:  # the encoder frames the model will compute
-        return wav, str(AudioError("audio too short", str(path), f"{len(wav) / SAMPLE_RATE:.3f} s; the model needs "
-                                   f"at least {MIN_SAMPLES / SAMPLE_RATE:.3f} s"))
-    return wav, None
+    too_short = _too_short(path, len(wav))
+    return wav, None if too_short is None else str(too_short)
+
+
+def _stream_results(stream: Stream, pieces: Iterable[torch.Tensor]) -> Iterator[Result]:
+    for piece in pieces:
+        yield from stream.accept(piece)
+    yield from stream.finish()
+
+
+def _too_short(path: str | Path, samples: int) -> AudioError | None:
+    """Why ``samples`` samples of ``path`` are too few for the encoder, if they are: its subsampling
+    needs enough feature frames for one encoder frame."""
+    if subsampled_lengths(frames_of_samples(samples)) >= 1:
+        return None
+    return AudioError("audio too short", str(path), f"{samples / SAMPLE_RATE:.3f} s; the model needs at least "
+                      f"{MIN_SAMPLES / SAMPLE_RATE:.3f} s")
+
+
+def _check_length(path: str | Path, samples: int) -> None:
+    too_short = _too_short(path, samples)
+    if too_short is not None:
+        raise too_short
 
 
 def _method_of(method: str, wav: torch.Tensor) -> str:

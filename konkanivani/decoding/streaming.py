@@ -1,0 +1,337 @@
+"""Streaming recognition, and long recordings in bounded memory.
+
+A ``Stream`` (``Recognizer.stream``) takes mono audio in pieces of any size (resampled to 16 kHz as
+it comes, ``data.audio.Resampler``) and gives results as it goes. Its features are the frames the
+whole-file path computes (``StreamingLogMel``), normalized frame by frame (``ASRModel.normalize``;
+with cmvn "utterance" by the running mean of the stream's frames so far), encoded one chunk at a
+time with the encoder's caches (``ConformerEncoder.forward_chunk``: the frames
+``ASRModel.encode(..., chunk_size=C)`` gives), and each chunk's CTC output advances a prefix beam
+search (``CTCPrefixBeam``):
+
+- after each chunk, a partial result: the beam's best so far in the current segment;
+- at the end of a segment, a final result: with method ``rescore`` the beam's n-best rescored by the
+  attention decoder over the segment's encoder frames (and the LM, with one), with ``beam`` the
+  beam's best (the LM fused into the search), with ``greedy`` the best path.
+
+A segment ends at an endpoint: more than ``endpoint_ms`` of frames whose likeliest CTC output is
+blank after speech (a frame whose likeliest output is a token); or after ``MAX_SEGMENT_SECONDS``
+(the longest input the attention decoder is meant for, ``search.LONG_INPUT_SECONDS``), and at the end
+of the stream. Then the search and the encoder's caches start again, so memory stays bounded
+however long the stream. Times count from the stream's start, 40 ms per encoder frame: a token's
+time is that of the frame where it was likeliest.
+
+A model trained without ``causal_conv`` cannot encode chunk by chunk; a long recording goes through
+``quiet_windows`` instead: pieces of at most ``WINDOW_SECONDS``, each decoded whole.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..data.audio import LOG_OFFSET, LogMel, Resampler
+from ..data.frames import HOP_LENGTH, SAMPLE_RATE
+from ..data.tokenizer import BLANK_ID, Tokenizer
+from ..model.asr import ASRModel
+from ..model.conformer import Conv2dSubsampling
+from .search import LONG_INPUT_SECONDS, CTCPrefixBeam, Fusion, Hypothesis, attention_scores
+
+__all__ = ["DEFAULT_ENDPOINT_MS", "FRAME_SECONDS", "MAX_SEGMENT_SECONDS", "STREAM_METHODS", "WINDOW_SECONDS",
+           "Result", "Stream", "StreamingLogMel", "Word", "check_streaming", "quiet_windows"]
+
+FRAME_SECONDS = Conv2dSubsampling.STRIDE * HOP_LENGTH / SAMPLE_RATE  # 0.04 s: one encoder frame
+DEFAULT_ENDPOINT_MS = 800
+MAX_SEGMENT_SECONDS = LONG_INPUT_SECONDS
+STREAM_METHODS = ("greedy", "beam", "rescore")
+WINDOW_SECONDS = 20.0  # the longest piece of a long recording decoded whole (quiet_windows)
+CUT_SECONDS = 5.0  # ... cut at the quietest 100 ms of its last CUT_SECONDS
+WORD_START = "\u2581"  # SentencePiece's mark of a word's first piece
+
+
+@dataclass
+class Word:
+    text: str
+    start: float  # seconds from the stream's start
+    end: float
+
+
+@dataclass
+class Result:
+    """A partial (``is_final`` False: the best so far of the current segment, may still change) or
+    final result of a segment. ``words`` holds each word's time, in seconds from the stream's start;
+    ``start`` and ``end`` are those of its first and last word (of the segment when it has none)."""
+
+    text: str
+    is_final: bool
+    start: float
+    end: float
+    words: list[Word] = field(default_factory=list)
+
+
+def check_streaming(cfg, chunk_size: int, left_chunks: int) -> list[str]:
+    """``ValueError`` in one line when a model of ``cfg`` cannot stream (no ``causal_conv``) or the chunk
+    settings are not ones it can take; else what to warn of when it was not trained for them."""
+    if not cfg.causal_conv:
+        raise ValueError("the checkpoint is not a streaming model (trained without --causal_conv/--dynamic_chunk); "
+                         "decode it whole (long recordings go in windows)")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of encoder frames, got {chunk_size}")
+    if left_chunks < -1:
+        raise ValueError(f"left_chunks must be -1 (all) or >= 0, got {left_chunks}")
+    if not cfg.dynamic_chunk:
+        return [f"chunks of {chunk_size} frames: this model was trained with full context only (no --dynamic_chunk) "
+                "and will recognize worse in chunks"]
+    warnings = []
+    if chunk_size > cfg.max_chunk:
+        warnings.append(f"chunks of {chunk_size} frames: this model was trained with chunks of 1 to {cfg.max_chunk} "
+                        "frames (--max_chunk) and with full context")
+    if left_chunks >= 0 and not cfg.dynamic_left_chunks:
+        warnings.append(f"{left_chunks} left chunks: this model was trained with every chunk to the left in view "
+                        "(no --dynamic_left_chunks)")
+    return warnings
+
+
+class StreamingLogMel:
+    """``LogMel`` of a waveform that comes in pieces: the frames of the whole waveform, each one as soon
+    as its samples are in (the same STFT of the same 400 samples: equal but for float rounding where
+    the FFTs are batched otherwise, under 1e-6). ``LogMel`` centres
+    frame t on sample 160t and pads the waveform's ends by reflection, so frame t needs samples
+    160t - 200 .. 160t + 199: the frames trail the input by 200 samples, and the last ones, which reach
+    into the end's reflection, come from ``finish``."""
+
+    def __init__(self, log_mel: LogMel):
+        self.mel = copy.deepcopy(log_mel.mel)
+        self.mel.spectrogram.center = False  # the centring's padding is done here
+        self.n_fft, self.hop, self.half = self.mel.n_fft, self.mel.hop_length, self.mel.n_fft // 2
+        self.buffer = torch.zeros(0)  # the samples frames still need, from sample `buffer_start`
+        self.buffer_start = 0  # -half once the start's reflection is in front
+        self.seen = 0  # samples taken
+        self.frames = 0  # frames given
+
+    def accept(self, wav: torch.Tensor) -> torch.Tensor:
+        """The frames ``(T, n_mels)`` that the samples so far complete."""
+        self.buffer = torch.cat([self.buffer, wav])
+        self.seen += len(wav)
+        if self.buffer_start == 0:
+            if self.seen <= self.half:  # the reflection of the start needs samples 1 .. 200
+                return self._empty()
+            self.buffer = torch.cat([self.buffer[1:self.half + 1].flip(0), self.buffer])
+            self.buffer_start = -self.half
+        return self._frames((self.seen - self.half) // self.hop + 1)
+
+    def finish(self) -> torch.Tensor:
+        """The last frames, up to the ``1 + N // 160`` of ``LogMel`` (none for fewer than 201 samples,
+        which ``LogMel`` cannot pad either)."""
+        if self.buffer_start == 0:
+            return self._empty()
+        self.buffer = torch.cat([self.buffer, self.buffer[-self.half - 1:-1].flip(0)])
+        return self._frames(1 + self.seen // self.hop)
+
+    def _frames(self, upto: int) -> torch.Tensor:
+        """Frames ``self.frames`` .. ``upto - 1``, and the samples before the next one dropped."""
+        count = upto - self.frames
+        if count <= 0:
+            return self._empty()
+        first = self.frames * self.hop - self.half - self.buffer_start
+        span = self.buffer[first:first + (count - 1) * self.hop + self.n_fft]
+        out = torch.log(self.mel(span) + LOG_OFFSET).transpose(0, 1)
+        self.frames = upto
+        drop = self.frames * self.hop - self.half - self.buffer_start
+        self.buffer, self.buffer_start = self.buffer[drop:], self.buffer_start + drop
+        return out
+
+    def _empty(self) -> torch.Tensor:
+        return torch.zeros(0, self.mel.n_mels)
+
+
+class Stream:
+    """One audio stream through a recognizer (made by ``Recognizer.stream``, which checks the settings).
+
+    ``accept(samples)`` takes the next piece (any length, empty too) and returns the results it
+    brings: a partial result after each chunk encoded, and a final one at each endpoint. ``finish()``
+    ends the stream and returns what remains, ending with a final result: the last segment's, given
+    when it has text or when the stream has given no final result yet (so every stream gives at
+    least one, maybe empty; a segment of silence after an endpoint gives none)."""
+
+    def __init__(self, model: ASRModel, tokenizer: Tokenizer, log_mel: LogMel, chunk_size: int, left_chunks: int,
+                 method: str, beam_size: int, ctc_weight: float, fusion: Fusion | None, endpoint_ms: float,
+                 sample_rate: int = SAMPLE_RATE):
+        self.model, self.tokenizer = model, tokenizer
+        self.device = next(model.parameters()).device
+        self.chunk_size, self.method, self.ctc_weight = chunk_size, method, ctc_weight
+        self.beam_size = 1 if method == "greedy" else beam_size
+        self.fusion = fusion or Fusion()
+        self.left_frames = left_chunks * chunk_size if left_chunks >= 0 else -1
+        self.endpoint_frames = endpoint_ms / 1000 / FRAME_SECONDS  # a run of blank frames longer than this ends a segment
+        self.max_segment_frames = round(MAX_SEGMENT_SECONDS / FRAME_SECONDS)
+        stride, context = Conv2dSubsampling.STRIDE, Conv2dSubsampling.CONTEXT
+        self.window, self.step, self.context = (chunk_size - 1) * stride + context, stride * chunk_size, context
+        self.resampler = Resampler(sample_rate)
+        self.features = StreamingLogMel(log_mel)
+        self.feats = torch.zeros(0, self.model.cfg.n_mels, device=self.device)  # normalized, not yet encoded
+        self.feat_sum = torch.zeros(self.model.cfg.n_mels, dtype=torch.float64)  # for cmvn "utterance"
+        self.feat_count = 0
+        self.frames = 0  # encoder frames of the stream so far
+        self.finals = 0  # final results given
+        self.finished = False
+        self._new_segment()
+
+    @torch.inference_mode()
+    def accept(self, samples: torch.Tensor | np.ndarray) -> list[Result]:
+        """The results the piece ``samples`` brings: mono float samples ``(N,)`` at the stream's rate."""
+        if self.finished:
+            raise ValueError("the stream is finished: make a new one with Recognizer.stream")
+        return self._encode(self.features.accept(self.resampler(_samples(samples))), last=False)
+
+    @torch.inference_mode()
+    def finish(self) -> list[Result]:
+        """The results of the rest of the stream, ending with its final result (see the class)."""
+        if self.finished:
+            raise ValueError("the stream is finished: make a new one with Recognizer.stream")
+        self.finished = True
+        results = self._encode(self.features.accept(self.resampler.flush()), last=False)
+        results += self._encode(self.features.finish(), last=True)
+        final = self._final()
+        if final.text or not self.finals:
+            self.finals += 1
+            results.append(final)
+        return results
+
+    def _new_segment(self) -> None:
+        self.state = None  # the encoder's caches
+        self.search = CTCPrefixBeam(self.beam_size, self.fusion if self.method == "beam" else None)
+        self.segment_start = self.frames
+        self.encoded: list[torch.Tensor] = []  # the segment's encoder frames, for rescoring
+        self.speech = False  # a frame whose likeliest output is a token, in this segment
+        self.blanks = 0  # frames since the last such frame
+
+    def _normalize(self, feats: torch.Tensor) -> torch.Tensor:
+        """CMVN of new raw frames; with cmvn "utterance", each frame minus the mean of the frames up to it."""
+        if self.model.cfg.cmvn != "utterance" or not len(feats):
+            return self.model.normalize(feats.to(self.device))
+        sums = self.feat_sum + feats.double().cumsum(0)
+        counts = self.feat_count + torch.arange(1, len(feats) + 1, dtype=torch.float64)
+        self.feat_sum, self.feat_count = sums[-1], self.feat_count + len(feats)
+        mean = (sums / counts[:, None]).float()
+        return self.model.normalize(feats.to(self.device), mean.to(self.device))
+
+    def _encode(self, feats: torch.Tensor, last: bool) -> list[Result]:
+        """Encode every chunk the features so far complete (at the end, also a last shorter one)."""
+        self.feats = torch.cat([self.feats, self._normalize(feats)])
+        results = []
+        while len(self.feats) >= (self.context if last else self.window):
+            enc, self.state = self.model.encoder.forward_chunk(self.feats[None, :self.window], self.state,
+                                                               self.left_frames)
+            self.feats = self.feats[self.step:]
+            results += self._advance(enc[0])
+        return results
+
+    def _advance(self, enc: torch.Tensor) -> list[Result]:
+        """One chunk's encoder frames ``(C, D)`` through the search; a partial result, or at an
+        endpoint the segment's final one (none when it is empty)."""
+        log_probs = self.model.ctc_log_probs(enc[None])[0]
+        self.search.advance(log_probs)
+        if self.method == "rescore":
+            self.encoded.append(enc)
+        self.frames += len(enc)
+        for token in log_probs.argmax(-1).tolist():
+            self.speech, self.blanks = (self.speech, self.blanks + 1) if token == BLANK_ID else (True, 0)
+        endpoint = self.speech and self.endpoint_frames and self.blanks > self.endpoint_frames
+        if not endpoint and self.frames - self.segment_start < self.max_segment_frames:
+            return [self._result(self.search.hypotheses()[0], is_final=False)]
+        final = self._final()
+        self._new_segment()
+        self.finals += bool(final.text)
+        return [final] if final.text else []
+
+    def _final(self) -> Result:
+        """The current segment's final result."""
+        nbest = self.search.hypotheses()
+        if self.method == "rescore" and self.encoded and any(h.tokens for h in nbest):
+            best = _rescore(self.model, torch.cat(self.encoded), nbest, self.ctc_weight, self.fusion)
+        else:
+            best = nbest[0]
+        return self._result(best, is_final=True)
+
+    def _result(self, hyp: Hypothesis, is_final: bool) -> Result:
+        # The frame of each token, never before the one of the token before it.
+        frames = list(itertools.accumulate((self.segment_start + f for f in hyp.frames or []), max))
+        words = _words(self.tokenizer, hyp.tokens, frames)
+        if words:
+            start, end = words[0].start, words[-1].end
+        else:
+            start, end = round(self.segment_start * FRAME_SECONDS, 3), round(self.frames * FRAME_SECONDS, 3)
+        return Result(self.tokenizer.decode(hyp.tokens), is_final, start, end, words)
+
+
+def _rescore(model: ASRModel, enc: torch.Tensor, nbest: list[Hypothesis], ctc_weight: float, fusion: Fusion) -> Hypothesis:
+    """The hypothesis of ``nbest`` (a CTC prefix beam search's, best first) that ``attention_rescoring``
+    chooses over the encoder frames ``enc`` ``(T, D)``: ``λ * log P_ctc + (1 - λ) * log P_att`` plus the
+    LM's weighted sentence score and the length bonus; the first of equals."""
+    n = len(nbest)
+    att = attention_scores(model, enc[None].expand(n, -1, -1), torch.full((n,), len(enc), device=enc.device),
+                           [h.tokens for h in nbest]).tolist()
+    lm = ([0.0] * n if fusion.lm is None else
+          (fusion.lm_weight * fusion.lm.sentence_log_probs([h.tokens for h in nbest], enc.device)).tolist())
+    scores = [ctc_weight * h.score + (1 - ctc_weight) * a + lm_score + fusion.length_bonus * len(h.tokens)
+              for h, a, lm_score in zip(nbest, att, lm)]
+    return nbest[max(range(n), key=scores.__getitem__)]
+
+
+def _words(tokenizer: Tokenizer, tokens: list[int], frames: list[int]) -> list[Word]:
+    """The words of ``tokens`` (a new one at each piece that starts with SentencePiece's "▁"), each from
+    the frame of its first token to the end of its last one's."""
+    groups: list[tuple[list[int], list[int]]] = []
+    for token, piece, frame in zip(tokens, tokenizer.pieces(tokens), frames):
+        if piece.startswith(WORD_START) or not groups:
+            groups.append(([], []))
+        if piece != WORD_START:  # a space alone (character tokenizers): no part of the word's time
+            groups[-1][0].append(token)
+            groups[-1][1].append(frame)
+    return [Word(tokenizer.decode(ids), round(at[0] * FRAME_SECONDS, 3), round((at[-1] + 1) * FRAME_SECONDS, 3))
+            for ids, at in groups if ids]
+
+
+def _samples(samples: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """A piece of a stream as a float32 CPU tensor ``(N,)``; ``ValueError`` in one line for one that
+    is not mono float audio."""
+    wav = torch.as_tensor(samples)
+    if wav.dim() != 1:
+        raise ValueError(f"a stream takes mono samples, shape (N,); got shape {tuple(wav.shape)}: mix the channels "
+                         "down first (the mean over them)")
+    if not wav.is_floating_point():
+        raise ValueError(f"a stream takes float samples (-1 to 1); got {wav.dtype}")
+    wav = wav.detach().to("cpu", torch.float32)
+    if not torch.isfinite(wav).all():
+        raise ValueError("the samples hold NaN or infinite values")
+    return wav
+
+
+def quiet_windows(blocks: Iterable[torch.Tensor], window_seconds: float = WINDOW_SECONDS,
+                  cut_seconds: float = CUT_SECONDS) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(first sample, waveform)`` of consecutive pieces of the 16 kHz waveform that comes in
+    ``blocks``: each at most ``window_seconds`` long, cut at the quietest 100 ms (the least mean
+    square) of its last ``cut_seconds``, where a pause most likely is; together they are the whole,
+    with no overlap. Holds one window and a block at a time."""
+    window, search = round(window_seconds * SAMPLE_RATE), round(cut_seconds * SAMPLE_RATE)
+    buffer, first = torch.zeros(0), 0
+    for block in blocks:
+        buffer = torch.cat([buffer, block])
+        while len(buffer) >= window:
+            cut = window - search + _quietest(buffer[window - search:window])
+            yield first, buffer[:cut]
+            buffer, first = buffer[cut:], first + cut
+    if len(buffer):
+        yield first, buffer
+
+
+def _quietest(wav: torch.Tensor, span: int = SAMPLE_RATE // 10) -> int:
+    """The sample at the middle of the quietest ``span`` samples of ``wav`` (on a 10 ms grid)."""
+    if len(wav) <= span:
+        return len(wav) // 2
+    energy = wav.unfold(0, span, HOP_LENGTH).square().mean(1)
+    return int(energy.argmin()) * HOP_LENGTH + span // 2

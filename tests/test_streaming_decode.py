@@ -1,0 +1,237 @@
+"""Streaming decoding (decoding/streaming.py) and long recordings: features computed as the audio
+comes equal the whole file's, a stream's final text equals offline decoding under the same chunk
+mask, partial results follow the search, and endpoints split segments. On tiny models that learn four synthetic "sentences" (a
+tone per letter) in a few seconds; counted, never timed."""
+import logging
+import math
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from konkanivani.config import model_config_from_preset
+from konkanivani.data.audio import LogMel, Resampler, load_audio, read_blocks, resample
+from konkanivani.data.frames import SAMPLE_RATE
+from konkanivani.data.tokenizer import train_tokenizer
+from konkanivani.decoding.recognizer import Recognizer
+from konkanivani.decoding.search import attention_rescoring, ctc_prefix_beam_search
+from konkanivani.decoding.streaming import FRAME_SECONDS, StreamingLogMel, quiet_windows
+from konkanivani.model.asr import ASRModel
+
+SENTENCES = ["abc de", "fed cab", "bad cafe", "ace bed fad"]
+LETTERS = "abcdef"
+PIECE = SAMPLE_RATE // 10  # 100 ms
+
+
+def speech(text: str, seed: int = 0) -> torch.Tensor:
+    """150 ms of a tone per letter (each letter its pitch), 100 ms between words, 300 ms of near
+    silence around."""
+    t = torch.arange(2400) / SAMPLE_RATE
+    parts = [torch.zeros(4800)]
+    for i, word in enumerate(text.split()):
+        parts += [torch.zeros(1600)] * bool(i)
+        parts += [0.3 * torch.sin(2 * math.pi * (300 + 250 * LETTERS.index(ch)) * t) * torch.hann_window(2400)
+                  for ch in word]
+    wav = torch.cat([*parts, torch.zeros(4800)])
+    return wav + 0.003 * torch.randn(len(wav), generator=torch.Generator().manual_seed(seed))
+
+
+def silence(seconds: float, seed: int = 1) -> torch.Tensor:
+    return 0.003 * torch.randn(round(seconds * SAMPLE_RATE), generator=torch.Generator().manual_seed(seed))
+
+
+def _trained(streaming: bool) -> Recognizer:
+    """A tiny model that has learned SENTENCES (120 steps): with streaming, trained for chunks of 1-8
+    frames and full context, with causal convolutions."""
+    tokenizer = train_tokenizer(SENTENCES, vocab_size=16, model_type="char")
+    torch.manual_seed(0)
+    cfg = model_config_from_preset("tiny", vocab_size=tokenizer.vocab_size, dropout=0.0, causal_conv=streaming,
+                                   dynamic_chunk=streaming, max_chunk=8)
+    rec = Recognizer(ASRModel(cfg), tokenizer, torch.device("cpu"))
+    model = rec.model
+    feats = [rec.log_mel(speech(s, seed=i)) for i, s in enumerate(SENTENCES)]
+    every = torch.cat(feats)
+    model.set_cmvn(every.mean(0), every.std(0))
+    x, lens = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True), torch.tensor([len(f) for f in feats])
+    tokens = [torch.tensor(tokenizer.encode(s)) for s in SENTENCES]
+    y = torch.nn.utils.rnn.pad_sequence(tokens, batch_first=True, padding_value=-1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(120):
+        model(x, lens, y, torch.tensor([len(t) for t in tokens])).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return Recognizer(model.eval(), tokenizer, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def rec():
+    return _trained(streaming=True)
+
+
+@pytest.fixture(scope="module")
+def full_rec():
+    return _trained(streaming=False)
+
+
+def _finals(results):
+    return [r for r in results if r.is_final]
+
+
+# Features and audio as they come.
+
+@pytest.mark.parametrize("piece", [1, 100, 160, 1600, 7777, 10 ** 6])
+def test_streamed_features_equal_the_whole_files(piece):
+    log_mel = LogMel(80)
+    wav = torch.randn(3 * SAMPLE_RATE + 55, generator=torch.Generator().manual_seed(0)) * 0.1
+    stream = StreamingLogMel(log_mel)
+    frames = [stream.accept(p) for p in wav.split(piece)] + [stream.accept(wav[:0]), stream.finish()]
+    whole = log_mel(wav)
+    assert torch.cat(frames).shape == whole.shape
+    assert (torch.cat(frames) - whole).abs().max() <= 1e-5  # the same STFTs; batched otherwise
+    assert len(whole) - sum(len(f) for f in frames[:-1]) == 1  # the last one reaches into the end's reflection
+
+
+def test_too_few_samples_for_the_reflection_give_no_frames_as_the_whole_file_path_cannot():
+    stream = StreamingLogMel(LogMel(80))
+    assert len(stream.accept(torch.zeros(200))) == 0 and len(stream.finish()) == 0
+
+
+@pytest.mark.parametrize("rate", [8000, 22050, 44100])
+def test_audio_is_read_and_resampled_block_by_block_as_the_whole_file(rate, tmp_path):
+    gen = np.random.default_rng(0)
+    stereo = (gen.standard_normal((rate * 3 + 11, 2)) * 0.1).astype(np.float32)
+    sf.write(tmp_path / "a.wav", stereo, rate, subtype="FLOAT")
+    blocks = list(read_blocks(tmp_path / "a.wav", seconds=0.25))
+    assert max(len(b) for b in blocks) <= 0.3 * SAMPLE_RATE
+    whole = load_audio(tmp_path / "a.wav")
+    assert torch.cat(blocks).shape == whole.shape and (torch.cat(blocks) - whole).abs().max() <= 1e-6
+
+    resampler = Resampler(rate)
+    wav = torch.from_numpy(stereo[:, 0])
+    pieces = [resampler(p) for p in wav.split(997)] + [resampler.flush()]
+    assert (torch.cat(pieces) - resample(wav, rate)).abs().max() <= 1e-6
+
+
+def test_quiet_windows_cut_long_audio_at_its_pauses():
+    loud = 0.3 * torch.sin(torch.arange(17 * SAMPLE_RATE) * 0.3)
+    wav = torch.cat([loud, silence(0.5), loud, silence(0.5), loud])  # pauses at 17-17.5 s and 34.5-35 s
+    windows = list(quiet_windows(wav.split(SAMPLE_RATE)))
+    assert [first for first, _ in windows] == [0] + [first for first, _ in windows][1:]
+    assert torch.equal(torch.cat([w for _, w in windows]), wav)
+    cuts = [first / SAMPLE_RATE for first, _ in windows[1:]]
+    assert len(cuts) == 2 and 17 <= cuts[0] <= 17.5 and 34.5 <= cuts[1] <= 35
+    assert all(len(w) <= 20 * SAMPLE_RATE for _, w in windows)
+
+
+# A stream against offline decoding under the same chunk mask.
+
+def _offline_enc(rec, wav, chunk, left=-1):
+    feats = rec.log_mel(wav)[None]
+    with torch.inference_mode():
+        return rec.model.encode(feats, torch.tensor([feats.shape[1]]), chunk_size=chunk, left_chunks=left)
+
+
+@pytest.mark.parametrize("method,left", [("rescore", -1), ("beam", -1), ("rescore", 2)])
+def test_a_streams_final_text_equals_offline_decoding_under_the_same_chunk_mask(rec, method, left):
+    for i, sentence in enumerate(SENTENCES):
+        wav = speech(sentence, seed=i)
+        results = list(rec.stream_results(wav.split(PIECE), chunk_size=4, left_chunks=left, method=method,
+                                          endpoint_ms=0))
+        [final] = _finals(results)
+        enc, lens = _offline_enc(rec, wav, 4, left)
+        with torch.inference_mode():
+            if method == "rescore":
+                offline = attention_rescoring(rec.model, enc, lens, beam_size=10)[0].tokens
+            else:
+                offline = ctc_prefix_beam_search(rec.model.ctc_log_probs(enc)[0], int(lens[0]), 10)[0].tokens
+        assert final.text == rec.tokenizer.decode(offline) == sentence
+
+
+def test_partial_results_come_before_the_final_and_are_the_searchs_best_so_far(rec):
+    wav = speech(SENTENCES[3], seed=3)
+    results = list(rec.stream_results(wav.split(PIECE), chunk_size=4, endpoint_ms=0))
+    assert [r.is_final for r in results] == [False] * (len(results) - 1) + [True]
+    enc, lens = _offline_enc(rec, wav, 4)
+    with torch.inference_mode():
+        log_probs = rec.model.ctc_log_probs(enc)[0]
+    partials = results[:-1]
+    assert len(partials) == math.ceil(int(lens[0]) / 4)  # one per chunk
+    for i, partial in enumerate(partials):  # the prefix beam search over the frames so far
+        best = ctc_prefix_beam_search(log_probs, min(4 * (i + 1), int(lens[0])), 10)[0]
+        assert partial.text == rec.tokenizer.decode(best.tokens)
+    texts = [p.text for p in partials if p.text]
+    assert texts and texts[-1] == SENTENCES[3]
+    assert all(later.startswith(earlier.rstrip()) for earlier, later in zip(texts, texts[1:]))  # it only grows here
+
+
+def test_times_increase_and_lie_inside_the_audio(rec):
+    wav = speech(SENTENCES[2], seed=2)
+    [final] = _finals(rec.stream_results(wav.split(PIECE), chunk_size=4))
+    assert [w.text for w in final.words] == final.text.split() == SENTENCES[2].split()
+    times = [t for w in final.words for t in (w.start, w.end)]
+    assert times == sorted(times) and all(w.start < w.end for w in final.words)
+    assert 0.2 <= final.start == final.words[0].start and final.end == final.words[-1].end <= len(wav) / SAMPLE_RATE
+    assert all(round(t / FRAME_SECONDS, 6) % 1 == 0 for t in times)  # 40 ms frames
+
+
+def test_an_endpoint_splits_two_utterances_joined_by_silence(rec):
+    first, second = speech(SENTENCES[0], seed=0), speech(SENTENCES[1], seed=1)
+    wav = torch.cat([first, silence(1.5), second])
+    finals = _finals(rec.stream_results(wav.split(PIECE), chunk_size=4, endpoint_ms=800))
+    assert [f.text for f in finals] == SENTENCES[:2]
+    assert finals[0].end < (len(first) + 0.8 * SAMPLE_RATE) / SAMPLE_RATE
+    assert (len(first) + 1.5 * SAMPLE_RATE) / SAMPLE_RATE < finals[1].start < finals[1].end <= len(wav) / SAMPLE_RATE
+    assert len(_finals(rec.stream_results(wav.split(PIECE), chunk_size=4, endpoint_ms=0))) == 1
+
+
+def test_empty_pieces_silence_and_a_stream_cut_mid_word_each_end_in_a_final(rec):
+    def finals(pieces):
+        results = list(rec.stream_results(pieces, chunk_size=4))
+        assert results and results[-1].is_final
+        return _finals(results)
+
+    [nothing] = finals([torch.zeros(0)] * 3)
+    assert (nothing.text, nothing.start, nothing.end) == ("", 0.0, 0.0)
+    [quiet] = finals(silence(3.0).split(PIECE))
+    assert quiet.text == "" and quiet.end == pytest.approx(3.0, abs=0.1)
+    wav = speech(SENTENCES[3], seed=3)
+    cut = 4800 + 3 * 2400 + 1600 + 1200  # in the middle of "bed"'s b
+    [partway] = finals(wav[:cut].split(PIECE))
+    assert partway.text.startswith("ace")
+    pieces = [p for piece in wav.split(PIECE) for p in (piece, torch.zeros(0))]  # empty pieces change nothing
+    assert [r.text for r in rec.stream_results(pieces, chunk_size=4)] == \
+        [r.text for r in rec.stream_results(wav.split(PIECE), chunk_size=4)]
+
+
+def test_a_stream_at_another_rate_is_resampled_as_it_comes(rec):
+    at_8k = resample(speech(SENTENCES[1], seed=1), SAMPLE_RATE, 8000)
+    streamed = list(rec.stream_results(np.array_split(at_8k.numpy(), 37), chunk_size=4, sample_rate=8000))
+    resampled_whole = list(rec.stream_results([resample(at_8k, 8000)], chunk_size=4))
+    assert [(r.text, r.is_final, r.end) for r in streamed] == [(r.text, r.is_final, r.end) for r in resampled_whole]
+    assert streamed[-1].text
+
+
+def test_bad_streams_and_settings_are_refused_in_one_line(rec, full_rec, caplog):
+    with pytest.raises(ValueError, match="not a streaming model .*--causal_conv") as refused:
+        full_rec.stream(chunk_size=4)
+    assert "\n" not in str(refused.value)
+    stream = rec.stream(chunk_size=4)
+    for bad, reason in [(torch.zeros(2, 1600), "mono"), (np.zeros(1600, dtype=np.int16), "float"),
+                        (torch.full((10,), float("nan")), "NaN")]:
+        with pytest.raises(ValueError, match=reason):
+            stream.accept(bad)
+    stream.finish()
+    with pytest.raises(ValueError, match="finished"):
+        stream.accept(torch.zeros(10))
+    for settings, reason in [({"method": "joint"}, "cannot stream"), ({"chunk_size": 0}, "chunk_size"),
+                             ({"left_chunks": -2}, "left_chunks"), ({"endpoint_ms": -1}, "endpoint_ms")]:
+        with pytest.raises(ValueError, match=reason):
+            rec.stream(**{"chunk_size": 4, **settings})
+    with caplog.at_level(logging.WARNING, logger="konkanivani"):
+        for _ in range(2):
+            rec.stream(chunk_size=12, left_chunks=1)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2  # each said once
+    assert "chunks of 1 to 8 frames" in warned[0] and "--dynamic_left_chunks" in warned[1]
