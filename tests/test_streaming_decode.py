@@ -1,7 +1,10 @@
 """Streaming decoding (decoding/streaming.py) and long recordings: features computed as the audio
 comes equal the whole file's, a stream's final text equals offline decoding under the same chunk
-mask, partial results follow the search, and endpoints split segments. On tiny models that learn four synthetic "sentences" (a
+mask, partial results follow the search, endpoints split segments, and a long file is read block by
+block through either kind of checkpoint. On tiny models that learn four synthetic "sentences" (a
 tone per letter) in a few seconds; counted, never timed."""
+import dataclasses
+import json
 import logging
 import math
 
@@ -10,10 +13,13 @@ import pytest
 import soundfile as sf
 import torch
 
+from konkanivani.checkpoint import save_checkpoint
+from konkanivani.cli import transcribe
 from konkanivani.config import model_config_from_preset
 from konkanivani.data.audio import LogMel, Resampler, load_audio, read_blocks, resample
 from konkanivani.data.frames import SAMPLE_RATE
 from konkanivani.data.tokenizer import train_tokenizer
+from konkanivani.decoding import recognizer as recognizer_module
 from konkanivani.decoding.recognizer import Recognizer
 from konkanivani.decoding.search import attention_rescoring, ctc_prefix_beam_search
 from konkanivani.decoding.streaming import FRAME_SECONDS, StreamingLogMel, quiet_windows
@@ -73,6 +79,11 @@ def rec():
 @pytest.fixture(scope="module")
 def full_rec():
     return _trained(streaming=False)
+
+
+def _save(rec: Recognizer, path):
+    return save_checkpoint({"model_config": dataclasses.asdict(rec.model.cfg), "model": rec.model.state_dict(),
+                            "tokenizer": rec.tokenizer.model_proto}, path)
 
 
 def _finals(results):
@@ -235,3 +246,108 @@ def test_bad_streams_and_settings_are_refused_in_one_line(rec, full_rec, caplog)
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 2  # each said once
     assert "chunks of 1 to 8 frames" in warned[0] and "--dynamic_left_chunks" in warned[1]
+
+
+# The command line, and long recordings.
+
+@pytest.fixture(scope="module")
+def checkpoints(rec, full_rec, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("checkpoints")
+    return _save(rec, folder / "streaming.pt"), _save(full_rec, folder / "full.pt")
+
+
+def test_transcribe_streams_a_file_with_partials_on_stderr(checkpoints, tmp_path, capsys):
+    streaming, full = checkpoints
+    wav = tmp_path / "clip.wav"
+    sf.write(wav, speech(SENTENCES[3], seed=3).numpy(), SAMPLE_RATE)
+    assert transcribe.main([str(streaming), str(wav), "--chunk_size", "4", "--stream"]) == 0
+    out = capsys.readouterr()
+    [line] = out.out.splitlines()
+    path, start, end, text = line.split("\t")
+    assert (path, text) == (str(wav), SENTENCES[3]) and 0 < float(start) < float(end) <= 2.5
+    partials = [p for p in out.err.splitlines() if " … " in p]
+    assert len(partials) >= 3 and partials[-1].endswith(SENTENCES[3])
+    assert "streamed in chunks of 4 frames (160 ms)" in out.err
+
+    rows = tmp_path / "rows.jsonl"
+    assert transcribe.main([str(streaming), str(wav), "--chunk_size", "4", "--output", str(rows)]) == 0
+    [row] = map(json.loads, rows.read_text().splitlines())
+    assert row["text"] == SENTENCES[3] and [w["word"] for w in row["words"]] == SENTENCES[3].split()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--left_chunks", "2"], "--left_chunks needs --chunk_size"),
+    (["--stream"], "--stream needs --chunk_size"),
+    (["--chunk_size", "-1"], "--chunk_size must be"),
+    (["--chunk_size", "4", "--endpoint_ms", "-5"], "--endpoint_ms must be"),
+    (["--chunk_size", "4", "--method", "joint"], "--method joint cannot stream"),
+])
+def test_bad_streaming_flags_are_one_line_exit_2(checkpoints, tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_:
+        transcribe.main([str(checkpoints[0]), str(tmp_path / "a.wav"), *flags])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_full_context_checkpoint_refuses_chunk_size_in_one_line(checkpoints, tmp_path, capsys):
+    wav = tmp_path / "clip.wav"
+    sf.write(wav, speech(SENTENCES[0]).numpy(), SAMPLE_RATE)
+    assert transcribe.main([str(checkpoints[1]), str(wav), "--chunk_size", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--chunk_size 4" in err and "not a streaming model" in err and len(err.splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def long_file(tmp_path_factory):
+    """66 s: the four sentences six times over, 1 s apart, at 44.1 kHz stereo."""
+    sentences = SENTENCES * 6
+    wav = torch.cat([torch.cat([speech(s, seed=i), silence(1.0, seed=i)]) for i, s in enumerate(sentences)])
+    path = tmp_path_factory.mktemp("long") / "long.wav"
+    at_44k = resample(wav, SAMPLE_RATE, 44100).numpy()
+    sf.write(path, np.stack([at_44k, at_44k], axis=1), 44100, subtype="FLOAT")
+    return path, sentences, len(wav) / SAMPLE_RATE
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """The most frames any read of a file asked for; reading a file whole fails."""
+    largest = [0]
+    read = sf.SoundFile.read
+
+    def counted(self, frames=-1, *args, **kwargs):
+        largest[0] = max(largest[0], frames if frames >= 0 else self.frames)
+        return read(self, frames, *args, **kwargs)
+
+    def whole(*args, **kwargs):
+        raise AssertionError("the long file was read whole")
+
+    monkeypatch.setattr(sf.SoundFile, "read", counted)
+    monkeypatch.setattr(recognizer_module, "load_audio", whole)
+    return largest
+
+
+@pytest.mark.parametrize("which", ["streaming", "full"])
+def test_a_long_file_is_read_block_by_block_and_transcribed_in_timed_segments(checkpoints, long_file, reads,
+                                                                              tmp_path, capsys, which):
+    """With a streaming checkpoint through a stream, a segment per sentence; with a full-context one
+    in windows cut at pauses, each decoded whole (the tiny model has learned 2 s sentences alone and
+    makes little of 20 s windows: compared with decoding the windows of the whole waveform)."""
+    path, sentences, seconds = long_file
+    checkpoint = checkpoints[0] if which == "streaming" else checkpoints[1]
+    flags = ["--chunk_size", "8"] if which == "streaming" else ["--method", "rescore"]
+    rows_path = tmp_path / "rows.jsonl"
+    assert transcribe.main([str(checkpoint), str(path), *flags, "--output", str(rows_path)]) == 0
+    assert 0 < reads[0] <= 44100  # blocks of a second
+    rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
+    if which == "streaming":
+        assert [r["text"] for r in rows] == sentences
+    else:
+        whole = Recognizer.from_checkpoint(checkpoint)
+        wav = resample(torch.from_numpy(sf.read(path, dtype="float32")[0].mean(1)), 44100)
+        windows = [(whole.decode_waveforms([w], "rescore")[0], round(first / SAMPLE_RATE, 3),
+                    round((first + len(w)) / SAMPLE_RATE, 3)) for first, w in quiet_windows(wav.split(SAMPLE_RATE))]
+        assert len(windows) >= seconds / 20 and all(end - start <= 20 for _, start, end in windows)
+        assert [(r["text"], r["start"], r["end"]) for r in rows] == [w for w in windows if w[0]]
+    times = [t for r in rows for t in (r["start"], r["end"])]
+    assert times == sorted(times) and 0 <= times[0] and times[-1] <= seconds + 1e-3
+    assert f"({seconds:.1f} s of audio)" in capsys.readouterr().err

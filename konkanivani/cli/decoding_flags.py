@@ -3,6 +3,9 @@
 The CTC weight of decoding is ``--decode_ctc_weight`` (0.7 by default: joint decoding and
 rescoring lean on CTC) in every tool, apart from training's ``--ctc_weight``, the weight of the
 CTC loss (0.3); ``--ctc_weight`` stays here as an old spelling that says so once.
+
+konkanivani-transcribe also takes the flags of streaming (``add_decoding_args(parser, streaming=True)``):
+``--chunk_size`` and those that go with it; its ``--method`` is then ``rescore`` unless given.
 """
 from __future__ import annotations
 
@@ -12,21 +15,27 @@ from pathlib import Path
 from ..config import Renamed
 from ..decoding.recognizer import Recognizer
 from ..decoding.search import DEFAULT_CTC_WEIGHT, FUSED_METHODS, LONG_INPUT_METHOD, LONG_INPUT_SECONDS, METHODS
+from ..decoding.streaming import DEFAULT_ENDPOINT_MS, MAX_SEGMENT_SECONDS, STREAM_METHODS, WINDOW_SECONDS
 from ..training.precision import resolve_device
 from . import Parser
 
-__all__ = ["DEFAULT_LM_WEIGHT", "add_decoding_args", "check_decoding_args", "decoding_name", "load_recognizer"]
+__all__ = ["DEFAULT_LM_WEIGHT", "add_decoding_args", "check_decoding_args", "check_streaming_args", "decoding_name",
+           "load_recognizer"]
 
 
 DEFAULT_LM_WEIGHT = 0.3
+DEFAULT_METHOD = "joint"
+STREAMING_DEFAULT_METHOD = "rescore"
 
 
-def add_decoding_args(parser: argparse.ArgumentParser) -> None:
+def add_decoding_args(parser: argparse.ArgumentParser, streaming: bool = False) -> None:
+    """The decoding flags; with ``streaming`` also those of streaming (``check_streaming_args``)."""
     parser.add_argument("checkpoint", type=Path, help="a step checkpoint, latest.pt, best.pt or an average")
-    parser.add_argument("--method", choices=METHODS, default="joint",
+    default = f"{DEFAULT_METHOD}; with --chunk_size {STREAMING_DEFAULT_METHOD}" if streaming else "%(default)s"
+    parser.add_argument("--method", choices=METHODS, default=None if streaming else DEFAULT_METHOD,
                         help="greedy: best CTC path; beam: CTC prefix beam search; attention: attention beam search; "
                              "joint: attention beam search with CTC prefix scores; rescore: CTC n-best rescored "
-                             "by the attention decoder (default: %(default)s)")
+                             f"by the attention decoder (default: {default})")
     parser.add_argument("--beam_size", type=int, default=10, help="default: %(default)s")
     parser.add_argument("--decode_ctc_weight", type=float, default=DEFAULT_CTC_WEIGHT,
                         help="weight of the CTC score in joint decoding and rescoring (default: %(default)s; "
@@ -44,6 +53,8 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--batch_size", type=int, default=8, help="utterances decoded together (default: %(default)s)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (default: %(default)s)")
+    if streaming:
+        _add_streaming_args(parser)
 
 
 def check_decoding_args(parser: Parser, args: argparse.Namespace) -> None:
@@ -63,6 +74,45 @@ def check_decoding_args(parser: Parser, args: argparse.Namespace) -> None:
         parser.error(f"--lm_weight must be >= 0, got {args.lm_weight}")
     if (args.lm is not None or args.length_bonus) and args.method not in FUSED_METHODS:
         parser.error(f"--method {args.method} takes no --lm or --length_bonus; choose from {', '.join(FUSED_METHODS)}")
+
+
+def _add_streaming_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--chunk_size", type=int, default=0,
+                        help="decode as a stream, in chunks of this many encoder frames (40 ms each), with a model "
+                             "trained with --causal_conv (and --dynamic_chunk); each segment printed with its times. "
+                             f"0: each file whole, a file over {LONG_INPUT_SECONDS:g} s in windows of at most "
+                             f"{WINDOW_SECONDS:g} s (default: %(default)s)")
+    parser.add_argument("--left_chunks", type=int, default=-1,
+                        help="with --chunk_size: how many chunks back each chunk sees (-1: all of its segment; "
+                             "default: %(default)s)")
+    parser.add_argument("--stream", action="store_true",
+                        help="with --chunk_size: print partial results on stderr as they change")
+    parser.add_argument("--endpoint_ms", type=int, default=None,
+                        help=f"with --chunk_size: end a segment after this many ms in which CTC's likeliest output "
+                             f"is blank, after speech (default: {DEFAULT_ENDPOINT_MS}; 0: segments end only at "
+                             f"{MAX_SEGMENT_SECONDS:g} s)")
+
+
+def check_streaming_args(parser: Parser, args: argparse.Namespace) -> None:
+    """The streaming flags' values, and ``--method``'s default (before ``check_decoding_args``)."""
+    if args.chunk_size < 0:
+        parser.error(f"--chunk_size must be 0 (whole files) or a positive number of encoder frames, got "
+                     f"{args.chunk_size}")
+    if not args.chunk_size:
+        given = [flag for flag, value in (("--left_chunks", args.left_chunks != -1), ("--stream", args.stream),
+                                          ("--endpoint_ms", args.endpoint_ms is not None)) if value]
+        if given:
+            parser.error(f"{given[0]} needs --chunk_size N (streaming)")
+        args.method = args.method or DEFAULT_METHOD
+        return
+    if args.left_chunks < -1:
+        parser.error(f"--left_chunks must be -1 (all) or >= 0, got {args.left_chunks}")
+    if args.endpoint_ms is not None and args.endpoint_ms < 0:
+        parser.error(f"--endpoint_ms must be >= 0 (0: no endpointing), got {args.endpoint_ms}")
+    args.endpoint_ms = DEFAULT_ENDPOINT_MS if args.endpoint_ms is None else args.endpoint_ms
+    args.method = args.method or STREAMING_DEFAULT_METHOD
+    if args.method not in STREAM_METHODS:
+        parser.error(f"--method {args.method} cannot stream; with --chunk_size choose from {', '.join(STREAM_METHODS)}")
 
 
 def load_recognizer(args: argparse.Namespace) -> Recognizer:
