@@ -167,3 +167,60 @@ def test_checkpoints_of_different_models_are_not_averaged(tiny_run, tmp_path):
     save_checkpoint({**state, "model_config": {**state["model_config"], "d_model": 64}}, other)
     with pytest.raises(CheckpointError, match="differs"):
         average_checkpoints.average_checkpoints([tiny_run / "latest.pt", other])
+
+
+@pytest.fixture(scope="module")
+def streaming_run(tiny_corpus, tmp_path_factory):
+    """A short run of the tiny preset trained for streaming, through the trainer's command line."""
+    from tiny_args import tiny_args
+
+    from konkanivani.cli import train as train_cli
+
+    out = tmp_path_factory.mktemp("streaming_run")
+    assert train_cli.main(tiny_args(tiny_corpus, out, "--dynamic_chunk", "--causal_conv", "--max_chunk", "8",
+                                    "--max_steps", "120")) == 0
+    return out
+
+
+def test_a_streaming_run_streams_real_speech_as_it_decodes_it_offline(streaming_run, tiny_corpus, tmp_path, capsys):
+    """On espeak-ng speech: the stream's final text is offline rescoring under the same chunk mask
+    (an endpoint-free stream), and the command line prints partial results and timed segments."""
+    from konkanivani.decoding.recognizer import Recognizer
+    from konkanivani.decoding.search import attention_rescoring
+
+    rec = Recognizer.from_checkpoint(streaming_run / "latest.pt")
+    clips = [tiny_corpus / row["audio_filepath"] for _, row in read_manifest(tiny_corpus / "valid.jsonl")[:3]]
+    texts = []
+    for clip in clips:
+        wav = load_audio(clip)
+        [final] = [r for r in rec.stream_results(wav.split(1600), chunk_size=4, endpoint_ms=0) if r.is_final]
+        feats = rec.log_mel(wav)[None]
+        with torch.inference_mode():
+            enc, lens = rec.model.encode(feats, torch.tensor([feats.shape[1]]), chunk_size=4)
+            offline = attention_rescoring(rec.model, enc, lens, beam_size=10)[0].tokens
+        assert final.text == rec.tokenizer.decode(offline)
+        texts.append(final.text)
+    assert any(texts)  # compared on text, not on silence
+    assert transcribe.main([str(streaming_run / "latest.pt"), str(clips[0]), "--chunk_size", "4", "--stream"]) == 0
+    out = capsys.readouterr()
+    assert all(len(line.split("\t")) == 4 for line in out.out.splitlines())
+    assert " … " in out.err and "streamed in chunks of 4 frames" in out.err
+
+
+def test_a_minute_of_speech_in_segments_through_both_kinds_of_checkpoint(streaming_run, tiny_run, tiny_corpus,
+                                                                          tmp_path):
+    rows = [row for _, row in read_manifest(tiny_corpus / "train.jsonl")]
+    pause = np.zeros(16000, dtype=np.float32)
+    wavs, seconds = [], 0.0
+    for row in rows:
+        wavs += [load_audio(tiny_corpus / row["audio_filepath"]).numpy(), pause]
+        seconds += len(wavs[-2]) / 16000 + 1
+        if seconds > 60:
+            break
+    sf.write(tmp_path / "minute.wav", np.concatenate(wavs), 16000)
+    for checkpoint, flags in ((streaming_run / "latest.pt", ["--chunk_size", "8"]), (tiny_run / "latest.pt", [])):
+        out = tmp_path / "segments.jsonl"
+        assert transcribe.main([str(checkpoint), str(tmp_path / "minute.wav"), *flags, "--output", str(out)]) == 0
+        segments = [json.loads(line) for line in out.read_text().splitlines()]
+        times = [t for s in segments for t in (s["start"], s["end"])]
+        assert len(segments) >= 3 and times == sorted(times) and times[-1] <= seconds + 0.01
