@@ -297,6 +297,29 @@ def test_a_full_context_checkpoint_refuses_chunk_size_in_one_line(checkpoints, t
     assert "--chunk_size 4" in err and "not a streaming model" in err and len(err.splitlines()) == 1
 
 
+def test_evaluate_scores_a_streaming_model_as_it_streams(checkpoints, tmp_path, capsys):
+    from konkanivani.cli import evaluate
+
+    streaming, full = checkpoints
+    rows = []
+    for i, sentence in enumerate(SENTENCES):
+        sf.write(tmp_path / f"{i}.wav", speech(sentence, seed=i).numpy(), SAMPLE_RATE)
+        rows.append(json.dumps({"audio_filepath": f"{i}.wav", "text": sentence, "duration": 2.0}))
+    (tmp_path / "m.jsonl").write_text("\n".join(rows) + "\n")
+    out = tmp_path / "hyp.jsonl"
+    assert evaluate.main([str(streaming), str(tmp_path / "m.jsonl"), "--method", "rescore", "--chunk_size", "4",
+                          "--left_chunks", "2", "--output", str(out)]) == 0
+    hyps = [json.loads(line)["hypothesis"] for line in out.read_text().splitlines()]
+    rec = Recognizer.from_checkpoint(streaming)
+    streamed = [_finals(rec.stream_results(speech(s, seed=i).split(PIECE), chunk_size=4, left_chunks=2,
+                                           endpoint_ms=0))[0].text for i, s in enumerate(SENTENCES)]
+    assert hyps == streamed
+    capsys.readouterr()
+    assert evaluate.main([str(full), str(tmp_path / "m.jsonl"), "--chunk_size", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not a streaming model" in err and len(err.splitlines()) == 1
+
+
 @pytest.fixture(scope="module")
 def long_file(tmp_path_factory):
     """66 s: the four sentences six times over, 1 s apart, at 44.1 kHz stereo."""

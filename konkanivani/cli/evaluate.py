@@ -3,19 +3,23 @@ substitutions, deletions and insertions, the worst utterances, per-utterance JSO
 
     konkanivani-evaluate checkpoints/run/best.pt data/demo/test.jsonl \\
         --method joint --output results.jsonl --report report.md
+    konkanivani-evaluate checkpoints/streaming/best.pt data/demo/test.jsonl --method rescore --chunk_size 16
 """
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
 from ..checkpoint import CheckpointError
 from ..data.manifest import ManifestError
 from ..decoding.evaluation import evaluate_manifest, markdown_report
+from ..decoding.streaming import check_streaming
 from . import Parser, fail, refuse_writing_inputs, setup_logging, tool
 from .decoding_flags import add_decoding_args, check_decoding_args, decoding_name, load_recognizer
 
+log = logging.getLogger("konkanivani")
 
 @tool
 def main(argv: list[str] | None = None) -> int:
@@ -25,18 +29,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", help="per-utterance results as JSONL")
     parser.add_argument("--report", help="write a markdown report here")
     parser.add_argument("--worst", type=int, default=10, help="how many of the worst utterances to list")
+    parser.add_argument("--chunk_size", type=int, default=0,
+                        help="score a streaming model (--causal_conv) as it streams: each utterance encoded under "
+                             "the chunk mask of chunks of this many encoder frames, 40 ms each (the text "
+                             "konkanivani-transcribe --chunk_size gives, batched; 0: full context)")
+    parser.add_argument("--left_chunks", type=int, default=-1,
+                        help="with --chunk_size: how many chunks back each chunk sees (-1: all)")
     args = parser.parse_args(argv)
     check_decoding_args(parser, args)
+    if args.chunk_size < 0 or args.left_chunks < -1:
+        parser.error(f"--chunk_size must be >= 0 and --left_chunks >= -1, got {args.chunk_size} and {args.left_chunks}")
+    if args.left_chunks != -1 and not args.chunk_size:
+        parser.error("--left_chunks needs --chunk_size N")
     refuse_writing_inputs(parser, "--output", args.output, [args.checkpoint, args.manifest])
     refuse_writing_inputs(parser, "--report", args.report, [args.checkpoint, args.manifest])
     if not args.manifest.is_file():
         parser.error(f"manifest {args.manifest}: file not found")
     setup_logging()
     try:
-        result = evaluate_manifest(load_recognizer(args), args.manifest, args.method, args.beam_size,
+        recognizer = load_recognizer(args)
+        if args.chunk_size:
+            for warning in check_streaming(recognizer.model.cfg, args.chunk_size, args.left_chunks):
+                log.warning("%s", warning)
+            recognizer.chunk_size, recognizer.left_chunks = args.chunk_size, args.left_chunks
+        result = evaluate_manifest(recognizer, args.manifest, args.method, args.beam_size,
                                    args.decode_ctc_weight, args.batch_size, args.lm_weight, args.length_bonus)
-    except (CheckpointError, ManifestError, RuntimeError) as e:
-        return fail(str(e))
+    except (CheckpointError, ManifestError, RuntimeError, ValueError) as e:
+        return fail(f"{args.checkpoint}: {e}" if isinstance(e, ValueError) else str(e))
 
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:

@@ -78,6 +78,9 @@ class Recognizer:
                  lm: TransformerLM | None = None):
         self.model = model.to(device).eval()
         self.tokenizer = tokenizer
+        # Whole-file decoding under the chunk mask of a stream in chunks of this many encoder frames
+        # (0: full context), seeing ``left_chunks`` back: the text a stream gives, batched (evaluation).
+        self.chunk_size, self.left_chunks = 0, -1
         self.device = device
         self.log_mel = LogMel(model.cfg.n_mels)
         self.lm = None if lm is None else lm.to(device).eval()
@@ -140,7 +143,8 @@ class Recognizer:
         feats = [self.log_mel(w) for w in wavs]
         lens = torch.tensor([len(f) for f in feats], device=self.device)
         padded = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True).to(self.device)
-        ids = decode_batch(self.model, padded, lens, method, beam_size, ctc_weight, fusion=fusion)
+        ids = decode_batch(self.model, padded, lens, method, beam_size, ctc_weight, fusion=fusion,
+                           chunk_size=self.chunk_size, left_chunks=self.left_chunks)
         return [self.tokenizer.decode(h) for h in ids]
 
     def stream(self, chunk_size: int = 16, left_chunks: int = -1, method: str = "rescore", beam_size: int = 10,

@@ -526,7 +526,8 @@ def method_for(method: str, frames: int, long_input_seconds: float = LONG_INPUT_
 def decode_batch(model, feats: torch.Tensor, feat_lens: torch.Tensor, method: str = "greedy",
                  beam_size: int = 10, ctc_weight: float = DEFAULT_CTC_WEIGHT,
                  length_norm: bool = True, fusion: Fusion | None = None,
-                 long_input_seconds: float = LONG_INPUT_SECONDS) -> list[list[int]]:
+                 long_input_seconds: float = LONG_INPUT_SECONDS, chunk_size: int = 0,
+                 left_chunks: int = -1) -> list[list[int]]:
     """Token ids per utterance of a feature batch ``(B, T, F)`` with one of ``METHODS``, each but
     greedy with optional shallow ``fusion``:
 
@@ -538,14 +539,16 @@ def decode_batch(model, feats: torch.Tensor, feat_lens: torch.Tensor, method: st
 
     An utterance longer than ``long_input_seconds`` asked of an attention-based method is decoded
     with ``LONG_INPUT_METHOD`` (``method_for``); the caller says so, as it knows the files. The
-    attention searches stop a hypothesis at ``ctc_length_bound`` tokens.
+    attention searches stop a hypothesis at ``ctc_length_bound`` tokens. ``chunk_size`` > 0 encodes
+    under the chunk mask (``left_chunks`` back, -1 all): the encoder frames a stream in chunks of
+    that size computes, so a streaming model is scored as it streams.
     """
     if method not in METHODS:
         raise ValueError(f"unknown decoding method {method!r}; choose from {', '.join(METHODS)}")
     if method not in FUSED_METHODS and fusion is not None and (fusion.lm is not None or fusion.length_bonus):
         raise ValueError(f"{method} decoding takes no language model or length bonus; choose from "
                          f"{', '.join(FUSED_METHODS)}")
-    enc, enc_lens = model.encode(feats, feat_lens)
+    enc, enc_lens = model.encode(feats, feat_lens, chunk_size=chunk_size, left_chunks=left_chunks)
     methods = [method_for(method, n, long_input_seconds) for n in feat_lens.tolist()]
     if len(set(methods)) == 1:
         return _decode_encoded(model, enc, enc_lens, methods[0], beam_size, ctc_weight, length_norm, fusion)
