@@ -33,7 +33,7 @@ from konkanivani.decoding.recognizer import Recognizer
 from konkanivani.decoding.search import DEFAULT_CTC_WEIGHT, FUSED_METHODS, METHODS
 from konkanivani.model.asr import ASRModel
 from konkanivani.tools.demo_corpus import default_options, make_corpus
-from konkanivani.training.curves import write_csv
+from konkanivani.training.curves import text_table, write_csv
 from konkanivani.training.loop import train
 from konkanivani.training.rundir import step_checkpoints
 
@@ -151,13 +151,13 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\nTest split of {args.corpus} (sentences and voices unseen in training); training flags:",
           " ".join(recipe + trainer_argv))
-    print(_table(curve, ["minutes", "step", "epoch", "cer", "wer"], ["train min", "step", "epoch", "CER %", "WER %"]))
+    print(text_table(curve, ["minutes", "step", "epoch", "cer", "wer"], ["train min", "step", "epoch", "CER %", "WER %"]))
     reached = time_to_cer(curve, args.target_cer)
     print(f"test CER {args.target_cer:g}% (greedy, training weights) reached at "
           + (f"{reached:.2f} training minutes (interpolated between the scored points)" if reached is not None
              else "none of the scored points"))
     print()
-    print(_table(rows, ["weights", "split", "method", "cer", "wer", "rtf"],
+    print(text_table(rows, ["weights", "split", "method", "cer", "wer", "rtf"],
                  ["weights", "split", "decoding", "CER %", "WER %", "RTF"]))
     print(f"\nwrote {args.out / 'curve.csv'}, {args.out / 'final.csv'}, {args.out / 'learning_curve.png'}")
     return 0
@@ -179,15 +179,6 @@ def time_to_cer(curve: list[dict], target: float) -> float | None:
             return before["minutes"] + share * (point["minutes"] - before["minutes"])
         before = point
     return None
-
-
-def _table(rows: list[dict], keys: list[str], titles: list[str]) -> str:
-    cells = [[str(r[k]) for k in keys] for r in rows]
-    widths = [max(len(t), *(len(c[i]) for c in cells)) for i, t in enumerate(titles)]
-    lines = ["| " + " | ".join(t.ljust(w) for t, w in zip(titles, widths)) + " |",
-             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells]
-    return "\n".join(lines)
 
 
 def _plot(curve: list[dict], finals: list[dict], path: Path, budget: str) -> None:

@@ -44,7 +44,7 @@ from konkanivani.data.frames import SAMPLE_RATE
 from konkanivani.data.manifest import read_manifest, resolve_audio_path
 from konkanivani.decoding.evaluation import evaluate_manifest
 from konkanivani.decoding.recognizer import Recognizer
-from konkanivani.training.curves import write_csv
+from konkanivani.training.curves import text_table, write_csv
 
 RECIPE = ["--config", str(ROOT / "configs" / "cpu_small.yaml")]
 STREAMING = ["--dynamic_chunk", "--causal_conv"]
@@ -75,20 +75,20 @@ def main(argv: list[str] | None = None) -> int:
     if "accuracy" in phases:
         rows = accuracy(args.corpus, runs, args.splits.split(","), chunks, args.method)
         write_csv(args.out / "accuracy.csv", rows)
-        tables.append(_table(rows, ["model", "chunk", "split", "cer", "wer"],
+        tables.append(text_table(rows, ["model", "chunk", "split", "cer", "wer"],
                              ["model", "chunk (frames)", "split", "CER %", "WER %"]))
     if "latency" in phases:
         torch.set_num_threads(1)
         rows = latency(args.corpus / "test.jsonl", runs["streaming"] / "latest.pt", chunks, args.latency_utterances)
         write_csv(args.out / "latency.csv", rows)
-        tables.append(_table(rows, list(rows[0]), ["chunk (frames)", "chunk ms", "compute per chunk ms (median)",
+        tables.append(text_table(rows, list(rows[0]), ["chunk (frames)", "chunk ms", "compute per chunk ms (median)",
                                                     "p90", "real-time factor", "word end to partial ms (median)",
                                                     "p90", "words"]))
     if "memory" in phases:
         rows = memory(args.corpus / "test.jsonl", runs, args.out, args.long_minutes,
                       [float(m) for m in args.whole_minutes.split(",")], chunks[0])
         write_csv(args.out / "memory.csv", rows)
-        tables.append(_table(rows, ["what", "minutes", "peak_mib", "seconds"],
+        tables.append(text_table(rows, ["what", "minutes", "peak_mib", "seconds"],
                              ["decoding", "audio minutes", "peak RSS MiB", "wall s"]))
     _plot(args.out)
     print(f"\nCPU: {_cpu()}; torch {torch.__version__}")
@@ -273,14 +273,6 @@ def _cpu() -> str:
     except OSError:
         pass
     return f"{os.cpu_count()} cores"
-
-
-def _table(rows: list[dict], keys: list[str], titles: list[str]) -> str:
-    cells = [[str(r[k]) for k in keys] for r in rows]
-    widths = [max(len(t), *(len(c[i]) for c in cells)) for i, t in enumerate(titles)]
-    lines = ["| " + " | ".join(t.ljust(w) for t, w in zip(titles, widths)) + " |",
-             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells])
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Watching a run: TensorBoard event files and curves.png written while training, and
 konkanivani-plot redrawing one run or comparing several, all from metrics.jsonl."""
+import doctest
 import json
 import logging
 import shutil
@@ -10,12 +11,17 @@ from tiny_args import tiny_args
 
 from konkanivani.cli import plot as plot_cli
 from konkanivani.cli import train as train_cli
+from konkanivani.training import curves
 from konkanivani.training.curves import write_curves
 from konkanivani.training.loop import _redraw_curves
 from konkanivani.training.metrics_log import read_metrics
 from konkanivani.training.tensorboard_log import open_tensorboard
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_doctests_hold():
+    assert doctest.testmod(curves).failed == 0  # text_table, the benchmarks' printed tables
 
 
 def _is_png(path):

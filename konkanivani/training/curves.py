@@ -47,6 +47,22 @@ def write_csv(path: str | Path, rows: Sequence[dict[str, Any]], columns: Optiona
         text.detach()  # atomic_file syncs, closes and renames the file itself
 
 
+def text_table(rows: Sequence[dict[str, Any]], keys: Sequence[str], titles: Sequence[str]) -> str:
+    """``rows`` as a markdown table with columns padded to their widths, as the benchmarks print them:
+    the values of ``keys``, under ``titles``.
+
+    >>> print(text_table([{"chunk": 16, "cer": 5.2}], ["chunk", "cer"], ["chunk", "CER %"]))
+    | chunk | CER % |
+    |-------|-------|
+    | 16    | 5.2   |
+    """
+    cells = [[str(r[k]) for k in keys] for r in rows]
+    widths = [max(len(t), *(len(c[i]) for c in cells)) for i, t in enumerate(titles)]
+    lines = ["| " + " | ".join(t.ljust(w) for t, w in zip(titles, widths)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells])
+
+
 def write_curves(run_dir: str | Path) -> Path:
     """Redraw ``RUN_DIR/curves.png`` from ``RUN_DIR/metrics.jsonl``; returns its path."""
     run_dir = Path(run_dir)
