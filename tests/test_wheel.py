@@ -39,5 +39,5 @@ def test_the_wheel_installs_and_trains_from_an_unrelated_directory(tmp_path):
         "corpus/valid.jsonl", "--preset", "tiny", "--tokenizer_type", "char", "--max_steps", "3", "--num_workers", "0",
         "--output_dir", "run", "--no_progress")
     assert (elsewhere / "run" / "latest.pt").is_file()
-    for tool in ("transcribe", "evaluate", "average", "validate", "plan-memory", "prepare", "plot", "export"):
+    for tool in ("transcribe", "evaluate", "average", "validate", "plan-memory", "prepare", "plot", "export", "serve"):
         assert "usage:" in run(str(bin_dir / f"konkanivani-{tool}"), "--help").stdout

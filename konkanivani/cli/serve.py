@@ -1,0 +1,163 @@
+"""Serve a konkanivani checkpoint over HTTP and WebSocket, with a page to try it (``konkanivani-serve``).
+
+    konkanivani-serve checkpoints/streaming/best.pt                # http://127.0.0.1:8000/
+    konkanivani-serve checkpoints/run/best.pt --host 0.0.0.0 --token "$(openssl rand -hex 16)"
+
+``POST /transcribe`` takes a recording and answers its text, segments with times, duration and decode
+time; the WebSocket ``/stream`` takes 16 kHz 16-bit PCM (or float32, any rate it declares) and answers
+partial and final results as they come (a checkpoint trained with ``--causal_conv``); ``GET /`` is a
+page with the microphone and a file drop; ``/health`` and ``/metrics`` (Prometheus). It listens on
+127.0.0.1 unless ``--host`` says otherwise; with ``--token`` (or ``KONKANIVANI_TOKEN``) every request
+needs it. docs/serving.md has the protocol and the limits.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from ..checkpoint import CheckpointError
+from ..decoding.search import DEFAULT_CTC_WEIGHT, METHODS
+from ..decoding.streaming import DEFAULT_ENDPOINT_MS, STREAM_METHODS
+from . import Parser, fail, setup_logging, tool
+
+TOKEN_ENV = "KONKANIVANI_TOKEN"
+_LIMIT_HELP = {
+    "max_upload_mb": "the largest body POST /transcribe reads, in MB; 413 beyond",
+    "max_upload_seconds": "the most audio one upload may hold, in seconds; 413 beyond",
+    "max_uploads": "uploads decoded at once; 503 with Retry-After beyond",
+    "max_streams": "WebSocket streams open at once; 503 with Retry-After beyond",
+    "max_stream_seconds": "the most audio one stream may send, in seconds; then its last results and close 1008",
+    "idle_seconds": "a stream that sends nothing this long gets its last results and close 1008",
+    "max_frame_kb": "the largest WebSocket message, in KB; close 1009 beyond",
+    "retry_after_s": "the Retry-After of a 503, in seconds",
+}
+
+
+@tool
+def main(argv: list[str] | None = None) -> int:
+    from ..serving.limits import Limits
+
+    parser = _parser(Limits)
+    args = parser.parse_args(argv)
+    if not args.checkpoint.is_file():
+        parser.error(f"checkpoint {args.checkpoint}: file not found")
+    try:
+        limits = Limits(**{f.name: getattr(args, f.name) for f in fields(Limits)})
+    except ValueError as e:
+        parser.error(f"--{e}")
+    threads = 1 if args.threads is None else args.threads
+    for name, value, least in (("--beam_size", args.beam_size, 1), ("--chunk_size", args.chunk_size, 1),
+                               ("--left_chunks", args.left_chunks, -1), ("--endpoint_ms", args.endpoint_ms, 0),
+                               ("--workers", args.workers, 1), ("--threads", threads, 1), ("--port", args.port, 0)):
+        if value < least:
+            parser.error(f"{name} must be at least {least}, got {value}")
+    if not 0.0 <= args.decode_ctc_weight <= 1.0:
+        parser.error(f"--decode_ctc_weight must be in [0, 1], got {args.decode_ctc_weight}")
+    setup_logging()
+    return _serve(args, limits)
+
+
+def _parser(limits_class) -> Parser:
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint (best.pt, latest.pt, an average)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="the address to listen on (default: %(default)s, this machine only; 0.0.0.0: every "
+                             "interface, with --token)")
+    parser.add_argument("--port", type=int, default=8000, help="default: %(default)s; 0: a free one, printed")
+    parser.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None,
+                        help=f"a secret every request must carry (default: ${TOKEN_ENV}, else none): the header "
+                             "'Authorization: Bearer TOKEN' or ?token=TOKEN; the page opened as /?token=TOKEN")
+    parser.add_argument("--method", choices=METHODS, default=None,
+                        help=f"decoding method (default: rescore for a streaming checkpoint, whose streams and "
+                             f"uploads take {', '.join(STREAM_METHODS)}; joint for others)")
+    parser.add_argument("--beam_size", type=int, default=10, help="default: %(default)s")
+    parser.add_argument("--decode_ctc_weight", type=float, default=DEFAULT_CTC_WEIGHT,
+                        help="weight of the CTC score in joint decoding and rescoring (default: %(default)s)")
+    parser.add_argument("--chunk_size", type=int, default=16,
+                        help="a streaming checkpoint's chunk, in encoder frames of 40 ms: a partial result each "
+                             "chunk (default: %(default)s, 640 ms)")
+    parser.add_argument("--left_chunks", type=int, default=-1,
+                        help="chunks back each chunk sees (-1: all of its segment; default: %(default)s)")
+    parser.add_argument("--endpoint_ms", type=int, default=DEFAULT_ENDPOINT_MS,
+                        help="a segment ends after this many ms of CTC blanks after speech (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... (default: %(default)s)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="decode threads (default: %(default)s; PyTorch's own threads use the cores)")
+    parser.add_argument("--threads", type=int, default=None, help="PyTorch's threads (default: its own choice)")
+    group = parser.add_argument_group("limits")
+    for f in fields(limits_class):
+        group.add_argument(f"--{f.name}", type=type(f.default), default=f.default,
+                           help=f"{_LIMIT_HELP[f.name]} (default: %(default)s)")
+    return parser
+
+
+def _serve(args, limits) -> int:
+    try:
+        import prometheus_client  # noqa: F401
+        import starlette  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        return fail(f"konkanivani-serve needs its extra: pip install 'konkanivani[serve]' (missing: {e.name})")
+    import torch
+
+    from ..decoding.recognizer import Recognizer
+    from ..serving.app import create_app, model_label
+    from ..serving.engine import Decoding, Engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        recognizer = Recognizer.from_checkpoint(args.checkpoint, args.device)
+        streaming = bool(recognizer.model.cfg.causal_conv)
+        method = args.method or ("rescore" if streaming else "joint")
+        if streaming and method not in STREAM_METHODS:
+            return fail(f"--method {method}: a streaming checkpoint decodes with {', '.join(STREAM_METHODS)}")
+        engine = Engine(recognizer, Decoding(method, args.beam_size, args.decode_ctc_weight, args.chunk_size,
+                                             args.left_chunks, args.endpoint_ms), args.workers)
+    except (CheckpointError, RuntimeError, ValueError) as e:
+        return fail(str(e))
+    try:
+        sock = _listen(args.host, args.port)
+    except OSError as e:
+        return fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
+    app = create_app(engine, limits, args.token, model_label(str(args.checkpoint)))
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    if not args.token and not _loopback(args.host):
+        print(f"warning: listening on {args.host} without --token: anyone who can reach this machine can use "
+              "the model", file=sys.stderr)
+    print(f"serving {args.checkpoint} ({'streaming, ' if streaming else ''}{method}) at http://{shown}:{port}/"
+          + (" (token required)" if args.token else ""), file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, ws_max_size=4 * limits.max_frame_bytes,
+                            ws_ping_interval=20.0, ws_ping_timeout=20.0, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)  # connections wait in the backlog from now on, before the app has started
+    sock.set_inheritable(True)
+    return sock
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

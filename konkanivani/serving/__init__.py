@@ -1,0 +1,11 @@
+"""The recognition server (``konkanivani-serve``): a checkpoint loaded once behind an ASGI app.
+
+- ``limits``: what one client may ask of the server (upload size, streams, their length and idle
+  time, frame size), with their defaults;
+- ``engine``: the recognizer and how the server decodes with it, off the event loop;
+- ``app``: the Starlette app: ``POST /transcribe``, the WebSocket ``/stream``, the page at ``/``,
+  ``/health`` and ``/metrics``, and the token check;
+- ``static/``: the page's files, served from the package (no build step, nothing from elsewhere).
+
+The protocol, the limits and how to call it: docs/serving.md.
+"""

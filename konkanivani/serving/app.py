@@ -1,0 +1,438 @@
+"""The server's ASGI app (Starlette): routes, the token check, limits and metrics.
+
+    POST /transcribe   an audio file (the raw body, or the first file of a multipart form) -> JSON
+    WS   /stream       16-bit PCM or float32 frames in -> partial and final results as JSON text
+    GET  /             the page (static/): microphone, live results, a file drop
+    GET  /health       {"status": "ok", ...}
+    GET  /metrics      Prometheus text
+
+With a token, every request carries it: ``Authorization: Bearer TOKEN``, the query parameter
+``token=TOKEN`` (what a WebSocket client without headers can send) or the cookie the page's
+``/?token=TOKEN`` sets; else 401 (for ``/stream``, the handshake's answer). Nothing a client sends names
+a file the server opens: uploads are read in memory, the page's files are read from the package once.
+The protocol and the limits: docs/serving.md.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from importlib import resources
+from pathlib import PurePath
+
+import numpy as np
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.applications import Starlette
+from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import HTTPConnection, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from ..data.audio import AudioError
+from ..decoding.streaming import Result
+from .engine import MAX_RATE, MIN_RATE, Engine, UploadTooLong, check_sample_rate
+from .limits import Limits
+
+__all__ = ["FORMATS", "TOKEN_COOKIE", "create_app"]
+
+log = logging.getLogger("konkanivani")
+
+TOKEN_COOKIE = "konkanivani_token"
+FORMATS = {"pcm16": np.dtype("<i2"), "float32": np.dtype("<f4")}  # a stream's sample formats, little-endian
+_STATIC = {"app.js": "text/javascript", "capture-worklet.js": "text/javascript", "style.css": "text/css",
+           "index.html": "text/html; charset=utf-8"}
+_PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; connect-src 'self' ws: wss:; img-src 'self' data:",
+                 "X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer",
+                 "Cache-Control": "no-store"}
+
+
+class _Metrics:
+    """The server's Prometheus metrics, in a registry of its own (two apps in one process count apart)."""
+
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("konkanivani_requests", "Requests answered, by endpoint and status code",
+                                ["endpoint", "code"], registry=r)
+        self.errors = Counter("konkanivani_errors", "Requests refused or failed (4xx, 5xx, a stream closed on an "
+                              "error), by endpoint and reason", ["endpoint", "reason"], registry=r)
+        self.active_streams = Gauge("konkanivani_active_streams", "WebSocket streams open", registry=r)
+        self.audio_seconds = Counter("konkanivani_audio_seconds", "Seconds of audio decoded", ["endpoint"],
+                                     registry=r)
+        self.decode_seconds = Counter("konkanivani_decode_seconds", "Seconds spent decoding", ["endpoint"],
+                                      registry=r)
+        self.rtf = Histogram("konkanivani_real_time_factor", "Decoding time over audio time, per upload or stream",
+                             ["endpoint"], buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0), registry=r)
+        self.partial_latency = Histogram("konkanivani_partial_latency_seconds", "From a stream's frame arriving to "
+                                         "the results it brought being sent", registry=r,
+                                         buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0))
+
+    def decoded(self, endpoint: str, audio_s: float, decode_s: float) -> None:
+        self.audio_seconds.labels(endpoint).inc(audio_s)
+        self.decode_seconds.labels(endpoint).inc(decode_s)
+        if audio_s > 0:
+            self.rtf.labels(endpoint).observe(decode_s / audio_s)
+
+
+class _Refused(Exception):
+    """A request answered with ``status`` and ``{"error": message}``."""
+
+    def __init__(self, status: int, reason: str, message: str, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.reason, self.message, self.headers = status, reason, message, headers or {}
+
+
+def _static_files() -> dict[str, bytes]:
+    """The page's files, read from the package once: the only files the server serves."""
+    folder = resources.files(__package__) / "static"
+    return {name: (folder / name).read_bytes() for name in _STATIC}
+
+
+def create_app(engine: Engine, limits: Limits = Limits(), token: str | None = None, model_name: str = "") -> Starlette:
+    """The app of one loaded model: see the module. ``token`` None or empty: no token asked."""
+    metrics, static, started = _Metrics(), _static_files(), time.monotonic()
+    busy = {"streams": 0, "uploads": 0}
+
+    def check_token(conn: HTTPConnection) -> None:
+        if not token:
+            return
+        given = conn.headers.get("authorization", "")
+        given = given[7:] if given.lower().startswith("bearer ") else ""
+        given = given or conn.query_params.get("token", "") or conn.cookies.get(TOKEN_COOKIE, "")
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            raise _Refused(401, "token", "this server needs its token: the header 'Authorization: Bearer TOKEN', "
+                           "or ?token=TOKEN", {"WWW-Authenticate": "Bearer"})
+
+    def answer(endpoint: str, e: _Refused) -> JSONResponse:
+        metrics.requests.labels(endpoint, str(e.status)).inc()
+        metrics.errors.labels(endpoint, e.reason).inc()
+        return JSONResponse({"error": e.message}, e.status, headers=e.headers)
+
+    def busy_refusal(what: str, limit: int) -> _Refused:
+        return _Refused(503, "busy", f"{limit} {what} already: the most this server takes at once; try again in "
+                        f"{limits.retry_after_s} s", {"Retry-After": str(limits.retry_after_s)})
+
+    async def health(request: Request) -> Response:
+        try:
+            check_token(request)
+        except _Refused as e:
+            return answer("/health", e)
+        metrics.requests.labels("/health", "200").inc()
+        return JSONResponse({"status": "ok", "model": model_name, **engine.description,
+                             "active_streams": busy["streams"], "max_streams": limits.max_streams,
+                             "uptime_s": round(time.monotonic() - started, 1)})
+
+    async def metrics_page(request: Request) -> Response:
+        try:
+            check_token(request)
+        except _Refused as e:
+            return answer("/metrics", e)
+        metrics.requests.labels("/metrics", "200").inc()
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def page(request: Request) -> Response:
+        name = request.path_params.get("name", "index.html")
+        try:
+            check_token(request)
+            if name not in _STATIC:  # a name, looked up in a fixed table: never a path
+                raise _Refused(404, "not_found", "no such file")
+        except _Refused as e:
+            return answer("/static", e)
+        response = Response(static[name], media_type=_STATIC[name], headers=_PAGE_HEADERS)
+        if token and hmac.compare_digest(request.query_params.get("token", "").encode(), token.encode()):
+            # the page's later requests (its files, uploads, the WebSocket's handshake) carry it
+            response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="strict")
+        return response
+
+    async def transcribe(request: Request) -> Response:
+        endpoint = "/transcribe"
+        try:
+            check_token(request)
+            if busy["uploads"] >= limits.max_uploads:
+                raise busy_refusal("uploads decoding", limits.max_uploads)
+            busy["uploads"] += 1
+            try:
+                return await _transcribe(request)
+            finally:
+                busy["uploads"] -= 1
+        except _Refused as e:
+            return answer(endpoint, e)
+
+    async def _transcribe(request: Request) -> Response:
+        data = await _upload_bytes(request, limits.max_upload_bytes)
+        start = time.perf_counter()
+        try:
+            wav = await engine.run(engine.read_upload, data, limits.max_upload_seconds)
+            del data
+            results = await engine.run(engine.transcribe, wav)
+        except UploadTooLong as e:
+            raise _Refused(413, "too_long", str(e)) from e
+        except AudioError as e:
+            raise _Refused(400, "audio", str(e)) from e
+        except Exception as e:  # noqa: BLE001  whatever the audio makes the model raise: this request fails alone
+            log.exception("decoding an upload failed")
+            raise _Refused(500, "decode", f"decoding failed ({type(e).__name__})") from e
+        elapsed, seconds = time.perf_counter() - start, len(wav) / 16000
+        metrics.decoded("/transcribe", seconds, elapsed)
+        metrics.requests.labels("/transcribe", "200").inc()
+        return JSONResponse({"text": " ".join(r.text for r in results if r.text), "segments": [
+            _result(r) for r in results], "duration": round(seconds, 3),
+            "decode_seconds": round(elapsed, 3), "real_time_factor": round(elapsed / seconds, 4),
+            **engine.description})
+
+    async def stream(ws: WebSocket) -> None:
+        endpoint = "/stream"
+        try:
+            check_token(ws)
+            sample_rate, dtype = _stream_params(ws)
+            if not engine.streaming:
+                raise _Refused(409, "not_streaming", "this model cannot stream (trained without --causal_conv): "
+                               "POST the recording to /transcribe")
+            if busy["streams"] >= limits.max_streams:
+                raise busy_refusal("streams open", limits.max_streams)
+        except _Refused as e:
+            metrics.requests.labels(endpoint, str(e.status)).inc()
+            metrics.errors.labels(endpoint, e.reason).inc()
+            await _deny(ws, e)
+            return
+        busy["streams"] += 1  # counted before the first await: no two handshakes take the last place
+        metrics.active_streams.inc()
+        try:
+            code = await _Session(ws, engine, limits, metrics, sample_rate, dtype).run()
+        finally:
+            busy["streams"] -= 1
+            metrics.active_streams.dec()
+        metrics.requests.labels(endpoint, str(code)).inc()
+
+    routes = [Route("/", page), Route("/static/{name}", page), Route("/health", health),
+              Route("/metrics", metrics_page), Route("/transcribe", transcribe, methods=["POST"]),
+              WebSocketRoute("/stream", stream)]
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        engine.close()
+
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.metrics = metrics
+    return app
+
+
+async def _upload_bytes(request: Request, limit: int) -> bytes:
+    """The audio bytes of an upload: the body, or with a multipart form its first file; 413 past
+    ``limit`` bytes, 400 when there is none. Past the limit the rest of the body is read and dropped
+    (up to ``_drain_limit``), so that a client still sending it gets the 413 rather than a reset."""
+    length = request.headers.get("content-length", "")
+    too_big = _Refused(413, "too_large", f"the upload is larger than this server takes ({limit / 2 ** 20:g} MB)")
+    if length.isdigit() and int(length) > _drain_limit(limit):
+        raise too_big
+    body, seen = bytearray(), 0
+    async for piece in request.stream():
+        seen += len(piece)
+        if seen > _drain_limit(limit):
+            raise too_big
+        if seen <= limit:
+            body += piece
+    if seen > limit:
+        raise too_big
+    if request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
+        body = await _form_file(request, bytes(body), limit)
+    if not body:
+        raise _Refused(400, "empty", "no audio: send the file as the body, or as a file field of a multipart form")
+    return bytes(body)
+
+
+def _drain_limit(limit: int) -> int:
+    """The most of an oversize body read (and dropped) before answering 413."""
+    return max(4 * limit, 8 * 2 ** 20)
+
+
+async def _form_file(request: Request, body: bytes, limit: int) -> bytes:
+    async def once():
+        yield body
+
+    parser = MultiPartParser(request.headers, once(), max_files=1, max_fields=8)
+    parser.spool_max_size = limit + 1  # parts stay in memory: nothing an upload holds goes to disk
+    try:
+        form = await parser.parse()
+    except MultiPartException as e:
+        raise _Refused(400, "form", f"the multipart form is malformed ({e.message})") from e
+    files = [v for _, v in form.multi_items() if not isinstance(v, str)]
+    try:
+        return await files[0].read() if files else b""
+    finally:
+        await form.close()
+
+
+def _stream_params(ws: WebSocket) -> tuple[int, np.dtype]:
+    """A stream's ``sample_rate`` (default 16000) and ``format`` (``pcm16``, the default, or ``float32``)."""
+    rate = ws.query_params.get("sample_rate", "16000")
+    fmt = ws.query_params.get("format", "pcm16")
+    if not rate.isdigit() or not MIN_RATE <= int(rate) <= MAX_RATE:
+        raise _Refused(400, "params", f"sample_rate must be a whole number of Hz from {MIN_RATE} to {MAX_RATE}, "
+                       f"got {rate[:20]!r}")
+    try:
+        check_sample_rate(int(rate))
+    except ValueError as e:
+        raise _Refused(400, "params", f"sample_rate: {e}") from e
+    if fmt not in FORMATS:
+        raise _Refused(400, "params", f"format must be one of {', '.join(FORMATS)}, got {fmt[:20]!r}")
+    return int(rate), FORMATS[fmt]
+
+
+async def _deny(ws: WebSocket, e: _Refused) -> None:
+    """Refuse a WebSocket handshake with the HTTP answer of ``e`` (where the server can send one: uvicorn
+    does), else with close code 1008 (or 1013 for a 503) and its message as the reason."""
+    try:
+        await ws.send_denial_response(JSONResponse({"error": e.message}, e.status, headers=e.headers))
+    except RuntimeError:
+        await ws.close(1013 if e.status == 503 else 1008, _reason(e.message))
+
+
+def _reason(message: str) -> str:
+    """A close reason: at most 123 bytes of UTF-8 (the protocol's limit)."""
+    data = message.encode()
+    return message if len(data) <= 123 else data[:120].decode(errors="ignore") + "..."
+
+
+def _result(r: Result, audio_seconds: float | None = None) -> dict:
+    """A result as JSON; in a stream with its ``type`` and the seconds of audio the stream had taken
+    when it was made (a client's clock for its latency)."""
+    out = {} if audio_seconds is None else {"type": "final" if r.is_final else "partial"}
+    out.update(text=r.text, start=r.start, end=r.end,
+               words=[{"word": w.text, "start": w.start, "end": w.end} for w in r.words])
+    if audio_seconds is not None:
+        out["audio_seconds"] = round(audio_seconds, 3)
+    return out
+
+
+class _Close(Exception):
+    """End a stream: its last results are sent first when ``finish``; then close ``code`` with ``reason``."""
+
+    def __init__(self, code: int, reason: str, finish: bool = False, error: str | None = None):
+        super().__init__(reason)
+        self.code, self.reason, self.finish, self.error = code, reason, finish, error
+
+
+class _Session:
+    """One accepted stream: frames in, results out, until the client's ``{"type": "end"}`` (its last
+    results, ``{"type": "done"}``, close 1000), a limit, a malformed message or a disconnect."""
+
+    def __init__(self, ws: WebSocket, engine: Engine, limits: Limits, metrics: _Metrics, sample_rate: int,
+                 dtype: np.dtype):
+        self.ws, self.engine, self.limits, self.metrics = ws, engine, limits, metrics
+        self.sample_rate, self.dtype = sample_rate, dtype
+        self.stream = engine.open_stream(sample_rate)
+        self.samples = 0  # taken so far
+        self.decode_s = 0.0
+
+    async def run(self) -> int:
+        """The close code the stream ended with."""
+        await self.ws.accept()
+        await self._send({"type": "ready", "sample_rate": self.sample_rate, "format": _format_name(self.dtype),
+                          **self.engine.description, "max_stream_seconds": self.limits.max_stream_seconds,
+                          "idle_seconds": self.limits.idle_seconds, "max_frame_bytes": self.limits.max_frame_bytes})
+        try:
+            while True:
+                await self._step()
+        except WebSocketDisconnect:
+            return 1001  # the client left: nothing to send it
+        except _Close as close:
+            if close.error:
+                self.metrics.errors.labels("/stream", close.error).inc()
+            try:
+                if close.finish:
+                    await self._decode(self.stream.finish)
+                    await self._send({"type": "done", "audio_seconds": round(self._seconds, 3),
+                                      "decode_seconds": round(self.decode_s, 3)})
+                await self.ws.close(close.code, _reason(close.reason))
+            except (WebSocketDisconnect, OSError, RuntimeError):
+                pass  # gone meanwhile
+            return close.code
+        finally:
+            self.metrics.decoded("/stream", self._seconds, self.decode_s)
+
+    @property
+    def _seconds(self) -> float:
+        return self.samples / self.sample_rate
+
+    async def _step(self) -> None:
+        try:
+            message = await asyncio.wait_for(self.ws.receive(), self.limits.idle_seconds)
+        except asyncio.TimeoutError:
+            raise _Close(1008, f"no audio for {self.limits.idle_seconds:g} s: stream closed", finish=True,
+                         error="idle") from None
+        if message["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect(message.get("code", 1000))
+        data, text = message.get("bytes"), message.get("text")
+        if data is None:
+            if _is_end(text):
+                raise _Close(1000, "end of stream", finish=True)
+            raise _Close(1003, 'text frames take only {"type": "end"}; audio comes in binary frames',
+                         error="text_frame")
+        if len(data) > self.limits.max_frame_bytes:
+            raise _Close(1009, f"a frame of {len(data)} bytes: at most {self.limits.max_frame_bytes} a frame",
+                         error="frame_too_big")
+        samples = _samples(data, self.dtype)  # raises _Close 1007
+        room = round(self.limits.max_stream_seconds * self.sample_rate) - self.samples
+        self.samples += min(len(samples), room)
+        if len(samples) >= room:
+            await self._decode(self.stream.accept, samples[:room])
+            raise _Close(1008, f"the stream reached {self.limits.max_stream_seconds:g} s, the most this server "
+                         "takes in one stream", finish=True, error="too_long")
+        arrived = time.perf_counter()
+        if await self._decode(self.stream.accept, samples):
+            self.metrics.partial_latency.observe(time.perf_counter() - arrived)
+
+    async def _decode(self, fn, *args) -> int:
+        """Run a stream's ``accept`` or ``finish`` on a decode thread and send its results; how many."""
+        start = time.perf_counter()
+        try:
+            results = await self.engine.run(fn, *args)
+        except Exception as e:  # noqa: BLE001  this stream fails alone; the server goes on
+            log.exception("decoding a stream failed")
+            raise _Close(1011, f"decoding failed ({type(e).__name__})", error="decode") from e
+        finally:
+            self.decode_s += time.perf_counter() - start
+        for r in results:
+            await self._send(_result(r, self._seconds))
+        return len(results)
+
+    async def _send(self, message: dict) -> None:
+        try:
+            await self.ws.send_text(json.dumps(message, ensure_ascii=False))
+        except (OSError, RuntimeError) as e:  # the socket closed under us: as a disconnect
+            raise WebSocketDisconnect(1006) from e
+
+
+def _is_end(text: str | None) -> bool:
+    try:
+        return json.loads(text or "") == {"type": "end"}
+    except ValueError:
+        return False
+
+
+def _format_name(dtype: np.dtype) -> str:
+    return next(name for name, d in FORMATS.items() if d == dtype)
+
+
+def _samples(data: bytes, dtype: np.dtype) -> np.ndarray:
+    """A frame's samples as float32 in [-1, 1]; ``_Close`` 1007 for one that holds no whole samples or
+    non-finite ones (float32 beyond [-1, 1] is clipped)."""
+    if len(data) % dtype.itemsize:
+        raise _Close(1007, f"a {_format_name(dtype)} frame holds whole {dtype.itemsize}-byte samples; got "
+                     f"{len(data)} bytes", error="bad_frame")
+    samples = np.frombuffer(data, dtype)
+    if dtype.kind == "i":
+        return samples.astype(np.float32) / 32768.0
+    if not np.isfinite(samples).all():
+        raise _Close(1007, "a float32 frame holds NaN or infinite samples", error="bad_frame")
+    return np.clip(samples, -1.0, 1.0).astype(np.float32)
+
+
+def model_label(path: str) -> str:
+    """How ``/health`` names the model: its file and folder, never the whole path."""
+    p = PurePath(path)
+    return f"{p.parent.name}/{p.name}" if p.parent.name else p.name

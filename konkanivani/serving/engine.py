@@ -1,0 +1,149 @@
+"""The recognizer a server holds, loaded once and only read, and how the server decodes with it.
+
+Decoding is CPU-bound, so none of it runs on the event loop: ``Engine.run`` hands a call to a pool of
+``workers`` decode threads (one by default: PyTorch's own threads already use every core), and the
+loop stays free to answer ``/health`` and to read the next frames while a chunk decodes.
+
+A streaming checkpoint (trained with ``--causal_conv``) decodes an upload as ``konkanivani-transcribe
+--chunk_size`` does a file: through a stream, in segments that end at pauses, with word times. Any
+other checkpoint decodes it as that tool does a long file: in windows of at most 20 s cut at quiet
+moments (``quiet_windows``), each decoded whole with ``method``; it cannot stream (``/stream`` says so).
+"""
+from __future__ import annotations
+
+import asyncio
+import io
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+import soundfile as sf
+import torch
+
+from ..data.audio import AudioError, load_audio
+from ..data.frames import SAMPLE_RATE
+from ..decoding.recognizer import MIN_SAMPLES, Recognizer
+from ..decoding.search import DEFAULT_CTC_WEIGHT, METHODS
+from ..decoding.streaming import DEFAULT_ENDPOINT_MS, Result, Stream, quiet_windows
+
+__all__ = ["MAX_RATE", "MIN_RATE", "Decoding", "Engine", "UploadTooLong", "check_sample_rate"]
+
+T = TypeVar("T")
+UPLOAD = "the upload"  # how messages name an uploaded file: never by a name the client chose
+MIN_RATE, MAX_RATE = 8000, 192000  # the sample rates the server resamples from (uploads and streams)
+MAX_RESAMPLE_KERNEL = 2 ** 21  # floats (8 MB) of the sinc kernel torchaudio builds for a rate (check_sample_rate)
+
+
+def check_sample_rate(rate: int) -> None:
+    """``ValueError`` in one line for a sample rate the server does not resample from: outside
+    ``MIN_RATE`` .. ``MAX_RATE``, or one whose ratio to 16 kHz in lowest terms is so odd that the sinc
+    kernel torchaudio builds for it (``new`` rows of ``orig + 2 * width``) would hold more than
+    ``MAX_RESAMPLE_KERNEL`` floats: 44101 Hz (44101/16000) would take 2.8 GB, from any client."""
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise ValueError(f"a sample rate of {rate} Hz: the server takes {MIN_RATE} to {MAX_RATE} Hz")
+    if rate == SAMPLE_RATE:
+        return
+    gcd = math.gcd(rate, SAMPLE_RATE)
+    orig, new = rate // gcd, SAMPLE_RATE // gcd
+    width = math.ceil(6 * orig / (0.99 * min(orig, new)))  # torchaudio's lowpass_filter_width 6, rolloff 0.99
+    if new * (orig + 2 * width) > MAX_RESAMPLE_KERNEL:
+        raise ValueError(f"a sample rate of {rate} Hz: too odd a ratio to {SAMPLE_RATE} Hz to resample ({orig}/{new}); "
+                         "use a common rate (8000, 11025, 16000, 22050, 32000, 44100, 48000 ...)")
+
+
+class UploadTooLong(ValueError):
+    """An upload holds more audio than the server takes (``Limits.max_upload_seconds``)."""
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How the server decodes: ``method`` (for a streaming model one of ``STREAM_METHODS``), and for a
+    streaming model its chunks, left context and endpoint."""
+
+    method: str
+    beam_size: int = 10
+    ctc_weight: float = DEFAULT_CTC_WEIGHT
+    chunk_size: int = 16  # encoder frames (40 ms each) per chunk: a partial result every 640 ms
+    left_chunks: int = -1
+    endpoint_ms: float = DEFAULT_ENDPOINT_MS
+
+
+class Engine:
+    """A recognizer and its decoding settings, checked once (``ValueError`` in one line), and the
+    decode threads. ``streaming`` says whether the model can stream."""
+
+    def __init__(self, recognizer: Recognizer, decoding: Decoding, workers: int = 1):
+        self.recognizer, self.decoding = recognizer, decoding
+        self.streaming = bool(recognizer.model.cfg.causal_conv)
+        for p in recognizer.model.parameters():  # read-only: no request can train or change it
+            p.requires_grad_(False)
+        if self.streaming:
+            self.open_stream()  # refuses settings the model cannot take; warns once of untrained chunks
+        elif decoding.method not in METHODS:
+            raise ValueError(f"unknown decoding method {decoding.method!r}; choose from {', '.join(METHODS)}")
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="konkanivani-decode")
+
+    @property
+    def description(self) -> dict:
+        d = self.decoding
+        info = {"streaming": self.streaming, "method": d.method, "beam_size": d.beam_size}
+        if self.streaming:
+            info.update(chunk_size=d.chunk_size, chunk_ms=round(d.chunk_size * 40), left_chunks=d.left_chunks,
+                        endpoint_ms=d.endpoint_ms)
+        return info
+
+    async def run(self, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)`` on a decode thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def open_stream(self, sample_rate: int = SAMPLE_RATE) -> Stream:
+        d = self.decoding
+        return self.recognizer.stream(d.chunk_size, d.left_chunks, d.method, d.beam_size, d.ctc_weight,
+                                      endpoint_ms=d.endpoint_ms, sample_rate=sample_rate)
+
+    @staticmethod
+    def read_upload(data: bytes, max_seconds: float) -> torch.Tensor:
+        """The 16 kHz mono waveform of an uploaded file's bytes, read in memory. ``AudioError`` when it
+        cannot be read or is too short for the model; ``UploadTooLong`` beyond ``max_seconds`` (by its
+        header, before decoding it, and as decoded)."""
+        try:
+            info = sf.info(io.BytesIO(data))
+        except Exception as e:  # noqa: BLE001  soundfile raises LibsndfileError, RuntimeError, TypeError...
+            raise AudioError("audio unreadable", UPLOAD, str(getattr(e, "error_string", e)).strip() or None) from e
+        try:
+            check_sample_rate(info.samplerate)
+        except ValueError as e:
+            raise AudioError("sample rate unsupported", UPLOAD, str(e)) from e
+        if info.frames / info.samplerate > max_seconds:
+            raise UploadTooLong(f"{info.frames / info.samplerate:.1f} s of audio: the server takes at most "
+                                f"{max_seconds:g} s in one upload")
+        wav = load_audio(io.BytesIO(data), label=UPLOAD)
+        if len(wav) > max_seconds * SAMPLE_RATE:
+            raise UploadTooLong(f"{len(wav) / SAMPLE_RATE:.1f} s of audio: the server takes at most "
+                                f"{max_seconds:g} s in one upload")
+        if len(wav) < MIN_SAMPLES:
+            raise AudioError("audio too short", UPLOAD, f"{len(wav) / SAMPLE_RATE:.3f} s; the model needs at "
+                             f"least {MIN_SAMPLES / SAMPLE_RATE:.3f} s")
+        return wav
+
+    def transcribe(self, wav: torch.Tensor) -> list[Result]:
+        """The final results of a 16 kHz waveform (see the module): segments in order, the empty one
+        only when no segment has text."""
+        if self.streaming:
+            stream = self.open_stream()
+            return [r for r in stream.accept(wav) + stream.finish() if r.is_final]
+        d, results = self.decoding, []
+        for first, window in quiet_windows([wav]):
+            if len(window) < MIN_SAMPLES:  # a last sliver of a window: too short to decode alone
+                continue
+            [text] = self.recognizer.decode_waveforms([window], d.method, d.beam_size, d.ctc_weight)
+            if text:
+                results.append(Result(text, True, round(first / SAMPLE_RATE, 3),
+                                      round((first + len(window)) / SAMPLE_RATE, 3)))
+        return results or [Result("", True, 0.0, round(len(wav) / SAMPLE_RATE, 3))]

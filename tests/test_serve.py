@@ -1,0 +1,304 @@
+"""konkanivani-serve as a client meets it: a server started on a free loopback port with a tiny
+trained model, its upload and its WebSocket giving what the offline Recognizer gives on the same
+audio, its token, its limits and its refusals; a fuzz of malformed uploads and frames after which it
+still answers /health. Counted, never timed (every wait bounded)."""
+import io
+import json
+import random
+import wave
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from serve_helpers import (
+    SENTENCES,
+    http,
+    http_json,
+    multipart,
+    served,
+    speech,
+    tone_checkpoint,
+    wait_until,
+    ws_refusal,
+    ws_session,
+)
+from websockets.exceptions import InvalidStatus
+
+from konkanivani.cli import serve
+from konkanivani.data.audio import load_audio
+from konkanivani.decoding.recognizer import Recognizer
+from konkanivani.serving.app import _Close, _samples
+from konkanivani.serving.engine import check_sample_rate
+from konkanivani.serving.limits import Limits
+
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+CHUNK = ["--chunk_size", "8"]  # the tone models were trained for chunks of 1-8 frames
+LIMITS = ["--max_upload_mb", "0.5", "--max_streams", "2", "--idle_seconds", "3", "--max_stream_seconds", "30",
+          "--max_frame_kb", "64"]
+
+
+# Without a server: frames, limits and flags.
+
+def test_frames_become_samples_or_a_close_with_a_reason():
+    pcm = np.array([0, 16384, -32768, 32767], "<i2").tobytes()
+    assert np.allclose(_samples(pcm, np.dtype("<i2")), [0, 0.5, -1, 32767 / 32768])
+    floats = np.array([0.25, -2.0, 3.0], "<f4").tobytes()
+    assert np.allclose(_samples(floats, np.dtype("<f4")), [0.25, -1, 1])  # clipped
+    for data, dtype, words in ((pcm[:3], "<i2", "whole 2-byte samples"), (floats[:5], "<f4", "whole 4-byte"),
+                               (np.array([np.nan], "<f4").tobytes(), "<f4", "NaN")):
+        with pytest.raises(_Close, match=words) as e:
+            _samples(data, np.dtype(dtype))
+        assert e.value.code == 1007
+
+
+def test_odd_sample_rates_are_refused_before_resampling_from_them():
+    for rate in (8000, 11025, 16000, 22050, 44100, 48000, 96000, 192000):
+        check_sample_rate(rate)
+    for rate, words in ((7, "takes 8000 to 192000 Hz"), (2 ** 31 - 1, "takes 8000"), (44101, "too odd a ratio")):
+        with pytest.raises(ValueError, match=words):
+            check_sample_rate(rate)
+
+
+def test_limits_must_be_positive():
+    assert Limits().max_upload_bytes == 25 * 2 ** 20
+    with pytest.raises(ValueError, match="max_streams must be positive"):
+        Limits(max_streams=0)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["missing.pt"], "checkpoint missing.pt: file not found"),
+    (["{ckpt}", "--max_streams", "0"], "--max_streams must be positive, got 0"),
+    (["{ckpt}", "--chunk_size", "0"], "--chunk_size must be at least 1, got 0"),
+    (["{ckpt}", "--decode_ctc_weight", "2"], "--decode_ctc_weight must be in [0, 1], got 2.0"),
+])
+def test_bad_flags_are_one_line_and_exit_2(tmp_path, capsys, flags, message):
+    (tmp_path / "m.pt").write_bytes(b"")
+    with pytest.raises(SystemExit) as e:
+        serve.main([f.format(ckpt=tmp_path / "m.pt") for f in flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+# Against a running server.
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serve_models")
+    return {"streaming": tone_checkpoint(out / "streaming.pt", streaming=True),
+            "full": tone_checkpoint(out / "full.pt", streaming=False)}
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory):
+    """Two tone sentences 1.2 s apart (two segments), as a 16-bit wav."""
+    wav = torch.cat([speech(SENTENCES[0], seed=7), torch.zeros(19200), speech(SENTENCES[1], seed=8)])
+    path = tmp_path_factory.mktemp("serve_clip") / "two.wav"
+    sf.write(path, wav.numpy(), 16000, subtype="PCM_16")
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints):
+    with served(checkpoints["streaming"], "--token", TOKEN, *CHUNK, *LIMITS) as s:
+        yield s
+
+
+def _finals(results):
+    return [{"text": r.text, "start": r.start, "end": r.end} for r in results if r.is_final]
+
+
+def _pcm16_frames(path, samples=1600):
+    with wave.open(str(path)) as w:
+        data = w.readframes(w.getnframes())
+    step = 2 * samples
+    return [data[i:i + step] for i in range(0, len(data), step)]
+
+
+@pytest.mark.slow
+def test_upload_and_stream_give_what_the_recognizer_gives_offline(server, checkpoints, clip):
+    rec = Recognizer.from_checkpoint(checkpoints["streaming"])
+    offline = _finals(rec.transcribe_long(clip, method="rescore", chunk_size=8))
+    assert len(offline) == 2 and all(r["text"] for r in offline)  # compared on two segments of text
+    data = clip.read_bytes()
+    for body, headers in ((data, {}), multipart("file", "../../etc/passwd", data)):
+        status, result = http_json("POST", server.url + "transcribe", body, {**AUTH, **headers})
+        assert status == 200, result
+        assert [{k: s[k] for k in ("text", "start", "end")} for s in result["segments"]] == offline
+        assert result["text"] == " ".join(r["text"] for r in offline)
+        assert result["duration"] == pytest.approx(len(load_audio(clip)) / 16000, abs=1e-3)
+        assert result["decode_seconds"] > 0 and result["streaming"] is True
+
+    messages, closed = ws_session(server.ws_url + "stream", _pcm16_frames(clip), headers=AUTH)
+    assert closed["code"] == 1000, closed
+    assert messages[0]["type"] == "ready" and messages[0]["chunk_size"] == 8
+    assert messages[-1]["type"] == "done"
+    finals = [{k: m[k] for k in ("text", "start", "end")} for m in messages if m["type"] == "final"]
+    assert finals == offline
+    assert sum(m["type"] == "partial" for m in messages) >= 5
+    assert all(set(w) == {"word", "start", "end"} for m in messages if m["type"] == "final" for w in m["words"])
+
+    # float32 at 48 kHz, resampled by the server's stream as the recognizer's own stream does
+    wav48 = torch.from_numpy(np.interp(np.arange(3 * len(load_audio(clip))) / 3, np.arange(len(load_audio(clip))),
+                                       load_audio(clip).numpy()).astype(np.float32))
+    offline48 = _finals(rec.stream_results(wav48.split(4800), chunk_size=8, sample_rate=48000))
+    frames = [piece.numpy().astype("<f4").tobytes() for piece in wav48.split(4800)]
+    messages, closed = ws_session(server.ws_url + "stream?format=float32&sample_rate=48000&token=" + TOKEN, frames)
+    assert closed["code"] == 1000
+    assert [{k: m[k] for k in ("text", "start", "end")} for m in messages if m["type"] == "final"] == offline48
+
+    status, _, text = http("GET", server.url + "metrics", headers=AUTH)
+    metrics = text.decode()
+    assert status == 200
+    assert 'konkanivani_requests_total{code="200",endpoint="/transcribe"} 2.0' in metrics
+    assert 'konkanivani_requests_total{code="1000",endpoint="/stream"} 2.0' in metrics
+    assert "konkanivani_active_streams 0.0" in metrics
+    assert "konkanivani_real_time_factor_count" in metrics and "konkanivani_audio_seconds_total" in metrics
+
+
+@pytest.mark.slow
+def test_every_request_needs_the_token(server):
+    for method, path in (("GET", ""), ("GET", "health"), ("GET", "metrics"), ("POST", "transcribe"),
+                         ("GET", "static/app.js")):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            status, answer, _ = http(method, server.url + path, b"x" if method == "POST" else None, headers)
+            assert status == 401, (path, status)
+            assert answer.get("WWW-Authenticate") == "Bearer"
+    assert ws_refusal(server.ws_url + "stream")[0] == 401
+    assert ws_refusal(server.ws_url + "stream?token=wrong")[0] == 401
+    assert http_json("GET", server.url + f"health?token={TOKEN}")[0] == 200
+    status, headers, page = http("GET", server.url + f"?token={TOKEN}")
+    assert status == 200 and b"<title>konkanivani</title>" in page
+    assert "konkanivani_token=" in headers["Set-Cookie"] and "HttpOnly" in headers["Set-Cookie"]
+    assert http("GET", server.url + "health", headers={"Cookie": f"konkanivani_token={TOKEN}"})[0] == 200
+
+
+@pytest.mark.slow
+def test_the_limits_answer_with_their_codes(server, clip):
+    assert http("POST", server.url + "transcribe", bytes(600 * 1024), AUTH)[0] == 413
+    for body, words in ((b"", "no audio"), (b"RIFF\x00\x00\x00\x00WAVEjunk" + bytes(100), "audio unreadable"),
+                        (clip.read_bytes()[:60], "audio"), (bytes(range(256)) * 4, "audio unreadable")):
+        status, result = http_json("POST", server.url + "transcribe", body, AUTH)
+        assert status == 400 and words in result["error"], result
+        assert "/" not in result["error"].split(":")[0]  # named "the upload", never by a path
+
+    for query, words in (("sample_rate=44", "sample_rate must be"), ("format=mp3", "format must be one of"),
+                         ("sample_rate=44101", "too odd a ratio")):
+        status, _, answer = ws_refusal(server.ws_url + f"stream?{query}", AUTH)
+        assert status == 400 and words in answer["error"]
+
+    frames = _pcm16_frames(clip)
+    for frame, code, words in (("hello", 1003, "text frames take only"), (b"\x00" * 3, 1007, "whole 2-byte samples"),
+                               (bytes(65 * 1024), 1009, "at most 65536 a frame")):
+        messages, closed = ws_session(server.ws_url + "stream", [frames[0], frame], "wait", headers=AUTH)
+        assert closed["code"] == code and words in closed["reason"], closed
+    messages, closed = ws_session(server.ws_url + "stream", frames[:12], "wait", headers=AUTH)  # then idle
+    assert closed["code"] == 1008 and "no audio for 3 s" in closed["reason"]
+    assert [m["type"] for m in messages][-2:] == ["final", "done"]  # its last results before the close
+
+    # two streams open (the most), a third refused with a retry hint; /health answers meanwhile
+    from websockets.sync.client import connect
+    with connect(server.ws_url + "stream", additional_headers=AUTH, open_timeout=30) as a, \
+            connect(server.ws_url + "stream", additional_headers=AUTH, open_timeout=30) as b:
+        for ws in (a, b):
+            assert json.loads(ws.recv(timeout=30))["type"] == "ready"
+        status, headers, answer = ws_refusal(server.ws_url + "stream", AUTH)
+        assert status == 503 and headers["Retry-After"] == "5" and "2 streams open already" in answer["error"]
+        for frame in frames:
+            a.send(frame)
+        status, health = http_json("GET", server.url + "health", headers=AUTH, timeout=10)
+        assert status == 200 and health["active_streams"] == 2
+    assert wait_until(lambda: http_json("GET", server.url + "health", headers=AUTH)[1]["active_streams"] == 0, 30)
+
+
+@pytest.mark.slow
+def test_the_longest_stream_and_upload(checkpoints, clip):
+    with served(checkpoints["streaming"], *CHUNK, "--max_stream_seconds", "2", "--max_upload_seconds", "3") as server:
+        status, result = http_json("POST", server.url + "transcribe", clip.read_bytes())
+        assert status == 413 and "4.2 s of audio: the server takes at most 3 s" in result["error"]
+        flac = io.BytesIO()  # a small file of much audio: refused by its header, before decoding it
+        sf.write(flac, np.zeros(16000 * 3600, np.int16), 16000, format="FLAC")
+        status, result = http_json("POST", server.url + "transcribe", flac.getvalue())
+        assert status == 413 and "3600.0 s of audio" in result["error"]
+        frames = _pcm16_frames(clip)  # 4.2 s
+        messages, closed = ws_session(server.ws_url + "stream", frames, "wait")
+        assert closed["code"] == 1008 and "reached 2 s" in closed["reason"]
+        assert messages[-1] == {"type": "done", "audio_seconds": 2.0, "decode_seconds": messages[-1]["decode_seconds"]}
+
+
+@pytest.mark.slow
+def test_a_full_context_model_transcribes_in_windows_and_refuses_to_stream(checkpoints, clip):
+    rec = Recognizer.from_checkpoint(checkpoints["full"])
+    offline = _finals(rec.transcribe_long(clip, method="joint"))
+    assert offline[0]["text"]
+    with served(checkpoints["full"]) as server:
+        status, result = http_json("POST", server.url + "transcribe", clip.read_bytes())
+        assert status == 200 and result["streaming"] is False and result["method"] == "joint"
+        assert [{k: s[k] for k in ("text", "start", "end")} for s in result["segments"]] == offline
+        status, _, answer = ws_refusal(server.ws_url + "stream")
+        assert status == 409 and "cannot stream" in answer["error"]
+        assert http_json("GET", server.url + "health")[1]["streaming"] is False
+
+
+def _malformed_uploads(rng: random.Random, clip: bytes):
+    """Seeded malformed uploads: random bytes, truncated and corrupted files, a header that lies, forms."""
+    yield bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 3000))), {}
+    cut = clip[:rng.randrange(1, len(clip))]
+    yield cut, {}
+    spoiled = bytearray(clip)
+    for _ in range(rng.randrange(1, 20)):
+        spoiled[rng.randrange(len(spoiled))] = rng.getrandbits(8)
+    yield bytes(spoiled), {}
+    header = bytearray(clip[:44])
+    header[24:28] = rng.choice([0, 1, 7, 2 ** 31 - 1, rng.getrandbits(32)]).to_bytes(4, "little")  # sample rate
+    yield bytes(header) + clip[44:44 + rng.randrange(0, 4000)], {}
+    body, headers = multipart(rng.choice(["file", "x", ""]), rng.choice(["a.wav", "/etc/passwd", "..\\x"]),
+                              bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 500))))
+    yield body[:rng.randrange(1, len(body) + 1)], headers
+    garbage = bytes(rng.getrandbits(8) for _ in range(200))
+    yield b"--b\r\n" + garbage, {"Content-Type": "multipart/form-data; boundary=b"}
+
+
+def _malformed_frames(rng: random.Random):
+    """Seeded malformed streams: random bytes and lengths, text, NaNs, oversize frames, a wrong rate."""
+    kind = rng.randrange(5)
+    if kind == 0:
+        return "stream", [bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 4000))) for _ in range(3)]
+    if kind == 1:
+        return "stream?format=float32", [np.array([rng.choice([np.nan, np.inf, 1e30, -1e30, 0.5])] * 64,
+                                                  "<f4").tobytes()]
+    if kind == 2:
+        return "stream", [rng.choice(["", "{}", '{"type": "stop"}', "\u0915" * 300, "null"])]
+    if kind == 3:
+        return "stream", [bytes(rng.randrange(64 * 1024 + 1, 80 * 1024))]
+    rate = rng.choice([8000, 11025, 22050, 44100, 96000, 44101, 7, 10 ** 9])
+    return f"stream?sample_rate={rate}", [bytes(rng.getrandbits(8) for _ in range(2 * rng.randrange(1, 3000)))]
+
+
+@pytest.mark.slow
+def test_fuzz_leaves_the_server_answering(server, clip):
+    rng = random.Random(26)
+    data, statuses, codes = clip.read_bytes(), [], []
+    for _ in range(40):  # 6 uploads each: 240
+        for body, headers in _malformed_uploads(rng, data):
+            status, _, answer = http("POST", server.url + "transcribe", body, {**AUTH, **headers})
+            statuses.append(status)
+            assert status == 200 or 400 <= status < 500, (status, answer[:300])
+    for _ in range(60):
+        path, frames = _malformed_frames(rng)
+        assert wait_until(lambda: http_json("GET", server.url + "health", headers=AUTH)[1]["active_streams"] == 0, 30)
+        try:
+            messages, closed = ws_session(server.ws_url + path, frames, rng.choice(["end", "hang_up"]), headers=AUTH)
+        except InvalidStatus as e:  # a handshake refused: a rate the server does not take
+            assert e.response.status_code == 400, e.response.body
+            codes.append(400)
+            continue
+        codes.append(closed["code"])
+        assert closed["code"] in (1000, 1003, 1007, 1009), closed
+    assert {400, 413} <= set(statuses) or 400 in statuses
+    assert {400, 1003, 1007, 1009} <= set(codes)
+    assert server.alive() and "Traceback" not in "".join(server.log)
+    status, health = http_json("GET", server.url + "health", headers=AUTH)
+    assert status == 200 and health["status"] == "ok" and health["active_streams"] == 0
