@@ -58,7 +58,7 @@ def train_model(wavs: list[torch.Tensor], texts: list[str], streaming: bool, ste
     every = torch.cat(feats)
     model.set_cmvn(every.mean(0), every.std(0))
     x, lens = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True), torch.tensor([len(f) for f in feats])
-    tokens = [torch.tensor(tokenizer.encode(s)) for s in texts]
+    tokens = [torch.tensor(tokenizer.encode(s), dtype=torch.long) for s in texts]  # "" (silence): none
     y = torch.nn.utils.rnn.pad_sequence(tokens, batch_first=True, padding_value=-1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()

@@ -2,7 +2,8 @@
 # Set up a machine for konkanivani: espeak-ng and festival's voices (demo corpus and tests), PyTorch + torchaudio when
 # they are missing, and the package itself in editable mode.
 #   training_scripts/setup_env.sh          # for training (with 8-bit AdamW from bitsandbytes)
-#   training_scripts/setup_env.sh --dev    # also the test tools
+#   training_scripts/setup_env.sh --dev    # also the test tools, and Debian's chromium with its driver (the
+#                                          # server's page is tested in it; nothing downloads a browser)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -19,6 +20,10 @@ missing=""
 command -v espeak-ng >/dev/null 2>&1 || missing="espeak-ng"
 { command -v text2wave >/dev/null 2>&1 && [ -d "/usr/share/festival/voices/${HELDOUT_VOICE#*:}" ]; } ||
     missing="$missing festival ${HELDOUT_VOICE%%:*}"
+if [ "${1:-}" = "--dev" ] && ! { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; }; then
+    # tests/test_serve_page.py drives Debian's browser (a Devanagari font for its screenshot)
+    missing="$missing chromium chromium-driver fonts-lohit-deva"
+fi
 voices=""
 for entry in $(printf '%s\n' "$VOICES" | tail -n +2); do
     [ -d "/usr/share/festival/voices/${entry#*:}" ] || voices="$voices ${entry%%:*}"
@@ -27,7 +32,7 @@ if [ -n "$missing$voices" ]; then
     sudo=""
     [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && sudo="sudo"
     if [ "$(id -u)" -eq 0 ] || [ -n "$sudo" ]; then
-        echo "installing${missing}${voices} (speech synthesis for the demo corpus)"
+        echo "installing${missing}${voices} (speech synthesis for the demo corpus; with --dev the browser of the page test)"
         $sudo apt-get update -qq  # a fresh machine's package lists may be stale
         [ -z "$missing" ] || DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq $missing
         # The training voices are optional: without them espeak-ng reads the whole training split.

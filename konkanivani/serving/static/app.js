@@ -105,6 +105,7 @@ function receive(msg) {
     $("partial").textContent = "";
     if (msg.text) line($("finals"), msg.start, msg.end, msg.text);
   } else if (msg.type === "done") {
+    document.body.dataset.audioSeconds = msg.audio_seconds; // for tests: how much audio the server took
     setState("done", `done: ${seconds(msg.audio_seconds)} of audio, decoded in ${seconds(msg.decode_seconds)}`);
   }
 }
