@@ -10,8 +10,9 @@ thread, and the peak memory of an hour-long recording.
    The full-context model beside it.
 3. **Latency**, on one thread: ``--latency_utterances`` test utterances streamed in 100 ms pieces at
    each chunk size: compute time per chunk, real-time factor, and the time from the end of a word
-   (its last token's frame) to the first partial result that holds it (the audio that had come in by
-   then, plus the compute of that piece, minus the word's end).
+   (the end of its last token's frame in the final result) to the first result that holds the word
+   as the final result spells it (the audio that had come in by then, plus the compute of that
+   piece, minus the word's end; one segment per utterance).
 4. **Memory**: the peak resident memory of ``konkanivani-transcribe`` on a recording of
    ``--long_minutes`` (test clips joined), streamed (``--chunk_size``) and, for the full-context
    model, in windows; beside the whole-file decoding of shorter recordings (how it grows with the
@@ -141,8 +142,7 @@ def latency(manifest: Path, checkpoint: Path, chunks: list[int], utterances: int
         per_chunk, delays, compute, audio = [], [], 0.0, 0.0
         for wav in wavs:
             stream = rec.stream(chunk_size=chunk, endpoint_ms=0)
-            seen, first_seen = 0, {}  # word index -> the time its first partial was out
-            results = []
+            seen, shown = 0, []  # (when a result was out, had the audio come in real time; the result)
             for piece in [*wav.split(PIECE), None]:
                 start = time.perf_counter()
                 got = stream.accept(piece) if piece is not None else stream.finish()
@@ -152,15 +152,13 @@ def latency(manifest: Path, checkpoint: Path, chunks: list[int], utterances: int
                 chunks_done = sum(not r.is_final for r in got)
                 if chunks_done:
                     per_chunk.append(spent / chunks_done)
-                for r in got:
-                    for i in range(len(r.words)):
-                        first_seen.setdefault(i, seen / SAMPLE_RATE + spent)
-                results += got
+                shown += [(seen / SAMPLE_RATE + spent, r) for r in got]
             audio += len(wav) / SAMPLE_RATE
-            final = [r for r in results if r.is_final][-1]
-            for i, word in enumerate(final.words):
-                if i in first_seen:
-                    delays.append(first_seen[i] - word.end)
+            # A word is out at the first result that holds it whole, as the final result has it.
+            final = shown[-1][1].words
+            for i, word in enumerate(final):
+                delays.append(next(t for t, r in shown if len(r.words) > i and r.words[i].text == word.text)
+                              - word.end)
         rows.append({"chunk": chunk, "chunk_ms": chunk * 40,
                      "chunk_compute_ms": round(1000 * statistics.median(per_chunk), 1),
                      "chunk_compute_p90_ms": round(1000 * _quantile(per_chunk, 0.9), 1),
