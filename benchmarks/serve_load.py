@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""konkanivani-serve under load, on loopback: 1, 4 and 16 concurrent streams of real-time audio.
+
+A server is started on a free loopback port with the checkpoint (or, without one, an untrained
+``small`` streaming model: the compute of the real thing, not its words). For each count of streams,
+that many WebSocket clients each send ``--seconds`` of speech (the demo corpus's test clips, else
+tones) as 100 ms 16-bit PCM frames, paced in real time, starts spread over one chunk; then
+``{"type": "end"}``. Reported per count:
+
+- partial latency p50/p95/max: from sending the frame that completed a chunk to receiving the result
+  it brought (each result says how much audio the stream had taken when it was made: ``audio_seconds``);
+- the real-time factor: the server's decode seconds over audio seconds (from its ``done`` messages,
+  waiting for the decode thread included), and its ``/metrics`` totals;
+- the end lag: from sending the end to receiving ``done``;
+- errors: streams that did not end with ``done`` and close 1000, refused handshakes, lost finals.
+
+    python benchmarks/serve_load.py --checkpoint checkpoints/streaming/best.pt --streams 1,4,16 --seconds 20
+
+Bounded: ``--seconds`` of audio a stream, and ``--timeout`` for any stream to finish.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+import numpy as np
+import torch
+
+from konkanivani.checkpoint import save_checkpoint
+from konkanivani.config import model_config_from_preset
+from konkanivani.data.audio import load_audio
+from konkanivani.data.frames import SAMPLE_RATE
+from konkanivani.data.manifest import read_manifest, resolve_audio_path
+from konkanivani.data.tokenizer import train_tokenizer
+from konkanivani.model.asr import ASRModel
+
+FRAME = SAMPLE_RATE // 10  # 100 ms
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", type=Path, help="a streaming checkpoint (default: an untrained small one)")
+    parser.add_argument("--preset", default="small", help="the untrained model's preset (default: %(default)s)")
+    parser.add_argument("--corpus", type=Path, default=ROOT / "data" / "demo")
+    parser.add_argument("--streams", default="1,4,16")
+    parser.add_argument("--seconds", type=float, default=20.0, help="audio per stream (default: %(default)s)")
+    parser.add_argument("--chunk_size", type=int, default=16)
+    parser.add_argument("--timeout", type=float, default=300.0, help="the most any stream may take past its audio")
+    parser.add_argument("--server_flags", default="", help="more flags for konkanivani-serve, in one string")
+    args = parser.parse_args(argv)
+    counts = [int(c) for c in args.streams.split(",")]
+    audio = _audio(args.corpus, args.seconds)
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = args.checkpoint or _untrained(Path(tmp) / "untrained.pt", args.preset, audio)
+        server = _start(checkpoint, ["--chunk_size", str(args.chunk_size), "--max_streams", str(max(counts)),
+                                     *args.server_flags.split()])
+        try:
+            rows = [_load(server["ws"], audio, n, args.chunk_size, args.timeout) for n in counts]
+            metrics = _metrics(server["http"])
+        finally:
+            server["proc"].terminate()
+            server["proc"].wait(30)
+    print(f"\nCPU: {_cpu()}; torch {torch.__version__}; model: "
+          f"{args.checkpoint or f'untrained {args.preset} (--causal_conv --dynamic_chunk)'}; chunks of "
+          f"{args.chunk_size} frames ({args.chunk_size * 40} ms); {args.seconds:g} s of audio a stream, in real time")
+    print(_table(rows))
+    print(f"server /metrics: {metrics}")
+    return 0
+
+
+def _audio(corpus: Path, seconds: float) -> np.ndarray:
+    """``seconds`` of 16-bit speech: the corpus's test clips with 0.5 s between, else tones."""
+    manifest, target = corpus / "test.jsonl", round(seconds * SAMPLE_RATE)
+    pieces, total = [], 0
+    if manifest.is_file():
+        for _, row in read_manifest(manifest):
+            wav = load_audio(resolve_audio_path(row["audio_filepath"], manifest.parent)).numpy()
+            pieces += [wav, np.zeros(SAMPLE_RATE // 2, np.float32)]
+            total += len(wav) + SAMPLE_RATE // 2
+            if total >= target:
+                break
+    if total < target:
+        t = np.arange(target - total) / SAMPLE_RATE
+        pieces.append((0.3 * np.sin(2 * math.pi * 440 * t) * (np.sin(2 * math.pi * 0.5 * t) > 0)).astype(np.float32))
+    wav = np.concatenate(pieces)[:target]
+    return (np.clip(wav, -1, 1) * 32767).astype("<i2")
+
+
+def _untrained(path: Path, preset: str, audio: np.ndarray) -> Path:
+    """An untrained streaming model of ``preset`` with CMVN from ``audio``, and a small char tokenizer."""
+    from konkanivani.data.audio import LogMel
+
+    tokenizer = train_tokenizer(["कोंकणी भास", "हांव पणजेक वता", "abc def ghi jkl"], vocab_size=64, model_type="char")
+    torch.manual_seed(0)
+    cfg = model_config_from_preset(preset, vocab_size=tokenizer.vocab_size, causal_conv=True, dynamic_chunk=True)
+    model = ASRModel(cfg).eval()
+    feats = LogMel(cfg.n_mels)(torch.from_numpy(audio.astype(np.float32) / 32768))
+    model.set_cmvn(feats.mean(0), feats.std(0))
+    return save_checkpoint({"model_config": dataclasses.asdict(cfg), "model": model.state_dict(),
+                            "tokenizer": tokenizer.model_proto}, path)
+
+
+def _start(checkpoint: Path, flags: list[str]) -> dict:
+    proc = subprocess.Popen([sys.executable, "-m", "konkanivani.cli.serve", str(checkpoint), "--port", "0", *flags],
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        print(line, end="", file=sys.stderr)
+        found = re.search(r" at (http://\S+/)", line)
+        if found:
+            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # keep it drained
+            return {"proc": proc, "http": found.group(1), "ws": "ws" + found.group(1)[4:]}
+    proc.kill()
+    raise SystemExit("the server did not start")
+
+
+def _load(ws_url: str, audio: np.ndarray, streams: int, chunk: int, timeout: float) -> dict:
+    frames = [audio[i:i + FRAME].tobytes() for i in range(0, len(audio), FRAME)]
+    outcomes: list[dict] = [{} for _ in range(streams)]
+    threads = [threading.Thread(target=_client, args=(ws_url + "stream", frames, i * chunk * 0.04 / streams,
+                                                      timeout, outcomes[i])) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(len(frames) * 0.1 + timeout + 30)
+    latencies = [x for o in outcomes for x in o.get("latencies", [])]
+    done = [o for o in outcomes if o.get("done") and o.get("code") == 1000]
+    lost = sum(1 for o in done if not o.get("finals"))
+    audio_s = sum(o["done"]["audio_seconds"] for o in done)
+    row = {"streams": streams, "partials": len(latencies),
+           "p50_ms": round(1000 * statistics.median(latencies)) if latencies else "-",
+           "p95_ms": round(1000 * _quantile(latencies, 0.95)) if latencies else "-",
+           "max_ms": round(1000 * max(latencies)) if latencies else "-",
+           "rtf": round(sum(o["done"]["decode_seconds"] for o in done) / audio_s, 3) if audio_s else "-",
+           "end_lag_ms": round(1000 * max(o["end_lag"] for o in done)) if done else "-",
+           "errors": streams - len(done) + lost}
+    print(row, [o.get("error") for o in outcomes if o.get("error")], file=sys.stderr, flush=True)
+    return row
+
+
+def _client(url: str, frames: list[bytes], delay: float, timeout: float, out: dict) -> None:
+    """One real-time stream: frame i sent at start + 0.1 i s; what it measured in ``out``."""
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    time.sleep(delay)
+    sent_at: list[float] = []  # when the frame that brought the stream to (i + 1) * 0.1 s was sent
+    out.update(latencies=[], finals=0)
+    try:
+        with connect(url, open_timeout=60, close_timeout=30, max_size=None) as ws:
+            json.loads(ws.recv(timeout=60))  # ready
+
+            def read():
+                try:
+                    while True:
+                        msg = json.loads(ws.recv(timeout=len(frames) * 0.1 + timeout))
+                        now = time.perf_counter()
+                        if msg["type"] == "partial":
+                            frame = max(0, math.ceil(msg["audio_seconds"] / 0.1 - 1e-6) - 1)
+                            out["latencies"].append(now - sent_at[frame])
+                        out["finals"] += msg["type"] == "final"
+                        if msg["type"] == "done":
+                            out["done"], out["end_lag"] = msg, now - out["end_sent"]
+                except ConnectionClosed as e:
+                    out["code"] = e.rcvd.code if e.rcvd else None
+                except TimeoutError:
+                    out["error"] = "timeout"
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            start = time.perf_counter()
+            for i, frame in enumerate(frames):
+                pause = start + 0.1 * i - time.perf_counter()
+                if pause > 0:
+                    time.sleep(pause)
+                sent_at.append(time.perf_counter())
+                ws.send(frame)
+            out["end_sent"] = time.perf_counter()
+            ws.send(json.dumps({"type": "end"}))
+            reader.join(timeout + 10)
+    except Exception as e:  # noqa: BLE001  a refused handshake, a reset: counted as this stream's error
+        out["error"] = f"{type(e).__name__}: {e}"
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _metrics(http_url: str) -> str:
+    import urllib.request
+
+    text = urllib.request.urlopen(http_url + "metrics", timeout=30).read().decode()
+    wanted = ("konkanivani_audio_seconds_total", "konkanivani_decode_seconds_total", "konkanivani_errors_total")
+    return "; ".join(line for line in text.splitlines() if line.startswith(wanted) and "/stream" in line)
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() + f", {os.cpu_count()} cores"
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores"
+
+
+def _table(rows: list[dict]) -> str:
+    titles = {"streams": "streams", "partials": "partials", "p50_ms": "partial latency p50 ms", "p95_ms": "p95 ms",
+              "max_ms": "max ms", "rtf": "real-time factor", "end_lag_ms": "end to done ms (max)",
+              "errors": "errors"}
+    cells = [[str(r[k]) for k in titles] for r in rows]
+    widths = [max(len(t), *(len(c[i]) for c in cells)) for i, t in enumerate(titles.values())]
+    lines = ["| " + " | ".join(t.ljust(w) for t, w in zip(titles.values(), widths)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
