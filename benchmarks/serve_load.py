@@ -46,6 +46,7 @@ from konkanivani.data.frames import SAMPLE_RATE
 from konkanivani.data.manifest import read_manifest, resolve_audio_path
 from konkanivani.data.tokenizer import train_tokenizer
 from konkanivani.model.asr import ASRModel
+from konkanivani.training.curves import text_table
 
 FRAME = SAMPLE_RATE // 10  # 100 ms
 
@@ -76,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nCPU: {_cpu()}; torch {torch.__version__}; model: "
           f"{args.checkpoint or f'untrained {args.preset} (--causal_conv --dynamic_chunk)'}; chunks of "
           f"{args.chunk_size} frames ({args.chunk_size * 40} ms); {args.seconds:g} s of audio a stream, in real time")
-    print(_table(rows))
+    titles = {"streams": "streams", "partials": "partials", "p50_ms": "partial latency p50 ms", "p95_ms": "p95 ms",
+              "max_ms": "max ms", "rtf": "real-time factor", "end_lag_ms": "end to done ms (max)", "errors": "errors"}
+    print(text_table(rows, list(titles), list(titles.values())))
     print(f"server /metrics: {metrics}")
     return 0
 
@@ -219,17 +222,6 @@ def _cpu() -> str:
     except OSError:
         pass
     return f"{os.cpu_count()} cores"
-
-
-def _table(rows: list[dict]) -> str:
-    titles = {"streams": "streams", "partials": "partials", "p50_ms": "partial latency p50 ms", "p95_ms": "p95 ms",
-              "max_ms": "max ms", "rtf": "real-time factor", "end_lag_ms": "end to done ms (max)",
-              "errors": "errors"}
-    cells = [[str(r[k]) for k in titles] for r in rows]
-    widths = [max(len(t), *(len(c[i]) for c in cells)) for i, t in enumerate(titles.values())]
-    lines = ["| " + " | ".join(t.ljust(w) for t, w in zip(titles.values(), widths)) + " |",
-             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells])
 
 
 if __name__ == "__main__":
