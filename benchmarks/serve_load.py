@@ -47,6 +47,7 @@ from konkanivani.data.manifest import read_manifest, resolve_audio_path
 from konkanivani.data.tokenizer import train_tokenizer
 from konkanivani.model.asr import ASRModel
 from konkanivani.training.curves import text_table
+from konkanivani.training.precision import cpu_description
 
 FRAME = SAMPLE_RATE // 10  # 100 ms
 
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server["proc"].terminate()
             server["proc"].wait(30)
-    print(f"\nCPU: {_cpu()}; torch {torch.__version__}; model: "
+    print(f"\nCPU: {cpu_description()}, {os.cpu_count()} cores; torch {torch.__version__}; model: "
           f"{args.checkpoint or f'untrained {args.preset} (--causal_conv --dynamic_chunk)'}; chunks of "
           f"{args.chunk_size} frames ({args.chunk_size * 40} ms); {args.seconds:g} s of audio a stream, in real time")
     titles = {"streams": "streams", "partials": "partials", "p50_ms": "partial latency p50 ms", "p95_ms": "p95 ms",
@@ -212,16 +213,6 @@ def _metrics(http_url: str) -> str:
     text = urllib.request.urlopen(http_url + "metrics", timeout=30).read().decode()
     wanted = ("konkanivani_audio_seconds_total", "konkanivani_decode_seconds_total", "konkanivani_errors_total")
     return "; ".join(line for line in text.splitlines() if line.startswith(wanted) and "/stream" in line)
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip() + f", {os.cpu_count()} cores"
-    except OSError:
-        pass
-    return f"{os.cpu_count()} cores"
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from konkanivani.data.manifest import read_manifest, resolve_audio_path
 from konkanivani.decoding.evaluation import evaluate_manifest
 from konkanivani.decoding.recognizer import Recognizer
 from konkanivani.training.curves import text_table, write_csv
+from konkanivani.training.precision import cpu_description
 
 RECIPE = ["--config", str(ROOT / "configs" / "cpu_small.yaml")]
 STREAMING = ["--dynamic_chunk", "--causal_conv"]
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         tables.append(text_table(rows, ["what", "minutes", "peak_mib", "seconds"],
                              ["decoding", "audio minutes", "peak RSS MiB", "wall s"]))
     _plot(args.out)
-    print(f"\nCPU: {_cpu()}; torch {torch.__version__}")
+    print(f"\nCPU: {cpu_description()}, {os.cpu_count()} cores; torch {torch.__version__}")
     for table in tables:
         print("\n" + table)
     return 0
@@ -261,16 +262,6 @@ def _plot(out: Path) -> None:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "streaming.png", dpi=110)
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip() + f", {os.cpu_count()} cores"
-    except OSError:
-        pass
-    return f"{os.cpu_count()} cores"
 
 
 if __name__ == "__main__":
