@@ -80,8 +80,12 @@ def main(argv: list[str] | None = None) -> int:
         tables.append(text_table(rows, ["model", "chunk", "split", "cer", "wer"],
                              ["model", "chunk (frames)", "split", "CER %", "WER %"]))
     if "latency" in phases:
+        threads = torch.get_num_threads()
         torch.set_num_threads(1)
-        rows = latency(args.corpus / "test.jsonl", runs["streaming"] / "latest.pt", chunks, args.latency_utterances)
+        try:
+            rows = latency(args.corpus / "test.jsonl", runs["streaming"] / "latest.pt", chunks, args.latency_utterances)
+        finally:  # as it was: a caller in the same process (a test) trains on after it
+            torch.set_num_threads(threads)
         write_csv(args.out / "latency.csv", rows)
         tables.append(text_table(rows, list(rows[0]), ["chunk (frames)", "chunk ms", "compute per chunk ms (median)",
                                                     "p90", "real-time factor", "word end to partial ms (median)",
