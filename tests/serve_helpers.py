@@ -1,11 +1,10 @@
-"""What the server's tests share: tiny models that learn four tone "sentences" in 120 steps (as in
-test_streaming_decode.py), a server started as a person starts it (``konkanivani-serve ... --port 0``,
+"""What the server's tests share: tiny models that learn four tone "sentences" in 120 steps (tone_speech.py,
+as test_streaming_decode.py does), a server started as a person starts it (``konkanivani-serve ... --port 0``,
 on loopback) and plain clients for it. Every wait is bounded."""
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 import subprocess
 import sys
@@ -18,30 +17,16 @@ from email.message import Message
 from pathlib import Path
 
 import torch
+from tone_speech import SENTENCES, speech
 
 from konkanivani.checkpoint import save_checkpoint
 from konkanivani.config import model_config_from_preset
-from konkanivani.data.frames import SAMPLE_RATE
 from konkanivani.data.tokenizer import train_tokenizer
 from konkanivani.decoding.recognizer import Recognizer
 from konkanivani.model.asr import ASRModel
 
-SENTENCES = ["abc de", "fed cab", "bad cafe", "ace bed fad"]
-LETTERS = "abcdef"
 START_SECONDS = 120  # a server that has not said where it listens by then has failed
 
-
-def speech(text: str, seed: int = 0) -> torch.Tensor:
-    """150 ms of a tone per letter (each letter its pitch), 100 ms between words, 300 ms of near
-    silence around."""
-    t = torch.arange(2400) / SAMPLE_RATE
-    parts = [torch.zeros(4800)]
-    for i, word in enumerate(text.split()):
-        parts += [torch.zeros(1600)] * bool(i)
-        parts += [0.3 * torch.sin(2 * math.pi * (300 + 250 * LETTERS.index(ch)) * t) * torch.hann_window(2400)
-                  for ch in word]
-    wav = torch.cat([*parts, torch.zeros(4800)])
-    return wav + 0.003 * torch.randn(len(wav), generator=torch.Generator().manual_seed(seed))
 
 
 def train_model(wavs: list[torch.Tensor], texts: list[str], streaming: bool, steps: int = 120,

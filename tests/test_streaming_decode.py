@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from tone_speech import SENTENCES, speech
 
 from konkanivani.checkpoint import save_checkpoint
 from konkanivani.cli import transcribe
@@ -25,22 +26,8 @@ from konkanivani.decoding.search import attention_rescoring, ctc_prefix_beam_sea
 from konkanivani.decoding.streaming import FRAME_SECONDS, StreamingLogMel, quiet_windows
 from konkanivani.model.asr import ASRModel
 
-SENTENCES = ["abc de", "fed cab", "bad cafe", "ace bed fad"]
-LETTERS = "abcdef"
 PIECE = SAMPLE_RATE // 10  # 100 ms
 
-
-def speech(text: str, seed: int = 0) -> torch.Tensor:
-    """150 ms of a tone per letter (each letter its pitch), 100 ms between words, 300 ms of near
-    silence around."""
-    t = torch.arange(2400) / SAMPLE_RATE
-    parts = [torch.zeros(4800)]
-    for i, word in enumerate(text.split()):
-        parts += [torch.zeros(1600)] * bool(i)
-        parts += [0.3 * torch.sin(2 * math.pi * (300 + 250 * LETTERS.index(ch)) * t) * torch.hann_window(2400)
-                  for ch in word]
-    wav = torch.cat([*parts, torch.zeros(4800)])
-    return wav + 0.003 * torch.randn(len(wav), generator=torch.Generator().manual_seed(seed))
 
 
 def silence(seconds: float, seed: int = 1) -> torch.Tensor:
