@@ -20,8 +20,10 @@ import hmac
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from importlib import resources
 from pathlib import PurePath
+from typing import Any
 
 import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -93,81 +95,102 @@ def _static_files() -> dict[str, bytes]:
 
 def create_app(engine: Engine, limits: Limits = Limits(), token: str | None = None, model_name: str = "") -> Starlette:
     """The app of one loaded model: see the module. ``token`` None or empty: no token asked."""
-    metrics, static, started = _Metrics(), _static_files(), time.monotonic()
-    busy = {"streams": 0, "uploads": 0}
+    server = _Server(engine, limits, token, model_name)
+    guard = server.guard
+    routes = [Route("/", guard("/static", server.page)), Route("/static/{name}", guard("/static", server.page)),
+              Route("/health", guard("/health", server.health)), Route("/metrics", guard("/metrics", server.metrics_page)),
+              Route("/transcribe", guard("/transcribe", server.transcribe), methods=["POST"]),
+              WebSocketRoute("/stream", guard("/stream", server.stream))]
 
-    def check_token(conn: HTTPConnection) -> None:
-        if not token:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        engine.close()
+
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.metrics = server.metrics
+    return app
+
+
+class _Server:
+    """The handlers of one loaded model. Each does its own work and raises ``_Refused`` to refuse;
+    ``guard`` puts the token check in front of each and answers every refusal, counted."""
+
+    def __init__(self, engine: Engine, limits: Limits, token: str | None, model_name: str):
+        self.engine, self.limits, self.token, self.model_name = engine, limits, token, model_name
+        self.metrics, self.static, self.started = _Metrics(), _static_files(), time.monotonic()
+        self.streams = self.uploads = 0  # open and decoding now
+
+    def guard(self, endpoint: str, handler: Callable[[Any], Awaitable[Response | None]]
+              ) -> Callable[[Any], Awaitable[Response | None]]:
+        """``handler`` behind the token check; a ``_Refused`` (the token's or the handler's own) answered
+        with its status and ``{"error": ...}`` (for the WebSocket, the handshake's HTTP answer), counted
+        in ``endpoint``'s requests and errors."""
+
+        async def guarded(conn: Request | WebSocket) -> Response | None:
+            try:
+                self.check_token(conn)
+                return await handler(conn)
+            except _Refused as e:
+                self.metrics.requests.labels(endpoint, str(e.status)).inc()
+                self.metrics.errors.labels(endpoint, e.reason).inc()
+                if isinstance(conn, WebSocket):
+                    await _deny(conn, e)
+                    return None
+                return JSONResponse({"error": e.message}, e.status, headers=e.headers)
+
+        return guarded
+
+    def check_token(self, conn: HTTPConnection) -> None:
+        if not self.token:
             return
         given = conn.headers.get("authorization", "")
         given = given[7:] if given.lower().startswith("bearer ") else ""
         given = given or conn.query_params.get("token", "") or conn.cookies.get(TOKEN_COOKIE, "")
-        if not hmac.compare_digest(given.encode(), token.encode()):
+        if not hmac.compare_digest(given.encode(), self.token.encode()):
             raise _Refused(401, "token", "this server needs its token: the header 'Authorization: Bearer TOKEN', "
                            "or ?token=TOKEN", {"WWW-Authenticate": "Bearer"})
 
-    def answer(endpoint: str, e: _Refused) -> JSONResponse:
-        metrics.requests.labels(endpoint, str(e.status)).inc()
-        metrics.errors.labels(endpoint, e.reason).inc()
-        return JSONResponse({"error": e.message}, e.status, headers=e.headers)
-
-    def busy_refusal(what: str, limit: int) -> _Refused:
+    def busy(self, what: str, limit: int) -> _Refused:
         return _Refused(503, "busy", f"{limit} {what} already: the most this server takes at once; try again in "
-                        f"{limits.retry_after_s} s", {"Retry-After": str(limits.retry_after_s)})
+                        f"{self.limits.retry_after_s} s", {"Retry-After": str(self.limits.retry_after_s)})
 
-    async def health(request: Request) -> Response:
-        try:
-            check_token(request)
-        except _Refused as e:
-            return answer("/health", e)
-        metrics.requests.labels("/health", "200").inc()
-        return JSONResponse({"status": "ok", "model": model_name, **engine.description,
-                             "active_streams": busy["streams"], "max_streams": limits.max_streams,
-                             "uptime_s": round(time.monotonic() - started, 1)})
+    async def health(self, request: Request) -> Response:
+        self.metrics.requests.labels("/health", "200").inc()
+        return JSONResponse({"status": "ok", "model": self.model_name, **self.engine.description,
+                             "active_streams": self.streams, "max_streams": self.limits.max_streams,
+                             "uptime_s": round(time.monotonic() - self.started, 1)})
 
-    async def metrics_page(request: Request) -> Response:
-        try:
-            check_token(request)
-        except _Refused as e:
-            return answer("/metrics", e)
-        metrics.requests.labels("/metrics", "200").inc()
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics_page(self, request: Request) -> Response:
+        self.metrics.requests.labels("/metrics", "200").inc()
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def page(request: Request) -> Response:
+    async def page(self, request: Request) -> Response:
         name = request.path_params.get("name", "index.html")
-        try:
-            check_token(request)
-            if name not in _STATIC:  # a name, looked up in a fixed table: never a path
-                raise _Refused(404, "not_found", "no such file")
-        except _Refused as e:
-            return answer("/static", e)
-        response = Response(static[name], media_type=_STATIC[name], headers=_PAGE_HEADERS)
-        if token and hmac.compare_digest(request.query_params.get("token", "").encode(), token.encode()):
+        if name not in _STATIC:  # a name, looked up in a fixed table: never a path
+            raise _Refused(404, "not_found", "no such file")
+        response = Response(self.static[name], media_type=_STATIC[name], headers=_PAGE_HEADERS)
+        if self.token and hmac.compare_digest(request.query_params.get("token", "").encode(), self.token.encode()):
             # the page's later requests (its files, uploads, the WebSocket's handshake) carry it
-            response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="strict")
+            response.set_cookie(TOKEN_COOKIE, self.token, httponly=True, samesite="strict")
         return response
 
-    async def transcribe(request: Request) -> Response:
-        endpoint = "/transcribe"
+    async def transcribe(self, request: Request) -> Response:
+        if self.uploads >= self.limits.max_uploads:
+            raise self.busy("uploads decoding", self.limits.max_uploads)
+        self.uploads += 1
         try:
-            check_token(request)
-            if busy["uploads"] >= limits.max_uploads:
-                raise busy_refusal("uploads decoding", limits.max_uploads)
-            busy["uploads"] += 1
-            try:
-                return await _transcribe(request)
-            finally:
-                busy["uploads"] -= 1
-        except _Refused as e:
-            return answer(endpoint, e)
+            return await self._transcribe(request)
+        finally:
+            self.uploads -= 1
 
-    async def _transcribe(request: Request) -> Response:
-        data = await _upload_bytes(request, limits.max_upload_bytes)
+    async def _transcribe(self, request: Request) -> Response:
+        data = await _upload_bytes(request, self.limits.max_upload_bytes)
         start = time.perf_counter()
         try:
-            wav = await engine.run(engine.read_upload, data, limits.max_upload_seconds)
+            wav = await self.engine.run(self.engine.read_upload, data, self.limits.max_upload_seconds)
             del data
-            results = await engine.run(engine.transcribe, wav)
+            results = await self.engine.run(self.engine.transcribe, wav)
         except UploadTooLong as e:
             raise _Refused(413, "too_long", str(e)) from e
         except AudioError as e:
@@ -176,48 +199,28 @@ def create_app(engine: Engine, limits: Limits = Limits(), token: str | None = No
             log.exception("decoding an upload failed")
             raise _Refused(500, "decode", f"decoding failed ({type(e).__name__})") from e
         elapsed, seconds = time.perf_counter() - start, len(wav) / 16000
-        metrics.decoded("/transcribe", seconds, elapsed)
-        metrics.requests.labels("/transcribe", "200").inc()
+        self.metrics.decoded("/transcribe", seconds, elapsed)
+        self.metrics.requests.labels("/transcribe", "200").inc()
         return JSONResponse({"text": " ".join(r.text for r in results if r.text), "segments": [
             _result(r) for r in results], "duration": round(seconds, 3),
             "decode_seconds": round(elapsed, 3), "real_time_factor": round(elapsed / seconds, 4),
-            **engine.description})
+            **self.engine.description})
 
-    async def stream(ws: WebSocket) -> None:
-        endpoint = "/stream"
+    async def stream(self, ws: WebSocket) -> None:
+        sample_rate, dtype = _stream_params(ws)
+        if not self.engine.streaming:
+            raise _Refused(409, "not_streaming", "this model cannot stream (trained without --causal_conv): "
+                           "POST the recording to /transcribe")
+        if self.streams >= self.limits.max_streams:
+            raise self.busy("streams open", self.limits.max_streams)
+        self.streams += 1  # counted before the first await: no two handshakes take the last place
+        self.metrics.active_streams.inc()
         try:
-            check_token(ws)
-            sample_rate, dtype = _stream_params(ws)
-            if not engine.streaming:
-                raise _Refused(409, "not_streaming", "this model cannot stream (trained without --causal_conv): "
-                               "POST the recording to /transcribe")
-            if busy["streams"] >= limits.max_streams:
-                raise busy_refusal("streams open", limits.max_streams)
-        except _Refused as e:
-            metrics.requests.labels(endpoint, str(e.status)).inc()
-            metrics.errors.labels(endpoint, e.reason).inc()
-            await _deny(ws, e)
-            return
-        busy["streams"] += 1  # counted before the first await: no two handshakes take the last place
-        metrics.active_streams.inc()
-        try:
-            code = await _Session(ws, engine, limits, metrics, sample_rate, dtype).run()
+            code = await _Session(ws, self.engine, self.limits, self.metrics, sample_rate, dtype).run()
         finally:
-            busy["streams"] -= 1
-            metrics.active_streams.dec()
-        metrics.requests.labels(endpoint, str(code)).inc()
-
-    routes = [Route("/", page), Route("/static/{name}", page), Route("/health", health),
-              Route("/metrics", metrics_page), Route("/transcribe", transcribe, methods=["POST"]),
-              WebSocketRoute("/stream", stream)]
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        yield
-        engine.close()
-
-    app = Starlette(routes=routes, lifespan=lifespan)
-    app.state.metrics = metrics
-    return app
+            self.streams -= 1
+            self.metrics.active_streams.dec()
+        self.metrics.requests.labels("/stream", str(code)).inc()
 
 
 async def _upload_bytes(request: Request, limit: int) -> bytes:
