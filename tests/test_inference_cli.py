@@ -1,4 +1,5 @@
 """transcribe.py, evaluate.py and average_checkpoints.py on a tiny trained model and real audio."""
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -7,16 +8,19 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+import torchaudio
 from scipy.signal import resample_poly
 
 ROOT = Path(__file__).resolve().parents[1]
 from konkanivani.checkpoint import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
 from konkanivani.cli import average as average_checkpoints  # noqa: E402
 from konkanivani.cli import evaluate, transcribe  # noqa: E402
-from konkanivani.config import TrainConfig  # noqa: E402
+from konkanivani.config import TrainConfig, model_config_from_preset  # noqa: E402
 from konkanivani.data.audio import load_audio  # noqa: E402
 from konkanivani.data.manifest import read_manifest  # noqa: E402
+from konkanivani.data.tokenizer import train_tokenizer  # noqa: E402
 from konkanivani.decoding.evaluation import score  # noqa: E402
+from konkanivani.model.asr import ASRModel  # noqa: E402
 from konkanivani.training.loop import train  # noqa: E402
 
 
@@ -115,6 +119,44 @@ def test_a_missing_file_is_said_once_and_no_speed_without_audio(tiny_run, tmp_pa
     out = capsys.readouterr()
     assert f"no utterance of {manifest} could be scored" in out.out and "nan" not in out.out
     assert out.err.count("gone.wav") == 1 and "gone.wav: audio file missing" in out.err
+
+
+def test_a_header_with_an_absurd_sample_rate_is_refused_before_resampling(tmp_path, monkeypatch, capsys):
+    """A wav header is four bytes anyone can write: 2147483647 Hz made torchaudio's resampler ask for
+    8.6 GB, 44101 Hz (an odd ratio to 16 kHz) for 2.8 GB. Such a file is named with why, before any
+    resampling (the resampler is watched), and the others are transcribed, batched and streamed."""
+    tokenizer = train_tokenizer(["हांव घरा वता"], vocab_size=16, model_type="char")
+    cfg = model_config_from_preset("tiny", vocab_size=tokenizer.vocab_size, causal_conv=True, dynamic_chunk=True,
+                                   max_chunk=4)
+    checkpoint = save_checkpoint({"model_config": dataclasses.asdict(cfg), "model": ASRModel(cfg).state_dict(),
+                                  "tokenizer": tokenizer.model_proto}, tmp_path / "model.pt")
+    good = tmp_path / "good.wav"
+    sf.write(good, 0.1 * np.random.default_rng(0).standard_normal(8000).astype(np.float32), 8000, subtype="PCM_16")
+    lying = {}
+    for rate in (2 ** 31 - 1, 44101):
+        header = bytearray(good.read_bytes())
+        header[24:28] = rate.to_bytes(4, "little")  # the fmt chunk's sample rate
+        lying[rate] = tmp_path / f"rate_{rate}.wav"
+        lying[rate].write_bytes(bytes(header))
+    real_resample, rates = torchaudio.functional.resample, []
+
+    def watched(wav, orig_freq, new_freq, *args, **kwargs):
+        rates.append(orig_freq)
+        assert orig_freq == 8000, f"resampling from {orig_freq} Hz"  # without the check: gigabytes
+        return real_resample(wav, orig_freq, new_freq, *args, **kwargs)
+
+    monkeypatch.setattr(torchaudio.functional, "resample", watched)
+    for flags in ([], ["--chunk_size", "4"]):  # batched files (Recognizer.transcribe), streams (transcribe_long)
+        assert transcribe.main([str(checkpoint), str(lying[2 ** 31 - 1]), str(good), str(lying[44101]),
+                                "--method", "greedy", *flags]) == 1
+        out = capsys.readouterr()
+        assert str(good) in out.out and "rate_" not in out.out
+        assert "1 of 3 files" in out.err and "Traceback" not in out.err
+        assert (f"{lying[2 ** 31 - 1]}: sample rate unsupported (a sample rate of 2147483647 Hz: konkanivani takes "
+                "8000 to 192000 Hz)") in out.err
+        assert f"{lying[44101]}: sample rate unsupported (a sample rate of 44101 Hz: too odd a ratio" in out.err
+        assert len([line for line in out.err.splitlines() if "rate_" in line]) == 2  # one line each
+    assert rates and set(rates) == {8000}
 
 
 @pytest.mark.parametrize("damage", ["truncated", "other_version", "not_a_checkpoint"])

@@ -5,11 +5,12 @@ its tokenizer and model shape.
         --method joint --output transcripts.jsonl
     konkanivani-transcribe checkpoints/streaming/best.pt meeting.flac --chunk_size 16 --stream
 
-Inputs are audio files (any sample rate and channel count soundfile reads), folders (searched
+Inputs are audio files (8 to 192 kHz, any channel count soundfile reads), folders (searched
 recursively) and JSONL manifests. Prints ``path<TAB>text`` per file, or writes JSONL rows
-``{"audio_filepath", "text", "duration"}`` with ``--output``. A file that cannot be read, is too
-short for the model (under 0.06 s) or fails to decode is named once on stderr and the others are
-still transcribed; the exit status is then 1.
+``{"audio_filepath", "text", "duration"}`` with ``--output``. A file that cannot be read, states
+a sample rate outside 8-192 kHz or too odd to resample, is too short for the model (under 0.06 s)
+or fails to decode is named once on stderr and the others are still transcribed; the exit status
+is then 1.
 
 A file over 30 s, and with ``--chunk_size`` every file, is read block by block and transcribed in
 segments, each printed as ``path<TAB>start<TAB>end<TAB>text`` (seconds) or written as a row

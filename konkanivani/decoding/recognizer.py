@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import soundfile as sf
 import torch
 
 from ..checkpoint import CheckpointError, inference_state_dict, load_checkpoint
@@ -42,6 +43,7 @@ from .streaming import (
     STREAM_METHODS,
     Result,
     Stream,
+    check_sample_rate,
     check_streaming,
     quiet_windows,
 )
@@ -162,10 +164,10 @@ class Recognizer:
                 log.warning("%s", message)
         if method not in STREAM_METHODS:
             raise ValueError(f"{method} decoding cannot stream; choose from {', '.join(STREAM_METHODS)}")
-        for name, value, least in (("beam_size", beam_size, 1), ("endpoint_ms", endpoint_ms, 0),
-                                   ("sample_rate", sample_rate, 1)):
+        for name, value, least in (("beam_size", beam_size, 1), ("endpoint_ms", endpoint_ms, 0)):
             if value < least:
                 raise ValueError(f"{name} must be at least {least}, got {value}")
+        check_sample_rate(sample_rate)
         return Stream(self.model, self.tokenizer, self.log_mel, chunk_size, left_chunks, method, beam_size, ctc_weight,
                       self.fusion(method, lm_weight, length_bonus), endpoint_ms, sample_rate)
 
@@ -187,11 +189,13 @@ class Recognizer:
         ``partials`` its partial ones); else in windows of at most ``WINDOW_SECONDS`` cut at quiet
         moments (``quiet_windows``), each decoded whole with ``method``, one final result each (no word
         times). As a stream does, it leaves out a final result without text unless there is no other.
-        ``AudioError`` for a file that cannot be read or is too short for the model."""
+        ``AudioError`` for a file that cannot be read, states a sample rate that is not resampled from
+        (``check_sample_rate``) or is too short for the model."""
         seen = 0
 
         def blocks() -> Iterator[torch.Tensor]:
             nonlocal seen
+            _check_rate(path)
             for block in read_blocks(path):
                 seen += len(block)
                 yield block
@@ -272,14 +276,30 @@ class Recognizer:
 
 
 def _read(path: str | Path) -> tuple[torch.Tensor | None, str | None]:
-    """The waveform of ``path`` and why it cannot be decoded (None if it can): unreadable (no
-    waveform), or too short for the encoder's subsampling, decided here before any batching."""
+    """The waveform of ``path`` and why it cannot be decoded (None if it can): unreadable or of a
+    sample rate not resampled from (no waveform), or too short for the encoder's subsampling, decided
+    here before any batching."""
     try:
+        _check_rate(path)
         wav = load_audio(path)
     except RuntimeError as e:  # the caller names it (Transcript.error), once
         return None, str(e)
     too_short = _too_short(path, len(wav))
     return wav, None if too_short is None else str(too_short)
+
+
+def _check_rate(path: str | Path) -> None:
+    """``AudioError`` naming ``path`` when its header states a sample rate that is not resampled from
+    (``check_sample_rate``: resampling from it would build a filter of gigabytes), before any of it is
+    read. A header that cannot be read is left to the reading, which names why."""
+    try:
+        rate = sf.info(str(path)).samplerate
+    except Exception:  # noqa: BLE001  soundfile raises LibsndfileError, RuntimeError, TypeError...
+        return
+    try:
+        check_sample_rate(rate)
+    except ValueError as e:
+        raise AudioError("sample rate unsupported", str(path), str(e)) from None
 
 
 def _stream_results(stream: Stream, pieces: Iterable[torch.Tensor]) -> Iterator[Result]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -40,8 +41,9 @@ from ..model.asr import ASRModel
 from ..model.conformer import Conv2dSubsampling
 from .search import LONG_INPUT_SECONDS, CTCPrefixBeam, Fusion, Hypothesis, attention_scores
 
-__all__ = ["DEFAULT_ENDPOINT_MS", "FRAME_SECONDS", "MAX_SEGMENT_SECONDS", "STREAM_METHODS", "WINDOW_SECONDS",
-           "Result", "Stream", "StreamingLogMel", "Word", "check_streaming", "quiet_windows"]
+__all__ = ["DEFAULT_ENDPOINT_MS", "FRAME_SECONDS", "MAX_RATE", "MAX_SEGMENT_SECONDS", "MIN_RATE", "STREAM_METHODS",
+           "WINDOW_SECONDS", "Result", "Stream", "StreamingLogMel", "Word", "check_sample_rate", "check_streaming",
+           "quiet_windows"]
 
 FRAME_SECONDS = Conv2dSubsampling.STRIDE * HOP_LENGTH / SAMPLE_RATE  # 0.04 s: one encoder frame
 DEFAULT_ENDPOINT_MS = 800
@@ -50,6 +52,8 @@ STREAM_METHODS = ("greedy", "beam", "rescore")
 WINDOW_SECONDS = 20.0  # the longest piece of a long recording decoded whole (quiet_windows)
 CUT_SECONDS = 5.0  # ... cut at the quietest 100 ms of its last CUT_SECONDS
 WORD_START = "\u2581"  # SentencePiece's mark of a word's first piece
+MIN_RATE, MAX_RATE = 8000, 192000  # the sample rates recordings and streams are resampled from
+MAX_RESAMPLE_KERNEL = 2 ** 21  # floats (8 MB) of the sinc kernel torchaudio builds for a rate (check_sample_rate)
 
 
 @dataclass
@@ -93,6 +97,25 @@ def check_streaming(cfg, chunk_size: int, left_chunks: int) -> list[str]:
         warnings.append(f"{left_chunks} left chunks: this model was trained with every chunk to the left in view "
                         "(no --dynamic_left_chunks)")
     return warnings
+
+
+def check_sample_rate(rate: int) -> None:
+    """``ValueError`` in one line for a sample rate that is not resampled from: outside ``MIN_RATE`` ..
+    ``MAX_RATE``, or one whose ratio to 16 kHz in lowest terms is so odd that the sinc kernel torchaudio
+    builds for it (``new`` rows of ``orig + 2 * width``) would hold more than ``MAX_RESAMPLE_KERNEL``
+    floats. A wav header is four bytes anyone can write: 2147483647 Hz made the resampler ask for 8.6 GB,
+    44101 Hz (44101/16000) for 2.8 GB. Checked before resampling a file (``Recognizer``), a stream
+    (``Recognizer.stream``) and what the server takes."""
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise ValueError(f"a sample rate of {rate} Hz: konkanivani takes {MIN_RATE} to {MAX_RATE} Hz")
+    if rate == SAMPLE_RATE:
+        return
+    gcd = math.gcd(rate, SAMPLE_RATE)
+    orig, new = rate // gcd, SAMPLE_RATE // gcd
+    width = math.ceil(6 * orig / (0.99 * min(orig, new)))  # torchaudio's lowpass_filter_width 6, rolloff 0.99
+    if new * (orig + 2 * width) > MAX_RESAMPLE_KERNEL:
+        raise ValueError(f"a sample rate of {rate} Hz: too odd a ratio to {SAMPLE_RATE} Hz to resample ({orig}/{new}); "
+                         "use a common rate (8000, 11025, 16000, 22050, 32000, 44100, 48000 ...)")
 
 
 class StreamingLogMel:

@@ -35,8 +35,8 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..data.audio import AudioError
-from ..decoding.streaming import Result
-from .engine import MAX_RATE, MIN_RATE, Engine, UploadTooLong, check_sample_rate
+from ..decoding.streaming import MAX_RATE, MIN_RATE, Result, check_sample_rate
+from .engine import Engine, UploadTooLong
 from .limits import Limits
 
 __all__ = ["FORMATS", "TOKEN_COOKIE", "create_app"]

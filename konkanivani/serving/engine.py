@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, TypeVar
@@ -25,31 +24,12 @@ from ..data.audio import AudioError, load_audio
 from ..data.frames import SAMPLE_RATE
 from ..decoding.recognizer import MIN_SAMPLES, Recognizer
 from ..decoding.search import DEFAULT_CTC_WEIGHT, METHODS
-from ..decoding.streaming import DEFAULT_ENDPOINT_MS, Result, Stream, quiet_windows
+from ..decoding.streaming import DEFAULT_ENDPOINT_MS, Result, Stream, check_sample_rate, quiet_windows
 
-__all__ = ["MAX_RATE", "MIN_RATE", "Decoding", "Engine", "UploadTooLong", "check_sample_rate"]
+__all__ = ["Decoding", "Engine", "UploadTooLong"]
 
 T = TypeVar("T")
 UPLOAD = "the upload"  # how messages name an uploaded file: never by a name the client chose
-MIN_RATE, MAX_RATE = 8000, 192000  # the sample rates the server resamples from (uploads and streams)
-MAX_RESAMPLE_KERNEL = 2 ** 21  # floats (8 MB) of the sinc kernel torchaudio builds for a rate (check_sample_rate)
-
-
-def check_sample_rate(rate: int) -> None:
-    """``ValueError`` in one line for a sample rate the server does not resample from: outside
-    ``MIN_RATE`` .. ``MAX_RATE``, or one whose ratio to 16 kHz in lowest terms is so odd that the sinc
-    kernel torchaudio builds for it (``new`` rows of ``orig + 2 * width``) would hold more than
-    ``MAX_RESAMPLE_KERNEL`` floats: 44101 Hz (44101/16000) would take 2.8 GB, from any client."""
-    if not MIN_RATE <= rate <= MAX_RATE:
-        raise ValueError(f"a sample rate of {rate} Hz: the server takes {MIN_RATE} to {MAX_RATE} Hz")
-    if rate == SAMPLE_RATE:
-        return
-    gcd = math.gcd(rate, SAMPLE_RATE)
-    orig, new = rate // gcd, SAMPLE_RATE // gcd
-    width = math.ceil(6 * orig / (0.99 * min(orig, new)))  # torchaudio's lowpass_filter_width 6, rolloff 0.99
-    if new * (orig + 2 * width) > MAX_RESAMPLE_KERNEL:
-        raise ValueError(f"a sample rate of {rate} Hz: too odd a ratio to {SAMPLE_RATE} Hz to resample ({orig}/{new}); "
-                         "use a common rate (8000, 11025, 16000, 22050, 32000, 44100, 48000 ...)")
 
 
 class UploadTooLong(ValueError):
