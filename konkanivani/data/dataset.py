@@ -7,7 +7,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 from torch.utils.data import Dataset
@@ -17,8 +17,8 @@ from .augment import Augmenter, vtlp_warp_matrix
 from .manifest import DEFAULT_DURATION_TOLERANCE, check_row, read_manifest
 from .tokenizer import Tokenizer
 
-__all__ = ["Utterance", "load_utterances", "log_skipped", "compute_cmvn", "ASRDataset", "Example", "Unreadable",
-           "Batch", "collate"]
+__all__ = ["Utterance", "load_utterances", "log_skipped", "compute_cmvn", "cmvn_of", "ASRDataset", "Example",
+           "Unreadable", "Batch", "collate"]
 
 log = logging.getLogger("konkanivani")
 
@@ -80,14 +80,23 @@ def compute_cmvn(utterances: Sequence[Utterance], n_mels: int, max_utterances: i
                  seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Global mean and standard deviation of log-mel features over (a seeded sample of) the training set."""
     sample = random.Random(seed).sample(list(utterances), min(max_utterances, len(utterances)))
+
+    def waveforms() -> Iterator[torch.Tensor]:
+        for utt in sample:
+            try:
+                yield load_audio(utt.audio_path)
+            except RuntimeError as e:
+                log.warning("%s: %s; left out of CMVN", utt.where, e)
+
+    return cmvn_of(waveforms(), n_mels)
+
+
+def cmvn_of(waveforms: Iterable[torch.Tensor], n_mels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and standard deviation per mel bin of the log-mel features of ``waveforms``."""
     log_mel = LogMel(n_mels)
     total, total_sq, frames = torch.zeros(n_mels, dtype=torch.float64), torch.zeros(n_mels, dtype=torch.float64), 0
-    for utt in sample:
-        try:
-            feats = log_mel(load_audio(utt.audio_path)).double()  # (T, F)
-        except RuntimeError as e:
-            log.warning("%s: %s; left out of CMVN", utt.where, e)
-            continue
+    for wav in waveforms:
+        feats = log_mel(wav).double()  # (T, F)
         total += feats.sum(0)
         total_sq += (feats ** 2).sum(0)
         frames += feats.shape[0]
@@ -134,12 +143,16 @@ class ASRDataset(Dataset):
         except RuntimeError as e:
             log.warning("%s: %s; skipped in this batch", utt.where, e)
             return Unreadable(index)
+        return self.example(wav, utt.tokens, epoch, index)
+
+    def example(self, wav: torch.Tensor, tokens: Sequence[int], epoch: int, index: int) -> Example:
+        """Utterance ``index``'s waveform as features, augmented (training) as its epoch and index draw."""
         warp = None
         if self.augment is not None:
-            wav = self.augment.waveform(wav, epoch, index, min_encoder_frames=len(utt.tokens))
+            wav = self.augment.waveform(wav, epoch, index, min_encoder_frames=len(tokens))
             alpha = self.augment.vtlp_alpha(epoch, index)
             warp = None if alpha is None else vtlp_warp_matrix(alpha, self.log_mel.n_freqs)
-        return Example(self.log_mel(wav, warp), torch.tensor(utt.tokens, dtype=torch.long), index)
+        return Example(self.log_mel(wav, warp), torch.tensor(tokens, dtype=torch.long), index)
 
 
 class Batch(NamedTuple):

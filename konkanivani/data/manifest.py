@@ -24,8 +24,8 @@ import soundfile as sf
 from .frames import SAMPLE_RATE, frames_of, subsampled_lengths
 from .tokenizer import UNK_ID, Tokenizer, normalize_text
 
-__all__ = ["DEFAULT_DURATION_TOLERANCE", "ManifestError", "RowCheck", "check_row", "iter_manifest", "read_manifest",
-           "resolve_audio_path"]
+__all__ = ["DEFAULT_DURATION_TOLERANCE", "ManifestError", "RowCheck", "check_row", "check_text", "iter_manifest",
+           "read_manifest", "resolve_audio_path"]
 
 DEFAULT_DURATION_TOLERANCE = 0.5  # seconds; rounding passes, a truncated or mismatched file does not
 
@@ -99,18 +99,30 @@ def check_row(row: dict[str, Any], base_dir: Path, tokenizer: Tokenizer, *, max_
         check.warnings.append((reason, f"{path}: {detail}, converted when loaded"))
     if duration > max_duration:
         return _fail(check, "longer than max_duration", f"{duration:.1f} s")
-    tokens = tokenizer.encode(text)
-    if not tokens:
-        return _fail(check, "no token after normalization")
-    if UNK_ID in tokens:
-        unknown = sorted({ch for ch in normalize_text(text) if not ch.isspace() and UNK_ID in tokenizer.encode(ch)})
-        return _fail(check, "characters the tokenizer cannot encode",
-                     " ".join(f"{ch!r} U+{ord(ch):04X}" for ch in unknown) or "unknown pieces")
-    frames_after = subsampled_lengths(frames_of(duration))
-    if frames_after < len(tokens):
-        return _fail(check, "too short for CTC", f"{duration:.2f} s for {len(tokens)} tokens")
+    error, tokens = check_text(text, duration, tokenizer)
+    if error is not None:
+        return _fail(check, *error)
     check.tokens = tokens
     return check
+
+
+def check_text(text: str, duration: float, tokenizer: Tokenizer) -> tuple[tuple[str, str] | None, list[int]]:
+    """The text checks of a row whose audio lasts ``duration`` seconds: ``(None, token ids)``, or
+    ``((reason, detail), [])`` when it leaves no token, holds characters the tokenizer cannot encode
+    or has more tokens than CTC can align to that audio. (Shards check their members with it.)"""
+    if not isinstance(text, str) or not text.strip():
+        return ("empty text", ""), []
+    tokens = tokenizer.encode(text)
+    if not tokens:
+        return ("no token after normalization", ""), []
+    if UNK_ID in tokens:
+        unknown = sorted({ch for ch in normalize_text(text) if not ch.isspace() and UNK_ID in tokenizer.encode(ch)})
+        return ("characters the tokenizer cannot encode",
+                " ".join(f"{ch!r} U+{ord(ch):04X}" for ch in unknown) or "unknown pieces"), []
+    frames_after = subsampled_lengths(frames_of(duration))
+    if frames_after < len(tokens):
+        return ("too short for CTC", f"{duration:.2f} s for {len(tokens)} tokens"), []
+    return None, tokens
 
 
 class ManifestError(ValueError):

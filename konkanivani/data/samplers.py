@@ -12,8 +12,8 @@ from torch.utils.data import Sampler
 from .dataset import Batch
 from .frames import frames_of
 
-__all__ = ["ResumableBatchSampler", "LengthGroupedBatchSampler", "ShardedSampler", "EpochKeyed", "DurationBucketSampler", "PreflightSampler", "train_sampler", "padding_fraction", "split_batch",
-           "select_samples"]
+__all__ = ["ResumableBatchSampler", "LengthGroupedBatchSampler", "ShardedSampler", "EpochKeyed", "DurationBucketSampler",
+           "PreflightSampler", "cut_batches", "train_sampler", "padding_fraction", "split_batch", "select_samples"]
 
 
 class ResumableBatchSampler(Sampler[list[int]]):
@@ -35,6 +35,10 @@ class ResumableBatchSampler(Sampler[list[int]]):
 
     def epoch_batches(self) -> list[list[int]]:
         raise NotImplementedError
+
+    def position(self, epoch: int, batches_done: int) -> dict:
+        """More of the data position than ``epoch`` and ``batches_done`` that a checkpoint keeps (a shard plan's)."""
+        return {}
 
     def __iter__(self) -> Iterator[list[int]]:
         yield from self.epoch_batches()[self.start:]
@@ -147,21 +151,8 @@ class DurationBucketSampler(ResumableBatchSampler):
         self.fits = fits
         self._cache: tuple[int, list[list[int]]] | None = None
 
-    def _accepts(self, n: int, longest: int) -> bool:
-        return n * longest <= self.max_frames and (self.fits is None or self.fits(n, longest))
-
     def _cut(self, order: list[int]) -> list[list[int]]:
-        """Greedy batches in ``order``; an utterance over the budget on its own goes alone."""
-        batches, batch, longest = [], [], 0
-        for i in order:
-            if batch and not self._accepts(len(batch) + 1, max(longest, self.frames[i])):
-                batches.append(batch)
-                batch, longest = [], 0
-            batch.append(i)
-            longest = max(longest, self.frames[i])
-        if batch:
-            batches.append(batch)
-        return batches
+        return cut_batches(order, self.frames, self.max_frames, self.fits)
 
     def epoch_batches(self) -> list[list[int]]:
         if self._cache is not None and self._cache[0] == self.epoch:
@@ -210,6 +201,24 @@ class PreflightSampler(ResumableBatchSampler):
 
     def __len__(self) -> int:  # as many batches as the inner sampler's
         return max(0, len(self.inner) - self.start)
+
+
+def cut_batches(order: Sequence[int], frames: Sequence[int], max_frames: int,
+                fits: Optional[Callable[[int, int], bool]] = None) -> list[list[int]]:
+    """Greedy batches of the utterances in ``order`` (``frames`` long each) of at most ``max_frames``
+    padded frames (utterances x longest), and ``fits(n, longest)`` when given; an utterance over the
+    budget on its own goes alone."""
+    batches, batch, longest = [], [], 0
+    for i in order:
+        grown = max(longest, frames[i])
+        if batch and not ((len(batch) + 1) * grown <= max_frames and (fits is None or fits(len(batch) + 1, grown))):
+            batches.append(batch)
+            batch, longest = [], 0
+        batch.append(i)
+        longest = max(longest, frames[i])
+    if batch:
+        batches.append(batch)
+    return batches
 
 
 def train_sampler(durations: Sequence[float], batch_size: int, max_frames: int, seed: int, num_buckets: int,

@@ -47,7 +47,7 @@ from ..data.tokenizer import Tokenizer, train_tokenizer
 from .outputs import OutputError, Staging, child, safe_name
 
 __all__ = ["CONVERT_FORMATS", "PrepareError", "Item", "Report", "commonvoice_items", "kaldi_items", "folder_items",
-           "hf_items", "prepare", "print_report"]
+           "hf_items", "prepare", "print_report", "print_skipped"]
 
 CONVERT_FORMATS = ("wav", "flac")
 _EXAMPLES = 10  # skipped rows named one by one in the report
@@ -448,12 +448,18 @@ def print_report(report: Report) -> None:
     for reason, n in report.notes.most_common():
         print(f"  note: {n} rows {reason}; converted when training loads them (--convert wav writes 16 kHz mono "
               "files once)")
-    if report.skipped:
-        skipped = sum(report.skipped.values())
-        print(f"skipped {skipped} of {report.total} utterances:")
-        for reason, n in report.skipped.most_common():
-            print(f"  {n:6d} {reason}")
-        for example in report.examples:
-            print(f"  {example}")
-        if skipped > len(report.examples):
-            print(f"  ... and {skipped - len(report.examples)} more")
+    print_skipped(report.skipped, report.examples, report.total)
+
+
+def print_skipped(skipped: Counter, examples: list[str], total: int) -> None:
+    """The rows a tool could not use: a count by reason, then the first few by file and line."""
+    if not skipped:
+        return
+    count = sum(skipped.values())
+    print(f"skipped {count} of {total} utterances:")
+    for reason, n in skipped.most_common():
+        print(f"  {n:6d} {reason}")
+    for example in examples:
+        print(f"  {example}")
+    if count > len(examples):
+        print(f"  ... and {count - len(examples)} more")
