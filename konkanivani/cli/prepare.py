@@ -6,6 +6,10 @@ data directory, a folder of audio with .txt transcripts or a saved Hugging Face 
     konkanivani-prepare kaldi DATA_DIR --output_dir OUT_DIR [--audio_root DIR] [--split_name train] [--valid_fraction 0.1]
     konkanivani-prepare folder AUDIO_DIR --output_dir OUT_DIR [--split_name train] [--valid_fraction 0.1]
     konkanivani-prepare hf DATASET_DIR --output_dir OUT_DIR [--text_column sentence] [--valid_fraction 0.1]
+    konkanivani-prepare shards MANIFEST --output_dir SHARD_DIR (--shard_size N | --shard_hours H)
+
+``shards`` writes a manifest's utterances as tar shards for ``--train_shards`` (konkanivani/tools/shards.py;
+docs/data.md): a Drive mount or several machines read them far faster than one file per utterance.
 
 Each row is checked as konkanivani-validate checks it; the rows that cannot be used are counted by
 reason at the end, the first few named with file and line. Exit status: 0 when a manifest was
@@ -18,7 +22,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..checkpoint import CheckpointError
 from ..config import DEFAULT_SEED
+from ..data.manifest import ManifestError
 from ..data.tokenizer import Tokenizer
 from ..tools.outputs import OutputError, child, refuse_overlap
 from ..tools.prepare import (
@@ -31,13 +37,14 @@ from ..tools.prepare import (
     prepare,
     print_report,
 )
+from ..tools.shards import print_shard_report, write_shards
 from . import Parser, add_output_dir, fail, output_dir, setup_logging, tool
 
 
 def parse_args(argv: list[str] | None = None):
     p = Parser(description=__doc__.split("\n\n")[0])
     sources = p.add_subparsers(dest="source", required=True, metavar="SOURCE",
-                               help="commonvoice, kaldi, folder or hf (each has its own --help)")
+                               help="commonvoice, kaldi, folder or hf (each has its own --help); or shards")
     metavars = {"commonvoice": "CV_DIR", "kaldi": "DATA_DIR", "folder": "AUDIO_DIR", "hf": "DATASET_DIR"}
     helps = {"commonvoice": "a Common Voice release folder: train.tsv, dev.tsv, test.tsv and clips/",
              "kaldi": "a Kaldi data directory: wav.scp, text, optional segments and utt2spk",
@@ -70,8 +77,11 @@ def parse_args(argv: list[str] | None = None):
         if name == "hf":
             s.add_argument("--text_column", help="default: sentence, text or transcription, the first that exists")
             s.add_argument("--audio_column", help="default: the dataset's Audio column")
+    _shards_parser(sources)
     args = p.parse_args(argv)
     sub = sources.choices[args.source]
+    if args.source == "shards":
+        return _check_shards_args(sub, args)
     args.out_dir = output_dir(sub, args)
     if not args.source_dir.is_dir():
         sub.error(f"{args.source_dir}: not a folder")
@@ -90,6 +100,37 @@ def parse_args(argv: list[str] | None = None):
     return args
 
 
+def _shards_parser(sources) -> None:
+    text = "a manifest's utterances as tar shards (KEY.flac + KEY.json) and their list, shards.json"
+    s = sources.add_parser("shards", help=text, description=text)
+    s.add_argument("manifest", type=Path, metavar="MANIFEST", help="the NeMo manifest (JSON lines) to write as shards")
+    add_output_dir(s, "where the shards, shards.json and text.txt go")
+    size = s.add_mutually_exclusive_group(required=True)
+    size.add_argument("--shard_size", type=int, help="utterances per shard")
+    size.add_argument("--shard_hours", type=float, help="hours of audio per shard")
+    s.add_argument("--tokenizer", type=Path, help="SentencePiece .model to check the text against (default: "
+                   "characters, the strictest)")
+    s.add_argument("--max_duration", type=float, default=30.0,
+                   help="skip audio longer than this many seconds (default: 30.0, as training)")
+    s.add_argument("--no_progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def _check_shards_args(sub, args):
+    args.out_dir = output_dir(sub, args)
+    if not args.manifest.is_file():
+        sub.error(f"{args.manifest}: manifest not found")
+    if args.tokenizer is not None and not args.tokenizer.is_file():
+        sub.error(f"--tokenizer {args.tokenizer}: file not found")
+    if args.max_duration <= 0:
+        sub.error("--max_duration must be a positive number of seconds")
+    if (args.shard_size is not None and args.shard_size <= 0) or (args.shard_hours is not None
+                                                                   and args.shard_hours <= 0):
+        sub.error("--shard_size and --shard_hours must be positive")
+    if args.out_dir.resolve() == args.manifest.parent.resolve():  # its text.txt could be the corpus's own
+        sub.error(f"--output_dir {args.out_dir} is the manifest's folder: shards go in a folder of their own")
+    return args
+
+
 def _items(args):
     if args.source == "commonvoice":
         return commonvoice_items(args.source_dir, args.out_dir, args.convert)
@@ -104,6 +145,8 @@ def _items(args):
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
     args = parse_args(argv)
+    if args.source == "shards":
+        return _shards(args)
     try:
         items = _items(args)
         report = prepare(items, args.out_dir, tokenizer=Tokenizer.load(args.tokenizer) if args.tokenizer else None,
@@ -114,6 +157,18 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(e))
     print_report(report)
     return 0 if report.manifests else 1
+
+
+def _shards(args) -> int:
+    try:
+        report = write_shards(args.manifest, args.out_dir, shard_size=args.shard_size or 0,
+                              shard_hours=args.shard_hours or 0.0,
+                              tokenizer=Tokenizer.load(args.tokenizer) if args.tokenizer else None,
+                              max_duration=args.max_duration, progress=args.progress)
+    except (ManifestError, CheckpointError) as e:
+        return fail(str(e))
+    print_shard_report(report)
+    return 0 if report.shards else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,245 @@
+"""Writing a manifest's utterances as tar shards (``konkanivani-prepare shards``).
+
+Every row goes through the validator's checks first (``manifest.check_row``); a row that fails is
+counted by reason and named (the first few), as ``konkanivani-prepare`` does. The usable rows, in
+manifest order, are dealt to shards of ``--shard_size`` utterances or ``--shard_hours`` hours;
+each utterance becomes ``KEY.flac`` (its audio at 16 kHz mono, 16-bit FLAC: lossless for the
+16-bit sources people have) and ``KEY.json`` (its text, its duration and the row's other keys),
+``KEY`` being the manifest's name and line (``train-00000017``: line 17 of train.jsonl), so a
+shard's utterance leads back to its row. Then ``shards.json`` (the list: each shard's file, bytes,
+keys and durations) and ``text.txt`` (every text, for a fresh run's tokenizer).
+
+Safe to interrupt: each shard is written to a temporary file and renamed into place only when whole,
+and the list comes last, so a killed run leaves no half shard a reader would take, and the old list
+(if any) still describes only shards that are whole. A run again continues: a shard already in place
+that an earlier run finished for the same rows (its list, or the progress record a killed run left)
+is kept without being read, the others are written. The bytes of a shard depend only on its utterances (member times are zero), so writing one
+again gives the same file.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import re
+import tarfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import soundfile as sf
+from tqdm import tqdm
+
+from ..checkpoint import atomic_file, write_file_atomic
+from ..data.audio import AudioError, load_audio
+from ..data.frames import SAMPLE_RATE
+from ..data.manifest import ManifestError, check_row, iter_manifest
+from ..data.shards import AUDIO_MEMBER, FORMAT, LIST_NAME, META_MEMBER, TEXTS_NAME
+from ..data.tokenizer import Tokenizer, train_tokenizer
+from .prepare import print_skipped
+
+__all__ = ["SHARD_PATTERN", "ShardReport", "write_shards", "shard_name", "print_shard_report"]
+
+log = logging.getLogger("konkanivani")
+
+SHARD_PATTERN = re.compile(r"shard-(\d{6})\.tar")
+_EXAMPLES = 10
+PROGRESS = ".shards.progress.jsonl"  # the shards a run has finished, a line each, until it writes the list
+
+
+def shard_name(i: int) -> str:
+    return f"shard-{i:06d}.tar"
+
+
+@dataclass
+class ShardReport:
+    out_dir: Path
+    shards: int = 0
+    written: int = 0  # shards written by this run (the others were in place already)
+    utterances: int = 0
+    seconds: float = 0.0
+    total: int = 0  # manifest rows
+    skipped: Counter = field(default_factory=Counter)
+    examples: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)  # shards of an earlier, larger run, no longer listed
+
+
+@dataclass
+class _Row:
+    key: str
+    where: str
+    audio: Path
+    duration: float
+    text: str
+    extra: dict[str, Any]
+
+
+def _key_stem(manifest: Path) -> str:
+    """The manifest's name as a key's start: a key holds no dot (the layout splits names at the first)."""
+    return re.sub(r"[^0-9A-Za-z_-]+", "_", manifest.stem) or "utt"
+
+
+def _usable_rows(manifest: Path, tokenizer: Tokenizer | None, max_duration: float, report: ShardReport) -> list[_Row]:
+    entries = list(iter_manifest(manifest))
+    if tokenizer is None:  # as prepare: characters, the strictest "too short for CTC"
+        texts = [row.get("text") for _, row in entries if isinstance(row, dict) and isinstance(row.get("text"), str)]
+        tokenizer = train_tokenizer([t for t in texts if t.strip()] or ["a"], model_type="char")
+    stem, rows = _key_stem(manifest), []
+    for line_no, row in entries:
+        report.total += 1
+        where = f"{manifest}:{line_no}"
+        if isinstance(row, ManifestError):
+            reason, detail = "not a JSON object line", ""
+        else:
+            check = check_row(row, manifest.parent, tokenizer, max_duration=max_duration)
+            if check.error is None:
+                extra = {k: v for k, v in row.items() if k not in ("audio_filepath", "duration", "text")}
+                rows.append(_Row(f"{stem}-{line_no:08d}", where, check.audio_path, check.duration, check.text, extra))
+                continue
+            reason, detail = check.error
+        report.skipped[reason] += 1
+        if len(report.examples) < _EXAMPLES:
+            report.examples.append(f"{where}: {reason}" + (f" ({detail})" if detail else ""))
+    return rows
+
+
+def _groups(rows: list[_Row], shard_size: int, shard_hours: float) -> list[list[_Row]]:
+    groups: list[list[_Row]] = [[]]
+    seconds = 0.0
+    for row in rows:
+        full = len(groups[-1]) >= shard_size if shard_size else seconds + row.duration > shard_hours * 3600
+        if groups[-1] and full:
+            groups.append([])
+            seconds = 0.0
+        groups[-1].append(row)
+        seconds += row.duration
+    return groups if groups[0] else []
+
+
+def _member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = len(data), 0o644, 0
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _encode(row: _Row) -> tuple[bytes, float]:
+    """The row's audio as 16 kHz mono 16-bit FLAC bytes, and its duration."""
+    wav = load_audio(row.audio, label=row.where).numpy()
+    buffer = io.BytesIO()
+    sf.write(buffer, np.clip(wav, -1.0, 1.0), SAMPLE_RATE, format="FLAC", subtype="PCM_16")  # resampling overshoots
+    return buffer.getvalue(), round(len(wav) / SAMPLE_RATE, 6)
+
+
+def _write_shard(path: Path, rows: list[_Row], report: ShardReport) -> dict[str, Any]:
+    """Write one shard atomically; its list entry. A row whose audio fails now is left out, counted."""
+    keys, durations = [], []
+    with atomic_file(path) as f, tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for row in rows:
+            try:
+                audio, duration = _encode(row)
+            except AudioError as e:
+                report.skipped[e.reason] += 1
+                if len(report.examples) < _EXAMPLES:
+                    report.examples.append(f"{row.where}: {e.reason}")
+                continue
+            meta = {"text": row.text, "duration": duration, **row.extra}
+            _member(tar, f"{row.key}.{AUDIO_MEMBER}", audio)
+            _member(tar, f"{row.key}.{META_MEMBER}", json.dumps(meta, ensure_ascii=False).encode("utf-8"))
+            keys.append(row.key)
+            durations.append(duration)
+    return {"path": path.name, "bytes": path.stat().st_size, "utterances": len(keys),
+            "hours": round(sum(durations) / 3600, 6), "plan": _plan_digest(rows), "keys": keys, "durations": durations}
+
+
+def _plan_digest(rows: list[_Row]) -> str:
+    """What a shard should hold: its rows' keys and audio files (a changed manifest changes it)."""
+    return hashlib.sha256(json.dumps([[row.key, str(row.audio), row.text] for row in rows]).encode()).hexdigest()[:16]
+
+
+def _kept(path: Path, rows: list[_Row], done: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The entry of a shard in place that an earlier run wrote whole for these same rows, else None."""
+    entry = done.get(path.name)
+    if entry is None or entry.get("plan") != _plan_digest(rows) or not path.is_file() \
+            or path.stat().st_size != entry.get("bytes"):
+        return None
+    return entry
+
+
+def write_shards(manifest: str | Path, out_dir: str | Path, *, shard_size: int = 0, shard_hours: float = 0.0,
+                 tokenizer: Tokenizer | None = None, max_duration: float = 30.0, progress: bool = True) -> ShardReport:
+    """Write ``manifest``'s usable utterances as shards in ``out_dir`` and list them (the module's
+    docstring says how). One of ``shard_size`` (utterances) and ``shard_hours`` is given."""
+    if (shard_size > 0) == (shard_hours > 0):
+        raise ValueError("give one of shard_size and shard_hours")
+    manifest, out_dir = Path(manifest), Path(out_dir)
+    report = ShardReport(out_dir)
+    rows = _usable_rows(manifest, tokenizer, max_duration, report)
+    groups = _groups(rows, shard_size, shard_hours)
+    if not groups:
+        return report
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob(".shard-*.tar.tmp*"):  # a run killed while writing a shard
+        stale.unlink(missing_ok=True)
+    done = _done_before(out_dir)
+    entries, texts = [], []
+    for i, group in enumerate(tqdm(groups, desc="shards", unit="shard", disable=not progress)):
+        path = out_dir / shard_name(i)
+        entry = _kept(path, group, done)
+        if entry is None:
+            entry = _write_shard(path, group, report)
+            report.written += 1
+            with open(out_dir / PROGRESS, "a", encoding="utf-8") as f:  # after the rename: the shard is whole
+                f.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        entries.append(entry)
+        by_key = {row.key: row.text for row in group}
+        texts += [by_key[key] for key in entry["keys"]]
+    for old in sorted(out_dir.glob("shard-*.tar")):  # an earlier run's, past this run's count
+        if (m := SHARD_PATTERN.fullmatch(old.name)) and int(m.group(1)) >= len(groups):
+            old.unlink()
+            report.removed.append(old.name)
+    write_file_atomic(out_dir / TEXTS_NAME, "".join(f"{t}\n" for t in texts).encode("utf-8"))
+    listing = {**FORMAT, "manifest": str(manifest), "utterances": sum(e["utterances"] for e in entries),
+               "hours": round(sum(e["hours"] for e in entries), 6), "shards": entries}
+    write_file_atomic(out_dir / LIST_NAME, json.dumps(listing, ensure_ascii=False).encode("utf-8"))  # last
+    (out_dir / PROGRESS).unlink(missing_ok=True)
+    report.shards = len(entries)
+    report.utterances = listing["utterances"]
+    report.seconds = listing["hours"] * 3600
+    return report
+
+
+def _done_before(out_dir: Path) -> dict[str, dict[str, Any]]:
+    """The shards earlier runs finished: the old list's, then those a killed run recorded after it."""
+    entries: dict[str, dict[str, Any]] = {}
+    try:
+        for entry in json.loads((out_dir / LIST_NAME).read_text(encoding="utf-8"))["shards"]:
+            entries[entry["path"]] = entry
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        lines = (out_dir / PROGRESS).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+            entries[entry["path"]] = entry
+        except (ValueError, KeyError, TypeError):  # the last line of a run killed while appending
+            continue
+    return entries
+
+
+def print_shard_report(report: ShardReport) -> None:
+    if report.shards:
+        print(f"wrote {report.out_dir / LIST_NAME}: {report.shards} shards ({report.written} written now, "
+              f"{report.shards - report.written} already in place), {report.utterances} utterances, "
+              f"{report.seconds / 3600:.2f} h")
+    else:
+        print("no usable utterance: no shard written")
+    if report.removed:
+        print(f"removed {len(report.removed)} shards of an earlier run past this one's count: "
+              f"{', '.join(report.removed[:5])}{' ...' if len(report.removed) > 5 else ''}")
+    print_skipped(report.skipped, report.examples, report.total)
