@@ -184,8 +184,14 @@ class AugmentConfig:
 class TrainConfig(AugmentConfig):
     """One training run. Defaults suit the demo corpus on a small GPU or a CPU."""
 
-    train_manifest: str = field(default="", metadata={"section": "data", "help": "NeMo-style JSONL manifest for training",
-                                                      "required": True})
+    train_manifest: str = field(default="", metadata={"section": "data", "help":
+                                "NeMo-style JSONL manifest for training (required, or --train_shards)"})
+    train_shards: str = field(default="", metadata=flag_help(section="data", text=
+        "train on tar shards instead of --train_manifest: their shards.json (konkanivani-prepare shards), a brace "
+        "pattern (shards/shard-{000000..000099}.tar) or a file listing shard paths"))
+    shuffle_buffer: int = field(default=1000, metadata=flag_help(kept_on_resume=True, section="data", text=
+        "with --train_shards: utterances in the shuffle buffer of each reader, and in each length-sorted pool cut "
+        "into batches (about twice this many encoded utterances in memory per worker)"))
     valid_manifest: str = field(default="", metadata={"section": "data", "help": "JSONL manifest for validation", "required": True})
     output_dir: str = field(default="checkpoints/run", metadata=flag_help("where checkpoints and logs go"))
     preset: str = field(default="medium", metadata=flag_help(section="model", text="model size: " + ", ".join(PRESETS)))
@@ -288,7 +294,7 @@ def _fraction(v: float) -> bool:
 _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     **{name: (_at_least(1), "a positive integer") for name in (
         "epochs", "batch_size", "gradient_accumulation_steps", "vocab_size", "log_every", "keep_checkpoints",
-        "num_buckets")},
+        "num_buckets", "shuffle_buffer")},
     **{name: (_at_least(0), "0 or more") for name in (
         "max_steps", "warmup_steps", "num_workers", "empty_cache_every", "save_every_steps", "validate_every_steps",
         "max_batch_frames", "max_samples", "max_consecutive_skips", "freeze_encoder_steps")},
@@ -319,10 +325,11 @@ def check_config(cfg: TrainConfig, model_overrides: dict[str, Any] | None = None
         value = getattr(cfg, name)
         if not ok(value):
             raise ConfigError(f"--{name} must be {wanted}, got {value!r}")
-    for name in ("train_manifest", "valid_manifest"):
-        if not getattr(cfg, name):
-            raise ConfigError(f"--{name} is required")
-    for name in ("train_manifest", "valid_manifest", "tokenizer"):
+    if not cfg.train_manifest and not cfg.train_shards:
+        raise ConfigError("--train_manifest (or --train_shards) is required")
+    if not cfg.valid_manifest:
+        raise ConfigError("--valid_manifest is required")
+    for name in ("valid_manifest", "tokenizer") + (() if cfg.train_shards else ("train_manifest",)):
         path = getattr(cfg, name)
         if path and not Path(path).is_file():
             raise ConfigError(f"--{name} {path}: file not found")
@@ -339,6 +346,9 @@ def check_config(cfg: TrainConfig, model_overrides: dict[str, Any] | None = None
     for a, b in exclusive:
         if getattr(cfg, a) and getattr(cfg, b):
             raise ConfigError(f"give --{a} or --{b}, not both")
+    if cfg.train_shards and cfg.max_samples:
+        raise ConfigError("--max_samples picks rows of --train_manifest; with --train_shards, write shards of the "
+                          "rows to train on")
     if cfg.strategy == "fsdp" and cfg.optimizer != "adamw":
         raise ConfigError("--strategy fsdp shards AdamW's states itself; use --optimizer adamw with it")
     if cfg.strategy == "fsdp" and cfg.ema_decay:

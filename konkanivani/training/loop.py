@@ -296,6 +296,7 @@ def save(run: Run, is_best: bool = False, quiet: bool = False) -> None:
     at it; keep the newest --keep_checkpoints. Every process takes part (their random states go
     into the checkpoint); rank 0 writes."""
     rng = run.dist.gather(capture_rng())
+    position = run.dist.gather(run.sampler.position(run.epoch, run.batches_done))
     model_state, optimizer_state = full_state_dicts(run.model, run.optimizer)  # sharded: gathered
     run.saved_step = run.step
     if not run.dist.is_main:
@@ -305,7 +306,7 @@ def save(run: Run, is_best: bool = False, quiet: bool = False) -> None:
         model_config=dataclasses.asdict(run.model.cfg), train_config=dataclasses.asdict(run.cfg),
         tokenizer=run.tokenizer.model_proto, model=model_state, optimizer=optimizer_state,
         scaler=run.scaler.state_dict(), step=run.step, epoch=run.epoch, batches_done=run.batches_done,
-        processes=run.dist.world, rng=rng,
+        processes=run.dist.world, rng=rng, data_position=position if any(position) else [],
         best_wer=run.best_wer, best_cer=run.best_cer, valid_metrics=run.valid_metrics, valid_step=run.valid_step,
         ema_model=ema_model, ema_updates=ema_updates, train_seconds=run.elapsed())
     path = save_step(run.out_dir, run.step, state.save, is_best, run.cfg.keep_checkpoints)

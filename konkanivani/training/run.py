@@ -11,7 +11,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -22,8 +22,8 @@ from ..checkpoint import load_checkpoint, write_file_atomic
 from ..config import ConfigError, ModelConfig, TrainConfig, kept_settings, model_config_from_preset
 from ..config_file import write_config_file
 from ..data.augment import Augmenter, batching_duration
-from ..data.dataset import ASRDataset, Utterance, collate, compute_cmvn, load_utterances, log_skipped
-from ..data.frames import budget_frames, frames_of
+from ..data.dataset import ASRDataset, Utterance, cmvn_of, collate, compute_cmvn, load_utterances, log_skipped
+from ..data.frames import budget_frames, frames_of, subsampled_lengths
 from ..data.manifest import ManifestError, read_manifest
 from ..data.samplers import (
     EpochKeyed,
@@ -33,6 +33,7 @@ from ..data.samplers import (
     select_samples,
     train_sampler,
 )
+from ..data.shards import ShardPlan, ShardSet, ShardStream, ShardUtterances, open_shards, shard_waveforms, texts_of
 from ..data.tokenizer import Tokenizer, train_tokenizer
 from ..model.asr import ASRModel, count_parameters
 from .compile import compiled
@@ -78,7 +79,7 @@ class Run:
     forward: Callable[..., Any]  # the model's forward: data-parallel and/or compiled where asked
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
-    train_utts: list[Utterance]
+    train_utts: Sequence[Utterance]  # a manifest's, or a shard set's (ShardUtterances)
     valid_utts: list[Utterance]
     sampler: ResumableBatchSampler
     train_loader: DataLoader
@@ -133,14 +134,14 @@ def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, dev
     cfg, model_cfg, tokenizer, samples_grew = _settings(cfg, model_overrides, state, dist, init)
     precision = resolve_precision(device, cfg.mixed_precision, cfg.precision)
     augmenter = _augmenter(cfg)  # lists --noise_dir / --rir_dir: a bad folder stops the run before any work
-    train_utts, valid_utts = _load_data(cfg, tokenizer)
+    train_utts, valid_utts, shards = _load_data(cfg, tokenizer)
     start()
     if dist.is_main and (stale := remove_stale_temporaries(out_dir)):
         log.warning("removed %d unfinished checkpoint writes of a run killed while saving: %s", len(stale),
                     ", ".join(p.name for p in stale))
     if dist.is_main and state is None:
         write_file_atomic(out_dir / "tokenizer.model", tokenizer.model_proto)
-    model = _build_model(cfg, model_cfg, train_utts, state, device, init, tokenizer)
+    model = _build_model(cfg, model_cfg, train_utts, state, device, init, tokenizer, shards)
     if dist.active:
         _seed_everything(cfg.seed + dist.rank)  # dropout and SpecAugment differ between processes
     forward = wrap_data_parallel(model, dist, device, cfg.strategy)  # fsdp shards the model in place
@@ -151,9 +152,12 @@ def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, dev
             f"; {dist.world} processes, {cfg.strategy}" if dist.active else "")
     forward = compiled(forward) if cfg.compile else forward
     estimator = MemoryEstimator(model_cfg, precision_name(precision), optimizer_name, cfg.gradient_checkpointing)
-    durations = [batching_duration(u.duration, cfg.speed_perturb) for u in train_utts]  # as long as they may get
+    durations = [batching_duration(d, cfg.speed_perturb)  # as long as they may get
+                 for d in (shards.durations() if shards else (u.duration for u in train_utts))]
     if cfg.auto_batch and state is None:
-        longest, tokens = max(frames_of(d) for d in durations), max(len(u.tokens) for u in train_utts)
+        longest = max(frames_of(d) for d in durations)
+        # a shard's text is read with its audio: as many tokens as CTC allows, the most a usable one has
+        tokens = subsampled_lengths(longest) if shards else max(len(u.tokens) for u in train_utts)
         frames = auto_batch_frames(forward, model, device, lambda: precision.autocast(device), longest, tokens,
                                    estimator, cfg.max_memory_gb)
         given = budget_frames(cfg.max_batch_frames, cfg.max_batch_seconds)
@@ -161,15 +165,23 @@ def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, dev
     # The first micro-batch of the second step is the peak (optimizer states exist from then on);
     # a resumed run keeps the count its first epoch was planned with.
     accum_then = state.train_config["gradient_accumulation_steps"] if state else cfg.gradient_accumulation_steps
-    sampler = train_sampler(durations, cfg.batch_size,
-                            budget_frames(cfg.max_batch_frames, cfg.max_batch_seconds), cfg.seed, cfg.num_buckets,
-                            estimator.fits_budget(cfg.max_memory_gb * GIB) if cfg.max_memory_gb > 0 else None,
-                            accum_then + 1 if cfg.preflight else 0, dist.rank, dist.world)
+    fits = estimator.fits_budget(cfg.max_memory_gb * GIB) if cfg.max_memory_gb > 0 else None
+    budget = budget_frames(cfg.max_batch_frames, cfg.max_batch_seconds)
+    if shards is not None:
+        sampler: ResumableBatchSampler = ShardPlan(
+            shards, [frames_of(d) for d in durations], rank=dist.rank, world=dist.world,
+            streams=cfg.num_workers, seed=cfg.seed, buffer=cfg.shuffle_buffer, max_frames=budget,
+            batch_size=cfg.batch_size, max_duration=cfg.max_duration, fits=fits)
+    else:
+        sampler = train_sampler(durations, cfg.batch_size, budget, cfg.seed, cfg.num_buckets, fits,
+                                accum_then + 1 if cfg.preflight else 0, dist.rank, dist.world)
     valid_sampler = LengthGroupedBatchSampler([u.duration for u in valid_utts], cfg.batch_size, shuffle=False)
     if not is_sharded(model):  # a sharded model computes in every process together: all validate everything
         valid_sampler = ShardedSampler(valid_sampler, dist.rank, dist.world, even=False)
     run = Run(cfg, out_dir, dist, device, precision, tokenizer, model, forward, optimizer,
               torch.amp.GradScaler(device.type, enabled=precision.use_scaler), train_utts, valid_utts, sampler,
+              _shard_loader(ShardStream(sampler, tokenizer, ASRDataset([], model_cfg.n_mels, augmenter)), cfg, device)
+              if isinstance(sampler, ShardPlan) else
               _loader(ASRDataset(train_utts, model_cfg.n_mels, augmenter), sampler, cfg, device),
               _loader(ASRDataset(valid_utts, model_cfg.n_mels), valid_sampler, cfg, device, workers=0),
               MetricsLog(out_dir / "metrics.jsonl"), NonFiniteSkips(cfg.max_consecutive_skips))
@@ -246,6 +258,10 @@ def _settings(cfg: TrainConfig, model_overrides: dict[str, Any], state: Optional
     if shown:
         log.warning("on resume, %s as in the checkpoint (they decide which batches remain in the epoch)",
                     ", ".join(f"--{k} {v}" for k, v in shown.items()))
+    if cfg.train_shards and max(1, cfg.num_workers) != max(1, saved["num_workers"]):
+        log.warning("on resume, --num_workers %d as in the checkpoint (the shards' batches are planned for that many "
+                    "readers)", saved["num_workers"])
+        changed["num_workers"] = saved["num_workers"]
     model_cfg = ModelConfig.from_dict(state.model_config)
     if any(v is not None and getattr(model_cfg, k) != v for k, v in model_overrides.items()):
         log.warning("model flags ignored on resume: the checkpoint's dimensions are used")
@@ -259,12 +275,19 @@ def _fresh_tokenizer(cfg: TrainConfig, dist: Dist) -> Tokenizer:
         return Tokenizer.load(cfg.tokenizer)
     proto = None
     if dist.is_main:
-        texts = [row.get("text") for _, row in read_manifest(cfg.train_manifest)]
+        source = cfg.train_shards or cfg.train_manifest
+        if cfg.train_shards:
+            if (text_file := texts_of(cfg.train_shards)) is None:
+                raise ConfigError(f"--train_shards {cfg.train_shards}: no text.txt beside the shards to train a "
+                                  "tokenizer on; give --tokenizer")
+            texts = text_file.read_text(encoding="utf-8").splitlines()
+        else:
+            texts = [row.get("text") for _, row in read_manifest(cfg.train_manifest)]
         try:
             proto = train_tokenizer([t for t in texts if isinstance(t, str)], cfg.vocab_size,
                                     cfg.tokenizer_type).model_proto
         except ValueError as e:
-            raise ConfigError(f"{cfg.train_manifest}: {e}") from e
+            raise ConfigError(f"{source}: {e}") from e
     return Tokenizer(dist.gather(proto)[0])
 
 
@@ -277,9 +300,25 @@ def _augmenter(cfg: TrainConfig) -> Optional[Augmenter]:
     return augmenter
 
 
-def _load_data(cfg: TrainConfig, tokenizer: Tokenizer) -> tuple[list[Utterance], list[Utterance]]:
-    train_utts, skipped = load_utterances(cfg.train_manifest, tokenizer, cfg.max_duration, cfg.duration_tolerance)
-    log_skipped("train", cfg.train_manifest, len(train_utts), skipped)
+def _load_data(cfg: TrainConfig, tokenizer: Tokenizer
+               ) -> tuple[Sequence[Utterance], list[Utterance], Optional[ShardSet]]:
+    """The training utterances (of a manifest, or of the shards), the validation ones, and the shard set."""
+    shards = None
+    if cfg.train_shards:
+        if cfg.train_manifest:
+            log.info("--train_shards %s: --train_manifest %s is not used", cfg.train_shards, cfg.train_manifest)
+        shards = open_shards(cfg.train_shards)
+        train_utts: Sequence[Utterance] = ShardUtterances(shards)
+        longer = sum(d > cfg.max_duration for d in shards.durations())
+        log.info("train shards %s: %d shards, %d utterances, %.2f h%s (their text is checked as each is read)",
+                 cfg.train_shards, len(shards.shards), len(shards), shards.hours(),
+                 f"; {longer} longer than --max_duration {cfg.max_duration:g} s left out" if longer else "")
+        if longer == len(shards):
+            raise ConfigError(f"--train_shards {cfg.train_shards}: every utterance is longer than --max_duration")
+    else:
+        train_utts, skipped = load_utterances(cfg.train_manifest, tokenizer, cfg.max_duration,
+                                              cfg.duration_tolerance)
+        log_skipped("train", cfg.train_manifest, len(train_utts), skipped)
     if cfg.max_samples > 0:
         train_utts = [train_utts[i] for i in select_samples(len(train_utts), cfg.max_samples, cfg.seed)]
         log.info("--max_samples %d: training on %d of the utterances (a seeded choice)", cfg.max_samples,
@@ -290,19 +329,20 @@ def _load_data(cfg: TrainConfig, tokenizer: Tokenizer) -> tuple[list[Utterance],
         name, path = ("training", cfg.train_manifest) if not train_utts else ("validation", cfg.valid_manifest)
         raise ManifestError(f"no usable utterance in the {name} manifest {path}; see the warnings above "
                             "(konkanivani-validate lists every bad row)")
-    return train_utts, valid_utts
+    return train_utts, valid_utts, shards
 
 
-def _build_model(cfg: TrainConfig, model_cfg: ModelConfig, train_utts: list[Utterance],
+def _build_model(cfg: TrainConfig, model_cfg: ModelConfig, train_utts: Sequence[Utterance],
                  state: Optional[TrainState], device: torch.device, init: Optional[dict[str, Any]] = None,
-                 tokenizer: Optional[Tokenizer] = None) -> ASRModel:
+                 tokenizer: Optional[Tokenizer] = None, shards: Optional[ShardSet] = None) -> ASRModel:
     """The model: a resumed run's weights; or fresh, with the CMVN statistics of the training data
     and, from an --init_from checkpoint (``init``), the weights that fit."""
     model = ASRModel(model_cfg, cfg.ctc_weight, cfg.label_smoothing)
     if state is not None:
         model.load_state_dict(state.model)
     else:
-        model.set_cmvn(*compute_cmvn(train_utts, model_cfg.n_mels, seed=cfg.seed))
+        model.set_cmvn(*(cmvn_of(shard_waveforms(shards, seed=cfg.seed), model_cfg.n_mels) if shards is not None
+                         else compute_cmvn(train_utts, model_cfg.n_mels, seed=cfg.seed)))
     if init is not None:
         modules = tuple(m.strip() for m in cfg.init_modules.split(","))
         log.info("%s", load_init_weights(model, tokenizer, init, modules, cfg.init_from).summary())
@@ -336,8 +376,12 @@ def _restore(run: Run, state: TrainState, source: str, samples_grew: bool) -> No
         run.scaler.load_state_dict(state.scaler)
     run.step, run.epoch, run.batches_done = state.step, state.epoch, state.batches_done
     run.elapsed_before = state.train_seconds
+    plan_changed = _plan_changed(run, state)
     if state.processes == run.dist.world:
         restore_rng(state.rng[run.dist.rank])
+    elif plan_changed:
+        log.warning("the checkpoint was written by %d processes, this run has %d: random draws start afresh",
+                    state.processes, run.dist.world)
     else:  # the processes took interleaved shares of the same batches: so many of them are done
         consumed = state.batches_done * state.processes
         run.batches_done = consumed // run.dist.world
@@ -353,8 +397,25 @@ def _restore(run: Run, state: TrainState, source: str, samples_grew: bool) -> No
     if samples_grew and run.batches_done:
         log.info("--max_samples grew: epoch %d ends here, the next one covers the larger set", run.epoch + 1)
         run.epoch, run.batches_done = run.epoch + 1, 0
+    if plan_changed and run.batches_done:
+        log.warning("the rest of epoch %d cannot be found again (%s): it ends here, and the next epoch starts",
+                    run.epoch + 1, plan_changed)
+        run.epoch, run.batches_done = run.epoch + 1, 0
     log.info("resumed from %s at step %d (epoch %d, batch %d), lr %.3g", source, run.step, run.epoch + 1,
              run.batches_done, run.cfg.lr * lr_factor(run.step, run.cfg.warmup_steps))
+
+
+def _plan_changed(run: Run, state: TrainState) -> Optional[str]:
+    """What makes the batches a checkpoint's epoch had left differ from this run's, where it trains on
+    shards or did (their plan depends on the shard list, the processes and readers); None otherwise."""
+    saved = state.data_position[run.dist.rank] if len(state.data_position) == run.dist.world else {}
+    if isinstance(run.sampler, ShardPlan):
+        if not state.data_position:
+            return "the run trained on a manifest, now on shards"
+        if not saved:
+            return f"{len(state.data_position)} processes then, {run.dist.world} now"
+        return run.sampler.same_plan(saved)
+    return "the run trained on shards, now on a manifest" if state.data_position else None
 
 
 def _restore_ema(run: Run, state: TrainState) -> None:
@@ -399,6 +460,16 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def _shard_loader(stream: ShardStream, cfg: TrainConfig, device: torch.device) -> DataLoader:
+    """The shards' batches: each worker reads its stream of the plan and collates (``batch_size=None``).
+    Workers start afresh each epoch, each with the plan of that epoch."""
+    workers = cfg.num_workers
+    return DataLoader(stream, batch_size=None, num_workers=workers, pin_memory=device.type == "cuda",
+                      prefetch_factor=4 if workers > 0 else None,
+                      worker_init_fn=ignore_stop_signals if workers > 0 else None,
+                      generator=torch.Generator().manual_seed(cfg.seed))
 
 
 def _loader(dataset: ASRDataset, sampler: ResumableBatchSampler | EpochKeyed, cfg: TrainConfig, device: torch.device,

@@ -41,6 +41,8 @@ class TrainState:
     ema_model: dict[str, Any] = field(default_factory=dict)  # the EMA weights (--ema_decay); empty when off
     ema_updates: int = 0  # optimizer steps averaged into ema_model (AveragedModel.n_averaged)
     train_seconds: float = 0.0  # seconds of training up to this step (Run.elapsed); 0 in older checkpoints
+    data_position: list[dict[str, Any]] = field(default_factory=list)  # per process, beyond batches_done: a
+    # shard plan's inputs and each reader's next shard and key (ShardPlan.position); empty for a manifest
 
     def save(self, path: str | Path) -> Path:
         return save_checkpoint({f.name: getattr(self, f.name) for f in fields(self)}, path)
