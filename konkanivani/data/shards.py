@@ -22,7 +22,8 @@ the same batches:
    bucketing inside the buffer;
 4. the process's batches are its streams' in turn, as the DataLoader takes them from its workers;
 5. every process gets the same number of batches: one with fewer splits its largest batches in two
-   until it has as many as the most. Every utterance is seen once an epoch, and no process waits.
+   until it has as many as the most (when all are down to one utterance, the last are empty: that
+   process adds nothing to those steps). Every utterance is seen once an epoch, and no process waits.
 
 Reading (``ShardStream``, an IterableDataset) follows the plan: a worker opens its stream's shards in
 order, keeps the encoded bytes of the utterances its coming batches need (a bounded number: the
@@ -418,42 +419,47 @@ class ShardPlan(ResumableBatchSampler):
             ranks.append([self._stream(units[k::self.streams], random.Random(f"stream {self.seed} {epoch} {r} {k}"))
                           for k in range(self.streams)])
         target = max(sum(len(s) for s in streams) for streams in ranks)
-        for r, streams in enumerate(ranks):
-            self._even_out(streams, target, r)
+        for streams in ranks:
+            self._even_out(streams, target)
         self._cache = (epoch, ranks)
         return ranks
 
-    def _even_out(self, streams: list[list[list[int]]], target: int, rank: int) -> None:
-        """Split this process's largest batches in two until it has ``target`` batches."""
+    def _even_out(self, streams: list[list[list[int]]], target: int) -> None:
+        """Split this process's largest batches in two until it has ``target`` batches (each half
+        stays where its batch stood, in its stream); then, if need be, add empty ones."""
         short = target - sum(len(s) for s in streams)
         if short <= 0:
             return
-        heap = [(-len(b) * self.frames[b[-1]], k, j) for k, s in enumerate(streams) for j, b in enumerate(s) if len(b) > 1]
+        batches: dict[int, list[int]] = {}  # id -> batch
+        orders: list[list[int]] = []  # each stream's batch ids in order
+        heap: list[tuple[int, int]] = []  # (-padded frames, id) of the batches that can be split
+        for s in streams:
+            orders.append([])
+            for b in s:
+                batches[len(batches)] = b
+                orders[-1].append(len(batches) - 1)
+                if len(b) > 1:
+                    heap.append((-len(b) * self.frames[b[-1]], len(batches) - 1))  # sorted: the last is the longest
         heapq.heapify(heap)
-        halves: dict[tuple[int, int], list[list[int]]] = {}
-        stream_of = [dict(enumerate(s)) for s in streams]  # (stream, slot) -> batch; split slots hold two
-        next_slot = [len(s) for s in streams]
-        while short > 0:
-            if not heap:
-                raise ShardError(f"{self.shards.source}: too few utterances for {self.world} processes to have "
-                                 f"{target} batches each (process {rank} cannot split its batches further)")
-            _, k, j = heapq.heappop(heap)
-            batch = stream_of[k].pop(j)
-            first, second = batch[:len(batch) // 2], batch[len(batch) // 2:]  # sorted by length: each half alike
-            a, b = next_slot[k], next_slot[k] + 1
-            next_slot[k] += 2
-            stream_of[k][a], stream_of[k][b] = first, second
-            halves.setdefault((k, j), []).extend([a, b])
-            for slot, half in ((a, first), (b, second)):
+        where = {i: k for k, order in enumerate(orders) for i in order}
+        next_id = len(batches)
+        while short > 0 and heap:
+            _, i = heapq.heappop(heap)
+            batch, k = batches.pop(i), where.pop(i)
+            ids = []
+            for half in (batch[:len(batch) // 2], batch[len(batch) // 2:]):
+                new, next_id = next_id, next_id + 1
+                ids.append(new)
+                batches[new], where[new] = half, k
                 if len(half) > 1:
-                    heapq.heappush(heap, (-len(half) * self.frames[half[-1]], k, slot))
+                    heapq.heappush(heap, (-len(half) * self.frames[half[-1]], new))
+            at = orders[k].index(i)
+            orders[k][at:at + 1] = ids
             short -= 1
-        for k, s in enumerate(streams):  # put each split batch's halves where it stood
-            def expand(slot: int) -> list[list[int]]:
-                if slot in stream_of[k]:
-                    return [stream_of[k][slot]]
-                return [b for part in halves[(k, slot)] for b in expand(part)]
-            s[:] = [b for j in range(len(s)) for b in expand(j)]
+        for _ in range(short):  # every batch down to one utterance, and still fewer: a share of nothing
+            orders[min(range(len(orders)), key=lambda k: len(orders[k]))].append(-1)
+        for k, order in enumerate(orders):
+            streams[k][:] = [batches[i] if i >= 0 else [] for i in order]
 
     # -- ResumableBatchSampler: this process's batches
     def epoch_batches(self) -> list[list[int]]:

@@ -1,0 +1,325 @@
+"""Sharded datasets: writing them (atomic, resumable, checked rows), planning an epoch (every
+utterance once, equal batch counts per process, resumable), reading them through a DataLoader,
+bad shards, and training on them (learns, resumes exactly; 2 torchrun processes in
+test_shards_distributed.py)."""
+import io
+import json
+import subprocess
+import sys
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import soundfile as sf
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny_args import tiny_args
+
+from konkanivani.data.audio import load_audio
+from konkanivani.data.dataset import ASRDataset
+from konkanivani.data.frames import frames_of
+from konkanivani.data.manifest import read_manifest
+from konkanivani.data.shards import (
+    LIST_NAME,
+    Shard,
+    ShardError,
+    ShardPlan,
+    ShardSet,
+    ShardStream,
+    interleave,
+    open_shards,
+)
+from konkanivani.data.tokenizer import train_tokenizer
+from konkanivani.tools import shards as shard_tools
+from konkanivani.tools.shards import write_shards
+
+SCRIPT = Path(__file__).resolve().parents[1] / "training_scripts" / "train_konkanivani_asr.py"
+
+
+@pytest.fixture(scope="module")
+def shard_dir(tiny_corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("shards") / "train"
+    report = write_shards(tiny_corpus / "train.jsonl", out, shard_size=10, progress=False)
+    assert report.shards == 6 and report.written == 6 and not report.skipped
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_corpus):
+    return train_tokenizer([row["text"] for _, row in read_manifest(tiny_corpus / "train.jsonl")], 48)
+
+
+# ---- writing ------------------------------------------------------------------------------------
+
+def test_shards_hold_every_row_losslessly_and_webdataset_reads_them(tiny_corpus, shard_dir):
+    rows = [row for _, row in read_manifest(tiny_corpus / "train.jsonl")]
+    listing = json.loads((shard_dir / LIST_NAME).read_text())
+    assert listing["utterances"] == len(rows) == sum(e["utterances"] for e in listing["shards"])
+    assert [e["utterances"] for e in listing["shards"]] == [10] * 5 + [len(rows) - 50]
+    assert listing["hours"] == pytest.approx(sum(r["duration"] for r in rows) / 3600, abs=1e-4)
+    assert (shard_dir / "text.txt").read_text().splitlines() == [r["text"] for r in rows]
+
+    import webdataset as wds
+    samples = list(wds.WebDataset(str(shard_dir / "shard-{000000..000005}.tar"), shardshuffle=False))
+    assert [s["__key__"] for s in samples] == [f"train-{i:08d}" for i in range(1, len(rows) + 1)]
+    for sample, row in zip(samples, rows, strict=True):
+        meta = json.loads(sample["json"])
+        assert meta["text"] == row["text"] and meta["speaker"] == row["speaker"]
+        assert meta["duration"] == pytest.approx(row["duration"], abs=1e-3)
+    flac, _ = sf.read(io.BytesIO(samples[3]["flac"]), dtype="float32")
+    assert torch.equal(torch.from_numpy(flac), load_audio(tiny_corpus / rows[3]["audio_filepath"]))  # lossless
+
+
+def test_bad_rows_are_counted_and_named_and_the_others_written(tiny_corpus, tmp_path):
+    lines = (tiny_corpus / "train.jsonl").read_text().splitlines()[:6]
+    broken = json.loads(lines[2]) | {"audio_filepath": "wavs/nowhere.wav"}
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("\n".join([lines[0], lines[1], json.dumps(broken), "{not json", lines[3]]) + "\n")
+    (tmp_path / "wavs").symlink_to(tiny_corpus / "wavs")
+    report = write_shards(manifest, tmp_path / "out", shard_size=2, progress=False)
+    assert report.utterances == 3 and report.shards == 2
+    assert report.skipped == Counter({"audio file missing": 1, "not a JSON object line": 1})
+    assert any(e.startswith(f"{manifest}:3: audio file missing") for e in report.examples)
+    assert any(e.startswith(f"{manifest}:4: not a JSON") for e in report.examples)
+
+
+def test_a_killed_writer_leaves_only_whole_shards_and_a_rerun_keeps_them(tiny_corpus, tmp_path, monkeypatch):
+    clean = tmp_path / "clean"
+    write_shards(tiny_corpus / "train.jsonl", clean, shard_size=10, progress=False)
+    out = tmp_path / "out"
+    encode, calls = shard_tools._encode, []
+
+    def dies_in_shard_three(row):
+        calls.append(row.key)
+        if len(calls) == 25:  # the 5th utterance of the third shard
+            raise KeyboardInterrupt
+        return encode(row)
+
+    monkeypatch.setattr(shard_tools, "_encode", dies_in_shard_three)
+    with pytest.raises(KeyboardInterrupt):
+        write_shards(tiny_corpus / "train.jsonl", out, shard_size=10, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == [".shards.progress.jsonl", "shard-000000.tar", "shard-000001.tar"]
+    with pytest.raises(ShardError):  # no list: nothing a reader could take for the whole set
+        open_shards(str(out / LIST_NAME))
+
+    monkeypatch.setattr(shard_tools, "_encode", encode)
+    report = write_shards(tiny_corpus / "train.jsonl", out, shard_size=10, progress=False)
+    assert report.written == 4 and report.shards == 6  # the two whole shards kept, not read again
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in clean.iterdir())
+    for p in clean.iterdir():
+        assert (out / p.name).read_bytes() == p.read_bytes(), p.name  # the same bytes as one unbroken run
+
+    again = write_shards(tiny_corpus / "train.jsonl", out, shard_size=20, progress=False)  # other sizes: all anew
+    assert again.written == 3 and again.removed == ["shard-000003.tar", "shard-000004.tar", "shard-000005.tar"]
+    n = len(read_manifest(tiny_corpus / "train.jsonl"))
+    assert [len(s) for s in open_shards(str(out)).shards] == [20, 20, n - 40]
+
+
+def test_prepare_shards_command_refuses_the_manifests_own_folder(tiny_corpus, tmp_path):
+    from konkanivani.cli.prepare import main
+    with pytest.raises(SystemExit) as e:
+        main(["shards", str(tiny_corpus / "train.jsonl"), "--output_dir", str(tiny_corpus), "--shard_size", "5"])
+    assert e.value.code == 2
+    assert main(["shards", str(tiny_corpus / "train.jsonl"), "--output_dir", str(tmp_path / "s"),
+                 "--shard_hours", "0.005", "--no_progress"]) == 0
+    assert len(open_shards(str(tmp_path / "s")).shards) > 1
+
+
+# ---- the plan -------------------------------------------------------------------------------------
+
+def _fake_set(counts, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shards = [Shard(Path(f"s{i}.tar"), f"s{i}.tar", 0, tuple(f"k{i}_{j}" for j in range(n)),
+                    tuple(float(1 + 9 * torch.rand(1, generator=gen)) for _ in range(n))) for i, n in enumerate(counts)]
+    return ShardSet(shards, "fake")
+
+
+def _plans(shards, world, streams, **kw):
+    frames = [frames_of(d) for d in shards.durations()]
+    return [ShardPlan(shards, frames, rank=r, world=world, streams=streams, **kw) for r in range(world)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(counts=st.lists(st.integers(0, 30), min_size=1, max_size=7).filter(lambda c: sum(c) >= 6),
+       world=st.integers(1, 3), streams=st.integers(1, 3), buffer=st.integers(1, 20), epoch=st.integers(0, 3),
+       budget=st.sampled_from([0, 1200, 3000]))
+def test_every_utterance_once_per_epoch_and_as_many_batches_in_every_process(counts, world, streams, buffer, epoch,
+                                                                             budget):
+    shards = _fake_set(counts)
+    plans = _plans(shards, world, streams, buffer=buffer, max_frames=budget, batch_size=3)
+    for p in plans:
+        p.set_epoch(epoch)
+    batches = [p.epoch_batches() for p in plans]
+    seen = [i for rank in batches for b in rank for i in b]
+    assert sorted(seen) == list(range(len(shards)))  # all of them, once
+    assert len({len(rank) for rank in batches}) == 1  # no process waits for another at the end
+    for rank in batches:
+        for b in rank:
+            assert not budget or len(b) <= 1 or len(b) * max(frames_of(shards.durations()[i]) for i in b) <= budget
+    again = _plans(shards, world, streams, buffer=buffer, max_frames=budget, batch_size=3)
+    for p, q in zip(plans, again):
+        q.set_epoch(epoch)
+        assert q.epoch_batches() == p.epoch_batches()  # a pure function of its inputs
+
+
+@settings(max_examples=40, deadline=None)
+@given(counts=st.lists(st.integers(1, 25), min_size=1, max_size=6), streams=st.integers(1, 4),
+       start=st.integers(0, 40))
+def test_after_a_resume_the_workers_in_turn_give_the_rest_of_the_epoch_in_order(counts, streams, start):
+    """A fresh DataLoader takes its workers' batches in turn from worker 0; ``work`` gives worker w
+    the stream that makes that the unbroken epoch's order."""
+    plan = _plans(_fake_set(counts), 1, streams, buffer=7, batch_size=2)[0]
+    plan.set_epoch(1)
+    whole = plan.epoch_batches()
+    start = min(start, len(whole))
+    plan.set_epoch(1, start)
+    assert len(plan) == len(whole) - start
+    assert interleave([plan.work(w).batches for w in range(streams)]) == whole[start:]
+
+
+def test_a_plan_differs_from_epoch_to_epoch_and_splits_few_shards_among_many_processes():
+    shards = _fake_set([40])  # one shard, three processes: each takes every third utterance
+    plans = _plans(shards, 3, 1, buffer=10, batch_size=4)
+    for p in plans:
+        p.set_epoch(0)
+    assert {i % 3 for b in plans[1].epoch_batches() for i in b} == {1}
+    a = plans[0].epoch_batches()
+    plans[0].set_epoch(1)
+    assert plans[0].epoch_batches() != a and sorted(sum(a, [])) == sorted(sum(plans[0].epoch_batches(), []))
+
+
+# ---- reading -------------------------------------------------------------------------------------
+
+def _loader(plan, tokenizer, workers):
+    from torch.utils.data import DataLoader
+    return DataLoader(ShardStream(plan, tokenizer, ASRDataset([], 80)), batch_size=None, num_workers=workers)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_dataloader_gives_the_plans_batches_with_their_features_and_tokens(shard_dir, tokenizer, tiny_corpus,
+                                                                              workers):
+    shards = open_shards(str(shard_dir))
+    plan = _plans(shards, 1, workers, buffer=8, max_frames=2000)[0]
+    plan.set_epoch(2)
+    batches = list(_loader(plan, tokenizer, workers))
+    assert [b.indices for b in batches] == plan.epoch_batches() and not any(b.missing for b in batches)
+    rows = [row for _, row in read_manifest(tiny_corpus / "train.jsonl")]
+    b = batches[1]
+    i = b.indices[0]
+    assert b.tokens[0, :b.token_lens[0]].tolist() == tokenizer.encode(rows[i]["text"])  # set index = manifest row
+    plan.set_epoch(2, 3)  # resumed after 3 batches
+    assert [b.indices for b in _loader(plan, tokenizer, workers)] == [b.indices for b in batches[3:]]
+
+
+def _copy_shards(shard_dir, tmp_path):
+    out = tmp_path / "copy"
+    out.mkdir()
+    for p in shard_dir.iterdir():
+        (out / p.name).write_bytes(p.read_bytes())
+    return out
+
+
+def _member_offset(path, name):
+    with tarfile.open(path) as tar:
+        return tar.getmember(name).offset_data
+
+
+def test_a_corrupt_member_is_skipped_and_counted_and_a_truncated_shard_ends_with_a_warning(
+        shard_dir, tokenizer, tmp_path, caplog):
+    out = _copy_shards(shard_dir, tmp_path)
+    first = out / "shard-000000.tar"
+    data = bytearray(first.read_bytes())
+    at = _member_offset(first, "train-00000003.flac")
+    data[at:at + 64] = b"\x00" * 64  # the FLAC header gone: it does not decode
+    first.write_bytes(bytes(data))
+    second = out / "shard-000001.tar"
+    cut = _member_offset(second, "train-00000016.flac") + 100
+    second.write_bytes(second.read_bytes()[:cut])  # cut short in the middle of its 6th utterance
+    shards = open_shards(str(out), check_files=False)  # the list still says the whole sizes
+    plan = _plans(shards, 1, 1, buffer=64, batch_size=4)[0]
+    with caplog.at_level("WARNING", logger="konkanivani"):
+        batches = list(_loader(plan, tokenizer, 0))
+    missing = sorted(i for b in batches for i in b.missing)
+    assert missing == [2] + list(range(15, 20))  # the corrupt one; the truncated shard's 6th to 10th
+    assert sum(len(b) for b in batches) == len(shards) - 6
+    log = caplog.text
+    assert "shard-000001.tar: shard truncated or corrupt after 5 utterances" in log
+    assert "shard-000000.tar:train-00000003" in log
+    assert "1 audio unreadable" in log and "5 missing from their shard" in log
+
+
+def test_a_missing_shard_or_one_that_differs_from_its_list_is_one_line_before_training(shard_dir, tmp_path):
+    out = _copy_shards(shard_dir, tmp_path)
+    second = out / "shard-000001.tar"
+    second.write_bytes(second.read_bytes()[:-1024])
+    with pytest.raises(ShardError, match=r"shard-000001.tar: \d+ bytes, but .*shards.json lists \d+"):
+        open_shards(str(out / LIST_NAME))
+    second.unlink()
+    with pytest.raises(ShardError, match="shard-000001.tar: shard missing"):
+        open_shards(str(out))
+    with pytest.raises(ShardError, match="shard missing"):
+        open_shards(str(out / "shard-{000000..000002}.tar"))
+
+
+def test_brace_patterns_and_list_files_find_what_the_list_holds(shard_dir, tmp_path):
+    listed = open_shards(str(shard_dir / LIST_NAME))
+    pattern = open_shards(str(shard_dir / "shard-{000000..000005}.tar"))
+    (tmp_path / "list.txt").write_text("".join(f"{shard_dir}/shard-{i:06d}.tar\n" for i in range(6)))
+    from_file = open_shards(str(tmp_path / "list.txt"))
+    for other in (pattern, from_file):
+        assert [s.keys for s in other.shards] == [s.keys for s in listed.shards]
+        assert other.durations() == pytest.approx(listed.durations(), abs=1e-5)
+
+
+# ---- training ------------------------------------------------------------------------------------
+
+def _train(args):
+    result = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=900)
+    return result
+
+
+def _rows(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_missing_shard_stops_training_before_it_starts(tiny_corpus, shard_dir, tmp_path):
+    out = _copy_shards(shard_dir, tmp_path)
+    (out / "shard-000004.tar").unlink()
+    result = _train(tiny_args(tiny_corpus, tmp_path / "run", "--train_shards", str(out / LIST_NAME)))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == \
+        f"error: {out / 'shard-000004.tar'}: shard missing (listed in {out / LIST_NAME})"
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_training_on_shards_learns_and_a_resume_mid_epoch_goes_on_with_the_same_batches(
+        tiny_corpus, shard_dir, tmp_path):
+    common = ("--train_shards", str(shard_dir / LIST_NAME), "--num_workers", "2", "--shuffle_buffer", "16",
+              "--max_batch_frames", "3000", "--save_every_steps", "5", "--keep_checkpoints", "10")
+    whole = tmp_path / "whole"
+    result = _train(tiny_args(tiny_corpus, whole, *common, "--max_steps", "40"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"train shards {shard_dir / LIST_NAME}: 6 shards, {len(open_shards(str(shard_dir)))} utterances" \
+        in result.stderr
+    train, valid = ([r for r in _rows(whole) if r["kind"] == kind] for kind in ("train", "valid"))
+    assert sum(r["loss"] for r in train[-10:]) < 0.85 * sum(r["loss"] for r in train[:10])  # it learns
+    assert valid[-1]["loss"] < 0.9 * valid[0]["loss"] and len(valid) == 10  # an epoch is 4 steps: 10 epochs
+
+    split = tmp_path / "split"
+    first = _train(tiny_args(tiny_corpus, split, *common, "--max_steps", "13"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    state = torch.load(split / "latest.pt", weights_only=True)
+    assert state["batches_done"] > 0  # stopped inside an epoch
+    assert state["data_position"][0]["kind"] == "shards" and state["data_position"][0]["streams"] == 2
+    second = _train(tiny_args(tiny_corpus, split, *common, "--max_steps", "40", "--resume", "latest"))
+    assert second.returncode == 0, second.stderr[-3000:]
+    a, b = [r for r in _rows(split) if r["kind"] == "train"], train
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5), (ra, rb)
+    wa, wb = torch.load(split / "latest.pt", weights_only=True), torch.load(whole / "latest.pt", weights_only=True)
+    for name, tensor in wb["model"].items():
+        torch.testing.assert_close(wa["model"][name], tensor, rtol=0, atol=1e-6)
