@@ -27,6 +27,7 @@ from websockets.exceptions import InvalidStatus
 
 from konkanivani.cli import serve
 from konkanivani.data.audio import load_audio
+from konkanivani.decoding.export import Streaming, export_checkpoint
 from konkanivani.decoding.recognizer import Recognizer
 from konkanivani.serving.app import _Close, _samples
 from konkanivani.serving.engine import check_sample_rate
@@ -302,3 +303,85 @@ def test_fuzz_leaves_the_server_answering(server, clip):
     assert server.alive() and "Traceback" not in "".join(server.log)
     status, health = http_json("GET", server.url + "health", headers=AUTH)
     assert status == 200 and health["status"] == "ok" and health["active_streams"] == 0
+
+
+# An export folder (konkanivani-export) served on onnxruntime.
+
+def test_a_folder_that_is_no_export_or_onnxruntime_missing_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    assert serve.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "not a konkanivani-export folder (no model.onnx, vocabulary.json, features.json)" in err
+    assert len(err.strip().splitlines()) == 1
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "onnxruntime" else real_find_spec(name, *args))
+    assert serve.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "serving ONNX needs onnxruntime: pip install 'konkanivani[export]'" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+EXPORT_STREAMING = Streaming(chunk_size=8, left_chunks=2)
+
+
+@pytest.fixture(scope="module")
+def exports(checkpoints, tmp_path_factory):
+    """The tone checkpoints through konkanivani-export: the streaming one with --streaming, chunks of 8
+    seeing 2 back (encoder_chunk.onnx), the full-context one without (model.onnx alone)."""
+    out = tmp_path_factory.mktemp("serve_exports")
+    export_checkpoint(checkpoints["streaming"], out / "streaming", ["onnx"], EXPORT_STREAMING)
+    export_checkpoint(checkpoints["full"], out / "full", ["onnx"])
+    return {"streaming": out / "streaming", "full": out / "full"}
+
+
+@pytest.mark.slow
+def test_a_streaming_export_transcribes_and_streams_as_its_checkpoint_does(exports, checkpoints, clip, capsys):
+    """Uploads through model.onnx in windows, with CTC prefix beam search, give the checkpoint's beam
+    search in the same windows; /stream through encoder_chunk.onnx gives the checkpoint's stream in the
+    same chunks (its partials too); settings an export cannot take are one line and exit 2."""
+    rec = Recognizer.from_checkpoint(checkpoints["streaming"])
+    offline = _finals(rec.transcribe_long(clip, method="beam"))
+    streamed = list(rec.stream_results(load_audio(clip).split(1600), chunk_size=8, left_chunks=2, method="beam"))
+    assert len(_finals(streamed)) == 2 and all(r["text"] for r in offline + _finals(streamed))
+    with served(exports["streaming"], "--token", TOKEN) as server:
+        assert "(ONNX, streaming, beam)" in "".join(server.log)
+        status, health = http_json("GET", server.url + "health", headers=AUTH)
+        assert status == 200 and health["format"] == "onnx" and health["streaming"] is True
+        assert health["chunk_size"] == 8 and health["left_chunks"] == 2 and "no attention rescoring" in health["note"]
+
+        status, result = http_json("POST", server.url + "transcribe", clip.read_bytes(), AUTH)
+        assert status == 200, result
+        assert [{k: s[k] for k in ("text", "start", "end")} for s in result["segments"]] == offline
+        assert result["method"] == "beam" and result["format"] == "onnx"
+
+        messages, closed = ws_session(server.ws_url + "stream", _pcm16_frames(clip), headers=AUTH)
+        assert closed["code"] == 1000, closed
+        assert messages[0]["type"] == "ready" and messages[-1]["type"] == "done"
+        results = [{k: m[k] for k in ("type", "text", "start", "end")} for m in messages[1:-1]]
+        assert results == [{"type": "final" if r.is_final else "partial", "text": r.text, "start": r.start,
+                            "end": r.end} for r in streamed]
+        assert sum(m["type"] == "partial" for m in results) >= 5
+        assert server.alive() and "Traceback" not in "".join(server.log)
+
+    capsys.readouterr()  # the offline stream's warning of chunks the model was not trained with
+    for flags, words in ((["--method", "rescore"], "the attention decoder that rescore needs is not exported"),
+                         (["--chunk_size", "4"], "the export streams in chunks of 8 frames seeing 2 back"),
+                         (["--device", "cuda"], "served on onnxruntime's CPU provider")):
+        assert serve.main([str(exports["streaming"]), *flags]) == 2
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.slow
+def test_an_export_without_the_chunk_graph_transcribes_and_refuses_to_stream(exports, checkpoints, clip):
+    rec = Recognizer.from_checkpoint(checkpoints["full"])
+    offline = _finals(rec.transcribe_long(clip, method="greedy"))
+    assert offline[0]["text"]
+    with served(exports["full"], "--method", "greedy") as server:
+        status, result = http_json("POST", server.url + "transcribe", clip.read_bytes())
+        assert status == 200 and result["streaming"] is False and result["format"] == "onnx"
+        assert [{k: s[k] for k in ("text", "start", "end")} for s in result["segments"]] == offline
+        status, _, answer = ws_refusal(server.ws_url + "stream")
+        assert status == 409 and "the export has no encoder_chunk.onnx: export with --streaming" in answer["error"]

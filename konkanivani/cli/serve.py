@@ -1,17 +1,22 @@
-"""Serve a konkanivani checkpoint over HTTP and WebSocket, with a page to try it (``konkanivani-serve``).
+"""Serve a konkanivani checkpoint or its ONNX export over HTTP and WebSocket, with a page to try it
+(``konkanivani-serve``).
 
     konkanivani-serve checkpoints/streaming/best.pt                # http://127.0.0.1:8000/
     konkanivani-serve checkpoints/run/best.pt --host 0.0.0.0 --token "$(openssl rand -hex 16)"
+    konkanivani-serve checkpoints/streaming/model_export           # a konkanivani-export folder (ONNX)
 
 ``POST /transcribe`` takes a recording and answers its text, segments with times, duration and decode
 time; the WebSocket ``/stream`` takes 16 kHz 16-bit PCM (or float32, any rate it declares) and answers
-partial and final results as they come (a checkpoint trained with ``--causal_conv``); ``GET /`` is a
-page with the microphone and a file drop; ``/health`` and ``/metrics`` (Prometheus). It listens on
-127.0.0.1 unless ``--host`` says otherwise; with ``--token`` (or ``KONKANIVANI_TOKEN``) every request
-needs it. docs/serving.md has the protocol and the limits.
+partial and final results as they come (a checkpoint trained with ``--causal_conv``, or an export
+made with ``--streaming``); ``GET /`` is a page with the microphone and a file drop; ``/health`` and
+``/metrics`` (Prometheus). It listens on 127.0.0.1 unless ``--host`` says otherwise; with ``--token``
+(or ``KONKANIVANI_TOKEN``) every request needs it. An export folder (``konkanivani-export``) is served
+on onnxruntime with CTC search alone (greedy or beam): its attention decoder is not exported.
+docs/serving.md has the protocol and the limits.
 """
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import os
 import socket
@@ -25,6 +30,7 @@ from ..decoding.streaming import DEFAULT_ENDPOINT_MS, STREAM_METHODS
 from . import Parser, fail, setup_logging, tool
 
 TOKEN_ENV = "KONKANIVANI_TOKEN"
+CHUNK_SIZE, LEFT_CHUNKS = 16, -1  # a streaming checkpoint's chunks, unless --chunk_size and --left_chunks say
 _LIMIT_HELP = {
     "max_upload_mb": "the largest body POST /transcribe reads, in MB; 413 beyond",
     "max_upload_seconds": "the most audio one upload may hold, in seconds; 413 beyond",
@@ -43,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = _parser(Limits)
     args = parser.parse_args(argv)
-    if not args.checkpoint.is_file():
+    if not args.checkpoint.is_file() and not args.checkpoint.is_dir():
         parser.error(f"checkpoint {args.checkpoint}: file not found")
     try:
         limits = Limits(**{f.name: getattr(args, f.name) for f in fields(Limits)})
@@ -53,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, value, least in (("--beam_size", args.beam_size, 1), ("--chunk_size", args.chunk_size, 1),
                                ("--left_chunks", args.left_chunks, -1), ("--endpoint_ms", args.endpoint_ms, 0),
                                ("--workers", args.workers, 1), ("--threads", threads, 1), ("--port", args.port, 0)):
-        if value < least:
+        if value is not None and value < least:
             parser.error(f"{name} must be at least {least}, got {value}")
     if not 0.0 <= args.decode_ctc_weight <= 1.0:
         parser.error(f"--decode_ctc_weight must be in [0, 1], got {args.decode_ctc_weight}")
@@ -63,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser(limits_class) -> Parser:
     parser = Parser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint (best.pt, latest.pt, an average)")
+    parser.add_argument("checkpoint", type=Path, metavar="MODEL",
+                        help="a checkpoint (best.pt, latest.pt, an average), or a folder konkanivani-export wrote "
+                             "(ONNX, on onnxruntime: greedy or beam, no attention rescoring)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="the address to listen on (default: %(default)s, this machine only; 0.0.0.0: every "
                              "interface, with --token)")
@@ -73,18 +81,21 @@ def _parser(limits_class) -> Parser:
                              "'Authorization: Bearer TOKEN' or ?token=TOKEN; the page opened as /?token=TOKEN")
     parser.add_argument("--method", choices=METHODS, default=None,
                         help=f"decoding method (default: rescore for a streaming checkpoint, whose streams and "
-                             f"uploads take {', '.join(STREAM_METHODS)}; joint for others)")
+                             f"uploads take {', '.join(STREAM_METHODS)}; joint for others; beam for an export, "
+                             "which takes greedy or beam)")
     parser.add_argument("--beam_size", type=int, default=10, help="default: %(default)s")
     parser.add_argument("--decode_ctc_weight", type=float, default=DEFAULT_CTC_WEIGHT,
                         help="weight of the CTC score in joint decoding and rescoring (default: %(default)s)")
-    parser.add_argument("--chunk_size", type=int, default=16,
-                        help="a streaming checkpoint's chunk, in encoder frames of 40 ms: a partial result each "
-                             "chunk (default: %(default)s, 640 ms)")
-    parser.add_argument("--left_chunks", type=int, default=-1,
-                        help="chunks back each chunk sees (-1: all of its segment; default: %(default)s)")
+    parser.add_argument("--chunk_size", type=int, default=None,
+                        help=f"a streaming checkpoint's chunk, in encoder frames of 40 ms: a partial result each "
+                             f"chunk (default: {CHUNK_SIZE}, 640 ms; an export's own)")
+    parser.add_argument("--left_chunks", type=int, default=None,
+                        help=f"chunks back each chunk sees (-1: all of its segment; default: {LEFT_CHUNKS}; an "
+                             "export's own)")
     parser.add_argument("--endpoint_ms", type=int, default=DEFAULT_ENDPOINT_MS,
                         help="a segment ends after this many ms of CTC blanks after speech (default: %(default)s)")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... (default: %(default)s)")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, cuda, cuda:1 ... (default: %(default)s; an export runs on onnxruntime's CPU)")
     parser.add_argument("--workers", type=int, default=1,
                         help="decode threads (default: %(default)s; PyTorch's own threads use the cores)")
     parser.add_argument("--threads", type=int, default=None, help="PyTorch's threads (default: its own choice)")
@@ -104,20 +115,37 @@ def _serve(args, limits) -> int:
         return fail(f"konkanivani-serve needs its extra: pip install 'konkanivani[serve]' (missing: {e.name})")
     import torch
 
+    from ..decoding.exported import ExportedRecognizer
     from ..decoding.recognizer import Recognizer
     from ..serving.app import create_app, model_label
     from ..serving.engine import Decoding, Engine
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    exported = args.checkpoint.is_dir()  # a konkanivani-export folder
+    if exported and importlib.util.find_spec("onnxruntime") is None:
+        return fail(f"{args.checkpoint} is an export folder: serving ONNX needs onnxruntime: "
+                    "pip install 'konkanivani[export]' (or serve the checkpoint itself)")
+    if exported and args.device != "cpu":
+        return fail(f"--device {args.device}: an ONNX export is served on onnxruntime's CPU provider (--device cpu)")
     try:
-        recognizer = Recognizer.from_checkpoint(args.checkpoint, args.device)
-        streaming = bool(recognizer.model.cfg.causal_conv)
-        method = args.method or ("rescore" if streaming else "joint")
-        if streaming and method not in STREAM_METHODS:
-            return fail(f"--method {method}: a streaming checkpoint decodes with {', '.join(STREAM_METHODS)}")
-        engine = Engine(recognizer, Decoding(method, args.beam_size, args.decode_ctc_weight, args.chunk_size,
-                                             args.left_chunks, args.endpoint_ms), args.workers)
+        if exported:
+            recognizer = ExportedRecognizer(args.checkpoint)
+            streaming = recognizer.streaming is not None
+            method = args.method or "beam"
+            chunk_size, left_chunks = ((recognizer.streaming["chunk_size"], recognizer.streaming["left_chunks"])
+                                       if streaming else (CHUNK_SIZE, LEFT_CHUNKS))
+        else:
+            recognizer = Recognizer.from_checkpoint(args.checkpoint, args.device)
+            streaming = bool(recognizer.model.cfg.causal_conv)
+            method = args.method or ("rescore" if streaming else "joint")
+            if streaming and method not in STREAM_METHODS:
+                return fail(f"--method {method}: a streaming checkpoint decodes with {', '.join(STREAM_METHODS)}")
+            chunk_size, left_chunks = CHUNK_SIZE, LEFT_CHUNKS
+        chunk_size = chunk_size if args.chunk_size is None else args.chunk_size
+        left_chunks = left_chunks if args.left_chunks is None else args.left_chunks
+        engine = Engine(recognizer, Decoding(method, args.beam_size, args.decode_ctc_weight, chunk_size, left_chunks,
+                                             args.endpoint_ms), args.workers)
     except (CheckpointError, RuntimeError, ValueError) as e:
         return fail(str(e))
     try:
@@ -130,7 +158,8 @@ def _serve(args, limits) -> int:
     if not args.token and not _loopback(args.host):
         print(f"warning: listening on {args.host} without --token: anyone who can reach this machine can use "
               "the model", file=sys.stderr)
-    print(f"serving {args.checkpoint} ({'streaming, ' if streaming else ''}{method}) at http://{shown}:{port}/"
+    kind = ("ONNX, " if exported else "") + ("streaming, " if streaming else "")
+    print(f"serving {args.checkpoint} ({kind}{method}) at http://{shown}:{port}/"
           + (" (token required)" if args.token else ""), file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False, ws_max_size=4 * limits.max_frame_bytes,
                             ws_ping_interval=20.0, ws_ping_timeout=20.0, timeout_graceful_shutdown=5)

@@ -5,8 +5,8 @@ it comes, ``data.audio.Resampler``) and gives results as it goes. Its features a
 whole-file path computes (``StreamingLogMel``), normalized frame by frame (``ASRModel.normalize``;
 with cmvn "utterance" by the running mean of the stream's frames so far), encoded one chunk at a
 time with the encoder's caches (``ConformerEncoder.forward_chunk``: the frames
-``ASRModel.encode(..., chunk_size=C)`` gives), and each chunk's CTC output advances a prefix beam
-search (``CTCPrefixBeam``):
+``ASRModel.encode(..., chunk_size=C)`` gives; ``ModelChunks``, or an export's ONNX chunk graph,
+``decoding.exported``), and each chunk's CTC output advances a prefix beam search (``CTCPrefixBeam``):
 
 - after each chunk, a partial result: the beam's best so far in the current segment;
 - at the end of a segment, a final result: with method ``rescore`` the beam's n-best rescored by the
@@ -42,8 +42,8 @@ from ..model.conformer import Conv2dSubsampling
 from .search import LONG_INPUT_SECONDS, CTCPrefixBeam, Fusion, Hypothesis, attention_scores
 
 __all__ = ["DEFAULT_ENDPOINT_MS", "FRAME_SECONDS", "MAX_RATE", "MAX_SEGMENT_SECONDS", "MIN_RATE", "STREAM_METHODS",
-           "WINDOW_SECONDS", "Result", "Stream", "StreamingLogMel", "Word", "check_sample_rate", "check_streaming",
-           "quiet_windows"]
+           "WINDOW_SECONDS", "ModelChunks", "Result", "Stream", "StreamingLogMel", "Word", "check_sample_rate",
+           "check_streaming", "quiet_windows"]
 
 FRAME_SECONDS = Conv2dSubsampling.STRIDE * HOP_LENGTH / SAMPLE_RATE  # 0.04 s: one encoder frame
 DEFAULT_ENDPOINT_MS = 800
@@ -171,6 +171,41 @@ class StreamingLogMel:
         return torch.zeros(0, self.mel.n_mels)
 
 
+class ModelChunks:
+    """How a ``Stream`` encodes with an ``ASRModel``: new feature frames normalized as they come
+    (``ASRModel.normalize``; with cmvn "utterance", each frame by the mean of the frames up to it), a
+    window of them through ``ConformerEncoder.forward_chunk`` with its caches, seeing ``left_frames``
+    encoder frames back (-1: all of the segment), and its CTC log-probabilities. Another way to encode
+    a stream (``decoding.exported``'s ONNX chunk graph) has the same three methods."""
+
+    def __init__(self, model: ASRModel, left_frames: int):
+        self.model, self.left_frames = model, left_frames
+        self.device = next(model.parameters()).device
+        self.feat_sum = torch.zeros(model.cfg.n_mels, dtype=torch.float64)  # for cmvn "utterance"
+        self.feat_count = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """A new segment: the caches start again."""
+        self.state = None
+
+    def prepare(self, feats: torch.Tensor) -> torch.Tensor:
+        """New raw log-mel frames ``(T, F)`` as the stream keeps them until they are encoded: normalized."""
+        if self.model.cfg.cmvn != "utterance" or not len(feats):
+            return self.model.normalize(feats.to(self.device))
+        sums = self.feat_sum + feats.double().cumsum(0)
+        counts = self.feat_count + torch.arange(1, len(feats) + 1, dtype=torch.float64)
+        self.feat_sum, self.feat_count = sums[-1], self.feat_count + len(feats)
+        mean = (sums / counts[:, None]).float()
+        return self.model.normalize(feats.to(self.device), mean.to(self.device))
+
+    def encode(self, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A window of prepared frames ``(W, *)``: the chunk's CTC log-probabilities ``(C, V)`` and its
+        encoder frames ``(C, D)``."""
+        enc, self.state = self.model.encoder.forward_chunk(window[None], self.state, self.left_frames)
+        return self.model.ctc_log_probs(enc)[0], enc[0]
+
+
 class Stream:
     """One audio stream through a recognizer (made by ``Recognizer.stream``, which checks the settings).
 
@@ -178,26 +213,29 @@ class Stream:
     brings: a partial result after each chunk encoded, and a final one at each endpoint. ``finish()``
     ends the stream and returns what remains, ending with a final result: the last segment's, given
     when it has text or when the stream has given no final result yet (so every stream gives at
-    least one, maybe empty; a segment of silence after an endpoint gives none)."""
+    least one, maybe empty; a segment of silence after an endpoint gives none).
 
-    def __init__(self, model: ASRModel, tokenizer: Tokenizer, log_mel: LogMel, chunk_size: int, left_chunks: int,
-                 method: str, beam_size: int, ctc_weight: float, fusion: Fusion | None, endpoint_ms: float,
-                 sample_rate: int = SAMPLE_RATE):
+    ``chunks`` encodes the chunks: by default the model's own ``forward_chunk`` (``ModelChunks``);
+    with another (an exported chunk graph) ``model`` may be None, and ``method`` not ``rescore``,
+    which needs the model's attention decoder."""
+
+    def __init__(self, model: ASRModel | None, tokenizer: Tokenizer, log_mel: LogMel, chunk_size: int,
+                 left_chunks: int, method: str, beam_size: int, ctc_weight: float, fusion: Fusion | None,
+                 endpoint_ms: float, sample_rate: int = SAMPLE_RATE, chunks: ModelChunks | None = None):
+        if model is None and method == "rescore":
+            raise ValueError("rescoring needs the model's attention decoder")
         self.model, self.tokenizer = model, tokenizer
-        self.device = next(model.parameters()).device
+        self.chunks = chunks or ModelChunks(model, left_chunks * chunk_size if left_chunks >= 0 else -1)
         self.chunk_size, self.method, self.ctc_weight = chunk_size, method, ctc_weight
         self.beam_size = 1 if method == "greedy" else beam_size
         self.fusion = fusion or Fusion()
-        self.left_frames = left_chunks * chunk_size if left_chunks >= 0 else -1
         self.endpoint_frames = endpoint_ms / 1000 / FRAME_SECONDS  # a run of blank frames longer than this ends a segment
         self.max_segment_frames = round(MAX_SEGMENT_SECONDS / FRAME_SECONDS)
         stride, context = Conv2dSubsampling.STRIDE, Conv2dSubsampling.CONTEXT
         self.window, self.step, self.context = (chunk_size - 1) * stride + context, stride * chunk_size, context
         self.resampler = Resampler(sample_rate)
         self.features = StreamingLogMel(log_mel)
-        self.feats = torch.zeros(0, self.model.cfg.n_mels, device=self.device)  # normalized, not yet encoded
-        self.feat_sum = torch.zeros(self.model.cfg.n_mels, dtype=torch.float64)  # for cmvn "utterance"
-        self.feat_count = 0
+        self.feats = self.chunks.prepare(torch.zeros(0, self.features.mel.n_mels))  # prepared, not yet encoded
         self.frames = 0  # encoder frames of the stream so far
         self.finals = 0  # final results given
         self.finished = False
@@ -225,38 +263,26 @@ class Stream:
         return results
 
     def _new_segment(self) -> None:
-        self.state = None  # the encoder's caches
+        self.chunks.reset()
         self.search = CTCPrefixBeam(self.beam_size, self.fusion if self.method == "beam" else None)
         self.segment_start = self.frames
         self.encoded: list[torch.Tensor] = []  # the segment's encoder frames, for rescoring
         self.speech = False  # a frame whose likeliest output is a token, in this segment
         self.blanks = 0  # frames since the last such frame
 
-    def _normalize(self, feats: torch.Tensor) -> torch.Tensor:
-        """CMVN of new raw frames; with cmvn "utterance", each frame minus the mean of the frames up to it."""
-        if self.model.cfg.cmvn != "utterance" or not len(feats):
-            return self.model.normalize(feats.to(self.device))
-        sums = self.feat_sum + feats.double().cumsum(0)
-        counts = self.feat_count + torch.arange(1, len(feats) + 1, dtype=torch.float64)
-        self.feat_sum, self.feat_count = sums[-1], self.feat_count + len(feats)
-        mean = (sums / counts[:, None]).float()
-        return self.model.normalize(feats.to(self.device), mean.to(self.device))
-
     def _encode(self, feats: torch.Tensor, last: bool) -> list[Result]:
         """Encode every chunk the features so far complete (at the end, also a last shorter one)."""
-        self.feats = torch.cat([self.feats, self._normalize(feats)])
+        self.feats = torch.cat([self.feats, self.chunks.prepare(feats)])
         results = []
         while len(self.feats) >= (self.context if last else self.window):
-            enc, self.state = self.model.encoder.forward_chunk(self.feats[None, :self.window], self.state,
-                                                               self.left_frames)
+            log_probs, enc = self.chunks.encode(self.feats[:self.window])
             self.feats = self.feats[self.step:]
-            results += self._advance(enc[0])
+            results += self._advance(log_probs, enc)
         return results
 
-    def _advance(self, enc: torch.Tensor) -> list[Result]:
-        """One chunk's encoder frames ``(C, D)`` through the search; a partial result, or at an
-        endpoint the segment's final one (none when it is empty)."""
-        log_probs = self.model.ctc_log_probs(enc[None])[0]
+    def _advance(self, log_probs: torch.Tensor, enc: torch.Tensor) -> list[Result]:
+        """One chunk's CTC log-probabilities ``(C, V)`` and encoder frames ``(C, D)`` through the
+        search; a partial result, or at an endpoint the segment's final one (none when it is empty)."""
         self.search.advance(log_probs)
         if self.method == "rescore":
             self.encoded.append(enc)

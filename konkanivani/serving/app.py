@@ -157,7 +157,7 @@ class _Server:
 
     async def health(self, request: Request) -> Response:
         self.metrics.requests.labels("/health", "200").inc()
-        return JSONResponse({"status": "ok", "model": self.model_name, **self.engine.description,
+        return JSONResponse({"status": "ok", "model": self.model_name, **self.engine.description, **self.engine.notes,
                              "active_streams": self.streams, "max_streams": self.limits.max_streams,
                              "uptime_s": round(time.monotonic() - self.started, 1)})
 
@@ -209,7 +209,7 @@ class _Server:
     async def stream(self, ws: WebSocket) -> None:
         sample_rate, dtype = _stream_params(ws)
         if not self.engine.streaming:
-            raise _Refused(409, "not_streaming", "this model cannot stream (trained without --causal_conv): "
+            raise _Refused(409, "not_streaming", f"this model cannot stream ({self.engine.why_not_streaming}): "
                            "POST the recording to /transcribe")
         if self.streams >= self.limits.max_streams:
             raise self.busy("streams open", self.limits.max_streams)

@@ -8,6 +8,10 @@ A streaming checkpoint (trained with ``--causal_conv``) decodes an upload as ``k
 --chunk_size`` does a file: through a stream, in segments that end at pauses, with word times. Any
 other checkpoint decodes it as that tool does a long file: in windows of at most 20 s cut at quiet
 moments (``quiet_windows``), each decoded whole with ``method``; it cannot stream (``/stream`` says so).
+
+An export folder (``decoding.exported.ExportedRecognizer``, onnxruntime) decodes uploads in those
+windows through ``model.onnx`` with ``greedy`` or ``beam`` (no attention decoder: nothing rescored),
+and streams through ``encoder_chunk.onnx`` when it has it, in the chunks it was exported for.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import torch
 
 from ..data.audio import AudioError, load_audio
 from ..data.frames import SAMPLE_RATE
+from ..decoding.exported import EXPORTED_METHODS, ExportedRecognizer
 from ..decoding.recognizer import MIN_SAMPLES, Recognizer
 from ..decoding.search import DEFAULT_CTC_WEIGHT, METHODS
 from ..decoding.streaming import DEFAULT_ENDPOINT_MS, Result, Stream, check_sample_rate, quiet_windows
@@ -50,18 +55,31 @@ class Decoding:
 
 
 class Engine:
-    """A recognizer and its decoding settings, checked once (``ValueError`` in one line), and the
-    decode threads. ``streaming`` says whether the model can stream."""
+    """A recognizer (a checkpoint's, or an export folder's) and its decoding settings, checked once
+    (``ValueError`` in one line), and the decode threads. ``streaming`` says whether the model can
+    stream."""
 
-    def __init__(self, recognizer: Recognizer, decoding: Decoding, workers: int = 1):
+    def __init__(self, recognizer: Recognizer | ExportedRecognizer, decoding: Decoding, workers: int = 1):
         self.recognizer, self.decoding = recognizer, decoding
-        self.streaming = bool(recognizer.model.cfg.causal_conv)
-        for p in recognizer.model.parameters():  # read-only: no request can train or change it
-            p.requires_grad_(False)
+        self.exported = isinstance(recognizer, ExportedRecognizer)
+        if self.exported:
+            self.streaming = recognizer.streaming is not None
+            if decoding.method not in EXPORTED_METHODS:
+                raise ValueError(f"an ONNX export decodes with {' or '.join(EXPORTED_METHODS)} (CTC): the attention "
+                                 f"decoder that {decoding.method} needs is not exported")
+            if self.streaming:
+                exported = recognizer.streaming["chunk_size"], recognizer.streaming["left_chunks"]
+                if (decoding.chunk_size, decoding.left_chunks) != exported:
+                    raise ValueError(f"the export streams in chunks of {exported[0]} frames seeing {exported[1]} back "
+                                     "(its streaming.json): --chunk_size and --left_chunks cannot change that")
+        else:
+            self.streaming = bool(recognizer.model.cfg.causal_conv)
+            for p in recognizer.model.parameters():  # read-only: no request can train or change it
+                p.requires_grad_(False)
+            if not self.streaming and decoding.method not in METHODS:
+                raise ValueError(f"unknown decoding method {decoding.method!r}; choose from {', '.join(METHODS)}")
         if self.streaming:
             self.open_stream()  # refuses settings the model cannot take; warns once of untrained chunks
-        elif decoding.method not in METHODS:
-            raise ValueError(f"unknown decoding method {decoding.method!r}; choose from {', '.join(METHODS)}")
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="konkanivani-decode")
@@ -69,11 +87,27 @@ class Engine:
     @property
     def description(self) -> dict:
         d = self.decoding
-        info = {"streaming": self.streaming, "method": d.method, "beam_size": d.beam_size}
+        info = {"format": "onnx" if self.exported else "checkpoint", "streaming": self.streaming,
+                "method": d.method, "beam_size": d.beam_size}
         if self.streaming:
             info.update(chunk_size=d.chunk_size, chunk_ms=round(d.chunk_size * 40), left_chunks=d.left_chunks,
                         endpoint_ms=d.endpoint_ms)
         return info
+
+    @property
+    def notes(self) -> dict:
+        """What ``/health`` says of the model beyond ``description``."""
+        if not self.exported:
+            return {}
+        return {"note": "an ONNX export: CTC search only (greedy or beam) over model.onnx"
+                        + (" and encoder_chunk.onnx" if self.streaming else "")
+                        + "; no attention rescoring, as the decoder is not exported"}
+
+    @property
+    def why_not_streaming(self) -> str:
+        if self.exported:
+            return "the export has no encoder_chunk.onnx: export with --streaming"
+        return "trained without --causal_conv"
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         """``fn(*args)`` on a decode thread."""
@@ -84,6 +118,8 @@ class Engine:
 
     def open_stream(self, sample_rate: int = SAMPLE_RATE) -> Stream:
         d = self.decoding
+        if self.exported:
+            return self.recognizer.stream(d.method, d.beam_size, d.endpoint_ms, sample_rate)
         return self.recognizer.stream(d.chunk_size, d.left_chunks, d.method, d.beam_size, d.ctc_weight,
                                       endpoint_ms=d.endpoint_ms, sample_rate=sample_rate)
 
@@ -115,14 +151,15 @@ class Engine:
     def transcribe(self, wav: torch.Tensor) -> list[Result]:
         """The final results of a 16 kHz waveform (see the module): segments in order, the empty one
         only when no segment has text."""
-        if self.streaming:
+        if self.streaming and not self.exported:
             stream = self.open_stream()
             return [r for r in stream.accept(wav) + stream.finish() if r.is_final]
         d, results = self.decoding, []
+        weights = () if self.exported else (d.ctc_weight,)  # an export has no attention decoder to weigh CTC against
         for first, window in quiet_windows([wav]):
             if len(window) < MIN_SAMPLES:  # a last sliver of a window: too short to decode alone
                 continue
-            [text] = self.recognizer.decode_waveforms([window], d.method, d.beam_size, d.ctc_weight)
+            [text] = self.recognizer.decode_waveforms([window], d.method, d.beam_size, *weights)
             if text:
                 results.append(Result(text, True, round(first / SAMPLE_RATE, 3),
                                       round((first + len(window)) / SAMPLE_RATE, 3)))

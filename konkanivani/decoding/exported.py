@@ -1,0 +1,188 @@
+"""A ``konkanivani-export`` folder as a recognizer, on onnxruntime: what ``konkanivani-serve DIR`` loads.
+
+The folder holds the encoder and CTC head (``model.onnx``), the pieces of the vocabulary
+(``vocabulary.json``), how the features are made (``features.json``) and, from ``--streaming``, the
+chunk graph (``encoder_chunk.onnx``, ``streaming.json``); see ``decoding.export``. The attention
+decoder is not exported, so an export decodes with CTC alone: ``greedy`` (the best path) or ``beam``
+(CTC prefix beam search, ``search.ctc_prefix_beam_search``) over the graph's log-probabilities, with
+no attention rescoring and no language model.
+
+``ExportedRecognizer.decode_waveforms`` decodes whole waveforms through ``model.onnx``;
+``ExportedRecognizer.stream`` gives a ``streaming.Stream`` whose chunks go through
+``encoder_chunk.onnx`` (``GraphChunks``) in the chunk size and left context the export was made for.
+The features are this package's ``LogMel``; an export whose ``features.json`` says otherwise is refused.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..data.audio import LogMel
+from ..data.frames import SAMPLE_RATE
+from .export import FILES, STREAMING_FILES, ChunkRunner, ExportError, chunk_runner, feature_settings, onnx_runner
+from .search import ctc_greedy, ctc_prefix_beam_search
+from .streaming import DEFAULT_ENDPOINT_MS, Stream, check_sample_rate
+
+__all__ = ["EXPORTED_METHODS", "ExportedRecognizer", "GraphChunks", "Pieces"]
+
+EXPORTED_METHODS = ("greedy", "beam")  # CTC only: the attention decoder is not exported
+
+
+class Pieces:
+    """Token ids to text as ``vocabulary.json`` says (the export holds no SentencePiece model): the
+    pieces joined, blank and sos/eos dropped, the word boundary marks turned into spaces. What
+    ``Tokenizer.decode`` and ``Tokenizer.pieces`` give, but for <unk> (SentencePiece spells it " ⁇ "),
+    which a trained model does not emit."""
+
+    def __init__(self, vocabulary: dict[str, Any]):
+        self.by_id: list[str] = list(vocabulary["pieces"])
+        self.dropped = {int(vocabulary["blank_id"]), int(vocabulary["sos_eos_id"])}
+        self.boundary: str = vocabulary["word_boundary"]
+        self.vocab_size = len(self.by_id)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        text = "".join(self.by_id[int(i)] for i in ids if int(i) not in self.dropped)
+        return text.lstrip(self.boundary).replace(self.boundary, " ")
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        return [self.by_id[int(i)] for i in ids]
+
+
+class GraphChunks:
+    """How a ``Stream`` encodes through ``encoder_chunk.onnx``: raw log-mel frames kept as they come
+    (the graph holds the CMVN; with cmvn "utterance" each frame carries the running mean of the frames
+    up to it, and a window is normalized by the mean up to its end, as ``streaming.json`` asks), a
+    window through the graph with the caches it gave last and the offset, the caches fed back. Its
+    caches have the fixed size of the export's ``left_chunks``."""
+
+    def __init__(self, run: ChunkRunner, settings: dict[str, Any], n_mels: int):
+        self.run, self.n_mels = run, n_mels
+        self.utterance = settings["cmvn"] == "utterance"
+        self.initial = {name: torch.zeros(shape) for name, shape in settings["cache_shapes"].items()}
+        self.feat_sum = torch.zeros(n_mels, dtype=torch.float64)
+        self.feat_count = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """A new segment: the caches start again, at offset 0."""
+        self.caches, self.offset = dict(self.initial), 0
+
+    def prepare(self, feats: torch.Tensor) -> torch.Tensor:
+        """New raw frames ``(T, F)``; with cmvn "utterance", each followed by the mean of the frames up
+        to it ``(T, 2F)``."""
+        feats = feats.float().cpu()
+        if not self.utterance:
+            return feats
+        sums = self.feat_sum + feats.double().cumsum(0)
+        counts = self.feat_count + torch.arange(1, len(feats) + 1, dtype=torch.float64)
+        if len(feats):
+            self.feat_sum, self.feat_count = sums[-1], self.feat_count + len(feats)
+        return torch.cat([feats, (sums / counts[:, None]).float()], dim=1)
+
+    def encode(self, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A window of prepared frames: the chunk's CTC log-probabilities ``(C, V)`` and encoder frames ``(C, D)``."""
+        inputs = {"features": window[None, :, :self.n_mels].contiguous(), "offset": torch.tensor(self.offset),
+                  **self.caches}
+        if self.utterance:
+            inputs["feature_mean"] = window[-1, self.n_mels:].contiguous()
+        log_probs, enc, attention_cache, conv_cache = self.run(**inputs)
+        self.caches = {"attention_cache": attention_cache, "conv_cache": conv_cache}
+        self.offset += log_probs.shape[1]
+        return log_probs[0], enc[0]
+
+
+class ExportedRecognizer:
+    """The recognizer of an export folder (see the module); ``ExportError`` in one line for a folder
+    that is not a whole export. ``streaming`` holds ``streaming.json`` when the folder has the chunk
+    graph, else None.
+
+    Examples:
+        >>> rec = ExportedRecognizer("checkpoints/run/model_export")  # doctest: +SKIP
+        >>> rec.decode_waveforms([load_audio("clip.wav")], "beam")  # doctest: +SKIP
+    """
+
+    def __init__(self, folder: str | Path):
+        folder = Path(folder)
+        self.folder = folder
+        missing = [name for name in (FILES["onnx"], FILES["vocabulary"], FILES["features"])
+                   if not (folder / name).is_file()]
+        if missing:
+            raise ExportError(f"{folder}: not a konkanivani-export folder (no {', '.join(missing)})")
+        vocabulary, features = _read_json(folder / FILES["vocabulary"]), _read_json(folder / FILES["features"])
+        try:
+            self.tokenizer = Pieces(vocabulary)
+            self.log_mel = LogMel(int(features["n_mels"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ExportError(f"{folder}: {FILES['vocabulary']} or {FILES['features']} is not an export's "
+                              f"({type(e).__name__}: {e})") from e
+        if json.loads(json.dumps(feature_settings(self.log_mel))) != features:
+            raise ExportError(f"{folder}: {FILES['features']} describes other features than this konkanivani "
+                              "computes (made by another version?)")
+        self.run = _session(onnx_runner, folder / FILES["onnx"])
+        chunk_graph, settings = folder / STREAMING_FILES["onnx"], folder / STREAMING_FILES["settings"]
+        self.streaming: dict[str, Any] | None = None
+        if chunk_graph.is_file() and settings.is_file():
+            self.streaming = _read_json(settings)
+            if not {"chunk_size", "left_chunks", "cmvn", "cache_shapes"} <= set(self.streaming):
+                raise ExportError(f"{settings}: not an export's streaming settings")
+            self.chunk_run = _session(chunk_runner, chunk_graph)
+
+    @torch.inference_mode()
+    def decode_waveforms(self, wavs: Sequence[torch.Tensor], method: str = "greedy", beam_size: int = 10) -> list[str]:
+        """Texts of 16 kHz mono waveforms, as one batch through ``model.onnx``: ``greedy`` or ``beam``."""
+        _check_method(method)
+        feats = [self.log_mel(w) for w in wavs]
+        lens = torch.tensor([len(f) for f in feats], dtype=torch.int64)
+        log_probs, log_prob_lens = self.run(torch.nn.utils.rnn.pad_sequence(feats, batch_first=True), lens)
+        if method == "greedy":
+            ids = ctc_greedy(log_probs, log_prob_lens)
+        else:
+            ids = [ctc_prefix_beam_search(log_probs[b], int(n), beam_size)[0].tokens
+                   for b, n in enumerate(log_prob_lens.tolist())]
+        return [self.tokenizer.decode(h) for h in ids]
+
+    def stream(self, method: str = "beam", beam_size: int = 10, endpoint_ms: float = DEFAULT_ENDPOINT_MS,
+               sample_rate: int = SAMPLE_RATE) -> Stream:
+        """A ``Stream`` through ``encoder_chunk.onnx`` in the export's chunks, decoded with ``greedy`` or
+        ``beam``; ``ValueError`` in one line for a folder without the chunk graph or settings it cannot take."""
+        if self.streaming is None:
+            raise ValueError(f"{self.folder} holds no {STREAMING_FILES['onnx']}: export the checkpoint with "
+                             "--streaming (a model trained with --causal_conv) to stream")
+        _check_method(method)
+        for name, value, least in (("beam_size", beam_size, 1), ("endpoint_ms", endpoint_ms, 0)):
+            if value < least:
+                raise ValueError(f"{name} must be at least {least}, got {value}")
+        check_sample_rate(sample_rate)
+        chunks = GraphChunks(self.chunk_run, self.streaming, self.log_mel.mel.n_mels)
+        return Stream(None, self.tokenizer, self.log_mel, self.streaming["chunk_size"], self.streaming["left_chunks"],
+                      method, beam_size, 0.0, None, endpoint_ms, sample_rate, chunks=chunks)
+
+
+def _check_method(method: str) -> None:
+    if method not in EXPORTED_METHODS:
+        raise ValueError(f"{method} decoding needs the attention decoder, which an export does not hold; choose "
+                         f"from {', '.join(EXPORTED_METHODS)}")
+
+
+def _session(runner: Callable[[Path], Any], path: Path) -> Any:
+    """``runner(path)``: an onnxruntime session of the file; ``ExportError`` in one line when it cannot
+    load it (onnxruntime raises its own exceptions, none a ``RuntimeError``)."""
+    try:
+        return runner(path)
+    except Exception as e:  # noqa: BLE001  InvalidProtobuf, Fail, NoSuchFile ...
+        raise ExportError(f"{path}: onnxruntime cannot load it ({type(e).__name__}: "
+                          f"{(str(e).strip().splitlines() or [''])[0]})") from e
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ExportError(f"{path}: unreadable ({type(e).__name__}: {e})") from e
+    if not isinstance(value, dict):
+        raise ExportError(f"{path}: not an export's settings (a JSON object)")
+    return value
