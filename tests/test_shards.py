@@ -4,6 +4,7 @@ bad shards, and training on them (learns, resumes exactly; 2 torchrun processes 
 test_shards_distributed.py)."""
 import io
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -323,3 +324,55 @@ def test_training_on_shards_learns_and_a_resume_mid_epoch_goes_on_with_the_same_
     wa, wb = torch.load(split / "latest.pt", weights_only=True), torch.load(whole / "latest.pt", weights_only=True)
     for name, tensor in wb["model"].items():
         torch.testing.assert_close(wa["model"][name], tensor, rtol=0, atol=1e-6)
+
+
+# ---- two processes under torchrun -----------------------------------------------------------------
+
+TRACED = Path(__file__).resolve().parent / "traced_run.py"
+
+
+def _torchrun_traced(trace, args):
+    trace.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(TRACED), str(trace), "--", *args], env=env, capture_output=True, text=True,
+                          timeout=900)
+
+
+def _trace(trace, rank):
+    return [json.loads(line) for line in (trace / f"rank{rank}.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_two_torchrun_processes_see_every_utterance_once_an_epoch_and_resume_on_the_same_batches(
+        tiny_corpus, tmp_path):
+    shards = tmp_path / "shards"
+    write_shards(tiny_corpus / "train.jsonl", shards, shard_size=12, progress=False)  # 4 whole + 1 shared by both
+    total = len(open_shards(str(shards)))
+    common = ("--train_shards", str(shards / LIST_NAME), "--num_workers", "2", "--shuffle_buffer", "10",
+              "--gradient_accumulation_steps", "1", "--no_preflight", "--save_every_steps", "4", "--epochs", "2")
+    whole = tmp_path / "whole"
+    result = _torchrun_traced(whole / "trace", tiny_args(tiny_corpus, whole / "run", *common))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    traces = [_trace(whole / "trace", r) for r in (0, 1)]
+    assert [t["step"] for t in traces[0]] == [t["step"] for t in traces[1]]  # the same steps: nobody waits
+    for epoch in (0, 1):
+        seen = [i for t in traces for row in t if row["epoch"] == epoch for b in row["batches"] for i in b]
+        assert sorted(seen) == list(range(total)), epoch  # every utterance, once
+    assert traces[0][0]["batches"] != traces[0][len(traces[0]) // 2]["batches"]
+
+    split = tmp_path / "split"
+    steps = len(traces[0])
+    first = _torchrun_traced(split / "trace", tiny_args(tiny_corpus, split / "run", *common, "--max_steps", "5"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    state = torch.load(split / "run" / "latest.pt", weights_only=True)
+    assert state["step"] == 5 and state["batches_done"] > 0 and len(state["data_position"]) == 2
+    second = _torchrun_traced(split / "trace", tiny_args(tiny_corpus, split / "run", *common, "--resume", "latest"))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from latest at step 5" in second.stderr
+    for r in (0, 1):
+        assert _trace(split / "trace", r) == traces[r]  # the same batches, step by step, in both processes
+    a, b = (torch.load(d / "run" / "latest.pt", weights_only=True) for d in (split, whole))
+    assert a["step"] == b["step"] == steps
+    for name, tensor in b["model"].items():
+        torch.testing.assert_close(a["model"][name], tensor, rtol=0, atol=1e-6)
