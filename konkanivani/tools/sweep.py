@@ -30,6 +30,7 @@ from ..checkpoint import write_file_atomic
 from ..config import ConfigError, ModelConfig, TrainConfig, flag_fields, model_config_from_preset
 from ..data.frames import budget_frames, frames_of
 from ..data.manifest import read_manifest
+from ..data.shards import open_shards
 from ..training.curves import have_matplotlib, write_csv
 from ..training.loop import train
 from ..training.memory import GIB, BatchDoesNotFit, MemoryEstimator
@@ -159,7 +160,8 @@ def set_aside_unsaved_run(trial_dir: Path, resume: str, label: str) -> None:
 
 def _fits(cfg: TrainConfig, model_flags: dict[str, Any], budget_gb: float) -> Optional[str]:
     """None when the memory planner says the trial's largest micro-batch fits ``budget_gb``; else why not."""
-    longest = frames_of(min(max(_durations(cfg.train_manifest), default=1.0), cfg.max_duration))
+    longest = frames_of(min(max(_train_durations(cfg.train_shards, cfg.train_manifest), default=1.0),
+                            cfg.max_duration))
     base = model_config_from_preset(cfg.preset, vocab_size=cfg.vocab_size,
                                     **{k: v for k, v in model_flags.items() if v is not None})
     precision = cfg.precision or ("fp16" if cfg.mixed_precision else "fp32")  # as on a GPU, which the budget is
@@ -268,8 +270,9 @@ def _trial_row(out: Path, trial: Trial, target_cer: float) -> dict[str, Any]:
         peaks = [r.get("peak_gb") or r.get("peak_rss_gb") for r in train_rows]
         row["peak_gb"] = max((p for p in peaks if p is not None), default=None)
         rates = [r["utt_per_s"] for r in train_rows if r.get("utt_per_s")]
-        if rates and resolved.get("train_manifest"):
-            row["audio_s_per_s"] = round(_mean_duration(resolved["train_manifest"]) * sum(rates) / len(rates), 1)
+        if rates and (resolved.get("train_shards") or resolved.get("train_manifest")):
+            mean = _mean_duration(resolved.get("train_shards", ""), resolved.get("train_manifest", ""))
+            row["audio_s_per_s"] = round(mean * sum(rates) / len(rates), 1)
     scored = [r for r in valid_rows if r.get("cer") is not None]
     if scored:
         best = min(scored, key=lambda r: (r["cer"], r["step"]))
@@ -282,14 +285,17 @@ def _trial_row(out: Path, trial: Trial, target_cer: float) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=8)
-def _durations(manifest: str) -> tuple[float, ...]:
-    """The ``duration`` of every row of a manifest (read once: each trial of a sweep asks)."""
+def _train_durations(shards: str, manifest: str) -> tuple[float, ...]:
+    """The duration of every training utterance: of the shards when given, else of the manifest's
+    rows (read once: each trial of a sweep asks)."""
+    if shards:
+        return tuple(open_shards(shards, check_files=False).durations())
     return tuple(float(row.get("duration", 0) or 0) for _, row in read_manifest(manifest))
 
 
-def _mean_duration(manifest: str) -> float:
+def _mean_duration(shards: str, manifest: str) -> float:
     try:
-        durations = _durations(manifest)
+        durations = _train_durations(shards, manifest)
     except (OSError, ValueError):
         return math.nan
     return sum(durations) / len(durations) if durations else math.nan
