@@ -33,7 +33,7 @@ def test_unknown_flag_wrong_type_and_missing_manifest_are_refused(capsys):
         with pytest.raises(SystemExit):
             cli.parse_args(argv)
     err = capsys.readouterr().err
-    assert "the following arguments are required: --train_manifest (see --help)" in err
+    assert "the following arguments are required: --train_manifest (or --train_shards) (see --help)" in err
     assert "usage:" not in err  # one line, not the whole usage first
 
 
@@ -255,7 +255,8 @@ def test_the_flags_page_lists_every_flag_and_which_are_required():
     fields = [f for f in dataclasses.fields(TrainConfig)] + [f for f in dataclasses.fields(ModelConfig)
                                                             if f.name != "vocab_size"]
     assert set(rows) == {f.name for f in fields} | {"config"}
-    assert {name for name, default in rows.items() if default == "required"} == {"train_manifest", "valid_manifest"}
+    assert {name for name, default in rows.items() if default == "required"} == {"valid_manifest"}
+    assert "(required, or --train_shards)" in table.split("`--train_manifest`")[1].split("\n")[0]
 
 
 def test_the_old_spelling_of_the_decoding_ctc_weight_still_works_and_says_so_once(tmp_path, capsys):

@@ -58,11 +58,7 @@ def parse_args(argv: list[str] | None = None):
                        "format under OUT_DIR" + (" (always done here; default: wav)" if name == "hf" else
                                                  " (Kaldi segments are always cut to files; default: wav)"
                                                  if name == "kaldi" else ""))
-        s.add_argument("--tokenizer", type=Path, help="SentencePiece .model to check the text against (default: "
-                       "characters, the strictest)")
-        s.add_argument("--max_duration", type=float, default=30.0,
-                       help="skip audio longer than this many seconds (default: 30.0, as training)")
-        s.add_argument("--no_progress", dest="progress", action="store_false", help="no progress bar")
+        _add_row_check_flags(s)
         s.add_argument("--no-progress", dest="progress", action="store_false", help=argparse.SUPPRESS)  # old spelling
         if name != "commonvoice":
             s.add_argument("--split_name", default="train", help="the manifest's name (default: train)"
@@ -85,10 +81,7 @@ def parse_args(argv: list[str] | None = None):
     args.out_dir = output_dir(sub, args)
     if not args.source_dir.is_dir():
         sub.error(f"{args.source_dir}: not a folder")
-    if args.tokenizer is not None and not args.tokenizer.is_file():
-        sub.error(f"--tokenizer {args.tokenizer}: file not found")
-    if args.max_duration <= 0:
-        sub.error("--max_duration must be a positive number of seconds")
+    _check_row_check_flags(sub, args)
     if not 0 <= getattr(args, "valid_fraction", 0.0) < 1:
         sub.error(f"--valid_fraction must be at least 0 and below 1, got {args.valid_fraction}")
     try:
@@ -100,6 +93,22 @@ def parse_args(argv: list[str] | None = None):
     return args
 
 
+def _add_row_check_flags(s) -> None:
+    """The flags every source shares: how rows are checked, and the progress bar."""
+    s.add_argument("--tokenizer", type=Path, help="SentencePiece .model to check the text against (default: "
+                   "characters, the strictest)")
+    s.add_argument("--max_duration", type=float, default=30.0,
+                   help="skip audio longer than this many seconds (default: 30.0, as training)")
+    s.add_argument("--no_progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def _check_row_check_flags(sub, args) -> None:
+    if args.tokenizer is not None and not args.tokenizer.is_file():
+        sub.error(f"--tokenizer {args.tokenizer}: file not found")
+    if args.max_duration <= 0:
+        sub.error("--max_duration must be a positive number of seconds")
+
+
 def _shards_parser(sources) -> None:
     text = "a manifest's utterances as tar shards (KEY.flac + KEY.json) and their list, shards.json"
     s = sources.add_parser("shards", help=text, description=text)
@@ -108,21 +117,14 @@ def _shards_parser(sources) -> None:
     size = s.add_mutually_exclusive_group(required=True)
     size.add_argument("--shard_size", type=int, help="utterances per shard")
     size.add_argument("--shard_hours", type=float, help="hours of audio per shard")
-    s.add_argument("--tokenizer", type=Path, help="SentencePiece .model to check the text against (default: "
-                   "characters, the strictest)")
-    s.add_argument("--max_duration", type=float, default=30.0,
-                   help="skip audio longer than this many seconds (default: 30.0, as training)")
-    s.add_argument("--no_progress", dest="progress", action="store_false", help="no progress bar")
+    _add_row_check_flags(s)
 
 
 def _check_shards_args(sub, args):
     args.out_dir = output_dir(sub, args)
     if not args.manifest.is_file():
         sub.error(f"{args.manifest}: manifest not found")
-    if args.tokenizer is not None and not args.tokenizer.is_file():
-        sub.error(f"--tokenizer {args.tokenizer}: file not found")
-    if args.max_duration <= 0:
-        sub.error("--max_duration must be a positive number of seconds")
+    _check_row_check_flags(sub, args)
     if (args.shard_size is not None and args.shard_size <= 0) or (args.shard_hours is not None
                                                                    and args.shard_hours <= 0):
         sub.error("--shard_size and --shard_hours must be positive")

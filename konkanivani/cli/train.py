@@ -60,7 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         for action in parser._actions:
             if action.dest in values:
                 action.default, action.required = values[action.dest], False
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not args.train_manifest and not args.train_shards:  # one of the two (argparse cannot say "or")
+        parser.error("the following arguments are required: --train_manifest (or --train_shards)")
+    return args
 
 
 def model_flags(args: argparse.Namespace) -> dict:
