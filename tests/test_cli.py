@@ -149,16 +149,25 @@ def test_an_output_under_a_file_is_one_line_for_average_and_export(tmp_path, cap
     assert err == [f"error: cannot write the export to {blocker / 'out'}: Not a directory"]
 
 
-def test_t4_recipe_script_runs_on_cpu(tiny_corpus, tmp_path):
-    """The recipe script itself, made tiny by extra flags that pass through and override it."""
-    env = dict(os.environ, PYTHON=sys.executable, TRAIN_MANIFEST=str(tiny_corpus / "train.jsonl"),
-               VALID_MANIFEST=str(tiny_corpus / "valid.jsonl"), OUTPUT_DIR=str(tmp_path / "t4"))
+@pytest.mark.parametrize("data", ["manifest", "shards"])
+def test_t4_recipe_script_runs_on_cpu(tiny_corpus, tmp_path, data):
+    """The recipe script itself, made tiny by extra flags that pass through and override it; on a
+    manifest (TRAIN_MANIFEST) or on shards (TRAIN_SHARDS, as for data on a Drive mount)."""
+    if data == "shards":
+        from konkanivani.tools.shards import write_shards
+        write_shards(tiny_corpus / "train.jsonl", tmp_path / "shards", shard_size=20, progress=False)
+        train = {"TRAIN_SHARDS": str(tmp_path / "shards" / "shards.json")}
+    else:
+        train = {"TRAIN_MANIFEST": str(tiny_corpus / "train.jsonl")}
+    env = dict(os.environ, PYTHON=sys.executable, **train, VALID_MANIFEST=str(tiny_corpus / "valid.jsonl"),
+               OUTPUT_DIR=str(tmp_path / "t4"))
     result = subprocess.run(
         [str(ROOT / "run_training_memory_optimized.sh"), "--preset", "tiny", "--d_model", "48", "--encoder_layers", "2",
          "--decoder_layers", "1", "--vocab_size", "48", "--max_steps", "3", "--num_workers", "0", "--no_progress"],
         env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "8 utterances per update (batch 2 x 4 accumulation steps)" in result.stderr
+    assert ("train shards" in result.stderr) == (data == "shards")
     assert load_checkpoint(tmp_path / "t4" / "latest.pt")["step"] == 3
 
 
