@@ -329,7 +329,7 @@ def check_config(cfg: TrainConfig, model_overrides: dict[str, Any] | None = None
         raise ConfigError("--train_manifest (or --train_shards) is required")
     if not cfg.valid_manifest:
         raise ConfigError("--valid_manifest is required")
-    for name in ("valid_manifest", "tokenizer") + (() if cfg.train_shards else ("train_manifest",)):
+    for name in (() if cfg.train_shards else ("train_manifest",)) + ("valid_manifest", "tokenizer"):
         path = getattr(cfg, name)
         if path and not Path(path).is_file():
             raise ConfigError(f"--{name} {path}: file not found")
