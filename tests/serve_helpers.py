@@ -6,14 +6,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from contextlib import contextmanager
 from email.message import Message
+from http.client import HTTPConnection
 from pathlib import Path
 
 import torch
@@ -110,8 +113,19 @@ def served(checkpoint: Path, *flags: str):
 
 
 def http(method: str, url: str, body: bytes | None = None, headers: dict | None = None,
-         timeout: float = 60) -> tuple[int, Message, bytes]:
-    """(status, headers (case-insensitive), body) of one request, an error status included."""
+         timeout: float = 60, source: str | None = None) -> tuple[int, Message, bytes]:
+    """(status, headers (case-insensitive), body) of one request, an error status included;
+    ``source``: from that loopback address (``connect_from``)."""
+    if source is not None:
+        parts = urllib.parse.urlsplit(url)
+        connection = HTTPConnection(parts.hostname, parts.port, timeout=timeout,
+                                    source_address=(source, 0))
+        try:
+            connection.request(method, parts.path, body, headers or {})
+            response = connection.getresponse()
+            return response.status, response.headers, response.read()
+        finally:
+            connection.close()
     request = urllib.request.Request(url, data=body, method=method, headers=headers or {})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -143,16 +157,27 @@ def wait_until(condition, seconds: float, every: float = 0.1) -> bool:
     return condition()
 
 
+def connect_from(url: str, source: str | None, timeout: float = 30) -> socket.socket | None:
+    """A TCP connection to ``url``'s host and port from the loopback address ``source`` (the server
+    sees another client: any 127.x.y.z is this machine on Linux); None for the default address."""
+    if source is None:
+        return None
+    parts = urllib.parse.urlsplit(url)
+    return socket.create_connection((parts.hostname, parts.port), timeout,
+                                    source_address=(source, 0))
+
+
 def ws_session(url: str, frames, then: str = "end", headers: dict | None = None, pause: float = 0.0,
-               timeout: float = 60) -> tuple[list[dict], dict]:
+               timeout: float = 60, source: str | None = None) -> tuple[list[dict], dict]:
     """Send ``frames`` (bytes: binary, str: text) over a WebSocket, then (``then``) ``{"type": "end"}``,
     or hang up, or wait for the server to close; the JSON messages received (read by a thread as they
-    come) and ``{"code", "reason"}`` of the close frame received."""
+    come) and ``{"code", "reason"}`` of the close frame received. ``source``: ``connect_from``'s."""
     from websockets.exceptions import ConnectionClosed
     from websockets.sync.client import connect
 
     messages, closed = [], {}
-    with connect(url, additional_headers=headers, open_timeout=timeout, close_timeout=timeout, max_size=None) as ws:
+    with connect(url, additional_headers=headers, open_timeout=timeout, close_timeout=timeout,
+                 max_size=None, sock=connect_from(url, source)) as ws:
         def read():
             try:
                 while True:
@@ -179,13 +204,74 @@ def ws_session(url: str, frames, then: str = "end", headers: dict | None = None,
     return messages, closed
 
 
-def ws_refusal(url: str, headers: dict | None = None, timeout: float = 30):
+def ws_refusal(url: str, headers: dict | None = None, timeout: float = 30,
+               source: str | None = None):
     """The HTTP answer (status, headers, body) that refused a WebSocket handshake; None if it opened."""
     from websockets.exceptions import InvalidStatus
     from websockets.sync.client import connect
 
     try:
-        with connect(url, additional_headers=headers, open_timeout=timeout, close_timeout=timeout):
+        with connect(url, additional_headers=headers, open_timeout=timeout, close_timeout=timeout,
+                     sock=connect_from(url, source)):
             return None
     except InvalidStatus as e:
         return e.response.status_code, e.response.headers, json.loads(e.response.body or b"{}")
+
+
+class SlowUpload:
+    """A POST of ``length`` bytes that sends ``piece`` every ``every`` seconds from ``source`` (a
+    thread), until the server answers or closes or ``seconds`` pass; its answer is read by another
+    thread as it comes: ``answer()`` is (status, JSON body), ``answered`` the monotonic time its
+    first bytes came."""
+
+    def __init__(self, url: str, headers: dict, length: int = 100_000, piece: bytes = b"\0",
+                 every: float = 0.5, source: str = "127.0.0.1", seconds: float = 60):
+        parts = urllib.parse.urlsplit(url)
+        self.sock = connect_from(url, source, timeout=seconds)
+        head = [f"POST {parts.path} HTTP/1.1", f"Host: {parts.netloc}", f"Content-Length: {length}",
+                *(f"{k}: {v}" for k, v in headers.items())]
+        self.sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
+        self.started, self.answered, self.seconds, self.data = time.monotonic(), None, seconds, b""
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._send, args=(piece, every, length)),
+                        threading.Thread(target=self._read)]
+        for thread in self.threads:
+            thread.daemon = True
+            thread.start()
+
+    def _send(self, piece: bytes, every: float, length: int) -> None:
+        sent = 0
+        while sent < length and not self.stop.wait(every):
+            try:
+                self.sock.sendall(piece)
+            except OSError:  # the server closed: its answer is read by _read
+                return
+            sent += len(piece)
+
+    def _read(self) -> None:
+        try:
+            while b"\r\n\r\n" not in self.data or len(self.data) < self._length(self.data):
+                chunk = self.sock.recv(65536)
+                if not chunk:
+                    break
+                self.answered = self.answered or time.monotonic()
+                self.data += chunk
+        except OSError:
+            pass  # a timeout or a reset: answer() says what came
+        finally:
+            self.stop.set()
+
+    def answer(self) -> tuple[int, dict]:
+        for thread in self.threads:
+            thread.join(self.seconds + 5)
+        self.sock.close()
+        head, _, body = self.data.partition(b"\r\n\r\n")
+        assert head, "no answer"
+        return int(head.split()[1]), json.loads(body)
+
+    @staticmethod
+    def _length(data: bytes) -> int:
+        """The whole answer's bytes, by its Content-Length, once its head is in."""
+        head = data.partition(b"\r\n\r\n")[0]
+        found = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+        return len(head) + 4 + int(found.group(1)) if found else len(data) + 1

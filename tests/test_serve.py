@@ -5,6 +5,10 @@ still answers /health. Counted, never timed (every wait bounded)."""
 import io
 import json
 import random
+import re
+import socket
+import threading
+import time
 import wave
 
 import numpy as np
@@ -13,6 +17,7 @@ import soundfile as sf
 import torch
 from serve_helpers import (
     SENTENCES,
+    SlowUpload,
     http,
     http_json,
     multipart,
@@ -38,6 +43,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 CHUNK = ["--chunk_size", "8"]  # the tone models were trained for chunks of 1-8 frames
 LIMITS = ["--max_upload_mb", "0.5", "--max_streams", "2", "--idle_seconds", "3", "--max_stream_seconds", "30",
           "--max_frame_kb", "64"]
+FRIEND = "http://friend.example:3000"  # a page origin the module's server allows (--allow_origin)
+EVIL = "http://evil.example"
 
 
 # Without a server: frames, limits and flags.
@@ -66,6 +73,8 @@ def test_limits_must_be_positive():
     assert Limits().max_upload_bytes == 25 * 2 ** 20
     with pytest.raises(ValueError, match="max_streams must be positive"):
         Limits(max_streams=0)
+    with pytest.raises(ValueError, match=r"min_stream_rate must be at most 1 \(real time\)"):
+        Limits(min_stream_rate=1.5)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -73,6 +82,11 @@ def test_limits_must_be_positive():
     (["{ckpt}", "--max_streams", "0"], "--max_streams must be positive, got 0"),
     (["{ckpt}", "--chunk_size", "0"], "--chunk_size must be at least 1, got 0"),
     (["{ckpt}", "--decode_ctc_weight", "2"], "--decode_ctc_weight must be in [0, 1], got 2.0"),
+    (["{ckpt}", "--allow_origin", "friend.example/app"],
+     "--allow_origin 'friend.example/app': an origin is scheme://host[:port]"),
+    (["{ckpt}", "--min_stream_rate", "2"],
+     "--min_stream_rate must be at most 1 (real time), got 2.0"),
+    (["{ckpt}", "--upload_timeout", "0"], "--upload_timeout must be positive, got 0.0"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(tmp_path, capsys, flags, message):
     (tmp_path / "m.pt").write_bytes(b"")
@@ -103,7 +117,8 @@ def clip(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoints):
-    with served(checkpoints["streaming"], "--token", TOKEN, *CHUNK, *LIMITS) as s:
+    with served(checkpoints["streaming"], "--token", TOKEN, *CHUNK, *LIMITS,
+                "--allow_origin", FRIEND) as s:
         yield s
 
 
@@ -135,6 +150,8 @@ def test_upload_and_stream_give_what_the_recognizer_gives_offline(server, checkp
     messages, closed = ws_session(server.ws_url + "stream", _pcm16_frames(clip), headers=AUTH)
     assert closed["code"] == 1000, closed
     assert messages[0]["type"] == "ready" and messages[0]["chunk_size"] == 8
+    # the samples' format asked for, beside the model's own
+    assert messages[0]["format"] == "pcm16" and messages[0]["model_format"] == "checkpoint"
     assert messages[-1]["type"] == "done"
     finals = [{k: m[k] for k in ("text", "start", "end")} for m in messages if m["type"] == "final"]
     assert finals == offline
@@ -148,6 +165,8 @@ def test_upload_and_stream_give_what_the_recognizer_gives_offline(server, checkp
     frames = [piece.numpy().astype("<f4").tobytes() for piece in wav48.split(4800)]
     messages, closed = ws_session(server.ws_url + "stream?format=float32&sample_rate=48000&token=" + TOKEN, frames)
     assert closed["code"] == 1000
+    assert messages[0]["format"] == "float32" and messages[0]["model_format"] == "checkpoint"
+    assert messages[0]["sample_rate"] == 48000
     assert [{k: m[k] for k in ("text", "start", "end")} for m in messages if m["type"] == "final"] == offline48
 
     status, _, text = http("GET", server.url + "metrics", headers=AUTH)
@@ -241,6 +260,133 @@ def test_a_full_context_model_transcribes_in_windows_and_refuses_to_stream(check
         status, _, answer = ws_refusal(server.ws_url + "stream")
         assert status == 409 and "cannot stream" in answer["error"]
         assert http_json("GET", server.url + "health")[1]["streaming"] is False
+
+
+@pytest.mark.slow
+def test_a_page_of_another_origin_is_refused_even_with_the_cookie(server):
+    """A browser's request carries the page's Origin: another origin is 403 on every endpoint, the
+    token's cookie notwithstanding (another port of the same host is another origin, though the
+    same site); the server's own origin and --allow_origin's pass; requests without an Origin (curl,
+    programs) are left to the token."""
+    cookie = {"Cookie": f"konkanivani_token={TOKEN}"}
+    own = server.url.rstrip("/")
+    port = own.rsplit(":", 1)[1]
+    refused = _metric(server, '_errors_total{endpoint="/stream",reason="origin"}')
+    for origin in (EVIL, f"http://127.0.0.1:{int(port) + 1}", f"http://localhost:{port}",
+                   f"https://127.0.0.1:{port}", "null"):
+        for method, path in (("POST", "transcribe"), ("GET", "health"), ("GET", "")):
+            body = b"x" if method == "POST" else None
+            status, answer = http_json(method, server.url + path, body,
+                                       {**cookie, **AUTH, "Origin": origin})
+            assert status == 403 and "another origin" in answer["error"], (origin, path, status)
+        status, _, answer = ws_refusal(server.ws_url + "stream", {**cookie, "Origin": origin})
+        assert status == 403 and f"another origin ({origin})" in answer["error"]
+    for origin in (None, own, own.upper(), FRIEND, FRIEND + "/"):
+        headers = {**cookie, **({"Origin": origin} if origin else {})}
+        status, answer = http_json("POST", server.url + "transcribe", b"x", headers)
+        assert status == 400 and "audio unreadable" in answer["error"], (origin, answer)  # let in
+        messages, closed = ws_session(server.ws_url + "stream", [], headers=headers)
+        assert messages[0]["type"] == "ready" and closed["code"] == 1000, (origin, closed)
+    # the Origin is checked before the token: a foreign page without it is refused the same
+    assert http("GET", server.url + "health", headers={"Origin": EVIL})[0] == 403
+    assert _metric(server, '_errors_total{endpoint="/stream",reason="origin"}') == refused + 5
+
+
+def _metric(server, name: str) -> float:
+    """A counter's value in the server's /metrics (``konkanivani`` + ``name``); 0 before one."""
+    text = http("GET", server.url + "metrics", headers=AUTH)[2].decode()
+    found = re.search(rf"^konkanivani{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def _close_reasons(results) -> list[tuple]:
+    return [(closed["code"], closed["reason"].split(":")[0]) for _, closed in results]
+
+
+@pytest.mark.slow
+def test_slow_clients_hold_no_place(checkpoints, clip):
+    """Uploads whose bodies trickle are answered 408 once their rate or time runs out, and take no
+    decode place meanwhile: a real upload is decoded beside two; streams that fall below half of
+    real time are closed 1008 with the reason, and a real stream then has their place; one client
+    address may hold 2 uploads and 2 streams (here), the next is 429. Small limits: seconds."""
+    grace = 4  # s: every check of a slow client while it is still open comes within it
+    flags = ["--grace_seconds", str(grace), "--min_upload_kb_s", "1", "--upload_timeout", "8",
+             "--max_uploads", "2", "--max_client_uploads", "2", "--max_streams", "3",
+             "--max_client_streams", "2", "--min_stream_rate", "0.5"]
+    with served(checkpoints["streaming"], *CHUNK, *flags) as server:
+        # two uploads from one client send a byte every 0.5 s of the 100000 they announce
+        slow = [SlowUpload(server.url + "transcribe", {}, source="127.0.0.2") for _ in range(2)]
+        status, headers, answer = http("POST", server.url + "transcribe", b"x",  # its third: 429
+                                       source="127.0.0.2")
+        assert status == 429 and headers["Retry-After"] == "5", answer
+        error = json.loads(answer)["error"]
+        assert "this client (127.0.0.2) has 2 uploads in progress already" in error
+        sent = time.monotonic()
+        # another client's upload, while both still trickle
+        status, result = http_json("POST", server.url + "transcribe", clip.read_bytes())
+        assert status == 200 and result["text"], result
+        for upload in slow:
+            status, answer = upload.answer()
+            assert status == 408 and "the upload came too slowly" in answer["error"], answer
+            assert upload.answered > sent  # they were open while the real upload was decoded
+            assert upload.answered - upload.started < 30
+        # fast enough (2 KB every 0.5 s) but not done within --upload_timeout
+        steady = SlowUpload(server.url + "transcribe", {}, piece=bytes(2048))
+        status, answer = steady.answer()
+        assert status == 408 and "within 8 s" in answer["error"], answer
+        assert steady.answered - steady.started >= 8
+
+        def trickle(source):  # a sample every 0.5 s, until the server closes
+            return ws_session(server.ws_url + "stream", [b"\0\0"] * 120, "wait", pause=0.5,
+                              source=source)
+
+        def active():
+            return http_json("GET", server.url + "health")[1]["active_streams"]
+
+        results, threads = [], []
+        for source in ("127.0.0.1", "127.0.0.1", "127.0.0.2"):
+            threads.append(threading.Thread(target=lambda s=source: results.append(trickle(s))))
+            threads[-1].start()
+            assert wait_until(lambda: active() == len(threads), 30)
+            if len(threads) == 2:  # the first client's third
+                status, headers, answer = ws_refusal(server.ws_url + "stream", source="127.0.0.1")
+                assert status == 429 and "(127.0.0.1) has 2 streams open already" in answer["error"]
+        status, headers, answer = ws_refusal(server.ws_url + "stream", source="127.0.0.3")
+        assert status == 503 and "3 streams open already" in answer["error"]  # all three held
+        for thread in threads:
+            thread.join(60)
+        assert _close_reasons(results) == [(1008, "too slow")] * 3, results
+        assert all("this server needs at least 0.5 of real time" in c["reason"] for _, c in results)
+        assert all(m[0]["type"] == "ready" and m[-1]["type"] == "done" for m, _ in results)
+        messages, closed = ws_session(server.ws_url + "stream", _pcm16_frames(clip))
+        assert closed["code"] == 1000 and any(m["type"] == "final" and m["text"] for m in messages)
+        metrics = http("GET", server.url + "metrics")[2].decode()
+        assert 'konkanivani_errors_total{endpoint="/stream",reason="too_slow"} 3.0' in metrics
+        assert '_errors_total{endpoint="/transcribe",reason="slow_upload"} 3.0' in metrics
+        assert "Traceback" not in "".join(server.log)
+
+
+@pytest.mark.slow
+def test_refused_handshakes_and_clients_that_leave_log_no_errors(server):
+    """A client that leaves mid-upload is one short line in the server's log, no traceback; a
+    refused handshake (its HTTP answer sent) logs nothing (uvicorn's websockets-sansio protocol
+    logged 'ASGI callable returned without completing handshake' for each)."""
+    first = len(server.log)
+    left = _metric(server, '_errors_total{endpoint="/transcribe",reason="disconnect"}')
+    for query, headers, status in (("", {"Origin": EVIL}, 403), ("", {}, 401),
+                                   ("?format=mp3", AUTH, 400)):
+        assert ws_refusal(server.ws_url + "stream" + query, headers)[0] == status
+    port = int(server.url.rstrip("/").rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), 30) as sock:
+        sock.sendall(f"POST /transcribe HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: "
+                     f"Bearer {TOKEN}\r\nContent-Length: 100000\r\n\r\n".encode() + bytes(1000))
+    assert wait_until(lambda: "an upload ended early" in "".join(server.log[first:]), 30)
+    # answered after the upload's handler ended: what the server wrote of it is in the pipe by now
+    assert _metric(server, '_errors_total{endpoint="/transcribe",reason="disconnect"}') == left + 1
+    time.sleep(0.5)  # for the thread that reads the pipe
+    new = server.log[first:]
+    assert len(new) == 1, new
+    assert re.search(r"INFO an upload ended early: its client left after \d+ bytes$", new[0]), new
 
 
 def _malformed_uploads(rng: random.Random, clip: bytes):
@@ -348,17 +494,18 @@ def test_a_streaming_export_transcribes_and_streams_as_its_checkpoint_does(expor
     with served(exports["streaming"], "--token", TOKEN) as server:
         assert "(ONNX, streaming, beam)" in "".join(server.log)
         status, health = http_json("GET", server.url + "health", headers=AUTH)
-        assert status == 200 and health["format"] == "onnx" and health["streaming"] is True
+        assert status == 200 and health["model_format"] == "onnx" and health["streaming"] is True
         assert health["chunk_size"] == 8 and health["left_chunks"] == 2 and "no attention rescoring" in health["note"]
 
         status, result = http_json("POST", server.url + "transcribe", clip.read_bytes(), AUTH)
         assert status == 200, result
         assert [{k: s[k] for k in ("text", "start", "end")} for s in result["segments"]] == offline
-        assert result["method"] == "beam" and result["format"] == "onnx"
+        assert result["method"] == "beam" and result["model_format"] == "onnx"
 
         messages, closed = ws_session(server.ws_url + "stream", _pcm16_frames(clip), headers=AUTH)
         assert closed["code"] == 1000, closed
         assert messages[0]["type"] == "ready" and messages[-1]["type"] == "done"
+        assert messages[0]["format"] == "pcm16" and messages[0]["model_format"] == "onnx"
         results = [{k: m[k] for k in ("type", "text", "start", "end")} for m in messages[1:-1]]
         assert results == [{"type": "final" if r.is_final else "partial", "text": r.text, "start": r.start,
                             "end": r.end} for r in streamed]
@@ -381,7 +528,7 @@ def test_an_export_without_the_chunk_graph_transcribes_and_refuses_to_stream(exp
     assert offline[0]["text"]
     with served(exports["full"], "--method", "greedy") as server:
         status, result = http_json("POST", server.url + "transcribe", clip.read_bytes())
-        assert status == 200 and result["streaming"] is False and result["format"] == "onnx"
+        assert status == 200 and result["streaming"] is False and result["model_format"] == "onnx"
         assert [{k: s[k] for k in ("text", "start", "end")} for s in result["segments"]] == offline
         status, _, answer = ws_refusal(server.ws_url + "stream")
         assert status == 409 and "the export has no encoder_chunk.onnx: export with --streaming" in answer["error"]

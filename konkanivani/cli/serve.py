@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import importlib.util
 import ipaddress
+import logging
 import os
+import re
 import socket
 import sys
 from dataclasses import fields
@@ -30,16 +32,25 @@ from ..decoding.streaming import DEFAULT_ENDPOINT_MS, STREAM_METHODS
 from . import Parser, fail, setup_logging, tool
 
 TOKEN_ENV = "KONKANIVANI_TOKEN"
+_ORIGIN = re.compile(r"https?://[^/?#\s]+/?", re.IGNORECASE)
 CHUNK_SIZE, LEFT_CHUNKS = 16, -1  # a streaming checkpoint's chunks, unless --chunk_size and --left_chunks say
 _LIMIT_HELP = {
     "max_upload_mb": "the largest body POST /transcribe reads, in MB; 413 beyond",
     "max_upload_seconds": "the most audio one upload may hold, in seconds; 413 beyond",
-    "max_uploads": "uploads decoded at once; 503 with Retry-After beyond",
+    "max_uploads": "uploads decoded at once (counted once its body is in); 503 + Retry-After",
     "max_streams": "WebSocket streams open at once; 503 with Retry-After beyond",
+    "max_client_uploads": "uploads one client address may have at once (read, decoded); 429 beyond",
+    "max_client_streams": "streams one client address may have open at once; 429 beyond",
+    "upload_timeout": "seconds an upload's whole body may take to arrive; 408 beyond",
+    "min_upload_kb_s": "the least mean rate of an upload's body after --grace_seconds, in KB/s; "
+                       "408 below",
+    "min_stream_rate": "the least audio a stream sends over its time after --grace_seconds, as a "
+                       "fraction of real time (at most 1); else its last results and close 1008",
+    "grace_seconds": "an upload's or a stream's first seconds, before its rate is held",
     "max_stream_seconds": "the most audio one stream may send, in seconds; then its last results and close 1008",
     "idle_seconds": "a stream that sends nothing this long gets its last results and close 1008",
     "max_frame_kb": "the largest WebSocket message, in KB; close 1009 beyond",
-    "retry_after_s": "the Retry-After of a 503, in seconds",
+    "retry_after_s": "the Retry-After of a 503 or a 429, in seconds",
 }
 
 
@@ -63,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{name} must be at least {least}, got {value}")
     if not 0.0 <= args.decode_ctc_weight <= 1.0:
         parser.error(f"--decode_ctc_weight must be in [0, 1], got {args.decode_ctc_weight}")
+    for origin in args.allow_origin:
+        if not _ORIGIN.fullmatch(origin):
+            parser.error(f"--allow_origin {origin!r}: an origin is scheme://host[:port] (http or "
+                         "https, no path), as a browser sends it")
     setup_logging()
     return _serve(args, limits)
 
@@ -76,6 +91,10 @@ def _parser(limits_class) -> Parser:
                         help="the address to listen on (default: %(default)s, this machine only; 0.0.0.0: every "
                              "interface, with --token)")
     parser.add_argument("--port", type=int, default=8000, help="default: %(default)s; 0: a free one, printed")
+    parser.add_argument("--allow_origin", action="append", default=[], metavar="ORIGIN",
+                        help="a page of this origin (scheme://host[:port]) may use the server "
+                             "besides its own page; repeatable. Requests without Origin (curl, "
+                             "programs) need none; a browser's from any other origin get 403")
     parser.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None,
                         help=f"a secret every request must carry (default: ${TOKEN_ENV}, else none): the header "
                              "'Authorization: Bearer TOKEN' or ?token=TOKEN; the page opened as /?token=TOKEN")
@@ -117,7 +136,7 @@ def _serve(args, limits) -> int:
 
     from ..decoding.exported import ExportedRecognizer
     from ..decoding.recognizer import Recognizer
-    from ..serving.app import create_app, model_label
+    from ..serving.app import DenialLogFilter, create_app, model_label
     from ..serving.engine import Decoding, Engine
 
     if args.threads:
@@ -152,7 +171,8 @@ def _serve(args, limits) -> int:
         sock = _listen(args.host, args.port)
     except OSError as e:
         return fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
-    app = create_app(engine, limits, args.token, model_label(str(args.checkpoint)))
+    app = create_app(engine, limits, args.token, model_label(str(args.checkpoint)),
+                     args.allow_origin)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     if not args.token and not _loopback(args.host):
@@ -163,6 +183,8 @@ def _serve(args, limits) -> int:
           + (" (token required)" if args.token else ""), file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False, ws_max_size=4 * limits.max_frame_bytes,
                             ws_ping_interval=20.0, ws_ping_timeout=20.0, timeout_graceful_shutdown=5)
+    # after Config, which sets up uvicorn's loggers
+    logging.getLogger("uvicorn.error").addFilter(DenialLogFilter())
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 

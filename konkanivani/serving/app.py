@@ -8,19 +8,23 @@
 
 With a token, every request carries it: ``Authorization: Bearer TOKEN``, the query parameter
 ``token=TOKEN`` (what a WebSocket client without headers can send) or the cookie the page's
-``/?token=TOKEN`` sets; else 401 (for ``/stream``, the handshake's answer). Nothing a client sends names
-a file the server opens: uploads are read in memory, the page's files are read from the package once.
-The protocol and the limits: docs/serving.md.
+``/?token=TOKEN`` sets; else 401 (for ``/stream``, the handshake's answer). A request that carries
+an ``Origin`` (a browser's) must come from the server's own origin or one of ``allow_origins``, else
+403 even with the cookie: a page of another port on the same host is the same *site*, so the
+cookie's SameSite=Strict does not keep it out. Nothing a client sends names a file the server
+opens: uploads are read in memory, the page's files are read from the package once. The protocol
+and the limits: docs/serving.md.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hmac
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from importlib import resources
 from pathlib import PurePath
 from typing import Any
@@ -29,7 +33,7 @@ import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
 from starlette.formparsers import MultiPartException, MultiPartParser
-from starlette.requests import HTTPConnection, Request
+from starlette.requests import ClientDisconnect, HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -39,7 +43,7 @@ from ..decoding.streaming import MAX_RATE, MIN_RATE, Result, check_sample_rate
 from .engine import Engine, UploadTooLong
 from .limits import Limits
 
-__all__ = ["FORMATS", "TOKEN_COOKIE", "create_app"]
+__all__ = ["FORMATS", "TOKEN_COOKIE", "DenialLogFilter", "create_app"]
 
 log = logging.getLogger("konkanivani")
 
@@ -50,6 +54,8 @@ _STATIC = {"app.js": "text/javascript", "capture-worklet.js": "text/javascript",
 _PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; connect-src 'self' ws: wss:; img-src 'self' data:",
                  "X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer",
                  "Cache-Control": "no-store"}
+# set in the task of a WebSocket connection whose handshake this app refused (DenialLogFilter)
+_denied = contextvars.ContextVar("konkanivani_denied", default=False)
 
 
 class _Metrics:
@@ -87,15 +93,30 @@ class _Refused(Exception):
         self.status, self.reason, self.message, self.headers = status, reason, message, headers or {}
 
 
+class DenialLogFilter(logging.Filter):
+    """For uvicorn's ``uvicorn.error`` log: drops its "ASGI callable returned without completing
+    handshake" after a handshake this app refused with an HTTP answer. Its websockets-sansio
+    protocol logs that error for every such refusal though the client got the answer
+    (Kludex/uvicorn#3138); the record is dropped only in the refused connection's own task, so a
+    real one still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        uvicorns = message.startswith("ASGI callable returned without completing")
+        return not (_denied.get() and uvicorns)
+
+
 def _static_files() -> dict[str, bytes]:
     """The page's files, read from the package once: the only files the server serves."""
     folder = resources.files(__package__) / "static"
     return {name: (folder / name).read_bytes() for name in _STATIC}
 
 
-def create_app(engine: Engine, limits: Limits = Limits(), token: str | None = None, model_name: str = "") -> Starlette:
-    """The app of one loaded model: see the module. ``token`` None or empty: no token asked."""
-    server = _Server(engine, limits, token, model_name)
+def create_app(engine: Engine, limits: Limits = Limits(), token: str | None = None,
+               model_name: str = "", allow_origins: Iterable[str] = ()) -> Starlette:
+    """The app of one loaded model: see the module. ``token`` None or empty: no token asked;
+    ``allow_origins``: origins besides its own whose pages may use it (``scheme://host[:port]``)."""
+    server = _Server(engine, limits, token, model_name, allow_origins)
     guard = server.guard
     routes = [Route("/", guard("/static", server.page)), Route("/static/{name}", guard("/static", server.page)),
               Route("/health", guard("/health", server.health)), Route("/metrics", guard("/metrics", server.metrics_page)),
@@ -114,21 +135,28 @@ def create_app(engine: Engine, limits: Limits = Limits(), token: str | None = No
 
 class _Server:
     """The handlers of one loaded model. Each does its own work and raises ``_Refused`` to refuse;
-    ``guard`` puts the token check in front of each and answers every refusal, counted."""
+    ``guard`` puts the origin and token checks in front of each and answers every refusal,
+    counted."""
 
-    def __init__(self, engine: Engine, limits: Limits, token: str | None, model_name: str):
+    def __init__(self, engine: Engine, limits: Limits, token: str | None, model_name: str,
+                 allow_origins: Iterable[str] = ()):
         self.engine, self.limits, self.token, self.model_name = engine, limits, token, model_name
+        self.allow_origins = {normalize_origin(o) for o in allow_origins}
         self.metrics, self.static, self.started = _Metrics(), _static_files(), time.monotonic()
         self.streams = self.uploads = 0  # open and decoding now
+        # by client address: uploads being read or decoded, streams open
+        self.client_uploads: dict[str, int] = {}
+        self.client_streams: dict[str, int] = {}
 
     def guard(self, endpoint: str, handler: Callable[[Any], Awaitable[Response | None]]
               ) -> Callable[[Any], Awaitable[Response | None]]:
-        """``handler`` behind the token check; a ``_Refused`` (the token's or the handler's own) answered
-        with its status and ``{"error": ...}`` (for the WebSocket, the handshake's HTTP answer), counted
-        in ``endpoint``'s requests and errors."""
+        """``handler`` behind the origin and token checks; a ``_Refused`` (theirs or the handler's
+        own) answered with its status and ``{"error": ...}`` (for the WebSocket, the handshake's
+        HTTP answer), counted in ``endpoint``'s requests and errors."""
 
         async def guarded(conn: Request | WebSocket) -> Response | None:
             try:
+                self.check_origin(conn)
                 self.check_token(conn)
                 return await handler(conn)
             except _Refused as e:
@@ -140,6 +168,20 @@ class _Server:
                 return JSONResponse({"error": e.message}, e.status, headers=e.headers)
 
         return guarded
+
+    def check_origin(self, conn: HTTPConnection) -> None:
+        """403 for a browser's request from a page of another origin than the server's own (the
+        scheme, host and port the request came to) and ``allow_origins``. A request without
+        ``Origin`` is no page's (curl, programs): the token alone decides."""
+        origin = conn.headers.get("origin")
+        if origin is None:
+            return
+        scheme = conn.scope.get("scheme", "http")
+        scheme = {"ws": "http", "wss": "https"}.get(scheme, scheme)
+        own = f"{scheme}://{conn.headers.get('host', '')}"
+        if normalize_origin(origin) not in (normalize_origin(own), *self.allow_origins):
+            raise _Refused(403, "origin", f"the page of another origin ({origin[:100]}) may not "
+                           "use this server: only its own page, and those of --allow_origin")
 
     def check_token(self, conn: HTTPConnection) -> None:
         if not self.token:
@@ -154,6 +196,25 @@ class _Server:
     def busy(self, what: str, limit: int) -> _Refused:
         return _Refused(503, "busy", f"{limit} {what} already: the most this server takes at once; try again in "
                         f"{self.limits.retry_after_s} s", {"Retry-After": str(self.limits.retry_after_s)})
+
+    @contextlib.contextmanager
+    def per_client(self, conn: HTTPConnection, counts: dict[str, int], what: str,
+                   limit: int) -> Iterator[None]:
+        """One of ``counts``' places of the client's address while the block runs; 429 when it
+        holds ``limit`` already. (Behind a proxy every client has the proxy's address.)"""
+        client = conn.client.host if conn.client else ""
+        if counts.get(client, 0) >= limit:
+            retry = self.limits.retry_after_s
+            raise _Refused(429, "client_busy", f"this client ({client}) has {limit} {what} "
+                           "already: the most one address may have at once; try again in "
+                           f"{retry} s", {"Retry-After": str(retry)})
+        counts[client] = counts.get(client, 0) + 1
+        try:
+            yield
+        finally:
+            counts[client] -= 1
+            if not counts[client]:
+                del counts[client]
 
     async def health(self, request: Request) -> Response:
         self.metrics.requests.labels("/health", "200").inc()
@@ -176,16 +237,22 @@ class _Server:
         return response
 
     async def transcribe(self, request: Request) -> Response:
+        with self.per_client(request, self.client_uploads, "uploads in progress",
+                             self.limits.max_client_uploads):
+            return await self._transcribe(request)
+
+    async def _transcribe(self, request: Request) -> Response:
+        data = await _upload_bytes(request, self.limits)
+        # a decode place is taken only now, with the whole body in: a slow sender holds none
         if self.uploads >= self.limits.max_uploads:
             raise self.busy("uploads decoding", self.limits.max_uploads)
         self.uploads += 1
         try:
-            return await self._transcribe(request)
+            return await self._decode_upload(data)
         finally:
             self.uploads -= 1
 
-    async def _transcribe(self, request: Request) -> Response:
-        data = await _upload_bytes(request, self.limits.max_upload_bytes)
+    async def _decode_upload(self, data: bytes) -> Response:
         start = time.perf_counter()
         try:
             wav = await self.engine.run(self.engine.read_upload, data, self.limits.max_upload_seconds)
@@ -211,28 +278,39 @@ class _Server:
         if not self.engine.streaming:
             raise _Refused(409, "not_streaming", f"this model cannot stream ({self.engine.why_not_streaming}): "
                            "POST the recording to /transcribe")
-        if self.streams >= self.limits.max_streams:
-            raise self.busy("streams open", self.limits.max_streams)
-        self.streams += 1  # counted before the first await: no two handshakes take the last place
-        self.metrics.active_streams.inc()
-        try:
-            code = await _Session(ws, self.engine, self.limits, self.metrics, sample_rate, dtype).run()
-        finally:
-            self.streams -= 1
-            self.metrics.active_streams.dec()
+        limits = self.limits
+        with self.per_client(ws, self.client_streams, "streams open", limits.max_client_streams):
+            if self.streams >= limits.max_streams:
+                raise self.busy("streams open", limits.max_streams)
+            # counted before the first await: no two handshakes take the last place
+            self.streams += 1
+            self.metrics.active_streams.inc()
+            try:
+                session = _Session(ws, self.engine, limits, self.metrics, sample_rate, dtype)
+                code = await session.run()
+            finally:
+                self.streams -= 1
+                self.metrics.active_streams.dec()
         self.metrics.requests.labels("/stream", str(code)).inc()
 
 
-async def _upload_bytes(request: Request, limit: int) -> bytes:
+def normalize_origin(origin: str) -> str:
+    """An origin as compared: lower case, without a trailing slash."""
+    return origin.strip().rstrip("/").lower()
+
+
+async def _upload_bytes(request: Request, limits: Limits) -> bytes:
     """The audio bytes of an upload: the body, or with a multipart form its first file; 413 past
-    ``limit`` bytes, 400 when there is none. Past the limit the rest of the body is read and dropped
-    (up to ``_drain_limit``), so that a client still sending it gets the 413 rather than a reset."""
+    ``limits.max_upload_bytes``, 400 when there is none, 408 when the body comes too slowly
+    (``_body``). Past the limit the rest of the body is read and dropped (up to ``_drain_limit``),
+    so that a client still sending it gets the 413 rather than a reset."""
+    limit = limits.max_upload_bytes
     length = request.headers.get("content-length", "")
     too_big = _Refused(413, "too_large", f"the upload is larger than this server takes ({limit / 2 ** 20:g} MB)")
     if length.isdigit() and int(length) > _drain_limit(limit):
         raise too_big
     body, seen = bytearray(), 0
-    async for piece in request.stream():
+    async for piece in _body(request, limits):
         seen += len(piece)
         if seen > _drain_limit(limit):
             raise too_big
@@ -245,6 +323,33 @@ async def _upload_bytes(request: Request, limit: int) -> bytes:
     if not body:
         raise _Refused(400, "empty", "no audio: send the file as the body, or as a file field of a multipart form")
     return bytes(body)
+
+
+async def _body(request: Request, limits: Limits) -> AsyncIterator[bytes]:
+    """The pieces of a request's body as they come. 408 (and the connection closed) when the whole
+    has not come within ``upload_timeout``, or when after ``grace_seconds`` it has come at less than
+    ``min_upload_kb_s`` on average; 400 and one log line when the client leaves before the end."""
+    start, seen = time.monotonic(), 0
+    pieces = request.stream().__aiter__()
+    while True:
+        # the moment the body's mean rate would fall below the minimum, or its time run out
+        due = start + min(limits.upload_timeout,
+                          max(limits.grace_seconds, seen / limits.min_upload_bytes_per_s))
+        try:
+            piece = await asyncio.wait_for(anext(pieces), max(due - time.monotonic(), 0))
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise _Refused(408, "slow_upload", f"the upload came too slowly ({seen} bytes in "
+                           f"{time.monotonic() - start:.1f} s): this server takes a body within "
+                           f"{limits.upload_timeout:g} s, at {limits.min_upload_kb_s:g} KB/s or "
+                           f"more after the first {limits.grace_seconds:g} s",
+                           {"Connection": "close"}) from None
+        except ClientDisconnect:
+            log.info("an upload ended early: its client left after %d bytes", seen)
+            raise _Refused(400, "disconnect", "the client left before its upload was in") from None
+        seen += len(piece)
+        yield piece
 
 
 def _drain_limit(limit: int) -> int:
@@ -288,6 +393,7 @@ def _stream_params(ws: WebSocket) -> tuple[int, np.dtype]:
 async def _deny(ws: WebSocket, e: _Refused) -> None:
     """Refuse a WebSocket handshake with the HTTP answer of ``e`` (where the server can send one: uvicorn
     does), else with close code 1008 (or 1013 for a 503) and its message as the reason."""
+    _denied.set(True)
     try:
         await ws.send_denial_response(JSONResponse({"error": e.message}, e.status, headers=e.headers))
     except RuntimeError:
@@ -330,13 +436,21 @@ class _Session:
         self.stream = engine.open_stream(sample_rate)
         self.samples = 0  # taken so far
         self.decode_s = 0.0
+        self.opened = time.monotonic()  # set again once accepted
 
     async def run(self) -> int:
         """The close code the stream ended with."""
         await self.ws.accept()
+        self.opened = time.monotonic()
+        limits = self.limits
+        # "format" is the samples' format the client asked for; the model's is "model_format"
         await self._send({"type": "ready", "sample_rate": self.sample_rate, "format": _format_name(self.dtype),
-                          **self.engine.description, "max_stream_seconds": self.limits.max_stream_seconds,
-                          "idle_seconds": self.limits.idle_seconds, "max_frame_bytes": self.limits.max_frame_bytes})
+                          **self.engine.description,
+                          "max_stream_seconds": limits.max_stream_seconds,
+                          "idle_seconds": limits.idle_seconds,
+                          "min_stream_rate": limits.min_stream_rate,
+                          "grace_seconds": limits.grace_seconds,
+                          "max_frame_bytes": limits.max_frame_bytes})
         try:
             while True:
                 await self._step()
@@ -362,11 +476,23 @@ class _Session:
         return self.samples / self.sample_rate
 
     async def _step(self) -> None:
+        limits = self.limits
+        # The moment the stream's audio falls below min_stream_rate of its time since it opened,
+        # after the grace: a client sending a sample now and then holds no place. The server's own
+        # decoding time (the frames wait meanwhile) is not counted against it.
+        behind = self.opened + self.decode_s + max(limits.grace_seconds,
+                                                   self._seconds / limits.min_stream_rate)
         try:
-            message = await asyncio.wait_for(self.ws.receive(), self.limits.idle_seconds)
+            wait = min(limits.idle_seconds, behind - time.monotonic())
+            message = await asyncio.wait_for(self.ws.receive(), max(wait, 0))
         except asyncio.TimeoutError:
-            raise _Close(1008, f"no audio for {self.limits.idle_seconds:g} s: stream closed", finish=True,
-                         error="idle") from None
+            if time.monotonic() >= behind:
+                raise _Close(1008, f"too slow: {self._seconds:.1f} s of audio in "
+                             f"{time.monotonic() - self.opened:.1f} s; this server needs at least "
+                             f"{limits.min_stream_rate:g} of real time", finish=True,
+                             error="too_slow") from None
+            raise _Close(1008, f"no audio for {limits.idle_seconds:g} s: stream closed",
+                         finish=True, error="idle") from None
         if message["type"] == "websocket.disconnect":
             raise WebSocketDisconnect(message.get("code", 1000))
         data, text = message.get("bytes"), message.get("text")

@@ -87,8 +87,8 @@ class Engine:
     @property
     def description(self) -> dict:
         d = self.decoding
-        info = {"format": "onnx" if self.exported else "checkpoint", "streaming": self.streaming,
-                "method": d.method, "beam_size": d.beam_size}
+        info = {"model_format": "onnx" if self.exported else "checkpoint",
+                "streaming": self.streaming, "method": d.method, "beam_size": d.beam_size}
         if self.streaming:
             info.update(chunk_size=d.chunk_size, chunk_ms=round(d.chunk_size * 40), left_chunks=d.left_chunks,
                         endpoint_ms=d.endpoint_ms)
