@@ -26,8 +26,26 @@ from ..config import ModelConfig
 from ..data.frames import subsampled_lengths
 from .masks import chunk_mask, pad_mask
 
-__all__ = ["Dropout", "random_bytes", "LayerNorm", "RotaryEmbedding", "KVCache", "MultiHeadAttention", "FeedForward", "ConvolutionModule", "ConformerBlock",
+__all__ = ["ALIGN", "aligned_length", "Dropout", "random_bytes", "LayerNorm", "RotaryEmbedding", "KVCache", "MultiHeadAttention", "FeedForward", "ConvolutionModule", "ConformerBlock",
            "Conv2dSubsampling", "ConformerEncoder", "StreamState", "feature_windows", "run_layers"]
+
+
+# On CUDA the frame axis of the encoder (and the token axis of the decoder) is padded to a multiple
+# of this many positions, masked like any padding: every attention mask then has rows whose length
+# is a multiple of 8, the alignment the memory-efficient SDPA kernel needs of a mask that was
+# copied (activation offload saves it contiguous: a row of 374 frames failed with "attn_bias is not
+# correctly aligned"), tensor cores get aligned matrices, and torch.compile sees fewer lengths.
+ALIGN = 8
+
+
+def aligned_length(length: int, device: torch.device) -> int:
+    """``length`` rounded up to a multiple of ``ALIGN`` on CUDA; as it is elsewhere (a CPU gains
+    nothing from padding and would compute the extra frames).
+
+    >>> aligned_length(374, torch.device("cuda")), aligned_length(374, torch.device("cpu"))
+    (376, 374)
+    """
+    return -(-length // ALIGN) * ALIGN if device.type == "cuda" else length
 
 
 class LayerNorm(nn.LayerNorm):
@@ -35,6 +53,8 @@ class LayerNorm(nn.LayerNorm):
     this, CPU autocast would normalize in bf16/fp16. The parameters are those of ``nn.LayerNorm``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # autocast runs layer_norm in float32 on CUDA: no casts of our own (3 kernels)
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         with torch.autocast(x.device.type, enabled=False):
             weight = None if self.weight is None else self.weight.float()
             bias = None if self.bias is None else self.bias.float()
@@ -387,9 +407,11 @@ class ConformerEncoder(nn.Module):
                 frames and ``left_chunks`` chunks before it (< 0: all), as ``forward_chunk`` encodes a
                 stream; None: full context, except in training with ``dynamic_chunk`` (``draw_chunk``).
         Returns:
-            ``(B, T', D)`` encoder states and ``(B,)`` their lengths.
+            ``(B, T', D)`` encoder states and ``(B,)`` their lengths (on CUDA T' is padded to a
+            multiple of ``ALIGN``: read the states by their lengths).
         """
         x, lengths = self.subsampling(feats, feat_lens)
+        x = F.pad(x, (0, 0, 0, aligned_length(x.shape[1], x.device) - x.shape[1]))  # (B, T', D), see ALIGN
         pad = pad_mask(lengths, x.shape[1])  # (B, T')
         rope = self.rotary(x.shape[1], x.device)
         if chunk_size is None and self.training and self.cfg.dynamic_chunk:

@@ -5,10 +5,20 @@ import math
 from typing import NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .conformer import Dropout, FeedForward, KVCache, LayerNorm, MultiHeadAttention, RotaryEmbedding, run_layers
+from .conformer import (
+    Dropout,
+    FeedForward,
+    KVCache,
+    LayerNorm,
+    MultiHeadAttention,
+    RotaryEmbedding,
+    aligned_length,
+    run_layers,
+)
 from .masks import causal_mask, pad_mask
 
 
@@ -81,15 +91,17 @@ class TransformerDecoder(nn.Module):
             ``(B, U, V)`` logits.
         """
         B, U = tokens.shape
+        tokens = F.pad(tokens, (0, aligned_length(U, tokens.device) - U))  # (B, U) padded, see ALIGN
         y = self.embed(tokens) * math.sqrt(self.d_model)  # (B, U, D)
         # Query i sees real keys j <= i. The first key is always real, so no row is fully masked.
-        self_allowed = causal_mask(U, tokens.device) & ~pad_mask(token_lens, U)[:, None, :]  # (B, U, U)
+        Up = tokens.shape[1]
+        self_allowed = causal_mask(Up, tokens.device) & ~pad_mask(token_lens, Up)[:, None, :]  # (B, U, U)
         self_allowed = self_allowed.unsqueeze(1)  # (B, 1, U, U)
         cross_allowed = ~pad_mask(memory_lens, memory.shape[1])[:, None, None, :]  # (B, 1, 1, T')
-        rope = self.rotary(U, tokens.device)
+        rope = self.rotary(Up, tokens.device)
         y = run_layers(self.layers, y, self_allowed, memory, cross_allowed, rope,
                        checkpointed=self.gradient_checkpointing and self.training)
-        return self.output(self.final_norm(y))
+        return self.output(self.final_norm(y[:, :U]))
 
     # ---- incremental decoding: one new token per hypothesis and step --------------------------
 

@@ -43,6 +43,10 @@ def make_ema(model: torch.nn.Module, decay: float) -> AveragedModel:
     """An average of ``model`` (the unwrapped module: not its DDP or compiled wrapper), on its
     device; it holds a copy of the weights until the first ``update_parameters(model)``."""
     ema = AveragedModel(model, multi_avg_fn=_ema_multi_avg_fn(decay), use_buffers=True)
+    # The copy of a layer that --compile compiled (training.compile) holds the original layer's
+    # compiled forward, bound to the original's weights: the average runs its own, eager.
+    for module in ema.module.modules():
+        module.__dict__.pop("forward", None)
     ema.requires_grad_(False)  # never trained: no gradients kept for it
     return ema
 
