@@ -2,16 +2,22 @@
 Selenium; nothing downloads a browser or a driver), a synthesized Konkani recording as the fake
 microphone, Start, then Stop: the finals on the page are the offline stream of the same file under
 the same settings (within a CER bound: the microphone's start moves by a few ms); a file chosen in the drop zone is transcribed on the page as POST /transcribe
-answers. With KONKANIVANI_SCREENSHOT=path the page is saved there (docs/serve_page.png)."""
+answers. With KONKANIVANI_SCREENSHOT=path the page is saved there (docs/serve_page.png). A page
+served from another local port, in the same browser after it has the token's cookie, gets nothing
+from the server: its WebSocket no ready, its POST 403."""
+import json
 import os
 import shutil
+import threading
 import time
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import soundfile as sf
 import torch
-from serve_helpers import served, train_model, wait_until
+from serve_helpers import http, served, train_model, wait_until
 
 from konkanivani.checkpoint import save_checkpoint
 from konkanivani.data.audio import load_audio
@@ -62,8 +68,11 @@ def browser(konkani, monkeypatch):
                 "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
                 f"--use-file-for-fake-audio-capture={konkani[1]}%noloop", "--autoplay-policy=no-user-gesture-required"):
         options.add_argument(arg)
+    # the browser's own record of its requests: the status of one its page may not read (CORS)
+    options.set_capability("goog:loggingPrefs", {"performance": "ALL"})
     driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
     driver.set_page_load_timeout(60)
+    driver.set_script_timeout(60)
     try:
         yield driver
     finally:
@@ -127,3 +136,103 @@ def test_the_page_shows_what_the_recognizer_says(konkani, browser):
             assert browser.get_screenshot_as_png()[:4] == b"\x89PNG"
         assert "".join(server.log).count("Traceback") == 0
     assert shutil.which(str(CHROMIUM))
+
+
+# A page of another origin (another port of this host: the same site, so the SameSite=Strict cookie
+# goes with its requests) that opens the server's WebSocket and POSTs to it with credentials; what
+# it sees is left in window.outcome.
+FOREIGN_PAGE = """<!doctype html><meta charset="utf-8"><title>another origin</title><script>
+window.outcome = {messages: [], closed: null, post: null};
+const ws = new WebSocket(%s);
+ws.onmessage = (e) => window.outcome.messages.push(JSON.parse(e.data).type);
+ws.onclose = (e) => { window.outcome.closed = e.code; };
+fetch(%s, {method: "POST", body: new Uint8Array(64), credentials: "include"}).then(
+  (r) => { window.outcome.post = "answered " + r.status; },
+  (e) => { window.outcome.post = "failed"; });
+</script>"""
+
+
+@contextmanager
+def _foreign_page(server_url: str, ws_url: str):
+    """FOREIGN_PAGE served on a free port of 127.0.0.1 (a thread); its URL."""
+    page = FOREIGN_PAGE % (json.dumps(ws_url + "stream"), json.dumps(server_url + "transcribe"))
+    page = page.encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args):
+            pass
+
+    http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=http.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{http.server_address[1]}/"
+    finally:
+        http.shutdown()
+        http.server_close()
+        thread.join(30)
+
+
+def _answers(driver, origin: str, url: str) -> list[tuple[int, str]]:
+    """(status, Cookie header) of each request the browser sent to ``url`` from a page of
+    ``origin``, from its performance log (Network events), whether or not the page could read it."""
+    to_url, cookies, statuses = [], {}, {}
+    for entry in driver.get_log("performance"):
+        message = json.loads(entry["message"])["message"]
+        method, params = message["method"], message["params"]
+        if method == "Network.requestWillBeSent" and params["request"]["url"] == url:
+            to_url.append(params["requestId"])
+        elif method == "Network.requestWillBeSentExtraInfo":
+            if params["headers"].get("Origin") == origin:
+                cookies[params["requestId"]] = params["headers"].get("Cookie", "")
+        elif method == "Network.responseReceivedExtraInfo":
+            statuses[params["requestId"]] = params["statusCode"]
+    return [(statuses.get(rid, 0), cookies[rid]) for rid in to_url if rid in cookies]
+
+
+def test_a_page_of_another_port_cannot_use_the_server(konkani, browser):
+    """The hijack the Origin check stops: the browser has the token's cookie from the server's own
+    page, whose socket gets ready and whose POST is answered; a page from another port of the same
+    host then opens the WebSocket and POSTs with credentials: no ready, and the POST (sent with the
+    cookie) is answered 403, which the server counts as refused for its origin."""
+    checkpoint, _ = konkani
+    with served(checkpoint, "--token", TOKEN, "--chunk_size", str(CHUNK)) as server:
+        browser.get(server.url + f"?token={TOKEN}")
+        own = browser.execute_async_script("""const done = arguments[0], out = {types: []};
+            fetch("transcribe", {method: "POST", body: new Uint8Array(64)}).then((r) => {
+              out.post = r.status;
+              const ws = new WebSocket(location.origin.replace(/^http/, "ws") + "/stream");
+              ws.onmessage = (e) => {
+                out.types.push(JSON.parse(e.data).type);
+                if (out.types.length === 1) ws.send(JSON.stringify({type: "end"}));
+              };
+              ws.onclose = (e) => { out.closed = e.code; done(out); };
+            }, (e) => done({error: String(e)}));""")
+        # the own page's requests carry the cookie and pass (its 64 bytes are read: not audio)
+        assert own.get("post") == 400 and own["closed"] == 1000, own
+        assert own["types"][0] == "ready" and own["types"][-1] == "done", own
+        browser.get_log("performance")  # what came so far: the own page's requests
+        with _foreign_page(server.url, server.ws_url) as foreign:
+            browser.get(foreign)
+            assert wait_until(lambda: browser.execute_script(
+                "return window.outcome.closed !== null && window.outcome.post !== null"), 30)
+            outcome = browser.execute_script("return window.outcome")
+        assert outcome["messages"] == [] and outcome["closed"] == 1006, outcome  # no ready
+        assert outcome["post"] == "failed", outcome  # no CORS answer: the page reads nothing
+        foreign_origin = foreign.rstrip("/")
+        assert _answers(browser, foreign_origin, server.url + "transcribe") == [
+            (403, f"konkanivani_token={TOKEN}")]
+        metrics = http("GET", server.url + "metrics",
+                       headers={"Authorization": f"Bearer {TOKEN}"})[2].decode()
+        assert 'konkanivani_errors_total{endpoint="/stream",reason="origin"} 1.0' in metrics
+        assert 'konkanivani_errors_total{endpoint="/transcribe",reason="origin"} 1.0' in metrics
+        assert 'konkanivani_requests_total{code="200",endpoint="/transcribe"}' not in metrics
+        assert 'konkanivani_requests_total{code="1000",endpoint="/stream"} 1.0' in metrics  # own
+        assert "Traceback" not in "".join(server.log) and "ERROR" not in "".join(server.log)
