@@ -2,11 +2,12 @@
 an ASGI app.
 
 - ``limits``: what one client may ask of the server (upload size, streams, their length and idle
-  time, frame size), with their defaults;
+  time, frame size, the least rates of bodies and streams, places per client address), with their
+  defaults;
 - ``engine``: the recognizer (a checkpoint's, or an export folder's on onnxruntime) and how the server
   decodes with it, off the event loop;
 - ``app``: the Starlette app: ``POST /transcribe``, the WebSocket ``/stream``, the page at ``/``,
-  ``/health`` and ``/metrics``, and the token check;
+  ``/health`` and ``/metrics``, and the origin and token checks;
 - ``static/``: the page's files, served from the package (no build step, nothing from elsewhere).
 
 The protocol, the limits and how to call it: docs/serving.md.
