@@ -105,7 +105,7 @@ def _audio(corpus: Path, seconds: float) -> np.ndarray:
 
 def _untrained(path: Path, preset: str, audio: np.ndarray) -> Path:
     """An untrained streaming model of ``preset`` with CMVN from ``audio``, and a small char tokenizer."""
-    from konkanivani.data.audio import LogMel
+    from konkanivani.data.features import LogMel
 
     tokenizer = train_tokenizer(["कोंकणी भास", "हांव पणजेक वता", "abc def ghi jkl"], vocab_size=64, model_type="char")
     torch.manual_seed(0)

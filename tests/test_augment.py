@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from konkanivani.config import AugmentConfig, ConfigError
-from konkanivani.data.audio import LogMel, load_audio
+from konkanivani.data.audio import load_audio
 from konkanivani.data.augment import (
     SPEED_FACTORS,
     Augmenter,
@@ -22,6 +22,7 @@ from konkanivani.data.augment import (
     vtlp_warp_matrix,
 )
 from konkanivani.data.dataset import ASRDataset, collate, load_utterances
+from konkanivani.data.features import LogMel
 from konkanivani.data.frames import frames_of
 from konkanivani.data.samplers import DurationBucketSampler, EpochKeyed, LengthGroupedBatchSampler
 from konkanivani.data.tokenizer import train_tokenizer

@@ -22,7 +22,8 @@ from konkanivani.checkpoint import load_checkpoint, save_checkpoint
 from konkanivani.cli import export as export_cli
 from konkanivani.cli import train as train_cli
 from konkanivani.config import model_config_from_preset
-from konkanivani.data.audio import LogMel, load_audio
+from konkanivani.data.audio import load_audio
+from konkanivani.data.features import LogMel
 from konkanivani.data.frames import subsampled_lengths
 from konkanivani.data.manifest import read_manifest
 from konkanivani.data.tokenizer import SOS_EOS_ID, UNK_ID, train_tokenizer

@@ -17,7 +17,8 @@ from tone_speech import SENTENCES, speech
 from konkanivani.checkpoint import save_checkpoint
 from konkanivani.cli import transcribe
 from konkanivani.config import model_config_from_preset
-from konkanivani.data.audio import LogMel, Resampler, load_audio, read_blocks, resample
+from konkanivani.data.audio import Resampler, load_audio, read_blocks, resample
+from konkanivani.data.features import LogMel
 from konkanivani.data.frames import SAMPLE_RATE
 from konkanivani.data.tokenizer import train_tokenizer
 from konkanivani.decoding import recognizer as recognizer_module

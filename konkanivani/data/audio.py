@@ -1,9 +1,6 @@
-"""Audio in, log-mel features out.
-
-Audio is read with soundfile (torchaudio's own loader needs FFmpeg from 2.9 on), mixed down to
-mono and resampled to 16 kHz; features are 80-dim log-mel frames, 25 ms windows every 10 ms.
-Normalization (global CMVN) and SpecAugment live in the model (``model.py``), so they run batched
-on the training device and a checkpoint carries its statistics.
+"""Audio in: read with soundfile (torchaudio's own loader needs FFmpeg from 2.9 on), mixed down to
+mono and resampled to 16 kHz, whole or block by block; the folders of audio files. Features are
+``features.LogMel``'s.
 """
 from __future__ import annotations
 
@@ -20,11 +17,8 @@ import torchaudio
 from ..config import ConfigError
 from .frames import HOP_LENGTH, SAMPLE_RATE
 
-__all__ = ["SAMPLE_RATE", "HOP_LENGTH", "LOG_OFFSET", "AudioError", "load_audio", "read_blocks", "resample",
-           "Resampler", "LogMel"]
-
-LOG_OFFSET = 1e-6  # added to the mel power before the log, so that digital silence stays finite
-
+__all__ = ["SAMPLE_RATE", "HOP_LENGTH", "AudioError", "load_audio", "read_blocks", "resample",
+           "Resampler"]
 
 class AudioError(RuntimeError):
     """Audio that cannot be used. ``reason`` is a fixed phrase that summaries count by ("audio file
@@ -160,33 +154,6 @@ def read_blocks(source: str | Path, seconds: float = 1.0, sample_rate: int = SAM
         out = resampler.flush()
         if len(out):
             yield out
-
-
-class LogMel(torch.nn.Module):
-    """Waveform ``(N,)`` at 16 kHz -> log-mel features ``(T, n_mels)``, T = 1 + N // 160.
-
-    ``warp``, an ``(F, F)`` matrix over the power spectrum's frequency bins (VTLP in training,
-    ``augment.vtlp_warp_matrix``), is applied between the spectrogram and the mel filterbank;
-    without one the features are computed exactly as always.
-    """
-
-    def __init__(self, n_mels: int = 80):
-        super().__init__()
-        self.mel = torchaudio.transforms.MelSpectrogram(
-            sample_rate=SAMPLE_RATE, n_fft=400, win_length=400, hop_length=HOP_LENGTH, n_mels=n_mels)
-
-    @torch.no_grad()
-    def forward(self, wav: torch.Tensor, warp: torch.Tensor | None = None) -> torch.Tensor:
-        if warp is None:
-            mel = self.mel(wav)
-        else:
-            mel = self.mel.mel_scale(warp @ self.mel.spectrogram(wav))  # (F, F) @ (F, T)
-        return torch.log(mel + LOG_OFFSET).transpose(0, 1).contiguous()  # (T, n_mels)
-
-    @property
-    def n_freqs(self) -> int:
-        """Frequency bins of the power spectrum (n_fft // 2 + 1)."""
-        return self.mel.n_fft // 2 + 1
 
 
 # The suffixes of audio files that folders are searched for (the importers, transcribe, --noise_dir):

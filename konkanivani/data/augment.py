@@ -28,7 +28,7 @@ from ..config import AugmentConfig
 from .audio import list_audio_files, load_audio, resample
 from .frames import SAMPLE_RATE, frames_of_samples, subsampled_lengths
 
-__all__ = ["SPEED_FACTORS", "VTLP_RANGE", "Augmenter", "utterance_generator", "speed_perturb",
+__all__ = ["SPEED_FACTORS", "VTLP_RANGE", "vtlp_warp_matrices", "Augmenter", "utterance_generator", "speed_perturb",
            "coloured_noise", "add_noise", "synthetic_rir", "reverberate", "vtlp_warp_matrix", "batching_duration"]
 
 log = logging.getLogger("konkanivani")
@@ -179,19 +179,25 @@ def vtlp_warp_matrix(alpha: float, n_freqs: int) -> torch.Tensor:
     the identity."""
     if alpha == 1.0:
         return torch.eye(n_freqs)
+    return vtlp_warp_matrices(torch.tensor([alpha]), n_freqs)[0]
+
+
+def vtlp_warp_matrices(alphas: torch.Tensor, n_freqs: int) -> torch.Tensor:
+    """``(K,)`` warp factors -> ``(K, n_freqs, n_freqs)`` float32 matrices of ``vtlp_warp_matrix``,
+    built together on the factors' device (the training step warps a batch's spectra there)."""
     nyquist = SAMPLE_RATE / 2
-    out_freqs = torch.linspace(0, nyquist, n_freqs, dtype=torch.float64)
-    edge_out = VTLP_HIGH_HZ * min(alpha, 1.0)  # f' at the boundary
-    edge_in = edge_out / alpha
-    below = out_freqs / alpha
+    alphas = alphas.double()[:, None]  # (K, 1)
+    out_freqs = torch.linspace(0, nyquist, n_freqs, dtype=torch.float64, device=alphas.device)
+    edge_out = VTLP_HIGH_HZ * alphas.clamp(max=1.0)  # f' at the boundary
+    edge_in = edge_out / alphas
+    below = out_freqs / alphas
     above = nyquist - (nyquist - out_freqs) * (nyquist - edge_in) / (nyquist - edge_out)
-    position = torch.where(out_freqs <= edge_out, below, above) / nyquist * (n_freqs - 1)  # input bin
+    position = torch.where(out_freqs <= edge_out, below, above) / nyquist * (n_freqs - 1)  # (K, F) input bin
     low = position.floor().long().clamp(0, n_freqs - 2)
     frac = (position - low).clamp(0, 1)
-    matrix = torch.zeros(n_freqs, n_freqs, dtype=torch.float64)
-    rows = torch.arange(n_freqs)
-    matrix[rows, low] = 1 - frac
-    matrix[rows, low + 1] += frac
+    matrix = torch.zeros(len(alphas), n_freqs, n_freqs, dtype=torch.float64, device=alphas.device)
+    matrix.scatter_add_(2, low[..., None], (1 - frac)[..., None])
+    matrix.scatter_add_(2, low[..., None] + 1, frac[..., None])
     return matrix.float()
 
 

@@ -12,8 +12,9 @@ from typing import Iterable, Iterator, NamedTuple, Sequence
 import torch
 from torch.utils.data import Dataset
 
-from .audio import LogMel, load_audio
+from .audio import load_audio
 from .augment import Augmenter, vtlp_warp_matrix
+from .features import LogMel
 from .manifest import DEFAULT_DURATION_TOLERANCE, check_row, read_manifest
 from .tokenizer import Tokenizer
 

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..data.audio import LOG_OFFSET, LogMel
+from ..data.features import LOG_OFFSET, LogMel
 from ..data.frames import subsampled_lengths
 from ..data.tokenizer import BLANK_ID, SOS_EOS_ID, UNK_ID, Tokenizer
 from ..model.asr import ASRModel

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..data.audio import LogMel
+from ..data.features import LogMel
 from ..data.frames import SAMPLE_RATE
 from .export import FILES, STREAMING_FILES, ChunkRunner, ExportError, chunk_runner, feature_settings, onnx_runner
 from .search import ctc_greedy, ctc_prefix_beam_search

@@ -22,7 +22,8 @@ import torch
 
 from ..checkpoint import CheckpointError, inference_state_dict, load_checkpoint
 from ..config import ModelConfig
-from ..data.audio import AUDIO_SUFFIXES, AudioError, LogMel, load_audio, read_blocks
+from ..data.audio import AUDIO_SUFFIXES, AudioError, load_audio, read_blocks
+from ..data.features import LogMel
 from ..data.frames import HOP_LENGTH, SAMPLE_RATE, frames_of_samples, subsampled_lengths
 from ..data.manifest import read_manifest, resolve_audio_path
 from ..data.tokenizer import Tokenizer

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..data.audio import LOG_OFFSET, LogMel, Resampler
+from ..data.audio import Resampler
+from ..data.features import LOG_OFFSET, LogMel
 from ..data.frames import HOP_LENGTH, SAMPLE_RATE
 from ..data.tokenizer import BLANK_ID, Tokenizer
 from ..model.asr import ASRModel
