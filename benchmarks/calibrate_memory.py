@@ -11,11 +11,21 @@
 3. Checkpointed peak: the same with --gradient_checkpointing (tiny, small and medium), fitting the
    factor of the subsampling activations, where those runs peak.
 
+With ``--cuda_csv FILE`` it fits the CUDA figures instead (``CUDA_PEAK_FACTOR``,
+``CUDA_CHECKPOINTED_SUBSAMPLING_FACTOR``, ``CUDA_OVERHEAD``), from peaks measured on a GPU and
+written one a row (benchmarks/results/gpu/h100_memory_rows.csv: its comment lines say what each
+column means), and prints each row's estimate / peak with the fitted figures and with memory.py's.
+No GPU is needed for the fit; the rows come from one (benchmarks/gpu_report.py's memory part).
+
     nice -n 19 python3 benchmarks/calibrate_memory.py     # prints the values to paste into memory.py
+    python3 benchmarks/calibrate_memory.py --cuda_csv benchmarks/results/gpu/h100_memory_rows.csv
 """
 from __future__ import annotations
 
+import argparse
+import csv
 import itertools
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -146,7 +156,144 @@ def fit_checkpointed_subsampling(factor: float, accumulation: float, overhead_mi
     return round(float(a @ b / (a @ a)), 3)
 
 
+CUDA_COLUMNS = ("source", "configuration", "preset", "vocab_size", "conv_kernel", "precision",
+                "optimizer", "checkpointing", "utterances", "micro_batches", "frames", "tokens",
+                "align", "counted_from", "optimizer_states", "peak_mib")
+INTEGER_COLUMNS = ("vocab_size", "conv_kernel", "checkpointing", "utterances", "micro_batches",
+                   "frames", "tokens", "align", "optimizer_states")
+COUNTED_FROM = ("warm_start", "process")
+# the figures fitted, in the order of the columns of ``cuda_terms``
+CUDA_FIGURES = ("CUDA_PEAK_FACTOR['fp32']", "CUDA_PEAK_FACTOR['half']",
+                "CUDA_CHECKPOINTED_SUBSAMPLING_FACTOR", "CUDA_OVERHEAD (MiB)")
+
+
+class BadRows(ValueError):
+    """A CSV of CUDA peaks that cannot be used; the message names the file and the row."""
+
+
+def read_cuda_rows(path: Path) -> list[dict]:
+    """The rows of a CSV of CUDA peaks (lines starting with # are comments), values checked."""
+    try:
+        lines = [line for line in Path(path).read_text().splitlines() if not line.startswith("#")]
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadRows(f"{path}: cannot be read ({e})") from e
+    reader = csv.DictReader(lines)
+    missing = [c for c in CUDA_COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+        raise BadRows(f"{path}: no column {', '.join(missing)} (needs {', '.join(CUDA_COLUMNS)})")
+    from konkanivani.config import OPTIMIZERS, PRECISIONS, PRESETS
+
+    rows = []
+    for number, raw in enumerate(reader, start=1):
+        where = f"{path}: data row {number}"
+        try:
+            row = {**raw, **{k: int(raw[k]) for k in INTEGER_COLUMNS},
+                   "peak_mib": float(raw["peak_mib"])}
+        except (TypeError, ValueError) as e:
+            raise BadRows(f"{where}: {e}") from e
+        for key, allowed in (("preset", PRESETS), ("precision", PRECISIONS),
+                             ("optimizer", OPTIMIZERS), ("counted_from", COUNTED_FROM)):
+            if row[key] not in allowed:
+                raise BadRows(f"{where}: {key} {row[key]!r} is not one of {', '.join(allowed)}")
+        sizes = ("utterances", "micro_batches", "frames", "tokens", "align")
+        if min(row[k] for k in sizes) < 1 or not row["peak_mib"] > 0:
+            raise BadRows(f"{where}: {', '.join(sizes)} and peak_mib must be positive")
+        rows.append(row)
+    if not rows:
+        raise BadRows(f"{path}: no rows")
+    return rows
+
+
+def _row_estimator(row: dict) -> memory.MemoryEstimator:
+    cfg = model_config_from_preset(row["preset"], vocab_size=row["vocab_size"],
+                                   conv_kernel=row["conv_kernel"])
+    est = memory.MemoryEstimator(cfg, row["precision"], row["optimizer"],
+                                 bool(row["checkpointing"]), device="cuda")
+    est.align = row["align"]  # as the model padded when the row was measured
+    return est
+
+
+def measured_parts(row: dict) -> dict[str, float]:
+    """The CUDA estimator's components for what ``row`` measured (with memory.py's figures): the
+    peak it would have under that row's conditions. Three differ from a training run's estimate:
+    a row counted from a warm start leaves out the workspaces its warm-up made (the runtime
+    overhead); a row whose updates were all skipped had no optimizer states; and a single
+    micro-batch without checkpointing peaks as its backward pass begins, before any gradient."""
+    est = _row_estimator(row)
+    parts = est.components(row["utterances"], row["frames"], row["tokens"])
+    if row["counted_from"] == "warm_start":
+        del parts["runtime overhead"]
+    if not row["optimizer_states"]:
+        del parts[f"optimizer ({est.optimizer})"]
+    if row["micro_batches"] == 1 and not row["checkpointing"]:
+        del parts["gradients"]
+    return parts
+
+
+def cuda_terms(row: dict) -> tuple[float, np.ndarray]:
+    """``measured_parts`` as the bytes that the fitted figures leave alone, and the sizes they
+    multiply (the columns of ``CUDA_FIGURES``): the bare activations in fp32 and in half
+    precision, the checkpointed subsampling's, and 1 MiB of overhead where the row counts it."""
+    parts = measured_parts(row)
+    per_utterance = _row_estimator(row)._activations(row["frames"], row["tokens"])
+    bare = {name: row["utterances"] * size for name, size in per_utterance.items()}
+    sizes = np.zeros(len(CUDA_FIGURES))
+    sizes[2] = bare.pop("subsampling") if row["checkpointing"] else 0.0
+    sizes[0 if row["precision"] == "fp32" else 1] = sum(bare.values())
+    sizes[3] = 2 ** 20 if "runtime overhead" in parts else 0.0
+    fixed = sum(v for k, v in parts.items()
+                if not k.startswith("activations") and k != "runtime overhead")
+    return fixed, sizes
+
+
+def fit_cuda(rows: list[dict]) -> np.ndarray:
+    """The figures of ``CUDA_FIGURES`` by non-negative least squares on relative errors (each row
+    weighted by 1 / its peak), rounded as memory.py keeps them."""
+    a, b = [], []
+    for row in rows:
+        fixed, sizes = cuda_terms(row)
+        peak = row["peak_mib"] * 2 ** 20
+        a.append(sizes / peak)
+        b.append((peak - fixed) / peak)
+    figures, _ = nnls(np.array(a), np.array(b))
+    return np.array([round(float(v), digits) for v, digits in zip(figures, (3, 3, 3, 1))])
+
+
+def cuda_estimate(row: dict, figures: np.ndarray) -> float:
+    """The estimate of ``row``'s peak in bytes with ``figures`` (those ``fit_cuda`` returns)."""
+    fixed, sizes = cuda_terms(row)
+    return fixed + float(sizes @ figures)
+
+
+def main_cuda(path: Path) -> int:
+    try:
+        rows = read_cuda_rows(path)
+    except BadRows as e:
+        print(e, file=sys.stderr)
+        return 2
+    figures = fit_cuda(rows)
+    print("\n".join(f"{name} = {value:g}" for name, value in zip(CUDA_FIGURES, figures)))
+    print("\n| source | configuration | preset | precision | optimizer | checkpointing | "
+          "utterances x micro-batches | peak MiB | fitted: estimate / peak | "
+          "memory.py's: estimate / peak |\n" + "| --- " * 10 + "|")
+    for row in rows:
+        peak = row["peak_mib"] * 2 ** 20
+        print(f"| {row['source']} | {row['configuration']} | {row['preset']} | "
+              f"{row['precision']} | {row['optimizer']} | "
+              f"{'yes' if row['checkpointing'] else 'no'} | "
+              f"{row['utterances']} x {row['micro_batches']} | {row['peak_mib']:.0f} | "
+              f"{cuda_estimate(row, figures) / peak:.3f} | "
+              f"{sum(measured_parts(row).values()) / peak:.3f} |")
+    return 0
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cuda_csv", type=Path,
+                        help="fit the CUDA figures to the peaks in this CSV instead")
+    args = parser.parse_args()
+    if args.cuda_csv:
+        sys.exit(main_cuda(args.cuda_csv))
     coeffs = fit_activations()
     print("ACTIVATION_COEFFS =", coeffs)
     factor, accumulation, overhead_mib = fit_peak(coeffs)

@@ -261,14 +261,16 @@ def test_a_single_utterance_that_does_not_fit_stops_with_its_name():
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
 
 
-def test_plan_memory_prints_the_table_and_flags_that_fit(capsys):
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_plan_memory_prints_the_table_and_flags_that_fit(device, capsys):
     from konkanivani.cli import plan_memory
 
-    assert plan_memory.main(["--preset", "large", "--gpu_gb", "15"]) == 0
+    assert plan_memory.main(["--preset", "large", "--gpu_gb", "15", "--device", device]) == 0
     out = capsys.readouterr().out
     assert "optimizer (adamw)" in out and "activations: encoder" in out and "--preset large --max_batch_frames" in out
     flags = out.split("recommended")[1].splitlines()[1].split()
     frames = int(flags[flags.index("--max_batch_frames") + 1])
-    est = MemoryEstimator(model_config_from_preset("large", vocab_size=128))
+    est = MemoryEstimator(model_config_from_preset("large", vocab_size=128), device=device)
     assert est.peak_bytes(frames // 2001, 2001) <= 0.75 * 15 * 2 ** 30  # 20 s utterances, 25% margin
-    assert plan_memory.main(["--preset", "large", "--gpu_gb", "0.3"]) == 1  # nothing fits
+    # nothing fits
+    assert plan_memory.main(["--preset", "large", "--gpu_gb", "0.3", "--device", device]) == 1

@@ -3,6 +3,9 @@ component, and the batch budget, accumulation and options that fit with a safety
 
     konkanivani-plan-memory --preset large --gpu_gb 15
     konkanivani-plan-memory --preset medium --gpu_gb 8 --seconds 20 --utterances_per_update 16
+
+The estimate is calibrated for the ``--device``: CUDA (the default; fitted to peaks measured on a
+GPU) or the CPU (its resident memory, which peaks higher for the same step).
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import sys
 
 from ..config import PRESETS, model_config_from_preset
 from ..data.frames import frames_of
-from ..training.memory import GIB, MemoryEstimator
+from ..training.memory import CUDA_CALIBRATED_ON, GIB, MemoryEstimator
 from . import Parser, setup_logging, tool
 
 _MIB = 2 ** 20
@@ -21,6 +24,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="medium", choices=list(PRESETS))
     parser.add_argument("--gpu_gb", type=float, required=True, help="memory of the device, GiB")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="the kind of device to plan for, whose calibration the estimate uses "
+                             "(default: cuda)")
     parser.add_argument("--seconds", type=float, default=20.0, help="longest utterance to plan for")
     parser.add_argument("--utterances_per_update", type=int, default=8, help="effective batch to keep")
     parser.add_argument("--vocab_size", type=int, default=128)
@@ -55,8 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"preset {args.preset}: {MemoryEstimator(cfg).n_params / 1e6:.1f} M parameters; device {args.gpu_gb:g} GiB, "
           f"planning for {(1 - args.margin) * args.gpu_gb:.1f} GiB; utterances up to {args.seconds:g} s "
           f"({longest} frames); {args.utterances_per_update} utterances per update")
+    cuda = args.device == "cuda"
+    print(f"estimates calibrated on {f'CUDA ({CUDA_CALIBRATED_ON})' if cuda else 'a CPU'}")
     print(f"\nbaseline, fp32 + AdamW, one {args.seconds:g} s utterance per micro-batch:")
-    print(table(MemoryEstimator(cfg), 1, longest))
+    print(table(MemoryEstimator(cfg, device=args.device), 1, longest))
 
     options = [("fp32", "adamw", False), ("fp16", "adamw", False), ("fp16", "adamw_8bit", False),
                ("fp16", "adamw_8bit", True)]
@@ -67,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'precision':<10}{'optimizer':<12}{'checkpointing':<15}{'utterances/micro-batch':>24}"
           f"{'max_batch_frames':>18}{'accumulation':>14}{'estimate allows':>17}")
     for precision, optimizer, ckpt in options:
-        est = MemoryEstimator(cfg, precision, optimizer, ckpt)
+        est = MemoryEstimator(cfg, precision, optimizer, ckpt, device=args.device)
         allowed = est.max_frames(budget, longest)
         per_batch = min(allowed // longest, args.utterances_per_update)
         accum = -(-args.utterances_per_update // per_batch) if per_batch else 0

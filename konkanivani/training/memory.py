@@ -14,6 +14,7 @@ import torch
 
 from ..config import ModelConfig
 from ..data.frames import subsampled_lengths
+from ..model.conformer import ALIGN
 
 __all__ = ["GIB", "MemoryEstimator", "precision_name", "largest_fitting", "available_memory_bytes", "auto_batch_frames",
            "is_out_of_memory", "free_memory", "BatchDoesNotFit", "rss_bytes", "peak_rss_bytes", "reset_peak_rss",
@@ -123,19 +124,43 @@ PEAK_OVERHEAD = 26.8 * 2 ** 20
 # (fp32: bf16 runs slowly on the CPU it was last fitted on).
 CHECKPOINTED_SUBSAMPLING_FACTOR = 3.211
 
+# On CUDA the peak is ``torch.cuda.max_memory_allocated``: the bytes of live tensors, not the
+# allocator's cached or fragmented blocks, nor the CPU's freed-but-kept heap that PEAK_FACTOR
+# includes. A training step there peaks at parameters + gradients + optimizer states + autocast
+# copies + the batch + CUDA_PEAK_FACTOR x the saved activations (the bytes ACTIVATION_COEFFS
+# counts: the saved tensors plus the activation gradients in flight) + CUDA_OVERHEAD (cuBLAS and
+# cuDNN workspaces, which a process keeps from its first step). Gradient accumulation adds no
+# term: the gradients of the earlier micro-batches are the gradients counted already, and a
+# single micro-batch peaks as its backward pass begins, before any gradient exists (the estimate
+# counts them all the same: the recipes accumulate). With --gradient_checkpointing the peak is at
+# the end of the backward pass, in the subsampling convolutions (as on the CPU), with every
+# gradient made. Frames and tokens are padded to a multiple of conformer.ALIGN, as the model pads
+# them on CUDA. Fitted by ``benchmarks/calibrate_memory.py --cuda_csv`` (non-negative least
+# squares on relative errors) to the 22 rows of benchmarks/results/gpu/h100_memory_rows.csv,
+# measured on an NVIDIA H100 80GB HBM3 on 2026-11-26 (torch 2.11, CUDA 13.0): within 10% of each.
+CUDA_CALIBRATED_ON = "NVIDIA H100 80GB HBM3, 2026-11-26"
+CUDA_PEAK_FACTOR = {"fp32": 1.092, "half": 1.096}
+CUDA_CHECKPOINTED_SUBSAMPLING_FACTOR = 1.543
+CUDA_OVERHEAD = 62.8 * 2 ** 20
+
 
 def precision_name(precision: Any) -> str:
     """``fp32``, ``bf16`` or ``fp16`` for a ``Precision``."""
     return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[precision.dtype]
 
 
-def _activation_terms(cfg: ModelConfig, frames: int, tokens: int, layers: Optional[tuple[int, int]] = None
-                      ) -> dict[str, float]:
+def _aligned(length: int, align: int) -> int:
+    return -(-length // align) * align
+
+
+def _activation_terms(cfg: ModelConfig, frames: int, tokens: int,
+                      layers: Optional[tuple[int, int]] = None, align: int = 1) -> dict[str, float]:
     """Sizes (in elements) that activation memory grows with, for one utterance of ``frames``
-    feature frames and ``tokens`` tokens; ``layers`` overrides (encoder, decoder) layer counts."""
+    feature frames and ``tokens`` tokens; ``layers`` overrides (encoder, decoder) layer counts;
+    encoder frames and decoder tokens padded to a multiple of ``align`` (as on CUDA)."""
     enc_layers, dec_layers = layers or (cfg.encoder_layers, cfg.decoder_layers)
-    t = max(1, subsampled_lengths(frames))
-    u = tokens + 1
+    t = _aligned(max(1, subsampled_lengths(frames)), align)
+    u = _aligned(tokens + 1, align)
     first = cfg.subsampling_channels or cfg.d_model
     return {
         # the two convolutions' outputs, T/2 x F/2 x first and T/4 x F/4 x D; times 0.8, so that at
@@ -160,15 +185,19 @@ class MemoryEstimator:
     """Peak training memory of one preset under one precision, optimizer and checkpointing choice,
     per component: parameters, gradients, optimizer states, autocast weight copies, and the
     activations of a batch (which grow with its utterances x frames, and with frames squared in
-    attention). Coefficients measured on the CPU (see ``ACTIVATION_COEFFS``); CUDA kernels differ
-    somewhat, so on a GPU keep a safety margin or let ``--auto_batch`` measure."""
+    attention). The activations' sizes were measured on the CPU (see ``ACTIVATION_COEFFS``); how
+    they add up to the peak depends on the ``device``: CUDA's figures (``CUDA_PEAK_FACTOR``...)
+    were fitted to peaks measured on a GPU, every other device gets the CPU's."""
 
     def __init__(self, cfg: ModelConfig, precision: str = "fp32", optimizer: str = "adamw",
-                 checkpointing: bool = False):
+                 checkpointing: bool = False, device: str | torch.device = "cpu"):
         from ..model.asr import ASRModel  # here: model imports nothing from this module, but keep it light
         from .optim import canonical_optimizer
 
         self.cfg, self.precision, self.checkpointing = cfg, precision, checkpointing
+        self.cuda = torch.device(device).type == "cuda"
+        # the model pads frames and tokens to this multiple on CUDA (conformer.ALIGN)
+        self.align = ALIGN if self.cuda else 1
         self.optimizer = canonical_optimizer(optimizer)
         with torch.device("meta"):
             shapes = [p.numel() for p in ASRModel(cfg).parameters()]
@@ -182,19 +211,21 @@ class MemoryEstimator:
         coeffs = ACTIVATION_COEFFS["fp32" if self.precision == "fp32" else "half"]
         cfg = self.cfg
         if not self.checkpointing:
-            terms = _activation_terms(cfg, frames, tokens)
+            terms = _activation_terms(cfg, frames, tokens, align=self.align)
             out: dict[str, float] = {}
             for name, size in terms.items():
                 out[_COMPONENT_OF[name]] = out.get(_COMPONENT_OF[name], 0.0) + coeffs[name] * size
             return out
         # Checkpointed: each layer keeps its fp32 input; one layer's activations live at a time.
-        one = _activation_terms(cfg, frames, tokens, layers=(1, 1))
-        t = max(1, subsampled_lengths(frames))
+        one = _activation_terms(cfg, frames, tokens, layers=(1, 1), align=self.align)
+        t = _aligned(max(1, subsampled_lengths(frames)), self.align)
+        u = _aligned(tokens + 1, self.align)
         enc_one = sum(coeffs[k] * one[k] for k in ("encoder_width", "encoder_ffn", "encoder_attention"))
         dec_one = sum(coeffs[k] * one[k] for k in ("decoder_width", "decoder_ffn", "decoder_attention"))
         return {"subsampling": coeffs["subsampling"] * one["subsampling"],
                 "encoder": 4 * cfg.encoder_layers * t * cfg.d_model + (enc_one if cfg.encoder_layers else 0),
-                "decoder": 4 * cfg.decoder_layers * (tokens + 1) * cfg.d_model + (dec_one if cfg.decoder_layers else 0),
+                "decoder": (4 * cfg.decoder_layers * u * cfg.d_model
+                            + (dec_one if cfg.decoder_layers else 0)),
                 "CTC + output heads": coeffs["heads"] * one["heads"]}
 
     def components(self, batch: int, frames: int, tokens: Optional[int] = None) -> dict[str, float]:
@@ -207,6 +238,17 @@ class MemoryEstimator:
         if self.precision != "fp32":
             parts["autocast weight copies"] = 2.0 * self.n_params
         acts = self._activations(frames, tokens)
+        if self.cuda:
+            kind = "fp32" if self.precision == "fp32" else "half"
+            for name, value in acts.items():
+                checkpointed = self.checkpointing and name == "subsampling"
+                factor = (CUDA_CHECKPOINTED_SUBSAMPLING_FACTOR if checkpointed
+                          else CUDA_PEAK_FACTOR[kind])
+                parts[f"activations: {name}"] = factor * batch * value
+            # on the device for the whole step: fp32 features and int64 tokens
+            parts["input batch"] = batch * (4.0 * frames * self.cfg.n_mels + 8.0 * tokens)
+            parts["runtime overhead"] = CUDA_OVERHEAD
+            return parts
         for name, value in acts.items():
             factor = CHECKPOINTED_SUBSAMPLING_FACTOR if self.checkpointing and name == "subsampling" else PEAK_FACTOR
             parts[f"activations: {name}"] = factor * batch * value
