@@ -69,8 +69,9 @@ def worker(spec: dict) -> dict:
     model.set_gradient_checkpointing(spec["checkpointing"])
     optimizer, optimizer_name = build_optimizer(spec["optimizer"], model.parameters(), device, 1e-4, 0.01)
     scaler = torch.amp.GradScaler(device.type, enabled=precision.use_scaler)
-    times = []
+    times, skipped = [], 0
     for _ in range(spec["steps"]):
+        scale = scaler.get_scale()
         start = time.perf_counter()
         forward_backward(model, micro, device, precision, scaler, spec_augment=True,
                          offload_activations=spec.get("offload", False))
@@ -78,10 +79,14 @@ def worker(spec: dict) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
+        # fp16's GradScaler lowers its scale when it skips an update: until the first update the
+        # optimizer has no states, and a run whose updates were all skipped peaks without them
+        skipped += scaler.get_scale() < scale
     peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()) - base
-    estimate = MemoryEstimator(cfg, precision_name(precision), optimizer_name, spec["checkpointing"])
+    estimate = MemoryEstimator(cfg, precision_name(precision), optimizer_name,
+                               spec["checkpointing"], device)
     return {"peak_mib": peak / _MIB, "step_s": statistics.median(times[1:] or times),
-            "optimizer": optimizer_name,
+            "optimizer": optimizer_name, "device": device.type, "skipped_updates": skipped,
             "estimate_mib": estimate.peak_bytes(per_micro, frames, tokens) / _MIB}
 
 
