@@ -151,7 +151,8 @@ def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, dev
     log.log(logging.WARNING if precision.slow else logging.INFO, "%s; device %s%s", precision.note, device,
             f"; {dist.world} processes, {cfg.strategy}" if dist.active else "")
     forward = compiled(forward) if cfg.compile else forward
-    estimator = MemoryEstimator(model_cfg, precision_name(precision), optimizer_name, cfg.gradient_checkpointing)
+    estimator = MemoryEstimator(model_cfg, precision_name(precision), optimizer_name,
+                                cfg.gradient_checkpointing, device)
     durations = [batching_duration(d, cfg.speed_perturb)  # as long as they may get
                  for d in (shards.durations() if shards else (u.duration for u in train_utts))]
     if cfg.auto_batch and state is None:
