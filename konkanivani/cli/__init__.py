@@ -8,9 +8,10 @@ The conventions every tool keeps, all here:
 - one error path (``fail``): an unusable input or flag is one line, ``error: ...``, exit status 2
   (the parser's own errors are one line too, ``Parser``);
 - Ctrl-C ends any tool with one line and exit status 130 (128 + SIGINT), never a traceback
-  (``tool``);
+  (``tool``; the console scripts start in ``scripts``, which covers their imports too);
 - an output folder is ``--output_dir``, an output file ``--output``; no tool writes over its own
-  input (``refuse_writing_inputs``); ``--seed`` defaults to ``config.DEFAULT_SEED``;
+  input, however it names it (``refuse_unsafe_outputs``), and an output appears whole or not at all
+  (``tools.outputs``); ``--seed`` defaults to ``config.DEFAULT_SEED``;
 - an old spelling of a flag still works and says once what it is now called (``config.Renamed``).
 """
 from __future__ import annotations
@@ -23,8 +24,8 @@ import sys
 from pathlib import Path
 from typing import Callable, NoReturn
 
-__all__ = ["Parser", "add_output_dir", "fail", "output_dir", "refuse_writing_inputs", "setup_logging",
-           "tool"]
+__all__ = ["Parser", "add_output_dir", "fail", "output_dir", "refuse_unsafe_outputs",
+           "setup_logging", "tool"]
 
 log = logging.getLogger("konkanivani")
 
@@ -106,15 +107,17 @@ def fail(message: str) -> int:
     return 2
 
 
-def refuse_writing_inputs(parser: Parser, flag: str, output: str | Path | None, inputs: list[str | Path]) -> None:
-    """A tool never rewrites its own input: ``flag``'s file may not be one of ``inputs`` (one line, exit 2)."""
-    if output is None:
-        return
-    target = Path(output).resolve()
-    for given in inputs:
-        if Path(given).resolve() == target:
-            parser.error(f"{flag} {output} is also an input of this command: a tool never rewrites its own input; "
-                         "write to another file")
+def refuse_unsafe_outputs(parser: Parser, outputs, reads=(), folders=None) -> None:
+    """``tools.outputs.check_outputs``: a tool never rewrites its own input, nor one output with
+    another; the refusal is one line of ``parser`` (exit 2), before any work."""
+    # Imported here: the package itself stays free of torch, so that the console scripts
+    # (cli/scripts.py) handle Ctrl-C before the slow imports.
+    from ..tools.outputs import OutputError, check_outputs
+
+    try:
+        check_outputs(outputs, reads, folders)
+    except OutputError as e:
+        parser.error(str(e))
 
 
 def tool(main: Main) -> Main:

@@ -12,27 +12,28 @@ optimizer: it cannot be resumed.
 """
 from __future__ import annotations
 
-import os
 import re
 import sys
 from pathlib import Path
 
 from ..checkpoint import CheckpointError, average_checkpoints, save_checkpoint
+from ..tools.outputs import OutputError, check_outputs
 from ..training.rundir import select_checkpoints
 from . import Parser, fail, setup_logging, tool
 
 
 def _refuse_overwriting_inputs(output: Path, inputs: list[Path]) -> None:
-    """The average never replaces a checkpoint it reads, nor the latest.pt, best.pt or a step file of
-    the run in its folder."""
+    """The average never replaces a checkpoint it reads (``check_outputs``), nor the latest.pt,
+    best.pt or a step file of the run in its folder."""
     in_a_run = output.parent.is_dir() and (any(output.parent.glob("step_*.pt")) or
                                            (output.parent / "latest.pt").exists())
     if in_a_run and (output.name in ("latest.pt", "best.pt") or re.fullmatch(r"step_\d+\.pt", output.name)):
         raise CheckpointError(f"--output {output}: that name belongs to a training run's own checkpoints; "
                               "choose another (average_*.pt)")
-    if output.exists() and any(p.exists() and os.path.samefile(p, output) for p in inputs):
-        raise CheckpointError(f"--output {output} is one of the checkpoints being averaged: a tool never rewrites "
-                              "its own input; choose another file")
+    try:
+        check_outputs({"--output": output}, inputs)
+    except OutputError as e:
+        raise CheckpointError(str(e)) from None
 
 
 @tool

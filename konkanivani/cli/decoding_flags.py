@@ -19,8 +19,8 @@ from ..decoding.streaming import DEFAULT_ENDPOINT_MS, MAX_SEGMENT_SECONDS, STREA
 from ..training.precision import resolve_device
 from . import Parser
 
-__all__ = ["DEFAULT_LM_WEIGHT", "add_decoding_args", "check_decoding_args", "check_streaming_args", "decoding_name",
-           "load_recognizer"]
+__all__ = ["DEFAULT_LM_WEIGHT", "add_decoding_args", "check_decoding_args", "check_streaming_args",
+           "decoding_inputs", "decoding_name", "load_recognizer"]
 
 
 DEFAULT_LM_WEIGHT = 0.3
@@ -113,6 +113,11 @@ def check_streaming_args(parser: Parser, args: argparse.Namespace) -> None:
     args.method = args.method or STREAMING_DEFAULT_METHOD
     if args.method not in STREAM_METHODS:
         parser.error(f"--method {args.method} cannot stream; with --chunk_size choose from {', '.join(STREAM_METHODS)}")
+
+
+def decoding_inputs(args: argparse.Namespace) -> list[Path]:
+    """The files the decoding flags name, which every decoding run reads: the checkpoint, the LM."""
+    return [args.checkpoint, *([args.lm] if args.lm is not None else [])]
 
 
 def load_recognizer(args: argparse.Namespace) -> Recognizer:

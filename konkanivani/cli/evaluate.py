@@ -4,6 +4,10 @@ substitutions, deletions and insertions, the worst utterances, per-utterance JSO
     konkanivani-evaluate checkpoints/run/best.pt data/demo/test.jsonl \\
         --method joint --output results.jsonl --report report.md
     konkanivani-evaluate checkpoints/streaming/best.pt data/demo/test.jsonl --method rescore --chunk_size 16
+
+``--output`` and ``--report`` may be neither the same file nor one the run reads (the checkpoint,
+the manifest, an audio file it lists): refused before anything is decoded. Both are written when
+scoring ends, each through a temporary file renamed into place.
 """
 from __future__ import annotations
 
@@ -16,8 +20,15 @@ from ..checkpoint import CheckpointError
 from ..data.manifest import ManifestError
 from ..decoding.evaluation import evaluate_manifest, markdown_report
 from ..decoding.streaming import check_streaming
-from . import Parser, fail, refuse_writing_inputs, setup_logging, tool
-from .decoding_flags import add_decoding_args, check_decoding_args, decoding_name, load_recognizer
+from ..tools.outputs import OutputError, manifest_audio, write_output
+from . import Parser, fail, refuse_unsafe_outputs, setup_logging, tool
+from .decoding_flags import (
+    add_decoding_args,
+    check_decoding_args,
+    decoding_inputs,
+    decoding_name,
+    load_recognizer,
+)
 
 log = logging.getLogger("konkanivani")
 
@@ -41,11 +52,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--chunk_size must be >= 0 and --left_chunks >= -1, got {args.chunk_size} and {args.left_chunks}")
     if args.left_chunks != -1 and not args.chunk_size:
         parser.error("--left_chunks needs --chunk_size N")
-    refuse_writing_inputs(parser, "--output", args.output, [args.checkpoint, args.manifest])
-    refuse_writing_inputs(parser, "--report", args.report, [args.checkpoint, args.manifest])
     if not args.manifest.is_file():
         parser.error(f"manifest {args.manifest}: file not found")
     setup_logging()
+    # The audio files evaluate_manifest decodes, as it resolves them: checked before any is decoded.
+    refuse_unsafe_outputs(parser, {"--output": args.output, "--report": args.report},
+                          [*decoding_inputs(args), args.manifest, *manifest_audio(args.manifest)])
     try:
         recognizer = load_recognizer(args)
         if args.chunk_size:
@@ -57,11 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ManifestError, RuntimeError, ValueError) as e:
         return fail(f"{args.checkpoint}: {e}" if isinstance(e, ValueError) else str(e))
 
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(u.to_json(), ensure_ascii=False) + "\n" for u in result.utterances)
-    if args.report:
-        Path(args.report).write_text(markdown_report(result, str(args.checkpoint), args.worst), encoding="utf-8")
+    try:
+        if args.output:
+            write_output(args.output, "".join(json.dumps(u.to_json(), ensure_ascii=False) + "\n"
+                                              for u in result.utterances))
+        if args.report:
+            write_output(args.report, markdown_report(result, str(args.checkpoint), args.worst))
+    except OutputError as e:  # a full disk, say: the old file is left whole
+        return fail(str(e))
     w, c = result.words, result.chars
     if result.utterances:
         print(f"{len(result.utterances)} utterances, {result.audio_seconds / 60:.1f} min, "

@@ -23,8 +23,16 @@ from pathlib import Path
 
 from ..checkpoint import CheckpointError
 from ..config import Renamed
-from ..decoding.export import FORMATS, STREAMING_FILES, ExportError, Streaming, export_checkpoint, unavailable
-from . import Parser, fail, setup_logging, tool
+from ..decoding.export import (
+    FILES,
+    FORMATS,
+    STREAMING_FILES,
+    ExportError,
+    Streaming,
+    export_checkpoint,
+    unavailable,
+)
+from . import Parser, fail, refuse_unsafe_outputs, setup_logging, tool
 
 
 @tool
@@ -62,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         streaming = Streaming(**given)
     if reason := unavailable((*formats, "onnx") if streaming else formats):
         return fail(reason)
+    # Each file the export replaces, none of which may be the checkpoint it reads.
+    names = [FILES[f] for f in formats] + [FILES["vocabulary"], FILES["features"]]
+    names += list(STREAMING_FILES.values()) if streaming else []
+    flag = "--output_dir" if args.output_dir else "the export"
+    refuse_unsafe_outputs(parser, [(flag, output / name) for name in names], [args.checkpoint])
     setup_logging()
     try:
         written = export_checkpoint(args.checkpoint, output, formats, streaming)

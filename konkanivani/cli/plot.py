@@ -11,10 +11,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..tools.sweep import SWEEP_FILE, plot_sweep
+from ..tools.sweep import SWEEP_FILE, TRIAL_FILE, plot_sweep
 from ..training.curves import CURVES, have_matplotlib, plot_runs
 from ..training.metrics_log import read_metrics
-from . import Parser, fail, setup_logging, tool
+from . import Parser, fail, refuse_unsafe_outputs, setup_logging, tool
 
 
 @tool
@@ -28,7 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.output is None and len(args.run_dirs) > 1:
         parser.error("give -o PNG to compare several runs")
     if len(args.run_dirs) == 1 and (args.run_dirs[0] / SWEEP_FILE).is_file():  # a konkanivani-sweep folder
-        return _plot_sweep(args.run_dirs[0], args.output)
+        folder = args.run_dirs[0]
+        reads = [folder / SWEEP_FILE, *folder.glob(f"*/{TRIAL_FILE}"),
+                 *folder.glob("*/metrics.jsonl")]
+        refuse_unsafe_outputs(parser, {"-o": args.output}, reads)
+        return _plot_sweep(folder, args.output)
     for run_dir in args.run_dirs:
         metrics = run_dir / "metrics.jsonl"
         if not metrics.is_file():
@@ -38,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     if not have_matplotlib():
         return fail('drawing needs matplotlib: pip install "konkanivani[plot]"')
     output = args.output or args.run_dirs[0] / CURVES
+    refuse_unsafe_outputs(parser, {"-o": output}, [d / "metrics.jsonl" for d in args.run_dirs])
     try:
+        output.parent.mkdir(parents=True, exist_ok=True)
         plot_runs(args.run_dirs, output)
     except OSError as e:
         return fail(f"could not write {output}: {e}")

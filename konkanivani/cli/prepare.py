@@ -26,7 +26,7 @@ from ..checkpoint import CheckpointError
 from ..config import DEFAULT_SEED
 from ..data.manifest import ManifestError
 from ..data.tokenizer import Tokenizer
-from ..tools.outputs import OutputError, child, refuse_overlap
+from ..tools.outputs import OutputError, child, manifest_audio, refuse_overlap
 from ..tools.prepare import (
     CONVERT_FORMATS,
     PrepareError,
@@ -38,7 +38,7 @@ from ..tools.prepare import (
     print_report,
 )
 from ..tools.shards import print_shard_report, write_shards
-from . import Parser, add_output_dir, fail, output_dir, setup_logging, tool
+from . import Parser, add_output_dir, fail, output_dir, refuse_unsafe_outputs, setup_logging, tool
 
 
 def parse_args(argv: list[str] | None = None):
@@ -130,6 +130,10 @@ def _check_shards_args(sub, args):
         sub.error("--shard_size and --shard_hours must be positive")
     if args.out_dir.resolve() == args.manifest.parent.resolve():  # its text.txt could be the corpus's own
         sub.error(f"--output_dir {args.out_dir} is the manifest's folder: shards go in a folder of their own")
+    # Nor may the folder hold any other file the shards are made from: the tokenizer, a row's audio.
+    tokenizer = [args.tokenizer] if args.tokenizer else []
+    reads = [args.manifest, *tokenizer, *manifest_audio(args.manifest)]
+    refuse_unsafe_outputs(sub, {}, reads, folders={"--output_dir": args.out_dir})
     return args
 
 

@@ -7,7 +7,10 @@ its tokenizer and model shape.
 
 Inputs are audio files (8 to 192 kHz, any channel count soundfile reads), folders (searched
 recursively) and JSONL manifests. Prints ``path<TAB>text`` per file, or writes JSONL rows
-``{"audio_filepath", "text", "duration"}`` with ``--output``. A file that cannot be read, states
+``{"audio_filepath", "text", "duration"}`` with ``--output``: through a temporary file renamed
+when the run ends, so an interrupted run leaves the old file whole; an ``--output`` that is one of
+the files the run reads (the checkpoint, a manifest, an audio file a folder or manifest holds) is
+refused before anything is decoded. A file that cannot be read, states
 a sample rate outside 8-192 kHz or too odd to resample, is too short for the model (under 0.06 s)
 or fails to decode is named once on stderr and the others are still transcribed; the exit status
 is then 1.
@@ -38,11 +41,13 @@ from ..data.manifest import ManifestError
 from ..decoding.recognizer import Recognizer, find_audio
 from ..decoding.search import LONG_INPUT_SECONDS
 from ..decoding.streaming import FRAME_SECONDS
-from . import Parser, fail, refuse_writing_inputs, setup_logging, tool
+from ..tools.outputs import OutputError, output_file
+from . import Parser, fail, refuse_unsafe_outputs, setup_logging, tool
 from .decoding_flags import (
     add_decoding_args,
     check_decoding_args,
     check_streaming_args,
+    decoding_inputs,
     decoding_name,
     load_recognizer,
 )
@@ -57,12 +62,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_streaming_args(parser, args)
     check_decoding_args(parser, args)
-    refuse_writing_inputs(parser, "--output", args.output, [args.checkpoint, *args.inputs])
     setup_logging()
     try:
-        recognizer = load_recognizer(args)
         files = [path for path, _ in find_audio(args.inputs)]
-    except (CheckpointError, ManifestError, RuntimeError) as e:
+    except ManifestError as e:
+        return fail(str(e))
+    # Every file the run reads, the folders and manifests expanded as find_audio expands them for
+    # decoding; checked before anything is decoded.
+    reads = [*decoding_inputs(args), *args.inputs, *files]
+    refuse_unsafe_outputs(parser, {"--output": args.output}, reads)
+    try:
+        recognizer = load_recognizer(args)
+    except (CheckpointError, RuntimeError) as e:
         return fail(str(e))
     if args.chunk_size:
         try:  # refused for a model that cannot stream; a warning for chunks it was not trained with
@@ -74,25 +85,30 @@ def main(argv: list[str] | None = None) -> int:
         return fail("no audio files found in " + " ".join(args.inputs))
 
     failed, long_inputs, in_segments, audio_s, start = [], 0, 0, 0.0, time.perf_counter()
-    with open(args.output, "w", encoding="utf-8") if args.output else nullcontext() as out:
-        for paths, segmented in _runs(files, args.chunk_size):
-            if segmented:
-                error = _transcribe_in_segments(recognizer, paths[0], args, out)
-                if error is not None:
-                    failed.append(error)
+    try:
+        with output_file(args.output) if args.output else nullcontext() as out:
+            for paths, segmented in _runs(files, args.chunk_size):
+                if segmented:
+                    error = _transcribe_in_segments(recognizer, paths[0], args, out)
+                    if error is not None:
+                        failed.append(error)
+                        continue
+                    in_segments += 1
+                    audio_s += _seconds(paths[0])
                     continue
-                in_segments += 1
-                audio_s += _seconds(paths[0])
-                continue
-            for tr in recognizer.transcribe(paths, args.method, args.beam_size, args.decode_ctc_weight,
-                                            args.batch_size, args.lm_weight, args.length_bonus):
-                if tr.error is not None:
-                    failed.append(tr.error)
-                    continue
-                audio_s += tr.duration
-                long_inputs += tr.method != args.method
-                _write(out, f"{tr.audio_filepath}\t{tr.text}",
-                       {"audio_filepath": tr.audio_filepath, "text": tr.text, "duration": round(tr.duration, 3)})
+                for tr in recognizer.transcribe(paths, args.method, args.beam_size,
+                                                args.decode_ctc_weight, args.batch_size,
+                                                args.lm_weight, args.length_bonus):
+                    if tr.error is not None:
+                        failed.append(tr.error)
+                        continue
+                    audio_s += tr.duration
+                    long_inputs += tr.method != args.method
+                    row = {"audio_filepath": tr.audio_filepath, "text": tr.text,
+                           "duration": round(tr.duration, 3)}
+                    _write(out, f"{tr.audio_filepath}\t{tr.text}", row)
+    except OutputError as e:  # a full disk, say: the old file is left whole
+        return fail(str(e))
     elapsed = time.perf_counter() - start
     done = len(files) - len(failed)
     speed = f" in {elapsed:.1f} s: real-time factor {elapsed / audio_s:.3f}" if audio_s else ""

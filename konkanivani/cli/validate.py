@@ -6,28 +6,31 @@ cleaned copy (``konkanivani-validate``).
 Each row is decoded in full (training reads only the audio header at start-up). Errors (the row
 would be skipped in training) and warnings (16 kHz / mono conversion, which training does) are
 listed with the manifest's path and line; a summary counts them by reason. The cleaned manifest
-holds the good rows, their relative audio paths rewritten when it goes to another folder. Exit
+holds the good rows, their relative audio paths rewritten when it goes to another folder; it may
+be no file the run reads (the manifest, the tokenizer, an audio file a row names), and appears
+whole when the run ends (written through a temporary file, its missing folders made). Exit
 status: 0 when no row has an error, 1 otherwise, 2 when the manifest cannot be read at all (a
 missing file, or no line of it a JSON object: a CSV, say).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 from collections import Counter
 from pathlib import Path
 
-from ..checkpoint import write_file_atomic
 from ..data.manifest import DEFAULT_DURATION_TOLERANCE, ManifestError, check_row, iter_manifest
 from ..data.tokenizer import Tokenizer, train_tokenizer
-from . import Parser, fail, setup_logging, tool
+from ..tools.outputs import OutputError, manifest_audio, write_output
+from . import Parser, fail, refuse_unsafe_outputs, setup_logging, tool
 
 _NOT_JSON = "not a JSON object line"
 _MANIFEST_FORMAT = 'a NeMo manifest holds one JSON object a line: {"audio_filepath": ..., "duration": ..., "text": ...}'
 
 
-def parse_args(argv: list[str] | None = None):
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Parser]:
     p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("manifest", type=Path)
     p.add_argument("--output", type=Path, help="write the good rows here (JSON lines)")
@@ -45,13 +48,10 @@ def parse_args(argv: list[str] | None = None):
         p.error(f"manifest {args.manifest}: file not found")
     if args.tokenizer is not None and not args.tokenizer.is_file():
         p.error(f"--tokenizer {args.tokenizer}: file not found")
-    if args.output is not None and args.output.resolve() == args.manifest.resolve():
-        p.error(f"--output {args.output} is the manifest being checked: a tool never rewrites its own input; "
-                "write the cleaned copy to another file")
     if args.vocab_size < 1 or args.max_duration <= 0:
         p.error("--vocab_size must be a positive integer" if args.vocab_size < 1 else
                 "--max_duration must be a positive number of seconds")
-    return args
+    return args, p
 
 
 def _rebased(row: dict, source_dir: Path, target_dir: Path) -> dict:
@@ -65,11 +65,16 @@ def _rebased(row: dict, source_dir: Path, target_dir: Path) -> dict:
 @tool
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
-    args = parse_args(argv)
+    args, parser = parse_args(argv)
     try:
         lines = list(iter_manifest(args.manifest))
     except ManifestError as e:
         return fail(str(e))
+    # The cleaned copy may be none of the files checked: the manifest, the tokenizer, every row's
+    # audio. Refused before any row is decoded.
+    tokenizer = [args.tokenizer] if args.tokenizer else []
+    reads = [args.manifest, *tokenizer, *manifest_audio(args.manifest)]
+    refuse_unsafe_outputs(parser, {"--output": args.output}, reads)
     not_json = [(line_no, row) for line_no, row in lines if isinstance(row, ManifestError)]
     if lines and len(not_json) == len(lines):  # a CSV, a TSV, a list of paths: no row to check
         return fail(f"{args.manifest}: none of its {len(lines)} lines is a JSON object (line {not_json[0][0]}: "
@@ -114,10 +119,12 @@ def main(argv: list[str] | None = None) -> int:
         for reason, n in counts.most_common():
             print(f"  {n:6d} {label}: {reason}")
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
         text = "".join(json.dumps(_rebased(row, args.manifest.parent, args.output.parent), ensure_ascii=False) + "\n"
                        for row in good)
-        write_file_atomic(args.output, text.encode("utf-8"))  # a kill leaves the old file or the new one
+        try:
+            write_output(args.output, text)  # a kill leaves the old file or the new one
+        except OutputError as e:
+            return fail(str(e))
         print(f"wrote {len(good)} good rows to {args.output}")
     return 1 if errors else 0
 

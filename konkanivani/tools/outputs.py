@@ -1,6 +1,14 @@
-"""Where the data tools write: names made from inputs, folders that must not be the input, and
-results that appear whole or not at all.
+"""Where the tools write: names made from inputs, outputs that must not be an input, and results
+that appear whole or not at all.
 
+- ``check_outputs``: the one decision whether a run may write its outputs (``--output``,
+  ``--report``, an export's files, a plot): none of them may be a file the run reads (every
+  checkpoint, manifest and audio file, as the run expands its inputs) or another of its outputs,
+  compared with symlinks followed, and each must have a folder it can be written in. Every tool
+  asks it before it reads or decodes anything, so a refusal loses no work.
+- ``manifest_audio``: the audio files a manifest names, for ``check_outputs``.
+- ``write_output`` and ``output_file``: an output written through a temporary file beside it and
+  renamed at the end, so a failed or interrupted run leaves the old file whole.
 - ``safe_name``: a file name for any key (a Kaldi utterance id, a clip's relative path) that is
   unique by construction: a key that is already a plain name is kept, any other gets its unsafe
   characters replaced *and* a short hash of the whole key, so ``a/b`` and ``a_b`` stay two files
@@ -14,17 +22,22 @@ results that appear whole or not at all.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import re
 import shutil
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-from ..checkpoint import fsync_dir, write_file_atomic
+from ..checkpoint import atomic_file, fsync_dir, write_file_atomic
+from ..data.manifest import iter_manifest, resolve_audio_path
 
-__all__ = ["OutputError", "Staging", "child", "refuse_overlap", "safe_name"]
+__all__ = ["OutputError", "Staging", "check_outputs", "child", "manifest_audio", "output_file",
+           "refuse_overlap", "safe_name", "write_output"]
 
 _PLAIN = re.compile(r"[\w][\w.\-]*")  # letters (any script), digits, _ . - ; not starting with a dot
 _MAX_NAME = 120  # characters of a kept name; longer keys are cut and hashed
@@ -66,6 +79,117 @@ def refuse_overlap(source: Path, out: Path, source_what: str = "the source") -> 
         how = "is" if src == dst else "contains"
         raise OutputError(f"output folder {out} {how} {source_what} {source}: a tool never writes into its own "
                           "input; choose an output folder outside it")
+
+
+PathLike = str | Path
+Outputs = Mapping[str, PathLike | None] | Iterable[tuple[str, PathLike | None]]
+
+
+def _identity(path: PathLike) -> tuple:
+    """The file ``path`` names, symlinks followed: its device and inode where it exists (a hard link
+    is the same file too), else the absolute path it would be made at."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):  # missing, or a name the system refuses (a NUL byte)
+        return ("path", os.path.realpath(path))
+    return ("file", st.st_dev, st.st_ino)
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why no file can be written at ``path``, or None. A missing folder is no reason: writing
+    makes it (``output_file``), as long as the nearest folder that exists may be written in."""
+    target = Path(os.path.realpath(path))
+    if target.is_dir():
+        return "is a folder; give a file name"
+    folder = target.parent
+    while not folder.exists():  # a path through a regular file does not exist either
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"cannot be written: {folder} is not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"cannot be written: no permission to write in {folder}"
+    return None
+
+
+def check_outputs(outputs: Outputs, reads: Iterable[PathLike] = (),
+                  folders: Mapping[str, PathLike | None] | None = None) -> None:
+    """``OutputError`` (one line naming the flag and the file) unless a run that reads ``reads`` may
+    write ``outputs`` (flag and file; None: not asked for) and fill the output ``folders``:
+
+    - no output is a file the run reads: ``reads`` holds every checkpoint, manifest and audio file,
+      expanded from folders and manifests as the run expands them. Existing files are compared by
+      device and inode (a symlink or a hard link to an input is that input), others by their path
+      with symlinks followed;
+    - no two outputs are one file (``--output X --report X``);
+    - no output is a folder, and each can be written (its missing folders made);
+    - no output folder is or holds a file the run reads.
+
+    Tools ask this before they read or decode anything, so a refusal loses no work."""
+    pairs = outputs.items() if isinstance(outputs, Mapping) else outputs
+    given = [(flag, Path(path)) for flag, path in pairs if path is not None]
+    seen: dict[tuple, tuple[str, Path]] = {}
+    for flag, path in given:
+        if (why := _unwritable(path)) is not None:
+            raise OutputError(f"{flag} {path} {why}")
+        key = _identity(path)
+        if key in seen:
+            other_flag, other = seen[key]
+            raise OutputError(f"{other_flag} {other} and {flag} {path} are the same file: each "
+                              "output needs a file of its own")
+        seen[key] = (flag, path)
+    given_folders = {flag: folder for flag, folder in (folders or {}).items() if folder is not None}
+    inside = {flag: Path(os.path.realpath(folder)) for flag, folder in given_folders.items()}
+    for read in reads:
+        if seen and (hit := seen.get(_identity(read))) is not None:
+            flag, path = hit
+            same = ("also an input of this command" if str(path) == str(read)
+                    else f"{read}, which this command reads")
+            raise OutputError(f"{flag} {path} is {same}: a tool never rewrites its own input; "
+                              "write to another file")
+        if inside:
+            real = Path(os.path.realpath(read))
+            for flag, folder in inside.items():
+                if real == folder or folder in real.parents:
+                    shown = given_folders[flag]
+                    raise OutputError(f"{flag} {shown} holds {read}, which this command reads: a "
+                                      "tool never writes where its own input lies; choose another "
+                                      "folder")
+
+
+def manifest_audio(manifest: PathLike) -> list[Path]:
+    """Every audio file the rows of ``manifest`` name, resolved as decoding, validation and shard
+    writing resolve them; lines that are no JSON object are passed over (the tools name those)."""
+    manifest = Path(manifest)
+    rows = [row for _, row in iter_manifest(manifest) if isinstance(row, dict)]
+    return [resolve_audio_path(row["audio_filepath"], manifest.parent) for row in rows
+            if isinstance(row.get("audio_filepath"), str) and row["audio_filepath"]]
+
+
+@contextlib.contextmanager
+def output_file(path: PathLike) -> Iterator[TextIO]:
+    """A UTF-8 text file to write the output ``path`` through: a temporary file beside it, renamed
+    into place when the block ends and removed when it raises (a failed run, Ctrl-C), so the old
+    file stays whole until the new one is complete. Missing folders are made; a symlink is written
+    through, not replaced. ``OutputError`` when the file cannot be written."""
+    target = Path(os.path.realpath(path))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(target) as raw:
+            text = io.TextIOWrapper(raw, encoding="utf-8")
+            try:
+                yield text
+            finally:
+                # detach flushes; atomic_file then syncs, closes and renames (or removes) the file
+                text.detach()
+    except OSError as e:
+        raise OutputError(f"could not write {path}: {e.strerror or e}") from e
+
+
+def write_output(path: PathLike, text: str) -> Path:
+    """Write ``text`` to the output ``path`` through ``output_file``; returns ``path``."""
+    with output_file(path) as f:
+        f.write(text)
+    return Path(path)
 
 
 def _remove(path: Path) -> None:
