@@ -2,6 +2,7 @@
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -198,8 +199,44 @@ def test_a_folder_holding_only_a_checkpoint_is_a_run_to_protect(name, tmp_path, 
     errors = _errors(caplog)
     assert len(errors) == 1 and len(errors[0].splitlines()) == 1, errors
     assert f"already holds a run ({name})" in errors[0]
-    assert "--resume latest" in errors[0] and "--overwrite" in errors[0]
+    # latest would find no latest.pt nor step file there: the advice names the checkpoint itself
+    assert f"--resume {out / name}," in errors[0] and "--resume latest" not in errors[0]
+    assert "--overwrite" in errors[0]
     assert sorted(p.name for p in out.iterdir()) == [name]
+
+
+def test_the_advice_for_a_folder_holding_only_best_pt_continues_the_run(tmp_path, caplog):
+    """A real run's best.pt, all else gone: the refusal's --resume, followed, resumes from it."""
+    data, out = _manifests(tmp_path, usable={"train", "valid"}), tmp_path / "run"
+    assert cli.main(_flags(data, out, "--max_steps", "2")) == 0
+    saved = load_checkpoint(out / "best.pt")["step"]
+    for path in out.iterdir():
+        if path.name != "best.pt":
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="konkanivani"):
+        assert cli.main(_flags(data, out, "--max_steps", "4")) == 2
+    [error] = _errors(caplog)
+    advice = re.search(r"continue from its checkpoint with (--resume \S+),", error)
+    assert advice is not None, error
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="konkanivani"):
+        assert cli.main(_flags(data, out, "--max_steps", "4", *advice.group(1).split(" ", 1))) == 0
+    assert f"at step {saved}" in caplog.text
+    assert load_checkpoint(out / "latest.pt")["step"] == 4
+
+
+def test_a_folder_holding_only_metrics_advises_no_resume(tmp_path, caplog):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 2.0}\n',
+                                       encoding="utf-8")
+    with caplog.at_level(logging.INFO, logger="konkanivani"):
+        assert cli.main(_flags(_manifests(tmp_path), out)) == 2
+    [error] = _errors(caplog)
+    assert ("already holds a run (metrics.jsonl): no checkpoint to resume from; start a new one"
+            in error)
+    assert "--resume" not in error
 
 
 def test_overwrite_moves_a_lone_checkpoint_aside(tmp_path):

@@ -163,6 +163,31 @@ def test_a_second_sweep_into_a_running_sweeps_folder_is_refused(tmp_path, capsys
     assert not (out / "sweep.json").exists()
 
 
+@pytest.mark.parametrize("name", ["sweep.md", "sweep.csv"])
+def test_a_sweep_into_a_folder_with_someone_elses_table_is_refused_and_keeps_it(tmp_path, capsys,
+                                                                                 name):
+    """A sweep.md (or sweep.csv) that no sweep wrote there (no sweep.json beside it) is one line and
+    exit 2, before any trial; moved away, the same command runs."""
+    manifest = tmp_path / "train.jsonl"
+    row = {"audio_filepath": "a.wav", "duration": 20.0, "text": "क"}
+    manifest.write_text(json.dumps(row) + "\n", encoding="utf-8")
+    out = tmp_path / "s"
+    out.mkdir()
+    (out / name).write_text("# my notes, not a sweep's\n", encoding="utf-8")
+    argv = ["--output_dir", str(out), "--grid", "preset=large", "--gpu_gb", "0.5",
+            "--train_manifest", str(manifest), "--valid_manifest", str(manifest)]
+    assert sweep_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{out / name} exists and no konkanivani-sweep wrote it" in err[0], err
+    assert (out / name).read_text(encoding="utf-8") == "# my notes, not a sweep's\n"
+    assert sorted(p.name for p in out.iterdir()) == [name]  # no sweep.json, no trial, no lock
+
+    (out / name).rename(tmp_path / name)
+    assert sweep_cli.main(argv) == 0  # skipped as too large: no training
+    assert "| preset-large | large | skipped |" in (out / "sweep.md").read_text(encoding="utf-8")
+    assert sweep_cli.main(argv) == 0  # its own tables, found again: the sweep continues
+
+
 # --- search with Optuna ---------------------------------------------------------------------------
 
 from konkanivani.tools.search import parse_space  # noqa: E402

@@ -30,7 +30,7 @@ from ..config import ConfigError, TrainConfig, check_config, dataclass_from_args
 from ..config_file import load_sweep_section
 from ..data.manifest import ManifestError
 from ..tools.search import parse_space, run_search
-from ..tools.sweep import SweepError, grid_trials, parse_grid, run_sweep
+from ..tools.sweep import SweepError, check_sweep_folder, grid_trials, parse_grid, run_sweep
 from . import Parser, fail, setup_logging, tool
 from . import train as train_cli
 
@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args, shared = parse_args(argv)
+        # Before any trial: the sweep's tables would replace another's files.
+        check_sweep_folder(args.output_dir)
         make_trial = trial_maker(shared)
         if args.search:
             space = parse_space(args.space, _config_path(shared))

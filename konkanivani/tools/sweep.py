@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, get_type_hints
 
-from ..checkpoint import write_file_atomic
+from ..checkpoint import atomic_file, write_file_atomic
 from ..config import ConfigError, ModelConfig, TrainConfig, flag_fields, model_config_from_preset
 from ..data.frames import budget_frames, frames_of
 from ..data.manifest import read_manifest
@@ -39,13 +39,14 @@ from ..training.rundir import existing_run, hold_run_directory, move_run_aside
 from ..training.signals import TrainingDiverged
 from .outputs import safe_name
 
-__all__ = ["SweepError", "Trial", "grid_trials", "parse_grid", "plot_sweep", "read_sweep", "run_sweep", "sweep_table",
-           "write_tables"]
+__all__ = ["SweepError", "Trial", "check_sweep_folder", "grid_trials", "parse_grid", "plot_sweep",
+           "read_sweep", "run_sweep", "sweep_table", "write_tables"]
 
 log = logging.getLogger("konkanivani")
 
 TRIAL_FILE = "trial.json"  # in each trial's folder: its settings and how it ended
 SWEEP_FILE = "sweep.json"  # in the sweep's folder: the grid and the flags every trial shares
+SWEEP_OUTPUTS = ("sweep.md", "sweep.csv", "sweep.png")  # rewritten whole after every trial
 NOT_SETTINGS = ("output_dir", "resume", "overwrite", "progress")  # how a trial runs, not what it is
 STOPS = ("SIGINT", "SIGTERM")
 
@@ -182,12 +183,26 @@ def _fits(cfg: TrainConfig, model_flags: dict[str, Any], budget_gb: float) -> Op
             f"{cfg.optimizer}) of {budget_gb:g} GiB")
 
 
+def check_sweep_folder(out: Path) -> None:
+    """``SweepError`` when ``out`` holds a sweep's table or picture that no sweep wrote there: a
+    sweep writes its ``SWEEP_FILE`` before any of them, and rewrites them after every trial, so
+    without it they are someone else's files, which this sweep would replace."""
+    if (out / SWEEP_FILE).is_file():  # an earlier sweep's folder: continued, its tables rewritten
+        return
+    for name in SWEEP_OUTPUTS:
+        if (out / name).exists() or (out / name).is_symlink():
+            raise SweepError(f"{out / name} exists and no konkanivani-sweep wrote it (no "
+                             f"{SWEEP_FILE} beside it): a sweep would replace it; move it away or "
+                             "choose another --output_dir")
+
+
 def run_sweep(out: Path, grid: dict[str, list[Any]], make_trial: MakeTrial, budget_gb: float = 0.0,
               target_cer: float = 0.0, shared: Optional[list[str]] = None) -> tuple[list[Trial], Optional[str]]:
     """Run (or continue) every trial of ``grid`` under ``out``; returns the trials and what stopped the
     sweep (a signal's name, or None when every trial ended). ``budget_gb`` > 0: skip what cannot fit."""
     trials = grid_trials(grid)
     with hold_run_directory(out):  # one sweep at a time in this folder
+        check_sweep_folder(out)
         write_file_atomic(out / SWEEP_FILE, (json.dumps({"grid": grid, "shared_flags": shared or []}, indent=2,
                                                         default=str) + "\n").encode())
         for i, trial in enumerate(trials, 1):
@@ -367,5 +382,7 @@ def plot_sweep(out: Path, output: Optional[Path] = None) -> Path:
     if time_ax.lines:
         time_ax.legend(fontsize=7)
     output = output or out / "sweep.png"
-    figure.savefig(output, dpi=110)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(output) as f:  # a reader sees the old picture or the new one
+        figure.savefig(f, format="png", dpi=110)
     return output

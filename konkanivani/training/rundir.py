@@ -274,10 +274,24 @@ def check_output_dir(directory: str | Path, resume: str, overwrite: bool) -> boo
     if resume or (found := existing_run(directory)) is None:
         return False
     if not overwrite:
-        raise CheckpointError(f"{directory} already holds a run ({found}): continue it with --resume latest, or "
+        advice = _how_to_continue(directory)
+        raise CheckpointError(f"{directory} already holds a run ({found}): {advice}"
                               f"start a new one with --overwrite (moves the old run to {directory.name}.replaced-<time>/ "
                               "beside it; nothing is deleted) or with another --output_dir")
     return True
+
+
+def _how_to_continue(directory: Path) -> str:
+    """The ``--resume`` that continues the run in ``directory``, as advice: ``latest`` where there
+    is a latest.pt or a step file (it falls back to those), else the path of a lone checkpoint
+    (best.pt first), which ``latest`` would not find; nothing where no checkpoint was saved."""
+    if (directory / "latest.pt").exists() or step_checkpoints(directory):
+        return "continue it with --resume latest, or "
+    lone = sorted((p.name for p in directory.glob("*.pt") if p.is_file()),
+                  key=lambda name: (name != "best.pt", name))
+    if lone:
+        return f"continue from its checkpoint with --resume {directory / lone[0]}, or "
+    return "no checkpoint to resume from; "
 
 
 def claim_output_dir(directory: str | Path, resume: str, overwrite: bool) -> Path | None:
