@@ -5,9 +5,11 @@ test_shards_distributed.py)."""
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -126,6 +128,59 @@ def test_prepare_shards_command_refuses_the_manifests_own_folder(tiny_corpus, tm
     assert main(["shards", str(tiny_corpus / "train.jsonl"), "--output_dir", str(tmp_path / "s"),
                  "--shard_hours", "0.005", "--no_progress"]) == 0
     assert len(open_shards(str(tmp_path / "s")).shards) > 1
+
+
+# The first run of two into one folder, held inside its first utterance until told to go on.
+_HELD = """
+import sys, time
+from pathlib import Path
+import konkanivani.tools.shards as shards
+from konkanivani.cli.prepare import main
+encode, started, go = shards._encode, Path(sys.argv[1]), Path(sys.argv[2])
+
+def held(row):
+    started.touch()
+    while not go.exists():
+        time.sleep(0.05)
+    return encode(row)
+
+shards._encode = held
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def test_a_second_prepare_shards_into_the_same_folder_is_refused_in_one_line(tiny_corpus, shard_dir,
+                                                                             tmp_path):
+    out, started, go = tmp_path / "out", tmp_path / "started", tmp_path / "go"
+    args = ["shards", str(tiny_corpus / "train.jsonl"), "--output_dir", str(out),
+            "--shard_size", "10", "--no_progress"]
+    corpus = _files(tiny_corpus)
+    first = subprocess.Popen([sys.executable, "-c", _HELD, str(started), str(go), *args],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(1200):  # up to 2 minutes for it to start writing (it checks every row first)
+            if started.exists() or first.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert started.exists(), first.communicate()[1][-3000:]
+        writing = _files(out)
+        second = subprocess.run([sys.executable, "-m", "konkanivani.cli.prepare", *args],
+                                capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2
+        refusal = (f"error: {re.escape(str(out))}: another konkanivani-prepare shards is writing "
+                   rf"this folder \(pid {first.pid}, started [-0-9: ]+\); wait for it to end, or "
+                   "give another --output_dir")
+        assert re.fullmatch(refusal, second.stderr.strip()), second.stderr
+        assert _files(out) == writing  # the first's half-written shard left alone
+        go.touch()
+        stdout, stderr = first.communicate(timeout=300)
+    finally:
+        go.touch()
+        first.kill() if first.poll() is None else None
+    assert first.returncode == 0, stderr[-3000:]
+    assert stdout.startswith(f"wrote {out / LIST_NAME}: 6 shards (6 written now")
+    assert _files(out) == _files(shard_dir)  # whole, byte for byte what one run alone writes
+    assert _files(tiny_corpus) == corpus
 
 
 # ---- the plan -------------------------------------------------------------------------------------
@@ -262,6 +317,193 @@ def test_a_missing_shard_or_one_that_differs_from_its_list_is_one_line_before_tr
         open_shards(str(out))
     with pytest.raises(ShardError, match="shard missing"):
         open_shards(str(out / "shard-{000000..000002}.tar"))
+
+
+def _files(folder):
+    """Every file under ``folder`` (links followed) and its bytes: what a run must leave as is."""
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _edit_list(folder, edit):
+    listing = json.loads((folder / LIST_NAME).read_text())
+    edit(listing["shards"])
+    (folder / LIST_NAME).write_text(json.dumps(listing))
+
+
+def _key_twice_in_a_shard(out):
+    _edit_list(out, lambda shards: shards[1]["keys"].__setitem__(3, shards[1]["keys"][2]))
+    return str(out / LIST_NAME), r"key train-00000013 is in shard-000001.tar 2 times: keys must be"
+
+
+def _key_in_two_shards(out):
+    _edit_list(out, lambda shards: shards[2]["keys"].__setitem__(0, shards[1]["keys"][4]))
+    return str(out / LIST_NAME), "key train-00000015 is in both shard-000001.tar and shard-000002"
+
+
+def _entry_twice(out):
+    _edit_list(out, lambda shards: shards.append(dict(shards[0])))
+    return str(out / LIST_NAME), "shard-000000.tar is listed twice: it would be trained twice"
+
+
+def _two_entries_one_file(out):
+    (out / "again.tar").symlink_to(out / "shard-000003.tar")
+    _edit_list(out, lambda shards: shards.insert(1, dict(shards[3], path="again.tar")))
+    return str(out / LIST_NAME), "again.tar and shard-000003.tar are the same file"
+
+
+def _pattern_twice(out):
+    return str(out / "shard-{000000,000001,000000}.tar"), "shard-000000.tar is listed twice"
+
+
+def _list_file_twice(out):
+    again = f"{out}/../{out.name}/shard-000002.tar"  # another spelling of the same file
+    (out / "list.txt").write_text(f"shard-000002.tar\nshard-000004.tar\n{again}\n")
+    return str(out / "list.txt"), r"shard-000002.tar and /.*/\.\./copy/shard-000002.tar are the"
+
+
+def _key_twice_in_a_tar(out):
+    tar_path = out / "shard-000004.tar"
+    with tarfile.open(tar_path) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    with tarfile.open(tar_path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for m, data in members + members[:2]:  # the first utterance again at the end
+            tar.addfile(m, io.BytesIO(data))
+    return str(out / "shard-{000003..000004}.tar"), r"key train-00000041 is in .*shard-000004.tar 2"
+
+
+@pytest.mark.parametrize("fault", [_key_twice_in_a_shard, _key_in_two_shards, _entry_twice,
+                                   _two_entries_one_file, _pattern_twice, _list_file_twice,
+                                   _key_twice_in_a_tar])
+def test_a_key_or_a_shard_found_twice_is_one_line_before_training(shard_dir, tmp_path, fault):
+    """A key twice made a worker's KeyError (and a hang); a shard twice was trained twice."""
+    out = _copy_shards(shard_dir, tmp_path)
+    spec, message = fault(out)
+    before = _files(out)
+    with pytest.raises(ShardError, match=message) as e:
+        open_shards(spec)
+    assert "\n" not in str(e.value)
+    assert _files(out) == before
+
+
+def test_a_duplicated_key_stops_konkanivani_train_in_one_line(tiny_corpus, shard_dir, tmp_path):
+    out = _copy_shards(shard_dir, tmp_path)
+    spec, _ = _key_twice_in_a_shard(out)
+    before, corpus = _files(out), _files(tiny_corpus)
+    result = _train(tiny_args(tiny_corpus, tmp_path / "run", "--train_shards", spec,
+                              "--num_workers", "2"))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1] == f"error: {spec}: key train-00000013 is in shard-000001.tar 2 times: keys " \
+        "must be unique; write the shards again with konkanivani-prepare shards"
+    assert "Traceback" not in result.stderr and sum("error" in line.lower() for line in lines) == 1
+    assert not (tmp_path / "run").exists()
+    assert _files(out) == before and _files(tiny_corpus) == corpus
+
+
+def _with_json(path, key, change):
+    """Shard ``path`` again with member ``KEY.json`` changed by ``change``; its new size."""
+    with tarfile.open(path) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for m, data in members:
+            if m.name == f"{key}.json":
+                data = json.dumps(change(json.loads(data))).encode()
+                m.size = len(data)
+            tar.addfile(m, io.BytesIO(data))
+    return path.stat().st_size
+
+
+def test_durations_that_contradict_the_audio_are_skipped_counted_and_named(shard_dir, tokenizer,
+                                                                           tmp_path, caplog):
+    """As a manifest's row is: beyond the tolerance (0.5 s) the member is left out, whether the
+    list or its JSON says it; within it, kept."""
+    out = _copy_shards(shard_dir, tmp_path)
+    sizes = {2: _with_json(out / "shard-000002.tar", "train-00000023",
+                           lambda m: {**m, "duration": m["duration"] + 4}),
+             3: _with_json(out / "shard-000003.tar", "train-00000032",
+                           lambda m: {**m, "duration": "long"})}
+
+    def edit(shards):
+        shards[0]["durations"][1] += 5.0  # utterance 1
+        shards[0]["durations"][4] += 0.3  # utterance 4: within the tolerance
+        for s, size in sizes.items():
+            shards[s]["bytes"] = size
+    _edit_list(out, edit)
+    before = _files(out)
+    shards = open_shards(str(out))
+    plan = _plans(shards, 1, 1, buffer=64, batch_size=4)[0]
+    with caplog.at_level("WARNING", logger="konkanivani"):
+        batches = list(_loader(plan, tokenizer, 0))
+    # the list's, the JSON's, the JSON's not a number
+    assert sorted(i for b in batches for i in b.missing) == [1, 22, 31]
+    assert sum(len(b) for b in batches) == len(shards) - 3
+    log = caplog.text
+    assert "shard-000000.tar:train-00000002: duration mismatch (listed as" in log
+    assert "shard-000002.tar:train-00000023: duration mismatch (its JSON says" in log
+    assert "shard-000003.tar:train-00000032: duration not a number (its JSON says 'long')" in log
+    assert "2 duration mismatch" in log and "1 duration not a number" in log
+    assert "train-00000005" not in log
+    stream = ShardStream(plan, tokenizer, ASRDataset([], 80), duration_tolerance=-1)  # not compared
+    from torch.utils.data import DataLoader
+    assert not any(b.missing for b in DataLoader(stream, batch_size=None))
+    assert _files(out) == before
+
+
+# A DataLoader worker that raises (here every member it decodes, a stand-in for any fault of ours):
+# the script runs konkanivani-train, or train() keeping the error as an uncaught one is kept until
+# the interpreter's exit (which used to wait for the workers for ever).
+_RAISING = """
+import sys, time
+from pathlib import Path
+from torch.utils.data import get_worker_info
+import konkanivani.data.shards as shards
+decode, first = shards.decode_member, Path(sys.argv[1])
+
+def raises(files, where):
+    if get_worker_info() is not None:  # in a worker only: CMVN reads in the main process
+        first.exists() or first.write_text(str(time.time()))
+        raise KeyError(where)
+    return decode(files, where)
+
+shards.decode_member = raises
+if sys.argv[2] == "cli":
+    from konkanivani.cli.train import main
+    sys.exit(main(sys.argv[3:]))
+import multiprocessing
+from konkanivani.cli.train import parse_args
+from konkanivani.config import TrainConfig, dataclass_from_args
+from konkanivani.training.loop import train
+try:
+    train(dataclass_from_args(TrainConfig, parse_args(sys.argv[3:])))
+except Exception as e:
+    kept = e
+print("workers alive:", len(multiprocessing.active_children()))
+"""
+
+
+@pytest.mark.parametrize("how", ["cli", "kept"])
+def test_a_worker_that_raises_ends_training_in_one_line_at_once(tiny_corpus, shard_dir, tmp_path,
+                                                                how):
+    before = _files(shard_dir)
+    first = tmp_path / "first_raise"
+    args = tiny_args(tiny_corpus, tmp_path / "run", "--train_shards", str(shard_dir / LIST_NAME),
+                     "--num_workers", "2")
+    result = subprocess.run([sys.executable, "-c", _RAISING, str(first), how, *args],
+                            capture_output=True, text=True, timeout=300)  # it used to hang here
+    ended = time.time()
+    assert ended - float(first.read_text()) < 60  # from the fault to the end: seconds, not for ever
+    lines = result.stderr.strip().splitlines()
+    if how == "cli":
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert re.fullmatch(r"error: (shard-00000\d\.tar:train-\d{8}): reading failed \(KeyError: "
+                            r"'\1', at <string>:\d+\); in DataLoader worker process [01]",
+                            lines[-1]), lines
+        assert "Traceback" not in result.stderr
+        assert sum("error" in line.lower() for line in lines) == 1
+    else:  # the workers ended with the error, not at the interpreter's exit
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.strip() == "workers alive: 0"
+    assert _files(shard_dir) == before
 
 
 def test_brace_patterns_and_list_files_find_what_the_list_holds(shard_dir, tmp_path):

@@ -30,10 +30,12 @@ order, keeps the encoded bytes of the utterances its coming batches need (a boun
 buffer's) and sends each batch as soon as all of its utterances are read. On a resume it skips the
 batches already trained on, and every shard none of the rest needs, without opening it.
 
-Bad data: a member that does not decode (audio or JSON) or whose text fails the manifest checks is
-left out of its batch and counted; a truncated shard ends with a warning naming it (its missing
-utterances are counted); a missing shard, or one whose size differs from the list's, is a one-line
-error before training starts.
+Bad data: a member that does not decode (audio or JSON), whose text fails the manifest checks, or
+whose duration in the list or its JSON differs from its audio's by more than the manifest's
+tolerance is left out of its batch and counted (as a manifest's row is skipped); a truncated shard
+ends with a warning naming it (its missing utterances are counted); a missing shard, one whose size
+differs from the list's, a shard listed twice or a key found twice is a one-line error before
+training starts.
 """
 from __future__ import annotations
 
@@ -43,8 +45,10 @@ import heapq
 import io
 import json
 import logging
+import math
 import random
 import tarfile
+import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +60,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .audio import AudioError, load_audio
 from .dataset import ASRDataset, Batch, Example, Unreadable, Utterance, collate
 from .frames import SAMPLE_RATE
-from .manifest import ManifestError, check_text
+from .manifest import DEFAULT_DURATION_TOLERANCE, ManifestError, check_text
 from .samplers import ResumableBatchSampler, cut_batches
 from .tokenizer import Tokenizer
 
@@ -69,6 +73,7 @@ LIST_NAME = "shards.json"  # the shard list prepare writes beside the shards
 TEXTS_NAME = "text.txt"  # every utterance's text, a line each: what a fresh run trains its tokenizer on
 FORMAT = {"format": "konkanivani-shards", "version": 1}
 AUDIO_MEMBER, META_MEMBER = "flac", "json"
+_NAMED = 5  # bad members of a kind a reader names one by one; the others are counted
 
 
 class ShardError(ManifestError):
@@ -172,6 +177,8 @@ def read_shard_list(path: str | Path, check_files: bool = True) -> ShardSet:
             name, size, keys, durations = entry["path"], int(entry["bytes"]), entry["keys"], entry["durations"]
             if len(keys) != len(durations) or len(keys) != entry["utterances"]:
                 raise ValueError(f"{len(keys)} keys, {len(durations)} durations, {entry['utterances']} utterances")
+            if not all(isinstance(key, str) for key in keys):
+                raise ValueError("a key that is not a string")
         except (KeyError, TypeError, ValueError) as e:
             raise ShardError(f"{path}: shard entry {n} is malformed ({e})") from e
         shard_path = path.parent / name
@@ -180,8 +187,37 @@ def read_shard_list(path: str | Path, check_files: bool = True) -> ShardSet:
         shards.append(Shard(shard_path, name, size, tuple(keys), tuple(float(d) for d in durations)))
     if not shards:
         raise ShardError(f"{path}: the list holds no shard")
+    _check_unique(shards, path)
     texts = path.parent / TEXTS_NAME
     return ShardSet(shards, str(path), texts if texts.is_file() else None)
+
+
+def _check_unique(shards: Sequence[Shard], source: str | Path) -> None:
+    """``ShardError`` in one line for a shard listed twice (the same entry, or two entries that are
+    one file) or a key found twice (in one shard, or in two): the plan counts each listing and each
+    key as an utterance of its own, so the one would be trained twice an epoch and the other could
+    not be found again (a worker looks its members up by key)."""
+    files: dict[Path, int] = {}
+    for n, shard in enumerate(shards):
+        try:
+            real = shard.path.resolve()  # symbolic links followed
+        except (OSError, RuntimeError):  # a loop of links: the path as given
+            real = shard.path.absolute()
+        if (first := files.setdefault(real, n)) != n:
+            twice = f"{shard.name} is listed twice" if shards[first].name == shard.name else \
+                f"{shards[first].name} and {shard.name} are the same file ({real})"
+            raise ShardError(f"{source}: {twice}: it would be trained twice an epoch; "
+                             "list each shard once")
+    owner: dict[str, int] = {}
+    for n, shard in enumerate(shards):
+        if len(set(shard.keys)) != len(shard.keys):
+            key, count = Counter(shard.keys).most_common(1)[0]
+            raise ShardError(f"{source}: key {key} is in {shard.name} {count} times: keys must be "
+                             "unique; write the shards again with konkanivani-prepare shards")
+        for key in shard.keys:
+            if (first_n := owner.setdefault(key, n)) != n:
+                raise ShardError(f"{source}: key {key} is in both {shards[first_n].name} and "
+                                 f"{shard.name}: keys must be unique across the shards of a list")
 
 
 def _check_file(shard_path: Path, size: int, listed_in: Path) -> None:
@@ -226,6 +262,7 @@ def open_shards(spec: str, check_files: bool = True) -> ShardSet:
         for problem in problems:
             log.warning("%s", problem)
         shards.append(Shard(shard_path, str(shard_path), -1, tuple(keys), tuple(durations)))
+    _check_unique(shards, f"--train_shards {spec}")
     texts = paths[0].parent / TEXTS_NAME
     return ShardSet(shards, spec, texts if texts.is_file() else None)
 
@@ -527,17 +564,29 @@ class ShardStream(IterableDataset):
     """The batches of a ``ShardPlan``'s process, read from its shards: worker ``w`` of the
     DataLoader reads stream ``w`` (without workers, the one stream). Each yields ``Batch``es
     (``collate``d), so the DataLoader takes them with ``batch_size=None``; a member that cannot be
-    used is in ``Batch.missing``, as an unreadable file of a manifest is."""
+    used is in ``Batch.missing``, as an unreadable file of a manifest is. A member whose duration in
+    the list or in its JSON differs from its audio's by more than ``duration_tolerance`` seconds is
+    one (a manifest's row is skipped for it); the first few of a stream are named, all counted."""
 
-    def __init__(self, plan: ShardPlan, tokenizer: Tokenizer, features: ASRDataset):
+    def __init__(self, plan: ShardPlan, tokenizer: Tokenizer, features: ASRDataset,
+                 duration_tolerance: float = DEFAULT_DURATION_TOLERANCE):
         self.plan, self.tokenizer, self.features = plan, tokenizer, features  # features: log-mel + augmentation
+        self.duration_tolerance = duration_tolerance  # < 0: not compared, as for a manifest
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         if workers != self.plan.streams:  # a programming error: the plan is made for the loader's workers
             raise RuntimeError(f"a plan of {self.plan.streams} shard streams read by {workers} DataLoader workers")
-        yield from self._read(self.plan.work(worker))
+        self._reading = self.plan.shards.source
+        try:
+            yield from self._read(self.plan.work(worker))
+        except ShardError:
+            raise
+        except Exception as e:  # a fault of ours, most likely: named with its shard and place
+            at = traceback.extract_tb(e.__traceback__)[-1]
+            raise ShardError(f"{self._reading}: reading failed ({type(e).__name__}: {e}, at "
+                             f"{Path(at.filename).name}:{at.lineno})") from e
 
     def _read(self, work: StreamWork) -> Iterator[Batch]:
         pending = list(reversed(work.batches))  # a stack: the next batch last
@@ -545,6 +594,7 @@ class ShardStream(IterableDataset):
         held: dict[int, tuple[str, Optional[dict[str, bytes]]]] = {}  # index -> (where, files or None: never comes)
         problems: Counter = Counter()
         for path, name, offset, stride, phase, positions in work.units:
+            self._reading = name
             wanted = {offset + p for p in range(phase, len(positions), stride)} & needed
             for key, files in iter_shard(path, name):
                 p = positions.get(key)
@@ -568,7 +618,13 @@ class ShardStream(IterableDataset):
     def _ready(self, pending: list[list[int]], held: dict[int, tuple[str, Optional[dict[str, bytes]]]], epoch: int,
                problems: Counter) -> Iterator[Batch]:
         while pending and all(i in held for i in pending[-1]):
-            yield collate([self._example(i, *held.pop(i), epoch, problems) for i in pending.pop()])
+            examples, reading = [], self._reading
+            for i in pending.pop():
+                where, files = held.pop(i)
+                self._reading = where  # what an error in making its example names
+                examples.append(self._example(i, where, files, epoch, problems))
+            self._reading = reading
+            yield collate(examples)
 
     def _example(self, index: int, where: str, files: Optional[dict[str, bytes]], epoch: int,
                  problems: Counter) -> Example | Unreadable:
@@ -580,9 +636,37 @@ class ShardStream(IterableDataset):
             problems[e.reason] += 1
             log.warning("%s; skipped in this batch", e)
             return Unreadable(index)
-        error, tokens = check_text(meta.get("text"), wav.shape[0] / SAMPLE_RATE, self.tokenizer)
+        seconds = wav.shape[0] / SAMPLE_RATE
+        if (error := self._duration_error(index, meta.get("duration"), seconds)) is not None:
+            problems[error[0]] += 1
+            if problems[error[0]] <= _NAMED:  # the rest are counted in the stream's summary
+                last = problems[error[0]] == _NAMED
+                more = " (more are counted at the epoch's end)" if last else ""
+                log.warning("%s: %s (%s); skipped in this batch%s", where, *error, more)
+            return Unreadable(index)
+        error, tokens = check_text(meta.get("text"), seconds, self.tokenizer)
         if error is not None:
             problems[error[0]] += 1
             log.warning("%s: %s%s; skipped in this batch", where, error[0], f" ({error[1]})" if error[1] else "")
             return Unreadable(index)
         return self.features.example(wav, tokens, epoch, index)
+
+    def _duration_error(self, index: int, stated: Any, seconds: float) -> Optional[tuple[str, str]]:
+        """(reason, detail) when the list's duration of utterance ``index`` or its JSON's
+        (``stated``, when there) is not the audio's ``seconds``, within the tolerance; else None.
+        The plan batched it by the list's duration: a much longer one could overrun the budget."""
+        if self.duration_tolerance < 0:
+            return None
+        s, pos = self.plan.shards.locate(index)
+        listed = self.plan.shards.shards[s].durations[pos]
+        if abs(listed - seconds) > self.duration_tolerance:
+            return "duration mismatch", f"listed as {listed:.2f} s, the audio holds {seconds:.2f} s"
+        if stated is None:
+            return None
+        if isinstance(stated, bool) or not isinstance(stated, (int, float)) \
+                or not math.isfinite(stated):
+            return "duration not a number", f"its JSON says {stated!r}"
+        if abs(stated - seconds) > self.duration_tolerance:
+            return "duration mismatch", \
+                f"its JSON says {stated:.2f} s, the audio holds {seconds:.2f} s"
+        return None

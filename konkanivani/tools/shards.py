@@ -9,6 +9,9 @@ each utterance becomes ``KEY.flac`` (its audio at 16 kHz mono, 16-bit FLAC: loss
 shard's utterance leads back to its row. Then ``shards.json`` (the list: each shard's file, bytes,
 keys and durations) and ``text.txt`` (every text, for a fresh run's tokenizer).
 
+One run at a time: a run holds the folder (``hold_shard_folder``, a lock on ``.shards.lock`` there,
+as a training run holds its own) while it writes, and a second one into it is refused in one line.
+
 Safe to interrupt: each shard is written to a temporary file and renamed into place only when whole,
 and the list comes last, so a killed run leaves no half shard a reader would take, and the old list
 (if any) still describes only shards that are whole. A run again continues: a shard already in place
@@ -18,13 +21,18 @@ again gives the same file.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import io
 import json
 import logging
+import os
 import re
 import tarfile
+import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,17 +45,24 @@ from ..checkpoint import atomic_file, write_file_atomic
 from ..data.audio import AudioError, load_audio
 from ..data.frames import SAMPLE_RATE
 from ..data.manifest import ManifestError, check_row, iter_manifest
-from ..data.shards import AUDIO_MEMBER, FORMAT, LIST_NAME, META_MEMBER, TEXTS_NAME
+from ..data.shards import AUDIO_MEMBER, FORMAT, LIST_NAME, META_MEMBER, TEXTS_NAME, ShardError
 from ..data.tokenizer import Tokenizer, train_tokenizer
 from .prepare import print_skipped
 
-__all__ = ["SHARD_PATTERN", "ShardReport", "write_shards", "shard_name", "print_shard_report"]
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; the folder is then not guarded
+    fcntl = None
+
+__all__ = ["SHARD_PATTERN", "ShardReport", "write_shards", "shard_name", "print_shard_report",
+           "hold_shard_folder"]
 
 log = logging.getLogger("konkanivani")
 
 SHARD_PATTERN = re.compile(r"shard-(\d{6})\.tar")
 _EXAMPLES = 10
 PROGRESS = ".shards.progress.jsonl"  # the shards a run has finished, a line each, until it writes the list
+LOCK = ".shards.lock"  # held by the run writing the folder (hold_shard_folder)
 
 
 def shard_name(i: int) -> str:
@@ -181,6 +196,13 @@ def write_shards(manifest: str | Path, out_dir: str | Path, *, shard_size: int =
     if not groups:
         return report
     out_dir.mkdir(parents=True, exist_ok=True)
+    with hold_shard_folder(out_dir):
+        _write_groups(manifest, out_dir, groups, report, progress)
+    return report
+
+
+def _write_groups(manifest: Path, out_dir: Path, groups: list[list[_Row]], report: ShardReport,
+                  progress: bool) -> None:
     for stale in out_dir.glob(".shard-*.tar.tmp*"):  # a run killed while writing a shard
         stale.unlink(missing_ok=True)
     done = _done_before(out_dir)
@@ -208,7 +230,58 @@ def write_shards(manifest: str | Path, out_dir: str | Path, *, shard_size: int =
     report.shards = len(entries)
     report.utterances = listing["utterances"]
     report.seconds = listing["hours"] * 3600
-    return report
+
+
+@contextlib.contextmanager
+def hold_shard_folder(out_dir: Path) -> Iterator[None]:
+    """Hold ``out_dir`` (which exists) while the block writes shards in it: an exclusive lock on
+    ``out_dir/.shards.lock``, which the kernel releases on any exit, kill -9 included; the file is
+    removed as the block ends. ``ShardError`` in one line, naming the holder, when another run
+    holds it: two runs would each delete the other's half-written shards as stale.
+
+    ``flock`` rather than the training directory's ``lockf``: no worker is forked here, and a
+    second hold in the same process is refused too (``lockf`` lets a process take its own lock)."""
+    fd = _take_lock(out_dir) if fcntl is not None else None
+    if fd is None:
+        yield
+        return
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        yield
+    finally:
+        (out_dir / LOCK).unlink(missing_ok=True)  # while held: see _take_lock for one waiting on it
+        os.close(fd)  # releases the lock
+
+
+def _take_lock(out_dir: Path) -> int | None:
+    """The open, locked ``out_dir/.shards.lock``; None where the file system has no locks."""
+    path = out_dir / LOCK
+    for _ in range(10):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise ShardError(f"cannot write to {out_dir}: {e.strerror or e}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "a process"
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise ShardError(f"{out_dir}: another konkanivani-prepare shards is writing this "
+                                 f"folder ({holder}); wait for it to end, or give another "
+                                 "--output_dir") from None
+            log.warning("cannot lock %s (%s): a second run into it is not refused", path,
+                        e.strerror or e)  # some FUSE mounts
+            return None
+        # Its holder removes the file as it lets go: one opened just before holds a file no longer
+        # in the folder, while another run may make and lock a new one. So the one locked must be
+        # the one there.
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        os.close(fd)
+    raise ShardError(f"could not lock {path}: other processes keep replacing it")
 
 
 def _done_before(out_dir: Path) -> dict[str, dict[str, Any]]:

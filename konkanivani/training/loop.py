@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import logging.handlers
 import math
+import re
 import shutil
 import sys
 import time
@@ -26,6 +27,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from ..config import ConfigError, TrainConfig, check_config
 from ..data.dataset import Batch
 from ..data.frames import frames_of
+from ..data.manifest import ManifestError
 from ..data.samplers import (
     padding_fraction,
 )
@@ -341,7 +343,9 @@ class _Speed:
 
 
 def _timed(batches: Iterable[Batch], *speeds: _Speed) -> Iterator[Batch]:
-    """The loader's batches, each one's wait (the time ``next`` took) added to ``speeds``."""
+    """The loader's batches, each one's wait (the time ``next`` took) added to ``speeds``. An error
+    in reading (a DataLoader worker's, with its traceback) ends the run in one line
+    (``ManifestError``), the loader's workers ended first."""
     it = iter(batches)
     while True:
         start = time.perf_counter()
@@ -349,9 +353,34 @@ def _timed(batches: Iterable[Batch], *speeds: _Speed) -> Iterator[Batch]:
             batch = next(it)
         except StopIteration:
             return
+        except BaseException as e:
+            # The exception's traceback (in a reference cycle, or kept by a caller) holds the
+            # iterator, and with it the workers, up to the interpreter's exit, which then waits for
+            # them for ever (they ignore SIGTERM: signals.ignore_stop_signals). So they end here.
+            if (shutdown := getattr(it, "_shutdown_workers", None)) is not None:
+                shutdown()
+            if not isinstance(e, Exception) or isinstance(e, ManifestError) and "\n" not in str(e):
+                raise  # Ctrl-C; or one of our one-line errors, raised without workers
+            raise ManifestError(_loader_error(e)) from e
         for speed in speeds:
             speed.wait(time.perf_counter() - start)
         yield batch
+
+
+def _loader_error(e: Exception) -> str:
+    """One line for an exception out of the training DataLoader. A worker's comes with its
+    traceback as the message ("Caught KeyError in DataLoader worker process 0.\\nOriginal
+    Traceback ..."), whose last line says what went wrong and last frame where."""
+    first, _, rest = str(e).partition("\n")
+    if not (first.startswith("Caught ") and rest.startswith("Original Traceback")):
+        return f"reading the training data failed: {type(e).__name__}: {first}"
+    lines = [line.strip() for line in rest.splitlines() if line.strip()]
+    what, where = lines[-1], first.rstrip(".").split(" in ", 1)[-1]
+    if isinstance(e, ManifestError):  # one of ours, one line already: its message alone
+        return f"{what.split(': ', 1)[-1]}; in {where}"
+    frames = [re.match(r'File "(.*)", line (\d+)', line) for line in lines]
+    at = [f" (at {Path(m.group(1)).name}:{m.group(2)})" for m in frames if m]
+    return f"reading the training data failed in {where}: {what}{at[-1] if at else ''}"
 
 
 def _log_epoch_end(run: Run, unreadable: list[str], skipped: int, speed: _Speed) -> None:

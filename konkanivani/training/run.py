@@ -181,7 +181,9 @@ def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, dev
         valid_sampler = ShardedSampler(valid_sampler, dist.rank, dist.world, even=False)
     run = Run(cfg, out_dir, dist, device, precision, tokenizer, model, forward, optimizer,
               torch.amp.GradScaler(device.type, enabled=precision.use_scaler), train_utts, valid_utts, sampler,
-              _shard_loader(ShardStream(sampler, tokenizer, ASRDataset([], model_cfg.n_mels, augmenter)), cfg, device)
+              _shard_loader(ShardStream(sampler, tokenizer,
+                                        ASRDataset([], model_cfg.n_mels, augmenter),
+                                        cfg.duration_tolerance), cfg, device)
               if isinstance(sampler, ShardPlan) else
               _loader(ASRDataset(train_utts, model_cfg.n_mels, augmenter), sampler, cfg, device),
               _loader(ASRDataset(valid_utts, model_cfg.n_mels), valid_sampler, cfg, device, workers=0),
