@@ -457,9 +457,9 @@ def test_two_gpus_train_data_parallel_over_nccl(corpus, tmp_path, strategy):
 # ---- benchmarks/gpu_report.py (no GPU needed) ---------------------------------------------------
 
 def test_gpu_report_without_a_gpu_exits_2_saying_so_in_one_line(tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_report.py"), "--out", str(tmp_path)],
-                            env=gpu_report.child_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_report.py"), "--out",
+                             str(tmp_path)], env=gpu_report.child_env(CUDA_VISIBLE_DEVICES=""),
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
@@ -470,10 +470,15 @@ def test_gpu_report_without_a_gpu_exits_2_saying_so_in_one_line(tmp_path):
 @pytest.mark.parametrize("argv,complaint", [
     (["--parts", "pytest,bogus"], "unknown part bogus"),
     (["--parts", ","], "unknown part (none given)"),
-    (["--recipe_steps", "0"], "must be a positive integer, got 0"),
-    (["--memory_rows", "two"], "not an integer"),
+    (["--recipe_seconds", "0"], "must be a positive integer, got 0"),
+    (["--memory_rows", "1,two"], "not an integer"),
+    (["--scaling_utterances", ","], "give a comma list of positive integers"),
     (["--total_timeout", "nan"], "must be a positive number"),
     (["--memory_presets", "huge"], "--memory_presets 'huge'"),
+    (["--scaling_precisions", "bf16,fp8"], "--scaling_precisions 'bf16,fp8'"),
+    (["--trainer_precision", "int8"], "--trainer_precision 'int8'"),
+    (["--limit", "bogus=3"], "give PART=SECONDS"),
+    (["--limit", "recipe=-1"], "must be a positive number"),
     (["--no_such_flag"], "unrecognized arguments"),
 ])
 def test_gpu_report_refuses_bad_flags_with_exit_2(argv, complaint, capsys):
@@ -484,46 +489,93 @@ def test_gpu_report_refuses_bad_flags_with_exit_2(argv, complaint, capsys):
 
 
 def test_gpu_report_dry_run_plans_every_part_within_ten_minutes(capsys):
-    assert sum(gpu_report.TIMEOUTS.values()) <= gpu_report.TOTAL_TIMEOUT <= 600
+    """The default plan: every part's limit, their sum within --total_timeout, which with the
+    wheels' install fits one call of the GPU machine (600 s); the device command and what it
+    carries."""
+    limits = gpu_report.part_limits(gpu_report.parse_args([]))
+    default = sum(limits[part] for part in gpu_report.DEFAULT_PARTS)
+    assert default <= gpu_report.TOTAL_TIMEOUT < gpu_report.DEVICE_LIMIT <= 600
+    assert limits["recipe"] == 300 + gpu_report.RECIPE_OVERHEAD
     assert gpu_report.main(["--dry_run"]) == 0
     out = capsys.readouterr().out
-    assert f"{len(gpu_report.PARTS)} parts within {gpu_report.TOTAL_TIMEOUT} s" in out
-    for part in gpu_report.PARTS:
-        assert f"- {part}: at most {gpu_report.TIMEOUTS[part]} s" in out
-    assert "-m pytest -m gpu" in out and "run_training_memory_optimized.sh --max_steps 300" in out
-    assert gpu_report.main(["--dry_run", "--parts", "recipe,pytest", "--recipe_steps", "50"]) == 0
+    assert (f"{len(gpu_report.DEFAULT_PARTS)} parts, limits adding up to {default:.0f} s within "
+            f"--total_timeout {gpu_report.TOTAL_TIMEOUT} s") in out
+    for part in gpu_report.DEFAULT_PARTS:
+        assert f"- {part}: at most {limits[part]:.0f} s; " in out
+    assert "- cpu_throughput" not in out
+    assert "-m pytest -m gpu" in out and "--max_time 300 --gpu_memory_gb 15" in out
+    assert "GPU_MEMORY_GB=15 TRAIN_SHARDS=<corpus>/shards.json" in out
+    assert "--max_batch_seconds 1024 --gradient_accumulation_steps 1 --num_workers 2" in out
+    assert '"utterances": [8, 64, 256, 1024], "precisions": ["bf16", "fp16", "fp32"]' in out
+    assert f"total: {default:.0f} s of parts" in out
+    assert "carry data/gpu_corpus and benchmarks/wheels, timeout_s 600" in out
+    assert gpu_report.device_command() in out
+    assert "--target /tmp/site benchmarks/wheels/*.whl" in gpu_report.device_command()
+    assert "--corpus data/gpu_corpus --out $OUT/gpu" in gpu_report.device_command()
+
+    # Some parts, a shorter recipe, a longer pytest: in the report's order, limits to match.
+    argv = ["--dry_run", "--parts", "recipe,pytest", "--recipe_seconds", "120", "--limit",
+            "pytest=90"]
+    assert gpu_report.main(argv) == 0
     out = capsys.readouterr().out
-    assert out.index("- pytest") < out.index("- recipe") and "- memory" not in out and "--max_steps 50" in out
+    assert out.index("- pytest: at most 90 s") < out.index("- recipe: at most 145 s")
+    assert "- memory" not in out and "--max_time 120" in out and "235 s within" in out
+    # Limits past --total_timeout: said, and exit status 1.
+    assert gpu_report.main(["--dry_run", "--limit", "recipe=600"]) == 1
+    assert "DOES NOT FIT in --total_timeout 590 s" in capsys.readouterr().out
 
 
-def test_the_recipe_command_is_the_t4_recipe_with_a_step_budget(tmp_path):
+def test_the_recipe_command_is_the_t4_recipe_with_a_time_budget_and_a_15_gb_cap(tmp_path):
     from konkanivani.cli.train import parse_args
+    from konkanivani.config import TrainConfig
 
-    args = gpu_report.parse_args(["--recipe_steps", "120"])
-    flags = gpu_report.recipe_command(args)[2:]
-    train_args = parse_args(["--config", str(ROOT / "configs" / "t4.yaml"), "--train_manifest", "t.jsonl",
-                             "--valid_manifest", "v.jsonl", *flags])
-    assert (train_args.max_steps, train_args.log_every, train_args.progress, train_args.tensorboard) == (120, 10, False,
-                                                                                                        False)
-    assert (train_args.preset, train_args.batch_size, train_args.gradient_accumulation_steps,
-            train_args.mixed_precision) == ("medium", 2, 4, True)
-    env = gpu_report.recipe_env(tmp_path, tmp_path / "out")
-    assert env["TRAIN_MANIFEST"] == str(tmp_path / "train.jsonl") and env["PYTHON"] == sys.executable
+    args = gpu_report.parse_args(["--recipe_seconds", "120"])
+    cmd = gpu_report.recipe_command(args)
+    assert cmd[:2] == ["bash", str(ROOT / "run_training_memory_optimized.sh")]
+    flags = cmd[2:]
+    assert flags[flags.index("--gpu_memory_gb") + 1] == "15"
+    if "gpu_memory_gb" not in {f.name for f in dataclasses.fields(TrainConfig)}:
+        # The trainer's cap is on its way: the report passes it all the same.
+        at = flags.index("--gpu_memory_gb")
+        flags = flags[:at] + flags[at + 2:]
+    train_args = parse_args(["--config", str(ROOT / "configs" / "t4.yaml"), "--train_shards",
+                             "s/shards.json", "--valid_manifest", "v.jsonl", *flags])
+    assert (train_args.max_time, train_args.log_every, train_args.progress,
+            train_args.tensorboard, train_args.max_steps) == (120, 10, False, False, 0)
+    assert getattr(train_args, "gpu_memory_gb", 15) == 15
+    shards = gpu_report.Corpus(tmp_path / "valid.jsonl", "", train_shards=tmp_path / "shards.json")
+    env = gpu_report.recipe_env(shards, tmp_path / "out")
+    assert env["TRAIN_SHARDS"] == str(tmp_path / "shards.json") and "TRAIN_MANIFEST" not in env
+    assert env["GPU_MEMORY_GB"] == "15" and env["PYTHON"] == sys.executable
+    assert env["VALID_MANIFEST"] == str(tmp_path / "valid.jsonl")
     assert str(ROOT) in env["PYTHONPATH"].split(":") and "PYTORCH_CUDA_ALLOC_CONF" not in env
+    manifests = gpu_report.Corpus(tmp_path / "v.jsonl", "", train_manifest=tmp_path / "t.jsonl")
+    env = gpu_report.recipe_env(manifests, tmp_path / "out", 12.5)
+    assert env["TRAIN_MANIFEST"] == str(tmp_path / "t.jsonl") and "TRAIN_SHARDS" not in env
+    assert env["GPU_MEMORY_GB"] == "12.5"
+    evaluate = gpu_report.evaluate_command(tmp_path / "latest.pt", tmp_path / "v.jsonl")
+    assert evaluate[1:3] == ["-m", "konkanivani.cli.evaluate"] and "greedy" in evaluate
 
 
 def test_the_report_reads_pytest_outcomes():
-    xml = """<testsuites><testsuite name="pytest">
-      <testcase classname="tests.test_gpu" name="test_a" time="1.5"/>
-      <testcase classname="tests.test_gpu" name="test_b" time="2.0"><failure message="assert 1 == 2">long</failure></testcase>
-      <testcase classname="tests.test_gpu" name="test_c" time="0.0"><skipped type="pytest.skip" message="needs 2 CUDA GPUs, this machine has 1"/></testcase>
-      <testcase classname="tests.test_gpu" name="test_d" time="3.0"><skipped type="pytest.xfail" message="known"/></testcase>
-      <testcase classname="" name="tests.test_notebook" time="0.0"><error message="collection failure">Traceback:\nE   ModuleNotFoundError: No module named 'x'</error></testcase>
-    </testsuite></testsuites>"""
+    case = '<testcase classname="{}" name="{}" time="{}"'
+    xml = "".join([
+        '<testsuites><testsuite name="pytest">',
+        case.format("tests.test_gpu", "test_a", "1.5") + "/>",
+        case.format("tests.test_gpu", "test_b", "2.0") + '><failure message="assert 1 == 2">long'
+        "</failure></testcase>",
+        case.format("tests.test_gpu", "test_c", "0.0") + '><skipped type="pytest.skip" '
+        'message="needs 2 CUDA GPUs, this machine has 1"/></testcase>',
+        case.format("tests.test_gpu", "test_d", "3.0") + '><skipped type="pytest.xfail" '
+        'message="known"/></testcase>',
+        case.format("", "tests.test_notebook", "0.0") + '><error message="collection failure">'
+        "Traceback:\nE   ModuleNotFoundError: No module named 'x'</error></testcase>",
+        "</testsuite></testsuites>"])
     rows = gpu_report.junit_outcomes(xml)
     assert [(r["test"], r["outcome"]) for r in rows] == [
-        ("test_gpu::test_a", "passed"), ("test_gpu::test_b", "failed"), ("test_gpu::test_c", "skipped"),
-        ("test_gpu::test_d", "xfailed"), ("test_notebook", "collection error")]
+        ("test_gpu::test_a", "passed"), ("test_gpu::test_b", "failed"),
+        ("test_gpu::test_c", "skipped"), ("test_gpu::test_d", "xfailed"),
+        ("test_notebook", "collection error")]
     assert rows[1]["message"] == "assert 1 == 2" and rows[0]["seconds"] == 1.5
     assert rows[4]["message"] == "ModuleNotFoundError: No module named 'x'"
     table = gpu_report.pytest_table(rows)
@@ -541,25 +593,30 @@ def test_the_report_reads_the_benchmarks_output(monkeypatch, capsys):
     def measure(spec):
         if spec.get("offload") and spec["checkpointing"] is False and spec["precision"] == "fp32":
             raise RuntimeError("benchmark worker failed:\nCUDA error: something")
-        return {"peak_mib": 1000.0 * (2 if spec["precision"] == "fp32" else 1), "step_s": 0.5, "optimizer": "adamw",
-                "estimate_mib": 900.0}
+        return {"peak_mib": 1000.0 * (2 if spec["precision"] == "fp32" else 1), "step_s": 0.5,
+                "optimizer": "adamw", "estimate_mib": 900.0}
 
     monkeypatch.setattr(memory, "measure", measure)
     rows = []
-    options = gpu_report.memory_options(gpu_report.parse_args([]))
+    options = gpu_report.memory_options(gpu_report.parse_args(["--memory_rows", "1,2,6,9,12"]))
     gpu_report.memory_worker(options, rows.append)
-    assert len(rows) == len(memory.configurations("fp16", cuda=True)) == 10
+    configs = memory.configurations("fp16", cuda=True)
+    assert [r["configuration"] for r in rows] == [configs[0][0], configs[1][0], configs[5][0],
+                                                  "--offload_activations", "row 12"]
+    assert rows[-1]["error"] == f"benchmarks/memory.py has {len(configs)} configurations on CUDA"
     table = gpu_report.memory_table(rows)
-    assert "| large | fp32 + AdamW + fixed batch 2 (baseline) | 2000 | 1.00x | 900 | 0.45 | 0.500 | 1.00x |" in table
+    assert ("| large | fp32 + AdamW + fixed batch 2 (baseline) | 2000 | 1.00x | 900 | 0.45 | "
+            "0.500 | 1.00x |") in table
     assert "| large | --precision fp16 | 1000 | 0.50x |" in table
     assert "| large | --offload_activations | failed: CUDA error: something |" in table
-    assert "--optimizer adamw_8bit (ran adamw)" in table
+    assert "| large | all combined (ran adamw) | 1000 |" in table
 
     throughput = gpu_report._load("throughput")
-    row = {"preset": "small", "precision": "fp32", "model": "ours full", "params_m": 4.1, "step_s": 0.2,
-           "audio_s_per_s": 160.0, "gflop_per_step": 50.0, "gflop_s": 250.0, "utilization": 0.5,
-           "speedup_vs_torchaudio": 1.3}
-    monkeypatch.setattr(throughput, "run_preset", lambda preset, args, peaks: [dict(row, preset=preset)])
+    row = {"preset": "small", "precision": "fp32", "model": "ours full", "params_m": 4.1,
+           "step_s": 0.2, "audio_s_per_s": 160.0, "gflop_per_step": 50.0, "gflop_s": 250.0,
+           "utilization": 0.5, "speedup_vs_torchaudio": 1.3}
+    monkeypatch.setattr(throughput, "run_preset",
+                        lambda preset, args, peaks: [dict(row, preset=preset)])
     monkeypatch.setattr(throughput, "matmul_peak", lambda dtype, size=2048, repeats=5: 500.0)
     args = gpu_report.parse_args(["--cpu_rounds", "2"])
     assert throughput.main(gpu_report.cpu_throughput_command(args)[2:]) == 0
@@ -567,24 +624,224 @@ def test_the_report_reads_the_benchmarks_output(monkeypatch, capsys):
     assert result["rows"] == [row]
     assert "| small | fp32 | ours full | 4.1 | 0.2 | 160.0 | 50.0 | 250.0 | 0.5 | 1.3 |" in \
         gpu_report.cpu_throughput_table(result)
+    assert gpu_report.worker_rows('ROW {"a": 1}\nnoise\nROW {"b": ') == [{"a": 1}]
 
-    gpu_rows = gpu_report.worker_rows('ROW {"matmul_peak_tflops": {"bf16": 700.0}, "tf32": false}\nnoise\n'
-                                      'ROW {"preset": "small", "precision": "bf16", "model": "ours full", '
-                                      '"params_m": 4.1, "step_ms": 20.0, "audio_s_per_s": 1600.0, '
-                                      '"gflop_per_step": 50.0, "tflop_s": 2.5, "utilization": 0.004, '
-                                      '"speedup_vs_torchaudio": 1.2}\n')
-    table = gpu_report.gpu_throughput_table(gpu_rows)
-    assert "bf16 700 TFLOP/s" in table and "| small | bf16 | ours full | 4.1 | 20.0 | 1600.0 | 50.0 | 2.5 | 0.4% | 1.2 |" \
-        in table
+
+@pytest.fixture
+def cpu_workers(monkeypatch):
+    """The batch scaling and compile workers run on the CPU: CUDA's synchronization and memory
+    statistics are no-ops (peak 0.5 GiB), the matmul peak 100 TFLOP/s."""
+    monkeypatch.setattr(gpu_report, "DEVICE", "cpu")
+    monkeypatch.setattr(gpu_report, "_matmul_tflops", lambda dtype, size=8192, repeats=5: 100.0)
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 0.5 * 2 ** 30)
+
+
+def test_the_batch_scaling_worker_times_every_model_and_skips_past_an_out_of_memory_error(
+        cpu_workers, monkeypatch):
+    """The worker's own code on tiny models: every model at each batch and precision, FLOPs
+    scaled by the batch; a model out of memory at 2 utterances gets a row saying so there and
+    rows saying it was skipped at the larger batch, the others go on."""
+    step = gpu_report._cuda_step
+
+    def cuda_step(forward, optimizer, scaler, batch, dtype):
+        if batch[0].shape[0] >= 2 and isinstance(forward, gpu_report._load("throughput").OursFull):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (faked)")
+        return step(forward, optimizer, scaler, batch, dtype)
+
+    monkeypatch.setattr(gpu_report, "_cuda_step", cuda_step)
+    rows = []
+    options = {"presets": ["tiny"], "utterances": [1, 2, 3], "precisions": ["fp32"], "rounds": 2}
+    gpu_report.batch_scaling_worker(options, rows.append)
+    assert rows[0] == {"matmul_peak_tflops": {"fp32": 100.0}, "tf32": False}
+    timed = [(r["model"], r["utterances"]) for r in rows if "step_ms" in r]
+    assert timed == [("torchaudio", 1), ("ours enc+CTC", 1), ("ours full", 1), ("torchaudio", 2),
+                     ("ours enc+CTC", 2), ("torchaudio", 3), ("ours enc+CTC", 3)]
+    assert [r for r in rows if "error" in r] == [
+        {"preset": "tiny", "precision": "fp32", "model": "ours full", "utterances": 2,
+         "error": "out of memory"}]
+    assert [r["skipped"] for r in rows if "skipped" in r] == ["out of memory at 2"]
+    one, three = (next(r for r in rows if r.get("model") == "ours enc+CTC" and r.get(
+        "utterances") == n and "step_ms" in r) for n in (1, 3))
+    assert three["gflop_per_step"] == pytest.approx(3 * one["gflop_per_step"], abs=0.03)
+    assert one["audio_s_per_s"] == pytest.approx(4000 / one["step_ms"], rel=0.01)
+    assert one["peak_gib"] == 0.5 and one["speedup_vs_torchaudio"] > 0
+    table = gpu_report.batch_scaling_table(rows)
+    assert "Matmul peak measured here (8192 cubed): fp32 100 TFLOP/s (fp32 matrix products" in table
+    assert "| tiny | fp32 | 2 x 4 s | ours full | out of memory | | | | | |" in table
+    assert "| tiny | fp32 | 3 x 4 s | ours full | out of memory at 2 | | | | | |" in table
+
+
+def test_the_compile_worker_and_its_table_beside_the_eager_rows(cpu_workers, monkeypatch):
+    """The compile worker's own code, ``compiled`` left eager here (compiling on 2 CPU cores
+    would take minutes): the first step timed, the fall-back to eager said; the table joins the
+    batch scaling's eager rows of the same batch."""
+    from konkanivani.training import compile as compile_module
+
+    monkeypatch.setattr(compile_module, "compiled", lambda model: model)
+    rows = []
+    gpu_report.compile_worker({"presets": ["tiny"], "utterances": [1, 2], "rounds": 2}, rows.append)
+    assert rows[0] == {"matmul_peak_tflops": {"bf16": 100.0}}
+    assert [(r["model"], r["utterances"]) for r in rows[1:]] == [
+        ("ours full, compiled", 1), ("ours full, compiled", 2), ("ours enc+CTC, compiled", 1),
+        ("ours enc+CTC, compiled", 2)]
+    assert "first_step_s" in rows[1] and "first_step_s" not in rows[2]
+    assert all(r["eager_fallback"] and r["precision"] == "bf16" for r in rows[1:])
+    fake = [dict(r, step_ms=10.0, audio_s_per_s=800.0, eager_fallback=False) for r in rows]
+    eager = [{"preset": "tiny", "precision": "bf16", "utterances": 1, "model": "ours full",
+              "step_ms": 15.0}, {"preset": "tiny", "precision": "bf16", "utterances": 1,
+                                 "model": "torchaudio", "step_ms": 12.0}]
+    table = gpu_report.compile_table(fake, eager)
+    assert "| tiny | 1 x 4 s | ours full, compiled | " in table
+    assert "| 10.0 | 15.0 | 1.50 | 1.20 | 800 |" in table
+    assert "| tiny | 2 x 4 s | ours full, compiled | n/a | 10.0 | n/a | n/a | n/a | 800 |" in table
+    assert "(fell back to eager)" in gpu_report.compile_table(rows[:2], eager)
+
+
+def test_the_trainer_part_rates_its_steady_steps_against_the_model_alone(tmp_path):
+    train_rows = [{"kind": "train", "step": s, "utt_per_s": u, "data_wait": w, "peak_gb": p}
+                  for s, u, w, p in ((2, 50.0, 0.6, 30.0), (4, 900.0, 0.1, 31.0),
+                                     (6, 1000.0, 0.02, 31.5), (8, 1200.0, 0.04, 31.2))]
+    summary = gpu_report.trainer_summary(train_rows, mean_duration=3.0)
+    assert summary == {"steps": 8, "rated_steps": "5-8", "peak_gib": 31.5, "utt_per_s": 1100.0,
+                       "audio_s_per_s": 3300.0, "data_wait": 0.03}
+    assert gpu_report.trainer_summary(train_rows[:2], 3.0)["rated_steps"] is None
+    args = gpu_report.parse_args([])
+    scaling = [{"model": "ours full", "preset": "large", "precision": "bf16", "utterances": 256,
+                "step_ms": 250.0, "audio_s_per_s": 4000.0},
+               {"model": "ours full", "preset": "large", "precision": "fp32", "utterances": 256,
+                "step_ms": 500.0, "audio_s_per_s": 2000.0}]
+    assert gpu_report.model_only(scaling, args, 1024)["audio_s_per_s"] == 4000.0
+    assert gpu_report.model_only(scaling, args, 1000) is None
+    rows = [{"batch_seconds": 1024, **summary}, {"batch_seconds": 256, "steps": 3,
+                                                   "rated_steps": None, "peak_gib": None}]
+    table = gpu_report.trainer_table(rows, scaling, args)
+    assert "| 1024 | 8 | 5-8 | 1,100.0 | 3,300 | 3.0% | 31.50 | 4,000 | 82% |" in table
+    assert "| 256 | 3 | none | n/a | n/a | n/a | n/a | n/a | n/a |" in table
+
+    # The manifest the trainer reads: the rows repeated until they hold the audio asked for.
+    rows = [{"audio_filepath": "/a.flac", "duration": 2.0, "text": "x"},
+            {"audio_filepath": "/b.flac", "duration": 3.0, "text": "y"}]
+    assert gpu_report.write_repeated_manifest(rows, tmp_path / "t.jsonl", 12.0) == 3
+    assert len((tmp_path / "t.jsonl").read_text(encoding="utf-8").splitlines()) == 6
+
+
+def test_the_recipe_facts_and_its_score():
+    log = ("step 3: non-finite gradients, update skipped (1 in a row)\n"
+           "step 4: non-finite loss, update skipped (2 in a row)\n")
+    rows = [{"step": 10, "utt_per_s": 100.0, "data_wait": 0.5, "peak_gb": 9.0},
+            {"step": 20, "utt_per_s": 1200.0, "data_wait": 0.01, "peak_gb": 10.0},
+            {"step": 30, "utt_per_s": 1300.0, "data_wait": 0.03, "peak_gb": 10.5},
+            {"step": 40, "utt_per_s": 900.0, "data_wait": 0.02, "peak_gb": 10.2}]
+    facts = gpu_report.recipe_facts(rows, log)
+    assert facts == {"steps": 40, "utt_per_s": 1200.0, "data_wait": 0.02, "peak_gib": 10.5,
+                     "skipped": 2, "oom_splits": 0, "out_of_memory": False}
+    crashed = gpu_report.recipe_facts(rows, "torch.OutOfMemoryError: CUDA out of memory.")
+    assert crashed["out_of_memory"] and crashed["oom_splits"] == 0
+    split = gpu_report.recipe_facts(rows, "out of memory on a micro-batch of 8 utterances")
+    assert split["oom_splits"] == 1 and not split["out_of_memory"]
+    assert gpu_report.recipe_facts([], "")["utt_per_s"] is None
+    output = ("48 utterances, 2.3 min, method greedy, real-time factor 0.012\n"
+              "WER 21.40% (62 sub, 9 del, 6 ins / 271 words)\n"
+              "CER 6.25% (100 sub, 2 del, 1 ins / 1645 chars)\n")
+    assert gpu_report.evaluate_result(output) == {"cer": 0.0625, "wer": 0.214}
+    assert gpu_report.evaluate_result("no utterance could be scored") == {}
 
 
 def test_the_report_tables_the_recipe_run():
-    train_rows = [{"kind": "train", "step": 25, "epoch": 1, "loss": 180.5, "ctc": 300.1, "attention": 120.2,
-                   "grad_norm": None, "lr": 1e-4, "utt_per_s": 80.0, "data_wait": 0.05, "mem_gb": 0.3, "peak_gb": 2.5}]
+    train_rows = [{"kind": "train", "step": 25, "epoch": 1, "loss": 180.5, "ctc": 300.1,
+                   "attention": 120.2, "grad_norm": None, "lr": 1e-4, "utt_per_s": 80.0,
+                   "data_wait": 0.05, "mem_gb": 0.3, "peak_gb": 2.5}]
     valid_rows = [{"kind": "valid", "step": 200, "loss": 90.0, "cer": 0.5, "wer": 0.9}]
     table = gpu_report.recipe_tables(train_rows, valid_rows)
-    assert "| 25 | 1 | 180.500 | 300.100 | 120.200 | n/a | 1.00e-04 | 80.0 | 5% | 0.30 | 2.50 |" in table
+    assert "| 25 | 1 | 180.500 | 300.100 | 120.200 | n/a | 1.00e-04 | 80.0 | 5% | 0.30 | 2.50 |" \
+        in table
     assert "| 200 | 90.000 | 50.00% | 90.00% |" in table
+    many = [dict(train_rows[0], step=10 * i) for i in range(1, 31)]
+    lines = [line for line in gpu_report.recipe_tables(many, []).splitlines()
+             if line.startswith("| ") and line[2].isdigit()]
+    assert len(lines) == 12 and lines[0].startswith("| 10 |") and lines[-1].startswith("| 300 |")
+
+
+def _fake_results(memory_ratio=1.05):
+    """Every part's data as the runners keep it, for the targets table."""
+    Outcome = gpu_report.Outcome
+    scaling = [
+        {"preset": "large", "precision": "bf16", "utterances": 256, "model": "torchaudio",
+         "step_ms": 90.0, "audio_s_per_s": 11378.0, "utilization": 0.08},
+        {"preset": "large", "precision": "bf16", "utterances": 256, "model": "ours enc+CTC",
+         "step_ms": 100.0, "audio_s_per_s": 10240.0, "utilization": 0.07,
+         "speedup_vs_torchaudio": 0.9},
+        {"preset": "large", "precision": "bf16", "utterances": 256, "model": "ours full",
+         "step_ms": 110.0, "audio_s_per_s": 9309.0, "utilization": 0.07},
+        {"preset": "large", "precision": "bf16", "utterances": 1024, "model": "ours full",
+         "step_ms": 320.0, "audio_s_per_s": 12800.0, "utilization": 0.079}]
+    compiled = [
+        {"preset": "large", "precision": "bf16", "utterances": 256,
+         "model": "ours enc+CTC, compiled", "step_ms": 60.0, "eager_fallback": False},
+        {"preset": "large", "precision": "bf16", "utterances": 1024,
+         "model": "ours full, compiled", "step_ms": 160.0, "audio_s_per_s": 25600.0,
+         "utilization": 0.158, "eager_fallback": False}]
+    return {
+        "memory": Outcome("passed", 30, "", "", {"rows": [
+            {"peak_mib": 1000.0, "estimate_mib": 1000.0 * memory_ratio},
+            {"peak_mib": 500.0, "estimate_mib": 480.0}]}),
+        "batch_scaling": Outcome("passed", 40, "", "", {"rows": scaling}),
+        "compile": Outcome("passed", 50, "", "", {"rows": compiled}),
+        "trainer": Outcome("passed", 40, "", "", {"rows": [
+            {"batch_seconds": 1024, "audio_s_per_s": 8000.0, "data_wait": 0.04}]}),
+        "recipe": Outcome("passed", 320, "", "", {
+            "utt_per_s": 1250.0, "peak_gib": 9.6, "oom_splits": 0, "out_of_memory": False,
+            "cer": 0.071, "recipe_seconds": 300})}
+
+
+def test_the_targets_table_says_what_was_measured_against_each_target():
+    args = gpu_report.parse_args([])
+    rows = gpu_report.target_rows(_fake_results(), args)
+    assert [r[0] for r in rows] == [
+        "T4 recipe as shipped, 15 GB cap",
+        "T4 recipe, valid CER after 5 minutes on the demo corpus",
+        "trainer vs model-only throughput at the same batch, 2 data workers",
+        "ours encoder + CTC vs torchaudio, bf16, 256 x 4 s (large)",
+        "ours full, large, bf16, 1,024 x 4 s", "memory estimate / peak on CUDA",
+        "CPU speed, benchmarks/throughput.py (ours enc+CTC vs torchaudio)"]
+    measured = {r[0].split(",")[0]: (r[1], r[3]) for r in rows}
+    assert measured["T4 recipe as shipped"] == (
+        "1,250 utt/s, peak 9.60 GiB (64% of 15 GB), no OOM", "**yes**")
+    assert measured["T4 recipe"] == ("7.1% after 300 s", "**yes**")
+    assert measured["trainer vs model-only throughput at the same batch"] == (
+        "86% of model-only at 1024 s batches (large, bf16), data wait 4.0%", "**yes**")
+    assert measured["ours encoder + CTC vs torchaudio"] == ("eager 0.90x, compiled 1.50x",
+                                                            "**yes**")
+    assert measured["ours full"] == ("eager 12,800 audio s/s (7.9% of peak), compiled 25,600 "
+                                     "audio s/s (15.8% of peak)", "**yes**")
+    assert measured["memory estimate / peak on CUDA"] == ("0.96-1.05 over 2 rows", "**yes**")
+    assert measured["CPU speed"] == ("not measured here (the CPU machines measure it)",
+                                     "not measured")
+    table = gpu_report.targets_table(rows)
+    assert table.startswith("| what | measured | target | met? |\n| --- | --- | --- | --- |\n")
+    assert "| ≥ 1,000 utt/s, ≥ 60% of 15 GB, no OOM | **yes** |" in table
+
+    # Short of a target, a run of more than 5 minutes, and parts that did not run.
+    results = _fake_results(memory_ratio=1.3)
+    results["recipe"].data.update(recipe_seconds=360, oom_splits=2)
+    results["trainer"].data["rows"][0]["data_wait"] = 0.3
+    del results["compile"], results["batch_scaling"]
+    measured = {r[0].split(",")[0]: (r[1], r[3]) for r in gpu_report.target_rows(results, args)}
+    assert measured["T4 recipe as shipped"][1] == "**no**"
+    assert "out of memory" in measured["T4 recipe as shipped"][0]
+    assert measured["T4 recipe"] == ("7.1% after 360 s", "not measured")
+    assert measured["trainer vs model-only throughput at the same batch"] == (
+        "n/a of model-only at 1024 s batches (large, bf16), data wait 30.0%", "not measured")
+    assert measured["ours full"] == ("not measured", "not measured")
+    assert measured["memory estimate / peak on CUDA"] == ("0.96-1.30 over 2 rows", "**no**")
+    results = {"cpu_throughput": gpu_report.Outcome("passed", 30, "", "", {"rows": [
+        {"model": "ours enc+CTC", "speedup_vs_torchaudio": 1.12},
+        {"model": "ours enc+CTC", "speedup_vs_torchaudio": 1.08},
+        {"model": "ours full", "speedup_vs_torchaudio": 0.8}]})}
+    cpu = gpu_report.target_rows(results, args)[-1]
+    assert cpu[1:] == ("1.08-1.12x on this machine's CPU", "≥ 1.1x", "**no**")
 
 
 def test_the_report_file_and_its_summary(tmp_path):
@@ -592,21 +849,39 @@ def test_the_report_file_and_its_summary(tmp_path):
     assert path == tmp_path / "2026-11-20-nvidia-h100-80gb-hbm3.md"
     args = gpu_report.parse_args(["--parts", "pytest,memory"])
     results = {"pytest": gpu_report.Outcome("passed", 95.0, "table", "12 passed, 2 skipped"),
-               "memory": gpu_report.Outcome("timed out", 90.0, "rows", "4 rows: killed at 90 s")}
+               "memory": gpu_report.Outcome("timed out", 90.0, "rows", "4 rows: killed at 90 s",
+                                            {"rows": [{"peak_mib": 100.0, "estimate_mib": 90.0}]})}
     text = gpu_report.render({"GPU": "NVIDIA H100 80GB HBM3 x 1 (79.1 GiB)", "torch": "2.11"},
-                             datetime.datetime(2026, 11, 20, 9, 30), "python3 benchmarks/gpu_report.py",
-                             results, {"pytest": 200, "memory": 90}, gpu_report.budgets(args))
-    assert text.startswith("# GPU report: NVIDIA H100 80GB HBM3\n")
-    assert "| pytest | passed | 95 | 200 | every test marked gpu (each bounded by steps) | 12 passed, 2 skipped |" in text
+                             datetime.datetime(2026, 11, 20, 9, 30),
+                             "python3 benchmarks/gpu_report.py", results,
+                             {"pytest": 200, "memory": 90}, gpu_report.budgets(args), args)
+    assert text.startswith("# GPU report: NVIDIA H100 80GB HBM3\n\n2026-11-20 09:30 UTC, "
+                           "`python3 benchmarks/gpu_report.py`; 185 s in all.\n\n"
+                           "## Issue 34's targets on NVIDIA H100 80GB HBM3\n\n"
+                           "| what | measured | target | met? |\n")
+    assert "| memory estimate / peak on CUDA | 0.90-0.90 over 1 rows | 0.75-1.25 | **yes** |" \
+        in text
+    assert "| T4 recipe as shipped, 15 GB cap | not measured |" in text
+    assert text.index("## Issue 34's targets") < text.index("- GPU: NVIDIA H100") \
+        < text.index("| part | status |")
+    assert ("| pytest | passed | 95 | 200 | every test marked gpu (each bounded by steps) | "
+            "12 passed, 2 skipped |") in text
     assert "## Memory options (benchmarks/memory.py)\n\nStatus: **timed out** in 90 s." in text
+    gpu_report.write_report(path, text, results)
+    assert path.read_text(encoding="utf-8") == text
+    saved = json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))
+    assert saved["memory"] == {"status": "timed out", "seconds": 90.0,
+                               "summary": "4 rows: killed at 90 s",
+                               "data": {"rows": [{"peak_mib": 100.0, "estimate_mib": 90.0}]}}
 
 
 def test_a_part_past_its_limit_is_killed_with_its_output_kept(tmp_path):
-    finished = gpu_report.run_limited([sys.executable, "-c", "import time; print('started', flush=True); "
-                                       "time.sleep(120)"], 2.0, tmp_path / "log")
+    finished = gpu_report.run_limited([sys.executable, "-c", "import time; print('started', "
+                                       "flush=True); time.sleep(120)"], 2.0, tmp_path / "log")
     assert finished.timed_out and finished.seconds < 30
     assert "started" in finished.output
-    done = gpu_report.run_limited([sys.executable, "-c", "raise SystemExit(3)"], 60.0, tmp_path / "log2")
+    done = gpu_report.run_limited([sys.executable, "-c", "raise SystemExit(3)"], 60.0,
+                                  tmp_path / "log2")
     assert done.returncode == 3 and not done.timed_out
 
 
@@ -615,9 +890,102 @@ def test_the_tone_corpus_is_usable_without_a_speech_synthesizer(tmp_path):
     from konkanivani.data.tokenizer import train_tokenizer
 
     corpus = gpu_report.write_tone_corpus(tmp_path, train=6, valid=2)
-    texts = [json.loads(line)["text"] for line in (corpus / "train.jsonl").read_text(encoding="utf-8").splitlines()]
-    tokenizer = train_tokenizer(texts + [json.loads(line)["text"] for line in
-                                         (corpus / "valid.jsonl").read_text(encoding="utf-8").splitlines()], 48, "char")
+    texts = [json.loads(line)["text"] for split in ("train", "valid")
+             for line in (corpus / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()]
+    tokenizer = train_tokenizer(texts, 48, "char")
     for split, count in (("train", 6), ("valid", 2)):
         utterances, skipped = load_utterances(corpus / f"{split}.jsonl", tokenizer)
         assert len(utterances) == count and not skipped, skipped
+
+
+def test_trim_wheel_keeps_the_cuda_libraries_asked_for_and_its_record(tmp_path):
+    import zipfile
+
+    wheel = tmp_path / "bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl"
+    names = ["bitsandbytes/__init__.py", "bitsandbytes/libbitsandbytes_cpu.so",
+             "bitsandbytes/libbitsandbytes_cuda128.so", "bitsandbytes/libbitsandbytes_cuda130.so",
+             "bitsandbytes/libbitsandbytes_rocm64.so", "bitsandbytes/libbitsandbytes_xpu2025.so"]
+    record = "".join(f"{n},sha256=x,{i}\n" for i, n in enumerate(names))
+    with zipfile.ZipFile(wheel, "w") as z:
+        for n in names:
+            z.writestr(n, b"x" * 1000)
+        z.writestr("bitsandbytes-0.50.2.dist-info/RECORD", record + "bitsandbytes-0.50.2.dist-"
+                   "info/RECORD,,\n")
+    size = gpu_report.trim_wheel(wheel, ["130"])
+    with zipfile.ZipFile(wheel) as z:
+        kept = z.namelist()
+        lines = z.read("bitsandbytes-0.50.2.dist-info/RECORD").decode().splitlines()
+    assert kept == ["bitsandbytes/__init__.py", "bitsandbytes/libbitsandbytes_cpu.so",
+                    "bitsandbytes/libbitsandbytes_cuda130.so",
+                    "bitsandbytes-0.50.2.dist-info/RECORD"]
+    assert [line.split(",")[0] for line in lines] == kept
+    assert size == wheel.stat().st_size
+
+
+def test_the_trainer_reads_a_corpus_unpacked_from_its_shards(tmp_path):
+    """Shards as konkanivani-prepare writes them (of the tone corpus): unpacked once, their rows
+    in order with absolute FLAC paths the audio reader takes."""
+    from konkanivani.data.audio import load_audio
+    from konkanivani.tools.shards import write_shards
+
+    tones = gpu_report.write_tone_corpus(tmp_path / "tones", train=5, valid=2)
+    write_shards(tones / "train.jsonl", tmp_path / "c" / "shards", shard_size=2)
+    rows = gpu_report.flac_manifest(tones / "valid.jsonl", tmp_path / "c")
+    assert [r["audio_filepath"] for r in rows] == ["valid/valid_0000.flac", "valid/valid_0001.flac"]
+    corpus = gpu_report.open_corpus(tmp_path / "c")
+    assert corpus.train_shards == tmp_path / "c" / "shards" / "shards.json"
+    assert corpus.about == f"the FLAC corpus in `{tmp_path / 'c'}`"
+    assert len(corpus.durations()) == 5
+    work = tmp_path / "work"
+    rows = gpu_report.corpus_rows(corpus, work)
+    assert len(rows) == 5 and rows == gpu_report.corpus_rows(corpus, work)  # unpacked once
+    original = gpu_report._manifest_rows(tones / "train.jsonl")
+    assert [r["text"] for r in rows] == [r["text"] for r in original]
+    for row, before in zip(rows, original):
+        assert torch.equal(load_audio(row["audio_filepath"]), load_audio(before["audio_filepath"]))
+    valid = gpu_report._manifest_rows(corpus.valid)
+    assert torch.allclose(load_audio(valid[0]["audio_filepath"]),
+                          load_audio(tones / "wavs" / "valid_0000.wav"), atol=1e-4)
+    assert gpu_report.open_corpus(tmp_path / "work") is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="--make_corpus needs espeak-ng")
+def test_make_corpus_writes_flac_shards_the_trainer_part_trains_on(tmp_path, capsys):
+    """--make_corpus for real on 20 utterances (the demo corpus synthesizes ~130 held-out ones
+    beside them: about a minute on 2 cores), then the trainer part's command on it, on the CPU:
+    a tiny model, 2 steps."""
+    out = tmp_path / "gpu_corpus"
+    assert gpu_report.main(["--make_corpus", str(out), "--corpus_utterances", "20"]) == 0
+    printed = capsys.readouterr().out
+    info = json.loads((out / "corpus.json").read_text(encoding="utf-8"))
+    assert info["command"] == "konkanivani-demo-corpus --num_utterances 20"
+    assert (info["train"], info["valid"], info["shards"]) == (16, 2, 1)
+    assert f"{out}: 16 training utterances" in printed and "MiB of the" not in printed
+    assert "a call of the GPU machine carries" in printed
+    assert sorted(p.name for p in out.iterdir()) == ["corpus.json", "shards", "valid",
+                                                      "valid.jsonl"]
+    assert not list(tmp_path.glob("gpu_corpus.partial-*"))
+    # Again: the corpus is there; a folder holding something else is refused in one line.
+    assert gpu_report.main(["--make_corpus", str(out)]) == 0
+    assert "made before" in capsys.readouterr().out
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "keep.txt").write_text("mine", encoding="utf-8")
+    assert gpu_report.main(["--make_corpus", str(tmp_path / "other")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds something else" in err[0]
+    assert (tmp_path / "other" / "keep.txt").read_text(encoding="utf-8") == "mine"
+
+    args = gpu_report.parse_args(["--corpus", str(out), "--trainer_preset", "tiny",
+                                  "--trainer_precision", "fp32", "--trainer_steps", "2"])
+    corpus, problem = gpu_report.resolve_corpus(args, 60, tmp_path)
+    assert problem is None and "16 training utterances in FLAC shards" in corpus.about
+    rows = gpu_report.corpus_rows(corpus, tmp_path)
+    assert gpu_report.write_repeated_manifest(rows, tmp_path / "train.jsonl", 4 * 16) >= 1
+    cmd = gpu_report.trainer_command(args, tmp_path / "train.jsonl", corpus.valid,
+                                     tmp_path / "run", 16) + ["--device", "cpu"]
+    finished = gpu_report.run_limited(cmd, 600, tmp_path / "train.log")
+    assert finished.returncode == 0, finished.output[-3000:]
+    train_rows, valid_rows = gpu_report._rows(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in train_rows] == [2] and len(valid_rows) == 1
+    assert gpu_report.trainer_summary(train_rows, 3.0)["steps"] == 2
