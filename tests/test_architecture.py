@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "konkanivani"
 
 # Lowest first; each may import itself and what is above it in this list, never what is below.
 LAYERS = ["base", "data", "model", "decoding", "training", "tools", "serving", "cli", "facade"]
-BASE = {"config", "config_file", "checkpoint"}  # top-level modules every package builds on
+BASE = {"config", "config_file", "checkpoint", "device"}  # top-level modules every package builds on
 
 
 def _module_name(path):
