@@ -50,12 +50,13 @@ def worker(spec: dict) -> dict:
                                    subsampling_channels=spec.get("subsampling_channels"))
     utts, frames, tokens = spec["utterances"], spec["frames"], spec["tokens"]
     per_micro = spec.get("micro_batch") or utts
-    feats = torch.randn(utts, frames, cfg.n_mels)
+    samples = (frames - 1) * 160  # waveforms of `frames` feature frames (the step makes the features)
+    audio = 0.1 * torch.randn(utts, samples)
     token_ids = torch.randint(3, cfg.vocab_size, (utts, tokens))
     micro = []
     for i in range(0, utts, per_micro):
         idx = list(range(i, min(i + per_micro, utts)))
-        micro.append(Batch(feats[idx], torch.full((len(idx),), frames), token_ids[idx],
+        micro.append(Batch(audio[idx], torch.full((len(idx),), samples), token_ids[idx],
                            torch.full((len(idx),), tokens), idx))
     precision = resolve_precision(device, False, spec["precision"])
     _warm_up(device, spec["precision"])
@@ -106,7 +107,7 @@ def _warm_up(device, precision: str) -> None:
     from konkanivani.training.step import forward_backward, optimizer_step
 
     cfg = model_config_from_preset("tiny", vocab_size=32)
-    batch = Batch(torch.randn(1, 200, cfg.n_mels), torch.tensor([200]), torch.randint(3, 32, (1, 10)),
+    batch = Batch(0.1 * torch.randn(1, 199 * 160), torch.tensor([199 * 160]), torch.randint(3, 32, (1, 10)),
                   torch.tensor([10]), [0])
     for name in dict.fromkeys(["fp32", precision]):
         prec = resolve_precision(device, False, name)

@@ -159,13 +159,13 @@ def _read(kind: str, manifest: Path, shard_dir: Path, tokenizer, args) -> dict:
         if kind == "loose":
             utts, _ = load_utterances(manifest, tokenizer)
             sampler = train_sampler([u.duration for u in utts], 8, args.max_batch_frames, 0, 10)
-            loader = _loader(ASRDataset(utts, 80), sampler, cfg, device)
+            loader = _loader(ASRDataset(utts), sampler, cfg, device)
         else:
             shards = open_shards(str(shard_dir / LIST_NAME))
             plan = ShardPlan(shards, [frames_of(d) for d in shards.durations()], streams=args.workers,
                              max_frames=args.max_batch_frames)
             plan.set_epoch(0)
-            loader = _shard_loader(ShardStream(plan, tokenizer, ASRDataset([], 80)), cfg, device)
+            loader = _shard_loader(ShardStream(plan, tokenizer, ASRDataset([])), cfg, device)
         count, touched, start = 0, set(), time.perf_counter()
         for batch in loader:
             count += len(batch)

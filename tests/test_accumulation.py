@@ -13,15 +13,16 @@ def _batches(n_utts, per_batch, seed=0):
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(60, 160, (n_utts,), generator=g)
     tok_lens = torch.randint(2, 8, (n_utts,), generator=g)
-    feats = torch.randn(n_utts, 160, 80, generator=g)
+    audio = 0.1 * torch.randn(n_utts, 159 * 160, generator=g)  # waveforms of `lens` feature frames
+    samples = (lens - 1) * 160
     tokens = torch.randint(3, 40, (n_utts, 8), generator=g)
     out = []
     for s in range(0, n_utts, per_batch):
         idx = list(range(s, min(s + per_batch, n_utts)))
-        T, U = int(lens[idx].max()), int(tok_lens[idx].max())
+        N, U = int(samples[idx].max()), int(tok_lens[idx].max())
         tok = tokens[idx, :U].clone()
         tok[torch.arange(U) >= tok_lens[idx, None]] = -1
-        out.append(Batch(feats[idx, :T], lens[idx], tok, tok_lens[idx], idx))
+        out.append(Batch(audio[idx, :N], samples[idx], tok, tok_lens[idx], idx))
     return out
 
 
@@ -39,7 +40,8 @@ def _update(model, batches):
     device = torch.device("cpu")
     precision = resolve_precision(device, False)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    stats = forward_backward(model, batches, device, precision, scaler, spec_augment=False)
+    stats = {k: float(v) for k, v in forward_backward(model, batches, device, precision, scaler,
+                                                      spec_augment=False).items()}
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     optimizer_step(model, opt, scaler, grad_clip=1.0)
     return stats, grads, model

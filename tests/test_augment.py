@@ -64,13 +64,22 @@ def utts(corpus, tokenizer):
     return load_utterances(corpus / "m.jsonl", tokenizer)[0]
 
 
+_LOG_MEL = LogMel()
+
+
+def _feats(example):
+    """An example's features as the training step makes them (``LogMel.batch``, with its VTLP)."""
+    vtlp = None if math.isnan(example.vtlp) else torch.tensor([example.vtlp])
+    return _LOG_MEL.batch(example.audio[None], torch.tensor([len(example.audio)]), vtlp)[0][0]
+
+
 def _dataset(utts, seed=3, **flags):
-    return ASRDataset(utts, 80, Augmenter(AugmentConfig(seed=seed, **flags)))
+    return ASRDataset(utts, Augmenter(AugmentConfig(seed=seed, **flags)))
 
 
 @pytest.mark.parametrize("name", EACH)
 def test_frames_follow_the_augmented_waveform_and_tokens_stay(utts, name):
-    dataset, plain = _dataset(utts, **EACH[name]), ASRDataset(utts, 80)
+    dataset, plain = _dataset(utts, **EACH[name]), ASRDataset(utts)
     factors = set()
     for epoch in range(3):
         for index, utt in enumerate(utts):
@@ -80,46 +89,49 @@ def test_frames_follow_the_augmented_waveform_and_tokens_stay(utts, name):
             factor = dataset.augment.speed_factor(epoch, index)
             factors.add(factor)
             assert len(augmented) == math.ceil(len(clean) / factor - 1e-9)  # speed scales it, the rest keep it
-            assert example.feats.shape == (1 + len(augmented) // 160, 80)
-            assert torch.isfinite(example.feats).all()
+            assert torch.equal(example.audio, augmented)
+            alpha = dataset.augment.vtlp_alpha(epoch, index)
+            assert example.vtlp == alpha if alpha is not None else math.isnan(example.vtlp)
+            assert _feats(example).shape == (1 + len(augmented) // 160, 80)
+            assert torch.isfinite(_feats(example)).all()
             assert example.tokens.tolist() == utt.tokens == plain[index].tokens.tolist()
             assert example.index == index
     assert factors == (set(SPEED_FACTORS) if name == "speed" else {1.0})
 
 
 def test_off_is_exactly_the_unaugmented_dataset(utts):
-    plain = ASRDataset(utts, 80)
-    nothing = ASRDataset(utts, 80, Augmenter(AugmentConfig(seed=3)))
+    plain = ASRDataset(utts)
+    nothing = ASRDataset(utts, Augmenter(AugmentConfig(seed=3)))
     for index in range(len(utts)):
-        assert torch.equal(plain[index].feats, nothing[(5, index)].feats)
-        assert torch.equal(plain[index].feats, plain[(5, index)].feats)  # a key without an augmenter: epoch unused
+        assert torch.equal(_feats(plain[index]), _feats(nothing[(5, index)]))
+        assert torch.equal(_feats(plain[index]), _feats(plain[(5, index)]))  # a key without an augmenter: epoch unused
 
 
 def test_same_key_same_features_whatever_the_instance_or_workers(utts):
     first, second = _dataset(utts, **ALL_ON), _dataset(utts, **ALL_ON)
     for key in [(0, 0), (1, 2), (7, 5)]:
-        assert torch.equal(first[key].feats, second[key].feats)
+        assert torch.equal(_feats(first[key]), _feats(second[key]))
 
     def epoch_batches(workers, epoch):
         sampler = LengthGroupedBatchSampler([u.duration for u in utts], batch_size=2, seed=1)
         sampler.set_epoch(epoch)
         loader = DataLoader(_dataset(utts, **ALL_ON), batch_sampler=EpochKeyed(sampler), collate_fn=collate,
                             num_workers=workers)
-        return {i: batch.feats[row, :int(batch.feat_lens[row])] for batch in loader
-                for row, i in enumerate(batch.indices)}
+        return {i: feats[row, :int(frames[row])] for batch in loader
+                for feats, frames in [batch.features(_LOG_MEL)] for row, i in enumerate(batch.indices)}
 
     in_process, in_a_worker = epoch_batches(0, 1), epoch_batches(1, 1)
     assert in_process.keys() == in_a_worker.keys() == set(range(len(utts)))
     # The same draws; the sums may round differently, as a worker computes on one thread.
     assert all(torch.allclose(in_process[i], in_a_worker[i], atol=1e-4) for i in in_process)
-    assert all(torch.equal(in_process[i], first[(1, i)].feats) for i in in_process)
+    assert all(torch.allclose(in_process[i], _feats(first[(1, i)]), atol=1e-4) for i in in_process)
 
 
 def test_epochs_and_seeds_draw_differently(utts):
     dataset, other_seed = _dataset(utts, **ALL_ON), _dataset(utts, seed=4, **ALL_ON)
     differs = lambda a, b: a.shape != b.shape or not torch.equal(a, b)  # noqa: E731
-    assert sum(differs(dataset[(0, i)].feats, dataset[(1, i)].feats) for i in range(len(utts))) >= 4
-    assert sum(differs(dataset[(0, i)].feats, other_seed[(0, i)].feats) for i in range(len(utts))) >= 4
+    assert sum(differs(_feats(dataset[(0, i)]), _feats(dataset[(1, i)])) for i in range(len(utts))) >= 4
+    assert sum(differs(_feats(dataset[(0, i)]), _feats(other_seed[(0, i)])) for i in range(len(utts))) >= 4
     # streams are independent: turning noise off leaves the speed draws as they were
     speed_only = _dataset(utts, speed_perturb=True).augment
     assert [speed_only.speed_factor(e, i) for e in range(4) for i in range(6)] == \

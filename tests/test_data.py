@@ -1,5 +1,6 @@
 import json
 import logging
+import math
 
 import numpy as np
 import pytest
@@ -7,6 +8,7 @@ import soundfile as sf
 import torch
 
 from konkanivani.data.dataset import ASRDataset, Unreadable, collate, load_utterances
+from konkanivani.data.features import LogMel
 from konkanivani.data.manifest import ManifestError, check_row, read_manifest
 from konkanivani.data.samplers import LengthGroupedBatchSampler, ShardedSampler
 from konkanivani.data.tokenizer import train_tokenizer
@@ -77,12 +79,13 @@ def test_dataset_features_and_collate(tmp_path, tokenizer):
     utts, _ = load_utterances(_manifest(tmp_path / "m.jsonl", rows), tokenizer)
     ds = ASRDataset(utts)
     ex = ds[1]
-    assert ex.feats.shape == (1 + 16000 // 160, 80)
-    assert torch.isfinite(ex.feats).all()
+    assert ex.audio.shape == (16000,) and math.isnan(ex.vtlp)  # the waveform: the step makes its features
     assert ex.tokens.tolist() == tokenizer.encode(TEXTS[1])
     batch = collate([ds[0], Unreadable(2), ds[3]])  # a file that failed to load is left out, and named
-    assert batch.feats.shape == (2, 1 + 32000 // 160, 80)
-    assert batch.feat_lens.tolist() == [1 + 8000 // 160, 1 + 32000 // 160]
+    assert batch.audio.shape == (2, 32000) and batch.audio_lens.tolist() == [8000, 32000]
+    feats, frames = batch.features(LogMel())
+    assert feats.shape == (2, 1 + 32000 // 160, 80) and torch.isfinite(feats).all()
+    assert frames.tolist() == batch.feat_lens.tolist() == [1 + 8000 // 160, 1 + 32000 // 160]
     assert batch.indices == [0, 3] and batch.missing == (2,)
     assert (batch.tokens[0, batch.token_lens[0]:] == -1).all()
     empty = collate([Unreadable(1)])

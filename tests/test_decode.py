@@ -1,4 +1,6 @@
 """Decoding on a tiny trained model: each search against an independent computation of its score."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,7 +24,9 @@ from konkanivani.decoding.search import (
 def trained(tiny_run, tiny_corpus):
     rec = Recognizer.from_checkpoint(tiny_run / "latest.pt")
     utts, _ = load_utterances(tiny_corpus / "valid.jsonl", rec.tokenizer)
-    batch = collate([ASRDataset(utts[:4]).__getitem__(i) for i in range(min(4, len(utts)))])
+    waveforms = collate([ASRDataset(utts[:4]).__getitem__(i) for i in range(min(4, len(utts)))])
+    feats, feat_lens = waveforms.features(rec.log_mel)
+    batch = SimpleNamespace(feats=feats, feat_lens=feat_lens, indices=waveforms.indices)
     with torch.inference_mode():
         enc, enc_lens = rec.model.encode(batch.feats, batch.feat_lens)
     return rec.model, batch, enc, enc_lens
@@ -177,7 +181,7 @@ def test_decode_batch_runs_every_method_and_refuses_unknown(trained):
     model, batch, _, _ = trained
     for method in METHODS:
         hyps = decode_batch(model, batch.feats, batch.feat_lens, method, beam_size=3)
-        assert len(hyps) == len(batch) and all(isinstance(t, int) and t > SOS_EOS_ID for h in hyps for t in h)
+        assert len(hyps) == len(batch.indices) and all(isinstance(t, int) and t > SOS_EOS_ID for h in hyps for t in h)
     with pytest.raises(ValueError, match="unknown decoding method"):
         decode_batch(model, batch.feats, batch.feat_lens, "viterbi")
 

@@ -105,7 +105,7 @@ def test_validation_and_decoding_use_the_ema_weights(ema_runs, tiny_corpus):
 
     tokenizer, cfg = Tokenizer(ckpt["tokenizer"]), ModelConfig.from_dict(ckpt["model_config"])
     utts, _ = load_utterances(tiny_corpus / "valid.jsonl", tokenizer)
-    loader = DataLoader(ASRDataset(utts, cfg.n_mels), batch_size=4, collate_fn=collate)
+    loader = DataLoader(ASRDataset(utts), batch_size=4, collate_fn=collate)
     train_cfg = ckpt["train_config"]
 
     def valid_loss(weights):

@@ -250,7 +250,7 @@ def test_a_plan_differs_from_epoch_to_epoch_and_splits_few_shards_among_many_pro
 
 def _loader(plan, tokenizer, workers):
     from torch.utils.data import DataLoader
-    return DataLoader(ShardStream(plan, tokenizer, ASRDataset([], 80)), batch_size=None, num_workers=workers)
+    return DataLoader(ShardStream(plan, tokenizer, ASRDataset([])), batch_size=None, num_workers=workers)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -443,7 +443,7 @@ def test_durations_that_contradict_the_audio_are_skipped_counted_and_named(shard
     assert "shard-000003.tar:train-00000032: duration not a number (its JSON says 'long')" in log
     assert "2 duration mismatch" in log and "1 duration not a number" in log
     assert "train-00000005" not in log
-    stream = ShardStream(plan, tokenizer, ASRDataset([], 80), duration_tolerance=-1)  # not compared
+    stream = ShardStream(plan, tokenizer, ASRDataset([]), duration_tolerance=-1)  # not compared
     from torch.utils.data import DataLoader
     assert not any(b.missing for b in DataLoader(stream, batch_size=None))
     assert _files(out) == before

@@ -1,20 +1,23 @@
 """The dataset: a manifest's usable rows as utterances (``load_utterances``), CMVN statistics,
-examples as log-mel features, and their collation into padded batches."""
+examples as (augmented) waveforms, and their collation into padded batches of waveforms, whose
+features the training step computes on its device (``Batch.features``)."""
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, NamedTuple, Sequence
+from typing import Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 from torch.utils.data import Dataset
 
 from .audio import load_audio
-from .augment import Augmenter, vtlp_warp_matrix
+from .augment import Augmenter
 from .features import LogMel
+from .frames import HOP_LENGTH
 from .manifest import DEFAULT_DURATION_TOLERANCE, check_row, read_manifest
 from .tokenizer import Tokenizer
 
@@ -109,9 +112,10 @@ def cmvn_of(waveforms: Iterable[torch.Tensor], n_mels: int) -> tuple[torch.Tenso
 
 
 class Example(NamedTuple):
-    feats: torch.Tensor  # (T, F)
+    audio: torch.Tensor  # (N,) 16 kHz samples, augmented in training
     tokens: torch.Tensor  # (U,)
     index: int
+    vtlp: float = math.nan  # the VTLP warp factor its features get (NaN: none)
 
 
 class Unreadable(NamedTuple):
@@ -120,7 +124,9 @@ class Unreadable(NamedTuple):
 
 
 class ASRDataset(Dataset):
-    """Utterances -> (log-mel features, token ids). A file that fails to decode yields
+    """Utterances -> (waveform, token ids): the data workers read and decode audio and apply the
+    waveform augmentations; the features are made from the batch on the training device
+    (``features.LogMel.batch``, in the training step). A file that fails to decode yields
     ``Unreadable`` (and a warning); ``collate`` leaves it out of the batch and names it in
     ``Batch.missing``, so a corrupt file never stops an epoch.
 
@@ -128,9 +134,8 @@ class ASRDataset(Dataset):
     them: the augmentation draws depend on both, and on nothing else. A plain index is epoch 0.
     """
 
-    def __init__(self, utterances: Sequence[Utterance], n_mels: int = 80, augment: Augmenter | None = None):
+    def __init__(self, utterances: Sequence[Utterance], augment: Augmenter | None = None):
         self.utterances = list(utterances)
-        self.log_mel = LogMel(n_mels)
         self.augment = augment
 
     def __len__(self) -> int:
@@ -147,27 +152,43 @@ class ASRDataset(Dataset):
         return self.example(wav, utt.tokens, epoch, index)
 
     def example(self, wav: torch.Tensor, tokens: Sequence[int], epoch: int, index: int) -> Example:
-        """Utterance ``index``'s waveform as features, augmented (training) as its epoch and index draw."""
-        warp = None
+        """Utterance ``index``'s waveform, augmented (training) as its epoch and index draw, with the
+        VTLP factor its features are to be warped by."""
+        alpha = None
         if self.augment is not None:
             wav = self.augment.waveform(wav, epoch, index, min_encoder_frames=len(tokens))
             alpha = self.augment.vtlp_alpha(epoch, index)
-            warp = None if alpha is None else vtlp_warp_matrix(alpha, self.log_mel.n_freqs)
-        return Example(self.log_mel(wav, warp), torch.tensor(tokens, dtype=torch.long), index)
+        return Example(wav, torch.tensor(tokens, dtype=torch.long), index, math.nan if alpha is None else alpha)
 
 
 class Batch(NamedTuple):
-    feats: torch.Tensor  # (B, T, F), zero-padded
-    feat_lens: torch.Tensor  # (B,)
+    """A batch of waveforms and their targets. ``features`` turns the waveforms into log-mel
+    features on whatever device the batch is on (the training step's)."""
+
+    audio: torch.Tensor  # (B, N) 16 kHz samples, zero-padded
+    audio_lens: torch.Tensor  # (B,) samples
     tokens: torch.Tensor  # (B, U), padded with -1
     token_lens: torch.Tensor  # (B,)
     indices: list[int]  # positions in the dataset, to name utterances in messages
     missing: tuple[int, ...] = ()  # positions of the batch's utterances whose audio could not be read
+    vtlp: Optional[torch.Tensor] = None  # (B,) VTLP warp factors, NaN where none; None: no utterance warped
+
+    @property
+    def feat_lens(self) -> torch.Tensor:
+        """``(B,)`` feature frames of the utterances, ``1 + samples // 160``."""
+        return 1 + self.audio_lens // HOP_LENGTH
+
+    def features(self, log_mel: LogMel) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(B, T, F)`` log-mel features (zero after each utterance's frames) and ``(B,)`` frame
+        counts, computed where the batch is."""
+        return log_mel.batch(self.audio, self.audio_lens, self.vtlp)
 
     def to(self, device: torch.device | str) -> "Batch":
+        """The batch on ``device``; from pinned memory to CUDA without waiting for the copies."""
         nb = torch.device(device).type == "cuda"
-        return Batch(self.feats.to(device, non_blocking=nb), self.feat_lens.to(device),
-                     self.tokens.to(device, non_blocking=nb), self.token_lens.to(device), self.indices, self.missing)
+        return Batch(self.audio.to(device, non_blocking=nb), self.audio_lens.to(device, non_blocking=nb),
+                     self.tokens.to(device, non_blocking=nb), self.token_lens.to(device, non_blocking=nb),
+                     self.indices, self.missing, None if self.vtlp is None else self.vtlp.to(device, non_blocking=nb))
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -179,9 +200,10 @@ def collate(examples: Sequence[Example | Unreadable]) -> Batch:
     missing = tuple(e.index for e in examples if isinstance(e, Unreadable))
     examples = [e for e in examples if isinstance(e, Example)]
     if not examples:
-        return Batch(torch.zeros(0, 0, 0), torch.zeros(0, dtype=torch.long), torch.zeros(0, 0, dtype=torch.long),
+        return Batch(torch.zeros(0, 0), torch.zeros(0, dtype=torch.long), torch.zeros(0, 0, dtype=torch.long),
                      torch.zeros(0, dtype=torch.long), [], missing)
-    feats = torch.nn.utils.rnn.pad_sequence([e.feats for e in examples], batch_first=True)
+    audio = torch.nn.utils.rnn.pad_sequence([e.audio for e in examples], batch_first=True)  # (B, N)
     tokens = torch.nn.utils.rnn.pad_sequence([e.tokens for e in examples], batch_first=True, padding_value=-1)
-    return Batch(feats, torch.tensor([len(e.feats) for e in examples]), tokens,
-                 torch.tensor([len(e.tokens) for e in examples]), [e.index for e in examples], missing)
+    vtlp = torch.tensor([e.vtlp for e in examples]) if any(not math.isnan(e.vtlp) for e in examples) else None
+    return Batch(audio, torch.tensor([len(e.audio) for e in examples]), tokens,
+                 torch.tensor([len(e.tokens) for e in examples]), [e.index for e in examples], missing, vtlp)

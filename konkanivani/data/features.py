@@ -64,11 +64,10 @@ class LogMel(torch.nn.Module):
             spec = torchaudio.functional.spectrogram(
                 padded, pad=0, window=spectrogram.window, n_fft=spectrogram.n_fft, hop_length=spectrogram.hop_length,
                 win_length=spectrogram.win_length, power=2.0, normalized=False, center=False)  # (B, F, T)
-            if alphas is not None:
-                warped = torch.nonzero(torch.isfinite(alphas) & (alphas != 1.0)).flatten()
-                if len(warped):
-                    matrices = vtlp_warp_matrices(alphas[warped], spec.shape[1])  # (K, F, F)
-                    spec = spec.index_copy(0, warped, matrices @ spec[warped])
+            if alphas is not None:  # every utterance through its matrix (the identity for NaN and 1):
+                # picking out the warped ones would make the host wait for the device to count them
+                alphas = torch.where(torch.isfinite(alphas), alphas, 1.0).to(spec.device)
+                spec = vtlp_warp_matrices(alphas, spec.shape[1]) @ spec  # (B, F, F) @ (B, F, T)
             feats = torch.log(self.mel.mel_scale(spec) + LOG_OFFSET).transpose(1, 2)  # (B, T, n_mels)
         frames = 1 + lengths // spectrogram.hop_length
         padding = torch.arange(feats.shape[1], device=feats.device)[None, :] >= frames[:, None]  # (B, T)

@@ -251,9 +251,9 @@ def split_batch(batch: Batch) -> tuple[Batch, Batch]:
     half = len(batch) // 2
 
     def part(sl: slice) -> Batch:
-        feat_lens, token_lens = batch.feat_lens[sl], batch.token_lens[sl]
-        return Batch(batch.feats[sl, :int(feat_lens.max())], feat_lens, batch.tokens[sl, :int(token_lens.max())],
-                     token_lens, batch.indices[sl])
+        audio_lens, token_lens = batch.audio_lens[sl], batch.token_lens[sl]
+        return Batch(batch.audio[sl, :int(audio_lens.max())], audio_lens, batch.tokens[sl, :int(token_lens.max())],
+                     token_lens, batch.indices[sl], vtlp=None if batch.vtlp is None else batch.vtlp[sl])
 
     return part(slice(0, half)), part(slice(half, None))
 

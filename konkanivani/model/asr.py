@@ -131,6 +131,8 @@ class ASRModel(nn.Module):
                token_lens: torch.Tensor) -> LossOutput:
         """CTC and label-smoothed attention losses from encoder states ``(B, T', D)``."""
         # CTC in float32 (its recursions underflow in half precision); sum, then mean by the caller.
+        # On CUDA it is the one wait for the device in a step: torch's CTC copies the lengths to the
+        # CPU to plan its kernels (and back), wherever the caller keeps them.
         log_probs = self.ctc_log_probs(enc).transpose(0, 1)  # (T', B, V)
         ctc = F.ctc_loss(log_probs, tokens.clamp_min(0), enc_lens, token_lens, blank=BLANK_ID,
                          reduction="sum", zero_infinity=True)
@@ -139,7 +141,7 @@ class ASRModel(nn.Module):
         sos = tokens.new_full((B, 1), SOS_EOS_ID)
         dec_in = torch.cat([sos, tokens.clamp_min(0)], dim=1)  # (B, U+1): <sos> y1 .. yU
         target = torch.cat([tokens, tokens.new_full((B, 1), IGNORE_ID)], dim=1)  # (B, U+1)
-        target[torch.arange(B), token_lens] = SOS_EOS_ID  # y1 .. yU <eos>, then ignored padding
+        target[torch.arange(B, device=tokens.device), token_lens] = SOS_EOS_ID  # y1 .. yU <eos>, then ignored
         logits = self.decoder(dec_in, token_lens + 1, enc, enc_lens)  # (B, U+1, V)
         attention = F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), ignore_index=IGNORE_ID,
                                     label_smoothing=self.label_smoothing, reduction="sum")

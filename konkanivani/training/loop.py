@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import logging
 import logging.handlers
-import math
 import re
 import shutil
 import sys
@@ -126,28 +125,38 @@ def train_epoch(run: Run, stop_request: StopRequest,
                 continue
             speed.add(stats["utterances"])
             epoch_speed.add(stats.pop("utterances"))
-            bar.set_postfix_str(f"loss {stats['loss']:.3g}, {speed.rate():.1f} utt/s, data {speed.wait_percent():.0f}%",
-                                refresh=False)
-            if run.step % cfg.log_every == 0:
+            if run.step % cfg.log_every == 0:  # the step's figures read from the device: it waits here
+                settle(run)
+                stats = _floats(stats)
+                bar.set_postfix_str(f"loss {stats['loss']:.3g}, {speed.rate():.1f} utt/s, data "
+                                    f"{speed.wait_percent():.0f}%", refresh=False)
                 memory = {name: round(gib, 4) for name, gib in memory_status(run.device).items()}
                 run.record("train", **stats, utt_per_s=speed.rate(), data_wait=round(speed.wait_percent() / 100, 4),
                            **memory)
                 log.info("%s", _summary_line(run, stats, speed, memory))
                 speed.restart()
+            epoch_goes_on = run.batches_done < run.epoch_batches
+            validating = cfg.validate_every_steps and run.step % cfg.validate_every_steps == 0 and epoch_goes_on
+            stop = _stop_after_step(run, stop_request, on_step)
+            saving = cfg.save_every_steps and run.step % cfg.save_every_steps == 0 and epoch_goes_on \
+                and stop is None  # (the epoch's end and a stop save anyway)
+            if validating or saving or stop:
+                settle(run)
             if run.skips.exceeded:  # too many non-finite updates in a row: save and stop
                 save(run)
                 raise TrainingDiverged(diverged_message(run.skips.in_a_row, run.step, run.out_dir,
                                                         run.scaler.is_enabled()))
-            epoch_goes_on = run.batches_done < run.epoch_batches
-            if cfg.validate_every_steps and run.step % cfg.validate_every_steps == 0 and epoch_goes_on:
+            if validating:
                 validate_and_save(run)  # (the epoch's end validates anyway)
-            stop = _stop_after_step(run, stop_request, on_step)
-            if cfg.save_every_steps and run.step % cfg.save_every_steps == 0 and run.saved_step != run.step \
-                    and epoch_goes_on and stop is None:  # (the epoch's end and a stop save anyway)
+            if saving and run.saved_step != run.step:  # (validating saved it)
                 save(run)
             if stop:
                 break
     bar.close()
+    settle(run)
+    if run.skips.exceeded:
+        save(run)
+        raise TrainingDiverged(diverged_message(run.skips.in_a_row, run.step, run.out_dir, run.scaler.is_enabled()))
     _log_epoch_end(run, unreadable, run.skips.total - skips_before, epoch_speed)
     if run.batches_done < run.epoch_batches:
         return stop, False
@@ -155,15 +164,16 @@ def train_epoch(run: Run, stop_request: StopRequest,
     return stop, True
 
 
-def train_step(run: Run, micro: list[Batch]) -> Optional[dict[str, float]]:
-    """One optimizer step on an accumulation group: its losses (and the learning rate, gradient
-    norm and utterance count), or None when no process had audio to train on. A non-finite loss or
-    gradient skips the update, counted in ``run.skips``. In the first --freeze_encoder_steps steps
-    the encoder's gradients are dropped (``hold_encoder``): the norm is then the heads' alone."""
+def train_step(run: Run, micro: list[Batch]) -> Optional[dict[str, Any]]:
+    """One optimizer step on an accumulation group: its losses (0-dim tensors on the device, and the
+    learning rate, gradient norm and utterance count), or None when no process had audio to train
+    on. A non-finite loss or gradient skips the update; the skip is counted and named when its flag
+    is read (``settle``). In the first --freeze_encoder_steps steps the encoder's gradients are
+    dropped (``hold_encoder``): the norm is then the heads' alone."""
     cfg = run.cfg
     stats = forward_backward(run.forward, micro, run.device, run.precision, run.scaler, cfg.spec_augment,
                              name_of=lambda i: f"{run.train_utts[i].where} ({run.train_utts[i].duration:.1f} s)",
-                             dist=run.dist, offload_activations=cfg.offload_activations)
+                             dist=run.dist, offload_activations=cfg.offload_activations, log_mel=run.log_mel)
     if stats is None:
         return None
     lr = cfg.lr * lr_factor(run.step, cfg.warmup_steps)  # a pure function of the step: nothing to resume
@@ -173,19 +183,51 @@ def train_step(run: Run, micro: list[Batch]) -> Optional[dict[str, float]]:
     if not held and cfg.freeze_encoder_steps and run.step == cfg.freeze_encoder_steps:
         log.info("step %d: the encoder trains from now on (--freeze_encoder_steps %d)", run.step + 1,
                  cfg.freeze_encoder_steps)
-    grad_norm = optimizer_step(run.model, run.optimizer, run.scaler, cfg.grad_clip, stats["loss"])
+    loss = torch.as_tensor(stats["loss"])
+    grad_norm = optimizer_step(run.model, run.optimizer, run.scaler, cfg.grad_clip, loss)
     run.step += 1
-    finite = math.isfinite(stats["loss"]) and math.isfinite(grad_norm)
-    run.skips.update(finite)
-    if finite and run.ema is not None:  # a skipped update (fp16's scaler, a non-finite loss) leaves it alone
-        run.ema.update_parameters(run.model)
-    if not finite:
-        group = [run.train_utts[i] for b in micro for i in b.indices]
-        log.warning("step %d: non-finite %s, update skipped (%d in a row, %d in all%s); batch: %s", run.step,
-                    "gradients" if math.isfinite(stats["loss"]) else "loss", run.skips.in_a_row, run.skips.total,
-                    f"; fp16 loss scale now {run.scaler.get_scale():g}" if run.scaler.is_enabled() else "",
-                    ", ".join(f"{u.where} ({u.audio_path.name})" for u in group))
+    loss_finite = torch.isfinite(loss).to(grad_norm.device)
+    run.unsettled.append((run.step, ~(loss_finite & torch.isfinite(grad_norm)), loss_finite,
+                          [i for b in micro for i in b.indices]))
+    if run.ema is not None:  # the average takes only updates that went through: it reads the flag now
+        if settle(run):
+            run.ema.update_parameters(run.model)
     return {**stats, "lr": lr, "grad_norm": grad_norm}
+
+
+def settle(run: Run) -> bool:
+    """Read the skip flags of the updates since the last call, all in one wait for the device:
+    count them (``run.skips``) and name each skipped one. Returns whether the last update went
+    through (True when there was none to read)."""
+    if not run.unsettled:
+        return True
+    flags = torch.stack([torch.stack([s, f]) for _, s, f, _ in run.unsettled]).tolist()
+    for (step, _, _, indices), (skipped, loss_finite) in zip(run.unsettled, flags):
+        run.skips.update(not skipped)
+        if skipped:
+            _say_skipped(run, step, bool(loss_finite), indices)
+    run.unsettled = []
+    return not flags[-1][0]
+
+
+_NAMED_IN_A_SKIP = 3  # utterances of a skipped update's batch named in its message; the rest counted
+
+
+def _say_skipped(run: Run, step: int, loss_finite: bool, indices: list[int]) -> None:
+    fp16 = run.scaler.is_enabled()
+    named = ", ".join(f"{u.where} ({u.audio_path.name})" for u in (run.train_utts[i] for i in
+                                                                    indices[:_NAMED_IN_A_SKIP]))
+    more = f" and {len(indices) - _NAMED_IN_A_SKIP} more" if len(indices) > _NAMED_IN_A_SKIP else ""
+    # fp16 gradients overflowing while the GradScaler finds its scale are expected: not a warning
+    level = logging.INFO if fp16 and loss_finite and run.skips.in_a_row < 3 else logging.WARNING
+    log.log(level, "step %d: non-finite %s, update skipped (%d in a row, %d in all%s); batch: %s%s", step,
+            "gradients" if loss_finite else "loss", run.skips.in_a_row, run.skips.total,
+            f"; fp16 loss scale now {run.scaler.get_scale():g}" if fp16 else "", named, more)
+
+
+def _floats(stats: dict[str, Any]) -> dict[str, float]:
+    """The step's figures as numbers (the first waits for the device; the others are then there)."""
+    return {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in stats.items()}
 
 
 def _stop_after_step(run: Run, stop_request: StopRequest,

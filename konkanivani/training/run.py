@@ -23,6 +23,7 @@ from ..config import ConfigError, ModelConfig, TrainConfig, kept_settings, model
 from ..config_file import write_config_file
 from ..data.augment import Augmenter, batching_duration
 from ..data.dataset import ASRDataset, Utterance, cmvn_of, collate, compute_cmvn, load_utterances, log_skipped
+from ..data.features import LogMel
 from ..data.frames import budget_frames, frames_of, subsampled_lengths
 from ..data.manifest import ManifestError, read_manifest
 from ..data.samplers import (
@@ -86,6 +87,7 @@ class Run:
     valid_loader: DataLoader
     metrics: MetricsLog
     skips: NonFiniteSkips
+    log_mel: LogMel  # the batches' features, computed in the step on the device
     step: int = 0
     epoch: int = 0  # epochs finished
     batches_done: int = 0  # batches of the epoch in progress, per process
@@ -96,6 +98,9 @@ class Run:
     valid_step: int = -1
     saved_step: int = -1
     unreadable: int = 0  # audio files that failed to load in training, all epochs
+    # updates whose skip flags are still on the device: (step, skipped, loss finite, utterances);
+    # read together every --log_every steps (loop.settle), so that a step does not wait for the GPU
+    unsettled: list[tuple[int, torch.Tensor, torch.Tensor, list[int]]] = field(default_factory=list)
     board: TensorBoardLog = field(default_factory=TensorBoardLog)  # the metrics rows again, for TensorBoard
     ema: Optional[AveragedModel] = None  # the moving average of the weights (--ema_decay)
     draw_curves: bool = False  # redraw curves.png after each validation (rank 0, with matplotlib)
@@ -182,12 +187,13 @@ def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, dev
     run = Run(cfg, out_dir, dist, device, precision, tokenizer, model, forward, optimizer,
               torch.amp.GradScaler(device.type, enabled=precision.use_scaler), train_utts, valid_utts, sampler,
               _shard_loader(ShardStream(sampler, tokenizer,
-                                        ASRDataset([], model_cfg.n_mels, augmenter),
+                                        ASRDataset([], augmenter),
                                         cfg.duration_tolerance), cfg, device)
               if isinstance(sampler, ShardPlan) else
-              _loader(ASRDataset(train_utts, model_cfg.n_mels, augmenter), sampler, cfg, device),
-              _loader(ASRDataset(valid_utts, model_cfg.n_mels), valid_sampler, cfg, device, workers=0),
-              MetricsLog(out_dir / "metrics.jsonl"), NonFiniteSkips(cfg.max_consecutive_skips))
+              _loader(ASRDataset(train_utts, augmenter), sampler, cfg, device),
+              _loader(ASRDataset(valid_utts), valid_sampler, cfg, device, workers=0),
+              MetricsLog(out_dir / "metrics.jsonl"), NonFiniteSkips(cfg.max_consecutive_skips),
+              LogMel(model_cfg.n_mels).to(device))
     if cfg.ema_decay:  # of the unwrapped model: the DDP or compiled forward shares its parameters
         run.ema = make_ema(model, cfg.ema_decay)
     if state is not None:

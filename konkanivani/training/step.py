@@ -7,12 +7,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import logging.handlers
-import math
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 
 from ..data.dataset import Batch, Utterance
+from ..data.features import LogMel
 from ..data.samplers import (
     split_batch,
 )
@@ -48,7 +48,8 @@ def maybe_empty_cache(device: torch.device, batches_done: int, every: int) -> bo
 def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], device: torch.device,
                      precision: Precision, scaler: torch.amp.GradScaler, spec_augment: bool,
                      name_of: Optional[Callable[[int], str]] = None, dist: Dist = Dist(),
-                     offload_activations: bool = False) -> Optional[dict[str, float]]:
+                     offload_activations: bool = False, log_mel: Optional[LogMel] = None
+                     ) -> Optional[dict[str, Any]]:
     """Accumulate gradients over ``micro_batches``, normalized by their total utterance count (over
     every process of a data-parallel run), so that the update equals the one from a single batch
     holding all of them. Returns the mean losses and the utterance count; None when no process had
@@ -62,6 +63,11 @@ def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], devi
     and so does an error in a data-parallel run's synchronizing backward pass (the last one), which
     the other processes are waiting in. ``offload_activations`` keeps what the backward pass needs
     in (pinned, on CUDA) CPU memory until then.
+
+    The batches hold waveforms: their log-mel features are computed here, on ``device``
+    (``log_mel``, by default a ``LogMel`` of the model's bins), outside autocast and the graph.
+    The losses stay on the device (summed there): reading them is the caller's choice (every
+    ``--log_every`` steps in training), so a step waits for the GPU only where it must.
     """
     pending = [b for b in micro_batches if len(b)]
     n_utts = dist.sum([sum(len(b) for b in pending)])[0]
@@ -70,16 +76,17 @@ def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], devi
     if not pending:  # this process has nothing, the others have: join their gradient sync with zeros
         pending = [_empty_batch(model)]
     per_process = n_utts / dist.world  # data parallelism averages the processes' gradients
+    log_mel = log_mel or LogMel(getattr(model, "module", model).cfg.n_mels).to(device)
     done: list[Batch] = []
-    sums = {"loss": 0.0, "ctc": 0.0, "attention": 0.0}
+    sums = _zero_sums(device)
     while pending:
         batch = pending.pop(0)
         in_backward = False
         try:
             dev_batch = batch.to(device)
+            feats, feat_lens = dev_batch.features(log_mel)
             with precision.autocast(device), _saved_on_cpu(offload_activations, device):
-                out = model(dev_batch.feats, dev_batch.feat_lens, dev_batch.tokens, dev_batch.token_lens,
-                            spec_augment=spec_augment)
+                out = model(feats, feat_lens, dev_batch.tokens, dev_batch.token_lens, spec_augment=spec_augment)
             in_backward = True
             with no_sync(model, skip=bool(pending)):  # gradients sync on the group's last backward pass
                 scaler.scale(out.loss / per_process if len(batch.indices) else out.loss * 0.0).backward()
@@ -90,20 +97,26 @@ def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], devi
         else:
             if len(batch.indices):
                 for name, value in out._asdict().items():
-                    sums[name] += value.item()
+                    sums[name] += value.detach().float()
                 done.append(batch)
             continue
-        dev_batch = out = None  # noqa: F841 (release the failed attempt's tensors before retrying)
+        dev_batch = out = feats = None  # noqa: F841 (release the failed attempt's tensors before retrying)
         free_memory(device)
         pending, done, sums = _after_out_of_memory(model, batch, pending, done, sums, in_backward, failed, device,
                                                    name_of)
-    totals = dist.sum(list(sums.values()))
-    return {**{name: value / n_utts for name, value in zip(sums, totals)}, "utterances": n_utts}
+    if dist.active:  # one all-reduce of the three sums (it syncs anyway)
+        sums = dict(zip(sums, torch.tensor(dist.sum([float(v) for v in sums.values()]), device=device)))
+    return {**{name: value / n_utts for name, value in sums.items()}, "utterances": n_utts}
 
 
-def _after_out_of_memory(model: Any, batch: Batch, pending: list[Batch], done: list[Batch], sums: dict[str, float],
-                         in_backward: bool, failed: str, device: torch.device,
-                         name_of: Optional[Callable[[int], str]]) -> tuple[list[Batch], list[Batch], dict[str, float]]:
+def _zero_sums(device: torch.device) -> dict[str, torch.Tensor]:
+    return {name: torch.zeros((), device=device) for name in ("loss", "ctc", "attention")}
+
+
+def _after_out_of_memory(model: Any, batch: Batch, pending: list[Batch], done: list[Batch],
+                         sums: dict[str, torch.Tensor], in_backward: bool, failed: str, device: torch.device,
+                         name_of: Optional[Callable[[int], str]]
+                         ) -> tuple[list[Batch], list[Batch], dict[str, torch.Tensor]]:
     """The micro-batches left to run after ``batch`` ran out of memory: its halves, and the whole
     group again when the error came in the backward pass (its gradients are cleared)."""
     if len(batch) == 1:
@@ -114,12 +127,12 @@ def _after_out_of_memory(model: Any, batch: Batch, pending: list[Batch], done: l
             "--optimizer adamw_8bit or a smaller --preset")
     halves = list(split_batch(batch))
     log.warning("out of memory on a micro-batch of %d utterances (%d frames each)%s; retrying it as %d + %d "
-                "utterances, the update is unchanged", len(batch), batch.feats.shape[1],
+                "utterances, the update is unchanged", len(batch), int(batch.feat_lens.max()),
                 " in the backward pass: the accumulation group starts again" if in_backward else "",
                 len(halves[0]), len(halves[1]))
     if in_backward:
         model.zero_grad(set_to_none=True)
-        return done + halves + pending, [], dict.fromkeys(sums, 0.0)
+        return done + halves + pending, [], _zero_sums(device)
     return halves + pending, done, sums
 
 
@@ -132,41 +145,65 @@ def _saved_on_cpu(offload: bool, device: torch.device) -> Any:
 def _empty_batch(model: Any) -> Batch:
     """A one-utterance batch of silence that stands in, with its loss multiplied by 0, for a
     process whose whole accumulation group failed to load (``indices`` is empty: it counts for nothing)."""
-    cfg = getattr(model, "module", model).cfg
-    return Batch(torch.zeros(1, 101, cfg.n_mels), torch.tensor([101]), torch.full((1, 1), 3), torch.tensor([1]), [])
+    return Batch(torch.zeros(1, 16000), torch.tensor([16000]), torch.full((1, 1), 3), torch.tensor([1]), [])
 
 
 def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                   grad_clip: float, loss: float = 0.0) -> float:
-    """Unscale, clip, step, update the scale, zero the gradients. Returns the gradient norm.
+                   grad_clip: float, loss: float | torch.Tensor = 0.0) -> torch.Tensor:
+    """Unscale, clip, step, update the scale, zero the gradients. Returns the gradient norm, a
+    0-dim tensor on the gradients' device: reading it is the caller's choice.
 
-    A non-finite gradient norm or ``loss`` skips the update in every precision (with fp16 the
-    GradScaler then also lowers its scale); the caller tells a skip by the returned norm and the loss.
+    A non-finite gradient norm or ``loss`` skips the update in every precision: with fp16 the
+    GradScaler skips it (and lowers its scale); fused AdamW takes the skip as a flag on the device
+    (the ``found_inf`` it reads from a GradScaler), so neither waits for the GPU; any other
+    optimizer is stepped only after the flag is read. The caller tells a skip by the returned norm
+    and the loss.
     """
     scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = grad_clip if grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)  # sharded: DTensor
-    if math.isfinite(grad_norm) and math.isfinite(loss):
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True) if params else torch.zeros(())
+    if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
+        grad_norm = grad_norm.full_tensor()
+    loss = torch.as_tensor(loss, dtype=torch.float32).to(grad_norm.device, non_blocking=True)
+    skip = ~(torch.isfinite(grad_norm) & torch.isfinite(loss))
+    if scaler.is_enabled():  # a non-finite loss gives non-finite gradients, which the scaler finds
         scaler.step(optimizer)
+    elif _fused(optimizer):
+        optimizer.found_inf, optimizer.grad_scale = skip.float(), None  # GradScaler's contract with it
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf, optimizer.grad_scale
+    elif not skip.item():
+        optimizer.step()
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm
+    return grad_norm.float()
+
+
+def _fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` runs torch's fused kernel, which skips an update on a flag (its groups
+    say: a state loaded from a foreach optimizer, FSDP's, turns them off)."""
+    return getattr(optimizer, "_step_supports_amp_scaling", False) and all(
+        g.get("fused") for g in optimizer.param_groups)
 
 
 @torch.no_grad()
 def validate(model: ASRModel, loader: Iterable[Batch], tokenizer: Tokenizer, utterances: list[Utterance],
-             device: torch.device, precision: Precision, dist: Dist = Dist()) -> dict[str, float]:
+             device: torch.device, precision: Precision, dist: Dist = Dist(),
+             log_mel: Optional[LogMel] = None) -> dict[str, float]:
     """Loss per utterance, and CER/WER of greedy CTC, in eval mode; over the shares of every process."""
     model.eval()
+    log_mel = log_mel or LogMel(model.cfg.n_mels).to(device)
     loss_sum, n, refs, hyps = 0.0, 0, [], []
     for batch in loader:
         if not len(batch):
             continue
         batch = batch.to(device)
+        feats, feat_lens = batch.features(log_mel)
         with precision.autocast(device):
-            enc, enc_lens = model.encode(batch.feats, batch.feat_lens)
+            enc, enc_lens = model.encode(feats, feat_lens)
             out = model.losses(enc, enc_lens, batch.tokens, batch.token_lens)
             log_probs = model.ctc_log_probs(enc)
         loss_sum += out.loss.item()
