@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The T4 recipe (15 GB), configs/t4.yaml: medium-size model (d=192, 8 encoder + 4 decoder layers),
-# micro-batches of 2 utterances accumulated 4 times (an effective batch of 8), fp16 autocast with
-# GradScaler, CUDA cache released every 50 batches, character tokens and a validation every 200
-# steps; this script adds an allocator that grows segments instead of fragmenting, sets up what is
-# missing and makes the demo corpus.
+# fp16 autocast with GradScaler, CUDA cache released every 50 batches, character tokens. On a GPU
+# the batches fill 15 GB (GPU_MEMORY_GB=N for another size: a larger card is capped there) and the
+# layers are compiled (--compile); on a CPU, micro-batches of 2 utterances accumulated 4 times and a
+# validation every 200 steps. This script adds an allocator that grows segments instead of
+# fragmenting, sets up what is missing and makes the demo corpus.
 #
 #   ./run_training_memory_optimized.sh                       # demo corpus, made under data/demo if missing
 #   ./run_training_memory_optimized.sh --resume latest       # extra flags pass through
@@ -37,8 +38,16 @@ if [ -n "$TRAIN_SHARDS" ]; then
     TRAIN_DATA=(--train_shards "$TRAIN_SHARDS")
 fi
 
+# On a GPU: the card's memory (GPU_MEMORY_GB, else the recipe's 15 GB) and compiled layers.
+GPU_FLAGS=()
+if "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    GPU_FLAGS=(--compile)
+    [ -z "${GPU_MEMORY_GB:-}" ] || GPU_FLAGS+=(--gpu_memory_gb "$GPU_MEMORY_GB")
+fi
+
 exec "$PYTHON" training_scripts/train_konkanivani_asr.py --config configs/t4.yaml \
     "${TRAIN_DATA[@]}" \
+    ${GPU_FLAGS[@]+"${GPU_FLAGS[@]}"} \
     --valid_manifest "$VALID_MANIFEST" \
     --output_dir "${OUTPUT_DIR:-checkpoints/konkanivani_t4}" \
     "$@"

@@ -259,6 +259,11 @@ class TrainConfig(AugmentConfig):
     strategy: str = field(default="ddp", metadata=flag_help(
         "under torchrun: ddp (each process holds the model) or fsdp (parameters, gradients and optimizer states "
         "sharded between the processes, offloaded to CPU memory on CUDA; for models past ~100 M parameters)"))
+    gpu_memory_gb: float = field(default=0.0, metadata=flag_help(section="data", text=
+        "on CUDA: use at most this much GPU memory (a larger card then behaves as one of this size) and "
+        "size each batch to fill it by the calibrated memory estimate, in place of --batch_size and "
+        "--gradient_accumulation_steps; the peak --lr grows with the square root of the batch (at most 2x) "
+        "and the warm-up covers as many utterances as before (0: off; no effect on a CPU)"))
     offload_activations: bool = field(default=False, metadata=flag_help(
         "keep the activations saved for the backward pass in pinned CPU memory (CUDA only; slower, less GPU memory)"))
     ema_decay: float = field(default=0.0, metadata=flag_help(
@@ -299,7 +304,7 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
         "max_steps", "warmup_steps", "num_workers", "empty_cache_every", "save_every_steps", "validate_every_steps",
         "max_batch_frames", "max_samples", "max_consecutive_skips", "freeze_encoder_steps")},
     **{name: (_at_least(0, integer=False), "0 or more") for name in (
-        "max_time", "max_batch_seconds", "max_memory_gb", "grad_clip", "weight_decay")},
+        "max_time", "max_batch_seconds", "max_memory_gb", "gpu_memory_gb", "grad_clip", "weight_decay")},
     "lr": (lambda v: math.isfinite(v) and v > 0, "a positive number"),
     "max_duration": (lambda v: v > 0, "a positive number of seconds"),
     "ctc_weight": (_fraction, "in [0, 1]"),

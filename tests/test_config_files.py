@@ -71,11 +71,13 @@ def test_every_shipped_config_trains_a_step_of_the_tiny_model(path, tiny_corpus,
 
 
 def test_t4_config_is_the_recipe_the_script_passed_as_flags():
-    """The flags run_training_memory_optimized.sh gave before it used configs/t4.yaml."""
+    """The flags run_training_memory_optimized.sh gave before it used configs/t4.yaml, and
+    --gpu_memory_gb 15, which changes nothing on a CPU."""
     script_flags = ["--preset", "medium", "--d_model", "192", "--encoder_layers", "8", "--decoder_layers", "4",
                     "--tokenizer_type", "char", "--batch_size", "2", "--gradient_accumulation_steps", "4",
                     "--mixed_precision", "--empty_cache_every", "50", "--num_workers", "2",
-                    "--validate_every_steps", "200", "--seed", "1234"]  # the default seed then
+                    "--validate_every_steps", "200", "--seed", "1234",  # the default seed then
+                    "--gpu_memory_gb", "15"]  # since: batches that fill a GPU's 15 GB (no effect on a CPU)
     given = ["--train_manifest", "t.jsonl", "--valid_manifest", "v.jsonl", "--output_dir", "out"]
     assert _resolve([*given, *script_flags]) == _resolve(["--config", str(ROOT / "configs" / "t4.yaml"), *given])
     assert "--config configs/t4.yaml" in (ROOT / "run_training_memory_optimized.sh").read_text()

@@ -14,6 +14,7 @@ from konkanivani.data.frames import frames_of
 from konkanivani.training import memory
 from konkanivani.training.memory import GIB, MemoryEstimator, precision_name
 from konkanivani.training.precision import resolve_precision
+from konkanivani.training.run import FILL_FRACTION, gpu_batches
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = ROOT / "benchmarks" / "results" / "gpu" / "h100_memory_rows.csv"
@@ -122,3 +123,24 @@ def test_the_t4_recipe_budget_for_a_15_gib_card(capsys):
     fp16_row = next(line.split() for line in out.splitlines()
                     if line.startswith("fp16      adamw       no"))
     assert int(fp16_row[-1]) == frames and int(fp16_row[-4]) == n
+
+
+def test_the_t4_recipe_fills_15_gib_with_batches_of_the_median_utterance():
+    """--gpu_memory_gb 15 (configs/t4.yaml) on CUDA: batches sized to 3/4 of 15 GiB by the CUDA
+    estimate, one micro-batch a step, and the LR and warm-up that follow from the batch's growth
+    over the CPU recipe's 2 x 4 utterances, for a corpus of 3 s utterances (the demo's median)."""
+    args = train_cli.parse_args(["--config", str(ROOT / "configs" / "t4.yaml")])
+    cfg = dataclass_from_args(TrainConfig, args)
+    assert cfg.gpu_memory_gb == 15
+    est = MemoryEstimator(model_config_from_preset(cfg.preset, vocab_size=128), "fp16", cfg.optimizer,
+                          cfg.gradient_checkpointing, "cuda")
+    durations = [2.0, 3.0, 3.0, 4.5, 9.0]
+    planned, fits, per_batch = gpu_batches(cfg, est, durations, 15 * GIB)
+    median = frames_of(3.0)
+    assert est.peak_bytes(per_batch, median) <= FILL_FRACTION * 15 * GIB < est.peak_bytes(per_batch + 1, median)
+    assert fits(per_batch, median) and not fits(per_batch + 1, median)
+    assert 250 <= per_batch <= 1500  # hundreds of utterances a step, where the CPU recipe takes 8
+    assert planned.gradient_accumulation_steps == 1
+    assert planned.lr == pytest.approx(2 * cfg.lr)  # sqrt(per_batch / 8) > 2: capped at 2x
+    assert planned.warmup_steps == max(25, -(-cfg.warmup_steps * 8 // per_batch))
+    assert (planned.batch_size, planned.max_memory_gb) == (cfg.batch_size, cfg.max_memory_gb)

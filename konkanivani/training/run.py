@@ -51,6 +51,7 @@ from .memory import (
     GIB,
     MemoryEstimator,
     auto_batch_frames,
+    largest_fitting,
     precision_name,
 )
 from .metrics_log import MetricsLog
@@ -61,7 +62,7 @@ from .signals import NonFiniteSkips, ignore_stop_signals, stop_workers
 from .state import TrainState, restore_rng
 from .tensorboard_log import TensorBoardLog, open_tensorboard
 
-__all__ = ["Run", "setup_run"]
+__all__ = ["FILL_FRACTION", "Run", "gpu_batches", "setup_run"]
 
 log = logging.getLogger("konkanivani")
 
@@ -160,6 +161,7 @@ def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, dev
                                 cfg.gradient_checkpointing, device)
     durations = [batching_duration(d, cfg.speed_perturb)  # as long as they may get
                  for d in (shards.durations() if shards else (u.duration for u in train_utts))]
+    cfg, fills = _fill_gpu(cfg, device, estimator, durations)  # before --auto_batch probes under its cap
     if cfg.auto_batch and state is None:
         longest = max(frames_of(d) for d in durations)
         # a shard's text is read with its audio: as many tokens as CTC allows, the most a usable one has
@@ -172,6 +174,8 @@ def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, dev
     # a resumed run keeps the count its first epoch was planned with.
     accum_then = state.train_config["gradient_accumulation_steps"] if state else cfg.gradient_accumulation_steps
     fits = estimator.fits_budget(cfg.max_memory_gb * GIB) if cfg.max_memory_gb > 0 else None
+    if fills is not None:
+        fits = fills if fits is None else (lambda n, frames: fills(n, frames) and fits(n, frames))
     budget = budget_frames(cfg.max_batch_frames, cfg.max_batch_seconds)
     if shards is not None:
         sampler: ResumableBatchSampler = ShardPlan(
@@ -205,6 +209,50 @@ def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, dev
         run.board = open_tensorboard(out_dir / "tensorboard", run.step)
     run.draw_curves = dist.is_main and _can_draw_curves(out_dir)
     return run
+
+
+# The share of --gpu_memory_gb that batches are sized to fill: the estimate is within about 10% of
+# the H100's measured peaks (docs/memory.md), and the caching allocator needs room to fragment.
+FILL_FRACTION = 0.75
+
+
+def _fill_gpu(cfg: TrainConfig, device: torch.device, estimator: MemoryEstimator, durations: list[float]
+              ) -> tuple[TrainConfig, Optional[Callable[[int, int], bool]]]:
+    """--gpu_memory_gb on CUDA: cap the process at that much memory and plan batches that fill it
+    (``gpu_batches``); the settings and the ``fits`` cap of the batches. No effect elsewhere."""
+    if cfg.gpu_memory_gb <= 0:
+        return cfg, None
+    if device.type != "cuda":
+        log.info("--gpu_memory_gb %g: no effect on %s (batches as --batch_size says)", cfg.gpu_memory_gb, device.type)
+        return cfg, None
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap = min(cfg.gpu_memory_gb * GIB, total)
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    planned, fits, per_batch = gpu_batches(cfg, estimator, durations, cap)
+    log.info("--gpu_memory_gb %g: this process uses at most %.1f GiB of %s's %.1f; batches sized to an estimated "
+             "%.1f GiB peak (about %d utterances of the median length), 1 micro-batch a step; peak lr %.3g "
+             "(%.3g x %.2f), %d warm-up steps (%d before)", cfg.gpu_memory_gb, cap / GIB,
+             torch.cuda.get_device_name(device), total / GIB, FILL_FRACTION * cap / GIB, per_batch, planned.lr,
+             cfg.lr, planned.lr / cfg.lr, planned.warmup_steps, cfg.warmup_steps)
+    return planned, fits
+
+
+def gpu_batches(cfg: TrainConfig, estimator: MemoryEstimator, durations: list[float], cap_bytes: float
+                ) -> tuple[TrainConfig, Callable[[int, int], bool], int]:
+    """Batches that fill ``cap_bytes`` of GPU memory: each sized to ``FILL_FRACTION`` of it by the
+    estimate (the ``fits`` cap returned), one micro-batch a step, and the LR and warm-up for them.
+    Both follow the batch's growth over the flags' own (--batch_size x --gradient_accumulation_steps
+    utterances), counted in utterances of the median length: the peak LR by its square root (the
+    rule for Adam's updates, at most 2x), the warm-up over as many utterances as before (at least
+    25 steps). Returns the settings, the cap and the utterances of the median length a batch holds.
+    A pure function of the flags, the data and the estimate: a resumed run comes to the same."""
+    fits = estimator.fits_budget(FILL_FRACTION * cap_bytes)
+    median = frames_of(sorted(durations)[len(durations) // 2])
+    per_batch = largest_fitting(lambda n: fits(n, median), limit=100_000)
+    before = cfg.batch_size * cfg.gradient_accumulation_steps
+    lr = cfg.lr * min(2.0, math.sqrt(max(1.0, per_batch / before)))
+    warmup = max(25, math.ceil(cfg.warmup_steps * before / max(per_batch, 1)))
+    return dataclasses.replace(cfg, gradient_accumulation_steps=1, lr=lr, warmup_steps=warmup), fits, per_batch
 
 
 def _can_draw_curves(out_dir: Path) -> bool:
