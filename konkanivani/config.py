@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Union, get_args, get_origin, get_type_hints
 
-__all__ = ["DEFAULT_SEED", "Renamed", "FROM_TOKENIZER", "flag_fields", "AugmentConfig", "OPTIMIZERS", "PRECISIONS", "STRATEGIES", "kept_settings", "ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "INIT_MODULES", "model_config_from_preset",
+__all__ = ["DEFAULT_SEED", "DEFAULT_MAX_DURATION", "DEFAULT_DURATION_TOLERANCE", "DEFAULT_VOCAB_SIZE",
+           "DEFAULT_CTC_WEIGHT", "DEFAULT_LABEL_SMOOTHING", "Renamed", "FROM_TOKENIZER", "flag_fields", "AugmentConfig", "OPTIMIZERS", "PRECISIONS", "STRATEGIES", "kept_settings", "ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "INIT_MODULES", "model_config_from_preset",
            "model_config_from", "check_config", "add_dataclass_args", "dataclass_from_args"]
 
 
@@ -43,6 +44,18 @@ def kept_settings(cfg: Any, saved: dict[str, Any]) -> dict[str, Any]:
 FROM_TOKENIZER = {"from_tokenizer": True}
 
 DEFAULT_SEED = 0  # every tool's --seed (training, the LM, prepare's valid split, the demo corpus)
+# Defaults that training, konkanivani-validate, konkanivani-prepare and the model share, each
+# written here once.
+# The longest utterance used, in seconds.
+DEFAULT_MAX_DURATION = 30.0
+# Seconds a row's "duration" may differ from its audio file's: rounding passes, a truncated or
+# mismatched file does not.
+DEFAULT_DURATION_TOLERANCE = 0.5
+# The size of a SentencePiece vocabulary trained on a manifest's text.
+DEFAULT_VOCAB_SIZE = 128
+# The loss: w * CTC + (1 - w) * attention, and the attention loss's label smoothing.
+DEFAULT_CTC_WEIGHT = 0.3
+DEFAULT_LABEL_SMOOTHING = 0.1
 
 
 @dataclass
@@ -196,7 +209,8 @@ class TrainConfig(AugmentConfig):
     output_dir: str = field(default="checkpoints/run", metadata=flag_help("where checkpoints and logs go"))
     preset: str = field(default="medium", metadata=flag_help(section="model", text="model size: " + ", ".join(PRESETS)))
     tokenizer: str = field(default="", metadata=flag_help(section="data", text="existing SentencePiece .model (default: train one)"))
-    vocab_size: int = field(default=128, metadata=flag_help(section="data", text="SentencePiece vocabulary size when training one"))
+    vocab_size: int = field(default=DEFAULT_VOCAB_SIZE, metadata=flag_help(
+        section="data", text="SentencePiece vocabulary size when training one"))
     tokenizer_type: str = field(default="unigram", metadata=flag_help(section="data", text=
         "SentencePiece model type: unigram, bpe, or char (one token per character; --vocab_size is then ignored)"))
     epochs: int = field(default=20, metadata=flag_help("passes over the training set"))
@@ -207,8 +221,10 @@ class TrainConfig(AugmentConfig):
     warmup_steps: int = field(default=300, metadata=flag_help("linear warm-up, then inverse square-root decay"))
     weight_decay: float = field(default=1e-2, metadata=flag_help("AdamW weight decay"))
     grad_clip: float = field(default=5.0, metadata=flag_help("clip the gradient norm to this (0: off)"))
-    ctc_weight: float = field(default=0.3, metadata=flag_help("loss = w * CTC + (1 - w) * attention"))
-    label_smoothing: float = field(default=0.1, metadata=flag_help("label smoothing of the attention loss"))
+    ctc_weight: float = field(default=DEFAULT_CTC_WEIGHT, metadata=flag_help(
+        "loss = w * CTC + (1 - w) * attention"))
+    label_smoothing: float = field(default=DEFAULT_LABEL_SMOOTHING, metadata=flag_help(
+        "label smoothing of the attention loss"))
     spec_augment: bool = field(default=True, metadata=flag_help("time and frequency masks on training batches"))
     mixed_precision: bool = field(default=False, metadata=flag_help(
         "fp16 autocast + GradScaler on CUDA; bf16 on a CPU only where it computes bf16 natively"))
@@ -222,7 +238,8 @@ class TrainConfig(AugmentConfig):
         "checkpoint path, or 'latest' for OUTPUT_DIR/latest.pt (the newest readable step file if that is broken)"))
     overwrite: bool = field(default=False, metadata=flag_help(
         "start afresh in an OUTPUT_DIR that holds a run: the old run is moved to OUTPUT_DIR.replaced-<time>/"))
-    max_duration: float = field(default=30.0, metadata=flag_help(kept_on_resume=True, section="data", text="skip utterances longer than this many seconds"))
+    max_duration: float = field(default=DEFAULT_MAX_DURATION, metadata=flag_help(
+        kept_on_resume=True, section="data", text="skip utterances longer than this many seconds"))
     log_every: int = field(default=50, metadata=flag_help(
         "log a summary line (loss, lr, utt/s, memory) every N optimizer steps, to the console and train.log"))
     validate_every_steps: int = field(default=0, metadata=flag_help(
@@ -234,7 +251,7 @@ class TrainConfig(AugmentConfig):
         "wall-clock budget in seconds: after the step that passes it, save and stop (0: none)"))
     max_consecutive_skips: int = field(default=20, metadata=flag_help(
         "stop after this many updates in a row skipped for a non-finite loss or gradients (0: never)"))
-    duration_tolerance: float = field(default=0.5, metadata=flag_help(section="data", text=
+    duration_tolerance: float = field(default=DEFAULT_DURATION_TOLERANCE, metadata=flag_help(section="data", text=
         "skip rows whose 'duration' differs from the audio file's by more seconds than this (<0: don't compare)"))
     optimizer: str = field(default="adamw", metadata=flag_help(
         "adamw, or adamw_8bit (also adamw8bit): 8-bit AdamW states from bitsandbytes"))

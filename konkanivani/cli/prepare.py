@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from ..checkpoint import CheckpointError
-from ..config import DEFAULT_SEED
+from ..config import DEFAULT_MAX_DURATION, DEFAULT_SEED
 from ..data.manifest import ManifestError
 from ..data.tokenizer import Tokenizer
 from ..tools.outputs import OutputError, child, manifest_audio, refuse_overlap
@@ -97,8 +97,9 @@ def _add_row_check_flags(s) -> None:
     """The flags every source shares: how rows are checked, and the progress bar."""
     s.add_argument("--tokenizer", type=Path, help="SentencePiece .model to check the text against (default: "
                    "characters, the strictest)")
-    s.add_argument("--max_duration", type=float, default=30.0,
-                   help="skip audio longer than this many seconds (default: 30.0, as training)")
+    s.add_argument("--max_duration", type=float, default=DEFAULT_MAX_DURATION,
+                   help=f"skip audio longer than this many seconds (default: {DEFAULT_MAX_DURATION}, "
+                        "as training)")
     s.add_argument("--no_progress", dest="progress", action="store_false", help="no progress bar")
 
 

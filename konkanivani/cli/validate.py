@@ -21,7 +21,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from ..data.manifest import DEFAULT_DURATION_TOLERANCE, ManifestError, check_row, iter_manifest
+from ..config import DEFAULT_DURATION_TOLERANCE, DEFAULT_MAX_DURATION, DEFAULT_VOCAB_SIZE
+from ..data.manifest import ManifestError, check_row, iter_manifest
 from ..data.tokenizer import Tokenizer, train_tokenizer
 from ..tools.outputs import OutputError, manifest_audio, write_output
 from . import Parser, fail, refuse_unsafe_outputs, setup_logging, tool
@@ -36,8 +37,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Parse
     p.add_argument("--output", type=Path, help="write the good rows here (JSON lines)")
     p.add_argument("--tokenizer", type=Path, help="SentencePiece .model to check the text against (default: "
                    "train one on the manifest, as training does, so only unusable text is found)")
-    p.add_argument("--vocab_size", type=int, default=128, help="vocabulary size when training one (default: 128)")
-    p.add_argument("--max_duration", type=float, default=30.0, help="longest audio in seconds (default: 30.0)")
+    p.add_argument("--vocab_size", type=int, default=DEFAULT_VOCAB_SIZE,
+                   help=f"vocabulary size when training one (default: {DEFAULT_VOCAB_SIZE})")
+    p.add_argument("--max_duration", type=float, default=DEFAULT_MAX_DURATION,
+                   help=f"longest audio in seconds (default: {DEFAULT_MAX_DURATION})")
     p.add_argument("--duration_tolerance", type=float, default=DEFAULT_DURATION_TOLERANCE,
                    help="seconds a row's 'duration' may differ from its file's (<0: don't compare; default: "
                         f"{DEFAULT_DURATION_TOLERANCE})")

@@ -21,13 +21,12 @@ from typing import Any, Iterator
 import numpy as np
 import soundfile as sf
 
+from ..config import DEFAULT_DURATION_TOLERANCE
 from .frames import SAMPLE_RATE, frames_of, subsampled_lengths
 from .tokenizer import UNK_ID, Tokenizer, normalize_text
 
 __all__ = ["DEFAULT_DURATION_TOLERANCE", "ManifestError", "RowCheck", "check_row", "check_text", "iter_manifest",
            "read_manifest", "resolve_audio_path"]
-
-DEFAULT_DURATION_TOLERANCE = 0.5  # seconds; rounding passes, a truncated or mismatched file does not
 
 
 @dataclass

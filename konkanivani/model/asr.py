@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import torchaudio
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import DEFAULT_CTC_WEIGHT, DEFAULT_LABEL_SMOOTHING, ModelConfig
 from ..data.tokenizer import BLANK_ID, SOS_EOS_ID
 from .conformer import ConformerEncoder
 from .decoder import TransformerDecoder
@@ -58,7 +58,8 @@ class ASRModel(nn.Module):
     VOCABULARY_TENSORS = ("ctc_head.weight", "ctc_head.bias", "decoder.embed.weight", "decoder.output.weight",
                           "decoder.output.bias")
 
-    def __init__(self, cfg: ModelConfig, ctc_weight: float = 0.3, label_smoothing: float = 0.1):
+    def __init__(self, cfg: ModelConfig, ctc_weight: float = DEFAULT_CTC_WEIGHT,
+                 label_smoothing: float = DEFAULT_LABEL_SMOOTHING):
         super().__init__()
         if cfg.vocab_size <= SOS_EOS_ID:
             raise ValueError(f"vocab_size must exceed {SOS_EOS_ID}, got {cfg.vocab_size}")

@@ -27,7 +27,14 @@ from pathlib import Path
 from typing import Any, Callable, Optional, get_type_hints
 
 from ..checkpoint import atomic_file, write_file_atomic
-from ..config import ConfigError, ModelConfig, TrainConfig, flag_fields, model_config_from_preset
+from ..config import (
+    DEFAULT_VOCAB_SIZE,
+    ConfigError,
+    ModelConfig,
+    TrainConfig,
+    flag_fields,
+    model_config_from_preset,
+)
 from ..data.frames import budget_frames, frames_of
 from ..data.manifest import read_manifest
 from ..data.shards import open_shards
@@ -267,8 +274,9 @@ def _trial_row(out: Path, trial: Trial, target_cer: float) -> dict[str, Any]:
         with_flags = {f.name: resolved[f.name] for f in dataclasses.fields(ModelConfig)
                       if f.name in resolved and not f.metadata.get("from_tokenizer")}
         try:
-            params = MemoryEstimator(model_config_from_preset(resolved["preset"], vocab_size=resolved.get("vocab_size", 128),
-                                                              **with_flags)).n_params
+            vocab_size = resolved.get("vocab_size", DEFAULT_VOCAB_SIZE)
+            model_cfg = model_config_from_preset(resolved["preset"], vocab_size=vocab_size, **with_flags)
+            params = MemoryEstimator(model_cfg).n_params
             row["parameters_m"] = round(params / 1e6, 2)
         except ConfigError:  # a combination the trainer refused: no model, its reason says why
             pass
