@@ -70,24 +70,39 @@ def worker(spec: dict) -> dict:
     model.set_gradient_checkpointing(spec["checkpointing"])
     optimizer, optimizer_name = build_optimizer(spec["optimizer"], model.parameters(), device, 1e-4, 0.01)
     scaler = torch.amp.GradScaler(device.type, enabled=precision.use_scaler)
-    times, skipped = [], 0
-    for _ in range(spec["steps"]):
-        scale = scaler.get_scale()
-        start = time.perf_counter()
+
+    def step() -> tuple[float, bool]:
+        """One optimizer step: its seconds, and whether fp16's GradScaler skipped its update (it
+        lowers its scale when it does)."""
+        scale, start = scaler.get_scale(), time.perf_counter()
         forward_backward(model, micro, device, precision, scaler, spec_augment=True,
                          offload_activations=spec.get("offload", False))
         optimizer_step(model, optimizer, scaler, grad_clip=5.0)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-        # fp16's GradScaler lowers its scale when it skips an update: until the first update the
-        # optimizer has no states, and a run whose updates were all skipped peaks without them
-        skipped += scaler.get_scale() < scale
+        return time.perf_counter() - start, scaler.get_scale() < scale
+
+    # Until fp16's GradScaler lets an update through (it starts at 2^16 and halves on each
+    # overflow: the H100's rows skipped all 3), the optimizer has no states and the peak misses
+    # them, as no training run's does after its first steps: those steps are not counted.
+    warm_up = 0
+    while scaler.is_enabled() and warm_up < 16 and step()[1]:
+        warm_up += 1
+    if warm_up:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            reset_peak_rss()
+    times, skipped = [], 0
+    for _ in range(spec["steps"]):
+        seconds, was_skipped = step()
+        times.append(seconds)
+        skipped += was_skipped
     peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()) - base
     estimate = MemoryEstimator(cfg, precision_name(precision), optimizer_name,
                                spec["checkpointing"], device)
     return {"peak_mib": peak / _MIB, "step_s": statistics.median(times[1:] or times),
-            "optimizer": optimizer_name, "device": device.type, "skipped_updates": skipped,
+            "optimizer": optimizer_name, "device": device.type, "skipped_updates": skipped, "warm_up_steps": warm_up,
             "estimate_mib": estimate.peak_bytes(per_micro, frames, tokens) / _MIB}
 
 
