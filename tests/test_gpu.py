@@ -352,6 +352,76 @@ def test_offloaded_activations_lower_the_peak_keep_the_gradients_and_train(corpu
     _assert_trained(out, summary, 4)
 
 
+# ---- a step that does not wait for the GPU -------------------------------------------------------
+
+@contextlib.contextmanager
+def _syncs_allowed():
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("error")
+
+
+class _CTCLetThrough(torch.autograd.Function):
+    """torch's CTC loss with synchronization allowed in its forward and backward passes: it copies
+    its lengths between the CPU and the GPU, the one wait of a step that the test lets through."""
+
+    @staticmethod
+    def forward(ctx, log_probs, targets, input_lengths, target_lengths, blank, reduction, zero_infinity):
+        with _syncs_allowed(), torch.enable_grad():
+            ctx.inputs = log_probs.detach().requires_grad_()
+            ctx.loss = _REAL_CTC(ctx.inputs, targets, input_lengths, target_lengths, blank=blank,
+                                 reduction=reduction, zero_infinity=zero_infinity)
+        return ctx.loss.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        with _syncs_allowed():
+            return (torch.autograd.grad(ctx.loss, ctx.inputs, grad)[0],) + (None,) * 6
+
+
+_REAL_CTC = torch.nn.functional.ctc_loss
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_a_training_step_waits_for_the_gpu_only_in_ctc(precision, monkeypatch):
+    """Features from pinned waveforms, forward, backward, clipping and the fused optimizer's
+    step: no host-device synchronization (an error under ``set_sync_debug_mode``), but torch's CTC
+    copying its lengths, which ``_CTCLetThrough`` lets through. The loop reads the losses and skip
+    flags every --log_every steps (``loop.settle``), outside this."""
+    from konkanivani.data.features import LogMel
+    from konkanivani.training.optim import adamw
+    from konkanivani.training.step import optimizer_step
+
+    def ctc(log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean", zero_infinity=False):
+        return _CTCLetThrough.apply(log_probs, targets, input_lengths, target_lengths, blank, reduction,
+                                    zero_infinity)
+
+    monkeypatch.setattr(torch.nn.functional, "ctc_loss", ctc)
+    torch.manual_seed(0)
+    model = ASRModel(model_config_from_preset("small", vocab_size=64)).to(CUDA).train()
+    optimizer = adamw(list(model.parameters()), lr=1e-4)
+    prec = resolve_precision(CUDA, False, precision)
+    scaler = torch.amp.GradScaler("cuda", enabled=prec.use_scaler)
+    batch = Batch(*(t.pin_memory() if isinstance(t, torch.Tensor) else t for t in _batch(4, 601, 20, 64)))
+    log_mel = LogMel().to(CUDA)
+
+    def step():
+        stats = forward_backward(model, [batch], CUDA, prec, scaler, spec_augment=True, log_mel=log_mel)
+        return optimizer_step(model, optimizer, scaler, grad_clip=5.0, loss=stats["loss"])
+
+    step()  # the first step initializes the libraries' handles and the optimizer's states
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        norms = [step() for _ in range(3)]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(n.is_cuda for n in norms) and all(math.isfinite(float(n)) for n in norms)
+
+
 # ---- FSDP2 with CPU offload, 8-bit AdamW --------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
