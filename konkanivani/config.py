@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any, Callable, Union, get_args, get_origin, get_type_hints
 
 __all__ = ["DEFAULT_SEED", "DEFAULT_MAX_DURATION", "DEFAULT_DURATION_TOLERANCE", "DEFAULT_VOCAB_SIZE",
-           "DEFAULT_CTC_WEIGHT", "DEFAULT_LABEL_SMOOTHING", "Renamed", "FROM_TOKENIZER", "flag_fields", "AugmentConfig", "OPTIMIZERS", "PRECISIONS", "STRATEGIES", "kept_settings", "ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "INIT_MODULES", "model_config_from_preset",
+           "DEFAULT_CTC_WEIGHT", "DEFAULT_LABEL_SMOOTHING", "Seeded", "RunConfig", "check_run_config",
+           "check_values", "Check", "POSITIVE_INTEGER", "COUNT", "AMOUNT", "POSITIVE_NUMBER", "BELOW_ONE",
+           "Renamed", "FROM_TOKENIZER", "flag_fields", "AugmentConfig", "OPTIMIZERS", "PRECISIONS", "STRATEGIES", "kept_settings", "ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "INIT_MODULES", "model_config_from_preset",
            "model_config_from", "check_config", "add_dataclass_args", "dataclass_from_args"]
 
 
@@ -161,11 +163,43 @@ def model_config_from(base: dict[str, Any], **overrides: Any) -> ModelConfig:
 
 
 @dataclass
-class AugmentConfig:
+class Seeded:
+    """The seed of a run's every random draw: both trainers' and the augmentations'."""
+
+    seed: int = field(default=DEFAULT_SEED, metadata=flag_help(
+        kept_on_resume=True, text="seeds every random draw of the run (python, numpy and torch)"))
+
+
+@dataclass
+class RunConfig(Seeded):
+    """What both trainers' runs share (``TrainConfig``'s and the language model's,
+    ``training.lm.LMTrainConfig``): how long they train, the optimizer's peak LR and weight decay,
+    the device, resuming and replacing a run, which checkpoints stay, and the seed. Each field is
+    defined here once and checked once, by ``check_run_config``."""
+
+    epochs: int = field(default=20, metadata=flag_help("passes over the training data"))
+    max_steps: int = field(default=0, metadata=flag_help(
+        "stop after this many optimizer steps (0: no limit)"))
+    lr: float = field(default=1e-3, metadata=flag_help("peak learning rate"))
+    weight_decay: float = field(default=1e-2, metadata=flag_help("AdamW weight decay"))
+    device: str = field(default="auto", metadata=flag_help("auto, cpu, cuda or cuda:N"))
+    keep_checkpoints: int = field(default=3, metadata=flag_help(
+        "step checkpoints to keep (latest.pt and best.pt are extra)"))
+    resume: str = field(default="", metadata=flag_help(
+        "checkpoint path, or 'latest' for OUTPUT_DIR/latest.pt (the newest readable step file if "
+        "that is broken)"))
+    overwrite: bool = field(default=False, metadata=flag_help(
+        "start afresh in an OUTPUT_DIR that holds a run: the old run is moved to "
+        "OUTPUT_DIR.replaced-<time>/"))
+    max_time: float = field(default=0.0, metadata=flag_help(
+        "wall-clock budget in seconds: after the step that passes it, save and stop (0: none)"))
+
+
+@dataclass
+class AugmentConfig(Seeded):
     """Which augmentations run on training utterances and how, every one off by default, and the seed
     of every random draw (``data.augment.Augmenter`` takes this; a ``TrainConfig`` is one)."""
 
-    seed: int = field(default=DEFAULT_SEED, metadata=flag_help(kept_on_resume=True, text="seeds python, numpy and torch"))
     speed_perturb: bool = field(default=False, metadata=flag_help(kept_on_resume=True, section="data", text=
         "play each training utterance at a speed drawn from 0.9, 1.0, 1.1 (tempo and pitch; batches are planned "
         "for the slowest)"))
@@ -194,8 +228,9 @@ class AugmentConfig:
 
 
 @dataclass
-class TrainConfig(AugmentConfig):
-    """One training run. Defaults suit the demo corpus on a small GPU or a CPU."""
+class TrainConfig(AugmentConfig, RunConfig):
+    """One training run: its own fields, then those of every run (``RunConfig``) and the
+    augmentations (``AugmentConfig``). Defaults suit the demo corpus on a small GPU or a CPU."""
 
     train_manifest: str = field(default="", metadata={"section": "data", "help":
                                 "NeMo-style JSONL manifest for training (required, or --train_shards)"})
@@ -213,13 +248,9 @@ class TrainConfig(AugmentConfig):
         section="data", text="SentencePiece vocabulary size when training one"))
     tokenizer_type: str = field(default="unigram", metadata=flag_help(section="data", text=
         "SentencePiece model type: unigram, bpe, or char (one token per character; --vocab_size is then ignored)"))
-    epochs: int = field(default=20, metadata=flag_help("passes over the training set"))
-    max_steps: int = field(default=0, metadata=flag_help("stop after this many optimizer steps (0: no limit)"))
     batch_size: int = field(default=8, metadata=flag_help(kept_on_resume=True, section="data", text="utterances per micro-batch"))
     gradient_accumulation_steps: int = field(default=1, metadata=flag_help("micro-batches per optimizer step"))
-    lr: float = field(default=1e-3, metadata=flag_help("peak learning rate"))
     warmup_steps: int = field(default=300, metadata=flag_help("linear warm-up, then inverse square-root decay"))
-    weight_decay: float = field(default=1e-2, metadata=flag_help("AdamW weight decay"))
     grad_clip: float = field(default=5.0, metadata=flag_help("clip the gradient norm to this (0: off)"))
     ctc_weight: float = field(default=DEFAULT_CTC_WEIGHT, metadata=flag_help(
         "loss = w * CTC + (1 - w) * attention"))
@@ -228,16 +259,10 @@ class TrainConfig(AugmentConfig):
     spec_augment: bool = field(default=True, metadata=flag_help("time and frequency masks on training batches"))
     mixed_precision: bool = field(default=False, metadata=flag_help(
         "fp16 autocast + GradScaler on CUDA; bf16 on a CPU only where it computes bf16 natively"))
-    device: str = field(default="auto", metadata=flag_help("auto, cpu, cuda or cuda:N"))
     num_workers: int = field(default=2, metadata=flag_help(section="data", text="DataLoader worker processes"))
     empty_cache_every: int = field(default=50, metadata=flag_help(
         "call torch.cuda.empty_cache() every N batches on CUDA (0: never)"))
     save_every_steps: int = field(default=0, metadata=flag_help("also save every N optimizer steps (0: each epoch only)"))
-    keep_checkpoints: int = field(default=3, metadata=flag_help("step checkpoints to keep (latest.pt and best.pt are extra)"))
-    resume: str = field(default="", metadata=flag_help(
-        "checkpoint path, or 'latest' for OUTPUT_DIR/latest.pt (the newest readable step file if that is broken)"))
-    overwrite: bool = field(default=False, metadata=flag_help(
-        "start afresh in an OUTPUT_DIR that holds a run: the old run is moved to OUTPUT_DIR.replaced-<time>/"))
     max_duration: float = field(default=DEFAULT_MAX_DURATION, metadata=flag_help(
         kept_on_resume=True, section="data", text="skip utterances longer than this many seconds"))
     log_every: int = field(default=50, metadata=flag_help(
@@ -247,8 +272,6 @@ class TrainConfig(AugmentConfig):
     progress: bool = field(default=True, metadata=flag_help("show tqdm progress bars"))
     tensorboard: bool = field(default=True, metadata=flag_help(
         "write the metrics as TensorBoard event files to OUTPUT_DIR/tensorboard/ (when TensorBoard is installed)"))
-    max_time: float = field(default=0.0, metadata=flag_help(
-        "wall-clock budget in seconds: after the step that passes it, save and stop (0: none)"))
     max_consecutive_skips: int = field(default=20, metadata=flag_help(
         "stop after this many updates in a row skipped for a non-finite loss or gradients (0: never)"))
     duration_tolerance: float = field(default=DEFAULT_DURATION_TOLERANCE, metadata=flag_help(section="data", text=
@@ -312,30 +335,61 @@ def _fraction(v: float) -> bool:
     return 0.0 <= v <= 1.0
 
 
-# Each checked flag: what its value must be, said as the message says it.
-_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    **{name: (_at_least(1), "a positive integer") for name in (
-        "epochs", "batch_size", "gradient_accumulation_steps", "vocab_size", "log_every", "keep_checkpoints",
-        "num_buckets", "shuffle_buffer")},
-    **{name: (_at_least(0), "0 or more") for name in (
-        "max_steps", "warmup_steps", "num_workers", "empty_cache_every", "save_every_steps", "validate_every_steps",
+# What a checked value must be, said as the message says it.
+Check = tuple[Callable[[Any], bool], str]
+POSITIVE_INTEGER: Check = (_at_least(1), "a positive integer")
+COUNT: Check = (_at_least(0), "0 or more")
+AMOUNT: Check = (_at_least(0, integer=False), "0 or more")
+POSITIVE_NUMBER: Check = (lambda v: math.isfinite(v) and v > 0, "a positive number")
+BELOW_ONE: Check = (lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+
+# The checks of the fields every run has (RunConfig), which both trainers make.
+_RUN_CHECKS: dict[str, Check] = {
+    "epochs": POSITIVE_INTEGER, "keep_checkpoints": POSITIVE_INTEGER, "max_steps": COUNT,
+    "max_time": AMOUNT, "weight_decay": AMOUNT, "lr": POSITIVE_NUMBER,
+    "device": (lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", v) is not None,
+               "auto, cpu, cuda or cuda:N"),
+}
+
+# Each checked flag of TrainConfig's own and its augmentations'.
+_CHECKS: dict[str, Check] = {
+    **{name: POSITIVE_INTEGER for name in (
+        "batch_size", "gradient_accumulation_steps", "vocab_size", "log_every", "num_buckets",
+        "shuffle_buffer")},
+    **{name: COUNT for name in (
+        "warmup_steps", "num_workers", "empty_cache_every", "save_every_steps", "validate_every_steps",
         "max_batch_frames", "max_samples", "max_consecutive_skips", "freeze_encoder_steps")},
-    **{name: (_at_least(0, integer=False), "0 or more") for name in (
-        "max_time", "max_batch_seconds", "max_memory_gb", "gpu_memory_gb", "grad_clip", "weight_decay")},
-    "lr": (lambda v: math.isfinite(v) and v > 0, "a positive number"),
+    **{name: AMOUNT for name in ("max_batch_seconds", "max_memory_gb", "gpu_memory_gb", "grad_clip")},
     "max_duration": (lambda v: v > 0, "a positive number of seconds"),
     "ctc_weight": (_fraction, "in [0, 1]"),
     **{name: (_fraction, "in [0, 1]") for name in ("noise_prob", "reverb_prob", "vtlp_prob")},
     **{name: (math.isfinite, "a number of dB") for name in ("noise_snr_low_db", "noise_snr_high_db")},
-    "label_smoothing": (lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+    "label_smoothing": BELOW_ONE,
     "ema_decay": (lambda v: 0.0 <= v < 1.0, "in [0, 1) (0: off)"),
     "tokenizer_type": (TOKENIZER_TYPES.__contains__, "one of " + ", ".join(TOKENIZER_TYPES)),
     "precision": (lambda v: v in ("", *PRECISIONS), f"one of {', '.join(PRECISIONS)} (or left out)"),
     "optimizer": (OPTIMIZERS.__contains__, "adamw or adamw_8bit"),
     "strategy": (STRATEGIES.__contains__, " or ".join(STRATEGIES)),
-    "device": (lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", v) is not None, "auto, cpu, cuda or cuda:N"),
     "preset": (PRESETS.__contains__, "one of " + ", ".join(PRESETS)),
 }
+
+
+def check_values(cfg: Any, checks: dict[str, Check]) -> None:
+    """``ConfigError`` for the first field of ``cfg`` whose value its check refuses, in one line:
+    ``--NAME must be WANTED, got VALUE``."""
+    for name, (ok, wanted) in checks.items():
+        value = getattr(cfg, name)
+        if not ok(value):
+            raise ConfigError(f"--{name} must be {wanted}, got {value!r}")
+
+
+def check_run_config(cfg: RunConfig) -> None:
+    """The checks of every run's fields (``RunConfig``), the same for both trainers."""
+    check_values(cfg, _RUN_CHECKS)
+    if cfg.resume and cfg.resume != "latest" and not Path(cfg.resume).is_file():
+        raise ConfigError(f"--resume {cfg.resume}: file not found (or give 'latest')")
+    if cfg.resume and cfg.overwrite:
+        raise ConfigError("give --resume or --overwrite, not both")
 
 
 def check_config(cfg: TrainConfig, model_overrides: dict[str, Any] | None = None,
@@ -343,10 +397,8 @@ def check_config(cfg: TrainConfig, model_overrides: dict[str, Any] | None = None
     """Every flag value that can be checked before any work; ``ConfigError`` naming the first bad one.
     ``init_model_config``: the model config of a fresh run's --init_from checkpoint, whose dimensions
     the overrides then change (``training.finetune.init_checkpoint_config`` reads it)."""
-    for name, (ok, wanted) in _CHECKS.items():
-        value = getattr(cfg, name)
-        if not ok(value):
-            raise ConfigError(f"--{name} must be {wanted}, got {value!r}")
+    check_run_config(cfg)
+    check_values(cfg, _CHECKS)
     if not cfg.train_manifest and not cfg.train_shards:
         raise ConfigError("--train_manifest (or --train_shards) is required")
     if not cfg.valid_manifest:
@@ -362,12 +414,8 @@ def check_config(cfg: TrainConfig, model_overrides: dict[str, Any] | None = None
     if cfg.noise_snr_low_db > cfg.noise_snr_high_db:
         raise ConfigError(f"--noise_snr_low_db {cfg.noise_snr_low_db:g} is above --noise_snr_high_db "
                           f"{cfg.noise_snr_high_db:g}")
-    if cfg.resume and cfg.resume != "latest" and not Path(cfg.resume).is_file():
-        raise ConfigError(f"--resume {cfg.resume}: file not found (or give 'latest')")
-    exclusive = [("max_batch_frames", "max_batch_seconds"), ("resume", "overwrite")]
-    for a, b in exclusive:
-        if getattr(cfg, a) and getattr(cfg, b):
-            raise ConfigError(f"give --{a} or --{b}, not both")
+    if cfg.max_batch_frames and cfg.max_batch_seconds:
+        raise ConfigError("give --max_batch_frames or --max_batch_seconds, not both")
     if cfg.train_shards and cfg.max_samples:
         raise ConfigError("--max_samples picks rows of --train_manifest; with --train_shards, write shards of the "
                           "rows to train on")

@@ -253,3 +253,33 @@ def test_cli_end_to_end(text_setup, tmp_path, caplog, capsys):
     with pytest.raises(SystemExit) as e:
         transcribe.main([str(tmp_path / "asr.pt"), str(tmp_path / "noise.wav"), *lm_flags[:-2], "--method", "greedy"])
     assert e.value.code == 2 and "takes no --lm" in capsys.readouterr().err
+
+
+# The fields every run has (config.RunConfig), each with a value both trainers must refuse.
+SHARED_BAD = [["--epochs", "0"], ["--keep_checkpoints", "0"], ["--max_steps", "-1"], ["--lr", "0"],
+              ["--weight_decay", "-0.1"], ["--max_time", "-5"], ["--device", "gpu"],
+              ["--resume", "nowhere.pt"], ["--resume", "latest", "--overwrite"]]
+
+
+@pytest.mark.parametrize("bad", SHARED_BAD, ids=[" ".join(f) for f in SHARED_BAD])
+def test_both_trainers_refuse_a_bad_shared_value_with_the_same_line(bad, text_setup, tmp_path, caplog):
+    """One definition and one check of each RunConfig field: the ASR trainer and the LM trainer
+    refuse the same bad value in the same words, before any work."""
+    from konkanivani.cli import train as asr_train
+
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("")
+    asr = ["--train_manifest", str(manifest), "--valid_manifest", str(manifest), "--output_dir",
+           str(tmp_path / "asr"), *bad]
+    lm = [str(text_setup / "text.txt"), "--tokenizer", str(text_setup / "tok.model"), "--output_dir",
+          str(tmp_path / "lm"), *bad]
+    said = []
+    for main, argv in ((asr_train.main, asr), (train_lm.main, lm)):
+        caplog.clear()
+        with torch.inference_mode(False):
+            assert main(argv) == 2
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(errors) == 1 and len(errors[0].splitlines()) == 1, errors
+        said.append(errors[0])
+    assert said[0] == said[1] and bad[0] in said[0]
+    assert not (tmp_path / "asr").exists() and not (tmp_path / "lm").exists()

@@ -20,7 +20,17 @@ from typing import Any, Optional
 import torch
 
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from ..config import DEFAULT_SEED, ConfigError, flag_help, kept_settings
+from ..config import (
+    BELOW_ONE,
+    COUNT,
+    POSITIVE_INTEGER,
+    ConfigError,
+    RunConfig,
+    check_run_config,
+    check_values,
+    flag_help,
+    kept_settings,
+)
 from ..data.tokenizer import UNK_ID, Tokenizer, normalize_text
 from ..model.lm import LMConfig, TransformerLM
 from .metrics_log import MetricsLog
@@ -37,8 +47,9 @@ log = logging.getLogger("konkanivani")
 
 
 @dataclass
-class LMTrainConfig:
-    """One LM training run (the model's dimensions are ``model.lm.LMConfig``)."""
+class LMTrainConfig(RunConfig):
+    """One LM training run: its own fields, then those of every run (``config.RunConfig``); the
+    model's dimensions are ``model.lm.LMConfig``."""
 
     text: list[str] = field(default_factory=list, metadata=flag_help("text files, one sentence a line"))
     tokenizer: str = field(default="", metadata={"help": "the ASR checkpoint the LM will serve, or a .model",
@@ -48,19 +59,8 @@ class LMTrainConfig:
     valid_fraction: float = field(default=0.05, metadata=flag_help(
         "without --valid_text, this share of the sentences is held out", kept_on_resume=True))
     batch_size: int = field(default=64, metadata=flag_help("sentences per step", kept_on_resume=True))
-    lr: float = field(default=1e-3, metadata=flag_help("peak learning rate"))
     warmup_steps: int = field(default=500, metadata=flag_help("then 1/sqrt decay, as konkanivani-train"))
-    weight_decay: float = field(default=0.01, metadata=flag_help("AdamW's"))
-    epochs: int = field(default=20, metadata=flag_help("passes over the training sentences"))
-    max_steps: int = field(default=0, metadata=flag_help("stop after this many steps (0: --epochs decides)"))
     valid_every: int = field(default=500, metadata=flag_help("validate and save every N steps, and each epoch"))
-    keep_checkpoints: int = field(default=3, metadata=flag_help("step checkpoints to keep"))
-    seed: int = field(default=DEFAULT_SEED, metadata=flag_help("seeds the weights, the split and the order",
-                                                           kept_on_resume=True))
-    max_time: float = field(default=0.0, metadata=flag_help("seconds; then save and stop (0: no limit)"))
-    resume: str = field(default="", metadata=flag_help("latest, or a checkpoint path"))
-    overwrite: bool = field(default=False, metadata=flag_help("move an earlier run in --output_dir aside"))
-    device: str = field(default="auto", metadata=flag_help("auto, cpu, cuda, cuda:1 ..."))
 
 
 class TextError(ValueError):
@@ -68,19 +68,17 @@ class TextError(ValueError):
 
 
 def check_lm_config(cfg: LMTrainConfig, lm_cfg: LMConfig) -> None:
-    """Every value that can be checked before any work; ``ConfigError`` naming the first bad one."""
-    for name in ("batch_size", "epochs", "valid_every", "keep_checkpoints"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name} must be a positive integer")
-    for name in ("d_model", "layers", "n_heads"):
-        if getattr(lm_cfg, name) < 1:
-            raise ConfigError(f"--{name} must be a positive integer")
+    """Every value that can be checked before any work; ``ConfigError`` naming the first bad one.
+    The fields every run has are checked as the ASR trainer checks them (``check_run_config``)."""
+    check_run_config(cfg)
+    check_values(cfg, {"batch_size": POSITIVE_INTEGER, "valid_every": POSITIVE_INTEGER,
+                       "warmup_steps": COUNT,
+                       "valid_fraction": (lambda v: 0.0 < v < 1.0, "in (0, 1)")})
+    check_values(lm_cfg, {"d_model": POSITIVE_INTEGER, "layers": POSITIVE_INTEGER,
+                          "n_heads": POSITIVE_INTEGER, "dropout": BELOW_ONE})
     if lm_cfg.d_model % lm_cfg.n_heads or (lm_cfg.d_model // lm_cfg.n_heads) % 2:
-        raise ConfigError(f"--d_model {lm_cfg.d_model} must split into --n_heads {lm_cfg.n_heads} heads of even width")
-    if not 0.0 < cfg.valid_fraction < 1.0:
-        raise ConfigError("--valid_fraction must be in (0, 1)")
-    if cfg.lr <= 0 or not 0.0 <= lm_cfg.dropout < 1.0:
-        raise ConfigError("--lr must be positive and --dropout in [0, 1)")
+        raise ConfigError(f"--d_model {lm_cfg.d_model} must split into --n_heads {lm_cfg.n_heads} heads "
+                          "of even width")
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
