@@ -39,6 +39,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..data.audio import AudioError
+from ..data.frames import SAMPLE_RATE
 from ..decoding.streaming import MAX_RATE, MIN_RATE, Result, check_sample_rate
 from .engine import Engine, UploadTooLong
 from .limits import Limits
@@ -265,7 +266,7 @@ class _Server:
         except Exception as e:  # noqa: BLE001  whatever the audio makes the model raise: this request fails alone
             log.exception("decoding an upload failed")
             raise _Refused(500, "decode", f"decoding failed ({type(e).__name__})") from e
-        elapsed, seconds = time.perf_counter() - start, len(wav) / 16000
+        elapsed, seconds = time.perf_counter() - start, len(wav) / SAMPLE_RATE
         self.metrics.decoded("/transcribe", seconds, elapsed)
         self.metrics.requests.labels("/transcribe", "200").inc()
         return JSONResponse({"text": " ".join(r.text for r in results if r.text), "segments": [
@@ -375,8 +376,9 @@ async def _form_file(request: Request, body: bytes, limit: int) -> bytes:
 
 
 def _stream_params(ws: WebSocket) -> tuple[int, np.dtype]:
-    """A stream's ``sample_rate`` (default 16000) and ``format`` (``pcm16``, the default, or ``float32``)."""
-    rate = ws.query_params.get("sample_rate", "16000")
+    """A stream's ``sample_rate`` (default ``SAMPLE_RATE``, 16 kHz) and ``format`` (``pcm16``, the
+    default, or ``float32``)."""
+    rate = ws.query_params.get("sample_rate", str(SAMPLE_RATE))
     fmt = ws.query_params.get("format", "pcm16")
     if not rate.isdigit() or not MIN_RATE <= int(rate) <= MAX_RATE:
         raise _Refused(400, "params", f"sample_rate must be a whole number of Hz from {MIN_RATE} to {MAX_RATE}, "
