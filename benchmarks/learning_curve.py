@@ -28,9 +28,9 @@ from konkanivani.checkpoint import average_checkpoints, load_checkpoint, save_ch
 from konkanivani.cli.train import model_flags, parse_args
 from konkanivani.config import TrainConfig, dataclass_from_args
 from konkanivani.data.tokenizer import Tokenizer
+from konkanivani.decoding.config import FUSED_METHODS, LM_WEIGHT, METHODS, DecodingConfig
 from konkanivani.decoding.evaluation import evaluate_manifest
 from konkanivani.decoding.recognizer import Recognizer
-from konkanivani.decoding.search import DEFAULT_CTC_WEIGHT, FUSED_METHODS, METHODS
 from konkanivani.model.asr import ASRModel
 from konkanivani.tools.demo_corpus import default_options, make_corpus
 from konkanivani.training.curves import text_table, write_csv
@@ -58,12 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--splits", default="test",
                         help="corpus manifests the final weights are scored on, e.g. test,heldout,test_noisy")
-    parser.add_argument("--beam_size", type=int, default=10)
-    parser.add_argument("--decode_ctc_weight", type=float, default=DEFAULT_CTC_WEIGHT,
+    parser.add_argument("--beam_size", type=int, default=DecodingConfig.beam_size)
+    parser.add_argument("--decode_ctc_weight", type=float, default=DecodingConfig.ctc_weight,
                         help="CTC weight of joint decoding and rescoring (--ctc_weight is the training loss's)")
     parser.add_argument("--lm", type=Path, help="a konkanivani-train-lm checkpoint fused into the final scoring "
                         "(beam, attention, joint, rescore; greedy is scored without it)")
-    parser.add_argument("--lm_weight", type=float, default=0.3, help="with --lm")
+    parser.add_argument("--lm_weight", type=float, default=LM_WEIGHT, help="with --lm")
     parser.add_argument("--length_bonus", type=float, default=0.0, help="per token, in the fused methods")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "learning_curve")
     parser.add_argument("--evaluate_only", action="store_true",
@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             clock["next"] += every
             paused = time.perf_counter()
             tokenizer = Tokenizer.load(Path(cfg.output_dir) / "tokenizer.model")
-            result = evaluate_manifest(Recognizer(model, tokenizer, next(model.parameters()).device), test_manifest)
+            recognizer = Recognizer(model, tokenizer, next(model.parameters()).device)
+            result = evaluate_manifest(recognizer, test_manifest, method="greedy")
             model.train()
             curve.append({"minutes": round(trained / 60, 2), "step": step, "epoch": epoch + 1,
                           "cer": round(100 * result.cer, 2), "wer": round(100 * result.wer, 2)})
@@ -138,9 +139,11 @@ def main(argv: list[str] | None = None) -> int:
             for method in args.methods.split(","):
                 fused = method in FUSED_METHODS
                 lm_weight = args.lm_weight if fused and args.lm else 0.0
-                result = evaluate_manifest(rec, args.corpus / f"{split}.jsonl", method, args.beam_size,
-                                           args.decode_ctc_weight, lm_weight=lm_weight,
-                                           length_bonus=args.length_bonus if fused else 0.0)
+                bonus = args.length_bonus if fused else 0.0
+                result = evaluate_manifest(rec, args.corpus / f"{split}.jsonl", method=method,
+                                           beam_size=args.beam_size,
+                                           ctc_weight=args.decode_ctc_weight,
+                                           lm_weight=lm_weight, length_bonus=bonus)
                 rows.append({"weights": name, "split": split, "method": method, "cer": round(100 * result.cer, 2),
                              "wer": round(100 * result.wer, 2), "rtf": round(result.rtf, 4)})
                 log.info("%s, %s, %s: CER %.2f%% WER %.2f%% RTF %.4f", name, split, method, 100 * result.cer,

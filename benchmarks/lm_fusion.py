@@ -16,9 +16,9 @@ import argparse
 import logging
 from pathlib import Path
 
+from konkanivani.decoding.config import FUSED_METHODS, DecodingConfig
 from konkanivani.decoding.evaluation import evaluate_manifest
 from konkanivani.decoding.recognizer import Recognizer
-from konkanivani.decoding.search import DEFAULT_CTC_WEIGHT, FUSED_METHODS
 from konkanivani.training.curves import write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,8 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", default="beam,attention,joint", help=f"any of {', '.join(FUSED_METHODS)}")
     parser.add_argument("--lm_weights", type=_floats, default=_floats("0,0.1,0.2,0.3,0.4,0.5,0.6"))
     parser.add_argument("--length_bonuses", type=_floats, default=_floats("0,0.5,1.0"))
-    parser.add_argument("--beam_size", type=int, default=10)
-    parser.add_argument("--ctc_weight", type=float, default=DEFAULT_CTC_WEIGHT, help="of joint and rescore")
+    parser.add_argument("--beam_size", type=int, default=DecodingConfig.beam_size)
+    parser.add_argument("--ctc_weight", type=float, default=DecodingConfig.ctc_weight,
+                        help="of joint and rescore")
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "lm_fusion")
@@ -52,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     rec = Recognizer.from_checkpoint(args.asr_checkpoint, args.device, lm=args.lm_checkpoint)
 
     def score(manifest: Path, method: str, weight: float, bonus: float) -> dict:
-        r = evaluate_manifest(rec, manifest, method, args.beam_size, args.ctc_weight, args.batch_size,
+        r = evaluate_manifest(rec, manifest, method=method, beam_size=args.beam_size,
+                              ctc_weight=args.ctc_weight, batch_size=args.batch_size,
                               lm_weight=weight, length_bonus=bonus)
         row = {"method": method, "lm_weight": weight, "length_bonus": bonus, "wer": round(100 * r.wer, 2),
                "cer": round(100 * r.cer, 2), "rtf": round(r.rtf, 4)}

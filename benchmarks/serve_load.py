@@ -45,6 +45,7 @@ from konkanivani.data.audio import load_audio
 from konkanivani.data.frames import SAMPLE_RATE
 from konkanivani.data.manifest import read_manifest, resolve_audio_path
 from konkanivani.data.tokenizer import train_tokenizer
+from konkanivani.decoding.config import CHUNK_SIZE
 from konkanivani.model.asr import ASRModel
 from konkanivani.training.curves import text_table
 from konkanivani.training.precision import cpu_description
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpus", type=Path, default=ROOT / "data" / "demo")
     parser.add_argument("--streams", default="1,4,16")
     parser.add_argument("--seconds", type=float, default=20.0, help="audio per stream (default: %(default)s)")
-    parser.add_argument("--chunk_size", type=int, default=16)
+    parser.add_argument("--chunk_size", type=int, default=CHUNK_SIZE)
     parser.add_argument("--timeout", type=float, default=300.0, help="the most any stream may take past its audio")
     parser.add_argument("--server_flags", default="", help="more flags for konkanivani-serve, in one string")
     args = parser.parse_args(argv)

@@ -129,9 +129,9 @@ def accuracy(corpus: Path, runs: dict[str, Path], splits: list[str], chunks: lis
     rows = []
     for model, chunk in [("full", 0), ("streaming", 0), *(("streaming", c) for c in chunks)]:
         rec = Recognizer.from_checkpoint(runs[model] / "latest.pt")
-        rec.chunk_size = chunk
         for split in splits:
-            result = evaluate_manifest(rec, corpus / f"{split}.jsonl", method)
+            result = evaluate_manifest(rec, corpus / f"{split}.jsonl", method=method,
+                                       chunk_size=chunk)
             rows.append({"model": model, "chunk": chunk or "full", "split": split, "cer": round(100 * result.cer, 2),
                          "wer": round(100 * result.wer, 2)})
             print(rows[-1], flush=True)
@@ -189,7 +189,7 @@ def memory(manifest: Path, runs: dict[str, Path], out: Path, long_minutes: float
         path = _recording(manifest, out / f"recording_{minutes:g}min.wav", minutes)
         code = ("import sys, torch; from konkanivani.decoding.recognizer import Recognizer; "
                 "from konkanivani.data.audio import load_audio; rec = Recognizer.from_checkpoint(sys.argv[1]); "
-                "print(rec.decode_waveforms([load_audio(sys.argv[2])], 'greedy')[0][:40])")
+                "print(rec.decode_waveforms([load_audio(sys.argv[2])], method='greedy')[0][:40])")
         rows.append({"what": "whole file (full-context model)", "minutes": minutes,
                      **_peak([sys.executable, "-c", code, str(runs["full"] / "latest.pt"), str(path)])})
         print(rows[-1], flush=True)

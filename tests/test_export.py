@@ -277,7 +277,8 @@ def test_streaming_a_model_without_causal_convolutions_is_refused_in_one_line(un
 @pytest.mark.parametrize("flags,message", [
     (["--chunk_size", "4"], "--chunk_size and --left_chunks go with --streaming"),
     (["--streaming", "--left_chunks", "0"], "--left_chunks must be a positive integer, got 0"),
-    (["--streaming", "--chunk_size", "-1"], "--chunk_size must be a positive integer, got -1"),
+    (["--streaming", "--chunk_size", "-1"],
+     "--chunk_size must be 0 (none) or a positive number of encoder frames, got -1"),
 ])
 def test_bad_streaming_flags_are_one_line_and_status_2(untrained_checkpoint, flags, message, capsys):
     assert status([str(untrained_checkpoint), *flags]) == 2
@@ -372,7 +373,7 @@ def test_a_batch_of_two_matches_pytorch_and_the_recognizers_greedy_transcript(ex
         assert ids == decode_batch(recognizer.model, feats, lens, "greedy")
     vocab = json.loads((out / FILES["vocabulary"]).read_text(encoding="utf-8"))
     texts = [join_pieces(h, vocab) for h in ids]
-    assert texts == recognizer.decode_waveforms(wavs, "greedy")
+    assert texts == recognizer.decode_waveforms(wavs, method="greedy")
     assert all(texts)  # tokens, not blanks only
 
 

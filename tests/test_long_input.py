@@ -122,7 +122,8 @@ def write_wav(path, seconds: float, seed: int = 0):
 def test_a_too_short_file_is_its_own_error(recognizer, tmp_path, batch_size):
     normal, tiny = write_wav(tmp_path / "normal.wav", 1.0), write_wav(tmp_path / "tiny.wav", 0.04)
     edge = write_wav(tmp_path / "edge.wav", MIN_SAMPLES / SAMPLE_RATE)  # just long enough
-    out = list(recognizer.transcribe([normal, tiny, edge], "joint", beam_size=2, batch_size=batch_size))
+    out = list(recognizer.transcribe([normal, tiny, edge], method="joint", beam_size=2,
+                                     batch_size=batch_size))
     assert [tr.error is None for tr in out] == [True, False, True]
     assert out[1].error == f"{tiny}: audio too short (0.040 s; the model needs at least 0.060 s)"
     assert out[1].duration == pytest.approx(0.04) and out[1].text == ""
@@ -140,7 +141,7 @@ def test_a_file_that_fails_to_decode_takes_no_other_with_it(recognizer, tmp_path
         return real(model, feats, lens, *args, **kwargs)
 
     monkeypatch.setattr(inference, "decode_batch", failing)
-    out = list(recognizer.transcribe(paths, "greedy", batch_size=8))
+    out = list(recognizer.transcribe(paths, method="greedy", batch_size=8))
     assert [tr.error for tr in out] == [None, f"{paths[1]}: decoding failed (RuntimeError: boom)", None]
 
 
@@ -148,7 +149,8 @@ def test_long_files_are_said_once_per_call(recognizer, tmp_path, caplog):
     short = write_wav(tmp_path / "short.wav", 1.0)
     longs = [write_wav(tmp_path / f"long{i}.wav", LONG_INPUT_SECONDS + 1, seed=i) for i in range(2)]
     with caplog.at_level(logging.WARNING, logger="konkanivani"):
-        out = list(recognizer.transcribe([longs[0], short, longs[1]], "joint", beam_size=2, batch_size=1))
+        out = list(recognizer.transcribe([longs[0], short, longs[1]], method="joint", beam_size=2,
+                                         batch_size=1))
     assert [tr.method for tr in out] == [LONG_INPUT_METHOD, "joint", LONG_INPUT_METHOD]
     [note] = [r.getMessage() for r in caplog.records if "longer than" in r.getMessage()]
     assert f"2 inputs longer than {LONG_INPUT_SECONDS:g} s decoded with {LONG_INPUT_METHOD}" in note
@@ -161,7 +163,7 @@ def test_evaluate_scores_what_it_could_and_says_what_decoded_it(recognizer, tmp_
             for name, seconds in [("long.wav", LONG_INPUT_SECONDS + 1), ("short.wav", 1.0), ("tiny.wav", 0.04)]]
     manifest = tmp_path / "m.jsonl"
     manifest.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    result = evaluate_manifest(recognizer, manifest, "joint", beam_size=2)
+    result = evaluate_manifest(recognizer, manifest, method="joint", beam_size=2)
     assert [u.method for u in result.utterances] == [LONG_INPUT_METHOD, "joint"] and result.long_inputs == 1
     assert result.failed == [(f"{manifest}:3", f"{tmp_path / 'tiny.wav'}: audio too short (0.040 s; the model "
                                                "needs at least 0.060 s)")]

@@ -86,7 +86,8 @@ def test_limits_must_be_positive():
 @pytest.mark.parametrize("flags, message", [
     (["missing.pt"], "checkpoint missing.pt: file not found"),
     (["{ckpt}", "--max_streams", "0"], "--max_streams must be positive, got 0"),
-    (["{ckpt}", "--chunk_size", "0"], "--chunk_size must be at least 1, got 0"),
+    (["{ckpt}", "--chunk_size", "-1"],
+     "--chunk_size must be 0 (none) or a positive number of encoder frames, got -1"),
     (["{ckpt}", "--decode_ctc_weight", "2"], "--decode_ctc_weight must be in [0, 1], got 2.0"),
     (["{ckpt}", "--allow_origin", "friend.example/app"],
      "--allow_origin 'friend.example/app': an origin is scheme://host[:port]"),

@@ -224,7 +224,8 @@ def test_bad_streams_and_settings_are_refused_in_one_line(rec, full_rec, caplog)
     stream.finish()
     with pytest.raises(ValueError, match="finished"):
         stream.accept(torch.zeros(10))
-    for settings, reason in [({"method": "joint"}, "cannot stream"), ({"chunk_size": 0}, "chunk_size"),
+    for settings, reason in [({"method": "joint"}, "cannot stream"),
+                             ({"chunk_size": -1}, "chunk_size"),
                              ({"left_chunks": -2}, "left_chunks"), ({"endpoint_ms": -1}, "endpoint_ms")]:
         with pytest.raises(ValueError, match=reason):
             rec.stream(**{"chunk_size": 4, **settings})
@@ -355,7 +356,7 @@ def test_a_long_file_is_read_block_by_block_and_transcribed_in_timed_segments(ch
     else:
         whole = Recognizer.from_checkpoint(checkpoint)
         wav = resample(torch.from_numpy(sf.read(path, dtype="float32")[0].mean(1)), 44100)
-        windows = [(whole.decode_waveforms([w], "rescore")[0], round(first / SAMPLE_RATE, 3),
+        windows = [(whole.decode_waveforms([w], method="rescore")[0], round(first / SAMPLE_RATE, 3),
                     round((first + len(w)) / SAMPLE_RATE, 3)) for first, w in quiet_windows(wav.split(SAMPLE_RATE))]
         assert len(windows) >= seconds / 20 and all(end - start <= 20 for _, start, end in windows)
         assert [(r["text"], r["start"], r["end"]) for r in rows] == [w for w in windows if w[0]]

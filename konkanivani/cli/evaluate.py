@@ -12,60 +12,49 @@ scoring ends, each through a temporary file renamed into place.
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from pathlib import Path
 
 from ..checkpoint import CheckpointError
 from ..data.manifest import ManifestError
 from ..decoding.evaluation import evaluate_manifest, markdown_report
-from ..decoding.streaming import check_streaming
 from ..tools.outputs import OutputError, manifest_audio, write_output
 from . import Parser, fail, refuse_unsafe_outputs, setup_logging, tool
 from .decoding_flags import (
     add_decoding_args,
-    check_decoding_args,
+    checked_decoding,
     decoding_inputs,
     decoding_name,
     load_recognizer,
 )
 
-log = logging.getLogger("konkanivani")
+# The DecodingConfig fields konkanivani-evaluate takes as flags (docs/generate_flags.py reads them):
+# its --chunk_size encodes each utterance under a stream's chunk mask, batched.
+DECODING_FIELDS = ("method", "beam_size", "ctc_weight", "lm", "lm_weight", "length_bonus",
+                   "batch_size", "chunk_size", "left_chunks", "device")
+
 
 @tool
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__.split("\n\n")[0])
-    add_decoding_args(parser)
+    add_decoding_args(parser, DECODING_FIELDS)
     parser.add_argument("manifest", type=Path)
     parser.add_argument("--output", help="per-utterance results as JSONL")
     parser.add_argument("--report", help="write a markdown report here")
     parser.add_argument("--worst", type=int, default=10, help="how many of the worst utterances to list")
-    parser.add_argument("--chunk_size", type=int, default=0,
-                        help="score a streaming model (--causal_conv) as it streams: each utterance encoded under "
-                             "the chunk mask of chunks of this many encoder frames, 40 ms each (the text "
-                             "konkanivani-transcribe --chunk_size gives, batched; 0: full context)")
-    parser.add_argument("--left_chunks", type=int, default=-1,
-                        help="with --chunk_size: how many chunks back each chunk sees (-1: all)")
     args = parser.parse_args(argv)
-    check_decoding_args(parser, args)
-    if args.chunk_size < 0 or args.left_chunks < -1:
-        parser.error(f"--chunk_size must be >= 0 and --left_chunks >= -1, got {args.chunk_size} and {args.left_chunks}")
-    if args.left_chunks != -1 and not args.chunk_size:
-        parser.error("--left_chunks needs --chunk_size N")
+    decoding = checked_decoding(parser, args)
     if not args.manifest.is_file():
         parser.error(f"manifest {args.manifest}: file not found")
     setup_logging()
     # The audio files evaluate_manifest decodes, as it resolves them: checked before any is decoded.
     refuse_unsafe_outputs(parser, {"--output": args.output, "--report": args.report},
-                          [*decoding_inputs(args), args.manifest, *manifest_audio(args.manifest)])
+                          [*decoding_inputs(args.checkpoint, decoding), args.manifest,
+                           *manifest_audio(args.manifest)])
     try:
-        recognizer = load_recognizer(args)
-        if args.chunk_size:
-            for warning in check_streaming(recognizer.model.cfg, args.chunk_size, args.left_chunks):
-                log.warning("%s", warning)
-            recognizer.chunk_size, recognizer.left_chunks = args.chunk_size, args.left_chunks
-        result = evaluate_manifest(recognizer, args.manifest, args.method, args.beam_size,
-                                   args.decode_ctc_weight, args.batch_size, args.lm_weight, args.length_bonus)
+        recognizer = load_recognizer(args.checkpoint, decoding)
+        resolved = recognizer.settings(decoding)
+        result = evaluate_manifest(recognizer, args.manifest, decoding)
     except (CheckpointError, ManifestError, RuntimeError, ValueError) as e:
         return fail(f"{args.checkpoint}: {e}" if isinstance(e, ValueError) else str(e))
 
@@ -80,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     w, c = result.words, result.chars
     if result.utterances:
         print(f"{len(result.utterances)} utterances, {result.audio_seconds / 60:.1f} min, "
-              f"method {decoding_name(args, result.long_inputs)}, real-time factor {result.rtf:.3f}")
+              f"method {decoding_name(resolved, result.long_inputs)}, "
+              f"real-time factor {result.rtf:.3f}")
         print(f"WER {100 * w.rate:.2f}% ({w.substitutions} sub, {w.deletions} del, {w.insertions} ins / "
               f"{w.length} words)")
         print(f"CER {100 * c.rate:.2f}% ({c.substitutions} sub, {c.deletions} del, {c.insertions} ins / "

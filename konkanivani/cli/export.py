@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 
 from ..checkpoint import CheckpointError
-from ..config import Renamed
+from ..config import ConfigError, Renamed
+from ..decoding.config import add_decoding_flags, decoding_config_from_args
 from ..decoding.export import (
     FILES,
     FORMATS,
@@ -33,6 +34,10 @@ from ..decoding.export import (
     unavailable,
 )
 from . import Parser, fail, refuse_unsafe_outputs, setup_logging, tool
+
+# The DecodingConfig fields konkanivani-export takes as flags (docs/generate_flags.py reads them):
+# the chunks of --streaming.
+DECODING_FIELDS = ("chunk_size", "left_chunks")
 
 
 @tool
@@ -47,27 +52,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streaming", action="store_true",
                         help="also write encoder_chunk.onnx, one chunk of a stream with its caches, and streaming.json "
                              "(a model trained with --causal_conv)")
-    parser.add_argument("--chunk_size", type=int,
-                        help=f"with --streaming: encoder frames (40 ms) a chunk (default: {Streaming.chunk_size})")
-    parser.add_argument("--left_chunks", type=int,
-                        help=f"with --streaming: chunks before its own a chunk attends to, the caches' size "
-                             f"(default: {Streaming.left_chunks})")
+    add_decoding_flags(parser, DECODING_FIELDS)
     args = parser.parse_args(argv)
     if not args.streaming and (args.chunk_size is not None or args.left_chunks is not None):
         parser.error("--chunk_size and --left_chunks go with --streaming")
-    for name in ("chunk_size", "left_chunks"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    decoding = decoding_config_from_args(args)
+    try:
+        decoding.check(streams=True)
+    except ConfigError as e:
+        parser.error(str(e))
+    streaming = None
+    if args.streaming:
+        # Unless given: a stream's chunk, and the left context of an export's caches.
+        left = decoding.left_chunks
+        try:
+            streaming = Streaming(decoding.chunk_size or Streaming.chunk_size,
+                                  Streaming.left_chunks if left == -1 else left)
+        except ValueError as e:  # the caches hold at least one chunk
+            parser.error(f"--{e}")
     if not args.checkpoint.is_file():
         parser.error(f"checkpoint {args.checkpoint}: file not found")
     output = args.output_dir or args.checkpoint.with_name(f"{args.checkpoint.stem}_export")
     if output.exists() and not output.is_dir():
         parser.error(f"--output_dir {output}: exists and is not a folder")
     formats = FORMATS if args.format == "both" else (args.format,)
-    streaming = None
-    if args.streaming:
-        given = {name: getattr(args, name) for name in ("chunk_size", "left_chunks") if getattr(args, name)}
-        streaming = Streaming(**given)
     if reason := unavailable((*formats, "onnx") if streaming else formats):
         return fail(reason)
     # Each file the export replaces, none of which may be the checkpoint it reads.

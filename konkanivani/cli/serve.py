@@ -27,31 +27,16 @@ from dataclasses import fields
 from pathlib import Path
 
 from ..checkpoint import CheckpointError
-from ..decoding.search import DEFAULT_CTC_WEIGHT, METHODS
-from ..decoding.streaming import DEFAULT_ENDPOINT_MS, STREAM_METHODS
+from ..config import ConfigError
+from ..decoding.config import add_decoding_flags, decoding_config_from_args
 from . import Parser, fail, setup_logging, tool
 
 TOKEN_ENV = "KONKANIVANI_TOKEN"
 _ORIGIN = re.compile(r"https?://[^/?#\s]+/?", re.IGNORECASE)
-CHUNK_SIZE, LEFT_CHUNKS = 16, -1  # a streaming checkpoint's chunks, unless --chunk_size and --left_chunks say
-_LIMIT_HELP = {
-    "max_upload_mb": "the largest body POST /transcribe reads, in MB; 413 beyond",
-    "max_upload_seconds": "the most audio one upload may hold, in seconds; 413 beyond",
-    "max_uploads": "uploads decoded at once (counted once its body is in); 503 + Retry-After",
-    "max_streams": "WebSocket streams open at once; 503 with Retry-After beyond",
-    "max_client_uploads": "uploads one client address may have at once (read, decoded); 429 beyond",
-    "max_client_streams": "streams one client address may have open at once; 429 beyond",
-    "upload_timeout": "seconds an upload's whole body may take to arrive; 408 beyond",
-    "min_upload_kb_s": "the least mean rate of an upload's body after --grace_seconds, in KB/s; "
-                       "408 below",
-    "min_stream_rate": "the least audio a stream sends over its time after --grace_seconds, as a "
-                       "fraction of real time (at most 1); else its last results and close 1008",
-    "grace_seconds": "an upload's or a stream's first seconds, before its rate is held",
-    "max_stream_seconds": "the most audio one stream may send, in seconds; then its last results and close 1008",
-    "idle_seconds": "a stream that sends nothing this long gets its last results and close 1008",
-    "max_frame_kb": "the largest WebSocket message, in KB; close 1009 beyond",
-    "retry_after_s": "the Retry-After of a 503 or a 429, in seconds",
-}
+# The DecodingConfig fields konkanivani-serve takes as flags (docs/generate_flags.py reads them):
+# a streaming checkpoint streams in --chunk_size chunks, an export in its own.
+DECODING_FIELDS = ("method", "beam_size", "ctc_weight", "chunk_size", "left_chunks", "endpoint_ms",
+                   "device")
 
 
 @tool
@@ -66,20 +51,22 @@ def main(argv: list[str] | None = None) -> int:
         limits = Limits(**{f.name: getattr(args, f.name) for f in fields(Limits)})
     except ValueError as e:
         parser.error(f"--{e}")
+    decoding = decoding_config_from_args(args)
+    try:  # how the model decodes them is checked once it is loaded (Engine)
+        decoding.check(streams=None)
+    except ConfigError as e:
+        parser.error(str(e))
     threads = 1 if args.threads is None else args.threads
-    for name, value, least in (("--beam_size", args.beam_size, 1), ("--chunk_size", args.chunk_size, 1),
-                               ("--left_chunks", args.left_chunks, -1), ("--endpoint_ms", args.endpoint_ms, 0),
-                               ("--workers", args.workers, 1), ("--threads", threads, 1), ("--port", args.port, 0)):
-        if value is not None and value < least:
+    for name, value, least in (("--workers", args.workers, 1), ("--threads", threads, 1),
+                               ("--port", args.port, 0)):
+        if value < least:
             parser.error(f"{name} must be at least {least}, got {value}")
-    if not 0.0 <= args.decode_ctc_weight <= 1.0:
-        parser.error(f"--decode_ctc_weight must be in [0, 1], got {args.decode_ctc_weight}")
     for origin in args.allow_origin:
         if not _ORIGIN.fullmatch(origin):
             parser.error(f"--allow_origin {origin!r}: an origin is scheme://host[:port] (http or "
                          "https, no path), as a browser sends it")
     setup_logging()
-    return _serve(args, limits)
+    return _serve(args, decoding, limits)
 
 
 def _parser(limits_class) -> Parser:
@@ -98,34 +85,18 @@ def _parser(limits_class) -> Parser:
     parser.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None,
                         help=f"a secret every request must carry (default: ${TOKEN_ENV}, else none): the header "
                              "'Authorization: Bearer TOKEN' or ?token=TOKEN; the page opened as /?token=TOKEN")
-    parser.add_argument("--method", choices=METHODS, default=None,
-                        help=f"decoding method (default: rescore for a streaming checkpoint, whose streams and "
-                             f"uploads take {', '.join(STREAM_METHODS)}; joint for others; beam for an export, "
-                             "which takes greedy or beam)")
-    parser.add_argument("--beam_size", type=int, default=10, help="default: %(default)s")
-    parser.add_argument("--decode_ctc_weight", type=float, default=DEFAULT_CTC_WEIGHT,
-                        help="weight of the CTC score in joint decoding and rescoring (default: %(default)s)")
-    parser.add_argument("--chunk_size", type=int, default=None,
-                        help=f"a streaming checkpoint's chunk, in encoder frames of 40 ms: a partial result each "
-                             f"chunk (default: {CHUNK_SIZE}, 640 ms; an export's own)")
-    parser.add_argument("--left_chunks", type=int, default=None,
-                        help=f"chunks back each chunk sees (-1: all of its segment; default: {LEFT_CHUNKS}; an "
-                             "export's own)")
-    parser.add_argument("--endpoint_ms", type=int, default=DEFAULT_ENDPOINT_MS,
-                        help="a segment ends after this many ms of CTC blanks after speech (default: %(default)s)")
-    parser.add_argument("--device", default="cpu",
-                        help="cpu, cuda, cuda:1 ... (default: %(default)s; an export runs on onnxruntime's CPU)")
+    add_decoding_flags(parser, DECODING_FIELDS)
     parser.add_argument("--workers", type=int, default=1,
                         help="decode threads (default: %(default)s; PyTorch's own threads use the cores)")
     parser.add_argument("--threads", type=int, default=None, help="PyTorch's threads (default: its own choice)")
     group = parser.add_argument_group("limits")
     for f in fields(limits_class):
         group.add_argument(f"--{f.name}", type=type(f.default), default=f.default,
-                           help=f"{_LIMIT_HELP[f.name]} (default: %(default)s)")
+                           help=f"{f.metadata['help']} (default: %(default)s)")
     return parser
 
 
-def _serve(args, limits) -> int:
+def _serve(args, decoding, limits) -> int:
     try:
         import prometheus_client  # noqa: F401
         import starlette  # noqa: F401
@@ -137,7 +108,7 @@ def _serve(args, limits) -> int:
     from ..decoding.exported import ExportedRecognizer
     from ..decoding.recognizer import Recognizer
     from ..serving.app import DenialLogFilter, create_app, model_label
-    from ..serving.engine import Decoding, Engine
+    from ..serving.engine import Engine
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -145,28 +116,18 @@ def _serve(args, limits) -> int:
     if exported and importlib.util.find_spec("onnxruntime") is None:
         return fail(f"{args.checkpoint} is an export folder: serving ONNX needs onnxruntime: "
                     "pip install 'konkanivani[export]' (or serve the checkpoint itself)")
-    if exported and args.device != "cpu":
-        return fail(f"--device {args.device}: an ONNX export is served on onnxruntime's CPU provider (--device cpu)")
+    if exported and decoding.device not in ("auto", "cpu"):
+        return fail(f"--device {decoding.device}: an ONNX export is served on onnxruntime's CPU "
+                    "provider (--device cpu)")
     try:
         if exported:
             recognizer = ExportedRecognizer(args.checkpoint)
-            streaming = recognizer.streaming is not None
-            method = args.method or "beam"
-            chunk_size, left_chunks = ((recognizer.streaming["chunk_size"], recognizer.streaming["left_chunks"])
-                                       if streaming else (CHUNK_SIZE, LEFT_CHUNKS))
         else:
-            recognizer = Recognizer.from_checkpoint(args.checkpoint, args.device)
-            streaming = bool(recognizer.model.cfg.causal_conv)
-            method = args.method or ("rescore" if streaming else "joint")
-            if streaming and method not in STREAM_METHODS:
-                return fail(f"--method {method}: a streaming checkpoint decodes with {', '.join(STREAM_METHODS)}")
-            chunk_size, left_chunks = CHUNK_SIZE, LEFT_CHUNKS
-        chunk_size = chunk_size if args.chunk_size is None else args.chunk_size
-        left_chunks = left_chunks if args.left_chunks is None else args.left_chunks
-        engine = Engine(recognizer, Decoding(method, args.beam_size, args.decode_ctc_weight, chunk_size, left_chunks,
-                                             args.endpoint_ms), args.workers)
+            recognizer = Recognizer.from_checkpoint(args.checkpoint, decoding.device)
+        engine = Engine(recognizer, decoding, args.workers)
     except (CheckpointError, RuntimeError, ValueError) as e:
         return fail(str(e))
+    streaming, method = engine.streaming, engine.decoding.method
     try:
         sock = _listen(args.host, args.port)
     except OSError as e:

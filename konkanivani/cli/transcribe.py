@@ -38,6 +38,7 @@ import soundfile as sf
 from ..checkpoint import CheckpointError
 from ..data.audio import AudioError
 from ..data.manifest import ManifestError
+from ..decoding.config import DecodingConfig
 from ..decoding.recognizer import Recognizer, find_audio
 from ..decoding.search import LONG_INPUT_SECONDS
 from ..decoding.streaming import FRAME_SECONDS
@@ -45,23 +46,31 @@ from ..tools.outputs import OutputError, output_file
 from . import Parser, fail, refuse_unsafe_outputs, setup_logging, tool
 from .decoding_flags import (
     add_decoding_args,
-    check_decoding_args,
-    check_streaming_args,
+    checked_decoding,
     decoding_inputs,
     decoding_name,
     load_recognizer,
 )
 
+# The DecodingConfig fields konkanivani-transcribe takes as flags (docs/generate_flags.py reads
+# them).
+DECODING_FIELDS = ("method", "beam_size", "ctc_weight", "lm", "lm_weight", "length_bonus",
+                   "batch_size", "chunk_size", "left_chunks", "endpoint_ms", "device")
+
 
 @tool
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__.split("\n\n")[0])
-    add_decoding_args(parser, streaming=True)
+    add_decoding_args(parser, DECODING_FIELDS)
+    parser.add_argument("--stream", action="store_true",
+                        help="with --chunk_size: print partial results on stderr as they change")
     parser.add_argument("inputs", nargs="+", help="audio files, folders or JSONL manifests")
     parser.add_argument("--output", help="write JSONL here instead of printing")
     args = parser.parse_args(argv)
-    check_streaming_args(parser, args)
-    check_decoding_args(parser, args)
+    streams = bool(args.chunk_size)
+    if args.stream and not streams:
+        parser.error("--stream needs --chunk_size N (streaming)")
+    decoding = checked_decoding(parser, args, streams)
     setup_logging()
     try:
         files = [path for path, _ in find_audio(args.inputs)]
@@ -69,41 +78,39 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(e))
     # Every file the run reads, the folders and manifests expanded as find_audio expands them for
     # decoding; checked before anything is decoded.
-    reads = [*decoding_inputs(args), *args.inputs, *files]
+    reads = [*decoding_inputs(args.checkpoint, decoding), *args.inputs, *files]
     refuse_unsafe_outputs(parser, {"--output": args.output}, reads)
     try:
-        recognizer = load_recognizer(args)
+        recognizer = load_recognizer(args.checkpoint, decoding)
     except (CheckpointError, RuntimeError) as e:
         return fail(str(e))
-    if args.chunk_size:
-        try:  # refused for a model that cannot stream; a warning for chunks it was not trained with
-            recognizer.stream(args.chunk_size, args.left_chunks, args.method, args.beam_size, args.decode_ctc_weight,
-                              args.lm_weight, args.length_bonus, args.endpoint_ms)
-        except ValueError as e:
-            return fail(f"--chunk_size {args.chunk_size}: {args.checkpoint}: {e}")
+    try:  # refused for a model that cannot stream; a warning for chunks it was not trained with
+        resolved = recognizer.settings(decoding, streams=streams)
+    except ValueError as e:
+        return fail(f"--chunk_size {decoding.chunk_size}: {args.checkpoint}: {e}" if streams
+                    else str(e))
     if not files:
         return fail("no audio files found in " + " ".join(args.inputs))
 
     failed, long_inputs, in_segments, audio_s, start = [], 0, 0, 0.0, time.perf_counter()
     try:
         with output_file(args.output) if args.output else nullcontext() as out:
-            for paths, segmented in _runs(files, args.chunk_size):
+            for paths, segmented in _runs(files, decoding.chunk_size):
                 if segmented:
-                    error = _transcribe_in_segments(recognizer, paths[0], args, out)
+                    error = _transcribe_in_segments(recognizer, paths[0], decoding, args.stream,
+                                                    out)
                     if error is not None:
                         failed.append(error)
                         continue
                     in_segments += 1
                     audio_s += _seconds(paths[0])
                     continue
-                for tr in recognizer.transcribe(paths, args.method, args.beam_size,
-                                                args.decode_ctc_weight, args.batch_size,
-                                                args.lm_weight, args.length_bonus):
+                for tr in recognizer.transcribe(paths, decoding):
                     if tr.error is not None:
                         failed.append(tr.error)
                         continue
                     audio_s += tr.duration
-                    long_inputs += tr.method != args.method
+                    long_inputs += tr.method != resolved.method
                     row = {"audio_filepath": tr.audio_filepath, "text": tr.text,
                            "duration": round(tr.duration, 3)}
                     _write(out, f"{tr.audio_filepath}\t{tr.text}", row)
@@ -112,14 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - start
     done = len(files) - len(failed)
     speed = f" in {elapsed:.1f} s: real-time factor {elapsed / audio_s:.3f}" if audio_s else ""
-    if args.chunk_size:
-        how = (f", streamed in chunks of {args.chunk_size} frames ({args.chunk_size * FRAME_SECONDS * 1000:g} ms"
-               + (f", {args.left_chunks} to the left" if args.left_chunks >= 0 else "") + ")")
+    if streams:
+        chunk, left = resolved.chunk_size, resolved.left_chunks
+        how = (f", streamed in chunks of {chunk} frames ({chunk * FRAME_SECONDS * 1000:g} ms"
+               + (f", {left} to the left" if left >= 0 else "") + ")")
     else:
         how = f" ({in_segments} over {LONG_INPUT_SECONDS:g} s in windows)" if in_segments else ""
     print(f"{done} of {len(files)} files ({audio_s:.1f} s of audio) transcribed with "
-          f"{decoding_name(args, long_inputs)}{how}{speed}" + (f"; wrote {args.output}" if args.output else ""),
-          file=sys.stderr)
+          f"{decoding_name(resolved, long_inputs)}{how}{speed}"
+          + (f"; wrote {args.output}" if args.output else ""), file=sys.stderr)
     if failed:
         print(f"{len(failed)} files could not be transcribed:", *failed, sep="\n  ", file=sys.stderr)
         return 1
@@ -151,14 +159,13 @@ def _seconds(path: Path) -> float:
         return 0.0
 
 
-def _transcribe_in_segments(recognizer: Recognizer, path: Path, args, out: TextIO | None) -> str | None:
-    """Write the segments of one file as they come (partial results on stderr with ``--stream``);
-    the reason it failed, or None."""
+def _transcribe_in_segments(recognizer: Recognizer, path: Path, decoding: DecodingConfig,
+                            partials: bool, out: TextIO | None) -> str | None:
+    """Write the segments of one file as they come (partial results on stderr with ``partials``,
+    ``--stream``); the reason it failed, or None."""
     shown = ""  # the partial text last shown
     try:
-        for r in recognizer.transcribe_long(path, args.method, args.beam_size, args.decode_ctc_weight, args.lm_weight,
-                                            args.length_bonus, args.chunk_size, args.left_chunks,
-                                            args.endpoint_ms or 0, partials=args.stream):
+        for r in recognizer.transcribe_long(path, decoding, partials=partials):
             if not r.is_final:
                 if r.text.strip() != shown:
                     shown = r.text.strip()

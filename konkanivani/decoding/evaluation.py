@@ -8,9 +8,10 @@ from pathlib import Path
 
 from ..data.manifest import read_manifest, resolve_audio_path
 from ..data.tokenizer import normalize_text
+from .config import DecodingConfig
 from .metrics import ErrorCounts, score
 from .recognizer import Recognizer
-from .search import DEFAULT_CTC_WEIGHT, LONG_INPUT_METHOD, LONG_INPUT_SECONDS
+from .search import LONG_INPUT_METHOD, LONG_INPUT_SECONDS
 
 __all__ = ["ErrorCounts", "EvalResult", "UtteranceResult", "evaluate_manifest", "markdown_report", "score"]
 
@@ -66,15 +67,17 @@ class EvalResult:
         return sorted(self.utterances, key=lambda u: (u.words.errors, u.chars.errors), reverse=True)[:n]
 
 
-def evaluate_manifest(recognizer: Recognizer, manifest: str | Path, method: str = "greedy", beam_size: int = 10,
-                      ctc_weight: float = DEFAULT_CTC_WEIGHT, batch_size: int = 8, lm_weight: float = 0.0,
-                      length_bonus: float = 0.0) -> EvalResult:
-    """Decode every row of ``manifest`` and score it against its ``text`` (with shallow fusion of
-    the recognizer's LM at ``lm_weight`` and ``length_bonus``). Rows without text or with
-    audio that cannot be read or decoded are listed in ``failed`` and left out of the totals; an
-    utterance too long for ``method`` is scored as ``LONG_INPUT_METHOD`` decoded it (``long_inputs``)."""
+def evaluate_manifest(recognizer: Recognizer, manifest: str | Path,
+                      decoding: DecodingConfig | None = None, **overrides) -> EvalResult:
+    """Decode every row of ``manifest`` with ``decoding`` and its ``overrides`` (as
+    ``Recognizer.transcribe``: with the recognizer's LM at ``lm_weight`` and ``length_bonus``,
+    under the chunk mask of ``chunk_size``) and score it against its ``text``. Rows without text or
+    with audio that cannot be read or decoded are listed in ``failed`` and left out of the totals;
+    an utterance too long for the method is scored as ``LONG_INPUT_METHOD`` decoded it
+    (``long_inputs``)."""
+    d = recognizer.settings(decoding, **overrides)
     manifest = Path(manifest)
-    result = EvalResult(str(manifest), method)
+    result = EvalResult(str(manifest), d.method)
     rows = []
     for line_no, row in read_manifest(manifest):
         where = f"{manifest}:{line_no}"
@@ -86,8 +89,7 @@ def evaluate_manifest(recognizer: Recognizer, manifest: str | Path, method: str 
         else:
             rows.append((where, resolve_audio_path(audio, manifest.parent), text))
     start = time.perf_counter()
-    transcripts = list(recognizer.transcribe([path for _, path, _ in rows], method, beam_size, ctc_weight,
-                                             batch_size, lm_weight, length_bonus))
+    transcripts = list(recognizer.transcribe([path for _, path, _ in rows], d))
     result.decode_seconds = time.perf_counter() - start
     for (where, path, text), tr in zip(rows, transcripts, strict=True):
         if tr.error is not None:

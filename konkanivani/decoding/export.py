@@ -54,6 +54,7 @@ from ..data.frames import subsampled_lengths
 from ..data.tokenizer import BLANK_ID, SOS_EOS_ID, UNK_ID, Tokenizer
 from ..model.asr import ASRModel
 from ..model.conformer import Conv2dSubsampling
+from .config import CHUNK_SIZE, EXPORT_LEFT_CHUNKS
 from .recognizer import Recognizer
 
 __all__ = ["ExportError", "FORMATS", "FILES", "STREAMING_FILES", "CHUNK_OUTPUTS", "MIN_FRAMES", "ONNX_PACKAGES", "CTCGraph",
@@ -112,8 +113,8 @@ class Streaming:
     """The chunking a streaming export is made for: ``chunk_size`` encoder frames a chunk (40 ms
     each), attending to itself and ``left_chunks`` chunks before it (the caches' fixed size)."""
 
-    chunk_size: int = 16
-    left_chunks: int = 4
+    chunk_size: int = CHUNK_SIZE
+    left_chunks: int = EXPORT_LEFT_CHUNKS
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "left_chunks"):

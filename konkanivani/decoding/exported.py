@@ -14,6 +14,7 @@ The features are this package's ``LogMel``; an export whose ``features.json`` sa
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,13 +24,12 @@ import torch
 
 from ..data.features import LogMel
 from ..data.frames import SAMPLE_RATE
+from .config import EXPORTED_METHODS, DecodingConfig
 from .export import FILES, STREAMING_FILES, ChunkRunner, ExportError, chunk_runner, feature_settings, onnx_runner
 from .search import ctc_greedy, ctc_prefix_beam_search
-from .streaming import DEFAULT_ENDPOINT_MS, Stream, check_sample_rate
+from .streaming import Stream, check_sample_rate
 
 __all__ = ["EXPORTED_METHODS", "ExportedRecognizer", "GraphChunks", "Pieces"]
-
-EXPORTED_METHODS = ("greedy", "beam")  # CTC only: the attention decoder is not exported
 
 
 class Pieces:
@@ -100,9 +100,12 @@ class ExportedRecognizer:
     that is not a whole export. ``streaming`` holds ``streaming.json`` when the folder has the chunk
     graph, else None.
 
+    Its decoding methods take a ``DecodingConfig`` and keyword overrides of its fields, as
+    ``Recognizer``'s do (``settings``).
+
     Examples:
         >>> rec = ExportedRecognizer("checkpoints/run/model_export")  # doctest: +SKIP
-        >>> rec.decode_waveforms([load_audio("clip.wav")], "beam")  # doctest: +SKIP
+        >>> rec.decode_waveforms([load_audio("clip.wav")], method="greedy")  # doctest: +SKIP
     """
 
     def __init__(self, folder: str | Path):
@@ -131,41 +134,48 @@ class ExportedRecognizer:
                 raise ExportError(f"{settings}: not an export's streaming settings")
             self.chunk_run = _session(chunk_runner, chunk_graph)
 
+    def settings(self, decoding: DecodingConfig | None = None, *, streams: bool = False,
+                 **overrides) -> DecodingConfig:
+        """The settings a call decodes with: ``decoding`` with ``overrides``, checked
+        (``ConfigError``, a ``ValueError``, in one line: CTC alone) and resolved
+        (``DecodingConfig.resolved``). A stream is in the export's own chunks: ``ValueError`` for
+        others."""
+        d = DecodingConfig.of(decoding, **overrides)
+        if streams and self.streaming is not None:
+            own = self.streaming["chunk_size"], self.streaming["left_chunks"]
+            if d.chunk_size not in (0, own[0]) or d.left_chunks not in (-1, own[1]):
+                raise ValueError(f"the export streams in chunks of {own[0]} frames seeing {own[1]} "
+                                 "back (its streaming.json): --chunk_size and --left_chunks cannot "
+                                 "change that")
+            d = dataclasses.replace(d, chunk_size=own[0], left_chunks=own[1])
+        return d.resolved(streams, exported=True)
+
     @torch.inference_mode()
-    def decode_waveforms(self, wavs: Sequence[torch.Tensor], method: str = "greedy", beam_size: int = 10) -> list[str]:
+    def decode_waveforms(self, wavs: Sequence[torch.Tensor], decoding: DecodingConfig | None = None,
+                         **overrides) -> list[str]:
         """Texts of 16 kHz mono waveforms, as one batch through ``model.onnx``: ``greedy`` or ``beam``."""
-        _check_method(method)
+        d = self.settings(decoding, **overrides)
         feats = [self.log_mel(w) for w in wavs]
         lens = torch.tensor([len(f) for f in feats], dtype=torch.int64)
         log_probs, log_prob_lens = self.run(torch.nn.utils.rnn.pad_sequence(feats, batch_first=True), lens)
-        if method == "greedy":
+        if d.method == "greedy":
             ids = ctc_greedy(log_probs, log_prob_lens)
         else:
-            ids = [ctc_prefix_beam_search(log_probs[b], int(n), beam_size)[0].tokens
+            ids = [ctc_prefix_beam_search(log_probs[b], int(n), d.beam_size)[0].tokens
                    for b, n in enumerate(log_prob_lens.tolist())]
         return [self.tokenizer.decode(h) for h in ids]
 
-    def stream(self, method: str = "beam", beam_size: int = 10, endpoint_ms: float = DEFAULT_ENDPOINT_MS,
-               sample_rate: int = SAMPLE_RATE) -> Stream:
+    def stream(self, decoding: DecodingConfig | None = None, *, sample_rate: int = SAMPLE_RATE,
+               **overrides) -> Stream:
         """A ``Stream`` through ``encoder_chunk.onnx`` in the export's chunks, decoded with ``greedy`` or
         ``beam``; ``ValueError`` in one line for a folder without the chunk graph or settings it cannot take."""
         if self.streaming is None:
             raise ValueError(f"{self.folder} holds no {STREAMING_FILES['onnx']}: export the checkpoint with "
                              "--streaming (a model trained with --causal_conv) to stream")
-        _check_method(method)
-        for name, value, least in (("beam_size", beam_size, 1), ("endpoint_ms", endpoint_ms, 0)):
-            if value < least:
-                raise ValueError(f"{name} must be at least {least}, got {value}")
+        d = self.settings(decoding, streams=True, **overrides)
         check_sample_rate(sample_rate)
         chunks = GraphChunks(self.chunk_run, self.streaming, self.log_mel.mel.n_mels)
-        return Stream(None, self.tokenizer, self.log_mel, self.streaming["chunk_size"], self.streaming["left_chunks"],
-                      method, beam_size, 0.0, None, endpoint_ms, sample_rate, chunks=chunks)
-
-
-def _check_method(method: str) -> None:
-    if method not in EXPORTED_METHODS:
-        raise ValueError(f"{method} decoding needs the attention decoder, which an export does not hold; choose "
-                         f"from {', '.join(EXPORTED_METHODS)}")
+        return Stream(None, self.tokenizer, self.log_mel, d, None, sample_rate, chunks=chunks)
 
 
 def _session(runner: Callable[[Path], Any], path: Path) -> Any:

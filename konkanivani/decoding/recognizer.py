@@ -27,21 +27,19 @@ from ..data.features import LogMel
 from ..data.frames import HOP_LENGTH, SAMPLE_RATE, frames_of_samples, subsampled_lengths
 from ..data.manifest import read_manifest, resolve_audio_path
 from ..data.tokenizer import Tokenizer
+from ..device import resolve_device
 from ..model.asr import ASRModel
 from ..model.lm import TransformerLM, check_same_vocabulary, load_lm
+from .config import DecodingConfig
 from .search import (
-    DEFAULT_CTC_WEIGHT,
     FUSED_METHODS,
     LONG_INPUT_METHOD,
     LONG_INPUT_SECONDS,
-    METHODS,
     Fusion,
     decode_batch,
     method_for,
 )
 from .streaming import (
-    DEFAULT_ENDPOINT_MS,
-    STREAM_METHODS,
     Result,
     Stream,
     check_sample_rate,
@@ -70,10 +68,15 @@ class Transcript:
 
 
 class Recognizer:
-    """Examples:
+    """A checkpoint's model and tokenizer, and decoding with them. Each decoding method takes a
+    ``DecodingConfig`` (its defaults when None) and keyword overrides of its fields (``settings``).
+
+    Examples:
         >>> rec = Recognizer.from_checkpoint("checkpoints/run/best.pt")  # doctest: +SKIP
         >>> rec.transcribe(["a.wav", "b.flac"], method="joint")  # doctest: +SKIP
-        >>> rec = Recognizer.from_checkpoint("checkpoints/run/best.pt", lm="checkpoints/lm/best.pt")  # doctest: +SKIP
+        >>> rec.transcribe(["a.wav"], DecodingConfig(method="beam", beam_size=4))  # doctest: +SKIP
+        >>> rec = Recognizer.from_checkpoint("checkpoints/run/best.pt",
+        ...                                  lm="checkpoints/lm/best.pt")  # doctest: +SKIP
         >>> rec.transcribe(["a.wav"], method="joint", lm_weight=0.3, length_bonus=0.5)  # doctest: +SKIP
     """
 
@@ -81,9 +84,6 @@ class Recognizer:
                  lm: TransformerLM | None = None):
         self.model = model.to(device).eval()
         self.tokenizer = tokenizer
-        # Whole-file decoding under the chunk mask of a stream in chunks of this many encoder frames
-        # (0: full context), seeing ``left_chunks`` back: the text a stream gives, batched (evaluation).
-        self.chunk_size, self.left_chunks = 0, -1
         self.device = device
         self.log_mel = LogMel(model.cfg.n_mels)
         self.lm = None if lm is None else lm.to(device).eval()
@@ -92,9 +92,11 @@ class Recognizer:
     @classmethod
     def from_checkpoint(cls, path: str | Path, device: str | torch.device = "cpu",
                         lm: str | Path | None = None) -> Recognizer:
-        """The recognizer of an ASR checkpoint, with the language model of ``lm`` (a
-        ``konkanivani-train-lm`` checkpoint of the same tokenizer) for shallow fusion."""
-        rec = cls._from_checkpoint(path, device)
+        """The recognizer of an ASR checkpoint on ``device`` (``auto``, ``cpu``, ``cuda:1`` ...:
+        ``device.resolve_device``), with the language model of ``lm`` (a ``konkanivani-train-lm``
+        checkpoint of the same tokenizer) for shallow fusion."""
+        rec = cls._from_checkpoint(path, resolve_device(device) if isinstance(device, str)
+                                   else device)
         if lm is not None:
             rec.attach_lm(lm, path)
         return rec
@@ -106,19 +108,33 @@ class Recognizer:
         check_same_vocabulary(lm_tokenizer, lm_path, self.tokenizer, asr_name)
         self.lm = lm
 
-    def fusion(self, method: str, lm_weight: float = 0.0, length_bonus: float = 0.0) -> Fusion | None:
-        """The fusion settings of a decoding call; ``ValueError`` for ones that cannot apply."""
-        if lm_weight and self.lm is None:
+    def settings(self, decoding: DecodingConfig | None = None, *, streams: bool = False,
+                 **overrides) -> DecodingConfig:
+        """The settings a call decodes with: ``decoding`` with ``overrides``, checked
+        (``ConfigError``, a ``ValueError``, in one line) and resolved for a stream (``streams``) or
+        whole inputs (``DecodingConfig.resolved``). With a chunk (a stream's, or whole inputs
+        encoded under its mask) ``ValueError`` for a model that cannot stream, and a warning, once,
+        for chunks it was not trained with."""
+        d = DecodingConfig.of(decoding, **overrides)
+        d = d.resolved(streams, lm_loaded=self.lm is not None)
+        if d.chunk_size:
+            for message in check_streaming(self.model.cfg, d.chunk_size, d.left_chunks):
+                if message not in self._said:
+                    self._said.add(message)
+                    log.warning("%s", message)
+        return d
+
+    def fusion(self, d: DecodingConfig) -> Fusion | None:
+        """The fusion of resolved settings ``d``; ``ValueError`` for an LM weight without an LM."""
+        if d.lm_weight and self.lm is None:
             raise ValueError("lm_weight needs a language model (Recognizer.from_checkpoint(..., lm=...))")
-        if method not in FUSED_METHODS:
-            if lm_weight or length_bonus:
-                raise ValueError(f"{method} decoding takes no language model or length bonus; choose from "
-                                 f"{', '.join(FUSED_METHODS)}")
+        if d.method not in FUSED_METHODS:
             return None
-        return Fusion(self.lm if lm_weight else None, lm_weight, length_bonus)  # weight 0: the LM need not run
+        # weight 0: the LM need not run
+        return Fusion(self.lm if d.lm_weight else None, d.lm_weight or 0.0, d.length_bonus)
 
     @classmethod
-    def _from_checkpoint(cls, path: str | Path, device: str | torch.device) -> Recognizer:
+    def _from_checkpoint(cls, path: str | Path, device: torch.device) -> Recognizer:
         state = load_checkpoint(path)
         try:
             cfg = ModelConfig.from_dict(state["model_config"])
@@ -128,70 +144,64 @@ class Recognizer:
         except (KeyError, TypeError, RuntimeError, ValueError) as e:
             raise CheckpointError(f"{path}: the checkpoint does not hold a usable model ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0] if str(e) else e})") from e
-        return cls(model, tokenizer, torch.device(device))
+        return cls(model, tokenizer, device)
 
-    def decode_waveforms(self, wavs: Sequence[torch.Tensor], method: str = "greedy", beam_size: int = 10,
-                         ctc_weight: float = DEFAULT_CTC_WEIGHT, lm_weight: float = 0.0,
-                         length_bonus: float = 0.0) -> list[str]:
-        """Texts of 16 kHz mono waveforms, decoded as one batch; those too long for ``method``
-        (``decode.method_for``) with ``LONG_INPUT_METHOD``, said in one warning."""
-        texts = self._decode_waveforms(wavs, method, beam_size, ctc_weight, lm_weight, length_bonus)
-        _say_long_inputs(method, [(f"waveform {i}", len(w) / SAMPLE_RATE) for i, w in enumerate(wavs)
-                                  if _method_of(method, w) != method])
+    def decode_waveforms(self, wavs: Sequence[torch.Tensor], decoding: DecodingConfig | None = None,
+                         **overrides) -> list[str]:
+        """Texts of 16 kHz mono waveforms, decoded as one batch; those too long for the method
+        (``decode.method_for``) with ``LONG_INPUT_METHOD``, said in one warning. With
+        ``chunk_size``, each is encoded under the chunk mask of a stream in chunks of that size:
+        the text such a stream gives it."""
+        d = self.settings(decoding, **overrides)
+        texts = self._decode_waveforms(wavs, d)
+        long_inputs = [(f"waveform {i}", len(w) / SAMPLE_RATE) for i, w in enumerate(wavs)
+                       if _method_of(d.method, w) != d.method]
+        _say_long_inputs(d.method, long_inputs)
         return texts
 
-    def _decode_waveforms(self, wavs: Sequence[torch.Tensor], method: str, beam_size: int, ctc_weight: float,
-                          lm_weight: float, length_bonus: float) -> list[str]:
-        fusion = self.fusion(method, lm_weight, length_bonus)
+    def _decode_waveforms(self, wavs: Sequence[torch.Tensor], d: DecodingConfig) -> list[str]:
+        fusion = self.fusion(d)
         feats = [self.log_mel(w) for w in wavs]
         lens = torch.tensor([len(f) for f in feats], device=self.device)
         padded = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True).to(self.device)
-        ids = decode_batch(self.model, padded, lens, method, beam_size, ctc_weight, fusion=fusion,
-                           chunk_size=self.chunk_size, left_chunks=self.left_chunks)
+        ids = decode_batch(self.model, padded, lens, d.method, d.beam_size, d.ctc_weight,
+                           fusion=fusion, chunk_size=d.chunk_size, left_chunks=d.left_chunks)
         return [self.tokenizer.decode(h) for h in ids]
 
-    def stream(self, chunk_size: int = 16, left_chunks: int = -1, method: str = "rescore", beam_size: int = 10,
-               ctc_weight: float = DEFAULT_CTC_WEIGHT, lm_weight: float = 0.0, length_bonus: float = 0.0,
-               endpoint_ms: float = DEFAULT_ENDPOINT_MS, sample_rate: int = SAMPLE_RATE) -> Stream:
-        """A ``Stream`` of mono float audio at ``sample_rate`` (resampled to 16 kHz as it comes), encoded
-        in chunks of ``chunk_size`` encoder frames (40 ms each) that see ``left_chunks`` chunks back (-1:
-        all of the segment), decoded with ``method`` (``STREAM_METHODS``); a segment ends after
-        ``endpoint_ms`` of blank frames following speech (0: only at ``MAX_SEGMENT_SECONDS``).
-        ``ValueError`` in one line for a model that cannot stream (trained without ``causal_conv``) or
-        settings it cannot take; a warning, once, for chunks it was not trained with."""
-        for message in check_streaming(self.model.cfg, chunk_size, left_chunks):
-            if message not in self._said:
-                self._said.add(message)
-                log.warning("%s", message)
-        if method not in STREAM_METHODS:
-            raise ValueError(f"{method} decoding cannot stream; choose from {', '.join(STREAM_METHODS)}")
-        for name, value, least in (("beam_size", beam_size, 1), ("endpoint_ms", endpoint_ms, 0)):
-            if value < least:
-                raise ValueError(f"{name} must be at least {least}, got {value}")
+    def stream(self, decoding: DecodingConfig | None = None, *, sample_rate: int = SAMPLE_RATE,
+               **overrides) -> Stream:
+        """A ``Stream`` of mono float audio at ``sample_rate`` (resampled to 16 kHz as it comes),
+        encoded in chunks of ``chunk_size`` encoder frames (40 ms each; ``CHUNK_SIZE`` unless given)
+        that see ``left_chunks`` chunks back (-1: all of the segment), decoded with ``method``
+        (``STREAM_METHODS``); a segment ends after ``endpoint_ms`` of blank frames following speech
+        (0: only at ``MAX_SEGMENT_SECONDS``). ``ValueError`` in one line for a model that cannot
+        stream (trained without ``causal_conv``) or settings it cannot take; a warning, once, for
+        chunks it was not trained with."""
+        d = self.settings(decoding, streams=True, **overrides)
         check_sample_rate(sample_rate)
-        return Stream(self.model, self.tokenizer, self.log_mel, chunk_size, left_chunks, method, beam_size, ctc_weight,
-                      self.fusion(method, lm_weight, length_bonus), endpoint_ms, sample_rate)
+        return Stream(self.model, self.tokenizer, self.log_mel, d, self.fusion(d), sample_rate)
 
-    def stream_results(self, pieces: Iterable[torch.Tensor], **settings) -> Iterator[Result]:
-        """The results of a stream (``stream(**settings)``, its settings checked at once) fed ``pieces``
-        one by one, then finished:
+    def stream_results(self, pieces: Iterable[torch.Tensor], decoding: DecodingConfig | None = None,
+                       *, sample_rate: int = SAMPLE_RATE, **overrides) -> Iterator[Result]:
+        """The results of a stream (``stream``, its settings checked at once) fed ``pieces`` one by
+        one, then finished:
 
             >>> for result in rec.stream_results(pieces, chunk_size=8):  # doctest: +SKIP
             ...     print(result.is_final, result.start, result.end, result.text)
         """
-        return _stream_results(self.stream(**settings), pieces)
+        return _stream_results(self.stream(decoding, sample_rate=sample_rate, **overrides), pieces)
 
-    def transcribe_long(self, path: str | Path, method: str = "joint", beam_size: int = 10,
-                        ctc_weight: float = DEFAULT_CTC_WEIGHT, lm_weight: float = 0.0, length_bonus: float = 0.0,
-                        chunk_size: int = 0, left_chunks: int = -1, endpoint_ms: float = DEFAULT_ENDPOINT_MS,
-                        partials: bool = False) -> Iterator[Result]:
+    def transcribe_long(self, path: str | Path, decoding: DecodingConfig | None = None, *,
+                        partials: bool = False, **overrides) -> Iterator[Result]:
         """The results of one recording of any length, read block by block (``read_blocks``), in the
         memory of a segment: with ``chunk_size`` > 0 through a ``stream`` (its final results, and with
         ``partials`` its partial ones); else in windows of at most ``WINDOW_SECONDS`` cut at quiet
-        moments (``quiet_windows``), each decoded whole with ``method``, one final result each (no word
-        times). As a stream does, it leaves out a final result without text unless there is no other.
-        ``AudioError`` for a file that cannot be read, states a sample rate that is not resampled from
-        (``check_sample_rate``) or is too short for the model."""
+        moments (``quiet_windows``), each decoded whole with the method, one final result each (no
+        word times). As a stream does, it leaves out a final result without text unless there is no
+        other. ``AudioError`` for a file that cannot be read, states a sample rate that is not
+        resampled from (``check_sample_rate``) or is too short for the model."""
+        streams = bool(DecodingConfig.of(decoding, **overrides).chunk_size)
+        d = self.settings(decoding, streams=streams, **overrides)
         seen = 0
 
         def blocks() -> Iterator[torch.Tensor]:
@@ -201,21 +211,17 @@ class Recognizer:
                 seen += len(block)
                 yield block
 
-        if chunk_size:
-            stream = self.stream(chunk_size, left_chunks, method, beam_size, ctc_weight, lm_weight, length_bonus,
-                                 endpoint_ms)
+        if streams:
+            stream = self.stream(d)
             for block in blocks():
                 yield from (r for r in stream.accept(block) if partials or r.is_final)
             _check_length(path, seen)
             yield from (r for r in stream.finish() if partials or r.is_final)
             return
-        if method not in METHODS:
-            raise ValueError(f"unknown decoding method {method!r}; choose from {', '.join(METHODS)}")
-        self.fusion(method, lm_weight, length_bonus)
+        self.fusion(d)
         given = False
         for first, wav in quiet_windows(blocks()):
-            text = "" if _too_short(path, len(wav)) else self._decode_waveforms(
-                [wav], method, beam_size, ctc_weight, lm_weight, length_bonus)[0]
+            text = "" if _too_short(path, len(wav)) else self._decode_waveforms([wav], d)[0]
             if text:
                 given = True
                 yield Result(text, True, round(first / SAMPLE_RATE, 3), round((first + len(wav)) / SAMPLE_RATE, 3))
@@ -223,54 +229,52 @@ class Recognizer:
         if not given:
             yield Result("", True, 0.0, round(seen / SAMPLE_RATE, 3))
 
-    def transcribe(self, paths: Iterable[str | Path], method: str = "greedy", beam_size: int = 10,
-                   ctc_weight: float = DEFAULT_CTC_WEIGHT, batch_size: int = 8, lm_weight: float = 0.0,
-                   length_bonus: float = 0.0) -> Iterator[Transcript]:
+    def transcribe(self, paths: Iterable[str | Path], decoding: DecodingConfig | None = None,
+                   **overrides) -> Iterator[Transcript]:
         """Transcripts in the order of ``paths``. Files are read a few batches at a time and batched
-        by length. A file that cannot be read, is shorter than ``MIN_SAMPLES`` or fails to decode
-        yields a ``Transcript`` with ``error`` set, and the others are still decoded (a failing
-        batch is decoded again file by file). Files longer than ``LONG_INPUT_SECONDS`` asked of an
-        attention-based method are decoded with ``LONG_INPUT_METHOD``: their ``method`` says so,
-        and one warning at the end of the call names them."""
-        if method not in METHODS:
-            raise ValueError(f"unknown decoding method {method!r}; choose from {', '.join(METHODS)}")
-        self.fusion(method, lm_weight, length_bonus)  # refused here, before any file is read
+        by length (``batch_size``). A file that cannot be read, is shorter than ``MIN_SAMPLES`` or
+        fails to decode yields a ``Transcript`` with ``error`` set, and the others are still decoded
+        (a failing batch is decoded again file by file). Files longer than ``LONG_INPUT_SECONDS``
+        asked of an attention-based method are decoded with ``LONG_INPUT_METHOD``: their ``method``
+        says so, and one warning at the end of the call names them. With ``chunk_size``, each file
+        is encoded under the chunk mask of a stream in chunks of that size
+        (``decode_waveforms``)."""
+        d = self.settings(decoding, **overrides)  # refused here, before any file is read
+        self.fusion(d)
         paths = list(paths)
-        window = 8 * batch_size
+        window = 8 * d.batch_size
         long_inputs: list[tuple[str, float]] = []
         for first in range(0, len(paths), window):
-            for tr in self._transcribe_window(paths[first:first + window], method, beam_size, ctc_weight,
-                                              batch_size, lm_weight, length_bonus):
-                if tr.error is None and tr.method != method:
+            for tr in self._transcribe_window(paths[first:first + window], d):
+                if tr.error is None and tr.method != d.method:
                     long_inputs.append((tr.audio_filepath, tr.duration))
                 yield tr
-        _say_long_inputs(method, long_inputs)
+        _say_long_inputs(d.method, long_inputs)
 
-    def _transcribe_window(self, paths: list[str | Path], method: str, beam_size: int, ctc_weight: float,
-                           batch_size: int, lm_weight: float, length_bonus: float) -> Iterator[Transcript]:
+    def _transcribe_window(self, paths: list[str | Path], d: DecodingConfig
+                           ) -> Iterator[Transcript]:
         read = [_read(p) for p in paths]
         wavs, errors = [w for w, _ in read], [e for _, e in read]
         texts: dict[int, str] = {}
         decodable = sorted((i for i, e in enumerate(errors) if e is None), key=lambda i: -len(wavs[i]))
-        for start in range(0, len(decodable), batch_size):
-            self._decode_files(decodable[start:start + batch_size], paths, wavs, texts, errors,
-                               (method, beam_size, ctc_weight, lm_weight, length_bonus))
+        for start in range(0, len(decodable), d.batch_size):
+            self._decode_files(decodable[start:start + d.batch_size], paths, wavs, texts, errors, d)
         for i, path in enumerate(paths):
             duration = 0.0 if wavs[i] is None else len(wavs[i]) / SAMPLE_RATE
-            used = _method_of(method, wavs[i]) if errors[i] is None else ""
+            used = _method_of(d.method, wavs[i]) if errors[i] is None else ""
             yield Transcript(str(path), texts.get(i, ""), duration, errors[i], used)
 
     def _decode_files(self, chunk: list[int], paths: list[str | Path], wavs: Sequence[torch.Tensor | None],
-                      texts: dict[int, str], errors: list[str | None], decoding: tuple) -> None:
+                      texts: dict[int, str], errors: list[str | None], d: DecodingConfig) -> None:
         """Decode the files ``chunk`` (indices into ``paths``) as one batch into ``texts``. If the
         batch raises, each file alone, so that only a file that fails by itself gets an ``errors``
         entry (naming it and what was raised) and no other file is lost with it."""
         try:
-            texts.update(zip(chunk, self._decode_waveforms([wavs[i] for i in chunk], *decoding)))
+            texts.update(zip(chunk, self._decode_waveforms([wavs[i] for i in chunk], d)))
         except Exception as e:  # noqa: BLE001  whatever one file makes the model raise
             if len(chunk) > 1:
                 for i in chunk:
-                    self._decode_files([i], paths, wavs, texts, errors, decoding)
+                    self._decode_files([i], paths, wavs, texts, errors, d)
             else:
                 reason = str(e).strip().splitlines()[0] if str(e).strip() else "no message"
                 errors[chunk[0]] = f"{paths[chunk[0]]}: decoding failed ({type(e).__name__}: {reason})"

@@ -37,25 +37,16 @@ from ..data.frames import frames_of
 from ..data.tokenizer import BLANK_ID, SOS_EOS_ID
 from ..model.lm import TransformerLM
 from ..model.masks import pad_mask
+from .config import FUSED_METHODS, LONG_INPUT_SECONDS, METHODS, DecodingConfig
 
-__all__ = ["ATTENTION_METHODS", "DEFAULT_CTC_WEIGHT", "LONG_INPUT_METHOD", "LONG_INPUT_SECONDS", "METHODS",
+__all__ = ["ATTENTION_METHODS", "LONG_INPUT_METHOD", "LONG_INPUT_SECONDS", "METHODS",
            "FUSED_METHODS", "Fusion", "Hypothesis", "attention_beam_search", "attention_rescoring",
            "attention_scores", "CTCPrefixBeam", "ctc_greedy", "ctc_length_bound", "ctc_prefix_beam_search", "decode_batch",
            "method_for"]
 
-METHODS = ("greedy", "beam", "attention", "joint", "rescore")
-FUSED_METHODS = ("beam", "attention", "joint", "rescore")  # greedy has no hypotheses to weigh
-# Weight of the CTC score in joint decoding and rescoring. Chosen on the demo corpus's validation
-# split (unseen sentences) among 0.3 / 0.5 / 0.7: the CTC head generalizes to new sentences better
-# than the attention decoder, which has learned the training sentences as a language model.
-DEFAULT_CTC_WEIGHT = 0.7
 ATTENTION_METHODS = ("attention", "joint", "rescore")  # those that run the attention decoder
-# Above this many seconds an utterance asked of an ATTENTION_METHODS method is decoded with
-# LONG_INPUT_METHOD instead: the training default --max_duration, so the decoder never saw longer
-# input, and where joint decoding's square-law cost starts to dominate. Tiny model, one thread of a
-# 2-core AMD EPYC: joint 0.7 s for 10 s of audio, 5.6 s for 30 s, 22 s for 60 s, 873 s for 5 min;
-# beam 0.13 / 0.25 / 1.5 s at 30 s / 60 s / 5 min, 10.5 s for 20 min.
-LONG_INPUT_SECONDS = 30.0
+# An utterance over config.LONG_INPUT_SECONDS asked of an ATTENTION_METHODS method is decoded
+# with this.
 LONG_INPUT_METHOD = "beam"  # CTC prefix beam search: linear in the length, takes the same fusion
 # The attention searches stop a hypothesis at MAX_LEN_RATIO * (tokens of the greedy CTC hypothesis)
 # + MAX_LEN_EXTRA tokens: a decoder that never emits the end symbol stops there, not at the
@@ -331,7 +322,8 @@ class _CTCPrefixScorer:
 
 
 @torch.inference_mode()
-def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam_size: int = 10,
+def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor,
+                          beam_size: int = DecodingConfig.beam_size,
                           ctc_weight: float = 0.0, length_norm: bool = True,
                           max_len: int | torch.Tensor | None = None, fusion: Fusion | None = None) -> list[Hypothesis]:
     """Beam search of the attention decoder, batched over utterances and hypotheses; with
@@ -492,8 +484,10 @@ def attention_scores(model, enc: torch.Tensor, enc_lens: torch.Tensor,
 
 
 @torch.inference_mode()
-def attention_rescoring(model, enc: torch.Tensor, enc_lens: torch.Tensor, beam_size: int = 10,
-                        ctc_weight: float = DEFAULT_CTC_WEIGHT, fusion: Fusion | None = None) -> list[Hypothesis]:
+def attention_rescoring(model, enc: torch.Tensor, enc_lens: torch.Tensor,
+                        beam_size: int = DecodingConfig.beam_size,
+                        ctc_weight: float = DecodingConfig.ctc_weight,
+                        fusion: Fusion | None = None) -> list[Hypothesis]:
     """CTC prefix beam search, then each n-best hypothesis rescored with the attention decoder:
     ``λ * log P_ctc + (1 - λ) * log P_att`` (+ ``W * log P_LM(hyp + end) + B * len(hyp)`` with
     ``fusion``; the n-best itself comes from the plain CTC search). Returns the best per utterance."""
@@ -523,8 +517,9 @@ def method_for(method: str, frames: int, long_input_seconds: float = LONG_INPUT_
 
 
 @torch.inference_mode()
-def decode_batch(model, feats: torch.Tensor, feat_lens: torch.Tensor, method: str = "greedy",
-                 beam_size: int = 10, ctc_weight: float = DEFAULT_CTC_WEIGHT,
+def decode_batch(model, feats: torch.Tensor, feat_lens: torch.Tensor, method: str,
+                 beam_size: int = DecodingConfig.beam_size,
+                 ctc_weight: float = DecodingConfig.ctc_weight,
                  length_norm: bool = True, fusion: Fusion | None = None,
                  long_input_seconds: float = LONG_INPUT_SECONDS, chunk_size: int = 0,
                  left_chunks: int = -1) -> list[list[int]]:

@@ -40,16 +40,15 @@ from ..data.frames import HOP_LENGTH, SAMPLE_RATE
 from ..data.tokenizer import BLANK_ID, Tokenizer
 from ..model.asr import ASRModel
 from ..model.conformer import Conv2dSubsampling
-from .search import LONG_INPUT_SECONDS, CTCPrefixBeam, Fusion, Hypothesis, attention_scores
+from .config import LONG_INPUT_SECONDS, STREAM_METHODS, DecodingConfig
+from .search import CTCPrefixBeam, Fusion, Hypothesis, attention_scores
 
-__all__ = ["DEFAULT_ENDPOINT_MS", "FRAME_SECONDS", "MAX_RATE", "MAX_SEGMENT_SECONDS", "MIN_RATE", "STREAM_METHODS",
+__all__ = ["FRAME_SECONDS", "MAX_RATE", "MAX_SEGMENT_SECONDS", "MIN_RATE", "STREAM_METHODS",
            "WINDOW_SECONDS", "ModelChunks", "Result", "Stream", "StreamingLogMel", "Word", "check_sample_rate",
            "check_streaming", "quiet_windows"]
 
 FRAME_SECONDS = Conv2dSubsampling.STRIDE * HOP_LENGTH / SAMPLE_RATE  # 0.04 s: one encoder frame
-DEFAULT_ENDPOINT_MS = 800
 MAX_SEGMENT_SECONDS = LONG_INPUT_SECONDS
-STREAM_METHODS = ("greedy", "beam", "rescore")
 WINDOW_SECONDS = 20.0  # the longest piece of a long recording decoded whole (quiet_windows)
 CUT_SECONDS = 5.0  # ... cut at the quietest 100 ms of its last CUT_SECONDS
 WORD_START = "\u2581"  # SentencePiece's mark of a word's first piece
@@ -78,15 +77,12 @@ class Result:
 
 
 def check_streaming(cfg, chunk_size: int, left_chunks: int) -> list[str]:
-    """``ValueError`` in one line when a model of ``cfg`` cannot stream (no ``causal_conv``) or the chunk
-    settings are not ones it can take; else what to warn of when it was not trained for them."""
+    """``ValueError`` in one line when a model of ``cfg`` cannot stream (no ``causal_conv``); else
+    what to warn of when it was not trained for chunks of ``chunk_size`` frames seeing
+    ``left_chunks`` back (values ``DecodingConfig.check`` has checked)."""
     if not cfg.causal_conv:
         raise ValueError("the checkpoint is not a streaming model (trained without --causal_conv/--dynamic_chunk); "
                          "decode it whole (long recordings go in windows)")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive number of encoder frames, got {chunk_size}")
-    if left_chunks < -1:
-        raise ValueError(f"left_chunks must be -1 (all) or >= 0, got {left_chunks}")
     if not cfg.dynamic_chunk:
         return [f"chunks of {chunk_size} frames: this model was trained with full context only (no --dynamic_chunk) "
                 "and will recognize worse in chunks"]
@@ -220,17 +216,21 @@ class Stream:
     with another (an exported chunk graph) ``model`` may be None, and ``method`` not ``rescore``,
     which needs the model's attention decoder."""
 
-    def __init__(self, model: ASRModel | None, tokenizer: Tokenizer, log_mel: LogMel, chunk_size: int,
-                 left_chunks: int, method: str, beam_size: int, ctc_weight: float, fusion: Fusion | None,
-                 endpoint_ms: float, sample_rate: int = SAMPLE_RATE, chunks: ModelChunks | None = None):
-        if model is None and method == "rescore":
+    def __init__(self, model: ASRModel | None, tokenizer: Tokenizer, log_mel: LogMel,
+                 decoding: DecodingConfig, fusion: Fusion | None, sample_rate: int = SAMPLE_RATE,
+                 chunks: ModelChunks | None = None):
+        d = decoding  # resolved: chunk_size, method and endpoint_ms written in
+        if model is None and d.method == "rescore":
             raise ValueError("rescoring needs the model's attention decoder")
         self.model, self.tokenizer = model, tokenizer
-        self.chunks = chunks or ModelChunks(model, left_chunks * chunk_size if left_chunks >= 0 else -1)
-        self.chunk_size, self.method, self.ctc_weight = chunk_size, method, ctc_weight
-        self.beam_size = 1 if method == "greedy" else beam_size
+        chunk_size = d.chunk_size
+        left_frames = d.left_chunks * chunk_size if d.left_chunks >= 0 else -1
+        self.chunks = chunks or ModelChunks(model, left_frames)
+        self.chunk_size, self.method, self.ctc_weight = chunk_size, d.method, d.ctc_weight
+        self.beam_size = 1 if d.method == "greedy" else d.beam_size
         self.fusion = fusion or Fusion()
-        self.endpoint_frames = endpoint_ms / 1000 / FRAME_SECONDS  # a run of blank frames longer than this ends a segment
+        # a run of blank frames longer than this ends a segment
+        self.endpoint_frames = d.endpoint_ms / 1000 / FRAME_SECONDS
         self.max_segment_frames = round(MAX_SEGMENT_SECONDS / FRAME_SECONDS)
         stride, context = Conv2dSubsampling.STRIDE, Conv2dSubsampling.CONTEXT
         self.window, self.step, self.context = (chunk_size - 1) * stride + context, stride * chunk_size, context

@@ -16,9 +16,9 @@ and streams through ``encoder_chunk.onnx`` when it has it, in the chunks it was 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 import soundfile as sf
@@ -26,12 +26,12 @@ import torch
 
 from ..data.audio import AudioError, load_audio
 from ..data.frames import SAMPLE_RATE
-from ..decoding.exported import EXPORTED_METHODS, ExportedRecognizer
+from ..decoding.config import DecodingConfig
+from ..decoding.exported import ExportedRecognizer
 from ..decoding.recognizer import MIN_SAMPLES, Recognizer
-from ..decoding.search import DEFAULT_CTC_WEIGHT, METHODS
-from ..decoding.streaming import DEFAULT_ENDPOINT_MS, Result, Stream, check_sample_rate, quiet_windows
+from ..decoding.streaming import FRAME_SECONDS, Result, Stream, check_sample_rate, quiet_windows
 
-__all__ = ["Decoding", "Engine", "UploadTooLong"]
+__all__ = ["Engine", "UploadTooLong"]
 
 T = TypeVar("T")
 UPLOAD = "the upload"  # how messages name an uploaded file: never by a name the client chose
@@ -41,43 +41,26 @@ class UploadTooLong(ValueError):
     """An upload holds more audio than the server takes (``Limits.max_upload_seconds``)."""
 
 
-@dataclass(frozen=True)
-class Decoding:
-    """How the server decodes: ``method`` (for a streaming model one of ``STREAM_METHODS``), and for a
-    streaming model its chunks, left context and endpoint."""
-
-    method: str
-    beam_size: int = 10
-    ctc_weight: float = DEFAULT_CTC_WEIGHT
-    chunk_size: int = 16  # encoder frames (40 ms each) per chunk: a partial result every 640 ms
-    left_chunks: int = -1
-    endpoint_ms: float = DEFAULT_ENDPOINT_MS
-
-
 class Engine:
-    """A recognizer (a checkpoint's, or an export folder's) and its decoding settings, checked once
-    (``ValueError`` in one line), and the decode threads. ``streaming`` says whether the model can
-    stream."""
+    """A recognizer (a checkpoint's, or an export folder's) and its ``DecodingConfig``, checked and
+    resolved once for it (``ValueError`` in one line): ``decoding`` holds the settings it decodes
+    with. ``streaming`` says whether the model can stream; one that cannot decodes whole windows,
+    with no chunk (the chunk settings are a stream's)."""
 
-    def __init__(self, recognizer: Recognizer | ExportedRecognizer, decoding: Decoding, workers: int = 1):
-        self.recognizer, self.decoding = recognizer, decoding
+    def __init__(self, recognizer: Recognizer | ExportedRecognizer,
+                 decoding: DecodingConfig | None = None, workers: int = 1):
+        self.recognizer = recognizer
         self.exported = isinstance(recognizer, ExportedRecognizer)
         if self.exported:
             self.streaming = recognizer.streaming is not None
-            if decoding.method not in EXPORTED_METHODS:
-                raise ValueError(f"an ONNX export decodes with {' or '.join(EXPORTED_METHODS)} (CTC): the attention "
-                                 f"decoder that {decoding.method} needs is not exported")
-            if self.streaming:
-                exported = recognizer.streaming["chunk_size"], recognizer.streaming["left_chunks"]
-                if (decoding.chunk_size, decoding.left_chunks) != exported:
-                    raise ValueError(f"the export streams in chunks of {exported[0]} frames seeing {exported[1]} back "
-                                     "(its streaming.json): --chunk_size and --left_chunks cannot change that")
         else:
             self.streaming = bool(recognizer.model.cfg.causal_conv)
             for p in recognizer.model.parameters():  # read-only: no request can train or change it
                 p.requires_grad_(False)
-            if not self.streaming and decoding.method not in METHODS:
-                raise ValueError(f"unknown decoding method {decoding.method!r}; choose from {', '.join(METHODS)}")
+        decoding = decoding or DecodingConfig()
+        if not self.streaming:
+            decoding = dataclasses.replace(decoding, chunk_size=0, left_chunks=-1, endpoint_ms=None)
+        self.decoding = recognizer.settings(decoding, streams=self.streaming)
         if self.streaming:
             self.open_stream()  # refuses settings the model cannot take; warns once of untrained chunks
         if workers < 1:
@@ -90,7 +73,8 @@ class Engine:
         info = {"model_format": "onnx" if self.exported else "checkpoint",
                 "streaming": self.streaming, "method": d.method, "beam_size": d.beam_size}
         if self.streaming:
-            info.update(chunk_size=d.chunk_size, chunk_ms=round(d.chunk_size * 40), left_chunks=d.left_chunks,
+            chunk_ms = round(d.chunk_size * FRAME_SECONDS * 1000)
+            info.update(chunk_size=d.chunk_size, chunk_ms=chunk_ms, left_chunks=d.left_chunks,
                         endpoint_ms=d.endpoint_ms)
         return info
 
@@ -117,11 +101,7 @@ class Engine:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     def open_stream(self, sample_rate: int = SAMPLE_RATE) -> Stream:
-        d = self.decoding
-        if self.exported:
-            return self.recognizer.stream(d.method, d.beam_size, d.endpoint_ms, sample_rate)
-        return self.recognizer.stream(d.chunk_size, d.left_chunks, d.method, d.beam_size, d.ctc_weight,
-                                      endpoint_ms=d.endpoint_ms, sample_rate=sample_rate)
+        return self.recognizer.stream(self.decoding, sample_rate=sample_rate)
 
     @staticmethod
     def read_upload(data: bytes, max_seconds: float) -> torch.Tensor:
@@ -154,12 +134,11 @@ class Engine:
         if self.streaming and not self.exported:
             stream = self.open_stream()
             return [r for r in stream.accept(wav) + stream.finish() if r.is_final]
-        d, results = self.decoding, []
-        weights = () if self.exported else (d.ctc_weight,)  # an export has no attention decoder to weigh CTC against
+        results = []
         for first, window in quiet_windows([wav]):
             if len(window) < MIN_SAMPLES:  # a last sliver of a window: too short to decode alone
                 continue
-            [text] = self.recognizer.decode_waveforms([window], d.method, d.beam_size, *weights)
+            [text] = self.recognizer.decode_waveforms([window], self.decoding)
             if text:
                 results.append(Result(text, True, round(first / SAMPLE_RATE, 3),
                                       round((first + len(window)) / SAMPLE_RATE, 3)))

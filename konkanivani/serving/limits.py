@@ -1,28 +1,52 @@
 """What one client may ask of the server, and the answer beyond it. The defaults suit one person
-trying a model on a laptop; ``konkanivani-serve`` has a flag for each (docs/serving.md)."""
+trying a model on a laptop; ``konkanivani-serve`` has a flag for each, with the help its field
+carries, and docs/serving.md's table of them is generated from the same (docs/generate_flags.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 __all__ = ["Limits"]
 
 
+def _limit(default: float, help: str) -> Any:
+    """A limit's field: its default, and its help, which ``konkanivani-serve --help`` and the table
+    of docs/serving.md (docs/generate_flags.py) both show."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class Limits:
-    max_upload_mb: float = 25.0  # the body of POST /transcribe; 413 beyond (read no further)
-    max_upload_seconds: float = 600.0  # the audio of one upload, by its header and as decoded; 413 beyond
-    max_uploads: int = 2  # uploads decoding at once (once the body is in); 503 + Retry-After beyond
-    max_streams: int = 8  # WebSocket streams open at once; 503 with Retry-After beyond
-    max_client_uploads: int = 2  # uploads one address has at once (read, decoded); 429 beyond
-    max_client_streams: int = 4  # streams one client address has open at once; 429 beyond
-    upload_timeout: float = 300.0  # the whole body of an upload must arrive within this; 408 beyond
-    min_upload_kb_s: float = 16.0  # a body's least mean rate after grace_seconds; 408 below
-    min_stream_rate: float = 0.5  # a stream's least audio over its time after the grace; close 1008
-    grace_seconds: float = 10.0  # an upload's or a stream's first seconds, before its rate is held
-    max_stream_seconds: float = 600.0  # the audio of one stream; then its last results and close 1008
-    idle_seconds: float = 30.0  # a stream without a frame this long: its last results and close 1008
-    max_frame_kb: float = 256.0  # one WebSocket message (1.3 s of 48 kHz float32); close 1009 beyond
-    retry_after_s: int = 5  # the Retry-After of a 503 or a 429
+    """Each field is a ``konkanivani-serve`` flag of the same name, with this help."""
+
+    max_upload_mb: float = _limit(25.0, "the largest body POST /transcribe reads, in MB: 413 "
+                                  "beyond, the body read no further")
+    max_upload_seconds: float = _limit(600.0, "the most audio one upload may hold, in seconds, by "
+                                       "its header before it is decoded and as decoded: 413 beyond")
+    max_uploads: int = _limit(2, "uploads decoding at once, each counted once its body is in: 503 "
+                              "with Retry-After beyond")
+    max_streams: int = _limit(8, "WebSocket streams open at once: 503 with Retry-After beyond (the "
+                              "handshake)")
+    max_client_uploads: int = _limit(2, "uploads one client address may have at once, read or "
+                                     "decoded: 429 with Retry-After beyond")
+    max_client_streams: int = _limit(4, "streams one client address may have open at once: 429 "
+                                     "with Retry-After beyond (the handshake)")
+    upload_timeout: float = _limit(300.0, "seconds an upload's whole body may take to arrive: 408 "
+                                   "beyond, the connection closed")
+    min_upload_kb_s: float = _limit(16.0, "the least mean rate of an upload's body after "
+                                    "--grace_seconds, in KB/s: 408 below, the connection closed")
+    min_stream_rate: float = _limit(0.5, "the least audio a stream sends over its time after "
+                                    "--grace_seconds, as a fraction of real time (at most 1): "
+                                    "below, its last results, done and close 1008")
+    grace_seconds: float = _limit(10.0, "an upload's or a stream's first seconds, before its rate "
+                                  "is held")
+    max_stream_seconds: float = _limit(600.0, "the most audio one stream may send, in seconds: "
+                                       "then its last results, done and close 1008")
+    idle_seconds: float = _limit(30.0, "a stream that sends nothing this long gets its last "
+                                 "results, done and close 1008")
+    max_frame_kb: float = _limit(256.0, "the largest WebSocket message, in KB (256: 1.3 s of 48 "
+                                 "kHz float32): close 1009 beyond")
+    retry_after_s: int = _limit(5, "the Retry-After of a 503 or a 429, in seconds")
 
     def __post_init__(self):
         for f in fields(self):
