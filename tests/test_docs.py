@@ -1,5 +1,5 @@
-"""The documentation: docs/flags.md is what docs/generate_flags.py writes from the dataclasses, the
-README stays short, and every relative link (and heading anchor) in the README, docs/ and the
+"""The documentation: docs/flags.md, and the limits table of docs/serving.md, are what
+docs/generate_flags.py writes from the dataclasses, the README stays short, and every relative link (and heading anchor) in the README, docs/ and the
 benchmark results' READMEs points to something that exists."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _generator():
     return module
 
 
-def test_the_flags_page_is_what_the_generator_writes(capsys):
+def test_the_flags_page_and_the_limits_table_are_what_the_generator_writes(capsys):
     assert _generator().main(["--check"]) == 0, capsys.readouterr().err
 
 
@@ -34,10 +34,29 @@ def test_the_generator_check_fails_on_a_stale_page_and_rewriting_fixes_it(tmp_pa
     assert generator.main(["--check", "--output", str(page)]) == 0
 
 
+def test_a_stale_limits_table_is_caught_and_rewritten_from_the_limits(tmp_path, capsys):
+    import dataclasses
+
+    from konkanivani.serving.limits import Limits
+
+    generator, flags, page = _generator(), tmp_path / "flags.md", tmp_path / "serving.md"
+    flags.write_text((ROOT / "docs" / "flags.md").read_text(encoding="utf-8"), encoding="utf-8")
+    text = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
+    assert "| `--max_streams` | 8 |" in text
+    page.write_text(text.replace("| `--max_streams` | 8 |", "| `--max_streams` | 9 |"), encoding="utf-8")
+    pages = ["--output", str(flags), "--serving", str(page)]
+    assert generator.main(["--check", *pages]) == 1
+    assert f"{page} is stale: run python docs/generate_flags.py" in capsys.readouterr().err
+    assert generator.main(pages) == 0 and page.read_text(encoding="utf-8") == text
+    for f in dataclasses.fields(Limits):  # the default and the help konkanivani-serve shows
+        assert f"| `--{f.name}` | {f.default:g} | {f.metadata['help']} |" in text, f.name
+
+
 def test_the_flags_page_has_every_field_of_the_configs():
     import dataclasses
 
     from konkanivani.config import PRESETS, ModelConfig, TrainConfig
+    from konkanivani.decoding.config import DecodingConfig, flag_name
 
     text = (ROOT / "docs" / "flags.md").read_text(encoding="utf-8")
     for f in dataclasses.fields(TrainConfig):
@@ -47,6 +66,9 @@ def test_the_flags_page_has_every_field_of_the_configs():
             assert f"| `--{f.name}`" in text, f.name
     for preset in PRESETS:
         assert f"| `{preset}` |" in text, preset
+    decoding = text.split("## Decoding: `DecodingConfig`\n")[1]
+    for f in dataclasses.fields(DecodingConfig):
+        assert f"| `{flag_name(f.name)}`" in decoding and f.metadata["help"] in decoding, f.name
 
 
 def test_the_readme_is_short():
