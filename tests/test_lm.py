@@ -262,7 +262,8 @@ SHARED_BAD = [["--epochs", "0"], ["--keep_checkpoints", "0"], ["--max_steps", "-
 
 
 @pytest.mark.parametrize("bad", SHARED_BAD, ids=[" ".join(f) for f in SHARED_BAD])
-def test_both_trainers_refuse_a_bad_shared_value_with_the_same_line(bad, text_setup, tmp_path, caplog):
+def test_both_trainers_refuse_a_bad_shared_value_with_the_same_line(bad, text_setup, tmp_path,
+                                                                    caplog):
     """One definition and one check of each RunConfig field: the ASR trainer and the LM trainer
     refuse the same bad value in the same words, before any work."""
     from konkanivani.cli import train as asr_train
@@ -271,8 +272,8 @@ def test_both_trainers_refuse_a_bad_shared_value_with_the_same_line(bad, text_se
     manifest.write_text("")
     asr = ["--train_manifest", str(manifest), "--valid_manifest", str(manifest), "--output_dir",
            str(tmp_path / "asr"), *bad]
-    lm = [str(text_setup / "text.txt"), "--tokenizer", str(text_setup / "tok.model"), "--output_dir",
-          str(tmp_path / "lm"), *bad]
+    lm = [str(text_setup / "text.txt"), "--tokenizer", str(text_setup / "tok.model"),
+          "--output_dir", str(tmp_path / "lm"), *bad]
     said = []
     for main, argv in ((asr_train.main, asr), (train_lm.main, lm)):
         caplog.clear()

@@ -98,8 +98,8 @@ def _add_row_check_flags(s) -> None:
     s.add_argument("--tokenizer", type=Path, help="SentencePiece .model to check the text against (default: "
                    "characters, the strictest)")
     s.add_argument("--max_duration", type=float, default=DEFAULT_MAX_DURATION,
-                   help=f"skip audio longer than this many seconds (default: {DEFAULT_MAX_DURATION}, "
-                        "as training)")
+                   help="skip audio longer than this many seconds (default: "
+                        f"{DEFAULT_MAX_DURATION}, as training)")
     s.add_argument("--no_progress", dest="progress", action="store_false", help="no progress bar")
 
 

@@ -275,7 +275,8 @@ def _trial_row(out: Path, trial: Trial, target_cer: float) -> dict[str, Any]:
                       if f.name in resolved and not f.metadata.get("from_tokenizer")}
         try:
             vocab_size = resolved.get("vocab_size", DEFAULT_VOCAB_SIZE)
-            model_cfg = model_config_from_preset(resolved["preset"], vocab_size=vocab_size, **with_flags)
+            model_cfg = model_config_from_preset(resolved["preset"], vocab_size=vocab_size,
+                                                 **with_flags)
             params = MemoryEstimator(model_cfg).n_params
             row["parameters_m"] = round(params / 1e6, 2)
         except ConfigError:  # a combination the trainer refused: no model, its reason says why

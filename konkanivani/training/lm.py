@@ -77,8 +77,8 @@ def check_lm_config(cfg: LMTrainConfig, lm_cfg: LMConfig) -> None:
     check_values(lm_cfg, {"d_model": POSITIVE_INTEGER, "layers": POSITIVE_INTEGER,
                           "n_heads": POSITIVE_INTEGER, "dropout": BELOW_ONE})
     if lm_cfg.d_model % lm_cfg.n_heads or (lm_cfg.d_model // lm_cfg.n_heads) % 2:
-        raise ConfigError(f"--d_model {lm_cfg.d_model} must split into --n_heads {lm_cfg.n_heads} heads "
-                          "of even width")
+        raise ConfigError(f"--d_model {lm_cfg.d_model} must split into --n_heads {lm_cfg.n_heads} "
+                          "heads of even width")
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
