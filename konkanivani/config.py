@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import math
 import re
 import sys
@@ -14,11 +15,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Union, get_args, get_origin, get_type_hints
 
-__all__ = ["DEFAULT_SEED", "DEFAULT_MAX_DURATION", "DEFAULT_DURATION_TOLERANCE", "DEFAULT_VOCAB_SIZE",
-           "DEFAULT_CTC_WEIGHT", "DEFAULT_LABEL_SMOOTHING", "Seeded", "RunConfig", "check_run_config",
-           "check_values", "Check", "POSITIVE_INTEGER", "COUNT", "AMOUNT", "POSITIVE_NUMBER", "BELOW_ONE",
-           "Renamed", "FROM_TOKENIZER", "flag_fields", "AugmentConfig", "OPTIMIZERS", "PRECISIONS", "STRATEGIES", "kept_settings", "ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "INIT_MODULES", "model_config_from_preset",
-           "model_config_from", "check_config", "add_dataclass_args", "dataclass_from_args"]
+__all__ = ["DEFAULT_SEED", "DEFAULT_MAX_DURATION", "DEFAULT_DURATION_TOLERANCE",
+           "DEFAULT_VOCAB_SIZE", "DEFAULT_CTC_WEIGHT", "DEFAULT_LABEL_SMOOTHING", "Seeded",
+           "RunConfig", "check_run_config", "check_values", "Check", "POSITIVE_INTEGER", "COUNT",
+           "AMOUNT", "POSITIVE_NUMBER", "BELOW_ONE", "Renamed", "FROM_TOKENIZER", "flag_fields",
+           "AugmentConfig", "OPTIMIZERS", "PRECISIONS", "STRATEGIES", "kept_settings",
+           "ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "INIT_MODULES",
+           "model_config_from_preset", "model_config_from", "check_config", "resolve_model_config",
+           "add_dataclass_args", "dataclass_from_args"]
+
+
+log = logging.getLogger("konkanivani")
 
 
 class ConfigError(ValueError):
@@ -274,8 +281,9 @@ class TrainConfig(AugmentConfig, RunConfig):
         "write the metrics as TensorBoard event files to OUTPUT_DIR/tensorboard/ (when TensorBoard is installed)"))
     max_consecutive_skips: int = field(default=20, metadata=flag_help(
         "stop after this many updates in a row skipped for a non-finite loss or gradients (0: never)"))
-    duration_tolerance: float = field(default=DEFAULT_DURATION_TOLERANCE, metadata=flag_help(section="data", text=
-        "skip rows whose 'duration' differs from the audio file's by more seconds than this (<0: don't compare)"))
+    duration_tolerance: float = field(default=DEFAULT_DURATION_TOLERANCE, metadata=flag_help(
+        section="data", text="skip rows whose 'duration' differs from the audio file's by more seconds "
+        "than this (<0: don't compare)"))
     optimizer: str = field(default="adamw", metadata=flag_help(
         "adamw, or adamw_8bit (also adamw8bit): 8-bit AdamW states from bitsandbytes"))
     gradient_checkpointing: bool = field(default=False, metadata=flag_help(
@@ -357,9 +365,10 @@ _CHECKS: dict[str, Check] = {
         "batch_size", "gradient_accumulation_steps", "vocab_size", "log_every", "num_buckets",
         "shuffle_buffer")},
     **{name: COUNT for name in (
-        "warmup_steps", "num_workers", "empty_cache_every", "save_every_steps", "validate_every_steps",
-        "max_batch_frames", "max_samples", "max_consecutive_skips", "freeze_encoder_steps")},
-    **{name: AMOUNT for name in ("max_batch_seconds", "max_memory_gb", "gpu_memory_gb", "grad_clip")},
+        "warmup_steps", "num_workers", "empty_cache_every", "save_every_steps",
+        "validate_every_steps", "max_batch_frames", "max_samples", "max_consecutive_skips", "freeze_encoder_steps")},
+    **{name: AMOUNT for name in (
+        "max_batch_seconds", "max_memory_gb", "gpu_memory_gb", "grad_clip")},
     "max_duration": (lambda v: v > 0, "a positive number of seconds"),
     "ctc_weight": (_fraction, "in [0, 1]"),
     **{name: (_fraction, "in [0, 1]") for name in ("noise_prob", "reverb_prob", "vtlp_prob")},
@@ -392,18 +401,18 @@ def check_run_config(cfg: RunConfig) -> None:
         raise ConfigError("give --resume or --overwrite, not both")
 
 
-def check_config(cfg: TrainConfig, model_overrides: dict[str, Any] | None = None,
-                 init_model_config: dict[str, Any] | None = None) -> None:
-    """Every flag value that can be checked before any work; ``ConfigError`` naming the first bad one.
-    ``init_model_config``: the model config of a fresh run's --init_from checkpoint, whose dimensions
-    the overrides then change (``training.finetune.init_checkpoint_config`` reads it)."""
+def check_config(cfg: TrainConfig) -> None:
+    """Every flag value of ``cfg`` that can be checked before any work; ``ConfigError`` naming the
+    first bad one. (The model's flags are checked as ``resolve_model_config`` resolves them.)"""
     check_run_config(cfg)
     check_values(cfg, _CHECKS)
     if not cfg.train_manifest and not cfg.train_shards:
         raise ConfigError("--train_manifest (or --train_shards) is required")
     if not cfg.valid_manifest:
         raise ConfigError("--valid_manifest is required")
-    for name in (() if cfg.train_shards else ("train_manifest",)) + ("valid_manifest", "tokenizer"):
+    files = (() if cfg.train_shards else ("train_manifest",)) + ("valid_manifest", "tokenizer")
+    # A resumed run does not read --init_from: its own checkpoint started from it.
+    for name in files + (() if cfg.resume else ("init_from",)):
         path = getattr(cfg, name)
         if path and not Path(path).is_file():
             raise ConfigError(f"--{name} {path}: file not found")
@@ -429,10 +438,28 @@ def check_config(cfg: TrainConfig, model_overrides: dict[str, Any] | None = None
         raise ConfigError(f"--init_modules {cfg.init_modules!r}: give a comma list of {', '.join(INIT_MODULES)}")
     if cfg.keep_init_cmvn and not cfg.init_from:
         raise ConfigError("--keep_init_cmvn keeps the CMVN statistics of --init_from: give --init_from too")
-    base = PRESETS.get(cfg.preset, {})
-    if init_model_config is not None:  # the --init_from checkpoint's dimensions replace the preset's
-        base = dataclasses.asdict(ModelConfig.from_dict(init_model_config))
-    model_config_from({**base, "vocab_size": 1}, **(model_overrides or {}))  # dimensions that fit together
+
+
+def resolve_model_config(cfg: TrainConfig, flags: dict[str, Any] | None = None,
+                         saved: dict[str, Any] | None = None) -> ModelConfig:
+    """The model a run trains, resolved once. On --resume: its checkpoint's ``saved`` config (model
+    flags that differ are ignored, with a warning). On a fresh run: --preset's dimensions, or the
+    --init_from checkpoint's (``saved``), with the model ``flags`` given (not None) over them;
+    ``ConfigError`` for dimensions that do not fit together. The vocabulary is the tokenizer's,
+    filled in with ``dataclasses.replace`` once it is known (0 until then on a fresh run)."""
+    given = {k: v for k, v in (flags or {}).items() if v is not None}
+    if cfg.resume:
+        model_cfg = ModelConfig.from_dict(saved)
+        if any(getattr(model_cfg, k) != v for k, v in given.items()):
+            log.warning("model flags ignored on resume: the checkpoint's dimensions are used")
+        return model_cfg
+    if not cfg.init_from:
+        return model_config_from_preset(cfg.preset, **given)
+    base = {**dataclasses.asdict(ModelConfig.from_dict(saved)), "vocab_size": 0}
+    changed = ", ".join(f"--{k} {v}" for k, v in given.items() if v != base[k])
+    log.info("--init_from: model dimensions from %s%s (--preset not used)", cfg.init_from,
+             f", with {changed} from the command line" if changed else "")
+    return model_config_from(base, **given)
 
 
 def _flag_type(tp: Any) -> Any:

@@ -8,7 +8,14 @@ import pytest
 import yaml
 
 from konkanivani.cli import train as cli
-from konkanivani.config import ModelConfig, TrainConfig, check_config, dataclass_from_args, model_config_from_preset
+from konkanivani.config import (
+    ModelConfig,
+    TrainConfig,
+    check_config,
+    dataclass_from_args,
+    model_config_from_preset,
+    resolve_model_config,
+)
 from konkanivani.config_file import SECTION_OF, SECTIONS, load_config_file, resolved_config
 from konkanivani.data.frames import frames_of
 from konkanivani.training.memory import GIB, MemoryEstimator
@@ -18,10 +25,11 @@ CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 
 def _resolve(argv):
-    """The TrainConfig and ModelConfig the trainer's flags give (vocabulary 1: the tokenizer decides it)."""
+    """The TrainConfig and ModelConfig the trainer's flags give (the vocabulary 0 until the
+    tokenizer decides it)."""
     args = cli.parse_args(argv)
     cfg = dataclass_from_args(TrainConfig, args)
-    return cfg, model_config_from_preset(cfg.preset, vocab_size=1, **cli.model_flags(args))
+    return cfg, resolve_model_config(cfg, cli.model_flags(args))
 
 
 def _manifests(tmp_path):
@@ -54,7 +62,8 @@ def test_every_shipped_config_loads_and_resolves_to_valid_configs(path, tmp_path
     assert {"preset", "train_manifest", "valid_manifest", "output_dir"} <= set(values)  # a whole recipe alone
     args = cli.parse_args(["--config", str(path), *_manifests(tmp_path)])
     cfg = dataclass_from_args(TrainConfig, args)
-    check_config(cfg, cli.model_flags(args))
+    check_config(cfg)
+    resolve_model_config(cfg, cli.model_flags(args))
     for key, value in values.items():
         if key not in ("train_manifest", "valid_manifest"):
             assert getattr(cfg, key, None) == value or getattr(args, key) == value, key

@@ -11,7 +11,14 @@ from tiny_args import tiny_args
 
 from konkanivani.checkpoint import load_checkpoint, save_checkpoint
 from konkanivani.cli import train as cli
-from konkanivani.config import INIT_MODULES, model_config_from_preset
+from konkanivani.config import (
+    INIT_MODULES,
+    ModelConfig,
+    TrainConfig,
+    dataclass_from_args,
+    model_config_from_preset,
+    resolve_model_config,
+)
 from konkanivani.data.tokenizer import Tokenizer, train_tokenizer
 from konkanivani.model.asr import ASRModel
 from konkanivani.training.finetune import load_init_weights
@@ -186,3 +193,39 @@ def test_kept_cmvn_and_a_model_flag_over_the_init_dimensions(base, tiny_corpus, 
     ckpt = load_checkpoint(out / "latest.pt")
     assert ckpt["model_config"]["d_model"] == 32 and ckpt["model_config"]["encoder_layers"] == 2
     assert torch.equal(ckpt["model"]["feat_mean"], load_checkpoint(base)["model"]["feat_mean"])
+
+
+def _resolved(argv, saved):
+    """The ModelConfig train() resolves for the trainer's flags ``argv`` from the stored
+    ``saved``."""
+    args = cli.parse_args(argv)
+    cfg = dataclass_from_args(TrainConfig, args)
+    return resolve_model_config(cfg, cli.model_flags(args), saved)
+
+
+def test_the_model_config_resolved_once_is_the_one_the_run_builds(base, tiny_corpus, tmp_path,
+                                                                  caplog):
+    """train() resolves the ModelConfig once and hands it to the run: a fresh run's from the
+    --init_from checkpoint's dimensions with a flag over them; a resumed run's from its checkpoint,
+    the model flags ignored with a warning."""
+    out, init = tmp_path / "resolved", load_checkpoint(base)["model_config"]
+    argv = tiny_args(tiny_corpus, out, "--init_from", str(base), "--max_steps", "1",
+                     "--encoder_layers", "1", "--no_tensorboard")
+    resolved = _resolved(argv, init)
+    assert (resolved.encoder_layers, resolved.d_model) == (1, init["d_model"])
+    assert resolved == dataclasses.replace(ModelConfig.from_dict(init), encoder_layers=1,
+                                           vocab_size=0)
+    assert cli.main(argv) == 0
+    built = load_checkpoint(out / "latest.pt")["model_config"]
+    vocabulary = Tokenizer.load(out / "tokenizer.model").vocab_size
+    assert built == dataclasses.asdict(dataclasses.replace(resolved, vocab_size=vocabulary))
+
+    again = tiny_args(tiny_corpus, out, "--max_steps", "2", "--resume", "latest",
+                      "--encoder_layers", "3", "--d_model", "64", "--no_tensorboard")
+    with caplog.at_level(logging.WARNING, logger="konkanivani"):
+        assert _resolved(again, built) == ModelConfig.from_dict(built)
+        assert cli.main(again) == 0
+    ignored = [r for r in caplog.records if "model flags ignored on resume" in r.getMessage()]
+    assert len(ignored) == 2  # once by the call above, once by the run
+    assert load_checkpoint(out / "latest.pt")["model_config"] == built
+    assert load_checkpoint(out / "latest.pt")["step"] == 2

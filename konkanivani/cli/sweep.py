@@ -26,7 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import CheckpointError
-from ..config import ConfigError, TrainConfig, check_config, dataclass_from_args
+from ..config import (
+    ConfigError,
+    TrainConfig,
+    check_config,
+    dataclass_from_args,
+    model_config_from_preset,
+)
 from ..config_file import load_sweep_section
 from ..data.manifest import ManifestError
 from ..tools.search import parse_space, run_search
@@ -103,6 +109,13 @@ def trial_maker(shared: list[str]):
     return make_trial
 
 
+def check_trial(cfg: TrainConfig, flags: dict[str, Any]) -> None:
+    """A trial's flags, checked before any trial runs: its config, and its model flags over the
+    preset (``ConfigError`` naming the first bad one)."""
+    check_config(cfg)
+    model_config_from_preset(cfg.preset, **flags)
+
+
 @tool
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
@@ -115,14 +128,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.search:
             space = parse_space(args.space, _config_path(shared))
             cfg, flags = make_trial({}, args.output_dir / "trial-0000", "")  # the shared flags, checked at once
-            check_config(cfg, flags)
+            check_trial(cfg, flags)
             trials, stopped = run_search(args.output_dir, space, make_trial, args.trials, args.storage,
                                          args.study_name, args.target_cer, shared)
         else:
             grid = parse_grid(args.grid)
             for trial in grid_trials(grid):  # every trial's flags, checked before the first one runs
                 cfg, flags = make_trial(trial.settings, args.output_dir / trial.name, "")
-                check_config(cfg, flags)
+                check_trial(cfg, flags)
             trials, stopped = run_sweep(args.output_dir, grid, make_trial, args.gpu_gb, args.target_cer, shared)
     except (SweepError, ConfigError, CheckpointError, ManifestError) as e:
         return fail(str(e))

@@ -9,20 +9,18 @@ its shape is the same and skipped otherwise (another ``--d_model``, say), and th
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..checkpoint import CheckpointError, inference_state_dict, load_checkpoint
-from ..config import ConfigError, ModelConfig, TrainConfig, model_config_from
+from ..config import ConfigError
 from ..data.tokenizer import BLANK_ID, SOS_EOS_ID, UNK_ID, Tokenizer
 from ..model.asr import ASRModel
 
-__all__ = ["InitReport", "init_checkpoint_config", "init_model_config", "token_row_map", "load_init_weights", "keep_init_cmvn",
-           "hold_encoder"]
+__all__ = ["InitReport", "load_init_checkpoint", "token_row_map", "load_init_weights",
+           "keep_init_cmvn", "hold_encoder"]
 
 
 _SPECIALS = (BLANK_ID, UNK_ID, SOS_EOS_ID)  # the same ids in every konkanivani tokenizer
@@ -49,16 +47,6 @@ class InitReport:
         return (f"init_from {self.source} ({self.weights} weights): loaded {len(self.loaded)} tensors "
                 f"({', '.join(modules) or 'none'}), resized {len(self.resized)}{f' ({resized})' if resized else ''}, "
                 f"skipped {len(self.skipped)}{f' ({skipped}{more})' if skipped else ''}")
-
-
-def init_model_config(checkpoint: dict[str, Any], vocab_size: int,
-                      overrides: dict[str, Any]) -> tuple[ModelConfig, list[str]]:
-    """The new model's dimensions: the checkpoint's, with the model flags given on the command line
-    (``overrides``, None for those not given) over them and the new tokenizer's vocabulary. Returns
-    the config and the names of the flags that overrode the checkpoint."""
-    base = dataclasses.asdict(ModelConfig.from_dict(checkpoint["model_config"]))
-    given = [name for name, value in overrides.items() if value is not None and value != base.get(name)]
-    return model_config_from({**base, "vocab_size": vocab_size}, **overrides), given
 
 
 def token_row_map(old: Tokenizer, new: Tokenizer) -> dict[int, int]:
@@ -133,15 +121,9 @@ def hold_encoder(model: torch.nn.Module, step: int, freeze_steps: int) -> bool:
     return True
 
 
-def init_checkpoint_config(cfg: TrainConfig) -> dict[str, Any] | None:
-    """The model config of a fresh run's --init_from checkpoint (None without one, or on --resume,
-    where the run's own checkpoint decides everything); ``ConfigError`` naming the file when it is
-    missing or holds no model."""
-    if not cfg.init_from or cfg.resume:
-        return None
-    path = cfg.init_from
-    if not Path(path).is_file():
-        raise ConfigError(f"--init_from {path}: file not found")
+def load_init_checkpoint(path: str) -> dict[str, Any]:
+    """The checkpoint --init_from names, loaded; ``ConfigError`` naming the file when it cannot be
+    read or holds no model."""
     try:
         state = load_checkpoint(path)
     except CheckpointError as e:
@@ -149,4 +131,4 @@ def init_checkpoint_config(cfg: TrainConfig) -> dict[str, Any] | None:
     missing = [k for k in ("model_config", "model", "tokenizer") if k not in state]
     if missing:
         raise ConfigError(f"--init_from {path}: not a model checkpoint (no {', '.join(missing)})")
-    return state["model_config"]
+    return state

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from ..config import ConfigError, TrainConfig, check_config
+from ..config import ConfigError, TrainConfig, check_config, resolve_model_config
 from ..data.dataset import Batch
 from ..data.frames import frames_of
 from ..data.manifest import ManifestError
@@ -39,12 +39,12 @@ from .distributed import (
     is_sharded,
 )
 from .ema import ema_state
-from .finetune import hold_encoder, init_checkpoint_config
+from .finetune import hold_encoder
 from .memory import (
     memory_status,
 )
 from .optim import lr_factor
-from .run import Run, setup_run
+from .run import Run, setup_run, starting_point
 from .rundir import run_directory, save_step, step_checkpoint_name
 from .signals import StopRequest, TrainingDiverged, diverged_message
 from .state import TrainState, capture_rng
@@ -61,17 +61,23 @@ SIGNAL_STOPS = ("SIGINT", "SIGTERM", "--max_time")  # stops that end a run early
 
 def train(cfg: TrainConfig, model_overrides: Optional[dict[str, Any]] = None,
           on_step: Optional[Callable[[int, int, ASRModel], bool]] = None) -> dict[str, Any]:
-    """Train (or resume) as ``cfg`` says. ``model_overrides`` replace preset dimensions (fresh runs only).
-    ``on_step(step, epoch, model)`` runs after every optimizer step; returning True stops the run
-    there, with a checkpoint (benchmarks use it to evaluate on a clock).
+    """Train (or resume) as ``cfg`` says. ``model_overrides``: the model flags (``ModelConfig``
+    fields; None or left out: not given), over the preset's or the --init_from checkpoint's
+    dimensions (fresh runs only). ``on_step(step, epoch, model)`` runs after every optimizer step;
+    returning True stops the run there, with a checkpoint (benchmarks use it to evaluate on a
+    clock).
 
     Returns a summary: final step, epoch, last validation metrics, the best WER, what stopped it.
     """
-    check_config(cfg, model_overrides, init_checkpoint_config(cfg))  # every flag value, before any work
+    check_config(cfg)  # every flag value, before any work
     with distributed(cfg.device) as (dist, device):
         _check_device_settings(cfg, device)
-        with run_directory(Path(cfg.output_dir), cfg.resume, cfg.overwrite, dist) as start, StopRequest(cfg.max_time) as stop_request:
-            run = setup_run(cfg, model_overrides or {}, dist, device, start)
+        with run_directory(Path(cfg.output_dir), cfg.resume, cfg.overwrite, dist) as start, \
+                StopRequest(cfg.max_time) as stop_request:
+            origin = starting_point(cfg)  # --resume's checkpoint, or a fresh run's --init_from one
+            # The model, resolved once: the checkpoint's, or the preset's, the model flags over it
+            model_cfg = resolve_model_config(cfg, model_overrides, origin.model_config)
+            run = setup_run(cfg, model_cfg, origin, dist, device, start)
             with contextlib.closing(run):
                 stop = "max_steps" if 0 < cfg.max_steps <= run.step else None
                 while run.epoch < cfg.epochs and stop is None:

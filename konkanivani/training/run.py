@@ -18,11 +18,19 @@ import torch
 from torch.optim.swa_utils import AveragedModel
 from torch.utils.data import DataLoader
 
-from ..checkpoint import load_checkpoint, write_file_atomic
-from ..config import ConfigError, ModelConfig, TrainConfig, kept_settings, model_config_from_preset
+from ..checkpoint import write_file_atomic
+from ..config import ConfigError, ModelConfig, TrainConfig, kept_settings
 from ..config_file import write_config_file
 from ..data.augment import Augmenter, batching_duration
-from ..data.dataset import ASRDataset, Utterance, cmvn_of, collate, compute_cmvn, load_utterances, log_skipped
+from ..data.dataset import (
+    ASRDataset,
+    Utterance,
+    cmvn_of,
+    collate,
+    compute_cmvn,
+    load_utterances,
+    log_skipped,
+)
 from ..data.features import LogMel
 from ..data.frames import budget_frames, frames_of, subsampled_lengths
 from ..data.manifest import ManifestError, read_manifest
@@ -34,7 +42,15 @@ from ..data.samplers import (
     select_samples,
     train_sampler,
 )
-from ..data.shards import ShardPlan, ShardSet, ShardStream, ShardUtterances, open_shards, shard_waveforms, texts_of
+from ..data.shards import (
+    ShardPlan,
+    ShardSet,
+    ShardStream,
+    ShardUtterances,
+    open_shards,
+    shard_waveforms,
+    texts_of,
+)
 from ..data.tokenizer import Tokenizer, train_tokenizer
 from ..model.asr import ASRModel, count_parameters
 from .compile import compiled
@@ -46,7 +62,7 @@ from .distributed import (
     wrap_data_parallel,
 )
 from .ema import load_ema_state, make_ema
-from .finetune import init_model_config, keep_init_cmvn, load_init_weights
+from .finetune import keep_init_cmvn, load_init_checkpoint, load_init_weights
 from .memory import (
     GIB,
     MemoryEstimator,
@@ -62,14 +78,15 @@ from .signals import NonFiniteSkips, ignore_stop_signals, stop_workers
 from .state import TrainState, restore_rng
 from .tensorboard_log import TensorBoardLog, open_tensorboard
 
-__all__ = ["FILL_FRACTION", "Run", "gpu_batches", "setup_run"]
+__all__ = ["FILL_FRACTION", "Origin", "Run", "gpu_batches", "setup_run", "starting_point"]
 
 log = logging.getLogger("konkanivani")
 
 
 @dataclass
 class Run:
-    """What a training run holds while it runs: its parts, and its progress (saved as ``TrainState``)."""
+    """What a training run holds while it runs: its parts, and its progress (saved as
+    ``TrainState``)."""
 
     cfg: TrainConfig
     out_dir: Path
@@ -102,11 +119,14 @@ class Run:
     # updates whose skip flags are still on the device: (step, skipped, loss finite, utterances);
     # read together every --log_every steps (loop.settle), so that a step does not wait for the GPU
     unsettled: list[tuple[int, torch.Tensor, torch.Tensor, list[int]]] = field(default_factory=list)
-    board: TensorBoardLog = field(default_factory=TensorBoardLog)  # the metrics rows again, for TensorBoard
+    # the metrics rows again, for TensorBoard
+    board: TensorBoardLog = field(default_factory=TensorBoardLog)
     ema: Optional[AveragedModel] = None  # the moving average of the weights (--ema_decay)
     draw_curves: bool = False  # redraw curves.png after each validation (rank 0, with matplotlib)
-    elapsed_before: float = 0.0  # seconds of training before this process took over (TrainState.train_seconds)
-    started: float = field(default_factory=time.monotonic)  # when this process's part of the run began
+    # seconds of training before this process took over (TrainState.train_seconds)
+    elapsed_before: float = 0.0
+    # when this process's part of the run began
+    started: float = field(default_factory=time.monotonic)
 
     def elapsed(self) -> float:
         """Seconds of training so far, over every process that ran this run (resumes included, the
@@ -123,206 +143,123 @@ class Run:
         """A metrics row, in metrics.jsonl and TensorBoard. Each carries the 1-based epoch its step
         belongs to: the one in progress, or the one that just ended for an epoch-end validation."""
         if self.dist.is_main:
-            values = {**values, "elapsed_s": round(self.elapsed(), 2)}  # time to a figure: sweeps compare runs by it
-            self.metrics.write(kind, self.step, self.epoch + 1 if self.batches_done else self.epoch, **values)
+            # time to a figure: sweeps compare runs by it
+            values = {**values, "elapsed_s": round(self.elapsed(), 2)}
+            epoch = self.epoch + 1 if self.batches_done else self.epoch
+            self.metrics.write(kind, self.step, epoch, **values)
             self.board.write(kind, self.step, **values)
 
 
-def setup_run(cfg: TrainConfig, model_overrides: dict[str, Any], dist: Dist, device: torch.device,
-              start: Callable[[], None] = lambda: None) -> Run:
-    """A fresh run from the flags, or the one ``--resume`` names continued from its checkpoint.
-    Nothing is written to the output directory until the data is known usable; then ``start``
-    (``rundir.run_directory``) makes the directory this run's."""
-    out_dir = Path(cfg.output_dir)
+@dataclass
+class Origin:
+    """Where a run starts: the checkpoint --resume names (``state``, called ``source`` in the log),
+    or a fresh run's --init_from checkpoint (``init``); neither for a run from scratch."""
+
+    state: Optional[TrainState] = None
+    source: str = ""
+    init: Optional[dict[str, Any]] = None
+
+    @property
+    def model_config(self) -> Optional[dict[str, Any]]:
+        """The stored model config the run's model starts from (None: --preset's)."""
+        if self.state is not None:
+            return self.state.model_config
+        return None if self.init is None else self.init["model_config"]
+
+
+def starting_point(cfg: TrainConfig) -> Origin:
+    """The checkpoint a run starts from, loaded once: --resume's, as a ``TrainState``; for a fresh
+    run, --init_from's (``ConfigError`` naming it when it is unusable)."""
+    if not cfg.resume:
+        return Origin(init=load_init_checkpoint(cfg.init_from) if cfg.init_from else None)
+    checkpoint, path = load_resume_checkpoint(cfg.resume, cfg.output_dir)
+    if cfg.init_from:  # the run's own checkpoint already started from it
+        log.info("--init_from %s not applied: the run resumes from its own checkpoint",
+                 cfg.init_from)
+    named = cfg.resume if cfg.resume != "latest" or path.name == "latest.pt" else str(path)
+    return Origin(TrainState.from_checkpoint(checkpoint, path), named)
+
+
+def setup_run(cfg: TrainConfig, model_cfg: ModelConfig, origin: Origin, dist: Dist,
+              device: torch.device, start: Callable[[], None] = lambda: None) -> Run:
+    """A fresh run from the flags, or the one ``--resume`` names continued from its checkpoint
+    (``origin``), with the model ``train`` resolved (``model_cfg``; its vocabulary is the
+    tokenizer's). Nothing is written to the output directory until the data is known usable; then
+    ``start`` (``rundir.run_directory``) makes the directory this run's."""
     _seed_everything(cfg.seed)  # the same initial weights in every process
-    state, source = _resume_state(cfg, out_dir)
-    init = _init_checkpoint(cfg, state)
-    cfg, model_cfg, tokenizer, samples_grew = _settings(cfg, model_overrides, state, dist, init)
+    # configs: the settings a resumed run keeps from its checkpoint, the tokenizer, the precision
+    cfg, tokenizer, samples_grew = _configs(cfg, origin.state, dist)
+    model_cfg = dataclasses.replace(model_cfg, vocab_size=tokenizer.vocab_size)
+    # (a CPU's bf16 speed is measured here, with random matrices: before the weights are drawn)
     precision = resolve_precision(device, cfg.mixed_precision, cfg.precision)
-    augmenter = _augmenter(cfg)  # lists --noise_dir / --rir_dir: a bad folder stops the run before any work
-    train_utts, valid_utts, shards = _load_data(cfg, tokenizer)
-    start()
-    if dist.is_main and (stale := remove_stale_temporaries(out_dir)):
-        log.warning("removed %d unfinished checkpoint writes of a run killed while saving: %s", len(stale),
-                    ", ".join(p.name for p in stale))
-    if dist.is_main and state is None:
-        write_file_atomic(out_dir / "tokenizer.model", tokenizer.model_proto)
-    model = _build_model(cfg, model_cfg, train_utts, state, device, init, tokenizer, shards)
+    # data: the utterances, checked usable before the output directory becomes this run's
+    data = _data(cfg, tokenizer)
+    _claim_directory(start, Path(cfg.output_dir), dist, tokenizer if origin.state is None else None)
+    # model: resumed, or fresh with the data's CMVN and the --init_from weights that fit
+    model = _build_model(cfg, model_cfg, data, origin, tokenizer, device)
     if dist.active:
         _seed_everything(cfg.seed + dist.rank)  # dropout and SpecAugment differ between processes
-    forward = wrap_data_parallel(model, dist, device, cfg.strategy)  # fsdp shards the model in place
-    optimizer, optimizer_name = build_optimizer(cfg.optimizer, model.parameters(), device, cfg.lr, cfg.weight_decay)
-    log.info("optimizer: %s", {"adamw": "AdamW", "adamw_8bit": "8-bit AdamW (bitsandbytes)"}[optimizer_name])
-    cfg = dataclasses.replace(cfg, optimizer=optimizer_name)  # the checkpoint records the one that runs
-    log.log(logging.WARNING if precision.slow else logging.INFO, "%s; device %s%s", precision.note, device,
-            f"; {dist.world} processes, {cfg.strategy}" if dist.active else "")
-    forward = compiled(forward) if cfg.compile else forward
-    estimator = MemoryEstimator(model_cfg, precision_name(precision), optimizer_name,
-                                cfg.gradient_checkpointing, device)
-    durations = [batching_duration(d, cfg.speed_perturb)  # as long as they may get
-                 for d in (shards.durations() if shards else (u.duration for u in train_utts))]
-    cfg, fills = _fill_gpu(cfg, device, estimator, durations)  # before --auto_batch probes under its cap
-    if cfg.auto_batch and state is None:
-        longest = max(frames_of(d) for d in durations)
-        # a shard's text is read with its audio: as many tokens as CTC allows, the most a usable one has
-        tokens = subsampled_lengths(longest) if shards else max(len(u.tokens) for u in train_utts)
-        frames = auto_batch_frames(forward, model, device, lambda: precision.autocast(device), longest, tokens,
-                                   estimator, cfg.max_memory_gb)
-        given = budget_frames(cfg.max_batch_frames, cfg.max_batch_seconds)
-        cfg = dataclasses.replace(cfg, max_batch_frames=min(frames, given) if given else frames, max_batch_seconds=0.0)
-    # The first micro-batch of the second step is the peak (optimizer states exist from then on);
-    # a resumed run keeps the count its first epoch was planned with.
-    accum_then = state.train_config["gradient_accumulation_steps"] if state else cfg.gradient_accumulation_steps
-    fits = estimator.fits_budget(cfg.max_memory_gb * GIB) if cfg.max_memory_gb > 0 else None
-    if fills is not None:
-        fits = fills if fits is None else (lambda n, frames: fills(n, frames) and fits(n, frames))
-    budget = budget_frames(cfg.max_batch_frames, cfg.max_batch_seconds)
-    if shards is not None:
-        sampler: ResumableBatchSampler = ShardPlan(
-            shards, [frames_of(d) for d in durations], rank=dist.rank, world=dist.world,
-            streams=cfg.num_workers, seed=cfg.seed, buffer=cfg.shuffle_buffer, max_frames=budget,
-            batch_size=cfg.batch_size, max_duration=cfg.max_duration, fits=fits)
-    else:
-        sampler = train_sampler(durations, cfg.batch_size, budget, cfg.seed, cfg.num_buckets, fits,
-                                accum_then + 1 if cfg.preflight else 0, dist.rank, dist.world)
-    valid_sampler = LengthGroupedBatchSampler([u.duration for u in valid_utts], cfg.batch_size, shuffle=False)
-    if not is_sharded(model):  # a sharded model computes in every process together: all validate everything
-        valid_sampler = ShardedSampler(valid_sampler, dist.rank, dist.world, even=False)
-    run = Run(cfg, out_dir, dist, device, precision, tokenizer, model, forward, optimizer,
-              torch.amp.GradScaler(device.type, enabled=precision.use_scaler), train_utts, valid_utts, sampler,
-              _shard_loader(ShardStream(sampler, tokenizer,
-                                        ASRDataset([], augmenter),
-                                        cfg.duration_tolerance), cfg, device)
-              if isinstance(sampler, ShardPlan) else
-              _loader(ASRDataset(train_utts, augmenter), sampler, cfg, device),
-              _loader(ASRDataset(valid_utts), valid_sampler, cfg, device, workers=0),
-              MetricsLog(out_dir / "metrics.jsonl"), NonFiniteSkips(cfg.max_consecutive_skips),
-              LogMel(model_cfg.n_mels).to(device))
-    if cfg.ema_decay:  # of the unwrapped model: the DDP or compiled forward shares its parameters
-        run.ema = make_ema(model, cfg.ema_decay)
-    if state is not None:
-        _restore(run, state, source, samples_grew)
-    _log_plan(run, estimator)
-    if dist.is_main:  # the values this run uses (the resumed ones on --resume), to run it again with --config
-        write_config_file(out_dir / "config.yaml", run.cfg, model_cfg, run.step)
-    if dist.is_main and cfg.tensorboard:
-        run.board = open_tensorboard(out_dir / "tensorboard", run.step)
-    run.draw_curves = dist.is_main and _can_draw_curves(out_dir)
+    # optimizer: the model's forward (data-parallel, compiled) and its optimizer
+    cfg, forward, optimizer = _optimizer(cfg, model, precision, dist, device)
+    # batching: the memory estimate, the budget of a batch, the samplers
+    cfg, estimator, samplers = _batching(cfg, model_cfg, data, (model, forward, precision),
+                                         origin.state, dist, device)
+    # loaders: the data workers of training and validation
+    train_loader, valid_loader = _loaders(cfg, data, samplers, tokenizer, device)
+    out_dir = Path(cfg.output_dir)
+    run = Run(cfg=cfg, out_dir=out_dir, dist=dist, device=device, precision=precision,
+              tokenizer=tokenizer, model=model, forward=forward, optimizer=optimizer,
+              scaler=torch.amp.GradScaler(device.type, enabled=precision.use_scaler),
+              train_utts=data.train, valid_utts=data.valid, sampler=samplers[0],
+              train_loader=train_loader, valid_loader=valid_loader,
+              metrics=MetricsLog(out_dir / "metrics.jsonl"),
+              skips=NonFiniteSkips(cfg.max_consecutive_skips),
+              log_mel=LogMel(model_cfg.n_mels).to(device),
+              # of the unwrapped model: the DDP or compiled forward shares its parameters
+              ema=make_ema(model, cfg.ema_decay) if cfg.ema_decay else None)
+    _begin(run, origin, estimator, model_cfg, samples_grew)
     return run
 
 
-# The share of --gpu_memory_gb that batches are sized to fill: the estimate is within about 10% of
-# the H100's measured peaks (docs/memory.md), and the caching allocator needs room to fragment.
-FILL_FRACTION = 0.75
+# ---- configs ----------------------------------------------------------------------------------
 
-
-def _fill_gpu(cfg: TrainConfig, device: torch.device, estimator: MemoryEstimator, durations: list[float]
-              ) -> tuple[TrainConfig, Optional[Callable[[int, int], bool]]]:
-    """--gpu_memory_gb on CUDA: cap the process at that much memory and plan batches that fill it
-    (``gpu_batches``); the settings and the ``fits`` cap of the batches. No effect elsewhere."""
-    if cfg.gpu_memory_gb <= 0:
-        return cfg, None
-    if device.type != "cuda":
-        log.info("--gpu_memory_gb %g: no effect on %s (batches as --batch_size says)", cfg.gpu_memory_gb, device.type)
-        return cfg, None
-    total = torch.cuda.get_device_properties(device).total_memory
-    cap = min(cfg.gpu_memory_gb * GIB, total)
-    torch.cuda.set_per_process_memory_fraction(cap / total, device)
-    planned, fits, per_batch = gpu_batches(cfg, estimator, durations, cap)
-    log.info("--gpu_memory_gb %g: this process uses at most %.1f GiB of %s's %.1f; batches sized to an estimated "
-             "%.1f GiB peak (about %d utterances of the median length), 1 micro-batch a step; peak lr %.3g "
-             "(%.3g x %.2f), %d warm-up steps (%d before)", cfg.gpu_memory_gb, cap / GIB,
-             torch.cuda.get_device_name(device), total / GIB, FILL_FRACTION * cap / GIB, per_batch, planned.lr,
-             cfg.lr, planned.lr / cfg.lr, planned.warmup_steps, cfg.warmup_steps)
-    return planned, fits
-
-
-def gpu_batches(cfg: TrainConfig, estimator: MemoryEstimator, durations: list[float], cap_bytes: float
-                ) -> tuple[TrainConfig, Callable[[int, int], bool], int]:
-    """Batches that fill ``cap_bytes`` of GPU memory: each sized to ``FILL_FRACTION`` of it by the
-    estimate (the ``fits`` cap returned), one micro-batch a step, and the LR and warm-up for them.
-    Both follow the batch's growth over the flags' own (--batch_size x --gradient_accumulation_steps
-    utterances), counted in utterances of the median length: the peak LR by its square root (the
-    rule for Adam's updates, at most 2x), the warm-up over as many utterances as before (at least
-    25 steps). Returns the settings, the cap and the utterances of the median length a batch holds.
-    A pure function of the flags, the data and the estimate: a resumed run comes to the same."""
-    fits = estimator.fits_budget(FILL_FRACTION * cap_bytes)
-    median = frames_of(sorted(durations)[len(durations) // 2])
-    per_batch = largest_fitting(lambda n: fits(n, median), limit=100_000)
-    before = cfg.batch_size * cfg.gradient_accumulation_steps
-    lr = cfg.lr * min(2.0, math.sqrt(max(1.0, per_batch / before)))
-    warmup = max(25, math.ceil(cfg.warmup_steps * before / max(per_batch, 1)))
-    return dataclasses.replace(cfg, gradient_accumulation_steps=1, lr=lr, warmup_steps=warmup), fits, per_batch
-
-
-def _can_draw_curves(out_dir: Path) -> bool:
-    if have_matplotlib():
-        return True
-    log.info('matplotlib is not installed: no %s in %s (pip install "konkanivani[plot]")', CURVES, out_dir)
-    return False
-
-
-def _resume_state(cfg: TrainConfig, out_dir: Path) -> tuple[Optional[TrainState], str]:
-    """The checkpoint ``--resume`` names, as a ``TrainState``, and how to name it in the log."""
-    if not cfg.resume:
-        return None, ""
-    checkpoint, path = load_resume_checkpoint(cfg.resume, out_dir)
-    named = cfg.resume if cfg.resume != "latest" or path.name == "latest.pt" else str(path)
-    return TrainState.from_checkpoint(checkpoint, path), named
-
-
-def _init_checkpoint(cfg: TrainConfig, state: Optional[TrainState]) -> Optional[dict[str, Any]]:
-    """The checkpoint --init_from names, loaded, for a fresh run; None otherwise (a resumed run
-    continues from its own checkpoint, which already started from it)."""
-    if not cfg.init_from:
-        return None
-    if state is not None:
-        log.info("--init_from %s not applied: the run resumes from its own checkpoint", cfg.init_from)
-        return None
-    return load_checkpoint(cfg.init_from)
-
-
-def _settings(cfg: TrainConfig, model_overrides: dict[str, Any], state: Optional[TrainState], dist: Dist,
-              init: Optional[dict[str, Any]] = None) -> tuple[TrainConfig, ModelConfig, Tokenizer, bool]:
-    """The one place that decides what a resumed run takes from its checkpoint: the tokenizer, the
-    model's shape, the settings that fix the data order, the optimizer (its state fits no other),
-    and --max_samples unless the new one is larger. A fresh run takes --tokenizer or trains one
-    (``_fresh_tokenizer``); its model shape is the preset's, or the --init_from checkpoint's
-    (``init``), with the model flags over it. Returns the config, the model config, the tokenizer
-    and whether the training set grew."""
+def _configs(cfg: TrainConfig, state: Optional[TrainState], dist: Dist
+             ) -> tuple[TrainConfig, Tokenizer, bool]:
+    """The settings and the tokenizer the run goes on with, and whether its training set grew: a
+    fresh run's flags and --tokenizer (or one trained, ``_fresh_tokenizer``); for a resumed run,
+    the checkpoint's tokenizer and what ``_kept_on_resume`` keeps."""
     if state is None:
-        tokenizer = _fresh_tokenizer(cfg, dist)
-        if init is None:
-            return cfg, model_config_from_preset(cfg.preset, vocab_size=tokenizer.vocab_size, **model_overrides), \
-                tokenizer, False
-        model_cfg, given = init_model_config(init, tokenizer.vocab_size, model_overrides)
-        log.info("--init_from: model dimensions from %s%s (--preset not used)", cfg.init_from,
-                 f", with {', '.join(f'--{k} {model_overrides[k]}' for k in given)} from the command line"
-                 if given else "")
-        return cfg, model_cfg, tokenizer, False
+        return cfg, _fresh_tokenizer(cfg, dist), False
+    changed, grows = _kept_on_resume(cfg, state)
+    return dataclasses.replace(cfg, **changed), Tokenizer(state.tokenizer), grows
+
+
+def _kept_on_resume(cfg: TrainConfig, state: TrainState) -> tuple[dict[str, Any], bool]:
+    """The one place that decides what a resumed run takes from its checkpoint (the model's shape
+    aside, which ``config.resolve_model_config`` takes): the settings that fix the data order, the
+    optimizer (its state fits no other), and --max_samples unless the new one is larger. Returns
+    the settings changed back and whether the training set grew."""
     saved = {**dataclasses.asdict(TrainConfig()), **state.train_config}
     changed = kept_settings(cfg, saved)  # the fields that decide which batches remain in the epoch
     if canonical_optimizer(cfg.optimizer) != canonical_optimizer(saved["optimizer"]):
-        log.warning("on resume, --optimizer %s as in the checkpoint (its optimizer state is for that optimizer)",
-                    saved["optimizer"])
+        log.warning("on resume, --optimizer %s as in the checkpoint (its optimizer state is for "
+                    "that optimizer)", saved["optimizer"])
         changed["optimizer"] = saved["optimizer"]
     old, new = saved["max_samples"], cfg.max_samples
     grows = old > 0 and (new <= 0 or new > old)
     if new != old and not grows:
-        log.warning("on resume, --max_samples %d as in the checkpoint (it may grow, not shrink)", old)
+        log.warning("on resume, --max_samples %d as in the checkpoint (it may grow, not shrink)",
+                    old)
         changed["max_samples"] = old
     shown = {k: v for k, v in changed.items() if k not in ("optimizer", "max_samples")}
     if shown:
-        log.warning("on resume, %s as in the checkpoint (they decide which batches remain in the epoch)",
-                    ", ".join(f"--{k} {v}" for k, v in shown.items()))
+        log.warning("on resume, %s as in the checkpoint (they decide which batches remain in the "
+                    "epoch)", ", ".join(f"--{k} {v}" for k, v in shown.items()))
     if cfg.train_shards and max(1, cfg.num_workers) != max(1, saved["num_workers"]):
-        log.warning("on resume, --num_workers %d as in the checkpoint (the shards' batches are planned for that many "
-                    "readers)", saved["num_workers"])
+        log.warning("on resume, --num_workers %d as in the checkpoint (the shards' batches are "
+                    "planned for that many readers)", saved["num_workers"])
         changed["num_workers"] = saved["num_workers"]
-    model_cfg = ModelConfig.from_dict(state.model_config)
-    if any(v is not None and getattr(model_cfg, k) != v for k, v in model_overrides.items()):
-        log.warning("model flags ignored on resume: the checkpoint's dimensions are used")
-    return dataclasses.replace(cfg, **changed), model_cfg, Tokenizer(state.tokenizer), grows
+    return changed, grows
 
 
 def _fresh_tokenizer(cfg: TrainConfig, dist: Dist) -> Tokenizer:
@@ -335,8 +272,8 @@ def _fresh_tokenizer(cfg: TrainConfig, dist: Dist) -> Tokenizer:
         source = cfg.train_shards or cfg.train_manifest
         if cfg.train_shards:
             if (text_file := texts_of(cfg.train_shards)) is None:
-                raise ConfigError(f"--train_shards {cfg.train_shards}: no text.txt beside the shards to train a "
-                                  "tokenizer on; give --tokenizer")
+                raise ConfigError(f"--train_shards {cfg.train_shards}: no text.txt beside the "
+                                  "shards to train a tokenizer on; give --tokenizer")
             texts = text_file.read_text(encoding="utf-8").splitlines()
         else:
             texts = [row.get("text") for _, row in read_manifest(cfg.train_manifest)]
@@ -346,6 +283,30 @@ def _fresh_tokenizer(cfg: TrainConfig, dist: Dist) -> Tokenizer:
         except ValueError as e:
             raise ConfigError(f"{source}: {e}") from e
     return Tokenizer(dist.gather(proto)[0])
+
+
+# ---- data -------------------------------------------------------------------------------------
+
+@dataclass
+class _Data:
+    """The utterances a run trains and validates on."""
+
+    train: Sequence[Utterance]  # a manifest's, or a shard set's (ShardUtterances)
+    valid: list[Utterance]
+    shards: Optional[ShardSet]
+    augmenter: Optional[Augmenter]
+    durations: list[float]  # each training utterance's, as long as speed perturbation may make it
+
+
+def _data(cfg: TrainConfig, tokenizer: Tokenizer) -> _Data:
+    """The run's utterances (``_load_data``) and its augmentations; ``ConfigError`` or
+    ``ManifestError`` when they cannot be used."""
+    # It lists --noise_dir / --rir_dir: a bad folder stops the run before any work.
+    augmenter = _augmenter(cfg)
+    train_utts, valid_utts, shards = _load_data(cfg, tokenizer)
+    durations = [batching_duration(d, cfg.speed_perturb)  # as long as they may get
+                 for d in (shards.durations() if shards else (u.duration for u in train_utts))]
+    return _Data(train_utts, valid_utts, shards, augmenter, durations)
 
 
 def _augmenter(cfg: TrainConfig) -> Optional[Augmenter]:
@@ -359,76 +320,310 @@ def _augmenter(cfg: TrainConfig) -> Optional[Augmenter]:
 
 def _load_data(cfg: TrainConfig, tokenizer: Tokenizer
                ) -> tuple[Sequence[Utterance], list[Utterance], Optional[ShardSet]]:
-    """The training utterances (of a manifest, or of the shards), the validation ones, and the shard set."""
+    """The training utterances (of a manifest, or of the shards), the validation ones, and the
+    shard set."""
     shards = None
     if cfg.train_shards:
         if cfg.train_manifest:
-            log.info("--train_shards %s: --train_manifest %s is not used", cfg.train_shards, cfg.train_manifest)
+            log.info("--train_shards %s: --train_manifest %s is not used", cfg.train_shards,
+                     cfg.train_manifest)
         shards = open_shards(cfg.train_shards)
         train_utts: Sequence[Utterance] = ShardUtterances(shards)
         longer = sum(d > cfg.max_duration for d in shards.durations())
-        log.info("train shards %s: %d shards, %d utterances, %.2f h%s (their text is checked as each is read)",
-                 cfg.train_shards, len(shards.shards), len(shards), shards.hours(),
-                 f"; {longer} longer than --max_duration {cfg.max_duration:g} s left out" if longer else "")
+        left_out = f"; {longer} longer than --max_duration {cfg.max_duration:g} s left out"
+        log.info("train shards %s: %d shards, %d utterances, %.2f h%s (their text is checked as "
+                 "each is read)", cfg.train_shards, len(shards.shards), len(shards), shards.hours(),
+                 left_out if longer else "")
         if longer == len(shards):
-            raise ConfigError(f"--train_shards {cfg.train_shards}: every utterance is longer than --max_duration")
+            raise ConfigError(f"--train_shards {cfg.train_shards}: every utterance is longer than "
+                              "--max_duration")
     else:
         train_utts, skipped = load_utterances(cfg.train_manifest, tokenizer, cfg.max_duration,
                                               cfg.duration_tolerance)
         log_skipped("train", cfg.train_manifest, len(train_utts), skipped)
     if cfg.max_samples > 0:
-        train_utts = [train_utts[i] for i in select_samples(len(train_utts), cfg.max_samples, cfg.seed)]
-        log.info("--max_samples %d: training on %d of the utterances (a seeded choice)", cfg.max_samples,
-                 len(train_utts))
-    valid_utts, skipped = load_utterances(cfg.valid_manifest, tokenizer, cfg.max_duration, cfg.duration_tolerance)
+        chosen = select_samples(len(train_utts), cfg.max_samples, cfg.seed)
+        train_utts = [train_utts[i] for i in chosen]
+        log.info("--max_samples %d: training on %d of the utterances (a seeded choice)",
+                 cfg.max_samples, len(train_utts))
+    valid_utts, skipped = load_utterances(cfg.valid_manifest, tokenizer, cfg.max_duration,
+                                          cfg.duration_tolerance)
     log_skipped("valid", cfg.valid_manifest, len(valid_utts), skipped)
     if not train_utts or not valid_utts:
-        name, path = ("training", cfg.train_manifest) if not train_utts else ("validation", cfg.valid_manifest)
-        raise ManifestError(f"no usable utterance in the {name} manifest {path}; see the warnings above "
-                            "(konkanivani-validate lists every bad row)")
+        name, path = (("training", cfg.train_manifest) if not train_utts
+                      else ("validation", cfg.valid_manifest))
+        raise ManifestError(f"no usable utterance in the {name} manifest {path}; see the warnings "
+                            "above (konkanivani-validate lists every bad row)")
     return train_utts, valid_utts, shards
 
 
-def _build_model(cfg: TrainConfig, model_cfg: ModelConfig, train_utts: Sequence[Utterance],
-                 state: Optional[TrainState], device: torch.device, init: Optional[dict[str, Any]] = None,
-                 tokenizer: Optional[Tokenizer] = None, shards: Optional[ShardSet] = None) -> ASRModel:
+def _claim_directory(start: Callable[[], None], out_dir: Path, dist: Dist,
+                     tokenizer: Optional[Tokenizer]) -> None:
+    """The output directory made this run's (``start``): the unfinished checkpoint writes of a run
+    killed while saving removed, and a fresh run's ``tokenizer`` written."""
+    start()
+    if dist.is_main and (stale := remove_stale_temporaries(out_dir)):
+        log.warning("removed %d unfinished checkpoint writes of a run killed while saving: %s",
+                    len(stale), ", ".join(p.name for p in stale))
+    if dist.is_main and tokenizer is not None:
+        write_file_atomic(out_dir / "tokenizer.model", tokenizer.model_proto)
+
+
+# ---- model ------------------------------------------------------------------------------------
+
+def _build_model(cfg: TrainConfig, model_cfg: ModelConfig, data: _Data, origin: Origin,
+                 tokenizer: Tokenizer, device: torch.device) -> ASRModel:
     """The model: a resumed run's weights; or fresh, with the CMVN statistics of the training data
-    and, from an --init_from checkpoint (``init``), the weights that fit."""
+    and, from an --init_from checkpoint, the weights that fit."""
     model = ASRModel(model_cfg, cfg.ctc_weight, cfg.label_smoothing)
-    if state is not None:
-        model.load_state_dict(state.model)
+    if origin.state is not None:
+        model.load_state_dict(origin.state.model)
+    elif data.shards is not None:
+        model.set_cmvn(*cmvn_of(shard_waveforms(data.shards, seed=cfg.seed), model_cfg.n_mels))
     else:
-        model.set_cmvn(*(cmvn_of(shard_waveforms(shards, seed=cfg.seed), model_cfg.n_mels) if shards is not None
-                         else compute_cmvn(train_utts, model_cfg.n_mels, seed=cfg.seed)))
-    if init is not None:
-        modules = tuple(m.strip() for m in cfg.init_modules.split(","))
-        log.info("%s", load_init_weights(model, tokenizer, init, modules, cfg.init_from).summary())
-        if cfg.keep_init_cmvn:
-            try:
-                keep_init_cmvn(model, init)
-            except ValueError as e:
-                raise ConfigError(f"{cfg.init_from}: {e}") from e
-        log.info("CMVN statistics: %s", f"kept from {cfg.init_from} (--keep_init_cmvn)" if cfg.keep_init_cmvn
-                 else "computed from the new training data (--keep_init_cmvn keeps the init checkpoint's)")
+        model.set_cmvn(*compute_cmvn(data.train, model_cfg.n_mels, seed=cfg.seed))
+    if origin.init is not None:
+        _load_init(model, cfg, origin.init, tokenizer)
     model.to(device)
     model.set_gradient_checkpointing(cfg.gradient_checkpointing)
     if cfg.gradient_checkpointing:
-        log.info("gradient checkpointing: each encoder and decoder layer is recomputed in the backward pass")
-    log.info("model: %s parameters (encoder %s, decoder %s); d_model=%d, %d encoder + %d decoder layers, "
-             "vocabulary %d", f"{count_parameters(model):,}", f"{count_parameters(model.encoder):,}",
-             f"{count_parameters(model.decoder):,}", model_cfg.d_model, model_cfg.encoder_layers,
-             model_cfg.decoder_layers, model_cfg.vocab_size)
+        log.info("gradient checkpointing: each encoder and decoder layer is recomputed in the "
+                 "backward pass")
+    log.info("model: %s parameters (encoder %s, decoder %s); d_model=%d, %d encoder + %d decoder "
+             "layers, vocabulary %d", f"{count_parameters(model):,}",
+             f"{count_parameters(model.encoder):,}", f"{count_parameters(model.decoder):,}",
+             model_cfg.d_model, model_cfg.encoder_layers, model_cfg.decoder_layers,
+             model_cfg.vocab_size)
     return model
 
 
+def _load_init(model: ASRModel, cfg: TrainConfig, init: dict[str, Any],
+               tokenizer: Tokenizer) -> None:
+    """The weights of the --init_from checkpoint ``init`` that fit, and its CMVN statistics with
+    --keep_init_cmvn."""
+    modules = tuple(m.strip() for m in cfg.init_modules.split(","))
+    log.info("%s", load_init_weights(model, tokenizer, init, modules, cfg.init_from).summary())
+    if cfg.keep_init_cmvn:
+        try:
+            keep_init_cmvn(model, init)
+        except ValueError as e:
+            raise ConfigError(f"{cfg.init_from}: {e}") from e
+    log.info("CMVN statistics: %s", f"kept from {cfg.init_from} (--keep_init_cmvn)"
+             if cfg.keep_init_cmvn else "computed from the new training data (--keep_init_cmvn "
+             "keeps the init checkpoint's)")
+
+
+# ---- optimizer --------------------------------------------------------------------------------
+
+def _optimizer(cfg: TrainConfig, model: ASRModel, precision: Precision, dist: Dist,
+               device: torch.device
+               ) -> tuple[TrainConfig, Callable[..., Any], torch.optim.Optimizer]:
+    """The model's forward (data-parallel under torchrun, compiled with --compile) and its
+    optimizer, both logged; the config records the optimizer that runs."""
+    # fsdp shards the model in place
+    forward = wrap_data_parallel(model, dist, device, cfg.strategy)
+    optimizer, name = build_optimizer(cfg.optimizer, model.parameters(), device, cfg.lr,
+                                      cfg.weight_decay)
+    log.info("optimizer: %s", {"adamw": "AdamW", "adamw_8bit": "8-bit AdamW (bitsandbytes)"}[name])
+    log.log(logging.WARNING if precision.slow else logging.INFO, "%s; device %s%s", precision.note,
+            device, f"; {dist.world} processes, {cfg.strategy}" if dist.active else "")
+    forward = compiled(forward) if cfg.compile else forward
+    return dataclasses.replace(cfg, optimizer=name), forward, optimizer
+
+
+# ---- batching ---------------------------------------------------------------------------------
+
+# The batches of training (of a manifest, or a plan of shards) and of validation.
+Samplers = tuple[ResumableBatchSampler, ResumableBatchSampler]
+# A cap on batches: whether ``n`` utterances padded to ``frames`` frames fit.
+Fits = Callable[[int, int], bool]
+
+
+def _batching(cfg: TrainConfig, model_cfg: ModelConfig, data: _Data,
+              computes: tuple[ASRModel, Callable[..., Any], Precision], state: Optional[TrainState],
+              dist: Dist, device: torch.device) -> tuple[TrainConfig, MemoryEstimator, Samplers]:
+    """The batches: the memory estimate of this model, the budgets of --gpu_memory_gb and (a fresh
+    run's probe) --auto_batch, the memory cap, then the samplers of training and validation."""
+    model, forward, precision = computes
+    estimator = MemoryEstimator(model_cfg, precision_name(precision), cfg.optimizer,
+                                cfg.gradient_checkpointing, device)
+    # before --auto_batch, which probes under its cap
+    cfg, fills = _fill_gpu(cfg, device, estimator, data.durations)
+    if cfg.auto_batch and state is None:
+        cfg = _auto_batch(cfg, data, computes, estimator, device)
+    # The first micro-batch of the second step is the peak (optimizer states exist from then on);
+    # a resumed run keeps the count its first epoch was planned with.
+    accum_then = (state.train_config["gradient_accumulation_steps"] if state
+                  else cfg.gradient_accumulation_steps)
+    sampler = _train_sampler(cfg, data, _memory_cap(cfg, estimator, fills), accum_then, dist)
+    return cfg, estimator, (sampler, _valid_sampler(cfg, data, model, dist))
+
+
+def _auto_batch(cfg: TrainConfig, data: _Data,
+                computes: tuple[ASRModel, Callable[..., Any], Precision],
+                estimator: MemoryEstimator, device: torch.device) -> TrainConfig:
+    """--auto_batch: the largest budget of padded frames that fits, probed on the device (no larger
+    than a budget the flags give)."""
+    model, forward, precision = computes
+    longest = max(frames_of(d) for d in data.durations)
+    # a shard's text is read with its audio: as many tokens as CTC allows, the most a usable one has
+    tokens = subsampled_lengths(longest) if data.shards else max(len(u.tokens) for u in data.train)
+    frames = auto_batch_frames(forward, model, device, lambda: precision.autocast(device), longest,
+                               tokens, estimator, cfg.max_memory_gb)
+    given = budget_frames(cfg.max_batch_frames, cfg.max_batch_seconds)
+    return dataclasses.replace(cfg, max_batch_frames=min(frames, given) if given else frames,
+                               max_batch_seconds=0.0)
+
+
+def _memory_cap(cfg: TrainConfig, estimator: MemoryEstimator, fills: Optional[Fits]
+                ) -> Optional[Fits]:
+    """The ``fits`` cap of every batch: under --max_memory_gb, and filling --gpu_memory_gb
+    (``fills``)."""
+    fits = estimator.fits_budget(cfg.max_memory_gb * GIB) if cfg.max_memory_gb > 0 else None
+    if fills is None:
+        return fits
+    return fills if fits is None else (lambda n, frames: fills(n, frames) and fits(n, frames))
+
+
+def _train_sampler(cfg: TrainConfig, data: _Data, fits: Optional[Fits], accum_then: int,
+                   dist: Dist) -> ResumableBatchSampler:
+    """The training batches: a plan of the shards, or length-bucketed batches of a manifest's
+    rows."""
+    budget = budget_frames(cfg.max_batch_frames, cfg.max_batch_seconds)
+    if data.shards is not None:
+        return ShardPlan(data.shards, [frames_of(d) for d in data.durations], rank=dist.rank,
+                         world=dist.world, streams=cfg.num_workers, seed=cfg.seed,
+                         buffer=cfg.shuffle_buffer, max_frames=budget, batch_size=cfg.batch_size,
+                         max_duration=cfg.max_duration, fits=fits)
+    return train_sampler(data.durations, cfg.batch_size, budget, cfg.seed, cfg.num_buckets, fits,
+                         accum_then + 1 if cfg.preflight else 0, dist.rank, dist.world)
+
+
+def _valid_sampler(cfg: TrainConfig, data: _Data, model: ASRModel, dist: Dist
+                   ) -> ResumableBatchSampler:
+    sampler = LengthGroupedBatchSampler([u.duration for u in data.valid], cfg.batch_size,
+                                        shuffle=False)
+    # a sharded model computes in every process together: all validate everything
+    if is_sharded(model):
+        return sampler
+    return ShardedSampler(sampler, dist.rank, dist.world, even=False)
+
+
+# The share of --gpu_memory_gb that batches are sized to fill: the estimate is within about 10% of
+# the H100's measured peaks (docs/memory.md), and the caching allocator needs room to fragment.
+FILL_FRACTION = 0.75
+
+
+def _fill_gpu(cfg: TrainConfig, device: torch.device, estimator: MemoryEstimator,
+              durations: list[float]) -> tuple[TrainConfig, Optional[Fits]]:
+    """--gpu_memory_gb on CUDA: cap the process at that much memory and plan batches that fill it
+    (``gpu_batches``); the settings and the ``fits`` cap of the batches. No effect elsewhere."""
+    if cfg.gpu_memory_gb <= 0:
+        return cfg, None
+    if device.type != "cuda":
+        log.info("--gpu_memory_gb %g: no effect on %s (batches as --batch_size says)",
+                 cfg.gpu_memory_gb, device.type)
+        return cfg, None
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap = min(cfg.gpu_memory_gb * GIB, total)
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    planned, fits, per_batch = gpu_batches(cfg, estimator, durations, cap)
+    log.info("--gpu_memory_gb %g: this process uses at most %.1f GiB of %s's %.1f; batches sized "
+             "to an estimated %.1f GiB peak (about %d utterances of the median length), 1 "
+             "micro-batch a step; peak lr %.3g (%.3g x %.2f), %d warm-up steps (%d before)",
+             cfg.gpu_memory_gb, cap / GIB, torch.cuda.get_device_name(device), total / GIB,
+             FILL_FRACTION * cap / GIB, per_batch, planned.lr, cfg.lr, planned.lr / cfg.lr,
+             planned.warmup_steps, cfg.warmup_steps)
+    return planned, fits
+
+
+def gpu_batches(cfg: TrainConfig, estimator: MemoryEstimator, durations: list[float],
+                cap_bytes: float) -> tuple[TrainConfig, Fits, int]:
+    """Batches that fill ``cap_bytes`` of GPU memory: each sized to ``FILL_FRACTION`` of it by the
+    estimate (the ``fits`` cap returned), one micro-batch a step, and the LR and warm-up for them.
+    Both follow the batch's growth over the flags' own (--batch_size x --gradient_accumulation_steps
+    utterances), counted in utterances of the median length: the peak LR by its square root (the
+    rule for Adam's updates, at most 2x), the warm-up over as many utterances as before (at least
+    25 steps). Returns the settings, the cap and the utterances of the median length a batch holds.
+    A pure function of the flags, the data and the estimate: a resumed run comes to the same."""
+    fits = estimator.fits_budget(FILL_FRACTION * cap_bytes)
+    median = frames_of(sorted(durations)[len(durations) // 2])
+    per_batch = largest_fitting(lambda n: fits(n, median), limit=100_000)
+    before = cfg.batch_size * cfg.gradient_accumulation_steps
+    lr = cfg.lr * min(2.0, math.sqrt(max(1.0, per_batch / before)))
+    warmup = max(25, math.ceil(cfg.warmup_steps * before / max(per_batch, 1)))
+    planned = dataclasses.replace(cfg, gradient_accumulation_steps=1, lr=lr, warmup_steps=warmup)
+    return planned, fits, per_batch
+
+
+# ---- loaders ----------------------------------------------------------------------------------
+
+def _loaders(cfg: TrainConfig, data: _Data, samplers: Samplers, tokenizer: Tokenizer,
+             device: torch.device) -> tuple[DataLoader, DataLoader]:
+    """The DataLoaders of training (a shard plan's streams, or a manifest's batches) and
+    validation."""
+    sampler, valid_sampler = samplers
+    if isinstance(sampler, ShardPlan):
+        stream = ShardStream(sampler, tokenizer, ASRDataset([], data.augmenter),
+                             cfg.duration_tolerance)
+        train_loader = _shard_loader(stream, cfg, device)
+    else:
+        train_loader = _loader(ASRDataset(data.train, data.augmenter), sampler, cfg, device)
+    return train_loader, _loader(ASRDataset(data.valid), valid_sampler, cfg, device, workers=0)
+
+
+def _shard_loader(stream: ShardStream, cfg: TrainConfig, device: torch.device) -> DataLoader:
+    """The shards' batches: each worker reads its stream of the plan and collates
+    (``batch_size=None``). Workers start afresh each epoch, each with the plan of that epoch."""
+    workers = cfg.num_workers
+    return DataLoader(stream, batch_size=None, num_workers=workers,
+                      pin_memory=device.type == "cuda",
+                      prefetch_factor=4 if workers > 0 else None,
+                      worker_init_fn=ignore_stop_signals if workers > 0 else None,
+                      generator=torch.Generator().manual_seed(cfg.seed))
+
+
+def _loader(dataset: ASRDataset, sampler: ResumableBatchSampler | EpochKeyed, cfg: TrainConfig,
+            device: torch.device, workers: Optional[int] = None) -> DataLoader:
+    workers = cfg.num_workers if workers is None else workers
+    if dataset.augment is not None:  # the augmentation draws need the epoch with each index
+        sampler = EpochKeyed(sampler)
+    # A generator of its own, so that starting an epoch's iterator (which draws the workers' seed)
+    # leaves the global RNG, and with it dropout and SpecAugment, as a resumed run finds it.
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
+                      pin_memory=device.type == "cuda", persistent_workers=workers > 0,
+                      prefetch_factor=4 if workers > 0 else None,
+                      worker_init_fn=ignore_stop_signals if workers > 0 else None,
+                      generator=torch.Generator().manual_seed(cfg.seed))
+
+
+# ---- progress ---------------------------------------------------------------------------------
+
+def _begin(run: Run, origin: Origin, estimator: MemoryEstimator, model_cfg: ModelConfig,
+           samples_grew: bool) -> None:
+    """A resumed run's progress restored, the plan logged; rank 0 writes config.yaml (the values
+    this run uses, the resumed ones on --resume, to run it again with --config) and opens the
+    TensorBoard writer."""
+    if origin.state is not None:
+        _restore(run, origin.state, origin.source, samples_grew)
+    _log_plan(run, estimator)
+    if run.dist.is_main:
+        write_config_file(run.out_dir / "config.yaml", run.cfg, model_cfg, run.step)
+    if run.dist.is_main and run.cfg.tensorboard:
+        run.board = open_tensorboard(run.out_dir / "tensorboard", run.step)
+    run.draw_curves = run.dist.is_main and _can_draw_curves(run.out_dir)
+
+
 def _restore(run: Run, state: TrainState, source: str, samples_grew: bool) -> None:
-    """Optimizer, scaler, random states and progress of a resumed run (weights: ``_build_model``)."""
+    """Optimizer, scaler, random states and progress of a resumed run (weights:
+    ``_build_model``)."""
     saved_optimizer = canonical_optimizer(state.train_config.get("optimizer", "adamw"))
     if saved_optimizer == run.cfg.optimizer:
         load_optimizer_state(run.model, run.optimizer, state.optimizer)
     else:  # the checkpoint's optimizer is not installed here (bitsandbytes missing, say)
-        log.warning("the checkpoint's optimizer state is %s's and cannot be loaded into %s: the Adam moments "
-                    "start again from zero (weights, step and schedule carry on)", saved_optimizer, run.cfg.optimizer)
+        log.warning("the checkpoint's optimizer state is %s's and cannot be loaded into %s: the "
+                    "Adam moments start again from zero (weights, step and schedule carry on)",
+                    saved_optimizer, run.cfg.optimizer)
     if run.scaler.is_enabled() and state.scaler:  # empty when the saved run had no fp16
         run.scaler.load_state_dict(state.scaler)
     run.step, run.epoch, run.batches_done = state.step, state.epoch, state.batches_done
@@ -437,34 +632,38 @@ def _restore(run: Run, state: TrainState, source: str, samples_grew: bool) -> No
     if state.processes == run.dist.world:
         restore_rng(state.rng[run.dist.rank])
     elif plan_changed:
-        log.warning("the checkpoint was written by %d processes, this run has %d: random draws start afresh",
-                    state.processes, run.dist.world)
+        log.warning("the checkpoint was written by %d processes, this run has %d: random draws "
+                    "start afresh", state.processes, run.dist.world)
     else:  # the processes took interleaved shares of the same batches: so many of them are done
         consumed = state.batches_done * state.processes
         run.batches_done = consumed // run.dist.world
-        log.warning("the checkpoint was written by %d processes, this run has %d: random draws start afresh, and "
-                    "the epoch goes on after %d of its batches%s", state.processes, run.dist.world,
-                    run.batches_done * run.dist.world,
-                    f" ({consumed % run.dist.world} done twice)" if consumed % run.dist.world else "")
+        twice = consumed % run.dist.world
+        log.warning("the checkpoint was written by %d processes, this run has %d: random draws "
+                    "start afresh, and the epoch goes on after %d of its batches%s",
+                    state.processes, run.dist.world, run.batches_done * run.dist.world,
+                    f" ({twice} done twice)" if twice else "")
     run.best_wer, run.best_cer = state.best_wer, state.best_cer
     run.valid_metrics, run.valid_step = state.valid_metrics, state.valid_step
     _restore_ema(run, state)
     if run.dist.is_main:
         run.metrics.truncate(run.step)
     if samples_grew and run.batches_done:
-        log.info("--max_samples grew: epoch %d ends here, the next one covers the larger set", run.epoch + 1)
+        log.info("--max_samples grew: epoch %d ends here, the next one covers the larger set",
+                 run.epoch + 1)
         run.epoch, run.batches_done = run.epoch + 1, 0
     if plan_changed and run.batches_done:
-        log.warning("the rest of epoch %d cannot be found again (%s): it ends here, and the next epoch starts",
-                    run.epoch + 1, plan_changed)
+        log.warning("the rest of epoch %d cannot be found again (%s): it ends here, and the next "
+                    "epoch starts", run.epoch + 1, plan_changed)
         run.epoch, run.batches_done = run.epoch + 1, 0
-    log.info("resumed from %s at step %d (epoch %d, batch %d), lr %.3g", source, run.step, run.epoch + 1,
-             run.batches_done, run.cfg.lr * lr_factor(run.step, run.cfg.warmup_steps))
+    lr = run.cfg.lr * lr_factor(run.step, run.cfg.warmup_steps)
+    log.info("resumed from %s at step %d (epoch %d, batch %d), lr %.3g", source, run.step,
+             run.epoch + 1, run.batches_done, lr)
 
 
 def _plan_changed(run: Run, state: TrainState) -> Optional[str]:
-    """What makes the batches a checkpoint's epoch had left differ from this run's, where it trains on
-    shards or did (their plan depends on the shard list, the processes and readers); None otherwise."""
+    """What makes the batches a checkpoint's epoch had left differ from this run's, where it
+    trains on shards or did (their plan depends on the shard list, the processes and readers);
+    None otherwise."""
     saved = state.data_position[run.dist.rank] if len(state.data_position) == run.dist.world else {}
     if isinstance(run.sampler, ShardPlan):
         if not state.data_position:
@@ -481,11 +680,11 @@ def _restore_ema(run: Run, state: TrainState) -> None:
         load_ema_state(run.ema, state.ema_model, state.ema_updates)
         saved_decay = state.train_config.get("ema_decay", 0.0)
         if saved_decay != run.cfg.ema_decay:
-            log.warning("--ema_decay %g on resume: the average so far was kept with %g", run.cfg.ema_decay,
-                        saved_decay)
+            log.warning("--ema_decay %g on resume: the average so far was kept with %g",
+                        run.cfg.ema_decay, saved_decay)
     elif run.ema is not None:
-        log.info("--ema_decay %g: the checkpoint holds no average; it starts from the weights of step %d",
-                 run.cfg.ema_decay, run.step + 1)
+        log.info("--ema_decay %g: the checkpoint holds no average; it starts from the weights of "
+                 "step %d", run.cfg.ema_decay, run.step + 1)
     elif state.ema_model:
         log.warning("--ema_decay 0: the checkpoint's moving average of the weights is dropped")
 
@@ -495,49 +694,35 @@ def _log_plan(run: Run, estimator: MemoryEstimator) -> None:
     processes = f" in each of {run.dist.world} processes" if run.dist.active else ""
     if budget_frames(cfg.max_batch_frames, cfg.max_batch_seconds) or cfg.max_memory_gb > 0:
         frames = budget_frames(cfg.max_batch_frames, cfg.max_batch_seconds)
-        log.info("dynamic batches: up to %s padded frames%s, %d length buckets (--batch_size is not used)",
-                 f"{frames:,}" if frames else "any number of",
-                 f" and an estimated peak under {cfg.max_memory_gb:g} GiB" if cfg.max_memory_gb > 0 else "",
-                 cfg.num_buckets)
-        log.info("%d dynamic batches per update%s, peak lr %g, %d warm-up steps", per_step, processes, cfg.lr,
-                 cfg.warmup_steps)
+        capped = f" and an estimated peak under {cfg.max_memory_gb:g} GiB"
+        log.info("dynamic batches: up to %s padded frames%s, %d length buckets (--batch_size is "
+                 "not used)", f"{frames:,}" if frames else "any number of",
+                 capped if cfg.max_memory_gb > 0 else "", cfg.num_buckets)
+        log.info("%d dynamic batches per update%s, peak lr %g, %d warm-up steps", per_step,
+                 processes, cfg.lr, cfg.warmup_steps)
     else:
-        log.info("%d utterances per update (batch %d x %d accumulation steps%s), peak lr %g, %d warm-up steps",
-                 cfg.batch_size * per_step, cfg.batch_size, cfg.gradient_accumulation_steps,
-                 f" x {run.dist.world} processes" if run.dist.active else "", cfg.lr, cfg.warmup_steps)
+        log.info("%d utterances per update (batch %d x %d accumulation steps%s), peak lr %g, %d "
+                 "warm-up steps", cfg.batch_size * per_step, cfg.batch_size,
+                 cfg.gradient_accumulation_steps,
+                 f" x {run.dist.world} processes" if run.dist.active else "", cfg.lr,
+                 cfg.warmup_steps)
     if cfg.freeze_encoder_steps > run.step:
-        log.info("--freeze_encoder_steps %d: the encoder is not updated until step %d", cfg.freeze_encoder_steps,
-                 cfg.freeze_encoder_steps + 1)
+        log.info("--freeze_encoder_steps %d: the encoder is not updated until step %d",
+                 cfg.freeze_encoder_steps, cfg.freeze_encoder_steps + 1)
     if run.ema is not None:
-        log.info("--ema_decay %g: a moving average of the weights is kept; validation, best.pt and decoding use it",
-                 cfg.ema_decay)
+        log.info("--ema_decay %g: a moving average of the weights is kept; validation, best.pt and "
+                 "decoding use it", cfg.ema_decay)
+
+
+def _can_draw_curves(out_dir: Path) -> bool:
+    if have_matplotlib():
+        return True
+    log.info('matplotlib is not installed: no %s in %s (pip install "konkanivani[plot]")', CURVES,
+             out_dir)
+    return False
 
 
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def _shard_loader(stream: ShardStream, cfg: TrainConfig, device: torch.device) -> DataLoader:
-    """The shards' batches: each worker reads its stream of the plan and collates (``batch_size=None``).
-    Workers start afresh each epoch, each with the plan of that epoch."""
-    workers = cfg.num_workers
-    return DataLoader(stream, batch_size=None, num_workers=workers, pin_memory=device.type == "cuda",
-                      prefetch_factor=4 if workers > 0 else None,
-                      worker_init_fn=ignore_stop_signals if workers > 0 else None,
-                      generator=torch.Generator().manual_seed(cfg.seed))
-
-
-def _loader(dataset: ASRDataset, sampler: ResumableBatchSampler | EpochKeyed, cfg: TrainConfig, device: torch.device,
-            workers: Optional[int] = None) -> DataLoader:
-    workers = cfg.num_workers if workers is None else workers
-    if dataset.augment is not None:  # the augmentation draws need the epoch with each index
-        sampler = EpochKeyed(sampler)
-    # A generator of its own, so that starting an epoch's iterator (which draws the workers' seed)
-    # leaves the global RNG, and with it dropout and SpecAugment, as a resumed run finds it.
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
-                      pin_memory=device.type == "cuda", persistent_workers=workers > 0,
-                      prefetch_factor=4 if workers > 0 else None,
-                      worker_init_fn=ignore_stop_signals if workers > 0 else None,
-                      generator=torch.Generator().manual_seed(cfg.seed))
