@@ -28,9 +28,9 @@ from konkanivani.checkpoint import average_checkpoints, load_checkpoint, save_ch
 from konkanivani.cli.train import model_flags, parse_args
 from konkanivani.config import TrainConfig, dataclass_from_args
 from konkanivani.data.tokenizer import Tokenizer
-from konkanivani.decoding.config import FUSED_METHODS, LM_WEIGHT, METHODS, DecodingConfig
 from konkanivani.decoding.evaluation import evaluate_manifest
 from konkanivani.decoding.recognizer import Recognizer
+from konkanivani.decoding.settings import FUSED_METHODS, LM_WEIGHT, METHODS, DecodingConfig
 from konkanivani.model.asr import ASRModel
 from konkanivani.tools.demo_corpus import default_options, make_corpus
 from konkanivani.training.curves import text_table, write_csv

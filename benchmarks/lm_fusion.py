@@ -16,9 +16,9 @@ import argparse
 import logging
 from pathlib import Path
 
-from konkanivani.decoding.config import FUSED_METHODS, DecodingConfig
 from konkanivani.decoding.evaluation import evaluate_manifest
 from konkanivani.decoding.recognizer import Recognizer
+from konkanivani.decoding.settings import FUSED_METHODS, DecodingConfig
 from konkanivani.training.curves import write_csv
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -45,7 +45,7 @@ from konkanivani.data.audio import load_audio
 from konkanivani.data.frames import SAMPLE_RATE
 from konkanivani.data.manifest import read_manifest, resolve_audio_path
 from konkanivani.data.tokenizer import train_tokenizer
-from konkanivani.decoding.config import CHUNK_SIZE
+from konkanivani.decoding.settings import CHUNK_SIZE
 from konkanivani.model.asr import ASRModel
 from konkanivani.training.curves import text_table
 from konkanivani.training.precision import cpu_description

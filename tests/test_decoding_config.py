@@ -1,4 +1,4 @@
-"""DecodingConfig (decoding/config.py): one check with one-line errors, the defaults that depend on
+"""DecodingConfig (decoding/settings.py): one check with one-line errors, the defaults that depend on
 how a recognizer decodes, the flags of the four decoding tools made from its fields (each flag
 defined once, with one help text), and the recognizers and the server's engine taking it."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from konkanivani.config import ConfigError
-from konkanivani.decoding.config import (
+from konkanivani.decoding.settings import (
     CHUNK_SIZE,
     ENDPOINT_MS,
     LM_WEIGHT,

@@ -56,7 +56,7 @@ def test_the_flags_page_has_every_field_of_the_configs():
     import dataclasses
 
     from konkanivani.config import PRESETS, ModelConfig, TrainConfig
-    from konkanivani.decoding.config import DecodingConfig, flag_name
+    from konkanivani.decoding.settings import DecodingConfig, flag_name
 
     text = (ROOT / "docs" / "flags.md").read_text(encoding="utf-8")
     for f in dataclasses.fields(TrainConfig):

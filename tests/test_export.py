@@ -27,8 +27,8 @@ from konkanivani.data.features import LogMel
 from konkanivani.data.frames import subsampled_lengths
 from konkanivani.data.manifest import read_manifest
 from konkanivani.data.tokenizer import SOS_EOS_ID, UNK_ID, train_tokenizer
-from konkanivani.decoding import export as export_module
-from konkanivani.decoding.export import (
+from konkanivani.decoding import model_export as export_module
+from konkanivani.decoding.model_export import (
     CHUNK_OUTPUTS,
     FILES,
     MIN_FRAMES,

@@ -38,7 +38,7 @@ from websockets.exceptions import InvalidStatus  # noqa: E402
 
 from konkanivani.cli import serve  # noqa: E402
 from konkanivani.data.audio import load_audio  # noqa: E402
-from konkanivani.decoding.export import Streaming, export_checkpoint  # noqa: E402
+from konkanivani.decoding.model_export import Streaming, export_checkpoint  # noqa: E402
 from konkanivani.decoding.recognizer import Recognizer  # noqa: E402
 from konkanivani.serving.app import _Close, _samples  # noqa: E402
 from konkanivani.serving.engine import check_sample_rate  # noqa: E402

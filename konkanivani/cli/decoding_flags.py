@@ -13,9 +13,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..config import ConfigError
-from ..decoding.config import DecodingConfig, add_decoding_flags, decoding_config_from_args
 from ..decoding.recognizer import Recognizer
 from ..decoding.search import LONG_INPUT_METHOD, LONG_INPUT_SECONDS
+from ..decoding.settings import DecodingConfig, add_decoding_flags, decoding_config_from_args
 from . import Parser
 
 __all__ = ["add_decoding_args", "checked_decoding", "decoding_inputs", "decoding_name",

@@ -23,8 +23,7 @@ from pathlib import Path
 
 from ..checkpoint import CheckpointError
 from ..config import ConfigError, Renamed
-from ..decoding.config import add_decoding_flags, decoding_config_from_args
-from ..decoding.export import (
+from ..decoding.model_export import (
     FILES,
     FORMATS,
     STREAMING_FILES,
@@ -33,6 +32,7 @@ from ..decoding.export import (
     export_checkpoint,
     unavailable,
 )
+from ..decoding.settings import add_decoding_flags, decoding_config_from_args
 from . import Parser, fail, refuse_unsafe_outputs, setup_logging, tool
 
 # The DecodingConfig fields konkanivani-export takes as flags (docs/generate_flags.py reads them):

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ..checkpoint import CheckpointError
 from ..config import ConfigError
-from ..decoding.config import add_decoding_flags, decoding_config_from_args
+from ..decoding.settings import add_decoding_flags, decoding_config_from_args
 from . import Parser, fail, setup_logging, tool
 
 TOKEN_ENV = "KONKANIVANI_TOKEN"
@@ -105,7 +105,7 @@ def _serve(args, decoding, limits) -> int:
         return fail(f"konkanivani-serve needs its extra: pip install 'konkanivani[serve]' (missing: {e.name})")
     import torch
 
-    from ..decoding.exported import ExportedRecognizer
+    from ..decoding.onnx_recognizer import ExportedRecognizer
     from ..decoding.recognizer import Recognizer
     from ..serving.app import DenialLogFilter, create_app, model_label
     from ..serving.engine import Engine

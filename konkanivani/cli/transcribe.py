@@ -38,9 +38,9 @@ import soundfile as sf
 from ..checkpoint import CheckpointError
 from ..data.audio import AudioError
 from ..data.manifest import ManifestError
-from ..decoding.config import DecodingConfig
 from ..decoding.recognizer import Recognizer, find_audio
 from ..decoding.search import LONG_INPUT_SECONDS
+from ..decoding.settings import DecodingConfig
 from ..decoding.streaming import FRAME_SECONDS
 from ..tools.outputs import OutputError, output_file
 from . import Parser, fail, refuse_unsafe_outputs, setup_logging, tool

@@ -8,10 +8,10 @@ from pathlib import Path
 
 from ..data.manifest import read_manifest, resolve_audio_path
 from ..data.tokenizer import normalize_text
-from .config import DecodingConfig
 from .metrics import ErrorCounts, score
 from .recognizer import Recognizer
 from .search import LONG_INPUT_METHOD, LONG_INPUT_SECONDS
+from .settings import DecodingConfig
 
 __all__ = ["ErrorCounts", "EvalResult", "UtteranceResult", "evaluate_manifest", "markdown_report", "score"]
 

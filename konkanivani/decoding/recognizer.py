@@ -30,7 +30,6 @@ from ..data.tokenizer import Tokenizer
 from ..device import resolve_device
 from ..model.asr import ASRModel
 from ..model.lm import TransformerLM, check_same_vocabulary, load_lm
-from .config import DecodingConfig
 from .search import (
     FUSED_METHODS,
     LONG_INPUT_METHOD,
@@ -39,6 +38,7 @@ from .search import (
     decode_batch,
     method_for,
 )
+from .settings import DecodingConfig
 from .streaming import (
     Result,
     Stream,

@@ -37,7 +37,7 @@ from ..data.frames import frames_of
 from ..data.tokenizer import BLANK_ID, SOS_EOS_ID
 from ..model.lm import TransformerLM
 from ..model.masks import pad_mask
-from .config import FUSED_METHODS, LONG_INPUT_SECONDS, METHODS, DecodingConfig
+from .settings import FUSED_METHODS, LONG_INPUT_SECONDS, METHODS, DecodingConfig
 
 __all__ = ["ATTENTION_METHODS", "LONG_INPUT_METHOD", "LONG_INPUT_SECONDS", "METHODS",
            "FUSED_METHODS", "Fusion", "Hypothesis", "attention_beam_search", "attention_rescoring",

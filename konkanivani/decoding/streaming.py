@@ -6,7 +6,7 @@ whole-file path computes (``StreamingLogMel``), normalized frame by frame (``ASR
 with cmvn "utterance" by the running mean of the stream's frames so far), encoded one chunk at a
 time with the encoder's caches (``ConformerEncoder.forward_chunk``: the frames
 ``ASRModel.encode(..., chunk_size=C)`` gives; ``ModelChunks``, or an export's ONNX chunk graph,
-``decoding.exported``), and each chunk's CTC output advances a prefix beam search (``CTCPrefixBeam``):
+``decoding.onnx_recognizer``), and each chunk's CTC output advances a prefix beam search (``CTCPrefixBeam``):
 
 - after each chunk, a partial result: the beam's best so far in the current segment;
 - at the end of a segment, a final result: with method ``rescore`` the beam's n-best rescored by the
@@ -40,8 +40,8 @@ from ..data.frames import HOP_LENGTH, SAMPLE_RATE
 from ..data.tokenizer import BLANK_ID, Tokenizer
 from ..model.asr import ASRModel
 from ..model.conformer import Conv2dSubsampling
-from .config import LONG_INPUT_SECONDS, STREAM_METHODS, DecodingConfig
 from .search import CTCPrefixBeam, Fusion, Hypothesis, attention_scores
+from .settings import LONG_INPUT_SECONDS, STREAM_METHODS, DecodingConfig
 
 __all__ = ["FRAME_SECONDS", "MAX_RATE", "MAX_SEGMENT_SECONDS", "MIN_RATE", "STREAM_METHODS",
            "WINDOW_SECONDS", "ModelChunks", "Result", "Stream", "StreamingLogMel", "Word", "check_sample_rate",
@@ -173,7 +173,7 @@ class ModelChunks:
     (``ASRModel.normalize``; with cmvn "utterance", each frame by the mean of the frames up to it), a
     window of them through ``ConformerEncoder.forward_chunk`` with its caches, seeing ``left_frames``
     encoder frames back (-1: all of the segment), and its CTC log-probabilities. Another way to encode
-    a stream (``decoding.exported``'s ONNX chunk graph) has the same three methods."""
+    a stream (``decoding.onnx_recognizer``'s ONNX chunk graph) has the same three methods."""
 
     def __init__(self, model: ASRModel, left_frames: int):
         self.model, self.left_frames = model, left_frames

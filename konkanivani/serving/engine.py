@@ -26,9 +26,9 @@ import torch
 
 from ..data.audio import AudioError, load_audio
 from ..data.frames import SAMPLE_RATE
-from ..decoding.config import DecodingConfig
-from ..decoding.exported import ExportedRecognizer
+from ..decoding.onnx_recognizer import ExportedRecognizer
 from ..decoding.recognizer import MIN_SAMPLES, Recognizer
+from ..decoding.settings import DecodingConfig
 from ..decoding.streaming import FRAME_SECONDS, Result, Stream, check_sample_rate, quiet_windows
 
 __all__ = ["Engine", "UploadTooLong"]

@@ -54,8 +54,8 @@ from ..data.frames import subsampled_lengths
 from ..data.tokenizer import BLANK_ID, SOS_EOS_ID, UNK_ID, Tokenizer
 from ..model.asr import ASRModel
 from ..model.conformer import Conv2dSubsampling
-from .config import CHUNK_SIZE, EXPORT_LEFT_CHUNKS
 from .recognizer import Recognizer
+from .settings import CHUNK_SIZE, EXPORT_LEFT_CHUNKS
 
 __all__ = ["ExportError", "FORMATS", "FILES", "STREAMING_FILES", "CHUNK_OUTPUTS", "MIN_FRAMES", "ONNX_PACKAGES", "CTCGraph",
            "ChunkGraph", "Streaming", "Exported", "unavailable", "export_checkpoint", "export_onnx",

@@ -24,9 +24,9 @@ import torch
 
 from ..data.features import LogMel
 from ..data.frames import SAMPLE_RATE
-from .config import EXPORTED_METHODS, DecodingConfig
-from .export import FILES, STREAMING_FILES, ChunkRunner, ExportError, chunk_runner, feature_settings, onnx_runner
+from .model_export import FILES, STREAMING_FILES, ChunkRunner, ExportError, chunk_runner, feature_settings, onnx_runner
 from .search import ctc_greedy, ctc_prefix_beam_search
+from .settings import EXPORTED_METHODS, DecodingConfig
 from .streaming import Stream, check_sample_rate
 
 __all__ = ["EXPORTED_METHODS", "ExportedRecognizer", "GraphChunks", "Pieces"]
