@@ -34,9 +34,10 @@ class ConfigError(ValueError):
 
 def flag_help(text: str, section: str = "", kept_on_resume: bool = False) -> dict:
     """A field's metadata: its flag's help; for a TrainConfig field the section of a YAML recipe
-    it belongs to when that is not "training" ("data", or "model" for where the model starts); and
-    ``kept_on_resume`` for a setting a resumed run takes from its checkpoint whatever the flags say,
-    because it decides which batches remain in the epoch in progress (``kept_settings``)."""
+    it belongs to when that is not "training" ("data"; "model" for --preset, beside the
+    ModelConfig fields; "init" for --init_from and its options); and ``kept_on_resume`` for a
+    setting a resumed run takes from its checkpoint whatever the flags say, because it decides
+    which batches remain in the epoch in progress (``kept_settings``)."""
     return {"help": text, **({"section": section} if section else {}),
             **({"kept_on_resume": True} if kept_on_resume else {})}
 
@@ -317,13 +318,15 @@ class TrainConfig(AugmentConfig, RunConfig):
     ema_decay: float = field(default=0.0, metadata=flag_help(
         "keep an exponential moving average of the weights with this decay (e.g. 0.999; 0: off); validation, "
         "best.pt and decoding use it"))
-    init_from: str = field(default="", metadata=flag_help(section="model", text=
-        "start a fresh run from another run's checkpoint: its weights where they fit (vocabulary rows matched by "
-        "token), its model dimensions unless model flags are given; own tokenizer, optimizer and step 0"))
-    init_modules: str = field(default=",".join(INIT_MODULES), metadata=flag_help(section="model", text=
+    init_from: str = field(default="", metadata=flag_help(section="init", text=
+        "start a fresh run from another run's checkpoint: its weights where they fit (vocabulary "
+        "rows matched by token), its model dimensions unless model flags are given; own tokenizer, "
+        "optimizer and step 0"))
+    init_modules: str = field(default=",".join(INIT_MODULES), metadata=flag_help(section="init", text=
         "with --init_from: the modules to take from it, a comma list of " + ", ".join(INIT_MODULES)))
-    keep_init_cmvn: bool = field(default=False, metadata=flag_help(section="model", text=
-        "with --init_from: keep its CMVN statistics instead of computing them from the new training data"))
+    keep_init_cmvn: bool = field(default=False, metadata=flag_help(section="init", text=
+        "with --init_from: keep its CMVN statistics instead of computing them from the new training "
+        "data"))
     freeze_encoder_steps: int = field(default=0, metadata=flag_help(
         "leave the encoder unchanged for the first N optimizer steps (the heads learn first), then train it"))
 

@@ -1,11 +1,13 @@
 """YAML recipes: the flags of a training run in a file, and the resolved config a run writes.
 
-A file has up to three sections; every key is a field of ``TrainConfig`` or ``ModelConfig``, in
+A file has up to four sections; every key is a field of ``TrainConfig`` or ``ModelConfig``, in
 the section ``SECTION_OF`` gives it::
 
-    model:                      # --preset (or --init_from), then ModelConfig fields, which override its
+    model:                      # the model: --preset, and ModelConfig fields over its dimensions
       preset: small
       dropout: 0.1
+    init:                       # a fresh run from another run's weights: --init_from, its options
+      init_from: checkpoints/big/best.pt
     data:                       # manifests, tokenizer, which utterances and how they are batched
       train_manifest: data/demo/train.jsonl
       batch_size: 16
@@ -19,11 +21,14 @@ nearest valid key). Paths are read as on the command line: relative to the worki
 
 At the start of every run (and again on ``--resume``) the values it uses are written to
 ``OUTPUT_DIR/config.yaml`` in the same form, so ``--config OUTPUT_DIR/config.yaml`` runs it again.
+A file of the layout before ``init:`` (``init_from``, ``init_modules`` and ``keep_init_cmvn``
+under ``model:``, as every config.yaml a run wrote then) still loads, with a note.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 from pathlib import Path
 from typing import Any, get_type_hints
 
@@ -32,19 +37,26 @@ import yaml
 from .checkpoint import write_file_atomic
 from .config import ConfigError, ModelConfig, TrainConfig, flag_fields
 
-__all__ = ["SECTIONS", "SWEEP_SECTION", "load_sweep_section", "SECTION_OF", "load_config_file", "resolved_config", "write_config_file"]
+__all__ = ["SECTIONS", "SWEEP_SECTION", "load_sweep_section", "SECTION_OF", "load_config_file",
+           "resolved_config", "write_config_file"]
 
-SECTIONS = ("model", "data", "training")
+log = logging.getLogger("konkanivani")
+
+SECTIONS = ("model", "init", "data", "training")
 SWEEP_SECTION = "sweep"  # konkanivani-sweep's grid (and options) in a recipe; the trainer ignores it
 
-# The section of every key, from the fields' own metadata (config._help): the model section holds
-# --preset, --init_from and its options and the ModelConfig fields (but vocab_size, which the tokenizer
-# decides; data.vocab_size is the size of one trained), the data section the fields marked "data"
-# (augmentation included), the training section every other TrainConfig field.
+# The section of every key, from the fields' own metadata (config.flag_help): the model section
+# holds --preset and the ModelConfig fields (but vocab_size, which the tokenizer decides;
+# data.vocab_size is the size of one trained), the init section --init_from and its options, the
+# data section the fields marked "data" (augmentation included), the training section every other
+# TrainConfig field.
 SECTION_OF: dict[str, str] = {
     **{f.name: f.metadata.get("section", "training") for f in flag_fields(TrainConfig)},
     **{f.name: "model" for f in dataclasses.fields(ModelConfig) if not f.metadata.get("from_tokenizer")},
 }
+
+# Keys an earlier layout filed in another section: still read there, with a note.
+_OLD_SECTION = {"init_from": "model", "init_modules": "model", "keep_init_cmvn": "model"}
 
 # How this command started, not what the run is: a config.yaml with them would resume, or move
 # the run aside, when it is meant to run the same recipe again.
@@ -78,6 +90,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(document, dict):
         raise ConfigError(f"{path}: a config is a mapping of the sections {', '.join(SECTIONS)}")
     values: dict[str, Any] = {}
+    moved: list[str] = []
     for section, entries in document.items():
         if section == SWEEP_SECTION:  # konkanivani-sweep's (load_sweep_section); every trial runs the rest
             continue
@@ -89,6 +102,11 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             raise ConfigError(f"{path}: section {section} must be a mapping of keys to values, got {entries!r}")
         for key, value in entries.items():
             values[key] = _checked(path, section, key, value)
+            if _OLD_SECTION.get(key) == section:
+                moved.append(f"{section}.{key}")
+    if moved:
+        log.info("%s: note: %s now belong%s in the %s section; the file loads as it is", path,
+                 ", ".join(moved), "" if len(moved) > 1 else "s", SECTION_OF[moved[0].split(".")[1]])
     return values
 
 
@@ -127,7 +145,7 @@ def _checked(path: Path, section: str, key: Any, value: Any) -> Any:
     right = SECTION_OF.get(key) if isinstance(key, str) else None
     if right is None:
         raise ConfigError(f"{path}: unknown key {section}.{key}{_suggestion(str(key), section)}")
-    if right != section:
+    if right != section and _OLD_SECTION.get(key) != section:
         raise ConfigError(f"{path}: {section}.{key} belongs in the {right} section ({right}.{key})")
     tp, where = _TYPES[key], f"{path}: {section}.{key}"
     if value is None:

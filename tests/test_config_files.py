@@ -1,5 +1,6 @@
 """YAML recipes: the shipped configs, --config with flags over it, the errors of a bad file, and
 the resolved config.yaml a run writes (loaded again, it runs the same run)."""
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -16,7 +17,13 @@ from konkanivani.config import (
     model_config_from_preset,
     resolve_model_config,
 )
-from konkanivani.config_file import SECTION_OF, SECTIONS, load_config_file, resolved_config
+from konkanivani.config_file import (
+    SECTION_OF,
+    SECTIONS,
+    load_config_file,
+    resolved_config,
+    write_config_file,
+)
 from konkanivani.data.frames import frames_of
 from konkanivani.training.memory import GIB, MemoryEstimator
 
@@ -40,8 +47,6 @@ def _manifests(tmp_path):
 
 
 def test_every_flag_has_one_section_and_every_section_its_fields():
-    import dataclasses
-
     flags = {f.name for f in dataclasses.fields(TrainConfig)} | {f.name for f in dataclasses.fields(ModelConfig)}
     assert set(SECTION_OF) == flags  # ModelConfig.vocab_size shares its name with the data section's
     assert set(SECTION_OF.values()) == set(SECTIONS)
@@ -49,6 +54,7 @@ def test_every_flag_has_one_section_and_every_section_its_fields():
     assert {SECTION_OF[k] for k in ("train_manifest", "tokenizer", "vocab_size", "num_workers", "max_duration",
                                     "batch_size", "max_batch_frames")} == {"data"}
     assert {SECTION_OF[k] for k in ("lr", "epochs", "gradient_accumulation_steps", "output_dir")} == {"training"}
+    assert {SECTION_OF[k] for k in ("init_from", "init_modules", "keep_init_cmvn")} == {"init"}
 
 
 def test_the_three_recipes_are_shipped():
@@ -161,7 +167,10 @@ BAD_FILES = [
     ("model:\n  subsampling: 2\n", "model.subsampling must be a string, got 2"),
     ("training:\n  lr:\n", "training.lr has no value"),
     ("training: [lr]\n", "section training must be a mapping"),
-    ("- lr\n", "a config is a mapping of the sections model, data, training"),
+    ("- lr\n", "a config is a mapping of the sections model, init, data, training"),
+    ("training:\n  init_from: x.pt\n",
+     "training.init_from belongs in the init section (init.init_from)"),
+    ("data:\n  keep_init_cmvn: true\n", "data.keep_init_cmvn belongs in the init section"),
     ("training:\n  lr: [1\n", "not valid YAML ("),
 ]
 
@@ -230,3 +239,59 @@ def test_a_run_writes_its_config_and_the_file_runs_it_again(tiny_corpus, tmp_pat
     resumed = yaml.safe_load(text)
     assert resumed["training"]["max_steps"] == 3 and resumed["data"]["batch_size"] == 4
     assert "resume" not in resumed["training"] and "overwrite" not in resumed["training"]
+
+
+# ---- the layout: where each key lives, and the layout before init: --------------------------
+
+def test_the_model_section_holds_the_model_alone():
+    model_keys = {k for k, section in SECTION_OF.items() if section == "model"}
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"vocab_size"}
+    assert model_keys == {"preset"} | model_fields
+
+
+def _layout_before_init(sections):
+    """``sections`` (a config.yaml's) as a run wrote them before the init section: its keys under
+    model."""
+    old = {name: dict(keys) for name, keys in sections.items() if name != "init"}
+    old["model"].update(sections["init"])
+    return old
+
+
+def test_a_written_config_round_trips_and_one_of_the_layout_before_loads_the_same(tmp_path, caplog):
+    cfg = TrainConfig(train_manifest="t.jsonl", valid_manifest="v.jsonl", init_from="big/best.pt",
+                      init_modules="encoder", keep_init_cmvn=True, lr=2e-3, batch_size=3)
+    model_cfg = model_config_from_preset("tiny", vocab_size=9, d_model=32)
+    written = write_config_file(tmp_path / "config.yaml", cfg, model_cfg)
+    sections = yaml.safe_load(written.read_text())
+    assert list(sections) == ["model", "init", "data", "training"]
+    assert sections["init"] == {"init_from": "big/best.pt", "init_modules": "encoder",
+                                "keep_init_cmvn": True}
+    assert "init_from" not in sections["model"] and sections["model"]["d_model"] == 32
+    values = load_config_file(written)
+    expected = {**dataclasses.asdict(cfg), **dataclasses.asdict(model_cfg),
+                "vocab_size": cfg.vocab_size}
+    assert values == {k: v for k, v in expected.items() if k not in ("resume", "overwrite")}
+
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump(_layout_before_init(sections), sort_keys=False))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="konkanivani"):
+        assert load_config_file(old) == values
+    notes = [r for r in caplog.records if "note:" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].levelno == logging.INFO
+    assert notes[0].getMessage() == (f"{old}: note: model.init_from, model.init_modules, "
+                                     "model.keep_init_cmvn now belong in the init section; the "
+                                     "file loads as it is")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="konkanivani"):
+        load_config_file(written)
+    assert "note:" not in caplog.text  # the layout of now says nothing
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_a_shipped_recipe_in_the_layout_before_init_loads_the_same(path, tmp_path):
+    sections = yaml.safe_load(path.read_text())
+    old = tmp_path / path.name
+    with_init = {"init": {"init_modules": "encoder"}, **sections}
+    old.write_text(yaml.safe_dump(_layout_before_init(with_init), sort_keys=False))
+    assert load_config_file(old) == {**load_config_file(path), "init_modules": "encoder"}

@@ -41,8 +41,8 @@ from ..training.loop import train
 from ..training.signals import TrainingDiverged
 from . import Parser, fail, setup_logging, tool
 
-CONFIG_HELP = ("YAML recipe (sections model, data, training; see configs/): its values become the defaults, "
-               "flags given here override them")
+CONFIG_HELP = ("YAML recipe (sections model, init, data, training; see configs/): its values become "
+               "the defaults, flags given here override them")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,8 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def model_flags(args: argparse.Namespace) -> dict:
-    """The model dimensions given on the command line (None: the preset decides)."""
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelConfig) if not f.metadata.get("from_tokenizer")}
+    """The model flags given on the command line (None: not given), for ``train`` to resolve over
+    the preset's dimensions or a checkpoint's."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelConfig)
+            if not f.metadata.get("from_tokenizer")}
 
 
 def resume_command(argv: list[str]) -> str:
