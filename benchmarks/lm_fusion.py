@@ -33,9 +33,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("asr_checkpoint", type=Path)
     parser.add_argument("lm_checkpoint", type=Path)
-    parser.add_argument("--valid", type=Path, required=True, help="manifest the weights are chosen on")
+    parser.add_argument(
+        "--valid", type=Path, required=True, help="manifest the weights are chosen on"
+    )
     parser.add_argument("--test", type=Path, required=True, help="manifest reported")
-    parser.add_argument("--methods", default="beam,attention,joint", help=f"any of {', '.join(FUSED_METHODS)}")
+    parser.add_argument(
+        "--methods", default="beam,attention,joint", help=f"any of {', '.join(FUSED_METHODS)}"
+    )
     parser.add_argument("--lm_weights", type=_floats, default=_floats("0,0.1,0.2,0.3,0.4,0.5,0.6"))
     parser.add_argument("--length_bonuses", type=_floats, default=_floats("0,0.5,1.0"))
     parser.add_argument("--beam_size", type=int, default=DecodingConfig.beam_size)
@@ -56,18 +60,31 @@ def main(argv: list[str] | None = None) -> None:
         r = evaluate_manifest(rec, manifest, method=method, beam_size=args.beam_size,
                               ctc_weight=args.ctc_weight, batch_size=args.batch_size,
                               lm_weight=weight, length_bonus=bonus)
-        row = {"method": method, "lm_weight": weight, "length_bonus": bonus, "wer": round(100 * r.wer, 2),
-               "cer": round(100 * r.cer, 2), "rtf": round(r.rtf, 4)}
+        row = {
+            "method": method,
+            "lm_weight": weight,
+            "length_bonus": bonus,
+            "wer": round(100 * r.wer, 2),
+            "cer": round(100 * r.cer, 2),
+            "rtf": round(r.rtf, 4),
+        }
         log.info("%s %s: %s", manifest.name, method, row)
         return row
 
     sweep, test = [], []
     for method in methods:
-        rows = [score(args.valid, method, w, b) for w in args.lm_weights for b in args.length_bonuses]
+        rows = [
+            score(args.valid, method, w, b) for w in args.lm_weights for b in args.length_bonuses
+        ]
         sweep += rows
         best = min(rows, key=lambda r: (r["wer"], r["cer"], r["lm_weight"], r["length_bonus"]))
         chosen = (best["lm_weight"], best["length_bonus"])
-        test.append({**score(args.test, method, 0.0, 0.0), "setting": "no LM" + (" (chosen)" if chosen == (0, 0) else "")})
+        test.append(
+            {
+                **score(args.test, method, 0.0, 0.0),
+                "setting": "no LM" + (" (chosen)" if chosen == (0, 0) else ""),
+            }
+        )
         if chosen != (0, 0):
             test.append({**score(args.test, method, *chosen), "setting": "chosen on valid"})
     write_csv(args.out / "sweep.csv", sweep)
@@ -77,8 +94,10 @@ def main(argv: list[str] | None = None) -> None:
     print("| decoding | setting | LM weight | length bonus | WER % | CER % | RTF |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in test:
-        print(f"| {r['method']} | {r['setting']} | {r['lm_weight']:g} | {r['length_bonus']:g} | {r['wer']} | {r['cer']} "
-              f"| {r['rtf']} |")
+        print(
+            f"| {r['method']} | {r['setting']} | {r['lm_weight']:g} | {r['length_bonus']:g} |"
+            f" {r['wer']} | {r['cer']} | {r['rtf']} |"
+        )
     print(f"\nwrote {args.out / 'sweep.csv'}, {args.out / 'test.csv'}")
 
 

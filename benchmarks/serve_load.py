@@ -8,13 +8,15 @@ tones) as 100 ms 16-bit PCM frames, paced in real time, starts spread over one c
 ``{"type": "end"}``. Reported per count:
 
 - partial latency p50/p95/max: from sending the frame that completed a chunk to receiving the result
-  it brought (each result says how much audio the stream had taken when it was made: ``audio_seconds``);
+  it brought (each result says how much audio the stream had taken when it was made:
+  ``audio_seconds``);
 - the real-time factor: the server's decode seconds over audio seconds (from its ``done`` messages,
   waiting for the decode thread included), and its ``/metrics`` totals;
 - the end lag: from sending the end to receiving ``done``;
 - errors: streams that did not end with ``done`` and close 1000, refused handshakes, lost finals.
 
-    python benchmarks/serve_load.py --checkpoint checkpoints/streaming/best.pt --streams 1,4,16 --seconds 20
+    python benchmarks/serve_load.py --checkpoint checkpoints/streaming/best.pt --streams 1,4,16
+    --seconds 20
 
 Bounded: ``--seconds`` of audio a stream, and ``--timeout`` for any stream to finish.
 """
@@ -55,32 +57,61 @@ FRAME = SAMPLE_RATE // 10  # 100 ms
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", type=Path, help="a streaming checkpoint (default: an untrained small one)")
-    parser.add_argument("--preset", default="small", help="the untrained model's preset (default: %(default)s)")
+    parser.add_argument(
+        "--checkpoint", type=Path, help="a streaming checkpoint (default: an untrained small one)"
+    )
+    parser.add_argument(
+        "--preset", default="small", help="the untrained model's preset (default: %(default)s)"
+    )
     parser.add_argument("--corpus", type=Path, default=ROOT / "data" / "demo")
     parser.add_argument("--streams", default="1,4,16")
-    parser.add_argument("--seconds", type=float, default=20.0, help="audio per stream (default: %(default)s)")
+    parser.add_argument(
+        "--seconds", type=float, default=20.0, help="audio per stream (default: %(default)s)"
+    )
     parser.add_argument("--chunk_size", type=int, default=CHUNK_SIZE)
-    parser.add_argument("--timeout", type=float, default=300.0, help="the most any stream may take past its audio")
-    parser.add_argument("--server_flags", default="", help="more flags for konkanivani-serve, in one string")
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="the most any stream may take past its audio"
+    )
+    parser.add_argument(
+        "--server_flags", default="", help="more flags for konkanivani-serve, in one string"
+    )
     args = parser.parse_args(argv)
     counts = [int(c) for c in args.streams.split(",")]
     audio = _audio(args.corpus, args.seconds)
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = args.checkpoint or _untrained(Path(tmp) / "untrained.pt", args.preset, audio)
-        server = _start(checkpoint, ["--chunk_size", str(args.chunk_size), "--max_streams", str(max(counts)),
-                                     *args.server_flags.split()])
+        server = _start(
+            checkpoint,
+            [
+                "--chunk_size",
+                str(args.chunk_size),
+                "--max_streams",
+                str(max(counts)),
+                *args.server_flags.split(),
+            ],
+        )
         try:
             rows = [_load(server["ws"], audio, n, args.chunk_size, args.timeout) for n in counts]
             metrics = _metrics(server["http"])
         finally:
             server["proc"].terminate()
             server["proc"].wait(30)
-    print(f"\nCPU: {cpu_description()}, {os.cpu_count()} cores; torch {torch.__version__}; model: "
-          f"{args.checkpoint or f'untrained {args.preset} (--causal_conv --dynamic_chunk)'}; chunks of "
-          f"{args.chunk_size} frames ({args.chunk_size * 40} ms); {args.seconds:g} s of audio a stream, in real time")
-    titles = {"streams": "streams", "partials": "partials", "p50_ms": "partial latency p50 ms", "p95_ms": "p95 ms",
-              "max_ms": "max ms", "rtf": "real-time factor", "end_lag_ms": "end to done ms (max)", "errors": "errors"}
+    print(
+        f"\nCPU: {cpu_description()}, {os.cpu_count()} cores; torch {torch.__version__}; model:"
+        f" {args.checkpoint or f'untrained {args.preset} (--causal_conv --dynamic_chunk)'}; chunks"
+        f" of {args.chunk_size} frames ({args.chunk_size * 40} ms); {args.seconds:g} s of audio a"
+        " stream, in real time"
+    )
+    titles = {
+        "streams": "streams",
+        "partials": "partials",
+        "p50_ms": "partial latency p50 ms",
+        "p95_ms": "p95 ms",
+        "max_ms": "max ms",
+        "rtf": "real-time factor",
+        "end_lag_ms": "end to done ms (max)",
+        "errors": "errors",
+    }
     print(text_table(rows, list(titles), list(titles.values())))
     print(f"server /metrics: {metrics}")
     return 0
@@ -99,18 +130,27 @@ def _audio(corpus: Path, seconds: float) -> np.ndarray:
                 break
     if total < target:
         t = np.arange(target - total) / SAMPLE_RATE
-        pieces.append((0.3 * np.sin(2 * math.pi * 440 * t) * (np.sin(2 * math.pi * 0.5 * t) > 0)).astype(np.float32))
+        pieces.append(
+            (0.3 * np.sin(2 * math.pi * 440 * t) * (np.sin(2 * math.pi * 0.5 * t) > 0)).astype(
+                np.float32
+            )
+        )
     wav = np.concatenate(pieces)[:target]
     return (np.clip(wav, -1, 1) * 32767).astype("<i2")
 
 
 def _untrained(path: Path, preset: str, audio: np.ndarray) -> Path:
-    """An untrained streaming model of ``preset`` with CMVN from ``audio``, and a small char tokenizer."""
+    """An untrained streaming model of ``preset`` with CMVN from ``audio``, and a small char
+    tokenizer."""
     from konkanivani.data.features import LogMel
 
-    tokenizer = train_tokenizer(["कोंकणी भास", "हांव पणजेक वता", "abc def ghi jkl"], vocab_size=64, model_type="char")
+    tokenizer = train_tokenizer(
+        ["कोंकणी भास", "हांव पणजेक वता", "abc def ghi jkl"], vocab_size=64, model_type="char"
+    )
     torch.manual_seed(0)
-    cfg = model_config_from_preset(preset, vocab_size=tokenizer.vocab_size, causal_conv=True, dynamic_chunk=True)
+    cfg = model_config_from_preset(
+        preset, vocab_size=tokenizer.vocab_size, causal_conv=True, dynamic_chunk=True
+    )
     model = ASRModel(cfg).eval()
     feats = LogMel(cfg.n_mels)(torch.from_numpy(audio.astype(np.float32) / 32768))
     model.set_cmvn(feats.mean(0), feats.std(0))
@@ -119,8 +159,11 @@ def _untrained(path: Path, preset: str, audio: np.ndarray) -> Path:
 
 
 def _start(checkpoint: Path, flags: list[str]) -> dict:
-    proc = subprocess.Popen([sys.executable, "-m", "konkanivani.cli.serve", str(checkpoint), "--port", "0", *flags],
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "konkanivani.cli.serve", str(checkpoint), "--port", "0", *flags],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         line = proc.stderr.readline()
@@ -129,7 +172,8 @@ def _start(checkpoint: Path, flags: list[str]) -> dict:
         print(line, end="", file=sys.stderr)
         found = re.search(r" at (http://\S+/)", line)
         if found:
-            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # keep it drained
+            # keep it drained
+            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
             return {"proc": proc, "http": found.group(1), "ws": "ws" + found.group(1)[4:]}
     proc.kill()
     raise SystemExit("the server did not start")
@@ -138,8 +182,13 @@ def _start(checkpoint: Path, flags: list[str]) -> dict:
 def _load(ws_url: str, audio: np.ndarray, streams: int, chunk: int, timeout: float) -> dict:
     frames = [audio[i:i + FRAME].tobytes() for i in range(0, len(audio), FRAME)]
     outcomes: list[dict] = [{} for _ in range(streams)]
-    threads = [threading.Thread(target=_client, args=(ws_url + "stream", frames, i * chunk * 0.04 / streams,
-                                                      timeout, outcomes[i])) for i in range(streams)]
+    threads = [
+        threading.Thread(
+            target=_client,
+            args=(ws_url + "stream", frames, i * chunk * 0.04 / streams, timeout, outcomes[i]),
+        )
+        for i in range(streams)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -148,13 +197,18 @@ def _load(ws_url: str, audio: np.ndarray, streams: int, chunk: int, timeout: flo
     done = [o for o in outcomes if o.get("done") and o.get("code") == 1000]
     lost = sum(1 for o in done if not o.get("finals"))
     audio_s = sum(o["done"]["audio_seconds"] for o in done)
-    row = {"streams": streams, "partials": len(latencies),
-           "p50_ms": round(1000 * statistics.median(latencies)) if latencies else "-",
-           "p95_ms": round(1000 * _quantile(latencies, 0.95)) if latencies else "-",
-           "max_ms": round(1000 * max(latencies)) if latencies else "-",
-           "rtf": round(sum(o["done"]["decode_seconds"] for o in done) / audio_s, 3) if audio_s else "-",
-           "end_lag_ms": round(1000 * max(o["end_lag"] for o in done)) if done else "-",
-           "errors": streams - len(done) + lost}
+    row = {
+        "streams": streams,
+        "partials": len(latencies),
+        "p50_ms": round(1000 * statistics.median(latencies)) if latencies else "-",
+        "p95_ms": round(1000 * _quantile(latencies, 0.95)) if latencies else "-",
+        "max_ms": round(1000 * max(latencies)) if latencies else "-",
+        "rtf": (
+            round(sum(o["done"]["decode_seconds"] for o in done) / audio_s, 3) if audio_s else "-"
+        ),
+        "end_lag_ms": round(1000 * max(o["end_lag"] for o in done)) if done else "-",
+        "errors": streams - len(done) + lost,
+    }
     print(row, [o.get("error") for o in outcomes if o.get("error")], file=sys.stderr, flush=True)
     return row
 
@@ -199,7 +253,8 @@ def _client(url: str, frames: list[bytes], delay: float, timeout: float, out: di
             out["end_sent"] = time.perf_counter()
             ws.send(json.dumps({"type": "end"}))
             reader.join(timeout + 10)
-    except Exception as e:  # noqa: BLE001  a refused handshake, a reset: counted as this stream's error
+    # a refused handshake, a reset: counted as this stream's error
+    except Exception as e:  # noqa: BLE001
         out["error"] = f"{type(e).__name__}: {e}"
 
 
@@ -212,8 +267,14 @@ def _metrics(http_url: str) -> str:
     import urllib.request
 
     text = urllib.request.urlopen(http_url + "metrics", timeout=30).read().decode()
-    wanted = ("konkanivani_audio_seconds_total", "konkanivani_decode_seconds_total", "konkanivani_errors_total")
-    return "; ".join(line for line in text.splitlines() if line.startswith(wanted) and "/stream" in line)
+    wanted = (
+        "konkanivani_audio_seconds_total",
+        "konkanivani_decode_seconds_total",
+        "konkanivani_errors_total",
+    )
+    return "; ".join(
+        line for line in text.splitlines() if line.startswith(wanted) and "/stream" in line
+    )
 
 
 if __name__ == "__main__":

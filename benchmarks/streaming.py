@@ -2,8 +2,9 @@
 """Streaming on the demo corpus: what chunks cost one model trained for both, its latency on one CPU
 thread, and the peak memory of an hour-long recording.
 
-1. **Training** (``--steps``): two runs of the CPU recipe side by side, one thread each, for the same
-   number of steps: a full-context model, and a streaming one (``--dynamic_chunk --causal_conv``).
+1. **Training** (``--steps``): two runs of the CPU recipe side by side, one thread each, for the
+   same number of steps: a full-context model, and a streaming one (``--dynamic_chunk
+   --causal_conv``).
 2. **Accuracy**: CER and WER on ``--splits`` with attention rescoring (what a stream's final result
    is) for the streaming model at full context and at each of ``--chunks`` (encoder frames, 40 ms
    each), under the chunk mask: the text its streams give (tests/test_streaming_decode.py), batched.
@@ -21,7 +22,8 @@ thread, and the peak memory of an hour-long recording.
     python benchmarks/streaming.py --steps 3000 --out benchmarks/results/streaming
 
 Each phase keeps what it wrote in ``--out`` (training resumes, a finished one is kept); ``--phases``
-picks some. Other flags go to both training runs (``konkanivani-train``), over ``configs/cpu_small.yaml``.
+picks some. Other flags go to both training runs (``konkanivani-train``), over
+``configs/cpu_small.yaml``.
 """
 from __future__ import annotations
 
@@ -58,14 +60,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", type=Path, default=ROOT / "data" / "demo")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "streaming")
-    parser.add_argument("--steps", type=int, default=3000, help="optimizer steps of each training run")
+    parser.add_argument(
+        "--steps", type=int, default=3000, help="optimizer steps of each training run"
+    )
     parser.add_argument("--phases", default=",".join(PHASES))
     parser.add_argument("--splits", default="test,heldout,test_noisy")
-    parser.add_argument("--chunks", default="16,8,4", help="chunk sizes in encoder frames (40 ms each)")
+    parser.add_argument(
+        "--chunks", default="16,8,4", help="chunk sizes in encoder frames (40 ms each)"
+    )
     parser.add_argument("--method", default="rescore", help="decoding of the accuracy table")
     parser.add_argument("--latency_utterances", type=int, default=40)
     parser.add_argument("--long_minutes", type=float, default=60.0)
-    parser.add_argument("--whole_minutes", default="1,2,4", help="recordings decoded whole, for the growth")
+    parser.add_argument(
+        "--whole_minutes", default="1,2,4", help="recordings decoded whole, for the growth"
+    )
     args, trainer_argv = parser.parse_known_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     phases = args.phases.split(",")
@@ -83,13 +91,31 @@ def main(argv: list[str] | None = None) -> int:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            rows = latency(args.corpus / "test.jsonl", runs["streaming"] / "latest.pt", chunks, args.latency_utterances)
+            rows = latency(
+                args.corpus / "test.jsonl",
+                runs["streaming"] / "latest.pt",
+                chunks,
+                args.latency_utterances,
+            )
         finally:  # as it was: a caller in the same process (a test) trains on after it
             torch.set_num_threads(threads)
         write_csv(args.out / "latency.csv", rows)
-        tables.append(text_table(rows, list(rows[0]), ["chunk (frames)", "chunk ms", "compute per chunk ms (median)",
-                                                    "p90", "real-time factor", "word end to partial ms (median)",
-                                                    "p90", "words"]))
+        tables.append(
+            text_table(
+                rows,
+                list(rows[0]),
+                [
+                    "chunk (frames)",
+                    "chunk ms",
+                    "compute per chunk ms (median)",
+                    "p90",
+                    "real-time factor",
+                    "word end to partial ms (median)",
+                    "p90",
+                    "words",
+                ],
+            )
+        )
     if "memory" in phases:
         rows = memory(args.corpus / "test.jsonl", runs, args.out, args.long_minutes,
                       [float(m) for m in args.whole_minutes.split(",")], chunks[0])
@@ -110,9 +136,23 @@ def train_side_by_side(corpus: Path, runs: dict[str, Path], steps: int, extra: l
         if _steps_done(out) >= steps:
             continue
         resume = ["--resume", "latest"] if (out / "latest.pt").is_file() else []
-        cmd = [sys.executable, "-m", "konkanivani.cli.train", *RECIPE, "--train_manifest", str(corpus / "train.jsonl"),
-               "--valid_manifest", str(corpus / "valid.jsonl"), "--output_dir", str(out), "--max_steps", str(steps),
-               *(STREAMING if name == "streaming" else []), *extra, *resume]
+        cmd = [
+            sys.executable,
+            "-m",
+            "konkanivani.cli.train",
+            *RECIPE,
+            "--train_manifest",
+            str(corpus / "train.jsonl"),
+            "--valid_manifest",
+            str(corpus / "valid.jsonl"),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            str(steps),
+            *(STREAMING if name == "streaming" else []),
+            *extra,
+            *resume,
+        ]
         procs.append(subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}))
     for proc in procs:
         if proc.wait() != 0:
@@ -125,15 +165,24 @@ def _steps_done(out: Path) -> int:
     return load_checkpoint(out / "latest.pt").get("step", 0)
 
 
-def accuracy(corpus: Path, runs: dict[str, Path], splits: list[str], chunks: list[int], method: str) -> list[dict]:
+def accuracy(
+    corpus: Path, runs: dict[str, Path], splits: list[str], chunks: list[int], method: str
+) -> list[dict]:
     rows = []
     for model, chunk in [("full", 0), ("streaming", 0), *(("streaming", c) for c in chunks)]:
         rec = Recognizer.from_checkpoint(runs[model] / "latest.pt")
         for split in splits:
             result = evaluate_manifest(rec, corpus / f"{split}.jsonl", method=method,
                                        chunk_size=chunk)
-            rows.append({"model": model, "chunk": chunk or "full", "split": split, "cer": round(100 * result.cer, 2),
-                         "wer": round(100 * result.wer, 2)})
+            rows.append(
+                {
+                    "model": model,
+                    "chunk": chunk or "full",
+                    "split": split,
+                    "cer": round(100 * result.cer, 2),
+                    "wer": round(100 * result.wer, 2),
+                }
+            )
             print(rows[-1], flush=True)
     return rows
 
@@ -147,7 +196,8 @@ def latency(manifest: Path, checkpoint: Path, chunks: list[int], utterances: int
         per_chunk, delays, compute, audio = [], [], 0.0, 0.0
         for wav in wavs:
             stream = rec.stream(chunk_size=chunk, endpoint_ms=0)
-            seen, shown = 0, []  # (when a result was out, had the audio come in real time; the result)
+            # (when a result was out, had the audio come in real time; the result)
+            seen, shown = 0, []
             for piece in [*wav.split(PIECE), None]:
                 start = time.perf_counter()
                 got = stream.accept(piece) if piece is not None else stream.finish()
@@ -162,14 +212,22 @@ def latency(manifest: Path, checkpoint: Path, chunks: list[int], utterances: int
             # A word is out at the first result that holds it whole, as the final result has it.
             final = shown[-1][1].words
             for i, word in enumerate(final):
-                delays.append(next(t for t, r in shown if len(r.words) > i and r.words[i].text == word.text)
-                              - word.end)
-        rows.append({"chunk": chunk, "chunk_ms": chunk * 40,
-                     "chunk_compute_ms": round(1000 * statistics.median(per_chunk), 1),
-                     "chunk_compute_p90_ms": round(1000 * _quantile(per_chunk, 0.9), 1),
-                     "rtf": round(compute / audio, 4),
-                     "word_delay_ms": round(1000 * statistics.median(delays)),
-                     "word_delay_p90_ms": round(1000 * _quantile(delays, 0.9)), "words": len(delays)})
+                delays.append(
+                    next(t for t, r in shown if len(r.words) > i and r.words[i].text == word.text)
+                    - word.end
+                )
+        rows.append(
+            {
+                "chunk": chunk,
+                "chunk_ms": chunk * 40,
+                "chunk_compute_ms": round(1000 * statistics.median(per_chunk), 1),
+                "chunk_compute_p90_ms": round(1000 * _quantile(per_chunk, 0.9), 1),
+                "rtf": round(compute / audio, 4),
+                "word_delay_ms": round(1000 * statistics.median(delays)),
+                "word_delay_p90_ms": round(1000 * _quantile(delays, 0.9)),
+                "words": len(delays),
+            }
+        )
         print(rows[-1], flush=True)
     return rows
 
@@ -179,25 +237,59 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def memory(manifest: Path, runs: dict[str, Path], out: Path, long_minutes: float, whole_minutes: list[float],
-           chunk: int) -> list[dict]:
+def memory(
+    manifest: Path,
+    runs: dict[str, Path],
+    out: Path,
+    long_minutes: float,
+    whole_minutes: list[float],
+    chunk: int,
+) -> list[dict]:
     rows = []
-    floor = _peak([sys.executable, "-c", "import sys; from konkanivani.decoding.recognizer import Recognizer; "
-                   "Recognizer.from_checkpoint(sys.argv[1])", str(runs["streaming"] / "latest.pt")])
+    floor = _peak(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys; from konkanivani.decoding.recognizer import Recognizer; "
+                "Recognizer.from_checkpoint(sys.argv[1])"
+            ),
+            str(runs["streaming"] / "latest.pt"),
+        ]
+    )
     rows.append({"what": "only loading the model", "minutes": 0, **floor})
-    for minutes in whole_minutes:  # decoded whole, as transcribe did before it read long files in pieces
+    # decoded whole, as transcribe did before it read long files in pieces
+    for minutes in whole_minutes:
         path = _recording(manifest, out / f"recording_{minutes:g}min.wav", minutes)
-        code = ("import sys, torch; from konkanivani.decoding.recognizer import Recognizer; "
-                "from konkanivani.data.audio import load_audio; rec = Recognizer.from_checkpoint(sys.argv[1]); "
-                "print(rec.decode_waveforms([load_audio(sys.argv[2])], method='greedy')[0][:40])")
-        rows.append({"what": "whole file (full-context model)", "minutes": minutes,
-                     **_peak([sys.executable, "-c", code, str(runs["full"] / "latest.pt"), str(path)])})
+        code = (
+            "import sys, torch; from konkanivani.decoding.recognizer import Recognizer; from"
+            " konkanivani.data.audio import load_audio; rec ="
+            " Recognizer.from_checkpoint(sys.argv[1]);"
+            " print(rec.decode_waveforms([load_audio(sys.argv[2])], method='greedy')[0][:40])"
+        )
+        rows.append(
+            {
+                "what": "whole file (full-context model)",
+                "minutes": minutes,
+                **_peak([sys.executable, "-c", code, str(runs["full"] / "latest.pt"), str(path)]),
+            }
+        )
         print(rows[-1], flush=True)
     hour = _recording(manifest, out / "recording_long.wav", long_minutes)
-    for what, model, flags in [(f"stream, chunks of {chunk} (streaming model)", "streaming", ["--chunk_size", str(chunk)]),
-                               ("windows of 20 s (full-context model)", "full", ["--method", "rescore"])]:
-        cmd = [sys.executable, "-m", "konkanivani.cli.transcribe", str(runs[model] / "latest.pt"), str(hour),
-               "--output", str(out / f"long_{model}.jsonl"), *flags]
+    for what, model, flags in [
+        (f"stream, chunks of {chunk} (streaming model)", "streaming", ["--chunk_size", str(chunk)]),
+        ("windows of 20 s (full-context model)", "full", ["--method", "rescore"]),
+    ]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "konkanivani.cli.transcribe",
+            str(runs[model] / "latest.pt"),
+            str(hour),
+            "--output",
+            str(out / f"long_{model}.jsonl"),
+            *flags,
+        ]
         rows.append({"what": what, "minutes": long_minutes, **_peak(cmd)})
         print(rows[-1], flush=True)
     return rows
@@ -206,10 +298,18 @@ def memory(manifest: Path, runs: dict[str, Path], out: Path, long_minutes: float
 def _peak(cmd: list[str]) -> dict:
     """Run ``cmd`` alone (one thread); its peak resident memory (MiB) and wall time."""
     start = time.perf_counter()
-    code = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL); "
-            "print(p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
-    done = subprocess.run([sys.executable, "-c", code, *cmd], capture_output=True, text=True, check=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    code = (
+        "import resource, subprocess, sys; p = subprocess.run(sys.argv[1:],"
+        " stdout=subprocess.DEVNULL); print(p.returncode,"
+        " resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, *cmd],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     returncode, kib = map(int, done.stdout.split())
     if returncode != 0:
         raise SystemExit(f"failed ({returncode}): {' '.join(cmd)}")
@@ -221,7 +321,10 @@ def _recording(manifest: Path, path: Path, minutes: float) -> Path:
     from the first clip again when they run out (16-bit PCM, written block by block)."""
     if path.is_file() and sf.info(str(path)).duration >= 60 * minutes - 1:
         return path
-    clips = [resolve_audio_path(row["audio_filepath"], manifest.parent) for _, row in read_manifest(manifest)]
+    clips = [
+        resolve_audio_path(row["audio_filepath"], manifest.parent)
+        for _, row in read_manifest(manifest)
+    ]
     target, written, pause = round(60 * minutes * SAMPLE_RATE), 0, torch.zeros(SAMPLE_RATE // 2)
     with sf.SoundFile(str(path), "w", SAMPLE_RATE, 1, "PCM_16") as f:
         i = 0
@@ -234,13 +337,18 @@ def _recording(manifest: Path, path: Path, minutes: float) -> Path:
 
 
 def _plot(out: Path) -> None:
-    """streaming.png: CER by chunk size per split, and the latency by chunk size (what has been measured)."""
+    """streaming.png: CER by chunk size per split, and the latency by chunk size (what has been
+    measured)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     def rows(name: str) -> list[dict]:
-        return list(csv.DictReader(open(out / name, encoding="utf-8"))) if (out / name).is_file() else []
+        return (
+            list(csv.DictReader(open(out / name, encoding="utf-8")))
+            if (out / name).is_file()
+            else []
+        )
 
     accuracy, latency = rows("accuracy.csv"), rows("latency.csv")
     if not accuracy and not latency:
@@ -248,17 +356,37 @@ def _plot(out: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for split in dict.fromkeys(r["split"] for r in accuracy):
         points = [r for r in accuracy if r["split"] == split and r["model"] == "streaming"]
-        axes[0].plot([r["chunk"] for r in points], [float(r["cer"]) for r in points], "o-", label=f"{split}, streaming")
+        axes[0].plot(
+            [r["chunk"] for r in points],
+            [float(r["cer"]) for r in points],
+            "o-",
+            label=f"{split}, streaming",
+        )
         full = [float(r["cer"]) for r in accuracy if r["split"] == split and r["model"] == "full"]
         if full:
-            axes[0].axhline(full[0], ls=":", c=axes[0].lines[-1].get_color(), label=f"{split}, full-context model")
+            axes[0].axhline(
+                full[0],
+                ls=":",
+                c=axes[0].lines[-1].get_color(),
+                label=f"{split}, full-context model",
+            )
     axes[0].set_xlabel("chunk (encoder frames of 40 ms)")
     axes[0].set_ylabel("CER % (attention rescoring)")
     axes[0].legend(fontsize=7)
     if latency:
         ms = [int(r["chunk_ms"]) for r in latency]
-        axes[1].plot(ms, [float(r["word_delay_ms"]) for r in latency], "o-", label="word end to partial (median)")
-        axes[1].plot(ms, [float(r["chunk_compute_ms"]) for r in latency], "s-", label="compute per chunk (median)")
+        axes[1].plot(
+            ms,
+            [float(r["word_delay_ms"]) for r in latency],
+            "o-",
+            label="word end to partial (median)",
+        )
+        axes[1].plot(
+            ms,
+            [float(r["chunk_compute_ms"]) for r in latency],
+            "s-",
+            label="compute per chunk (median)",
+        )
         axes[1].set_xlabel("chunk (ms)")
         axes[1].set_ylabel("ms, one CPU thread")
         axes[1].legend(fontsize=7)

@@ -1,5 +1,6 @@
-"""What the server's tests share: tiny models that learn four tone "sentences" in 120 steps (tone_speech.py,
-as test_streaming_decode.py does), a server started as a person starts it (``konkanivani-serve ... --port 0``,
+"""What the server's tests share: tiny models that learn four tone "sentences" in 120 steps
+(tone_speech.py, as test_streaming_decode.py does), a server started as a person starts it
+(``konkanivani-serve ... --port 0``,
 on loopback) and plain clients for it. Every wait is bounded."""
 from __future__ import annotations
 
@@ -38,15 +39,24 @@ def train_model(wavs: list[torch.Tensor], texts: list[str], streaming: bool, ste
     ``streaming``, for chunks of 1-8 frames and full context, with causal convolutions."""
     tokenizer = train_tokenizer(texts, vocab_size=vocab_size, model_type="char")
     torch.manual_seed(0)
-    cfg = model_config_from_preset("tiny", vocab_size=tokenizer.vocab_size, dropout=0.0, causal_conv=streaming,
-                                   dynamic_chunk=streaming, max_chunk=8)
+    cfg = model_config_from_preset(
+        "tiny",
+        vocab_size=tokenizer.vocab_size,
+        dropout=0.0,
+        causal_conv=streaming,
+        dynamic_chunk=streaming,
+        max_chunk=8,
+    )
     rec = Recognizer(ASRModel(cfg), tokenizer, torch.device("cpu"))
     model = rec.model
     feats = [rec.log_mel(w) for w in wavs]
     every = torch.cat(feats)
     model.set_cmvn(every.mean(0), every.std(0))
-    x, lens = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True), torch.tensor([len(f) for f in feats])
-    tokens = [torch.tensor(tokenizer.encode(s), dtype=torch.long) for s in texts]  # "" (silence): none
+    x, lens = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True), torch.tensor(
+        [len(f) for f in feats]
+    )
+    # "" (silence): none
+    tokens = [torch.tensor(tokenizer.encode(s), dtype=torch.long) for s in texts]
     y = torch.nn.utils.rnn.pad_sequence(tokens, batch_first=True, padding_value=-1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
@@ -59,16 +69,27 @@ def train_model(wavs: list[torch.Tensor], texts: list[str], streaming: bool, ste
 
 def tone_checkpoint(path: Path, streaming: bool) -> Path:
     rec = train_model([speech(s, seed=i) for i, s in enumerate(SENTENCES)], SENTENCES, streaming)
-    return save_checkpoint({"model_config": dataclasses.asdict(rec.model.cfg), "model": rec.model.state_dict(),
-                            "tokenizer": rec.tokenizer.model_proto}, path)
+    return save_checkpoint(
+        {
+            "model_config": dataclasses.asdict(rec.model.cfg),
+            "model": rec.model.state_dict(),
+            "tokenizer": rec.tokenizer.model_proto,
+        },
+        path,
+    )
 
 
 class Server:
-    """A ``konkanivani-serve`` process; ``url`` is where it listens, ``log`` what it wrote to stderr."""
+    """A ``konkanivani-serve`` process; ``url`` is where it listens, ``log`` what it wrote to
+    stderr."""
 
     def __init__(self, checkpoint: Path, *flags: str):
-        self.proc = subprocess.Popen([sys.executable, "-m", "konkanivani.cli.serve", str(checkpoint), "--port", "0",
-                                      *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "konkanivani.cli.serve", str(checkpoint), "--port", "0", *flags],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.log: list[str] = []
         self.ready = threading.Event()
         self.url = ""
@@ -143,8 +164,14 @@ def http_json(method: str, url: str, body: bytes | None = None, headers: dict | 
 def multipart(field: str, filename: str, data: bytes) -> tuple[bytes, dict]:
     """A multipart/form-data body with one file, and its Content-Type header."""
     boundary = "konkanivani-test-boundary"
-    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"{field}\"; filename=\"{filename}\"\r\n"
-            f"Content-Type: application/octet-stream\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()
+    body = (
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{field}";'
+            f' filename="{filename}"\r\nContent-Type: application/octet-stream\r\n\r\n'
+        ).encode()
+        + data
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
     return body, {"Content-Type": f"multipart/form-data; boundary={boundary}"}
 
 
@@ -169,8 +196,9 @@ def connect_from(url: str, source: str | None, timeout: float = 30) -> socket.so
 
 def ws_session(url: str, frames, then: str = "end", headers: dict | None = None, pause: float = 0.0,
                timeout: float = 60, source: str | None = None) -> tuple[list[dict], dict]:
-    """Send ``frames`` (bytes: binary, str: text) over a WebSocket, then (``then``) ``{"type": "end"}``,
-    or hang up, or wait for the server to close; the JSON messages received (read by a thread as they
+    """Send ``frames`` (bytes: binary, str: text) over a WebSocket, then (``then``) ``{"type":
+    "end"}``, or hang up, or wait for the server to close; the JSON messages received (read by a
+    thread as they
     come) and ``{"code", "reason"}`` of the close frame received. ``source``: ``connect_from``'s."""
     from websockets.exceptions import ConnectionClosed
     from websockets.sync.client import connect
@@ -183,7 +211,9 @@ def ws_session(url: str, frames, then: str = "end", headers: dict | None = None,
                 while True:
                     messages.append(json.loads(ws.recv(timeout=timeout)))
             except ConnectionClosed as e:
-                closed.update(code=e.rcvd.code if e.rcvd else None, reason=e.rcvd.reason if e.rcvd else "")
+                closed.update(
+                    code=e.rcvd.code if e.rcvd else None, reason=e.rcvd.reason if e.rcvd else ""
+                )
             except TimeoutError:
                 closed.update(code="timeout", reason="")
 
@@ -206,7 +236,8 @@ def ws_session(url: str, frames, then: str = "end", headers: dict | None = None,
 
 def ws_refusal(url: str, headers: dict | None = None, timeout: float = 30,
                source: str | None = None):
-    """The HTTP answer (status, headers, body) that refused a WebSocket handshake; None if it opened."""
+    """The HTTP answer (status, headers, body) that refused a WebSocket handshake; None if it
+    opened."""
     from websockets.exceptions import InvalidStatus
     from websockets.sync.client import connect
 

@@ -78,7 +78,12 @@ def test_prefixes_are_equal_by_their_tokens_alone():
     root = _Prefix()
     a, b = build([5, 7, 5], root), build([5, 7], build([], root))
     b = _Prefix(b, 5)
-    assert a == b and hash(a) == hash(b) and len({a, b, build([5, 7, 5])}) == 1 and a.tokens() == [5, 7, 5]
+    assert (
+        a == b
+        and hash(a) == hash(b)
+        and len({a, b, build([5, 7, 5])}) == 1
+        and a.tokens() == [5, 7, 5]
+    )
     assert _Prefix() == root and root.tokens() == [] and root.token is None
     others = [build([5, 7]), build([7, 5, 5]), build([5, 7, 5, 5]), build([5, 7, 6])]
     assert all(a != o for o in others) and len({a, *others}) == 5 and a != (5, 7, 5)
@@ -86,7 +91,8 @@ def test_prefixes_are_equal_by_their_tokens_alone():
 
 @pytest.mark.parametrize("pieces", [[23], [1] * 23, [5, 0, 7, 11], [2, 3, 18]])
 def test_the_search_fed_frames_piece_by_piece_equals_the_search_over_all_of_them(trained, pieces):
-    """A stream's CTC prefix beam search: the same n-best, scores and token frames however the frames come."""
+    """A stream's CTC prefix beam search: the same n-best, scores and token frames however the
+    frames come."""
     model, _, enc, enc_lens = trained
     log_probs = model.ctc_log_probs(enc)[0, :23]
     whole = CTCPrefixBeam(5)
@@ -105,7 +111,8 @@ def test_each_token_carries_the_frame_where_it_was_likeliest():
     log_probs[:, BLANK_ID] = 0.0
     for tok, t in zip(tokens, at):
         log_probs[t, tok], log_probs[t, BLANK_ID] = 0.0, -8.0
-    log_probs[3, 3], log_probs[3, BLANK_ID] = -0.5, -1.0  # the first 3 held for two frames, likeliest at 2
+    # the first 3 held for two frames, likeliest at 2
+    log_probs[3, 3], log_probs[3, BLANK_ID] = -0.5, -1.0
     best = ctc_prefix_beam_search(log_probs.log_softmax(-1), 10, 4)[0]
     assert best.tokens == tokens and best.frames == at
 
@@ -128,8 +135,12 @@ def test_attention_beam_1_is_greedy_attention_decoding(trained):
         ys = [SOS_EOS_ID]
         with torch.inference_mode():
             while len(ys) <= int(enc_lens[b]):
-                logits = model.decoder(torch.tensor([ys]), torch.tensor([len(ys)]), enc[b:b + 1, :enc_lens[b]],
-                                       enc_lens[b:b + 1])[0, -1]
+                logits = model.decoder(
+                    torch.tensor([ys]),
+                    torch.tensor([len(ys)]),
+                    enc[b : b + 1, : enc_lens[b]],
+                    enc_lens[b : b + 1],
+                )[0, -1]
                 logits[BLANK_ID] = float("-inf")
                 nxt = int(logits.argmax())
                 if nxt == SOS_EOS_ID:
@@ -157,8 +168,9 @@ def test_batched_search_equals_one_utterance_at_a_time(trained):
     model, _, enc, enc_lens = trained
     together = attention_beam_search(model, enc, enc_lens, beam_size=3, ctc_weight=0.3)
     for b in range(enc.shape[0]):
-        alone = attention_beam_search(model, enc[b:b + 1, :enc_lens[b]], enc_lens[b:b + 1], beam_size=3,
-                                      ctc_weight=0.3)[0]
+        alone = attention_beam_search(
+            model, enc[b : b + 1, : enc_lens[b]], enc_lens[b : b + 1], beam_size=3, ctc_weight=0.3
+        )[0]
         assert alone.tokens == together[b].tokens
         assert alone.score == pytest.approx(together[b].score, abs=1e-3)
 
@@ -172,7 +184,9 @@ def test_rescoring(trained):
     rescored = attention_rescoring(model, enc, enc_lens, beam_size=5, ctc_weight=0.3)
     for b, h in enumerate(rescored):
         nbest = ctc_prefix_beam_search(log_probs[b], int(enc_lens[b]), 5)
-        att = attention_scores(model, enc[[b] * len(nbest)], enc_lens[[b] * len(nbest)], [n.tokens for n in nbest])
+        att = attention_scores(
+            model, enc[[b] * len(nbest)], enc_lens[[b] * len(nbest)], [n.tokens for n in nbest]
+        )
         combined = [0.3 * n.score + 0.7 * float(a) for n, a in zip(nbest, att)]
         assert h.score == pytest.approx(max(combined), abs=1e-4)
 
@@ -181,7 +195,9 @@ def test_decode_batch_runs_every_method_and_refuses_unknown(trained):
     model, batch, _, _ = trained
     for method in METHODS:
         hyps = decode_batch(model, batch.feats, batch.feat_lens, method, beam_size=3)
-        assert len(hyps) == len(batch.indices) and all(isinstance(t, int) and t > SOS_EOS_ID for h in hyps for t in h)
+        assert len(hyps) == len(batch.indices) and all(
+            isinstance(t, int) and t > SOS_EOS_ID for h in hyps for t in h
+        )
     with pytest.raises(ValueError, match="unknown decoding method"):
         decode_batch(model, batch.feats, batch.feat_lens, "viterbi")
 
@@ -201,4 +217,6 @@ def test_incremental_decoder_steps_equal_the_full_forward():
         rows = tokens.repeat_interleave(hyps, dim=0)
         for i in range(6):
             logits, state = model.decoder.step(rows[:, i], state)
-            torch.testing.assert_close(logits, full[:, i].repeat_interleave(hyps, dim=0), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                logits, full[:, i].repeat_interleave(hyps, dim=0), atol=1e-5, rtol=1e-5
+            )

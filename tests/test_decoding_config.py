@@ -1,5 +1,5 @@
-"""DecodingConfig (decoding/settings.py): one check with one-line errors, the defaults that depend on
-how a recognizer decodes, the flags of the four decoding tools made from its fields (each flag
+"""DecodingConfig (decoding/settings.py): one check with one-line errors, the defaults that depend
+on how a recognizer decodes, the flags of the four decoding tools made from its fields (each flag
 defined once, with one help text), and the recognizers and the server's engine taking it."""
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """konkanivani-export: ONNX and TorchScript files of a tiny trained model, run outside the package's
 model code (onnxruntime, torch.jit.load) and compared with the PyTorch model and the Recognizer; the
-streaming graph (--streaming) run chunk by chunk and compared with the model's chunk-by-chunk encoding."""
+streaming graph (--streaming) run chunk by chunk and compared with the model's chunk-by-chunk
+encoding."""
+
 import dataclasses
 import doctest
 import json
@@ -55,7 +57,8 @@ from konkanivani.model.conformer import feature_windows
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = ["हांव घरा वता", "तूं कितें करता", "आमी पणजेक गेलें", "ताणें जेवण केलें"]
 RUNNERS = {"onnx": onnx_runner, "torchscript": torchscript_runner}
-ATOL = 1e-4  # |log-prob| difference allowed from PyTorch; observed: ONNX up to 1.5e-5, TorchScript 0
+# |log-prob| difference allowed from PyTorch; observed: ONNX up to 1.5e-5, TorchScript 0
+ATOL = 1e-4
 
 
 def join_pieces(ids, vocab):
@@ -75,7 +78,8 @@ def test_vocabulary_joins_pieces_into_the_tokenizers_text(model_type):
     assert len(vocab["pieces"]) == tokenizer.vocab_size
     rng = random.Random(0)
     boundary = vocab["pieces"].index(vocab["word_boundary"])
-    ordinary = [i for i in range(tokenizer.vocab_size) if i != UNK_ID]  # <unk> reads " ⁇ " in SentencePiece's text
+    # <unk> reads " ⁇ " in SentencePiece's text
+    ordinary = [i for i in range(tokenizer.vocab_size) if i != UNK_ID]
     for _ in range(2000):
         ids = [rng.choice([boundary, *ordinary]) for _ in range(rng.randrange(8))]
         assert join_pieces(ids, vocab) == tokenizer.decode(ids), tokenizer.pieces(ids)
@@ -88,7 +92,10 @@ def test_feature_settings_rebuild_the_package_features_exactly():
     wav = 0.1 * torch.randn(12345, generator=torch.Generator().manual_seed(0))
     features = torch.log(mel(wav) + settings["log_offset"]).T
     assert torch.equal(features, log_mel(wav))
-    assert features.shape == (1 + 12345 // settings["mel_spectrogram"]["hop_length"], settings["n_mels"])
+    assert features.shape == (
+        1 + 12345 // settings["mel_spectrogram"]["hop_length"],
+        settings["n_mels"],
+    )
     formula = settings["output_lengths"].split("=", 1)[1]
     assert all(eval(formula, {"T": t}) == subsampled_lengths(t) for t in range(MIN_FRAMES, 500))
     assert subsampled_lengths(MIN_FRAMES) == 1 and subsampled_lengths(MIN_FRAMES - 1) == 0
@@ -105,7 +112,8 @@ def test_the_export_check_catches_a_graph_that_computes_something_else():
 
 def test_per_utterance_cmvn_is_inside_both_exported_graphs(tmp_path):
     """The mean of the frames each length says are real, computed in the graph, at other batch
-    sizes and lengths than the trace's (``export_checkpoint`` checks each file and raises if off)."""
+    sizes and lengths than the trace's (``export_checkpoint`` checks each file and raises if off).
+    """
     tokenizer = train_tokenizer(TEXTS, vocab_size=40)
     cfg = model_config_from_preset("tiny", vocab_size=tokenizer.vocab_size, cmvn="utterance")
     torch.manual_seed(0)
@@ -118,8 +126,9 @@ def test_per_utterance_cmvn_is_inside_both_exported_graphs(tmp_path):
     feats[torch.arange(90) >= lens[:, None]] = 0.0
     louder = feats + 2.0 * (torch.arange(90) < lens[:, None])[..., None]
     assert torch.allclose(runner(louder, lens)[0], runner(feats, lens)[0], atol=1e-4)
-    assert sorted(w.path.name for w in written if w.difference is not None) == sorted([FILES["onnx"],
-                                                                                       FILES["torchscript"]])
+    assert sorted(w.path.name for w in written if w.difference is not None) == sorted(
+        [FILES["onnx"], FILES["torchscript"]]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +142,8 @@ def untrained_checkpoint(tmp_path_factory):
 
 
 def status(argv):
-    """The exit status of konkanivani-export: main's return value, or the parser's SystemExit code."""
+    """The exit status of konkanivani-export: main's return value, or the parser's SystemExit
+    code."""
     try:
         return export_cli.main(argv)
     except SystemExit as e:
@@ -147,7 +157,9 @@ def one_error_line(capsys):
     return lines[0]
 
 
-def test_a_missing_foreign_or_broken_checkpoint_is_one_line_and_status_2(untrained_checkpoint, tmp_path, capsys):
+def test_a_missing_foreign_or_broken_checkpoint_is_one_line_and_status_2(
+    untrained_checkpoint, tmp_path, capsys
+):
     assert status([str(tmp_path / "none.pt"), "--format", "torchscript"]) == 2
     assert "none.pt: file not found" in one_error_line(capsys)
     foreign = tmp_path / "foreign.pt"
@@ -160,20 +172,32 @@ def test_a_missing_foreign_or_broken_checkpoint_is_one_line_and_status_2(untrain
     assert "truncated, corrupt" in one_error_line(capsys)
     no_model = tmp_path / "no_model.pt"
     save_checkpoint({"model_config": {"vocab_size": 40}}, no_model)
-    assert status([str(no_model), "--format", "torchscript", "--output_dir", str(tmp_path / "out")]) == 2
+    assert (
+        status([str(no_model), "--format", "torchscript", "--output_dir", str(tmp_path / "out")])
+        == 2
+    )
     assert "does not hold a usable model" in one_error_line(capsys)
     assert not any((tmp_path / "out").glob("*"))
     assert status([str(untrained_checkpoint), "--output_dir", str(untrained_checkpoint)]) == 2
     assert "is not a folder" in one_error_line(capsys)
 
 
-def test_without_the_onnx_packages_is_one_line_and_status_2(untrained_checkpoint, monkeypatch, capsys):
+def test_without_the_onnx_packages_is_one_line_and_status_2(
+    untrained_checkpoint, monkeypatch, capsys
+):
     import importlib.util
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *args: None if name == "onnxscript" else real_find_spec(name, *args))
-    for flags in (["--format", "onnx"], ["--format", "both"], ["--format", "torchscript", "--streaming"]):
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "onnxscript" else real_find_spec(name, *args),
+    )
+    for flags in (
+        ["--format", "onnx"],
+        ["--format", "both"],
+        ["--format", "torchscript", "--streaming"],
+    ):
         assert status([str(untrained_checkpoint), *flags]) == 2
         line = one_error_line(capsys)
         assert "needs onnxscript" in line and "pip install 'konkanivani[export]'" in line
@@ -187,7 +211,9 @@ def causal_model(**kw):
     torch.manual_seed(0)
     model = ASRModel(model_config_from_preset("tiny", vocab_size=40, causal_conv=True, **kw))
     generator = torch.Generator().manual_seed(0)
-    model.set_cmvn(torch.randn(80, generator=generator) - 8.0, torch.rand(80, generator=generator) + 0.5)
+    model.set_cmvn(
+        torch.randn(80, generator=generator) - 8.0, torch.rand(80, generator=generator) + 0.5
+    )
     return model.eval()
 
 
@@ -199,12 +225,20 @@ def test_the_chunk_graph_example_holds():
     assert runner.failures == 0 and runner.tries == 6
 
 
-STREAMS = [("conv2d", "global", 4, 2), ("dw_striding", "utterance", 3, 1), ("conv2d", "global", 1, 3),
-           ("conv2d", "utterance", 8, 1)]
+STREAMS = [
+    ("conv2d", "global", 4, 2),
+    ("dw_striding", "utterance", 3, 1),
+    ("conv2d", "global", 1, 3),
+    ("conv2d", "utterance", 8, 1),
+]
 
 
-@pytest.mark.parametrize("subsampling,cmvn,chunk,left", STREAMS, ids=["-".join(map(str, s)) for s in STREAMS])
-def test_the_onnx_chunk_graph_streams_as_forward_chunk_does(subsampling, cmvn, chunk, left, tmp_path):
+@pytest.mark.parametrize(
+    "subsampling,cmvn,chunk,left", STREAMS, ids=["-".join(map(str, s)) for s in STREAMS]
+)
+def test_the_onnx_chunk_graph_streams_as_forward_chunk_does(
+    subsampling, cmvn, chunk, left, tmp_path
+):
     """Chunk after chunk through onnxruntime, each fed the caches of the one before: the first
     chunks with the attention cache not yet full, then full ones, then a shorter last window; the
     log-probs and encoder frames are forward_chunk's (and with global CMVN, the full forward's
@@ -217,8 +251,13 @@ def test_the_onnx_chunk_graph_streams_as_forward_chunk_does(subsampling, cmvn, c
     export_chunk_onnx(graph, path)
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     window = graph.window_frames if chunk == 1 else "window"
-    expected_inputs = {"features": [1, window, 80], "offset": [], "attention_cache": [2, 2, 2, left * chunk, 24],
-                       "conv_cache": [2, 6, 48], **({"feature_mean": [80]} if cmvn == "utterance" else {})}
+    expected_inputs = {
+        "features": [1, window, 80],
+        "offset": [],
+        "attention_cache": [2, 2, 2, left * chunk, 24],
+        "conv_cache": [2, 6, 48],
+        **({"feature_mean": [80]} if cmvn == "utterance" else {}),
+    }
     assert {i.name: i.shape for i in session.get_inputs()} == expected_inputs
     assert [o.name for o in session.get_outputs()] == list(CHUNK_OUTPUTS)
 
@@ -233,10 +272,14 @@ def test_the_onnx_chunk_graph_streams_as_forward_chunk_does(subsampling, cmvn, c
         inputs = {"features": window.numpy(), "offset": np.array(offset, np.int64), **caches}
         mean = None
         if cmvn == "utterance":
-            inputs["feature_mean"] = (mean := feats[0, :k * 4 * chunk + window.shape[1]].mean(0)).numpy()
+            inputs["feature_mean"] = (
+                mean := feats[0, : k * 4 * chunk + window.shape[1]].mean(0)
+            ).numpy()
         log_probs, enc, caches["attention_cache"], caches["conv_cache"] = session.run(None, inputs)
         with torch.no_grad():
-            reference, state = model.encoder.forward_chunk(model.normalize(window, mean), state, left * chunk)
+            reference, state = model.encoder.forward_chunk(
+                model.normalize(window, mean), state, left * chunk
+            )
             reference_log_probs = model.ctc_log_probs(reference)
         assert state.offset == offset + log_probs.shape[1]
         worst = max(worst, float((torch.from_numpy(enc) - reference).abs().max()),
@@ -266,7 +309,9 @@ def test_the_stream_check_catches_a_chunk_graph_that_computes_something_else():
         stream_difference(first_position, graph)
 
 
-def test_streaming_a_model_without_causal_convolutions_is_refused_in_one_line(untrained_checkpoint, tmp_path, capsys):
+def test_streaming_a_model_without_causal_convolutions_is_refused_in_one_line(
+    untrained_checkpoint, tmp_path, capsys
+):
     out = tmp_path / "out"
     assert status([str(untrained_checkpoint), "--streaming", "--output_dir", str(out)]) == 2
     line = one_error_line(capsys)
@@ -280,7 +325,9 @@ def test_streaming_a_model_without_causal_convolutions_is_refused_in_one_line(un
     (["--streaming", "--chunk_size", "-1"],
      "--chunk_size must be 0 (none) or a positive number of encoder frames, got -1"),
 ])
-def test_bad_streaming_flags_are_one_line_and_status_2(untrained_checkpoint, flags, message, capsys):
+def test_bad_streaming_flags_are_one_line_and_status_2(
+    untrained_checkpoint, flags, message, capsys
+):
     assert status([str(untrained_checkpoint), *flags]) == 2
     assert message in one_error_line(capsys)
 
@@ -295,8 +342,9 @@ def redraw_ctc_head(checkpoint, path):
     weight = state["model"]["ctc_head.weight"]
     generator = torch.Generator().manual_seed(0)
     state["model"]["ctc_head.weight"] = 0.5 * torch.randn(weight.shape, generator=generator)
-    state["model"]["ctc_head.bias"] = torch.zeros(weight.shape[0]).index_fill_(0, torch.tensor([UNK_ID, SOS_EOS_ID]),
-                                                                                -100.0)
+    state["model"]["ctc_head.bias"] = torch.zeros(weight.shape[0]).index_fill_(
+        0, torch.tensor([UNK_ID, SOS_EOS_ID]), -100.0
+    )
     save_checkpoint(state, path)
     return path
 
@@ -309,8 +357,21 @@ def exported(tiny_corpus, tmp_path_factory):
     assert train_cli.main(tiny_args(tiny_corpus, run, "--max_steps", "36")) == 0
     checkpoint = redraw_ctc_head(run / "latest.pt", run.parent / "model.pt")
     out = run.parent / "exported"
-    result = subprocess.run([sys.executable, "-m", "konkanivani.cli.export", str(checkpoint), "--output_dir", str(out),
-                             "--format", "both"], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "konkanivani.cli.export",
+            str(checkpoint),
+            "--output_dir",
+            str(out),
+            "--format",
+            "both",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return checkpoint, out, result.stdout.splitlines()
 
@@ -331,7 +392,9 @@ def corpus_wavs(corpus, count):
 
 def features_of(recognizer, wavs):
     feats = [recognizer.log_mel(w) for w in wavs]
-    return torch.nn.utils.rnn.pad_sequence(feats, batch_first=True), torch.tensor([len(f) for f in feats])
+    return torch.nn.utils.rnn.pad_sequence(feats, batch_first=True), torch.tensor(
+        [len(f) for f in feats]
+    )
 
 
 def compare(runner, recognizer, feats, lens):
@@ -341,14 +404,19 @@ def compare(runner, recognizer, feats, lens):
     got, got_lens = runner(feats, lens)
     assert got.shape == expected.shape and got.dtype == torch.float32
     assert torch.equal(got_lens, expected_lens) and got_lens.dtype == torch.int64
-    return max(float((got[b, :n] - expected[b, :n]).abs().max()) for b, n in enumerate(expected_lens.tolist()))
+    return max(
+        float((got[b, :n] - expected[b, :n]).abs().max())
+        for b, n in enumerate(expected_lens.tolist())
+    )
 
 
 def test_the_tool_writes_four_files_and_reports_each_check(exported):
     _, out, lines = exported
-    assert sorted(p.name for p in out.iterdir()) == sorted(FILES.values())  # no temporary folder left
-    assert [line.split()[1] for line in lines] == [str(out / FILES[k]) for k in
-                                                   ("onnx", "torchscript", "vocabulary", "features")]
+    # no temporary folder left
+    assert sorted(p.name for p in out.iterdir()) == sorted(FILES.values())
+    assert [line.split()[1] for line in lines] == [
+        str(out / FILES[k]) for k in ("onnx", "torchscript", "vocabulary", "features")
+    ]
     assert all("of PyTorch's" in line for line in lines[:2])
     import onnx
 
@@ -359,7 +427,9 @@ def test_the_tool_writes_four_files_and_reports_each_check(exported):
 
 
 @pytest.mark.parametrize("fmt", ["onnx", "torchscript"])
-def test_a_batch_of_two_matches_pytorch_and_the_recognizers_greedy_transcript(exported, recognizer, tiny_corpus, fmt):
+def test_a_batch_of_two_matches_pytorch_and_the_recognizers_greedy_transcript(
+    exported, recognizer, tiny_corpus, fmt
+):
     _, out, _ = exported
     wavs = corpus_wavs(tiny_corpus, 2)
     feats, lens = features_of(recognizer, wavs)
@@ -382,7 +452,8 @@ def test_batch_and_length_axes_are_free(exported, recognizer, tiny_corpus, fmt):
     _, out, _ = exported
     runner = RUNNERS[fmt](out / FILES[fmt])
     wavs = corpus_wavs(tiny_corpus, 3)
-    for batch in ([wavs[2]], wavs, [wavs[0][:160 * (MIN_FRAMES - 1)]]):  # 1 utterance, 3, the shortest possible
+    # 1 utterance, 3, the shortest possible
+    for batch in ([wavs[2]], wavs, [wavs[0][:160 * (MIN_FRAMES - 1)]]):
         feats, lens = features_of(recognizer, batch)
         assert not set(lens.tolist()) & {100, 80}  # the lengths the export traced with
         assert compare(runner, recognizer, feats, lens) < ATOL
@@ -395,8 +466,9 @@ def readme_snippet(marker="<!-- snippet: onnx-transcribe -->"):
     return match.group(1)
 
 
-def test_the_readme_snippet_transcribes_like_the_recognizer_without_konkanivani(exported, recognizer, tiny_corpus,
-                                                                                 tmp_path):
+def test_the_readme_snippet_transcribes_like_the_recognizer_without_konkanivani(
+    exported, recognizer, tiny_corpus, tmp_path
+):
     _, out, _ = exported
     snippet = readme_snippet()
     export_dir, wav_path = re.search(r'export_dir, wav_path = "(.+)", "(.+)"', snippet).groups()
@@ -404,10 +476,17 @@ def test_the_readme_snippet_transcribes_like_the_recognizer_without_konkanivani(
     wav = corpus_wavs(tiny_corpus, 1)[0].numpy()
     # 44.1 kHz stereo, to go through the downmix and the resampler as the package does.
     wav44 = resample_poly(wav, 441, 160).astype(np.float32)
-    sf.write(tmp_path / wav_path, np.stack([1.5 * wav44, 0.5 * wav44], axis=1), 44100, subtype="FLOAT")
+    sf.write(
+        tmp_path / wav_path, np.stack([1.5 * wav44, 0.5 * wav44], axis=1), 44100, subtype="FLOAT"
+    )
     check = "\nimport sys\nassert not [m for m in sys.modules if m.startswith('konkanivani')]\n"
-    result = subprocess.run([sys.executable, "-c", snippet + check], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", snippet + check],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     [expected] = recognizer.transcribe([tmp_path / wav_path], method="greedy")
     assert expected.text and result.stdout == expected.text + "\n"
@@ -425,12 +504,37 @@ def streaming_exported(tiny_corpus, tmp_path_factory):
     Barely trained, so that a random head spells several tokens: after 36 steps the encoder's frames
     differ so little over time that it spells one."""
     run = tmp_path_factory.mktemp("streaming") / "run"
-    assert train_cli.main(tiny_args(tiny_corpus, run, "--max_steps", "2", "--causal_conv", "--dynamic_chunk",
-                                    "--max_chunk", "4")) == 0
+    assert (
+        train_cli.main(
+            tiny_args(
+                tiny_corpus,
+                run,
+                "--max_steps",
+                "2",
+                "--causal_conv",
+                "--dynamic_chunk",
+                "--max_chunk",
+                "4",
+            )
+        )
+        == 0
+    )
     checkpoint = redraw_ctc_head(run / "latest.pt", run.parent / "model.pt")
     out = run.parent / "exported"
-    result = subprocess.run([sys.executable, "-m", "konkanivani.cli.export", str(checkpoint), "--output_dir", str(out),
-                             *STREAM_FLAGS], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "konkanivani.cli.export",
+            str(checkpoint),
+            "--output_dir",
+            str(out),
+            *STREAM_FLAGS,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return checkpoint, out, result.stdout.splitlines()
 
@@ -444,33 +548,55 @@ def test_the_streaming_export_writes_the_chunk_graph_and_how_to_feed_it(streamin
     assert [line.split()[1] for line in lines] == [str(out / name) for name in names]
     assert "chunk by chunk" in lines[1]
     settings = json.loads((out / STREAMING_FILES["settings"]).read_text(encoding="utf-8"))
-    assert (settings["chunk_size"], settings["left_chunks"], settings["window_frames"], settings["window_hop"]) == \
-        (4, 2, 19, 16)
-    session = ort.InferenceSession(str(out / STREAMING_FILES["onnx"]), providers=["CPUExecutionProvider"])
+    assert (
+        settings["chunk_size"],
+        settings["left_chunks"],
+        settings["window_frames"],
+        settings["window_hop"],
+    ) == (4, 2, 19, 16)
+    session = ort.InferenceSession(
+        str(out / STREAMING_FILES["onnx"]), providers=["CPUExecutionProvider"]
+    )
     shapes = {i.name: i.shape for i in session.get_inputs()}
-    assert settings["cmvn"] == "global" and set(shapes) == {"features", "offset", *settings["cache_shapes"]}
+    assert settings["cmvn"] == "global" and set(shapes) == {
+        "features",
+        "offset",
+        *settings["cache_shapes"],
+    }
     assert all(shapes[name] == shape for name, shape in settings["cache_shapes"].items())
 
 
-def test_the_streaming_snippet_transcribes_as_the_model_chunk_by_chunk_without_konkanivani(streaming_exported,
-                                                                                          tiny_corpus, tmp_path):
+def test_the_streaming_snippet_transcribes_as_the_model_chunk_by_chunk_without_konkanivani(
+    streaming_exported, tiny_corpus, tmp_path
+):
     checkpoint, out, _ = streaming_exported
     snippet = readme_snippet("<!-- snippet: onnx-stream -->")
     export_dir, wav_path = re.search(r'export_dir, wav_path = "(.+)", "(.+)"', snippet).groups()
     (tmp_path / export_dir).symlink_to(out, target_is_directory=True)
     wav = corpus_wavs(tiny_corpus, 1)[0].numpy()
-    wav44 = resample_poly(wav, 441, 160).astype(np.float32)  # 44.1 kHz stereo, as in the snippet test above
-    sf.write(tmp_path / wav_path, np.stack([1.5 * wav44, 0.5 * wav44], axis=1), 44100, subtype="FLOAT")
+    # 44.1 kHz stereo, as in the snippet test above
+    wav44 = resample_poly(wav, 441, 160).astype(np.float32)
+    sf.write(
+        tmp_path / wav_path, np.stack([1.5 * wav44, 0.5 * wav44], axis=1), 44100, subtype="FLOAT"
+    )
     check = "\nimport sys\nassert not [m for m in sys.modules if m.startswith('konkanivani')]\n"
-    result = subprocess.run([sys.executable, "-c", snippet + check], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", snippet + check],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     partials = result.stdout.splitlines()
 
-    recognizer = Recognizer.from_checkpoint(checkpoint)  # greedy CTC over forward_chunk_by_chunk, in PyTorch
+    # greedy CTC over forward_chunk_by_chunk, in PyTorch
+    recognizer = Recognizer.from_checkpoint(checkpoint)
     model, feats = recognizer.model, recognizer.log_mel(load_audio(tmp_path / wav_path))[None]
     with torch.no_grad():
-        log_probs = model.ctc_log_probs(model.encoder.forward_chunk_by_chunk(model.normalize(feats), 4, 2))
+        log_probs = model.ctc_log_probs(
+            model.encoder.forward_chunk_by_chunk(model.normalize(feats), 4, 2)
+        )
     [ids] = ctc_greedy(log_probs, torch.tensor([log_probs.shape[1]]))
     expected = recognizer.tokenizer.decode(ids)
     assert len(set(ids)) >= 3 and partials[-1] == expected

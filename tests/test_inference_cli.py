@@ -26,7 +26,8 @@ from konkanivani.training.loop import train  # noqa: E402
 
 @pytest.fixture(scope="module")
 def audio_dir(tiny_corpus, tmp_path_factory):
-    """Three clips of the corpus: as they are (16 kHz mono), as 44.1 kHz stereo, and a broken file."""
+    """Three clips of the corpus: as they are (16 kHz mono), as 44.1 kHz stereo, and a broken
+    file."""
     out = tmp_path_factory.mktemp("clips")
     rows = read_manifest(tiny_corpus / "test.jsonl")
     src = tiny_corpus / rows[0][1]["audio_filepath"]
@@ -41,34 +42,63 @@ def audio_dir(tiny_corpus, tmp_path_factory):
 
 def test_transcribe_files_folder_and_manifest(tiny_run, tiny_corpus, audio_dir, tmp_path, capsys):
     out = tmp_path / "t.jsonl"
-    code = transcribe.main([str(tiny_run / "latest.pt"), str(audio_dir), "--method", "greedy", "--output", str(out)])
+    code = transcribe.main(
+        [str(tiny_run / "latest.pt"), str(audio_dir), "--method", "greedy", "--output", str(out)]
+    )
     assert code == 1  # one file could not be read
     err = capsys.readouterr().err
     assert "c_broken.wav" in err and "real-time factor" in err
-    rows = {Path(r["audio_filepath"]).name: r for r in map(json.loads, out.read_text().splitlines())}
+    rows = {
+        Path(r["audio_filepath"]).name: r for r in map(json.loads, out.read_text().splitlines())
+    }
     assert set(rows) == {"a_mono16k.wav", "b_stereo44k.wav"}
     # The 44.1 kHz stereo copy is mixed down and resampled back to (nearly) the same audio.
     a, b = load_audio(audio_dir / "a_mono16k.wav"), load_audio(audio_dir / "b_stereo44k.wav")
     n = min(len(a), len(b))
     assert abs(len(a) - len(b)) <= 1 and (a[:n] - b[:n]).norm() < 0.05 * a.norm()
-    assert rows["b_stereo44k.wav"]["duration"] == pytest.approx(rows["a_mono16k.wav"]["duration"], abs=1e-3)
+    assert rows["b_stereo44k.wav"]["duration"] == pytest.approx(
+        rows["a_mono16k.wav"]["duration"], abs=1e-3
+    )
     assert rows["b_stereo44k.wav"]["text"] == rows["a_mono16k.wav"]["text"]
 
-    assert transcribe.main([str(tiny_run / "latest.pt"), str(tiny_corpus / "valid.jsonl"), "--method", "joint",
-                            "--beam_size", "3"]) == 0
+    assert (
+        transcribe.main(
+            [
+                str(tiny_run / "latest.pt"),
+                str(tiny_corpus / "valid.jsonl"),
+                "--method",
+                "joint",
+                "--beam_size",
+                "3",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == len(read_manifest(tiny_corpus / "valid.jsonl"))
     assert all("\t" in line for line in printed)
 
 
 def test_a_too_short_file_fails_alone(tiny_run, audio_dir, tmp_path, capsys):
-    """0.04 s is under what the encoder's subsampling takes: that file is an error, the other is transcribed."""
+    """0.04 s is under what the encoder's subsampling takes: that file is an error, the other is
+    transcribed."""
     wav, sr = sf.read(audio_dir / "a_mono16k.wav", dtype="float32")
     tiny = tmp_path / "tiny.wav"
     sf.write(tiny, wav[:round(0.04 * sr)], sr)
-    for batch_size in ("1", "8"):  # alone it made the convolutions raise; batched, it came out as ""
-        assert transcribe.main([str(tiny_run / "latest.pt"), str(audio_dir / "a_mono16k.wav"), str(tiny),
-                                "--batch_size", batch_size]) == 1
+    # alone it made the convolutions raise; batched, it came out as ""
+    for batch_size in ("1", "8"):
+        assert (
+            transcribe.main(
+                [
+                    str(tiny_run / "latest.pt"),
+                    str(audio_dir / "a_mono16k.wav"),
+                    str(tiny),
+                    "--batch_size",
+                    batch_size,
+                ]
+            )
+            == 1
+        )
         out = capsys.readouterr()
         [line] = out.out.splitlines()
         path, text = line.split("\t")
@@ -79,8 +109,23 @@ def test_a_too_short_file_fails_alone(tiny_run, audio_dir, tmp_path, capsys):
 
 def test_evaluate_writes_consistent_results_and_report(tiny_run, tiny_corpus, tmp_path, capsys):
     results, report = tmp_path / "r.jsonl", tmp_path / "r.md"
-    assert evaluate.main([str(tiny_run / "latest.pt"), str(tiny_corpus / "valid.jsonl"), "--method", "rescore",
-                          "--output", str(results), "--report", str(report), "--worst", "3"]) == 0
+    assert (
+        evaluate.main(
+            [
+                str(tiny_run / "latest.pt"),
+                str(tiny_corpus / "valid.jsonl"),
+                "--method",
+                "rescore",
+                "--output",
+                str(results),
+                "--report",
+                str(report),
+                "--worst",
+                "3",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     rows = [json.loads(line) for line in results.read_text().splitlines()]
     assert len(rows) == len(read_manifest(tiny_corpus / "valid.jsonl"))
@@ -95,14 +140,22 @@ def test_evaluate_writes_consistent_results_and_report(tiny_run, tiny_corpus, tm
     assert "| words |" in text and "| characters |" in text and "worst utterances" in text
 
 
-def test_evaluate_names_unreadable_rows_and_scores_the_rest(tiny_run, tiny_corpus, tmp_path, capsys):
+def test_evaluate_names_unreadable_rows_and_scores_the_rest(
+    tiny_run, tiny_corpus, tmp_path, capsys
+):
     rows = [row for _, row in read_manifest(tiny_corpus / "valid.jsonl")][:3]
     rows[1] = {**rows[1], "audio_filepath": "no_such.wav"}
     manifest = tiny_corpus / "partly_broken.jsonl"
-    manifest.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    manifest.write_text(
+        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8"
+    )
     assert evaluate.main([str(tiny_run / "latest.pt"), str(manifest), "--method", "greedy"]) == 1
     out = capsys.readouterr()
-    assert "2 utterances" in out.out and "partly_broken.jsonl:2" in out.err and "no_such.wav" in out.err
+    assert (
+        "2 utterances" in out.out
+        and "partly_broken.jsonl:2" in out.err
+        and "no_such.wav" in out.err
+    )
 
 
 def test_a_missing_file_is_said_once_and_no_speed_without_audio(tiny_run, tmp_path, capsys):
@@ -114,24 +167,41 @@ def test_a_missing_file_is_said_once_and_no_speed_without_audio(tiny_run, tmp_pa
     assert "0 of 1 files (0.0 s of audio) transcribed" in err
 
     manifest = tmp_path / "gone.jsonl"
-    manifest.write_text(json.dumps({"audio_filepath": "gone.wav", "duration": 1.0, "text": "हांव"}) + "\n")
+    manifest.write_text(
+        json.dumps({"audio_filepath": "gone.wav", "duration": 1.0, "text": "हांव"}) + "\n"
+    )
     assert evaluate.main([str(tiny_run / "latest.pt"), str(manifest), "--method", "greedy"]) == 1
     out = capsys.readouterr()
     assert f"no utterance of {manifest} could be scored" in out.out and "nan" not in out.out
     assert out.err.count("gone.wav") == 1 and "gone.wav: audio file missing" in out.err
 
 
-def test_a_header_with_an_absurd_sample_rate_is_refused_before_resampling(tmp_path, monkeypatch, capsys):
-    """A wav header is four bytes anyone can write: 2147483647 Hz made torchaudio's resampler ask for
-    8.6 GB, 44101 Hz (an odd ratio to 16 kHz) for 2.8 GB. Such a file is named with why, before any
+def test_a_header_with_an_absurd_sample_rate_is_refused_before_resampling(
+    tmp_path, monkeypatch, capsys
+):
+    """A wav header is four bytes anyone can write: 2147483647 Hz made torchaudio's resampler ask
+    for 8.6 GB, 44101 Hz (an odd ratio to 16 kHz) for 2.8 GB. Such a file is named with why, before
+    any
     resampling (the resampler is watched), and the others are transcribed, batched and streamed."""
     tokenizer = train_tokenizer(["हांव घरा वता"], vocab_size=16, model_type="char")
-    cfg = model_config_from_preset("tiny", vocab_size=tokenizer.vocab_size, causal_conv=True, dynamic_chunk=True,
-                                   max_chunk=4)
-    checkpoint = save_checkpoint({"model_config": dataclasses.asdict(cfg), "model": ASRModel(cfg).state_dict(),
-                                  "tokenizer": tokenizer.model_proto}, tmp_path / "model.pt")
+    cfg = model_config_from_preset(
+        "tiny", vocab_size=tokenizer.vocab_size, causal_conv=True, dynamic_chunk=True, max_chunk=4
+    )
+    checkpoint = save_checkpoint(
+        {
+            "model_config": dataclasses.asdict(cfg),
+            "model": ASRModel(cfg).state_dict(),
+            "tokenizer": tokenizer.model_proto,
+        },
+        tmp_path / "model.pt",
+    )
     good = tmp_path / "good.wav"
-    sf.write(good, 0.1 * np.random.default_rng(0).standard_normal(8000).astype(np.float32), 8000, subtype="PCM_16")
+    sf.write(
+        good,
+        0.1 * np.random.default_rng(0).standard_normal(8000).astype(np.float32),
+        8000,
+        subtype="PCM_16",
+    )
     lying = {}
     for rate in (2 ** 31 - 1, 44101):
         header = bytearray(good.read_bytes())
@@ -146,15 +216,34 @@ def test_a_header_with_an_absurd_sample_rate_is_refused_before_resampling(tmp_pa
         return real_resample(wav, orig_freq, new_freq, *args, **kwargs)
 
     monkeypatch.setattr(torchaudio.functional, "resample", watched)
-    for flags in ([], ["--chunk_size", "4"]):  # batched files (Recognizer.transcribe), streams (transcribe_long)
-        assert transcribe.main([str(checkpoint), str(lying[2 ** 31 - 1]), str(good), str(lying[44101]),
-                                "--method", "greedy", *flags]) == 1
+    # batched files (Recognizer.transcribe), streams (transcribe_long)
+    for flags in ([], ["--chunk_size", "4"]):
+        assert (
+            transcribe.main(
+                [
+                    str(checkpoint),
+                    str(lying[2**31 - 1]),
+                    str(good),
+                    str(lying[44101]),
+                    "--method",
+                    "greedy",
+                    *flags,
+                ]
+            )
+            == 1
+        )
         out = capsys.readouterr()
         assert str(good) in out.out and "rate_" not in out.out
         assert "1 of 3 files" in out.err and "Traceback" not in out.err
-        assert (f"{lying[2 ** 31 - 1]}: sample rate unsupported (a sample rate of 2147483647 Hz: konkanivani takes "
-                "8000 to 192000 Hz)") in out.err
-        assert f"{lying[44101]}: sample rate unsupported (a sample rate of 44101 Hz: too odd a ratio" in out.err
+        assert (
+            f"{lying[2 ** 31 - 1]}: sample rate unsupported (a sample rate of 2147483647 Hz:"
+            " konkanivani takes 8000 to 192000 Hz)"
+            in out.err
+        )
+        assert (
+            f"{lying[44101]}: sample rate unsupported (a sample rate of 44101 Hz: too odd a ratio"
+            in out.err
+        )
         assert len([line for line in out.err.splitlines() if "rate_" in line]) == 2  # one line each
     assert rates and set(rates) == {8000}
 
@@ -181,24 +270,52 @@ def test_bad_checkpoints_give_a_clear_error(tiny_run, audio_dir, tmp_path, capsy
 
 def test_averaging_identical_checkpoints_returns_the_same_weights(tiny_run, tmp_path):
     latest = tiny_run / "latest.pt"
-    assert average_checkpoints.main(["--inputs", str(latest), str(latest), "--output", str(tmp_path / "a.pt")]) == 0
-    original, averaged = load_checkpoint(latest)["model"], load_checkpoint(tmp_path / "a.pt")["model"]
+    assert (
+        average_checkpoints.main(
+            ["--inputs", str(latest), str(latest), "--output", str(tmp_path / "a.pt")]
+        )
+        == 0
+    )
+    original, averaged = (
+        load_checkpoint(latest)["model"],
+        load_checkpoint(tmp_path / "a.pt")["model"],
+    )
     assert original.keys() == averaged.keys()
     for name in original:
         assert torch.equal(original[name], averaged[name]), name
 
 
 def test_average_last_and_best_of_a_run(tiny_run, tiny_corpus, tmp_path, capsys):
-    assert average_checkpoints.main([str(tiny_run), "--last", "3", "--output", str(tmp_path / "last.pt")]) == 0
-    assert average_checkpoints.main([str(tiny_run), "--best", "2", "--output", str(tmp_path / "best.pt")]) == 0
+    assert (
+        average_checkpoints.main(
+            [str(tiny_run), "--last", "3", "--output", str(tmp_path / "last.pt")]
+        )
+        == 0
+    )
+    assert (
+        average_checkpoints.main(
+            [str(tiny_run), "--best", "2", "--output", str(tmp_path / "best.pt")]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert printed.count("step_") == 5
     last = load_checkpoint(tmp_path / "last.pt")
     assert len(last["averaged_from"]) == 3 and "optimizer" not in last
     # The averaged model decodes, and cannot be resumed by mistake.
-    assert evaluate.main([str(tmp_path / "best.pt"), str(tiny_corpus / "valid.jsonl"), "--method", "greedy"]) == 0
-    cfg = TrainConfig(train_manifest=str(tiny_corpus / "train.jsonl"), valid_manifest=str(tiny_corpus / "valid.jsonl"),
-                      output_dir=str(tmp_path / "resume"), resume=str(tmp_path / "last.pt"), progress=False)
+    assert (
+        evaluate.main(
+            [str(tmp_path / "best.pt"), str(tiny_corpus / "valid.jsonl"), "--method", "greedy"]
+        )
+        == 0
+    )
+    cfg = TrainConfig(
+        train_manifest=str(tiny_corpus / "train.jsonl"),
+        valid_manifest=str(tiny_corpus / "valid.jsonl"),
+        output_dir=str(tmp_path / "resume"),
+        resume=str(tmp_path / "last.pt"),
+        progress=False,
+    )
     with pytest.raises(CheckpointError, match="weights only"):
         train(cfg)
 
@@ -219,23 +336,45 @@ def streaming_run(tiny_corpus, tmp_path_factory):
     from konkanivani.cli import train as train_cli
 
     out = tmp_path_factory.mktemp("streaming_run")
-    assert train_cli.main(tiny_args(tiny_corpus, out, "--dynamic_chunk", "--causal_conv", "--max_chunk", "8",
-                                    "--max_steps", "120")) == 0
+    assert (
+        train_cli.main(
+            tiny_args(
+                tiny_corpus,
+                out,
+                "--dynamic_chunk",
+                "--causal_conv",
+                "--max_chunk",
+                "8",
+                "--max_steps",
+                "120",
+            )
+        )
+        == 0
+    )
     return out
 
 
-def test_a_streaming_run_streams_real_speech_as_it_decodes_it_offline(streaming_run, tiny_corpus, tmp_path, capsys):
+def test_a_streaming_run_streams_real_speech_as_it_decodes_it_offline(
+    streaming_run, tiny_corpus, tmp_path, capsys
+):
     """On espeak-ng speech: the stream's final text is offline rescoring under the same chunk mask
     (an endpoint-free stream), and the command line prints partial results and timed segments."""
     from konkanivani.decoding.recognizer import Recognizer
     from konkanivani.decoding.search import attention_rescoring
 
     rec = Recognizer.from_checkpoint(streaming_run / "latest.pt")
-    clips = [tiny_corpus / row["audio_filepath"] for _, row in read_manifest(tiny_corpus / "valid.jsonl")[:3]]
+    clips = [
+        tiny_corpus / row["audio_filepath"]
+        for _, row in read_manifest(tiny_corpus / "valid.jsonl")[:3]
+    ]
     texts = []
     for clip in clips:
         wav = load_audio(clip)
-        [final] = [r for r in rec.stream_results(wav.split(1600), chunk_size=4, endpoint_ms=0) if r.is_final]
+        [final] = [
+            r
+            for r in rec.stream_results(wav.split(1600), chunk_size=4, endpoint_ms=0)
+            if r.is_final
+        ]
         feats = rec.log_mel(wav)[None]
         with torch.inference_mode():
             enc, lens = rec.model.encode(feats, torch.tensor([feats.shape[1]]), chunk_size=4)
@@ -243,14 +382,20 @@ def test_a_streaming_run_streams_real_speech_as_it_decodes_it_offline(streaming_
         assert final.text == rec.tokenizer.decode(offline)
         texts.append(final.text)
     assert any(texts)  # compared on text, not on silence
-    assert transcribe.main([str(streaming_run / "latest.pt"), str(clips[0]), "--chunk_size", "4", "--stream"]) == 0
+    assert (
+        transcribe.main(
+            [str(streaming_run / "latest.pt"), str(clips[0]), "--chunk_size", "4", "--stream"]
+        )
+        == 0
+    )
     out = capsys.readouterr()
     assert all(len(line.split("\t")) == 4 for line in out.out.splitlines())
     assert " … " in out.err and "streamed in chunks of 4 frames" in out.err
 
 
-def test_a_minute_of_speech_in_segments_through_both_kinds_of_checkpoint(streaming_run, tiny_run, tiny_corpus,
-                                                                          tmp_path):
+def test_a_minute_of_speech_in_segments_through_both_kinds_of_checkpoint(
+    streaming_run, tiny_run, tiny_corpus, tmp_path
+):
     rows = [row for _, row in read_manifest(tiny_corpus / "train.jsonl")]
     pause = np.zeros(16000, dtype=np.float32)
     wavs, seconds = [], 0.0
@@ -260,9 +405,17 @@ def test_a_minute_of_speech_in_segments_through_both_kinds_of_checkpoint(streami
         if seconds > 60:
             break
     sf.write(tmp_path / "minute.wav", np.concatenate(wavs), 16000)
-    for checkpoint, flags in ((streaming_run / "latest.pt", ["--chunk_size", "8"]), (tiny_run / "latest.pt", [])):
+    for checkpoint, flags in (
+        (streaming_run / "latest.pt", ["--chunk_size", "8"]),
+        (tiny_run / "latest.pt", []),
+    ):
         out = tmp_path / "segments.jsonl"
-        assert transcribe.main([str(checkpoint), str(tmp_path / "minute.wav"), *flags, "--output", str(out)]) == 0
+        assert (
+            transcribe.main(
+                [str(checkpoint), str(tmp_path / "minute.wav"), *flags, "--output", str(out)]
+            )
+            == 0
+        )
         segments = [json.loads(line) for line in out.read_text().splitlines()]
         times = [t for s in segments for t in (s["start"], s["end"])]
         assert len(segments) >= 3 and times == sorted(times) and times[-1] <= seconds + 0.01

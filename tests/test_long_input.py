@@ -1,5 +1,7 @@
-"""Nothing lost, nothing mislabeled: long input decoded at a bounded cost, too-short or failing files
-as per-file errors. On a random-init tiny model (no training), counted in decoder calls, never timed."""
+"""Nothing lost, nothing mislabeled: long input decoded at a bounded cost, too-short or failing
+files as per-file errors. On a random-init tiny model (no training), counted in decoder calls, never
+timed."""
+
 import json
 import logging
 
@@ -59,7 +61,9 @@ def feats_of(seconds: float, seed: int = 0) -> torch.Tensor:
 
 def batch(*seconds: float) -> tuple[torch.Tensor, torch.Tensor]:
     feats = [feats_of(s, seed=i) for i, s in enumerate(seconds)]
-    return torch.nn.utils.rnn.pad_sequence(feats, batch_first=True), torch.tensor([len(f) for f in feats])
+    return torch.nn.utils.rnn.pad_sequence(feats, batch_first=True), torch.tensor(
+        [len(f) for f in feats]
+    )
 
 
 @pytest.mark.parametrize("method", ["joint", "attention", "rescore"])
@@ -70,7 +74,8 @@ def test_an_utterance_over_the_bound_is_decoded_with_ctc_beam_search(recognizer,
         assert calls == {"step": 0, "forward": 0}  # the attention decoder never ran
         assert got == decode_batch(recognizer.model, feats, lens, LONG_INPUT_METHOD, beam_size=3)
     assert decode.method_for(method, int(lens[0])) == LONG_INPUT_METHOD
-    assert decode.method_for(method, frames_of(LONG_INPUT_SECONDS)) == method  # up to the bound: as asked
+    # up to the bound: as asked
+    assert decode.method_for(method, frames_of(LONG_INPUT_SECONDS)) == method
     assert decode.method_for("greedy", int(lens[0])) == "greedy"
 
 
@@ -80,7 +85,9 @@ def test_a_batch_mixing_short_and_long_decodes_each_as_it_would_alone(recognizer
         together = decode_batch(recognizer.model, feats, lens, "joint", beam_size=3)
         assert calls["step"] > 0
         for b, method in enumerate(["joint", LONG_INPUT_METHOD, "joint"]):
-            alone = decode_batch(recognizer.model, feats[b:b + 1, :lens[b]], lens[b:b + 1], method, beam_size=3)
+            alone = decode_batch(
+                recognizer.model, feats[b : b + 1, : lens[b]], lens[b : b + 1], method, beam_size=3
+            )
             assert together[b] == alone[0]
 
 
@@ -100,21 +107,29 @@ def silent_ctc_endless_decoder(recognizer):
 
 
 @pytest.mark.parametrize("method", ["joint", "attention"])
-def test_the_attention_search_stops_where_the_ctc_evidence_does(silent_ctc_endless_decoder, calls, method):
+def test_the_attention_search_stops_where_the_ctc_evidence_does(
+    silent_ctc_endless_decoder, calls, method
+):
     model = silent_ctc_endless_decoder
     feats, lens = batch(3.0)
     with torch.inference_mode():
         [tokens] = decode_batch(model, feats, lens, method, beam_size=2)
-        assert calls["step"] == MAX_LEN_EXTRA + 1 and len(tokens) <= MAX_LEN_EXTRA  # greedy CTC: no token
+        # greedy CTC: no token
+        assert calls["step"] == MAX_LEN_EXTRA + 1 and len(tokens) <= MAX_LEN_EXTRA
         calls["step"] = 0
         enc, enc_lens = model.encode(feats, lens)
-        attention_beam_search(model, enc, enc_lens, beam_size=2)  # called directly: to the encoder length
+        # called directly: to the encoder length
+        attention_beam_search(model, enc, enc_lens, beam_size=2)
         assert calls["step"] == int(enc_lens[0]) + 1 > MAX_LEN_EXTRA + 1
 
 
 def write_wav(path, seconds: float, seed: int = 0):
     rng = np.random.default_rng(seed)
-    sf.write(path, (0.1 * rng.standard_normal(round(seconds * SAMPLE_RATE))).astype(np.float32), SAMPLE_RATE)
+    sf.write(
+        path,
+        (0.1 * rng.standard_normal(round(seconds * SAMPLE_RATE))).astype(np.float32),
+        SAMPLE_RATE,
+    )
     return path
 
 
@@ -142,7 +157,11 @@ def test_a_file_that_fails_to_decode_takes_no_other_with_it(recognizer, tmp_path
 
     monkeypatch.setattr(inference, "decode_batch", failing)
     out = list(recognizer.transcribe(paths, method="greedy", batch_size=8))
-    assert [tr.error for tr in out] == [None, f"{paths[1]}: decoding failed (RuntimeError: boom)", None]
+    assert [tr.error for tr in out] == [
+        None,
+        f"{paths[1]}: decoding failed (RuntimeError: boom)",
+        None,
+    ]
 
 
 def test_long_files_are_said_once_per_call(recognizer, tmp_path, caplog):
@@ -159,13 +178,30 @@ def test_long_files_are_said_once_per_call(recognizer, tmp_path, caplog):
 
 
 def test_evaluate_scores_what_it_could_and_says_what_decoded_it(recognizer, tmp_path):
-    rows = [{"audio_filepath": str(write_wav(tmp_path / name, seconds)), "text": "हांव घरा वता"}
-            for name, seconds in [("long.wav", LONG_INPUT_SECONDS + 1), ("short.wav", 1.0), ("tiny.wav", 0.04)]]
+    rows = [
+        {"audio_filepath": str(write_wav(tmp_path / name, seconds)), "text": "हांव घरा वता"}
+        for name, seconds in [
+            ("long.wav", LONG_INPUT_SECONDS + 1),
+            ("short.wav", 1.0),
+            ("tiny.wav", 0.04),
+        ]
+    ]
     manifest = tmp_path / "m.jsonl"
-    manifest.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    manifest.write_text(
+        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8"
+    )
     result = evaluate_manifest(recognizer, manifest, method="joint", beam_size=2)
-    assert [u.method for u in result.utterances] == [LONG_INPUT_METHOD, "joint"] and result.long_inputs == 1
-    assert result.failed == [(f"{manifest}:3", f"{tmp_path / 'tiny.wav'}: audio too short (0.040 s; the model "
-                                               "needs at least 0.060 s)")]
-    assert f"decoding `joint` (1 utterance over {LONG_INPUT_SECONDS:g} s with `{LONG_INPUT_METHOD}`)" in \
-        markdown_report(result, "ckpt")
+    assert [u.method for u in result.utterances] == [
+        LONG_INPUT_METHOD,
+        "joint",
+    ] and result.long_inputs == 1
+    assert result.failed == [
+        (
+            f"{manifest}:3",
+            f"{tmp_path / 'tiny.wav'}: audio too short (0.040 s; the model needs at least 0.060 s)",
+        )
+    ]
+    assert (
+        f"decoding `joint` (1 utterance over {LONG_INPUT_SECONDS:g} s with `{LONG_INPUT_METHOD}`)"
+        in markdown_report(result, "ckpt")
+    )

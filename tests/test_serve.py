@@ -19,7 +19,9 @@ import torch
 # The server's extra (konkanivani[serve]) may be missing, as on a GPU machine set up for training:
 # then these tests are skipped, saying so, instead of failing to collect.
 for _module in ("starlette", "uvicorn", "websockets", "multipart", "prometheus_client"):
-    pytest.importorskip(_module, reason="the serve extra is not installed: pip install 'konkanivani[serve]'")
+    pytest.importorskip(
+        _module, reason="the serve extra is not installed: pip install 'konkanivani[serve]'"
+    )
 
 from serve_helpers import (  # noqa: E402
     SENTENCES,
@@ -47,8 +49,18 @@ from konkanivani.serving.limits import Limits  # noqa: E402
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 CHUNK = ["--chunk_size", "8"]  # the tone models were trained for chunks of 1-8 frames
-LIMITS = ["--max_upload_mb", "0.5", "--max_streams", "2", "--idle_seconds", "3", "--max_stream_seconds", "30",
-          "--max_frame_kb", "64"]
+LIMITS = [
+    "--max_upload_mb",
+    "0.5",
+    "--max_streams",
+    "2",
+    "--idle_seconds",
+    "3",
+    "--max_stream_seconds",
+    "30",
+    "--max_frame_kb",
+    "64",
+]
 FRIEND = "http://friend.example:3000"  # a page origin the module's server allows (--allow_origin)
 EVIL = "http://evil.example"
 
@@ -60,8 +72,11 @@ def test_frames_become_samples_or_a_close_with_a_reason():
     assert np.allclose(_samples(pcm, np.dtype("<i2")), [0, 0.5, -1, 32767 / 32768])
     floats = np.array([0.25, -2.0, 3.0], "<f4").tobytes()
     assert np.allclose(_samples(floats, np.dtype("<f4")), [0.25, -1, 1])  # clipped
-    for data, dtype, words in ((pcm[:3], "<i2", "whole 2-byte samples"), (floats[:5], "<f4", "whole 4-byte"),
-                               (np.array([np.nan], "<f4").tobytes(), "<f4", "NaN")):
+    for data, dtype, words in (
+        (pcm[:3], "<i2", "whole 2-byte samples"),
+        (floats[:5], "<f4", "whole 4-byte"),
+        (np.array([np.nan], "<f4").tobytes(), "<f4", "NaN"),
+    ):
         with pytest.raises(_Close, match=words) as e:
             _samples(data, np.dtype(dtype))
         assert e.value.code == 1007
@@ -70,7 +85,11 @@ def test_frames_become_samples_or_a_close_with_a_reason():
 def test_odd_sample_rates_are_refused_before_resampling_from_them():
     for rate in (8000, 11025, 16000, 22050, 44100, 48000, 96000, 192000):
         check_sample_rate(rate)
-    for rate, words in ((7, "takes 8000 to 192000 Hz"), (2 ** 31 - 1, "takes 8000"), (44101, "too odd a ratio")):
+    for rate, words in (
+        (7, "takes 8000 to 192000 Hz"),
+        (2**31 - 1, "takes 8000"),
+        (44101, "too odd a ratio"),
+    ):
         with pytest.raises(ValueError, match=words):
             check_sample_rate(rate)
 
@@ -116,7 +135,9 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def clip(tmp_path_factory):
     """Two tone sentences 1.2 s apart (two segments), as a 16-bit wav."""
-    wav = torch.cat([speech(SENTENCES[0], seed=7), torch.zeros(19200), speech(SENTENCES[1], seed=8)])
+    wav = torch.cat(
+        [speech(SENTENCES[0], seed=7), torch.zeros(19200), speech(SENTENCES[1], seed=8)]
+    )
     path = tmp_path_factory.mktemp("serve_clip") / "two.wav"
     sf.write(path, wav.numpy(), 16000, subtype="PCM_16")
     return path
@@ -163,18 +184,32 @@ def test_upload_and_stream_give_what_the_recognizer_gives_offline(server, checkp
     finals = [{k: m[k] for k in ("text", "start", "end")} for m in messages if m["type"] == "final"]
     assert finals == offline
     assert sum(m["type"] == "partial" for m in messages) >= 5
-    assert all(set(w) == {"word", "start", "end"} for m in messages if m["type"] == "final" for w in m["words"])
+    assert all(
+        set(w) == {"word", "start", "end"}
+        for m in messages
+        if m["type"] == "final"
+        for w in m["words"]
+    )
 
     # float32 at 48 kHz, resampled by the server's stream as the recognizer's own stream does
-    wav48 = torch.from_numpy(np.interp(np.arange(3 * len(load_audio(clip))) / 3, np.arange(len(load_audio(clip))),
-                                       load_audio(clip).numpy()).astype(np.float32))
+    wav48 = torch.from_numpy(
+        np.interp(
+            np.arange(3 * len(load_audio(clip))) / 3,
+            np.arange(len(load_audio(clip))),
+            load_audio(clip).numpy(),
+        ).astype(np.float32)
+    )
     offline48 = _finals(rec.stream_results(wav48.split(4800), chunk_size=8, sample_rate=48000))
     frames = [piece.numpy().astype("<f4").tobytes() for piece in wav48.split(4800)]
-    messages, closed = ws_session(server.ws_url + "stream?format=float32&sample_rate=48000&token=" + TOKEN, frames)
+    messages, closed = ws_session(
+        server.ws_url + "stream?format=float32&sample_rate=48000&token=" + TOKEN, frames
+    )
     assert closed["code"] == 1000
     assert messages[0]["format"] == "float32" and messages[0]["model_format"] == "checkpoint"
     assert messages[0]["sample_rate"] == 48000
-    assert [{k: m[k] for k in ("text", "start", "end")} for m in messages if m["type"] == "final"] == offline48
+    assert [
+        {k: m[k] for k in ("text", "start", "end")} for m in messages if m["type"] == "final"
+    ] == offline48
 
     status, _, text = http("GET", server.url + "metrics", headers=AUTH)
     metrics = text.decode()
@@ -182,7 +217,10 @@ def test_upload_and_stream_give_what_the_recognizer_gives_offline(server, checkp
     assert 'konkanivani_requests_total{code="200",endpoint="/transcribe"} 2.0' in metrics
     assert 'konkanivani_requests_total{code="1000",endpoint="/stream"} 2.0' in metrics
     assert "konkanivani_active_streams 0.0" in metrics
-    assert "konkanivani_real_time_factor_count" in metrics and "konkanivani_audio_seconds_total" in metrics
+    assert (
+        "konkanivani_real_time_factor_count" in metrics
+        and "konkanivani_audio_seconds_total" in metrics
+    )
 
 
 @pytest.mark.slow
@@ -190,7 +228,9 @@ def test_every_request_needs_the_token(server):
     for method, path in (("GET", ""), ("GET", "health"), ("GET", "metrics"), ("POST", "transcribe"),
                          ("GET", "static/app.js")):
         for headers in ({}, {"Authorization": "Bearer wrong"}):
-            status, answer, _ = http(method, server.url + path, b"x" if method == "POST" else None, headers)
+            status, answer, _ = http(
+                method, server.url + path, b"x" if method == "POST" else None, headers
+            )
             assert status == 401, (path, status)
             assert answer.get("WWW-Authenticate") == "Bearer"
     assert ws_refusal(server.ws_url + "stream")[0] == 401
@@ -199,31 +239,48 @@ def test_every_request_needs_the_token(server):
     status, headers, page = http("GET", server.url + f"?token={TOKEN}")
     assert status == 200 and b"<title>konkanivani</title>" in page
     assert "konkanivani_token=" in headers["Set-Cookie"] and "HttpOnly" in headers["Set-Cookie"]
-    assert http("GET", server.url + "health", headers={"Cookie": f"konkanivani_token={TOKEN}"})[0] == 200
+    assert (
+        http("GET", server.url + "health", headers={"Cookie": f"konkanivani_token={TOKEN}"})[0]
+        == 200
+    )
 
 
 @pytest.mark.slow
 def test_the_limits_answer_with_their_codes(server, clip):
     assert http("POST", server.url + "transcribe", bytes(600 * 1024), AUTH)[0] == 413
-    for body, words in ((b"", "no audio"), (b"RIFF\x00\x00\x00\x00WAVEjunk" + bytes(100), "audio unreadable"),
-                        (clip.read_bytes()[:60], "audio"), (bytes(range(256)) * 4, "audio unreadable")):
+    for body, words in (
+        (b"", "no audio"),
+        (b"RIFF\x00\x00\x00\x00WAVEjunk" + bytes(100), "audio unreadable"),
+        (clip.read_bytes()[:60], "audio"),
+        (bytes(range(256)) * 4, "audio unreadable"),
+    ):
         status, result = http_json("POST", server.url + "transcribe", body, AUTH)
         assert status == 400 and words in result["error"], result
         assert "/" not in result["error"].split(":")[0]  # named "the upload", never by a path
 
-    for query, words in (("sample_rate=44", "sample_rate must be"), ("format=mp3", "format must be one of"),
-                         ("sample_rate=44101", "too odd a ratio")):
+    for query, words in (
+        ("sample_rate=44", "sample_rate must be"),
+        ("format=mp3", "format must be one of"),
+        ("sample_rate=44101", "too odd a ratio"),
+    ):
         status, _, answer = ws_refusal(server.ws_url + f"stream?{query}", AUTH)
         assert status == 400 and words in answer["error"]
 
     frames = _pcm16_frames(clip)
-    for frame, code, words in (("hello", 1003, "text frames take only"), (b"\x00" * 3, 1007, "whole 2-byte samples"),
-                               (bytes(65 * 1024), 1009, "at most 65536 a frame")):
-        messages, closed = ws_session(server.ws_url + "stream", [frames[0], frame], "wait", headers=AUTH)
+    for frame, code, words in (
+        ("hello", 1003, "text frames take only"),
+        (b"\x00" * 3, 1007, "whole 2-byte samples"),
+        (bytes(65 * 1024), 1009, "at most 65536 a frame"),
+    ):
+        messages, closed = ws_session(
+            server.ws_url + "stream", [frames[0], frame], "wait", headers=AUTH
+        )
         assert closed["code"] == code and words in closed["reason"], closed
-    messages, closed = ws_session(server.ws_url + "stream", frames[:12], "wait", headers=AUTH)  # then idle
+    # then idle
+    messages, closed = ws_session(server.ws_url + "stream", frames[:12], "wait", headers=AUTH)
     assert closed["code"] == 1008 and "no audio for 3 s" in closed["reason"]
-    assert [m["type"] for m in messages][-2:] == ["final", "done"]  # its last results before the close
+    # its last results before the close
+    assert [m["type"] for m in messages][-2:] == ["final", "done"]
 
     # two streams open (the most), a third refused with a retry hint; /health answers meanwhile
     from websockets.sync.client import connect
@@ -232,17 +289,25 @@ def test_the_limits_answer_with_their_codes(server, clip):
         for ws in (a, b):
             assert json.loads(ws.recv(timeout=30))["type"] == "ready"
         status, headers, answer = ws_refusal(server.ws_url + "stream", AUTH)
-        assert status == 503 and headers["Retry-After"] == "5" and "2 streams open already" in answer["error"]
+        assert (
+            status == 503
+            and headers["Retry-After"] == "5"
+            and "2 streams open already" in answer["error"]
+        )
         for frame in frames:
             a.send(frame)
         status, health = http_json("GET", server.url + "health", headers=AUTH, timeout=10)
         assert status == 200 and health["active_streams"] == 2
-    assert wait_until(lambda: http_json("GET", server.url + "health", headers=AUTH)[1]["active_streams"] == 0, 30)
+    assert wait_until(
+        lambda: http_json("GET", server.url + "health", headers=AUTH)[1]["active_streams"] == 0, 30
+    )
 
 
 @pytest.mark.slow
 def test_the_longest_stream_and_upload(checkpoints, clip):
-    with served(checkpoints["streaming"], *CHUNK, "--max_stream_seconds", "2", "--max_upload_seconds", "3") as server:
+    with served(
+        checkpoints["streaming"], *CHUNK, "--max_stream_seconds", "2", "--max_upload_seconds", "3"
+    ) as server:
         status, result = http_json("POST", server.url + "transcribe", clip.read_bytes())
         assert status == 413 and "4.2 s of audio: the server takes at most 3 s" in result["error"]
         flac = io.BytesIO()  # a small file of much audio: refused by its header, before decoding it
@@ -252,7 +317,11 @@ def test_the_longest_stream_and_upload(checkpoints, clip):
         frames = _pcm16_frames(clip)  # 4.2 s
         messages, closed = ws_session(server.ws_url + "stream", frames, "wait")
         assert closed["code"] == 1008 and "reached 2 s" in closed["reason"]
-        assert messages[-1] == {"type": "done", "audio_seconds": 2.0, "decode_seconds": messages[-1]["decode_seconds"]}
+        assert messages[-1] == {
+            "type": "done",
+            "audio_seconds": 2.0,
+            "decode_seconds": messages[-1]["decode_seconds"],
+        }
 
 
 @pytest.mark.slow
@@ -397,7 +466,8 @@ def test_refused_handshakes_and_clients_that_leave_log_no_errors(server):
 
 
 def _malformed_uploads(rng: random.Random, clip: bytes):
-    """Seeded malformed uploads: random bytes, truncated and corrupted files, a header that lies, forms."""
+    """Seeded malformed uploads: random bytes, truncated and corrupted files, a header that lies,
+    forms."""
     yield bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 3000))), {}
     cut = clip[:rng.randrange(1, len(clip))]
     yield cut, {}
@@ -406,29 +476,39 @@ def _malformed_uploads(rng: random.Random, clip: bytes):
         spoiled[rng.randrange(len(spoiled))] = rng.getrandbits(8)
     yield bytes(spoiled), {}
     header = bytearray(clip[:44])
-    header[24:28] = rng.choice([0, 1, 7, 2 ** 31 - 1, rng.getrandbits(32)]).to_bytes(4, "little")  # sample rate
+    # sample rate
+    header[24:28] = rng.choice([0, 1, 7, 2 ** 31 - 1, rng.getrandbits(32)]).to_bytes(4, "little")
     yield bytes(header) + clip[44:44 + rng.randrange(0, 4000)], {}
-    body, headers = multipart(rng.choice(["file", "x", ""]), rng.choice(["a.wav", "/etc/passwd", "..\\x"]),
-                              bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 500))))
+    body, headers = multipart(
+        rng.choice(["file", "x", ""]),
+        rng.choice(["a.wav", "/etc/passwd", "..\\x"]),
+        bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 500))),
+    )
     yield body[:rng.randrange(1, len(body) + 1)], headers
     garbage = bytes(rng.getrandbits(8) for _ in range(200))
     yield b"--b\r\n" + garbage, {"Content-Type": "multipart/form-data; boundary=b"}
 
 
 def _malformed_frames(rng: random.Random):
-    """Seeded malformed streams: random bytes and lengths, text, NaNs, oversize frames, a wrong rate."""
+    """Seeded malformed streams: random bytes and lengths, text, NaNs, oversize frames, a wrong
+    rate."""
     kind = rng.randrange(5)
     if kind == 0:
-        return "stream", [bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 4000))) for _ in range(3)]
+        return "stream", [
+            bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 4000))) for _ in range(3)
+        ]
     if kind == 1:
-        return "stream?format=float32", [np.array([rng.choice([np.nan, np.inf, 1e30, -1e30, 0.5])] * 64,
-                                                  "<f4").tobytes()]
+        return "stream?format=float32", [
+            np.array([rng.choice([np.nan, np.inf, 1e30, -1e30, 0.5])] * 64, "<f4").tobytes()
+        ]
     if kind == 2:
         return "stream", [rng.choice(["", "{}", '{"type": "stop"}', "\u0915" * 300, "null"])]
     if kind == 3:
         return "stream", [bytes(rng.randrange(64 * 1024 + 1, 80 * 1024))]
     rate = rng.choice([8000, 11025, 22050, 44100, 96000, 44101, 7, 10 ** 9])
-    return f"stream?sample_rate={rate}", [bytes(rng.getrandbits(8) for _ in range(2 * rng.randrange(1, 3000)))]
+    return f"stream?sample_rate={rate}", [
+        bytes(rng.getrandbits(8) for _ in range(2 * rng.randrange(1, 3000)))
+    ]
 
 
 @pytest.mark.slow
@@ -442,9 +522,14 @@ def test_fuzz_leaves_the_server_answering(server, clip):
             assert status == 200 or 400 <= status < 500, (status, answer[:300])
     for _ in range(60):
         path, frames = _malformed_frames(rng)
-        assert wait_until(lambda: http_json("GET", server.url + "health", headers=AUTH)[1]["active_streams"] == 0, 30)
+        assert wait_until(
+            lambda: http_json("GET", server.url + "health", headers=AUTH)[1]["active_streams"] == 0,
+            30,
+        )
         try:
-            messages, closed = ws_session(server.ws_url + path, frames, rng.choice(["end", "hang_up"]), headers=AUTH)
+            messages, closed = ws_session(
+                server.ws_url + path, frames, rng.choice(["end", "hang_up"]), headers=AUTH
+            )
         except InvalidStatus as e:  # a handshake refused: a rate the server does not take
             assert e.response.status_code == 400, e.response.body
             codes.append(400)
@@ -460,7 +545,10 @@ def test_fuzz_leaves_the_server_answering(server, clip):
 
 # An export folder (konkanivani-export) served on onnxruntime.
 
-def test_a_folder_that_is_no_export_or_onnxruntime_missing_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+
+def test_a_folder_that_is_no_export_or_onnxruntime_missing_is_one_line_and_exit_2(
+    tmp_path, monkeypatch, capsys
+):
     assert serve.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "not a konkanivani-export folder (no model.onnx, vocabulary.json, features.json)" in err
@@ -468,8 +556,11 @@ def test_a_folder_that_is_no_export_or_onnxruntime_missing_is_one_line_and_exit_
     import importlib.util
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *args: None if name == "onnxruntime" else real_find_spec(name, *args))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "onnxruntime" else real_find_spec(name, *args),
+    )
     assert serve.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "serving ONNX needs onnxruntime: pip install 'konkanivani[export]'" in err
@@ -481,7 +572,8 @@ EXPORT_STREAMING = Streaming(chunk_size=8, left_chunks=2)
 
 @pytest.fixture(scope="module")
 def exports(checkpoints, tmp_path_factory):
-    """The tone checkpoints through konkanivani-export: the streaming one with --streaming, chunks of 8
+    """The tone checkpoints through konkanivani-export: the streaming one with --streaming, chunks
+    of 8
     seeing 2 back (encoder_chunk.onnx), the full-context one without (model.onnx alone)."""
     out = tmp_path_factory.mktemp("serve_exports")
     export_checkpoint(checkpoints["streaming"], out / "streaming", ["onnx"], EXPORT_STREAMING)
@@ -490,19 +582,28 @@ def exports(checkpoints, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_streaming_export_transcribes_and_streams_as_its_checkpoint_does(exports, checkpoints, clip, capsys):
-    """Uploads through model.onnx in windows, with CTC prefix beam search, give the checkpoint's beam
-    search in the same windows; /stream through encoder_chunk.onnx gives the checkpoint's stream in the
+def test_a_streaming_export_transcribes_and_streams_as_its_checkpoint_does(
+    exports, checkpoints, clip, capsys
+):
+    """Uploads through model.onnx in windows, with CTC prefix beam search, give the checkpoint's
+    beam search in the same windows; /stream through encoder_chunk.onnx gives the checkpoint's
+    stream in the
     same chunks (its partials too); settings an export cannot take are one line and exit 2."""
     rec = Recognizer.from_checkpoint(checkpoints["streaming"])
     offline = _finals(rec.transcribe_long(clip, method="beam"))
-    streamed = list(rec.stream_results(load_audio(clip).split(1600), chunk_size=8, left_chunks=2, method="beam"))
+    streamed = list(
+        rec.stream_results(load_audio(clip).split(1600), chunk_size=8, left_chunks=2, method="beam")
+    )
     assert len(_finals(streamed)) == 2 and all(r["text"] for r in offline + _finals(streamed))
     with served(exports["streaming"], "--token", TOKEN) as server:
         assert "(ONNX, streaming, beam)" in "".join(server.log)
         status, health = http_json("GET", server.url + "health", headers=AUTH)
         assert status == 200 and health["model_format"] == "onnx" and health["streaming"] is True
-        assert health["chunk_size"] == 8 and health["left_chunks"] == 2 and "no attention rescoring" in health["note"]
+        assert (
+            health["chunk_size"] == 8
+            and health["left_chunks"] == 2
+            and "no attention rescoring" in health["note"]
+        )
 
         status, result = http_json("POST", server.url + "transcribe", clip.read_bytes(), AUTH)
         assert status == 200, result
@@ -514,22 +615,33 @@ def test_a_streaming_export_transcribes_and_streams_as_its_checkpoint_does(expor
         assert messages[0]["type"] == "ready" and messages[-1]["type"] == "done"
         assert messages[0]["format"] == "pcm16" and messages[0]["model_format"] == "onnx"
         results = [{k: m[k] for k in ("type", "text", "start", "end")} for m in messages[1:-1]]
-        assert results == [{"type": "final" if r.is_final else "partial", "text": r.text, "start": r.start,
-                            "end": r.end} for r in streamed]
+        assert results == [
+            {
+                "type": "final" if r.is_final else "partial",
+                "text": r.text,
+                "start": r.start,
+                "end": r.end,
+            }
+            for r in streamed
+        ]
         assert sum(m["type"] == "partial" for m in results) >= 5
         assert server.alive() and "Traceback" not in "".join(server.log)
 
     capsys.readouterr()  # the offline stream's warning of chunks the model was not trained with
-    for flags, words in ((["--method", "rescore"], "the attention decoder that rescore needs is not exported"),
-                         (["--chunk_size", "4"], "the export streams in chunks of 8 frames seeing 2 back"),
-                         (["--device", "cuda"], "served on onnxruntime's CPU provider")):
+    for flags, words in (
+        (["--method", "rescore"], "the attention decoder that rescore needs is not exported"),
+        (["--chunk_size", "4"], "the export streams in chunks of 8 frames seeing 2 back"),
+        (["--device", "cuda"], "served on onnxruntime's CPU provider"),
+    ):
         assert serve.main([str(exports["streaming"]), *flags]) == 2
         err = capsys.readouterr().err
         assert words in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.slow
-def test_an_export_without_the_chunk_graph_transcribes_and_refuses_to_stream(exports, checkpoints, clip):
+def test_an_export_without_the_chunk_graph_transcribes_and_refuses_to_stream(
+    exports, checkpoints, clip
+):
     rec = Recognizer.from_checkpoint(checkpoints["full"])
     offline = _finals(rec.transcribe_long(clip, method="greedy"))
     assert offline[0]["text"]
@@ -538,4 +650,7 @@ def test_an_export_without_the_chunk_graph_transcribes_and_refuses_to_stream(exp
         assert status == 200 and result["streaming"] is False and result["model_format"] == "onnx"
         assert [{k: s[k] for k in ("text", "start", "end")} for s in result["segments"]] == offline
         status, _, answer = ws_refusal(server.ws_url + "stream")
-        assert status == 409 and "the export has no encoder_chunk.onnx: export with --streaming" in answer["error"]
+        assert (
+            status == 409
+            and "the export has no encoder_chunk.onnx: export with --streaming" in answer["error"]
+        )

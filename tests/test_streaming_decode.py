@@ -32,22 +32,33 @@ PIECE = SAMPLE_RATE // 10  # 100 ms
 
 
 def silence(seconds: float, seed: int = 1) -> torch.Tensor:
-    return 0.003 * torch.randn(round(seconds * SAMPLE_RATE), generator=torch.Generator().manual_seed(seed))
+    return 0.003 * torch.randn(
+        round(seconds * SAMPLE_RATE), generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def _trained(streaming: bool) -> Recognizer:
-    """A tiny model that has learned SENTENCES (120 steps): with streaming, trained for chunks of 1-8
+    """A tiny model that has learned SENTENCES (120 steps): with streaming, trained for chunks of
+    1-8
     frames and full context, with causal convolutions."""
     tokenizer = train_tokenizer(SENTENCES, vocab_size=16, model_type="char")
     torch.manual_seed(0)
-    cfg = model_config_from_preset("tiny", vocab_size=tokenizer.vocab_size, dropout=0.0, causal_conv=streaming,
-                                   dynamic_chunk=streaming, max_chunk=8)
+    cfg = model_config_from_preset(
+        "tiny",
+        vocab_size=tokenizer.vocab_size,
+        dropout=0.0,
+        causal_conv=streaming,
+        dynamic_chunk=streaming,
+        max_chunk=8,
+    )
     rec = Recognizer(ASRModel(cfg), tokenizer, torch.device("cpu"))
     model = rec.model
     feats = [rec.log_mel(speech(s, seed=i)) for i, s in enumerate(SENTENCES)]
     every = torch.cat(feats)
     model.set_cmvn(every.mean(0), every.std(0))
-    x, lens = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True), torch.tensor([len(f) for f in feats])
+    x, lens = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True), torch.tensor(
+        [len(f) for f in feats]
+    )
     tokens = [torch.tensor(tokenizer.encode(s)) for s in SENTENCES]
     y = torch.nn.utils.rnn.pad_sequence(tokens, batch_first=True, padding_value=-1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -70,8 +81,14 @@ def full_rec():
 
 
 def _save(rec: Recognizer, path):
-    return save_checkpoint({"model_config": dataclasses.asdict(rec.model.cfg), "model": rec.model.state_dict(),
-                            "tokenizer": rec.tokenizer.model_proto}, path)
+    return save_checkpoint(
+        {
+            "model_config": dataclasses.asdict(rec.model.cfg),
+            "model": rec.model.state_dict(),
+            "tokenizer": rec.tokenizer.model_proto,
+        },
+        path,
+    )
 
 
 def _finals(results):
@@ -85,11 +102,15 @@ def test_streamed_features_equal_the_whole_files(piece):
     log_mel = LogMel(80)
     wav = torch.randn(3 * SAMPLE_RATE + 55, generator=torch.Generator().manual_seed(0)) * 0.1
     stream = StreamingLogMel(log_mel)
-    frames = [stream.accept(p) for p in wav.split(piece)] + [stream.accept(wav[:0]), stream.finish()]
+    frames = [stream.accept(p) for p in wav.split(piece)] + [
+        stream.accept(wav[:0]),
+        stream.finish(),
+    ]
     whole = log_mel(wav)
     assert torch.cat(frames).shape == whole.shape
     assert (torch.cat(frames) - whole).abs().max() <= 1e-5  # the same STFTs; batched otherwise
-    assert len(whole) - sum(len(f) for f in frames[:-1]) == 1  # the last one reaches into the end's reflection
+    # the last one reaches into the end's reflection
+    assert len(whole) - sum(len(f) for f in frames[:-1]) == 1
 
 
 def test_too_few_samples_for_the_reflection_give_no_frames_as_the_whole_file_path_cannot():
@@ -105,7 +126,9 @@ def test_audio_is_read_and_resampled_block_by_block_as_the_whole_file(rate, tmp_
     blocks = list(read_blocks(tmp_path / "a.wav", seconds=0.25))
     assert max(len(b) for b in blocks) <= 0.3 * SAMPLE_RATE
     whole = load_audio(tmp_path / "a.wav")
-    assert torch.cat(blocks).shape == whole.shape and (torch.cat(blocks) - whole).abs().max() <= 1e-6
+    assert (
+        torch.cat(blocks).shape == whole.shape and (torch.cat(blocks) - whole).abs().max() <= 1e-6
+    )
 
     resampler = Resampler(rate)
     wav = torch.from_numpy(stereo[:, 0])
@@ -115,7 +138,8 @@ def test_audio_is_read_and_resampled_block_by_block_as_the_whole_file(rate, tmp_
 
 def test_quiet_windows_cut_long_audio_at_its_pauses():
     loud = 0.3 * torch.sin(torch.arange(17 * SAMPLE_RATE) * 0.3)
-    wav = torch.cat([loud, silence(0.5), loud, silence(0.5), loud])  # pauses at 17-17.5 s and 34.5-35 s
+    # pauses at 17-17.5 s and 34.5-35 s
+    wav = torch.cat([loud, silence(0.5), loud, silence(0.5), loud])
     windows = list(quiet_windows(wav.split(SAMPLE_RATE)))
     assert [first for first, _ in windows] == [0] + [first for first, _ in windows][1:]
     assert torch.equal(torch.cat([w for _, w in windows]), wav)
@@ -129,22 +153,29 @@ def test_quiet_windows_cut_long_audio_at_its_pauses():
 def _offline_enc(rec, wav, chunk, left=-1):
     feats = rec.log_mel(wav)[None]
     with torch.inference_mode():
-        return rec.model.encode(feats, torch.tensor([feats.shape[1]]), chunk_size=chunk, left_chunks=left)
+        return rec.model.encode(
+            feats, torch.tensor([feats.shape[1]]), chunk_size=chunk, left_chunks=left
+        )
 
 
 @pytest.mark.parametrize("method,left", [("rescore", -1), ("beam", -1), ("rescore", 2)])
 def test_a_streams_final_text_equals_offline_decoding_under_the_same_chunk_mask(rec, method, left):
     for i, sentence in enumerate(SENTENCES):
         wav = speech(sentence, seed=i)
-        results = list(rec.stream_results(wav.split(PIECE), chunk_size=4, left_chunks=left, method=method,
-                                          endpoint_ms=0))
+        results = list(
+            rec.stream_results(
+                wav.split(PIECE), chunk_size=4, left_chunks=left, method=method, endpoint_ms=0
+            )
+        )
         [final] = _finals(results)
         enc, lens = _offline_enc(rec, wav, 4, left)
         with torch.inference_mode():
             if method == "rescore":
                 offline = attention_rescoring(rec.model, enc, lens, beam_size=10)[0].tokens
             else:
-                offline = ctc_prefix_beam_search(rec.model.ctc_log_probs(enc)[0], int(lens[0]), 10)[0].tokens
+                offline = ctc_prefix_beam_search(rec.model.ctc_log_probs(enc)[0], int(lens[0]), 10)[
+                    0
+                ].tokens
         assert final.text == rec.tokenizer.decode(offline) == sentence
 
 
@@ -162,7 +193,8 @@ def test_partial_results_come_before_the_final_and_are_the_searchs_best_so_far(r
         assert partial.text == rec.tokenizer.decode(best.tokens)
     texts = [p.text for p in partials if p.text]
     assert texts and texts[-1] == SENTENCES[3]
-    assert all(later.startswith(earlier.rstrip()) for earlier, later in zip(texts, texts[1:]))  # it only grows here
+    # it only grows here
+    assert all(later.startswith(earlier.rstrip()) for earlier, later in zip(texts, texts[1:]))
 
 
 def test_times_increase_and_lie_inside_the_audio(rec):
@@ -171,7 +203,10 @@ def test_times_increase_and_lie_inside_the_audio(rec):
     assert [w.text for w in final.words] == final.text.split() == SENTENCES[2].split()
     times = [t for w in final.words for t in (w.start, w.end)]
     assert times == sorted(times) and all(w.start < w.end for w in final.words)
-    assert 0.2 <= final.start == final.words[0].start and final.end == final.words[-1].end <= len(wav) / SAMPLE_RATE
+    assert (
+        0.2 <= final.start == final.words[0].start
+        and final.end == final.words[-1].end <= len(wav) / SAMPLE_RATE
+    )
     assert all(round(t / FRAME_SECONDS, 6) % 1 == 0 for t in times)  # 40 ms frames
 
 
@@ -181,7 +216,12 @@ def test_an_endpoint_splits_two_utterances_joined_by_silence(rec):
     finals = _finals(rec.stream_results(wav.split(PIECE), chunk_size=4, endpoint_ms=800))
     assert [f.text for f in finals] == SENTENCES[:2]
     assert finals[0].end < (len(first) + 0.8 * SAMPLE_RATE) / SAMPLE_RATE
-    assert (len(first) + 1.5 * SAMPLE_RATE) / SAMPLE_RATE < finals[1].start < finals[1].end <= len(wav) / SAMPLE_RATE
+    assert (
+        (len(first) + 1.5 * SAMPLE_RATE) / SAMPLE_RATE
+        < finals[1].start
+        < finals[1].end
+        <= len(wav) / SAMPLE_RATE
+    )
     assert len(_finals(rec.stream_results(wav.split(PIECE), chunk_size=4, endpoint_ms=0))) == 1
 
 
@@ -199,16 +239,21 @@ def test_empty_pieces_silence_and_a_stream_cut_mid_word_each_end_in_a_final(rec)
     cut = 4800 + 3 * 2400 + 1600 + 1200  # in the middle of "bed"'s b
     [partway] = finals(wav[:cut].split(PIECE))
     assert partway.text.startswith("ace")
-    pieces = [p for piece in wav.split(PIECE) for p in (piece, torch.zeros(0))]  # empty pieces change nothing
+    # empty pieces change nothing
+    pieces = [p for piece in wav.split(PIECE) for p in (piece, torch.zeros(0))]
     assert [r.text for r in rec.stream_results(pieces, chunk_size=4)] == \
         [r.text for r in rec.stream_results(wav.split(PIECE), chunk_size=4)]
 
 
 def test_a_stream_at_another_rate_is_resampled_as_it_comes(rec):
     at_8k = resample(speech(SENTENCES[1], seed=1), SAMPLE_RATE, 8000)
-    streamed = list(rec.stream_results(np.array_split(at_8k.numpy(), 37), chunk_size=4, sample_rate=8000))
+    streamed = list(
+        rec.stream_results(np.array_split(at_8k.numpy(), 37), chunk_size=4, sample_rate=8000)
+    )
     resampled_whole = list(rec.stream_results([resample(at_8k, 8000)], chunk_size=4))
-    assert [(r.text, r.is_final, r.end) for r in streamed] == [(r.text, r.is_final, r.end) for r in resampled_whole]
+    assert [(r.text, r.is_final, r.end) for r in streamed] == [
+        (r.text, r.is_final, r.end) for r in resampled_whole
+    ]
     assert streamed[-1].text
 
 
@@ -224,9 +269,12 @@ def test_bad_streams_and_settings_are_refused_in_one_line(rec, full_rec, caplog)
     stream.finish()
     with pytest.raises(ValueError, match="finished"):
         stream.accept(torch.zeros(10))
-    for settings, reason in [({"method": "joint"}, "cannot stream"),
-                             ({"chunk_size": -1}, "chunk_size"),
-                             ({"left_chunks": -2}, "left_chunks"), ({"endpoint_ms": -1}, "endpoint_ms")]:
+    for settings, reason in [
+        ({"method": "joint"}, "cannot stream"),
+        ({"chunk_size": -1}, "chunk_size"),
+        ({"left_chunks": -2}, "left_chunks"),
+        ({"endpoint_ms": -1}, "endpoint_ms"),
+    ]:
         with pytest.raises(ValueError, match=reason):
             rec.stream(**{"chunk_size": 4, **settings})
     with caplog.at_level(logging.WARNING, logger="konkanivani"):
@@ -259,7 +307,9 @@ def test_transcribe_streams_a_file_with_partials_on_stderr(checkpoints, tmp_path
     assert "streamed in chunks of 4 frames (160 ms)" in out.err
 
     rows = tmp_path / "rows.jsonl"
-    assert transcribe.main([str(streaming), str(wav), "--chunk_size", "4", "--output", str(rows)]) == 0
+    assert (
+        transcribe.main([str(streaming), str(wav), "--chunk_size", "4", "--output", str(rows)]) == 0
+    )
     [row] = map(json.loads, rows.read_text().splitlines())
     assert row["text"] == SENTENCES[3] and [w["word"] for w in row["words"]] == SENTENCES[3].split()
 
@@ -296,12 +346,33 @@ def test_evaluate_scores_a_streaming_model_as_it_streams(checkpoints, tmp_path, 
         rows.append(json.dumps({"audio_filepath": f"{i}.wav", "text": sentence, "duration": 2.0}))
     (tmp_path / "m.jsonl").write_text("\n".join(rows) + "\n")
     out = tmp_path / "hyp.jsonl"
-    assert evaluate.main([str(streaming), str(tmp_path / "m.jsonl"), "--method", "rescore", "--chunk_size", "4",
-                          "--left_chunks", "2", "--output", str(out)]) == 0
+    assert (
+        evaluate.main(
+            [
+                str(streaming),
+                str(tmp_path / "m.jsonl"),
+                "--method",
+                "rescore",
+                "--chunk_size",
+                "4",
+                "--left_chunks",
+                "2",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     hyps = [json.loads(line)["hypothesis"] for line in out.read_text().splitlines()]
     rec = Recognizer.from_checkpoint(streaming)
-    streamed = [_finals(rec.stream_results(speech(s, seed=i).split(PIECE), chunk_size=4, left_chunks=2,
-                                           endpoint_ms=0))[0].text for i, s in enumerate(SENTENCES)]
+    streamed = [
+        _finals(
+            rec.stream_results(
+                speech(s, seed=i).split(PIECE), chunk_size=4, left_chunks=2, endpoint_ms=0
+            )
+        )[0].text
+        for i, s in enumerate(SENTENCES)
+    ]
     assert hyps == streamed
     capsys.readouterr()
     assert evaluate.main([str(full), str(tmp_path / "m.jsonl"), "--chunk_size", "4"]) == 2
@@ -313,7 +384,9 @@ def test_evaluate_scores_a_streaming_model_as_it_streams(checkpoints, tmp_path, 
 def long_file(tmp_path_factory):
     """66 s: the four sentences six times over, 1 s apart, at 44.1 kHz stereo."""
     sentences = SENTENCES * 6
-    wav = torch.cat([torch.cat([speech(s, seed=i), silence(1.0, seed=i)]) for i, s in enumerate(sentences)])
+    wav = torch.cat(
+        [torch.cat([speech(s, seed=i), silence(1.0, seed=i)]) for i, s in enumerate(sentences)]
+    )
     path = tmp_path_factory.mktemp("long") / "long.wav"
     at_44k = resample(wav, SAMPLE_RATE, 44100).numpy()
     sf.write(path, np.stack([at_44k, at_44k], axis=1), 44100, subtype="FLOAT")
@@ -339,8 +412,9 @@ def reads(monkeypatch):
 
 
 @pytest.mark.parametrize("which", ["streaming", "full"])
-def test_a_long_file_is_read_block_by_block_and_transcribed_in_timed_segments(checkpoints, long_file, reads,
-                                                                              tmp_path, capsys, which):
+def test_a_long_file_is_read_block_by_block_and_transcribed_in_timed_segments(
+    checkpoints, long_file, reads, tmp_path, capsys, which
+):
     """With a streaming checkpoint through a stream, a segment per sentence; with a full-context one
     in windows cut at pauses, each decoded whole (the tiny model has learned 2 s sentences alone and
     makes little of 20 s windows: compared with decoding the windows of the whole waveform)."""
@@ -356,8 +430,14 @@ def test_a_long_file_is_read_block_by_block_and_transcribed_in_timed_segments(ch
     else:
         whole = Recognizer.from_checkpoint(checkpoint)
         wav = resample(torch.from_numpy(sf.read(path, dtype="float32")[0].mean(1)), 44100)
-        windows = [(whole.decode_waveforms([w], method="rescore")[0], round(first / SAMPLE_RATE, 3),
-                    round((first + len(w)) / SAMPLE_RATE, 3)) for first, w in quiet_windows(wav.split(SAMPLE_RATE))]
+        windows = [
+            (
+                whole.decode_waveforms([w], method="rescore")[0],
+                round(first / SAMPLE_RATE, 3),
+                round((first + len(w)) / SAMPLE_RATE, 3),
+            )
+            for first, w in quiet_windows(wav.split(SAMPLE_RATE))
+        ]
         assert len(windows) >= seconds / 20 and all(end - start <= 20 for _, start, end in windows)
         assert [(r["text"], r["start"], r["end"]) for r in rows] == [w for w in windows if w[0]]
     times = [t for r in rows for t in (r["start"], r["end"])]

@@ -17,7 +17,11 @@ def speech(text: str, seed: int = 0) -> torch.Tensor:
     parts = [torch.zeros(4800)]
     for i, word in enumerate(text.split()):
         parts += [torch.zeros(1600)] * bool(i)
-        parts += [0.3 * torch.sin(2 * math.pi * (300 + 250 * LETTERS.index(ch)) * t) * torch.hann_window(2400)
-                  for ch in word]
+        parts += [
+            0.3
+            * torch.sin(2 * math.pi * (300 + 250 * LETTERS.index(ch)) * t)
+            * torch.hann_window(2400)
+            for ch in word
+        ]
     wav = torch.cat([*parts, torch.zeros(4800)])
     return wav + 0.003 * torch.randn(len(wav), generator=torch.Generator().manual_seed(seed))

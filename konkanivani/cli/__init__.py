@@ -60,13 +60,18 @@ class _Format(logging.Formatter):
         super().__init__("%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
 
     def format(self, record: logging.LogRecord) -> str:
-        return f"error: {record.getMessage()}" if record.levelno >= logging.ERROR else super().format(record)
+        return (
+            f"error: {record.getMessage()}"
+            if record.levelno >= logging.ERROR
+            else super().format(record)
+        )
 
 
 def setup_logging() -> None:
     """The one logging setup of every tool: konkanivani's log (and library warnings) on stderr at
     INFO. Records still propagate, so an application's or a test's own handlers see them too."""
-    logging.captureWarnings(True)  # library warnings as log lines: above a progress bar, and in train.log
+    # library warnings as log lines: above a progress bar, and in train.log
+    logging.captureWarnings(True)
     for name in ("konkanivani", "py.warnings"):
         logger = logging.getLogger(name)
         logger.setLevel(logging.INFO)
@@ -76,12 +81,16 @@ def setup_logging() -> None:
             logger.addHandler(handler)
 
 
-def add_output_dir(parser: argparse.ArgumentParser, help: str, old_positional: bool = False) -> None:
+def add_output_dir(
+    parser: argparse.ArgumentParser, help: str, old_positional: bool = False
+) -> None:
     """``--output_dir``, the one name of an output folder; with ``old_positional`` the folder may
     still be given as the positional OUT_DIR it used to be (``output_dir`` says so once)."""
     parser.add_argument("--output_dir", type=Path, help=help)
     if old_positional:
-        parser.add_argument("old_output_dir", nargs="?", type=Path, metavar="OUT_DIR", help=argparse.SUPPRESS)
+        parser.add_argument(
+            "old_output_dir", nargs="?", type=Path, metavar="OUT_DIR", help=argparse.SUPPRESS
+        )
 
 
 def output_dir(parser: Parser, args: argparse.Namespace) -> Path:
@@ -90,7 +99,10 @@ def output_dir(parser: Parser, args: argparse.Namespace) -> Path:
     if old is not None:
         if args.output_dir is not None:
             parser.error(f"two output folders: {old} and --output_dir {args.output_dir}")
-        print(f"{parser.prog}: note: the output folder is now given as --output_dir {old}", file=sys.stderr)
+        print(
+            f"{parser.prog}: note: the output folder is now given as --output_dir {old}",
+            file=sys.stderr,
+        )
         args.output_dir = old
     if args.output_dir is None:
         parser.error("the following arguments are required: --output_dir")

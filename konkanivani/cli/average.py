@@ -27,9 +27,13 @@ def _refuse_overwriting_inputs(output: Path, inputs: list[Path]) -> None:
     best.pt or a step file of the run in its folder."""
     in_a_run = output.parent.is_dir() and (any(output.parent.glob("step_*.pt")) or
                                            (output.parent / "latest.pt").exists())
-    if in_a_run and (output.name in ("latest.pt", "best.pt") or re.fullmatch(r"step_\d+\.pt", output.name)):
-        raise CheckpointError(f"--output {output}: that name belongs to a training run's own checkpoints; "
-                              "choose another (average_*.pt)")
+    if in_a_run and (
+        output.name in ("latest.pt", "best.pt") or re.fullmatch(r"step_\d+\.pt", output.name)
+    ):
+        raise CheckpointError(
+            f"--output {output}: that name belongs to a training run's own checkpoints; "
+            "choose another (average_*.pt)"
+        )
     try:
         check_outputs({"--output": output}, inputs)
     except OutputError as e:
@@ -45,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--last", type=int, help="average the N newest step checkpoints")
     which.add_argument("--best", type=int, help="average the N with the lowest validation WER")
     which.add_argument("--inputs", nargs="+", type=Path, help="average these checkpoint files")
-    parser.add_argument("--output", help="default: DIRECTORY/average_last<N>.pt or average_best<N>.pt")
+    parser.add_argument(
+        "--output", help="default: DIRECTORY/average_last<N>.pt or average_best<N>.pt"
+    )
     args = parser.parse_args(argv)
     if args.inputs is None and args.directory is None:
         parser.error("give a training output directory with --last/--best, or files with --inputs")
@@ -63,10 +69,19 @@ def main(argv: list[str] | None = None) -> int:
             paths = select_checkpoints(args.directory, last=args.last or 0, best=args.best or 0)
             wanted = args.last or args.best
             if len(paths) < wanted:
-                print(f"warning: only {len(paths)} suitable checkpoints in {args.directory} (asked for {wanted})",
-                      file=sys.stderr)
-        output = Path(args.output) if args.output else (
-            args.directory / f"average_{'last' if args.last else 'best'}{args.last or args.best}.pt")
+                print(
+                    f"warning: only {len(paths)} suitable checkpoints in {args.directory} (asked"
+                    f" for {wanted})",
+                    file=sys.stderr,
+                )
+        output = (
+            Path(args.output)
+            if args.output
+            else (
+                args.directory
+                / f"average_{'last' if args.last else 'best'}{args.last or args.best}.pt"
+            )
+        )
         _refuse_overwriting_inputs(output, paths)
         save_checkpoint(average_checkpoints(paths), output)
     except CheckpointError as e:

@@ -1,8 +1,8 @@
 """Synthesize the Konkani demo speech corpus with espeak-ng (``konkanivani-demo-corpus``; see
 konkanivani/tools/demo_corpus.py).
 
-    konkanivani-demo-corpus --output_dir OUT_DIR [--seed 0] [--num_utterances 4800] [--max_sentences N] [--jobs 2]
-        [--sentences PATH] [--train_from_text N] [--festival_share F] [--force]
+    konkanivani-demo-corpus --output_dir OUT_DIR [--seed 0] [--num_utterances 4800] [--max_sentences
+        N] [--jobs 2] [--sentences PATH] [--train_from_text N] [--festival_share F] [--force]
 """
 from __future__ import annotations
 
@@ -36,15 +36,30 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="use only the first N sentences after a seeded shuffle")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--sentences", type=Path, default=None, help=f"default: {DEFAULT_SENTENCES}")
-    p.add_argument("--train_from_text", type=int, default=None, metavar="N",
-                   help="also read N of the text-only sentences (a seeded choice) in the training split, for "
-                        "more distinct training sentences; text.txt keeps the rest, valid and test are unchanged "
-                        f"(default: {DEFAULT_TRAIN_FROM_TEXT}; 0 with --sentences or --max_sentences)")
-    p.add_argument("--festival_share", type=float, default=None, metavar="F",
-                   help="read this share of the training utterances with festival's voices of other languages "
-                        "(Czech, Finnish, Italian, Catalan, US English) instead of espeak-ng; valid, test and "
-                        f"heldout are unchanged (default: {DEFAULT_FESTIVAL_SHARE} when all {len(FESTIVAL_TRAIN_VOICES)} "
-                        "voices are installed, else 0)")
+    p.add_argument(
+        "--train_from_text",
+        type=int,
+        default=None,
+        metavar="N",
+        help=(
+            "also read N of the text-only sentences (a seeded choice) in the training split, for"
+            " more distinct training sentences; text.txt keeps the rest, valid and test are"
+            f" unchanged (default: {DEFAULT_TRAIN_FROM_TEXT}; 0 with --sentences or"
+            " --max_sentences)"
+        ),
+    )
+    p.add_argument(
+        "--festival_share",
+        type=float,
+        default=None,
+        metavar="F",
+        help=(
+            "read this share of the training utterances with festival's voices of other languages"
+            " (Czech, Finnish, Italian, Catalan, US English) instead of espeak-ng; valid, test and"
+            f" heldout are unchanged (default: {DEFAULT_FESTIVAL_SHARE} when all"
+            f" {len(FESTIVAL_TRAIN_VOICES)} voices are installed, else 0)"
+        ),
+    )
     p.add_argument("--force", action="store_true", help="regenerate even if present")
     a = p.parse_args(argv)
     output_dir(p, a)
@@ -55,15 +70,27 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error(f"--train_from_text must be 0 or more, got {a.train_from_text}")
     if a.festival_share is None and not default_options()["festival_share"]:
         missing = sorted(set(FESTIVAL_TRAIN_VOICES) - set(festival_train_voices()))
-        print(f"festival's training voices missing: {', '.join(missing)} (training_scripts/setup_env.sh "
-              "installs them); espeak-ng reads the whole training split")
+        print(
+            f"festival's training voices missing: {', '.join(missing)}"
+            " (training_scripts/setup_env.sh installs them); espeak-ng reads the whole training"
+            " split"
+        )
     if a.festival_share is not None and not 0 <= a.festival_share <= 1:
         p.error(f"--festival_share must be between 0 and 1, got {a.festival_share}")
     if a.sentences is not None and not a.sentences.is_file():
         p.error(f"--sentences {a.sentences}: file not found")
     try:
-        summary = make_corpus(a.output_dir, a.seed, a.num_utterances, a.max_sentences, a.jobs, a.sentences, a.force,
-                              train_from_text=a.train_from_text, festival_share=a.festival_share)
+        summary = make_corpus(
+            a.output_dir,
+            a.seed,
+            a.num_utterances,
+            a.max_sentences,
+            a.jobs,
+            a.sentences,
+            a.force,
+            train_from_text=a.train_from_text,
+            festival_share=a.festival_share,
+        )
     except (EspeakMissingError, ValueError) as e:
         return fail(str(e))
     print_summary(summary)

@@ -1,9 +1,10 @@
 """Score a konkanivani checkpoint on a manifest (``konkanivani-evaluate``): WER and CER with
-substitutions, deletions and insertions, the worst utterances, per-utterance JSONL and a markdown report.
+substitutions, deletions and insertions, the worst utterances, per-utterance JSONL and a markdown
+report.
 
-    konkanivani-evaluate checkpoints/run/best.pt data/demo/test.jsonl \\
-        --method joint --output results.jsonl --report report.md
-    konkanivani-evaluate checkpoints/streaming/best.pt data/demo/test.jsonl --method rescore --chunk_size 16
+    konkanivani-evaluate checkpoints/run/best.pt data/demo/test.jsonl \\ --method joint --output
+        results.jsonl --report report.md konkanivani-evaluate checkpoints/streaming/best.pt
+        data/demo/test.jsonl --method rescore --chunk_size 16
 
 ``--output`` and ``--report`` may be neither the same file nor one the run reads (the checkpoint,
 the manifest, an audio file it lists): refused before anything is decoded. Both are written when
@@ -41,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("manifest", type=Path)
     parser.add_argument("--output", help="per-utterance results as JSONL")
     parser.add_argument("--report", help="write a markdown report here")
-    parser.add_argument("--worst", type=int, default=10, help="how many of the worst utterances to list")
+    parser.add_argument(
+        "--worst", type=int, default=10, help="how many of the worst utterances to list"
+    )
     args = parser.parse_args(argv)
     decoding = checked_decoding(parser, args)
     if not args.manifest.is_file():
@@ -71,19 +74,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(result.utterances)} utterances, {result.audio_seconds / 60:.1f} min, "
               f"method {decoding_name(resolved, result.long_inputs)}, "
               f"real-time factor {result.rtf:.3f}")
-        print(f"WER {100 * w.rate:.2f}% ({w.substitutions} sub, {w.deletions} del, {w.insertions} ins / "
-              f"{w.length} words)")
-        print(f"CER {100 * c.rate:.2f}% ({c.substitutions} sub, {c.deletions} del, {c.insertions} ins / "
-              f"{c.length} chars)")
+        print(
+            f"WER {100 * w.rate:.2f}% ({w.substitutions} sub, {w.deletions} del, {w.insertions} ins"
+            f" / {w.length} words)"
+        )
+        print(
+            f"CER {100 * c.rate:.2f}% ({c.substitutions} sub, {c.deletions} del, {c.insertions} ins"
+            f" / {c.length} chars)"
+        )
     else:
         print(f"no utterance of {args.manifest} could be scored")
     if result.utterances and args.worst > 0:
         print(f"worst {min(args.worst, len(result.utterances))}:")
         for u in result.worst(args.worst):
-            print(f"  {u.where}  WER {100 * u.words.rate:.0f}%\n    ref: {u.reference}\n    hyp: {u.hypothesis}")
+            print(
+                f"  {u.where}  WER {100 * u.words.rate:.0f}%\n    ref: {u.reference}\n    hyp:"
+                f" {u.hypothesis}"
+            )
     if result.failed:
-        print(f"{len(result.failed)} rows not scored:", *(f"{w}: {why}" for w, why in result.failed),
-              sep="\n  ", file=sys.stderr)
+        print(
+            f"{len(result.failed)} rows not scored:",
+            *(f"{w}: {why}" for w, why in result.failed),
+            sep="\n  ",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

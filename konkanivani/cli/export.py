@@ -9,7 +9,8 @@ n_mels) float32 log-mel and ``feature_lengths`` (B,) int64 in; ``log_probs`` (B,
 already there are replaced. Each model file is run once written and compared with the checkpoint's
 model. ONNX needs the ``export`` extra: pip install 'konkanivani[export]'.
 
-    konkanivani-export checkpoints/run/best.pt --output_dir exported/ --streaming --chunk_size 16 --left_chunks 4
+    konkanivani-export checkpoints/run/best.pt --output_dir exported/ --streaming --chunk_size 16
+    --left_chunks 4
 
 ``--streaming`` (a model trained with --causal_conv) also writes ``encoder_chunk.onnx``, which
 encodes a stream one chunk of ``--chunk_size`` encoder frames at a time with caches of
@@ -43,15 +44,34 @@ DECODING_FIELDS = ("chunk_size", "left_chunks")
 @tool
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", type=Path, help="a step checkpoint, latest.pt, best.pt or an average")
-    parser.add_argument("--output_dir", type=Path,
-                        help="output folder (default: the checkpoint's path without .pt, plus _export)")
-    parser.add_argument("-o", "--output", dest="output_dir", type=Path, action=Renamed, new="--output_dir",
-                        help=argparse.SUPPRESS)
-    parser.add_argument("--format", choices=(*FORMATS, "both"), default="onnx", help="default: %(default)s")
-    parser.add_argument("--streaming", action="store_true",
-                        help="also write encoder_chunk.onnx, one chunk of a stream with its caches, and streaming.json "
-                             "(a model trained with --causal_conv)")
+    parser.add_argument(
+        "checkpoint", type=Path, help="a step checkpoint, latest.pt, best.pt or an average"
+    )
+    parser.add_argument(
+        "--output_dir",
+        type=Path,
+        help="output folder (default: the checkpoint's path without .pt, plus _export)",
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        dest="output_dir",
+        type=Path,
+        action=Renamed,
+        new="--output_dir",
+        help=argparse.SUPPRESS,
+    )
+    parser.add_argument(
+        "--format", choices=(*FORMATS, "both"), default="onnx", help="default: %(default)s"
+    )
+    parser.add_argument(
+        "--streaming",
+        action="store_true",
+        help=(
+            "also write encoder_chunk.onnx, one chunk of a stream with its caches, and"
+            " streaming.json (a model trained with --causal_conv)"
+        ),
+    )
     add_decoding_flags(parser, DECODING_FIELDS)
     args = parser.parse_args(argv)
     if not args.streaming and (args.chunk_size is not None or args.left_chunks is not None):
@@ -88,12 +108,20 @@ def main(argv: list[str] | None = None) -> int:
         written = export_checkpoint(args.checkpoint, output, formats, streaming)
     except (CheckpointError, ExportError) as e:
         return fail(str(e))
-    except OSError as e:  # the folder cannot be made or written to: under a file, read-only, a full disk
+    # the folder cannot be made or written to: under a file, read-only, a full disk
+    except OSError as e:
         return fail(f"cannot write the export to {output}: {e.strerror or e}")
     for item in written:
-        check = "" if item.difference is None else f" (log-probs within {item.difference:.1e} of PyTorch's)"
+        check = (
+            ""
+            if item.difference is None
+            else f" (log-probs within {item.difference:.1e} of PyTorch's)"
+        )
         if item.difference is not None and item.path.name == STREAMING_FILES["onnx"]:
-            check = f" (log-probs and encoder frames within {item.difference:.1e} of PyTorch's, chunk by chunk)"
+            check = (
+                f" (log-probs and encoder frames within {item.difference:.1e} of PyTorch's, chunk"
+                " by chunk)"
+            )
         print(f"wrote {item.path}{check}")
     return 0
 

@@ -1,7 +1,8 @@
 """Draw the learning curves of one training run, or compare several (``konkanivani-plot``).
 
     konkanivani-plot checkpoints/run                       # redraws checkpoints/run/curves.png
-    konkanivani-plot runs/small runs/medium -o compare.png # one line per run, named by its directory
+    konkanivani-plot runs/small runs/medium -o compare.png # one line per run, named by its
+    directory
 
 Loss (training and validation), CER and WER, and the learning rate against the optimizer step,
 from each directory's metrics.jsonl. Needs matplotlib (``pip install "konkanivani[plot]"``).
@@ -21,13 +22,26 @@ from . import Parser, fail, refuse_unsafe_outputs, setup_logging, tool
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
     parser = Parser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="training output directories, or one konkanivani-sweep folder")
-    parser.add_argument("-o", "--output", type=Path,
-                        help=f"the PNG to write (default with one RUN_DIR: RUN_DIR/{CURVES}; required with several)")
+    parser.add_argument(
+        "run_dirs",
+        nargs="+",
+        type=Path,
+        metavar="RUN_DIR",
+        help="training output directories, or one konkanivani-sweep folder",
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        help=(
+            f"the PNG to write (default with one RUN_DIR: RUN_DIR/{CURVES}; required with several)"
+        ),
+    )
     args = parser.parse_args(argv)
     if args.output is None and len(args.run_dirs) > 1:
         parser.error("give -o PNG to compare several runs")
-    if len(args.run_dirs) == 1 and (args.run_dirs[0] / SWEEP_FILE).is_file():  # a konkanivani-sweep folder
+    # a konkanivani-sweep folder
+    if len(args.run_dirs) == 1 and (args.run_dirs[0] / SWEEP_FILE).is_file():
         folder = args.run_dirs[0]
         reads = [folder / SWEEP_FILE, *folder.glob(f"*/{TRIAL_FILE}"),
                  *folder.glob("*/metrics.jsonl")]
@@ -36,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     for run_dir in args.run_dirs:
         metrics = run_dir / "metrics.jsonl"
         if not metrics.is_file():
-            return fail(f"{run_dir}: no metrics.jsonl (not a training output directory, or no step logged yet)")
+            return fail(
+                f"{run_dir}: no metrics.jsonl (not a training output directory, or no step logged"
+                " yet)"
+            )
         if not read_metrics(metrics):
             return fail(f"{metrics}: no rows yet")
     if not have_matplotlib():
@@ -53,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot_sweep(folder: Path, output: Path | None) -> int:
-    """A sweep's folder: the same sweep.png as the sweep draws (CER against time, best CER against size)."""
+    """A sweep's folder: the same sweep.png as the sweep draws (CER against time, best CER against
+    size)."""
     if not have_matplotlib():
         return fail('drawing needs matplotlib: pip install "konkanivani[plot]"')
     try:

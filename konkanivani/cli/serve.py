@@ -3,16 +3,17 @@
 
     konkanivani-serve checkpoints/streaming/best.pt                # http://127.0.0.1:8000/
     konkanivani-serve checkpoints/run/best.pt --host 0.0.0.0 --token "$(openssl rand -hex 16)"
-    konkanivani-serve checkpoints/streaming/model_export           # a konkanivani-export folder (ONNX)
+    konkanivani-serve checkpoints/streaming/model_export           # a konkanivani-export folder
+    (ONNX)
 
-``POST /transcribe`` takes a recording and answers its text, segments with times, duration and decode
-time; the WebSocket ``/stream`` takes 16 kHz 16-bit PCM (or float32, any rate it declares) and answers
-partial and final results as they come (a checkpoint trained with ``--causal_conv``, or an export
-made with ``--streaming``); ``GET /`` is a page with the microphone and a file drop; ``/health`` and
-``/metrics`` (Prometheus). It listens on 127.0.0.1 unless ``--host`` says otherwise; with ``--token``
-(or ``KONKANIVANI_TOKEN``) every request needs it. An export folder (``konkanivani-export``) is served
-on onnxruntime with CTC search alone (greedy or beam): its attention decoder is not exported.
-docs/serving.md has the protocol and the limits.
+``POST /transcribe`` takes a recording and answers its text, segments with times, duration and
+decode time; the WebSocket ``/stream`` takes 16 kHz 16-bit PCM (or float32, any rate it declares)
+and answers partial and final results as they come (a checkpoint trained with ``--causal_conv``, or
+an export made with ``--streaming``); ``GET /`` is a page with the microphone and a file drop;
+``/health`` and ``/metrics`` (Prometheus). It listens on 127.0.0.1 unless ``--host`` says otherwise;
+with ``--token`` (or ``KONKANIVANI_TOKEN``) every request needs it. An export folder
+(``konkanivani-export``) is served on onnxruntime with CTC search alone (greedy or beam): its
+attention decoder is not exported. docs/serving.md has the protocol and the limits.
 """
 from __future__ import annotations
 
@@ -71,24 +72,48 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser(limits_class) -> Parser:
     parser = Parser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", type=Path, metavar="MODEL",
-                        help="a checkpoint (best.pt, latest.pt, an average), or a folder konkanivani-export wrote "
-                             "(ONNX, on onnxruntime: greedy or beam, no attention rescoring)")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="the address to listen on (default: %(default)s, this machine only; 0.0.0.0: every "
-                             "interface, with --token)")
-    parser.add_argument("--port", type=int, default=8000, help="default: %(default)s; 0: a free one, printed")
+    parser.add_argument(
+        "checkpoint",
+        type=Path,
+        metavar="MODEL",
+        help=(
+            "a checkpoint (best.pt, latest.pt, an average), or a folder konkanivani-export wrote "
+            "(ONNX, on onnxruntime: greedy or beam, no attention rescoring)"
+        ),
+    )
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help=(
+            "the address to listen on (default: %(default)s, this machine only; 0.0.0.0: every "
+            "interface, with --token)"
+        ),
+    )
+    parser.add_argument(
+        "--port", type=int, default=8000, help="default: %(default)s; 0: a free one, printed"
+    )
     parser.add_argument("--allow_origin", action="append", default=[], metavar="ORIGIN",
                         help="a page of this origin (scheme://host[:port]) may use the server "
                              "besides its own page; repeatable. Requests without Origin (curl, "
                              "programs) need none; a browser's from any other origin get 403")
-    parser.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None,
-                        help=f"a secret every request must carry (default: ${TOKEN_ENV}, else none): the header "
-                             "'Authorization: Bearer TOKEN' or ?token=TOKEN; the page opened as /?token=TOKEN")
+    parser.add_argument(
+        "--token",
+        default=os.environ.get(TOKEN_ENV) or None,
+        help=(
+            f"a secret every request must carry (default: ${TOKEN_ENV}, else none): the header "
+            "'Authorization: Bearer TOKEN' or ?token=TOKEN; the page opened as /?token=TOKEN"
+        ),
+    )
     add_decoding_flags(parser, DECODING_FIELDS)
-    parser.add_argument("--workers", type=int, default=1,
-                        help="decode threads (default: %(default)s; PyTorch's own threads use the cores)")
-    parser.add_argument("--threads", type=int, default=None, help="PyTorch's threads (default: its own choice)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="decode threads (default: %(default)s; PyTorch's own threads use the cores)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="PyTorch's threads (default: its own choice)"
+    )
     group = parser.add_argument_group("limits")
     for f in fields(limits_class):
         group.add_argument(f"--{f.name}", type=type(f.default), default=f.default,
@@ -102,7 +127,10 @@ def _serve(args, decoding, limits) -> int:
         import starlette  # noqa: F401
         import uvicorn
     except ImportError as e:
-        return fail(f"konkanivani-serve needs its extra: pip install 'konkanivani[serve]' (missing: {e.name})")
+        return fail(
+            "konkanivani-serve needs its extra: pip install 'konkanivani[serve]' (missing:"
+            f" {e.name})"
+        )
     import torch
 
     from ..decoding.onnx_recognizer import ExportedRecognizer
@@ -137,13 +165,23 @@ def _serve(args, decoding, limits) -> int:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     if not args.token and not _loopback(args.host):
-        print(f"warning: listening on {args.host} without --token: anyone who can reach this machine can use "
-              "the model", file=sys.stderr)
+        print(
+            f"warning: listening on {args.host} without --token: anyone who can reach this machine"
+            " can use the model",
+            file=sys.stderr,
+        )
     kind = ("ONNX, " if exported else "") + ("streaming, " if streaming else "")
     print(f"serving {args.checkpoint} ({kind}{method}) at http://{shown}:{port}/"
           + (" (token required)" if args.token else ""), file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, ws_max_size=4 * limits.max_frame_bytes,
-                            ws_ping_interval=20.0, ws_ping_timeout=20.0, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        ws_max_size=4 * limits.max_frame_bytes,
+        ws_ping_interval=20.0,
+        ws_ping_timeout=20.0,
+        timeout_graceful_shutdown=5,
+    )
     # after Config, which sets up uvicorn's loggers
     logging.getLogger("uvicorn.error").addFilter(DenialLogFilter())
     uvicorn.Server(config).run(sockets=[sock])

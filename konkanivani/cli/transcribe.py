@@ -1,5 +1,5 @@
-"""Transcribe audio with a konkanivani checkpoint (``konkanivani-transcribe``); the checkpoint carries
-its tokenizer and model shape.
+"""Transcribe audio with a konkanivani checkpoint (``konkanivani-transcribe``); the checkpoint
+carries its tokenizer and model shape.
 
     konkanivani-transcribe checkpoints/run/best.pt clip.wav more_clips/ test.jsonl \\
         --method joint --output transcripts.jsonl
@@ -129,14 +129,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{decoding_name(resolved, long_inputs)}{how}{speed}"
           + (f"; wrote {args.output}" if args.output else ""), file=sys.stderr)
     if failed:
-        print(f"{len(failed)} files could not be transcribed:", *failed, sep="\n  ", file=sys.stderr)
+        print(
+            f"{len(failed)} files could not be transcribed:", *failed, sep="\n  ", file=sys.stderr
+        )
         return 1
     return 0
 
 
 def _runs(files: list[Path], chunk_size: int) -> Iterator[tuple[list[Path], bool]]:
-    """The files in order, as runs of consecutive files decoded whole (batched, ``Recognizer.transcribe``)
-    and single files decoded in segments (``Recognizer.transcribe_long``): with ``chunk_size`` every
+    """The files in order, as runs of consecutive files decoded whole (batched,
+    ``Recognizer.transcribe``) and single files decoded in segments
+    (``Recognizer.transcribe_long``): with ``chunk_size`` every
     file, else those over ``LONG_INPUT_SECONDS`` by their header."""
     run: list[Path] = []
     for path in files:
@@ -152,7 +155,8 @@ def _runs(files: list[Path], chunk_size: int) -> Iterator[tuple[list[Path], bool
 
 
 def _seconds(path: Path) -> float:
-    """The duration a file's header states; 0 for one that cannot be read (decoding it names why)."""
+    """The duration a file's header states; 0 for one that cannot be read (decoding it names
+    why)."""
     try:
         return sf.info(str(path)).duration
     except Exception:  # noqa: BLE001  soundfile raises LibsndfileError, RuntimeError, TypeError...
@@ -169,7 +173,9 @@ def _transcribe_in_segments(recognizer: Recognizer, path: Path, decoding: Decodi
             if not r.is_final:
                 if r.text.strip() != shown:
                     shown = r.text.strip()
-                    print(f"{path} {r.start:.2f}-{r.end:.2f} … {shown}", file=sys.stderr, flush=True)
+                    print(
+                        f"{path} {r.start:.2f}-{r.end:.2f} … {shown}", file=sys.stderr, flush=True
+                    )
                 continue
             shown = ""
             row = {"audio_filepath": str(path), "start": r.start, "end": r.end, "text": r.text}
@@ -178,7 +184,8 @@ def _transcribe_in_segments(recognizer: Recognizer, path: Path, decoding: Decodi
             _write(out, f"{path}\t{r.start:.2f}\t{r.end:.2f}\t{r.text}", row)
     except AudioError as e:
         return str(e)
-    except Exception as e:  # noqa: BLE001  whatever the file makes the model raise: the other files go on
+    # whatever the file makes the model raise: the other files go on
+    except Exception as e:  # noqa: BLE001
         reason = str(e).strip().splitlines()[0] if str(e).strip() else "no message"
         return f"{path}: decoding failed ({type(e).__name__}: {reason})"
     return None

@@ -13,7 +13,14 @@ from .recognizer import Recognizer
 from .search import LONG_INPUT_METHOD, LONG_INPUT_SECONDS
 from .settings import DecodingConfig
 
-__all__ = ["ErrorCounts", "EvalResult", "UtteranceResult", "evaluate_manifest", "markdown_report", "score"]
+__all__ = [
+    "ErrorCounts",
+    "EvalResult",
+    "UtteranceResult",
+    "evaluate_manifest",
+    "markdown_report",
+    "score",
+]
 
 
 @dataclass
@@ -64,7 +71,9 @@ class EvalResult:
 
     def worst(self, n: int = 10) -> list[UtteranceResult]:
         """The ``n`` utterances with the most word errors (then character errors)."""
-        return sorted(self.utterances, key=lambda u: (u.words.errors, u.chars.errors), reverse=True)[:n]
+        return sorted(
+            self.utterances, key=lambda u: (u.words.errors, u.chars.errors), reverse=True
+        )[:n]
 
 
 def evaluate_manifest(recognizer: Recognizer, manifest: str | Path,
@@ -96,8 +105,9 @@ def evaluate_manifest(recognizer: Recognizer, manifest: str | Path,
             result.failed.append((where, tr.error))
             continue
         words, chars = score(text, tr.text)
-        result.utterances.append(UtteranceResult(where, str(path), text, tr.text, tr.duration, words, chars,
-                                                 tr.method))
+        result.utterances.append(
+            UtteranceResult(where, str(path), text, tr.text, tr.duration, words, chars, tr.method)
+        )
         result.words += words
         result.chars += chars
         result.audio_seconds += tr.duration
@@ -107,15 +117,23 @@ def evaluate_manifest(recognizer: Recognizer, manifest: str | Path,
 def markdown_report(result: EvalResult, checkpoint: str, worst: int = 10) -> str:
     w, c = result.words, result.chars
     lines = [
-        f"# Evaluation of `{checkpoint}`", "",
+        f"# Evaluation of `{checkpoint}`",
+        "",
         f"Manifest `{result.manifest}`, decoding `{result.method}`{_long_note(result)}: "
         f"{len(result.utterances)} utterances scored, "
         f"{result.audio_seconds / 60:.1f} min of audio"
-        + (f", real-time factor {result.rtf:.3f}." if result.audio_seconds else "."), "",
+        + (f", real-time factor {result.rtf:.3f}." if result.audio_seconds else "."),
+        "",
         "| unit | reference length | substitutions | deletions | insertions | error rate |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
-        f"| words | {w.length} | {w.substitutions} | {w.deletions} | {w.insertions} | {100 * w.rate:.2f}% |",
-        f"| characters | {c.length} | {c.substitutions} | {c.deletions} | {c.insertions} | {100 * c.rate:.2f}% |",
+        (
+            f"| words | {w.length} | {w.substitutions} | {w.deletions} | {w.insertions} |"
+            f" {100 * w.rate:.2f}% |"
+        ),
+        (
+            f"| characters | {c.length} | {c.substitutions} | {c.deletions} | {c.insertions} |"
+            f" {100 * c.rate:.2f}% |"
+        ),
     ]
     if result.failed:
         lines += ["", f"## {len(result.failed)} rows not scored", ""]
@@ -131,7 +149,11 @@ def markdown_report(result: EvalResult, checkpoint: str, worst: int = 10) -> str
 def _long_note(result: EvalResult) -> str:
     """How many utterances were too long for the method, and what decoded them; empty when none."""
     n = result.long_inputs
-    return f" ({n} utterance{'s' * (n > 1)} over {LONG_INPUT_SECONDS:g} s with `{LONG_INPUT_METHOD}`)" if n else ""
+    return (
+        f" ({n} utterance{'s' * (n > 1)} over {LONG_INPUT_SECONDS:g} s with `{LONG_INPUT_METHOD}`)"
+        if n
+        else ""
+    )
 
 
 def _cell(text: str) -> str:

@@ -1,4 +1,5 @@
-"""Word and character error rates (jiwer) on normalized text: one path for validation and evaluation."""
+"""Word and character error rates (jiwer) on normalized text: one path for validation and
+evaluation."""
 from __future__ import annotations
 
 from dataclasses import dataclass

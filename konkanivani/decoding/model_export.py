@@ -1,16 +1,17 @@
-"""A checkpoint's encoder and CTC head as ONNX and TorchScript files, for decoding without konkanivani.
+"""A checkpoint's encoder and CTC head as ONNX and TorchScript files, for decoding without
+konkanivani.
 
 An export folder holds::
 
     model.onnx              ONNX (opset 18), for onnxruntime and other ONNX runtimes
-    model.torchscript.pt    TorchScript, for torch.jit.load (C++ libtorch included)
-    vocabulary.json         token id -> SentencePiece piece, the blank id, how to join pieces into text
-    features.json           how the log-mel features are made (sample rate, window, hop, mel bins, log)
+    model.torchscript.pt    TorchScript, for torch.jit.load (C++ libtorch included) vocabulary.json
+    token id -> SentencePiece piece, the blank id, how to join pieces into text features.json
+    how the log-mel features are made (sample rate, window, hop, mel bins, log)
 
-Both graphs take ``features`` ``(B, T, F)`` float32, log-mel frames exactly as ``audio.LogMel`` makes
-them (CMVN lives in the model, global or per utterance, so it is inside the graph), and ``feature_lengths`` ``(B,)``
-int64; they return ``log_probs`` ``(B, T', V)`` float32 CTC log-probabilities and
-``log_prob_lengths`` ``(B,)`` int64. B and T are free (T >= ``MIN_FRAMES``).
+Both graphs take ``features`` ``(B, T, F)`` float32, log-mel frames exactly as ``audio.LogMel``
+makes them (CMVN lives in the model, global or per utterance, so it is inside the graph), and
+``feature_lengths`` ``(B,)`` int64; they return ``log_probs`` ``(B, T', V)`` float32 CTC
+log-probabilities and ``log_prob_lengths`` ``(B,)`` int64. B and T are free (T >= ``MIN_FRAMES``).
 
 ONNX goes through ``torch.export`` (``torch.onnx.export(dynamo=True)``, which needs onnxscript):
 it traces with symbolic batch and frame counts and fails at export where a shape would be baked in.
@@ -23,7 +24,8 @@ For streaming (a model trained with ``causal_conv``), ``export_checkpoint(..., s
 writes::
 
     encoder_chunk.onnx      one chunk of a stream: a window of log-mel frames and the caches in,
-                            the chunk's CTC log-probabilities, encoder frames and the next caches out
+                            the chunk's CTC log-probabilities, encoder frames and the next caches
+                            out
     streaming.json          the chunk size, the window and its hop, the cache shapes, the CMVN mode
 
 ``ChunkGraph`` says what it takes and gives. Its caches have a fixed size (``left_chunks`` chunks of
@@ -57,23 +59,54 @@ from ..model.conformer import Conv2dSubsampling
 from .recognizer import Recognizer
 from .settings import CHUNK_SIZE, EXPORT_LEFT_CHUNKS
 
-__all__ = ["ExportError", "FORMATS", "FILES", "STREAMING_FILES", "CHUNK_OUTPUTS", "MIN_FRAMES", "ONNX_PACKAGES", "CTCGraph",
-           "ChunkGraph", "Streaming", "Exported", "unavailable", "export_checkpoint", "export_onnx",
-           "export_torchscript", "export_chunk_onnx", "onnx_runner", "torchscript_runner", "chunk_runner",
-           "max_difference", "stream_difference", "vocabulary", "feature_settings", "streaming_settings"]
+__all__ = [
+    "ExportError",
+    "FORMATS",
+    "FILES",
+    "STREAMING_FILES",
+    "CHUNK_OUTPUTS",
+    "MIN_FRAMES",
+    "ONNX_PACKAGES",
+    "CTCGraph",
+    "ChunkGraph",
+    "Streaming",
+    "Exported",
+    "unavailable",
+    "export_checkpoint",
+    "export_onnx",
+    "export_torchscript",
+    "export_chunk_onnx",
+    "onnx_runner",
+    "torchscript_runner",
+    "chunk_runner",
+    "max_difference",
+    "stream_difference",
+    "vocabulary",
+    "feature_settings",
+    "streaming_settings",
+]
 
 FORMATS = ("onnx", "torchscript")
-FILES = {"onnx": "model.onnx", "torchscript": "model.torchscript.pt", "vocabulary": "vocabulary.json",
-         "features": "features.json"}
-STREAMING_FILES = {"onnx": "encoder_chunk.onnx", "settings": "streaming.json"}  # written with streaming=
-CHUNK_OUTPUTS = ("log_probs", "encoder_out", "next_attention_cache", "next_conv_cache")  # encoder_chunk.onnx's
+FILES = {
+    "onnx": "model.onnx",
+    "torchscript": "model.torchscript.pt",
+    "vocabulary": "vocabulary.json",
+    "features": "features.json",
+}
+# written with streaming=
+STREAMING_FILES = {"onnx": "encoder_chunk.onnx", "settings": "streaming.json"}
+# encoder_chunk.onnx's
+CHUNK_OUTPUTS = ("log_probs", "encoder_out", "next_attention_cache", "next_conv_cache")
 ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")  # the `export` extra
 OPSET = 18  # onnxruntime 1.14 and later run it
-MIN_FRAMES = next(t for t in range(1, 64) if subsampled_lengths(t) >= 1)  # the fewest frames the encoder takes: 7
-TOLERANCE = 1e-3  # the largest |log-prob difference| from PyTorch an export may show on its check batch
+# the fewest frames the encoder takes: 7
+MIN_FRAMES = next(t for t in range(1, 64) if subsampled_lengths(t) >= 1)
+# the largest |log-prob difference| from PyTorch an export may show on its check batch
+TOLERANCE = 1e-3
 
 Runner = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-# features, offset, attention_cache, conv_cache[, feature_mean] -> log_probs, encoder_out, the next caches
+# features, offset, attention_cache, conv_cache[, feature_mean] -> log_probs, encoder_out, the next
+# caches
 ChunkRunner = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
@@ -97,10 +130,13 @@ class CTCGraph(nn.Module):
         self.model = model
         self.eval()  # for inference: no dropout, no SpecAugment
 
-    def forward(self, features: torch.Tensor, feature_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, features: torch.Tensor, feature_lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """
         Args:
-            features: ``(B, T, F)`` raw log-mel features (``LogMel``), zero-padded; feature_lengths ``(B,)``.
+            features: ``(B, T, F)`` raw log-mel features (``LogMel``), zero-padded; feature_lengths
+            ``(B,)``.
         Returns:
             ``(B, T', V)`` float32 CTC log-probabilities and their ``(B,)`` lengths.
         """
@@ -134,20 +170,19 @@ class ChunkGraph(nn.Module):
     vocabulary V, K = ``conv_kernel - 1``:
 
     Args:
-        features: ``(1, W, F)`` raw log-mel frames (``LogMel``; the CMVN is in the graph), a window of
-            ``feature_windows``: W = ``window_frames`` = (C - 1) * 4 + 7; the next starts ``window_hop``
-            = 4C frames later; the stream's last window may be shorter (7 frames or more) and make
-            fewer than C frames.
-        offset: int64 scalar, the encoder frames made so far (0 for the first chunk, then + C).
-        attention_cache: ``(N, 2, H, L, d)``, each block's keys (rotated) and values of the last L
-            frames; zeros at the start (``initial_caches``), then the last chunk's ``next_attention_cache``.
-        conv_cache: ``(N, K, D)``, each block's last K inputs of its depthwise convolution: zeros,
-            then ``next_conv_cache``.
-        feature_mean: ``(F,)``, models with cmvn "utterance" only: what CMVN subtracts, the mean of
-            the raw frames of the stream so far (up to the window's end).
+        features: ``(1, W, F)`` raw log-mel frames (``LogMel``; the CMVN is in the graph), a window
+            of ``feature_windows``: W = ``window_frames`` = (C - 1) * 4 + 7; the next starts
+            ``window_hop`` = 4C frames later; the stream's last window may be shorter (7 frames or
+            more) and make fewer than C frames. offset: int64 scalar, the encoder frames made so far
+            (0 for the first chunk, then + C). attention_cache: ``(N, 2, H, L, d)``, each block's
+            keys (rotated) and values of the last L frames; zeros at the start (``initial_caches``),
+            then the last chunk's ``next_attention_cache``. conv_cache: ``(N, K, D)``, each block's
+            last K inputs of its depthwise convolution: zeros, then ``next_conv_cache``.
+            feature_mean: ``(F,)``, models with cmvn "utterance" only: what CMVN subtracts, the mean
+            of the raw frames of the stream so far (up to the window's end).
     Returns:
-        ``log_probs`` ``(1, C, V)`` float32 CTC log-probabilities, ``encoder_out`` ``(1, C, D)``, and
-        the caches for the next chunk (``CHUNK_OUTPUTS`` names them in the ONNX file).
+        ``log_probs`` ``(1, C, V)`` float32 CTC log-probabilities, ``encoder_out`` ``(1, C, D)``,
+        and the caches for the next chunk (``CHUNK_OUTPUTS`` names them in the ONNX file).
 
     Examples:
         >>> model = ASRModel(model_config_from_preset("tiny", vocab_size=40, causal_conv=True))
@@ -155,7 +190,8 @@ class ChunkGraph(nn.Module):
         >>> caches = graph.initial_caches()
         >>> [tuple(c.shape) for c in caches.values()]  # 2 blocks, 2 heads of 24, kernel 7
         [(2, 2, 2, 8, 24), (2, 6, 48)]
-        >>> log_probs, enc, *caches = graph(torch.randn(1, graph.window_frames, 80), torch.tensor(0), **caches)
+        >>> window = torch.randn(1, graph.window_frames, 80)
+        >>> log_probs, enc, *caches = graph(window, torch.tensor(0), **caches)
         >>> log_probs.shape, enc.shape
         (torch.Size([1, 4, 40]), torch.Size([1, 4, 48]))
     """
@@ -179,27 +215,38 @@ class ChunkGraph(nn.Module):
         """The caches of a stream's first chunk: zeros, by input name."""
         cfg = self.model.cfg
         heads, width = cfg.n_heads, cfg.d_model // cfg.n_heads
-        return {"attention_cache": torch.zeros(cfg.encoder_layers, 2, heads, self.cache_frames, width),
-                "conv_cache": torch.zeros(cfg.encoder_layers, cfg.conv_kernel - 1, cfg.d_model)}
+        return {
+            "attention_cache": torch.zeros(cfg.encoder_layers, 2, heads, self.cache_frames, width),
+            "conv_cache": torch.zeros(cfg.encoder_layers, cfg.conv_kernel - 1, cfg.d_model),
+        }
 
     def forward(self, features: torch.Tensor, offset: torch.Tensor, attention_cache: torch.Tensor,
                 conv_cache: torch.Tensor, feature_mean: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         model, encoder, past = self.model, self.model.encoder, self.cache_frames
         x = model.normalize(features, feature_mean if self.utterance_cmvn else None)
-        x, _ = encoder.subsampling(x, torch.ones(1, dtype=torch.int64))  # the lengths it gives go unused
+        # the lengths it gives go unused
+        x, _ = encoder.subsampling(x, torch.ones(1, dtype=torch.int64))
         frames = x.shape[1]
         # Rotary tables of positions offset .. offset + C - 1, as RotaryEmbedding makes them.
-        angles = (offset + torch.arange(frames, device=x.device)).float()[:, None] * encoder.rotary.inv_freq[None, :]
+        angles = (offset + torch.arange(frames, device=x.device)).float()[
+            :, None
+        ] * encoder.rotary.inv_freq[None, :]
         angles = torch.cat([angles, angles], dim=-1)
         rope = (angles.cos(), angles.sin())
-        filled = torch.arange(past, device=x.device) >= past - offset  # the cache rows the stream has filled
-        allowed = torch.cat([filled, filled.new_ones(frames)])[None, None, None, :]  # (1, 1, 1, L + C)
+        # the cache rows the stream has filled
+        filled = torch.arange(past, device=x.device) >= past - offset
+        # (1, 1, 1, L + C)
+        allowed = torch.cat([filled, filled.new_ones(frames)])[None, None, None, :]
         keys_values, conv_inputs = [], []
-        for i, block in enumerate(encoder.blocks):  # ConformerBlock.forward_chunk, caches of fixed size
+        # ConformerBlock.forward_chunk, caches of fixed size
+        for i, block in enumerate(encoder.blocks):
             x = x + 0.5 * block.ffn1(x)
-            cache = {block.attn: (attention_cache[i, 0:1], attention_cache[i, 1:2])}  # (1, H, L, d) each
-            x = x + block.attn_dropout(block.attn(block.attn_norm(x), None, allowed, rope, cache, offset=0))
+            # (1, H, L, d) each
+            cache = {block.attn: (attention_cache[i, 0:1], attention_cache[i, 1:2])}
+            x = x + block.attn_dropout(
+                block.attn(block.attn_norm(x), None, allowed, rope, cache, offset=0)
+            )
             k, v = cache[block.attn]  # (1, H, L + C, d): the cache, then this chunk's
             keys_values.append(torch.cat([k, v])[:, :, k.shape[2] - past:])  # (2, H, L, d)
             conv, conv_in = block.conv_module.forward_chunk(x, conv_cache[i:i + 1])
@@ -213,7 +260,8 @@ class ChunkGraph(nn.Module):
 @dataclass
 class Exported:
     path: Path
-    difference: float | None = None  # max |log-prob| difference from PyTorch on the check batch (models only)
+    # max |log-prob| difference from PyTorch on the check batch (models only)
+    difference: float | None = None
 
 
 def unavailable(formats: Sequence[str]) -> str | None:
@@ -224,7 +272,9 @@ def unavailable(formats: Sequence[str]) -> str | None:
     if missing:
         return (f"ONNX export needs {', '.join(missing)}: pip install 'konkanivani[export]' "
                 "(or --format torchscript, which needs nothing more)")
-    if not {"dynamo", "dynamic_shapes", "external_data"} <= set(inspect.signature(torch.onnx.export).parameters):
+    if not {"dynamo", "dynamic_shapes", "external_data"} <= set(
+        inspect.signature(torch.onnx.export).parameters
+    ):
         return (f"ONNX export needs torch.onnx.export(dynamo=True, external_data=...), which torch "
                 f"{torch.__version__} lacks: upgrade torch (or --format torchscript)")
     return None
@@ -243,12 +293,18 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, formats: Sequ
             raise ValueError(f"unknown export format {fmt!r}; choose from {', '.join(FORMATS)}")
     recognizer = Recognizer.from_checkpoint(checkpoint)  # CPU, eval mode
     if streaming is not None and not recognizer.model.cfg.causal_conv:
-        raise ExportError(f"{checkpoint} was trained without --causal_conv: its convolutions look at later frames, "
-                          "so it cannot stream; train with --causal_conv --dynamic_chunk for a streaming model")
+        raise ExportError(
+            f"{checkpoint} was trained without --causal_conv: its convolutions look at later"
+            " frames, so it cannot stream; train with --causal_conv --dynamic_chunk for a"
+            " streaming model"
+        )
     graph = CTCGraph(recognizer.model)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    exporters = {"onnx": (export_onnx, onnx_runner), "torchscript": (export_torchscript, torchscript_runner)}
+    exporters = {
+        "onnx": (export_onnx, onnx_runner),
+        "torchscript": (export_torchscript, torchscript_runner),
+    }
     written = []
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".export-") as tmp:
         for fmt in formats:
@@ -260,8 +316,13 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, formats: Sequ
             chunk_graph = ChunkGraph(recognizer.model, streaming)
             path = Path(tmp) / STREAMING_FILES["onnx"]
             export_chunk_onnx(chunk_graph, path)
-            written.append(Exported(out_dir / path.name, stream_difference(chunk_runner(path), chunk_graph)))
-            _write_json(Path(tmp) / STREAMING_FILES["settings"], streaming_settings(chunk_graph, recognizer.log_mel))
+            written.append(
+                Exported(out_dir / path.name, stream_difference(chunk_runner(path), chunk_graph))
+            )
+            _write_json(
+                Path(tmp) / STREAMING_FILES["settings"],
+                streaming_settings(chunk_graph, recognizer.log_mel),
+            )
             written.append(Exported(out_dir / STREAMING_FILES["settings"]))
         _write_json(Path(tmp) / FILES["vocabulary"], vocabulary(recognizer.tokenizer))
         _write_json(Path(tmp) / FILES["features"], feature_settings(recognizer.log_mel))
@@ -271,14 +332,17 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, formats: Sequ
     return written
 
 
-def _example_inputs(graph: CTCGraph, lengths: Sequence[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _example_inputs(
+    graph: CTCGraph, lengths: Sequence[int], seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Features ``(B, max(lengths), F)`` drawn around the model's CMVN statistics, zero-padded."""
     model = graph.model
     generator = torch.Generator().manual_seed(seed)
     feats = torch.randn(len(lengths), max(lengths), model.cfg.n_mels, generator=generator)
     feats = feats * model.feat_std + model.feat_mean  # (B, T, F)
     lens = torch.tensor(lengths, dtype=torch.int64)
-    feats[torch.arange(max(lengths)) >= lens[:, None]] = 0.0  # padding as collate and Recognizer make it
+    # padding as collate and Recognizer make it
+    feats[torch.arange(max(lengths)) >= lens[:, None]] = 0.0
     return feats, lens
 
 
@@ -292,13 +356,16 @@ def _quiet_exporter() -> Iterator[None]:
         logger.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
-            # One symbol for the batch size of both inputs: torch.export notes that it keeps one name.
+            # One symbol for the batch size of both inputs: torch.export notes that it keeps one
+            # name.
             warnings.filterwarnings("ignore", message=r".*axis name: .* will not be used")
             # MultiHeadAttention compares the query and memory batch sizes, equal in the encoder's
             # self-attention at every shape: the traced constant holds for all inputs.
             warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
             # torch.jit is deprecated upstream (docs/decoding.md, "Ship the model", says so once).
-            warnings.filterwarnings("ignore", message=r"`torch\.jit\.\w+` is deprecated", category=FutureWarning)
+            warnings.filterwarnings(
+                "ignore", message=r"`torch\.jit\.\w+` is deprecated", category=FutureWarning
+            )
             yield
     finally:
         for logger, level in zip(loggers, levels):
@@ -311,23 +378,44 @@ def export_onnx(graph: CTCGraph, path: str | Path) -> None:
     batch, frames = torch.export.Dim("batch"), torch.export.Dim("frames", min=MIN_FRAMES)
     try:
         with _quiet_exporter(), torch.no_grad():
-            torch.onnx.export(graph, (feats, lens), str(path), dynamo=True, opset_version=OPSET, verbose=False,
-                              external_data=False, input_names=["features", "feature_lengths"],
-                              output_names=["log_probs", "log_prob_lengths"],
-                              dynamic_shapes={"features": {0: batch, 1: frames}, "feature_lengths": {0: batch}})
+            torch.onnx.export(
+                graph,
+                (feats, lens),
+                str(path),
+                dynamo=True,
+                opset_version=OPSET,
+                verbose=False,
+                external_data=False,
+                input_names=["features", "feature_lengths"],
+                output_names=["log_probs", "log_prob_lengths"],
+                dynamic_shapes={"features": {0: batch, 1: frames}, "feature_lengths": {0: batch}},
+            )
     except Exception as e:
         raise ExportError(f"ONNX export failed ({type(e).__name__}: {_first_line(e)})") from e
 
 
-def _chunk_example(graph: ChunkGraph, generator: torch.Generator, frames: int) -> dict[str, torch.Tensor]:
+def _chunk_example(
+    graph: ChunkGraph, generator: torch.Generator, frames: int
+) -> dict[str, torch.Tensor]:
     """Inputs of a chunk in the middle of a stream: ``frames`` feature frames drawn around the CMVN
     statistics, random caches, an offset that fills a part of the attention cache."""
     model = graph.model
-    features = torch.randn(1, frames, model.cfg.n_mels, generator=generator) * model.feat_std + model.feat_mean
-    inputs = {"features": features, "offset": torch.tensor(max(graph.cache_frames - 1, 0)),
-              **{name: torch.randn(c.shape, generator=generator) for name, c in graph.initial_caches().items()}}
+    features = (
+        torch.randn(1, frames, model.cfg.n_mels, generator=generator) * model.feat_std
+        + model.feat_mean
+    )
+    inputs = {
+        "features": features,
+        "offset": torch.tensor(max(graph.cache_frames - 1, 0)),
+        **{
+            name: torch.randn(c.shape, generator=generator)
+            for name, c in graph.initial_caches().items()
+        },
+    }
     if graph.utterance_cmvn:
-        inputs["feature_mean"] = model.feat_mean + 0.1 * torch.randn(model.cfg.n_mels, generator=generator)
+        inputs["feature_mean"] = model.feat_mean + 0.1 * torch.randn(
+            model.cfg.n_mels, generator=generator
+        )
     return inputs
 
 
@@ -337,16 +425,31 @@ def export_chunk_onnx(graph: ChunkGraph, path: str | Path) -> None:
     named ``CHUNK_OUTPUTS``."""
     inputs = _chunk_example(graph, torch.Generator().manual_seed(0), graph.window_frames)
     names = list(inputs)  # feature_mean only with cmvn "utterance"
-    window = None if graph.window_frames == MIN_FRAMES else torch.export.Dim("window", min=MIN_FRAMES,
-                                                                               max=graph.window_frames)
+    window = (
+        None
+        if graph.window_frames == MIN_FRAMES
+        else torch.export.Dim("window", min=MIN_FRAMES, max=graph.window_frames)
+    )
     dynamic = {name: {1: window} if name == "features" and window else None for name in names}
     try:
         with _quiet_exporter(), torch.no_grad():
-            torch.onnx.export(graph, (), str(path), kwargs=inputs, dynamo=True, opset_version=OPSET, verbose=False,
-                              external_data=False, input_names=names, output_names=list(CHUNK_OUTPUTS),
-                              dynamic_shapes=dynamic)
+            torch.onnx.export(
+                graph,
+                (),
+                str(path),
+                kwargs=inputs,
+                dynamo=True,
+                opset_version=OPSET,
+                verbose=False,
+                external_data=False,
+                input_names=names,
+                output_names=list(CHUNK_OUTPUTS),
+                dynamic_shapes=dynamic,
+            )
     except Exception as e:
-        raise ExportError(f"ONNX export of the chunk graph failed ({type(e).__name__}: {_first_line(e)})") from e
+        raise ExportError(
+            f"ONNX export of the chunk graph failed ({type(e).__name__}: {_first_line(e)})"
+        ) from e
 
 
 def export_torchscript(graph: CTCGraph, path: str | Path) -> None:
@@ -355,9 +458,12 @@ def export_torchscript(graph: CTCGraph, path: str | Path) -> None:
     try:
         with _quiet_exporter(), torch.no_grad():
             traced = torch.jit.trace(graph, (feats, lens), check_trace=False)
-            torch.jit.save(torch.jit.freeze(traced), str(path))  # frozen: the decoder's weights are dropped
+            # frozen: the decoder's weights are dropped
+            torch.jit.save(torch.jit.freeze(traced), str(path))
     except Exception as e:
-        raise ExportError(f"TorchScript export failed ({type(e).__name__}: {_first_line(e)})") from e
+        raise ExportError(
+            f"TorchScript export failed ({type(e).__name__}: {_first_line(e)})"
+        ) from e
 
 
 def onnx_runner(path: str | Path) -> Runner:
@@ -368,7 +474,9 @@ def onnx_runner(path: str | Path) -> Runner:
     options.intra_op_num_threads = torch.get_num_threads()
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
-    def run(features: torch.Tensor, feature_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        features: torch.Tensor, feature_lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         log_probs, lengths = session.run(None, {"features": features.numpy(),
                                                 "feature_lengths": feature_lengths.numpy()})
         return torch.from_numpy(log_probs), torch.from_numpy(lengths)
@@ -385,7 +493,9 @@ def chunk_runner(path: str | Path) -> ChunkRunner:
     options.intra_op_num_threads = torch.get_num_threads()
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
-    def run(**inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run(
+        **inputs: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         outputs = session.run(None, {name: value.numpy() for name, value in inputs.items()})
         return tuple(torch.from_numpy(o) for o in outputs)
 
@@ -397,32 +507,47 @@ def torchscript_runner(path: str | Path) -> Runner:
     with _quiet_exporter():
         module = torch.jit.load(str(path), map_location="cpu")
 
-    def run(features: torch.Tensor, feature_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        features: torch.Tensor, feature_lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
             return module(features, feature_lengths)
 
     return run
 
 
-def max_difference(run: Runner, graph: CTCGraph, lengths: Sequence[int] = (137, 61, MIN_FRAMES)) -> float:
+def max_difference(
+    run: Runner, graph: CTCGraph, lengths: Sequence[int] = (137, 61, MIN_FRAMES)
+) -> float:
     """The largest |log-prob| difference between ``run`` and ``graph`` over the real frames of a
     batch of ``lengths`` (by default other than the export traced: three utterances, the shortest
-    possible among them). ``ExportError`` if the lengths differ or the difference exceeds ``TOLERANCE``."""
+    possible among them). ``ExportError`` if the lengths differ or the difference exceeds
+    ``TOLERANCE``."""
     feats, lens = _example_inputs(graph, lengths, seed=1)
     with torch.no_grad():
         expected, expected_lens = graph(feats, lens)
         got, got_lens = run(feats, lens)
     if got.shape != expected.shape or not torch.equal(got_lens, expected_lens):
-        raise ExportError(f"the exported model gives log-probs {tuple(got.shape)} with lengths {got_lens.tolist()} "
-                          f"where the model gives {tuple(expected.shape)} with {expected_lens.tolist()}")
-    difference = max(float((got[b, :n] - expected[b, :n]).abs().max()) for b, n in enumerate(expected_lens.tolist()))
+        raise ExportError(
+            f"the exported model gives log-probs {tuple(got.shape)} with lengths"
+            f" {got_lens.tolist()} where the model gives {tuple(expected.shape)} with"
+            f" {expected_lens.tolist()}"
+        )
+    difference = max(
+        float((got[b, :n] - expected[b, :n]).abs().max())
+        for b, n in enumerate(expected_lens.tolist())
+    )
     if not difference <= TOLERANCE:  # NaN fails too
-        raise ExportError(f"the exported model's log-probs differ from the model's by up to {difference:.3g} "
-                          f"(tolerance {TOLERANCE})")
+        raise ExportError(
+            f"the exported model's log-probs differ from the model's by up to {difference:.3g} "
+            f"(tolerance {TOLERANCE})"
+        )
     return difference
 
 
-def stream_difference(run: ChunkRunner, graph: ChunkGraph, chunks: int | None = None, seed: int = 1) -> float:
+def stream_difference(
+    run: ChunkRunner, graph: ChunkGraph, chunks: int | None = None, seed: int = 1
+) -> float:
     """The largest |difference| of log-probs and encoder frames between ``run`` driven as a stream
     (its own caches fed back, from ``initial_caches``) and ``ConformerEncoder.forward_chunk`` on the
     same windows. The stream has ``chunks`` full chunks (default ``left_chunks + 2``: the first ones
@@ -436,41 +561,57 @@ def stream_difference(run: ChunkRunner, graph: ChunkGraph, chunks: int | None = 
     state, caches, difference = None, graph.initial_caches(), 0.0
     for start in range(0, frames - MIN_FRAMES + 1, graph.window_hop):
         window = features[:, start:start + graph.window_frames]
-        inputs = {"features": window, "offset": torch.tensor(0 if state is None else state.offset), **caches}
+        inputs = {
+            "features": window,
+            "offset": torch.tensor(0 if state is None else state.offset),
+            **caches,
+        }
         mean = None
-        if graph.utterance_cmvn:  # the running mean of the stream's raw frames, as a client keeps it
+        # the running mean of the stream's raw frames, as a client keeps it
+        if graph.utterance_cmvn:
             inputs["feature_mean"] = mean = features[0, :start + window.shape[1]].mean(0)
         with torch.no_grad():
-            expected, state = model.encoder.forward_chunk(model.normalize(window, mean), state, graph.cache_frames)
+            expected, state = model.encoder.forward_chunk(
+                model.normalize(window, mean), state, graph.cache_frames
+            )
             expected_log_probs = model.ctc_log_probs(expected)
             log_probs, enc, *next_caches = run(**inputs)
         if log_probs.shape != expected_log_probs.shape or enc.shape != expected.shape:
-            raise ExportError(f"the exported chunk graph gives log-probs {tuple(log_probs.shape)} for a window of "
-                              f"{window.shape[1]} frames where the model gives {tuple(expected_log_probs.shape)}")
+            raise ExportError(
+                f"the exported chunk graph gives log-probs {tuple(log_probs.shape)} for a window of"
+                f" {window.shape[1]} frames where the model gives {tuple(expected_log_probs.shape)}"
+            )
         difference = max(difference, float((log_probs - expected_log_probs).abs().max()),
                          float((enc - expected).abs().max()))
         caches = dict(zip(caches, next_caches))
     if not difference <= TOLERANCE:  # NaN fails too
-        raise ExportError(f"the exported chunk graph's outputs differ from the model's chunk by chunk by up to "
-                          f"{difference:.3g} (tolerance {TOLERANCE})")
+        raise ExportError(
+            "the exported chunk graph's outputs differ from the model's chunk by chunk by up to "
+            f"{difference:.3g} (tolerance {TOLERANCE})"
+        )
     return difference
 
 
 def _window_frames(encoder_frames: int) -> int:
-    """The fewest feature frames that make ``encoder_frames`` (>= 1) encoder frames: (n - 1) * 4 + 7."""
+    """The fewest feature frames that make ``encoder_frames`` (>= 1) encoder frames: (n - 1) * 4 +
+    7."""
     return (encoder_frames - 1) * Conv2dSubsampling.STRIDE + Conv2dSubsampling.CONTEXT
 
 
 def vocabulary(tokenizer: Tokenizer) -> dict[str, Any]:
-    """What greedy CTC decoding needs of the tokenizer, as JSON: the pieces by id and the special ids."""
+    """What greedy CTC decoding needs of the tokenizer, as JSON: the pieces by id and the special
+    ids."""
     return {
         "blank_id": BLANK_ID,
         "unk_id": UNK_ID,  # never a CTC target: a trained model does not emit it
-        "sos_eos_id": SOS_EOS_ID,  # the attention decoder's start/end symbol; never a CTC target either
+        # the attention decoder's start/end symbol; never a CTC target either
+        "sos_eos_id": SOS_EOS_ID,
         "word_boundary": "\u2581",
-        "decoding": "greedy CTC: the best id of each of the first log_prob_lengths frames, repeats merged, "
-                    "blank_id and sos_eos_id dropped; text: the pieces joined, leading word_boundary "
-                    "characters stripped and the others turned into spaces",
+        "decoding": (
+            "greedy CTC: the best id of each of the first log_prob_lengths frames, repeats merged, "
+            "blank_id and sos_eos_id dropped; text: the pieces joined, leading word_boundary "
+            "characters stripped and the others turned into spaces"
+        ),
         "pieces": tokenizer.pieces(range(tokenizer.vocab_size)),  # id -> piece
     }
 
@@ -484,20 +625,33 @@ def feature_settings(log_mel: LogMel) -> dict[str, Any]:
     sample_rate = filterbank.sample_rate
     return {
         "sample_rate": sample_rate,
-        "channels": "mono: the mean of the file's channels, resampled to sample_rate "
-                    "(torchaudio.functional.resample) if it has another",
+        "channels": (
+            "mono: the mean of the file's channels, resampled to sample_rate "
+            "(torchaudio.functional.resample) if it has another"
+        ),
         "n_mels": filterbank.n_mels,
         "window": "hann (periodic)",
         "mel_spectrogram": {
-            "sample_rate": sample_rate, "n_fft": stft.n_fft, "win_length": stft.win_length,
-            "hop_length": stft.hop_length, "f_min": filterbank.f_min, "f_max": filterbank.f_max,
-            "pad": stft.pad, "n_mels": filterbank.n_mels, "power": stft.power, "normalized": stft.normalized,
-            "center": stft.center, "pad_mode": stft.pad_mode, "norm": filterbank.norm,
+            "sample_rate": sample_rate,
+            "n_fft": stft.n_fft,
+            "win_length": stft.win_length,
+            "hop_length": stft.hop_length,
+            "f_min": filterbank.f_min,
+            "f_max": filterbank.f_max,
+            "pad": stft.pad,
+            "n_mels": filterbank.n_mels,
+            "power": stft.power,
+            "normalized": stft.normalized,
+            "center": stft.center,
+            "pad_mode": stft.pad_mode,
+            "norm": filterbank.norm,
             "mel_scale": filterbank.mel_scale,
         },
         "log_offset": LOG_OFFSET,
-        "features": "ln(mel_spectrogram(waveform) + log_offset), transposed to (T, n_mels); "
-                    "T = 1 + samples // hop_length; not normalized: the model holds the CMVN",
+        "features": (
+            "ln(mel_spectrogram(waveform) + log_offset), transposed to (T, n_mels); "
+            "T = 1 + samples // hop_length; not normalized: the model holds the CMVN"
+        ),
         "min_frames": MIN_FRAMES,
         "output_lengths": "T' = ((T - 1) // 2 - 1) // 2",
         "output_frame_seconds": 4 * stft.hop_length / sample_rate,
@@ -511,28 +665,50 @@ def streaming_settings(graph: ChunkGraph, log_mel: LogMel) -> dict[str, Any]:
     return {
         "chunk_size": graph.streaming.chunk_size,
         "left_chunks": graph.streaming.left_chunks,
-        "chunk_seconds": graph.streaming.chunk_size * feature_settings(log_mel)["output_frame_seconds"],
+        "chunk_seconds": (
+            graph.streaming.chunk_size * feature_settings(log_mel)["output_frame_seconds"]
+        ),
         "window_frames": graph.window_frames,
         "window_hop": graph.window_hop,
         "min_window_frames": MIN_FRAMES,
-        "windows": "feature frames start .. start + window_frames - 1 for start = 0, window_hop, 2 * window_hop, ... "
-                   "while start + min_window_frames <= T: the last window may be shorter and give fewer frames",
+        "windows": (
+            "feature frames start .. start + window_frames - 1 for start = 0, window_hop, 2 *"
+            " window_hop, ... while start + min_window_frames <= T: the last window may be shorter"
+            " and give fewer frames"
+        ),
         "cmvn": graph.model.cfg.cmvn,
         "inputs": {
-            "features": f"(1, W, n_mels) float32 raw log-mel frames of a window (as features.json says; the CMVN "
-                        f"is in the graph), W = window_frames, or {MIN_FRAMES} .. window_frames for the last",
+            "features": (
+                "(1, W, n_mels) float32 raw log-mel frames of a window (as features.json says; the"
+                f" CMVN is in the graph), W = window_frames, or {MIN_FRAMES} .. window_frames for"
+                " the last"
+            ),
             "offset": "() int64: the encoder frames of the windows before (0, then + chunk_size)",
-            "attention_cache": f"{list(caches['attention_cache'].shape)} float32 (blocks, keys and values, heads, "
-                               "left_chunks * chunk_size frames, head width): zeros, then next_attention_cache",
-            "conv_cache": f"{list(caches['conv_cache'].shape)} float32 (blocks, conv_kernel - 1, d_model): zeros, "
-                          "then next_conv_cache",
-            **({"feature_mean": "(n_mels,) float32: the mean of the raw log-mel frames from the stream's start to "
-                                "this window's end"} if graph.utterance_cmvn else {}),
+            "attention_cache": (
+                f"{list(caches['attention_cache'].shape)} float32 (blocks, keys and values, heads, "
+                "left_chunks * chunk_size frames, head width): zeros, then next_attention_cache"
+            ),
+            "conv_cache": (
+                f"{list(caches['conv_cache'].shape)} float32 (blocks, conv_kernel - 1, d_model):"
+                " zeros, then next_conv_cache"
+            ),
+            **(
+                {
+                    "feature_mean": (
+                        "(n_mels,) float32: the mean of the raw log-mel frames from the stream's"
+                        " start to this window's end"
+                    )
+                }
+                if graph.utterance_cmvn
+                else {}
+            ),
         },
         "cache_shapes": {name: list(c.shape) for name, c in caches.items()},
         "outputs": {
-            "log_probs": "(1, C, V) float32 CTC log-probabilities of the window's C encoder frames (C = chunk_size "
-                         "but in a shorter last window)",
+            "log_probs": (
+                "(1, C, V) float32 CTC log-probabilities of the window's C encoder frames (C ="
+                " chunk_size but in a shorter last window)"
+            ),
             "encoder_out": "(1, C, d_model) float32 encoder frames (for attention rescoring)",
             "next_attention_cache": "the attention_cache input of the next window",
             "next_conv_cache": "the conv_cache input of the next window",

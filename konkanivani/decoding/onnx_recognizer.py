@@ -1,4 +1,5 @@
-"""A ``konkanivani-export`` folder as a recognizer, on onnxruntime: what ``konkanivani-serve DIR`` loads.
+"""A ``konkanivani-export`` folder as a recognizer, on onnxruntime: what ``konkanivani-serve DIR``
+loads.
 
 The folder holds the encoder and CTC head (``model.onnx``), the pieces of the vocabulary
 (``vocabulary.json``), how the features are made (``features.json``) and, from ``--streaming``, the
@@ -10,7 +11,8 @@ no attention rescoring and no language model.
 ``ExportedRecognizer.decode_waveforms`` decodes whole waveforms through ``model.onnx``;
 ``ExportedRecognizer.stream`` gives a ``streaming.Stream`` whose chunks go through
 ``encoder_chunk.onnx`` (``GraphChunks``) in the chunk size and left context the export was made for.
-The features are this package's ``LogMel``; an export whose ``features.json`` says otherwise is refused.
+The features are this package's ``LogMel``; an export whose ``features.json`` says otherwise is
+refused.
 """
 from __future__ import annotations
 
@@ -24,7 +26,15 @@ import torch
 
 from ..data.features import LogMel
 from ..data.frames import SAMPLE_RATE
-from .model_export import FILES, STREAMING_FILES, ChunkRunner, ExportError, chunk_runner, feature_settings, onnx_runner
+from .model_export import (
+    FILES,
+    STREAMING_FILES,
+    ChunkRunner,
+    ExportError,
+    chunk_runner,
+    feature_settings,
+    onnx_runner,
+)
 from .search import ctc_greedy, ctc_prefix_beam_search
 from .settings import EXPORTED_METHODS, DecodingConfig
 from .streaming import Stream, check_sample_rate
@@ -35,7 +45,8 @@ __all__ = ["EXPORTED_METHODS", "ExportedRecognizer", "GraphChunks", "Pieces"]
 class Pieces:
     """Token ids to text as ``vocabulary.json`` says (the export holds no SentencePiece model): the
     pieces joined, blank and sos/eos dropped, the word boundary marks turned into spaces. What
-    ``Tokenizer.decode`` and ``Tokenizer.pieces`` give, but for <unk> (SentencePiece spells it " ⁇ "),
+    ``Tokenizer.decode`` and ``Tokenizer.pieces`` give, but for <unk> (SentencePiece spells it " ⁇
+    "),
     which a trained model does not emit."""
 
     def __init__(self, vocabulary: dict[str, Any]):
@@ -54,15 +65,18 @@ class Pieces:
 
 class GraphChunks:
     """How a ``Stream`` encodes through ``encoder_chunk.onnx``: raw log-mel frames kept as they come
-    (the graph holds the CMVN; with cmvn "utterance" each frame carries the running mean of the frames
-    up to it, and a window is normalized by the mean up to its end, as ``streaming.json`` asks), a
-    window through the graph with the caches it gave last and the offset, the caches fed back. Its
+    (the graph holds the CMVN; with cmvn "utterance" each frame carries the running mean of the
+    frames up to it, and a window is normalized by the mean up to its end, as ``streaming.json``
+    asks), a window through the graph with the caches it gave last and the offset, the caches fed
+    back. Its
     caches have the fixed size of the export's ``left_chunks``."""
 
     def __init__(self, run: ChunkRunner, settings: dict[str, Any], n_mels: int):
         self.run, self.n_mels = run, n_mels
         self.utterance = settings["cmvn"] == "utterance"
-        self.initial = {name: torch.zeros(shape) for name, shape in settings["cache_shapes"].items()}
+        self.initial = {
+            name: torch.zeros(shape) for name, shape in settings["cache_shapes"].items()
+        }
         self.feat_sum = torch.zeros(n_mels, dtype=torch.float64)
         self.feat_count = 0
         self.reset()
@@ -72,7 +86,8 @@ class GraphChunks:
         self.caches, self.offset = dict(self.initial), 0
 
     def prepare(self, feats: torch.Tensor) -> torch.Tensor:
-        """New raw frames ``(T, F)``; with cmvn "utterance", each followed by the mean of the frames up
+        """New raw frames ``(T, F)``; with cmvn "utterance", each followed by the mean of the frames
+        up
         to it ``(T, 2F)``."""
         feats = feats.float().cpu()
         if not self.utterance:
@@ -84,9 +99,13 @@ class GraphChunks:
         return torch.cat([feats, (sums / counts[:, None]).float()], dim=1)
 
     def encode(self, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A window of prepared frames: the chunk's CTC log-probabilities ``(C, V)`` and encoder frames ``(C, D)``."""
-        inputs = {"features": window[None, :, :self.n_mels].contiguous(), "offset": torch.tensor(self.offset),
-                  **self.caches}
+        """A window of prepared frames: the chunk's CTC log-probabilities ``(C, V)`` and encoder
+        frames ``(C, D)``."""
+        inputs = {
+            "features": window[None, :, : self.n_mels].contiguous(),
+            "offset": torch.tensor(self.offset),
+            **self.caches,
+        }
         if self.utterance:
             inputs["feature_mean"] = window[-1, self.n_mels:].contiguous()
         log_probs, enc, attention_cache, conv_cache = self.run(**inputs)
@@ -114,19 +133,30 @@ class ExportedRecognizer:
         missing = [name for name in (FILES["onnx"], FILES["vocabulary"], FILES["features"])
                    if not (folder / name).is_file()]
         if missing:
-            raise ExportError(f"{folder}: not a konkanivani-export folder (no {', '.join(missing)})")
-        vocabulary, features = _read_json(folder / FILES["vocabulary"]), _read_json(folder / FILES["features"])
+            raise ExportError(
+                f"{folder}: not a konkanivani-export folder (no {', '.join(missing)})"
+            )
+        vocabulary, features = _read_json(folder / FILES["vocabulary"]), _read_json(
+            folder / FILES["features"]
+        )
         try:
             self.tokenizer = Pieces(vocabulary)
             self.log_mel = LogMel(int(features["n_mels"]))
         except (KeyError, TypeError, ValueError) as e:
-            raise ExportError(f"{folder}: {FILES['vocabulary']} or {FILES['features']} is not an export's "
-                              f"({type(e).__name__}: {e})") from e
+            raise ExportError(
+                f"{folder}: {FILES['vocabulary']} or {FILES['features']} is not an export's "
+                f"({type(e).__name__}: {e})"
+            ) from e
         if json.loads(json.dumps(feature_settings(self.log_mel))) != features:
-            raise ExportError(f"{folder}: {FILES['features']} describes other features than this konkanivani "
-                              "computes (made by another version?)")
+            raise ExportError(
+                f"{folder}: {FILES['features']} describes other features than this konkanivani "
+                "computes (made by another version?)"
+            )
         self.run = _session(onnx_runner, folder / FILES["onnx"])
-        chunk_graph, settings = folder / STREAMING_FILES["onnx"], folder / STREAMING_FILES["settings"]
+        chunk_graph, settings = (
+            folder / STREAMING_FILES["onnx"],
+            folder / STREAMING_FILES["settings"],
+        )
         self.streaming: dict[str, Any] | None = None
         if chunk_graph.is_file() and settings.is_file():
             self.streaming = _read_json(settings)
@@ -153,11 +183,14 @@ class ExportedRecognizer:
     @torch.inference_mode()
     def decode_waveforms(self, wavs: Sequence[torch.Tensor], decoding: DecodingConfig | None = None,
                          **overrides) -> list[str]:
-        """Texts of 16 kHz mono waveforms, as one batch through ``model.onnx``: ``greedy`` or ``beam``."""
+        """Texts of 16 kHz mono waveforms, as one batch through ``model.onnx``: ``greedy`` or
+        ``beam``."""
         d = self.settings(decoding, **overrides)
         feats = [self.log_mel(w) for w in wavs]
         lens = torch.tensor([len(f) for f in feats], dtype=torch.int64)
-        log_probs, log_prob_lens = self.run(torch.nn.utils.rnn.pad_sequence(feats, batch_first=True), lens)
+        log_probs, log_prob_lens = self.run(
+            torch.nn.utils.rnn.pad_sequence(feats, batch_first=True), lens
+        )
         if d.method == "greedy":
             ids = ctc_greedy(log_probs, log_prob_lens)
         else:
@@ -167,11 +200,14 @@ class ExportedRecognizer:
 
     def stream(self, decoding: DecodingConfig | None = None, *, sample_rate: int = SAMPLE_RATE,
                **overrides) -> Stream:
-        """A ``Stream`` through ``encoder_chunk.onnx`` in the export's chunks, decoded with ``greedy`` or
-        ``beam``; ``ValueError`` in one line for a folder without the chunk graph or settings it cannot take."""
+        """A ``Stream`` through ``encoder_chunk.onnx`` in the export's chunks, decoded with
+        ``greedy`` or ``beam``; ``ValueError`` in one line for a folder without the chunk graph or
+        settings it cannot take."""
         if self.streaming is None:
-            raise ValueError(f"{self.folder} holds no {STREAMING_FILES['onnx']}: export the checkpoint with "
-                             "--streaming (a model trained with --causal_conv) to stream")
+            raise ValueError(
+                f"{self.folder} holds no {STREAMING_FILES['onnx']}: export the checkpoint with "
+                "--streaming (a model trained with --causal_conv) to stream"
+            )
         d = self.settings(decoding, streams=True, **overrides)
         check_sample_rate(sample_rate)
         chunks = GraphChunks(self.chunk_run, self.streaming, self.log_mel.mel.n_mels)
@@ -179,7 +215,8 @@ class ExportedRecognizer:
 
 
 def _session(runner: Callable[[Path], Any], path: Path) -> Any:
-    """``runner(path)``: an onnxruntime session of the file; ``ExportError`` in one line when it cannot
+    """``runner(path)``: an onnxruntime session of the file; ``ExportError`` in one line when it
+    cannot
     load it (onnxruntime raises its own exceptions, none a ``RuntimeError``)."""
     try:
         return runner(path)

@@ -64,7 +64,8 @@ class Transcript:
     text: str
     duration: float  # seconds of audio
     error: str | None = None  # why the file could not be transcribed
-    method: str = ""  # the method that decoded it: the one asked for, or LONG_INPUT_METHOD for a long file
+    # the method that decoded it: the one asked for, or LONG_INPUT_METHOD for a long file
+    method: str = ""
 
 
 class Recognizer:
@@ -77,7 +78,8 @@ class Recognizer:
         >>> rec.transcribe(["a.wav"], DecodingConfig(method="beam", beam_size=4))  # doctest: +SKIP
         >>> rec = Recognizer.from_checkpoint("checkpoints/run/best.pt",
         ...                                  lm="checkpoints/lm/best.pt")  # doctest: +SKIP
-        >>> rec.transcribe(["a.wav"], method="joint", lm_weight=0.3, length_bonus=0.5)  # doctest: +SKIP
+        >>> rec.transcribe(["a.wav"], method="joint", lm_weight=0.3,
+        ...                length_bonus=0.5)  # doctest: +SKIP
     """
 
     def __init__(self, model: ASRModel, tokenizer: Tokenizer, device: torch.device,
@@ -102,7 +104,8 @@ class Recognizer:
         return rec
 
     def attach_lm(self, lm_path: str | Path, asr_name: str | Path = "the recognizer") -> None:
-        """Load the LM of ``lm_path`` for fusion; ``CheckpointError`` in one line, naming both files,
+        """Load the LM of ``lm_path`` for fusion; ``CheckpointError`` in one line, naming both
+        files,
         when its vocabulary is not this recognizer's."""
         lm, lm_tokenizer = load_lm(lm_path, self.device)
         check_same_vocabulary(lm_tokenizer, lm_path, self.tokenizer, asr_name)
@@ -127,7 +130,9 @@ class Recognizer:
     def fusion(self, d: DecodingConfig) -> Fusion | None:
         """The fusion of resolved settings ``d``; ``ValueError`` for an LM weight without an LM."""
         if d.lm_weight and self.lm is None:
-            raise ValueError("lm_weight needs a language model (Recognizer.from_checkpoint(..., lm=...))")
+            raise ValueError(
+                "lm_weight needs a language model (Recognizer.from_checkpoint(..., lm=...))"
+            )
         if d.method not in FUSED_METHODS:
             return None
         # weight 0: the LM need not run
@@ -142,8 +147,10 @@ class Recognizer:
             model.load_state_dict(inference_state_dict(state))
             tokenizer = Tokenizer(state["tokenizer"])
         except (KeyError, TypeError, RuntimeError, ValueError) as e:
-            raise CheckpointError(f"{path}: the checkpoint does not hold a usable model ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else e})") from e
+            raise CheckpointError(
+                f"{path}: the checkpoint does not hold a usable model ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else e})"
+            ) from e
         return cls(model, tokenizer, device)
 
     def decode_waveforms(self, wavs: Sequence[torch.Tensor], decoding: DecodingConfig | None = None,
@@ -194,11 +201,11 @@ class Recognizer:
     def transcribe_long(self, path: str | Path, decoding: DecodingConfig | None = None, *,
                         partials: bool = False, **overrides) -> Iterator[Result]:
         """The results of one recording of any length, read block by block (``read_blocks``), in the
-        memory of a segment: with ``chunk_size`` > 0 through a ``stream`` (its final results, and with
-        ``partials`` its partial ones); else in windows of at most ``WINDOW_SECONDS`` cut at quiet
-        moments (``quiet_windows``), each decoded whole with the method, one final result each (no
-        word times). As a stream does, it leaves out a final result without text unless there is no
-        other. ``AudioError`` for a file that cannot be read, states a sample rate that is not
+        memory of a segment: with ``chunk_size`` > 0 through a ``stream`` (its final results, and
+        with ``partials`` its partial ones); else in windows of at most ``WINDOW_SECONDS`` cut at
+        quiet moments (``quiet_windows``), each decoded whole with the method, one final result each
+        (no word times). As a stream does, it leaves out a final result without text unless there is
+        no other. ``AudioError`` for a file that cannot be read, states a sample rate that is not
         resampled from (``check_sample_rate``) or is too short for the model."""
         streams = bool(DecodingConfig.of(decoding, **overrides).chunk_size)
         d = self.settings(decoding, streams=streams, **overrides)
@@ -224,7 +231,12 @@ class Recognizer:
             text = "" if _too_short(path, len(wav)) else self._decode_waveforms([wav], d)[0]
             if text:
                 given = True
-                yield Result(text, True, round(first / SAMPLE_RATE, 3), round((first + len(wav)) / SAMPLE_RATE, 3))
+                yield Result(
+                    text,
+                    True,
+                    round(first / SAMPLE_RATE, 3),
+                    round((first + len(wav)) / SAMPLE_RATE, 3),
+                )
         _check_length(path, seen)
         if not given:
             yield Result("", True, 0.0, round(seen / SAMPLE_RATE, 3))
@@ -256,7 +268,9 @@ class Recognizer:
         read = [_read(p) for p in paths]
         wavs, errors = [w for w, _ in read], [e for _, e in read]
         texts: dict[int, str] = {}
-        decodable = sorted((i for i, e in enumerate(errors) if e is None), key=lambda i: -len(wavs[i]))
+        decodable = sorted(
+            (i for i, e in enumerate(errors) if e is None), key=lambda i: -len(wavs[i])
+        )
         for start in range(0, len(decodable), d.batch_size):
             self._decode_files(decodable[start:start + d.batch_size], paths, wavs, texts, errors, d)
         for i, path in enumerate(paths):
@@ -264,8 +278,15 @@ class Recognizer:
             used = _method_of(d.method, wavs[i]) if errors[i] is None else ""
             yield Transcript(str(path), texts.get(i, ""), duration, errors[i], used)
 
-    def _decode_files(self, chunk: list[int], paths: list[str | Path], wavs: Sequence[torch.Tensor | None],
-                      texts: dict[int, str], errors: list[str | None], d: DecodingConfig) -> None:
+    def _decode_files(
+        self,
+        chunk: list[int],
+        paths: list[str | Path],
+        wavs: Sequence[torch.Tensor | None],
+        texts: dict[int, str],
+        errors: list[str | None],
+        d: DecodingConfig,
+    ) -> None:
         """Decode the files ``chunk`` (indices into ``paths``) as one batch into ``texts``. If the
         batch raises, each file alone, so that only a file that fails by itself gets an ``errors``
         entry (naming it and what was raised) and no other file is lost with it."""
@@ -277,12 +298,15 @@ class Recognizer:
                     self._decode_files([i], paths, wavs, texts, errors, d)
             else:
                 reason = str(e).strip().splitlines()[0] if str(e).strip() else "no message"
-                errors[chunk[0]] = f"{paths[chunk[0]]}: decoding failed ({type(e).__name__}: {reason})"
+                errors[chunk[0]] = (
+                    f"{paths[chunk[0]]}: decoding failed ({type(e).__name__}: {reason})"
+                )
 
 
 def _read(path: str | Path) -> tuple[torch.Tensor | None, str | None]:
     """The waveform of ``path`` and why it cannot be decoded (None if it can): unreadable or of a
-    sample rate not resampled from (no waveform), or too short for the encoder's subsampling, decided
+    sample rate not resampled from (no waveform), or too short for the encoder's subsampling,
+    decided
     here before any batching."""
     try:
         _check_rate(path)
@@ -294,8 +318,9 @@ def _read(path: str | Path) -> tuple[torch.Tensor | None, str | None]:
 
 
 def _check_rate(path: str | Path) -> None:
-    """``AudioError`` naming ``path`` when its header states a sample rate that is not resampled from
-    (``check_sample_rate``: resampling from it would build a filter of gigabytes), before any of it is
+    """``AudioError`` naming ``path`` when its header states a sample rate that is not resampled
+    from (``check_sample_rate``: resampling from it would build a filter of gigabytes), before any
+    of it is
     read. A header that cannot be read is left to the reading, which names why."""
     try:
         rate = sf.info(str(path)).samplerate
@@ -318,8 +343,12 @@ def _too_short(path: str | Path, samples: int) -> AudioError | None:
     needs enough feature frames for one encoder frame."""
     if subsampled_lengths(frames_of_samples(samples)) >= 1:
         return None
-    return AudioError("audio too short", str(path), f"{samples / SAMPLE_RATE:.3f} s; the model needs at least "
-                      f"{MIN_SAMPLES / SAMPLE_RATE:.3f} s")
+    return AudioError(
+        "audio too short",
+        str(path),
+        f"{samples / SAMPLE_RATE:.3f} s; the model needs at least "
+        f"{MIN_SAMPLES / SAMPLE_RATE:.3f} s",
+    )
 
 
 def _check_length(path: str | Path, samples: int) -> None:
@@ -340,11 +369,20 @@ def _say_long_inputs(method: str, long_inputs: list[tuple[str, float]]) -> None:
         return
     named = ", ".join(f"{name} ({seconds:.1f} s)" for name, seconds in long_inputs[:_MAX_NAMED])
     more = f" and {len(long_inputs) - _MAX_NAMED} more" if len(long_inputs) > _MAX_NAMED else ""
-    log.warning("%d input%s longer than %g s decoded with %s (CTC prefix beam search) instead of %s, which is "
-                "meant for inputs up to that length (its cost grows with the square of the length): %s%s. Split long "
-                "recordings into pieces of at most %g s, or decode them with --method greedy", len(long_inputs),
-                "s" if len(long_inputs) > 1 else "", LONG_INPUT_SECONDS, LONG_INPUT_METHOD, method, named, more,
-                LONG_INPUT_SECONDS)
+    log.warning(
+        "%d input%s longer than %g s decoded with %s (CTC prefix beam search) instead of %s, which"
+        " is meant for inputs up to that length (its cost grows with the square of the length):"
+        " %s%s. Split long recordings into pieces of at most %g s, or decode them with --method"
+        " greedy",
+        len(long_inputs),
+        "s" if len(long_inputs) > 1 else "",
+        LONG_INPUT_SECONDS,
+        LONG_INPUT_METHOD,
+        method,
+        named,
+        more,
+        LONG_INPUT_SECONDS,
+    )
 
 
 def find_audio(inputs: Sequence[str | Path]) -> list[tuple[Path, dict]]:
@@ -354,14 +392,18 @@ def find_audio(inputs: Sequence[str | Path]) -> list[tuple[Path, dict]]:
     found: list[tuple[Path, dict]] = []
     for item in map(Path, inputs):
         if item.is_dir():
-            found += [(p, {}) for p in sorted(item.rglob("*")) if p.suffix.lower() in AUDIO_SUFFIXES]
+            found += [
+                (p, {}) for p in sorted(item.rglob("*")) if p.suffix.lower() in AUDIO_SUFFIXES
+            ]
         elif item.suffix.lower() in (".json", ".jsonl"):
             for line_no, row in read_manifest(item):
                 audio = row.get("audio_filepath")
                 if not isinstance(audio, str) or not audio:
                     log.warning("%s:%d: no audio_filepath; skipped", item, line_no)
                     continue
-                found.append((resolve_audio_path(audio, item.parent), {**row, "where": f"{item}:{line_no}"}))
+                found.append(
+                    (resolve_audio_path(audio, item.parent), {**row, "where": f"{item}:{line_no}"})
+                )
         else:
             found.append((item, {}))
     return found

@@ -39,10 +39,24 @@ from ..model.lm import TransformerLM
 from ..model.masks import pad_mask
 from .settings import FUSED_METHODS, LONG_INPUT_SECONDS, METHODS, DecodingConfig
 
-__all__ = ["ATTENTION_METHODS", "LONG_INPUT_METHOD", "LONG_INPUT_SECONDS", "METHODS",
-           "FUSED_METHODS", "Fusion", "Hypothesis", "attention_beam_search", "attention_rescoring",
-           "attention_scores", "CTCPrefixBeam", "ctc_greedy", "ctc_length_bound", "ctc_prefix_beam_search", "decode_batch",
-           "method_for"]
+__all__ = [
+    "ATTENTION_METHODS",
+    "LONG_INPUT_METHOD",
+    "LONG_INPUT_SECONDS",
+    "METHODS",
+    "FUSED_METHODS",
+    "Fusion",
+    "Hypothesis",
+    "attention_beam_search",
+    "attention_rescoring",
+    "attention_scores",
+    "CTCPrefixBeam",
+    "ctc_greedy",
+    "ctc_length_bound",
+    "ctc_prefix_beam_search",
+    "decode_batch",
+    "method_for",
+]
 
 ATTENTION_METHODS = ("attention", "joint", "rescore")  # those that run the attention decoder
 # An utterance over config.LONG_INPUT_SECONDS asked of an ATTENTION_METHODS method is decoded
@@ -60,13 +74,15 @@ NEG_INF = float("-inf")
 class Hypothesis:
     tokens: list[int]
     score: float  # the method's total log score (not length-normalized), fusion terms included
-    frames: list[int] | None = None  # CTC prefix beam search: the encoder frame where each token peaked
+    # CTC prefix beam search: the encoder frame where each token peaked
+    frames: list[int] | None = None
 
 
 @dataclass
 class Fusion:
     """Shallow fusion settings: ``lm`` over the ASR model's token ids (the caller checks that the
-    vocabularies agree, ``lm.check_same_vocabulary``), its weight ``W`` and the per-token bonus ``B``.
+    vocabularies agree, ``lm.check_same_vocabulary``), its weight ``W`` and the per-token bonus
+    ``B``.
     The default adds nothing."""
 
     lm: TransformerLM | None = None
@@ -126,7 +142,8 @@ class _Prefix:
     def __init__(self, parent: _Prefix | None = None, token: int | None = None, frame: int = -1,
                  peak: float = NEG_INF):
         self.parent, self.token = parent, token
-        self.frame, self.peak = frame, peak  # the frame where its last token was likeliest, and that log-prob
+        # the frame where its last token was likeliest, and that log-prob
+        self.frame, self.peak = frame, peak
         self.length = 0 if parent is None else parent.length + 1
         self._hash = hash(()) if parent is None else hash((parent._hash, token))
 
@@ -136,7 +153,12 @@ class _Prefix:
     def __eq__(self, other: object) -> bool:
         a, b = self, other
         while a is not b:  # equal prefixes usually share all but their last few tokens
-            if not isinstance(b, _Prefix) or a._hash != b._hash or a.length != b.length or a.token != b.token:
+            if (
+                not isinstance(b, _Prefix)
+                or a._hash != b._hash
+                or a.length != b.length
+                or a.token != b.token
+            ):
                 return False
             a, b = a.parent, b.parent
         return True
@@ -173,11 +195,11 @@ class CTCPrefixBeam:
     frames' log-probabilities ``(T, V)``, ``hypotheses`` returns the current n-best at any point
     (a streaming recognizer's partial result, or the final one), best first.
 
-    Each frame considers only its ``beam_size`` most likely tokens. With fusion, prefixes are
-    pruned by CTC + ``W * log P_LM(prefix) + B * len(prefix)``, and the end symbol's LM term ranks
-    the final list; the LM scores each surviving prefix from its start once. Without an LM, the
-    cost is linear in the length (``_Prefix``). Each hypothesis carries, for timestamps, the frame at
-    which each of its tokens was likeliest (counted from the stream's first frame).
+    Each frame considers only its ``beam_size`` most likely tokens. With fusion, prefixes are pruned
+    by CTC + ``W * log P_LM(prefix) + B * len(prefix)``, and the end symbol's LM term ranks the
+    final list; the LM scores each surviving prefix from its start once. Without an LM, the cost is
+    linear in the length (``_Prefix``). Each hypothesis carries, for timestamps, the frame at which
+    each of its tokens was likeliest (counted from the stream's first frame).
 
     Examples:
         >>> lp = torch.log_softmax(torch.tensor([[0., 5, 0], [5, 0, 0], [0, 0, 5]]), -1)
@@ -194,8 +216,10 @@ class CTCPrefixBeam:
         # prefix -> (log P ending in blank, log P ending in its last token)
         self.beams: dict[_Prefix, tuple[float, float]] = {empty: (0.0, NEG_INF)}
         self.extra: dict[_Prefix, float] = {empty: 0.0}  # prefix -> its fusion terms so far
-        self.lm_next: dict[_Prefix, list[float]] = {}  # prefix -> W * log P_LM(token | prefix) per token
-        self.nodes: dict[_Prefix, _Prefix] = {empty: empty}  # the one node of each prefix, holding its peak
+        # prefix -> W * log P_LM(token | prefix) per token
+        self.lm_next: dict[_Prefix, list[float]] = {}
+        # the one node of each prefix, holding its peak
+        self.nodes: dict[_Prefix, _Prefix] = {empty: empty}
         self.frames = 0  # frames seen so far
 
     def advance(self, log_probs: torch.Tensor) -> None:
@@ -221,14 +245,21 @@ class CTCPrefixBeam:
                         _peak(longer, self.frames + t, value)
                     else:
                         nodes[longer] = longer
-                        extra[longer] = extra[prefix] + (lm_next[prefix][tok] if lm_next else 0.0) + fusion.length_bonus
+                        extra[longer] = (
+                            extra[prefix]
+                            + (lm_next[prefix][tok] if lm_next else 0.0)
+                            + fusion.length_bonus
+                        )
                     if tok == prefix.token:
                         _peak(prefix, self.frames + t, value)
-                        _accumulate(nxt, prefix, 1, pnb + value)  # repeat merged into the same token
+                        # repeat merged into the same token
+                        _accumulate(nxt, prefix, 1, pnb + value)
                         _accumulate(nxt, longer, 1, pb + value)  # a new token, after a blank
                     else:
                         _accumulate(nxt, longer, 1, total + value)
-            ranked = sorted(nxt.items(), key=lambda kv: _logaddexp(*kv[1]) + extra[kv[0]], reverse=True)
+            ranked = sorted(
+                nxt.items(), key=lambda kv: _logaddexp(*kv[1]) + extra[kv[0]], reverse=True
+            )
             beams = {prefix: (pb, pnb) for prefix, (pb, pnb) in ranked[:self.beam_size]}
             extra = {prefix: extra[prefix] for prefix in beams}
             nodes = {prefix: nodes[prefix] for prefix in beams}
@@ -241,7 +272,8 @@ class CTCPrefixBeam:
         hyps = [Hypothesis(prefix.tokens(), _logaddexp(pb, pnb) + self.extra[prefix]
                            + (lm_next[prefix][SOS_EOS_ID] if lm_next else 0.0), prefix.frames())
                 for prefix, (pb, pnb) in self.beams.items()]
-        return sorted(hyps, key=lambda h: h.score, reverse=True)  # stable: unchanged order without fusion
+        # stable: unchanged order without fusion
+        return sorted(hyps, key=lambda h: h.score, reverse=True)
 
 
 def _peak(node: _Prefix, frame: int, value: float) -> None:
@@ -293,7 +325,8 @@ class _CTCPrefixScorer:
         self.x = x.transpose(0, 1).contiguous()  # (T, N, V)
 
     def initial_state(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """State of the empty prefix: ``r`` ``(T, N, 2)`` = log P(prefix ends at t in a token / a blank)
+        """State of the empty prefix: ``r`` ``(T, N, 2)`` = log P(prefix ends at t in a token / a
+        blank)
         and ``psi`` ``(N,)`` = log P(prefix)."""
         T, N, _ = self.x.shape
         r = self.x.new_full((T, N, 2), NEG_INF)
@@ -302,13 +335,16 @@ class _CTCPrefixScorer:
 
     def score(self, r_prev: torch.Tensor, last: torch.Tensor, candidates: torch.Tensor,
               empty_prefix: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefix log-probabilities ``(N, K)`` of each hypothesis extended by each candidate, and the
+        """Prefix log-probabilities ``(N, K)`` of each hypothesis extended by each candidate, and
+        the
         states ``(T, N, K, 2)`` of those extensions. The end symbol scores the whole sequence."""
         T, N, _ = self.x.shape
         xs = self.x.gather(2, candidates[None].expand(T, N, -1))  # (T, N, K)
         r_sum = torch.logaddexp(r_prev[..., 0], r_prev[..., 1])  # (T, N)
         # A repeated token needs a blank between: from the prefix ending in blank only.
-        phi = torch.where(candidates[None] == last[None, :, None], r_prev[..., 1, None], r_sum[..., None])
+        phi = torch.where(
+            candidates[None] == last[None, :, None], r_prev[..., 1, None], r_sum[..., None]
+        )
         r = xs.new_full((T, N, candidates.shape[1], 2), NEG_INF)
         if empty_prefix:
             r[0, :, :, 0] = xs[0]
@@ -322,10 +358,16 @@ class _CTCPrefixScorer:
 
 
 @torch.inference_mode()
-def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor,
-                          beam_size: int = DecodingConfig.beam_size,
-                          ctc_weight: float = 0.0, length_norm: bool = True,
-                          max_len: int | torch.Tensor | None = None, fusion: Fusion | None = None) -> list[Hypothesis]:
+def attention_beam_search(
+    model,
+    enc: torch.Tensor,
+    enc_lens: torch.Tensor,
+    beam_size: int = DecodingConfig.beam_size,
+    ctc_weight: float = 0.0,
+    length_norm: bool = True,
+    max_len: int | torch.Tensor | None = None,
+    fusion: Fusion | None = None,
+) -> list[Hypothesis]:
     """Beam search of the attention decoder, batched over utterances and hypotheses; with
     ``ctc_weight`` > 0 it is joint CTC/attention decoding; with ``fusion`` an LM (stepped along
     with the decoder, its rows reordered with the decoder's) and a length bonus add to each
@@ -334,8 +376,8 @@ def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor,
     Each step takes the top ``2 * beam_size`` extensions per utterance; those that end go to the
     finished list, the best ``beam_size`` others continue. An utterance stops once it has
     ``beam_size`` finished hypotheses, or at ``max_len`` tokens: one number, one per utterance
-    (``decode_batch`` gives ``ctc_length_bound``), or by default its encoder length, the most CTC can
-    align.
+    (``decode_batch`` gives ``ctc_length_bound``), or by default its encoder length, the most CTC
+    can align.
     """
     B = enc.shape[0]
     K = beam_size
@@ -349,12 +391,15 @@ def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor,
     use_ctc = ctc_weight > 0
     if use_ctc:
         # One row per hypothesis: each utterance's CTC output, repeated for its K hypotheses.
-        scorer = _CTCPrefixScorer(model.ctc_log_probs(enc).repeat_interleave(K, dim=0), enc_lens.repeat_interleave(K))
+        scorer = _CTCPrefixScorer(
+            model.ctc_log_probs(enc).repeat_interleave(K, dim=0), enc_lens.repeat_interleave(K)
+        )
         ctc_r, ctc_psi = scorer.initial_state()
     dec_state = model.decoder.init_state(enc, enc_lens)
     fusion = fusion or Fusion()
     lm_state = fusion.lm.init_state() if fusion.lm is not None else None
-    bonus = fusion.token_bonus(model.cfg.vocab_size, device)  # zeros without a bonus: nothing changes
+    # zeros without a bonus: nothing changes
+    bonus = fusion.token_bonus(model.cfg.vocab_size, device)
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
     done = torch.zeros(B, dtype=torch.bool)
     n_cand = min(K * 2, model.cfg.vocab_size - 1)
@@ -369,7 +414,9 @@ def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor,
         if use_ctc:
             # Pre-beam on the attention (+ weighted LM) scores, then CTC prefix scores for those
             # candidates only.
-            pre = att if lm_state is None or fusion.lm_weight == 0 else att + fusion.lm_weight * lm_lp
+            pre = (
+                att if lm_state is None or fusion.lm_weight == 0 else att + fusion.lm_weight * lm_lp
+            )
             cand = pre.topk(n_cand, dim=-1).indices  # (N, C)
             psi, r_new = scorer.score(ctc_r, ys[:, -1], cand, empty_prefix=step == 0)
             ext = ((1 - ctc_weight) * att.gather(1, cand) + ctc_weight * (psi - ctc_psi[:, None])
@@ -380,10 +427,13 @@ def attention_beam_search(model, enc: torch.Tensor, enc_lens: torch.Tensor,
         total = scores[:, None] + ext
         total = total.masked_fill(total.isnan(), NEG_INF).view(B, K * n_cand)
         top_scores, top_idx = total.topk(min(2 * K, total.shape[1]), dim=-1)  # (B, 2K)
-        src = top_idx // n_cand + torch.arange(B, device=device)[:, None] * K  # row in the N hypotheses
+        # row in the N hypotheses
+        src = top_idx // n_cand + torch.arange(B, device=device)[:, None] * K
         tok = cand.view(B, K * n_cand).gather(1, top_idx)
 
-        new_rows, new_scores, new_tok, new_col = _next_hypotheses(top_scores, top_idx, src, tok, ys, K, finished, done)
+        new_rows, new_scores, new_tok, new_col = _next_hypotheses(
+            top_scores, top_idx, src, tok, ys, K, finished, done
+        )
         if bool(done.all()):
             break
         rows = torch.tensor(new_rows, device=device)
@@ -413,7 +463,8 @@ def _limit(max_len: int | torch.Tensor | None, enc_lens: torch.Tensor) -> torch.
 
 
 def _attention_log_probs(logits: torch.Tensor, at_limit: torch.Tensor) -> torch.Tensor:
-    """The decoder's log-probabilities of the next token: never blank, and only the end symbol in the
+    """The decoder's log-probabilities of the next token: never blank, and only the end symbol in
+    the
     rows `at_limit` (hypotheses at their length limit)."""
     att = F.log_softmax(logits.float(), dim=-1)
     att[:, BLANK_ID] = NEG_INF
@@ -429,15 +480,27 @@ def _best_finished(finished: list[list[Hypothesis]], normalize: bool) -> list[Hy
     return [max(pool or [Hypothesis([], NEG_INF)], key=norm) for pool in finished]
 
 
-def _next_hypotheses(top_scores: torch.Tensor, top_idx: torch.Tensor, src: torch.Tensor, tok: torch.Tensor,
-                     ys: torch.Tensor, K: int, finished: list[list[Hypothesis]], done: torch.Tensor
-                     ) -> tuple[list[int], list[float], list[int], list[int]]:
+def _next_hypotheses(
+    top_scores: torch.Tensor,
+    top_idx: torch.Tensor,
+    src: torch.Tensor,
+    tok: torch.Tensor,
+    ys: torch.Tensor,
+    K: int,
+    finished: list[list[Hypothesis]],
+    done: torch.Tensor,
+) -> tuple[list[int], list[float], list[int], list[int]]:
     """One beam step's bookkeeping, per utterance: extensions by the end symbol go to ``finished``,
     the best ``K`` others continue (padded with dead hypotheses); an utterance with ``K`` finished
     hypotheses, or none left alive, is ``done``. Returns the continuing hypotheses' source rows,
     scores, new tokens and candidate columns."""
     new_rows, new_scores, new_tok, new_col = [], [], [], []
-    top_scores_l, top_idx_l, src_l, tok_l = top_scores.tolist(), top_idx.tolist(), src.tolist(), tok.tolist()
+    top_scores_l, top_idx_l, src_l, tok_l = (
+        top_scores.tolist(),
+        top_idx.tolist(),
+        src.tolist(),
+        tok.tolist(),
+    )
     for b in range(len(finished)):
         kept = 0
         for j in range(len(top_idx_l[b])):
@@ -490,15 +553,24 @@ def attention_rescoring(model, enc: torch.Tensor, enc_lens: torch.Tensor,
                         fusion: Fusion | None = None) -> list[Hypothesis]:
     """CTC prefix beam search, then each n-best hypothesis rescored with the attention decoder:
     ``λ * log P_ctc + (1 - λ) * log P_att`` (+ ``W * log P_LM(hyp + end) + B * len(hyp)`` with
-    ``fusion``; the n-best itself comes from the plain CTC search). Returns the best per utterance."""
+    ``fusion``; the n-best itself comes from the plain CTC search). Returns the best per utterance.
+    """
     fusion = fusion or Fusion()
     log_probs = model.ctc_log_probs(enc)
-    nbests = [ctc_prefix_beam_search(log_probs[b], int(enc_lens[b]), beam_size) for b in range(enc.shape[0])]
+    nbests = [
+        ctc_prefix_beam_search(log_probs[b], int(enc_lens[b]), beam_size)
+        for b in range(enc.shape[0])
+    ]
     rows = torch.tensor([b for b, nbest in enumerate(nbests) for _ in nbest], device=enc.device)
     flat = [h for nbest in nbests for h in nbest]
     att = attention_scores(model, enc[rows], enc_lens[rows], [h.tokens for h in flat]).tolist()
-    lm = ([0.0] * len(flat) if fusion.lm is None
-          else (fusion.lm_weight * fusion.lm.sentence_log_probs([h.tokens for h in flat], enc.device)).tolist())
+    lm = (
+        [0.0] * len(flat)
+        if fusion.lm is None
+        else (
+            fusion.lm_weight * fusion.lm.sentence_log_probs([h.tokens for h in flat], enc.device)
+        ).tolist()
+    )
     best: list[Hypothesis | None] = [None] * len(nbests)
     for b, h, a, lm_score in zip(rows.tolist(), flat, att, lm):
         cand = Hypothesis(h.tokens, ctc_weight * h.score + (1 - ctc_weight) * a + lm_score
@@ -510,7 +582,8 @@ def attention_rescoring(model, enc: torch.Tensor, enc_lens: torch.Tensor,
 
 def method_for(method: str, frames: int, long_input_seconds: float = LONG_INPUT_SECONDS) -> str:
     """The method an utterance of ``frames`` feature frames is decoded with when ``method`` is asked
-    for: ``LONG_INPUT_METHOD`` for an attention-based one above ``long_input_seconds``, else ``method``."""
+    for: ``LONG_INPUT_METHOD`` for an attention-based one above ``long_input_seconds``, else
+    ``method``."""
     if method in ATTENTION_METHODS and frames > frames_of(long_input_seconds):
         return LONG_INPUT_METHOD
     return method
@@ -540,19 +613,33 @@ def decode_batch(model, feats: torch.Tensor, feat_lens: torch.Tensor, method: st
     """
     if method not in METHODS:
         raise ValueError(f"unknown decoding method {method!r}; choose from {', '.join(METHODS)}")
-    if method not in FUSED_METHODS and fusion is not None and (fusion.lm is not None or fusion.length_bonus):
+    if (
+        method not in FUSED_METHODS
+        and fusion is not None
+        and (fusion.lm is not None or fusion.length_bonus)
+    ):
         raise ValueError(f"{method} decoding takes no language model or length bonus; choose from "
                          f"{', '.join(FUSED_METHODS)}")
     enc, enc_lens = model.encode(feats, feat_lens, chunk_size=chunk_size, left_chunks=left_chunks)
     methods = [method_for(method, n, long_input_seconds) for n in feat_lens.tolist()]
     if len(set(methods)) == 1:
-        return _decode_encoded(model, enc, enc_lens, methods[0], beam_size, ctc_weight, length_norm, fusion)
+        return _decode_encoded(
+            model, enc, enc_lens, methods[0], beam_size, ctc_weight, length_norm, fusion
+        )
     out: list[list[int]] = [[] for _ in methods]
     for each in dict.fromkeys(methods):  # each group cut to its own longest utterance
         rows = [b for b, m in enumerate(methods) if m == each]
         lens = enc_lens[rows]
-        ids = _decode_encoded(model, enc[rows, :int(lens.max())], lens, each, beam_size, ctc_weight, length_norm,
-                              fusion)
+        ids = _decode_encoded(
+            model,
+            enc[rows, : int(lens.max())],
+            lens,
+            each,
+            beam_size,
+            ctc_weight,
+            length_norm,
+            fusion,
+        )
         for b, h in zip(rows, ids):
             out[b] = h
     return out
@@ -568,8 +655,15 @@ def _decode_encoded(model, enc: torch.Tensor, enc_lens: torch.Tensor, method: st
         return [ctc_prefix_beam_search(log_probs[b], int(enc_lens[b]), beam_size, fusion)[0].tokens
                 for b in range(enc.shape[0])]
     if method == "rescore":
-        return [h.tokens for h in attention_rescoring(model, enc, enc_lens, beam_size, ctc_weight, fusion)]
+        return [
+            h.tokens
+            for h in attention_rescoring(model, enc, enc_lens, beam_size, ctc_weight, fusion)
+        ]
     weight = ctc_weight if method == "joint" else 0.0
     bound = ctc_length_bound(model.ctc_log_probs(enc), enc_lens)
-    return [h.tokens for h in attention_beam_search(model, enc, enc_lens, beam_size, weight, length_norm,
-                                                    max_len=bound, fusion=fusion)]
+    return [
+        h.tokens
+        for h in attention_beam_search(
+            model, enc, enc_lens, beam_size, weight, length_norm, max_len=bound, fusion=fusion
+        )
+    ]

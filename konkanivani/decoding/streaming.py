@@ -6,7 +6,8 @@ whole-file path computes (``StreamingLogMel``), normalized frame by frame (``ASR
 with cmvn "utterance" by the running mean of the stream's frames so far), encoded one chunk at a
 time with the encoder's caches (``ConformerEncoder.forward_chunk``: the frames
 ``ASRModel.encode(..., chunk_size=C)`` gives; ``ModelChunks``, or an export's ONNX chunk graph,
-``decoding.onnx_recognizer``), and each chunk's CTC output advances a prefix beam search (``CTCPrefixBeam``):
+``decoding.onnx_recognizer``), and each chunk's CTC output advances a prefix beam search
+(``CTCPrefixBeam``):
 
 - after each chunk, a partial result: the beam's best so far in the current segment;
 - at the end of a segment, a final result: with method ``rescore`` the beam's n-best rescored by the
@@ -15,8 +16,8 @@ time with the encoder's caches (``ConformerEncoder.forward_chunk``: the frames
 
 A segment ends at an endpoint: more than ``endpoint_ms`` of frames whose likeliest CTC output is
 blank after speech (a frame whose likeliest output is a token); or after ``MAX_SEGMENT_SECONDS``
-(the longest input the attention decoder is meant for, ``search.LONG_INPUT_SECONDS``), and at the end
-of the stream. Then the search and the encoder's caches start again, so memory stays bounded
+(the longest input the attention decoder is meant for, ``search.LONG_INPUT_SECONDS``), and at the
+end of the stream. Then the search and the encoder's caches start again, so memory stays bounded
 however long the stream. Times count from the stream's start, 40 ms per encoder frame: a token's
 time is that of the frame where it was likeliest.
 
@@ -43,9 +44,22 @@ from ..model.conformer import Conv2dSubsampling
 from .search import CTCPrefixBeam, Fusion, Hypothesis, attention_scores
 from .settings import LONG_INPUT_SECONDS, STREAM_METHODS, DecodingConfig
 
-__all__ = ["FRAME_SECONDS", "MAX_RATE", "MAX_SEGMENT_SECONDS", "MIN_RATE", "STREAM_METHODS",
-           "WINDOW_SECONDS", "ModelChunks", "Result", "Stream", "StreamingLogMel", "Word", "check_sample_rate",
-           "check_streaming", "quiet_windows"]
+__all__ = [
+    "FRAME_SECONDS",
+    "MAX_RATE",
+    "MAX_SEGMENT_SECONDS",
+    "MIN_RATE",
+    "STREAM_METHODS",
+    "WINDOW_SECONDS",
+    "ModelChunks",
+    "Result",
+    "Stream",
+    "StreamingLogMel",
+    "Word",
+    "check_sample_rate",
+    "check_streaming",
+    "quiet_windows",
+]
 
 FRAME_SECONDS = Conv2dSubsampling.STRIDE * HOP_LENGTH / SAMPLE_RATE  # 0.04 s: one encoder frame
 MAX_SEGMENT_SECONDS = LONG_INPUT_SECONDS
@@ -53,7 +67,8 @@ WINDOW_SECONDS = 20.0  # the longest piece of a long recording decoded whole (qu
 CUT_SECONDS = 5.0  # ... cut at the quietest 100 ms of its last CUT_SECONDS
 WORD_START = "\u2581"  # SentencePiece's mark of a word's first piece
 MIN_RATE, MAX_RATE = 8000, 192000  # the sample rates recordings and streams are resampled from
-MAX_RESAMPLE_KERNEL = 2 ** 21  # floats (8 MB) of the sinc kernel torchaudio builds for a rate (check_sample_rate)
+# floats (8 MB) of the sinc kernel torchaudio builds for a rate (check_sample_rate)
+MAX_RESAMPLE_KERNEL = 2 ** 21
 
 
 @dataclass
@@ -81,46 +96,61 @@ def check_streaming(cfg, chunk_size: int, left_chunks: int) -> list[str]:
     what to warn of when it was not trained for chunks of ``chunk_size`` frames seeing
     ``left_chunks`` back (values ``DecodingConfig.check`` has checked)."""
     if not cfg.causal_conv:
-        raise ValueError("the checkpoint is not a streaming model (trained without --causal_conv/--dynamic_chunk); "
-                         "decode it whole (long recordings go in windows)")
+        raise ValueError(
+            "the checkpoint is not a streaming model (trained without"
+            " --causal_conv/--dynamic_chunk); decode it whole (long recordings go in windows)"
+        )
     if not cfg.dynamic_chunk:
-        return [f"chunks of {chunk_size} frames: this model was trained with full context only (no --dynamic_chunk) "
-                "and will recognize worse in chunks"]
+        return [
+            f"chunks of {chunk_size} frames: this model was trained with full context only (no"
+            " --dynamic_chunk) and will recognize worse in chunks"
+        ]
     warnings = []
     if chunk_size > cfg.max_chunk:
-        warnings.append(f"chunks of {chunk_size} frames: this model was trained with chunks of 1 to {cfg.max_chunk} "
-                        "frames (--max_chunk) and with full context")
+        warnings.append(
+            f"chunks of {chunk_size} frames: this model was trained with chunks of 1 to"
+            f" {cfg.max_chunk} frames (--max_chunk) and with full context"
+        )
     if left_chunks >= 0 and not cfg.dynamic_left_chunks:
-        warnings.append(f"{left_chunks} left chunks: this model was trained with every chunk to the left in view "
-                        "(no --dynamic_left_chunks)")
+        warnings.append(
+            f"{left_chunks} left chunks: this model was trained with every chunk to the left in"
+            " view (no --dynamic_left_chunks)"
+        )
     return warnings
 
 
 def check_sample_rate(rate: int) -> None:
-    """``ValueError`` in one line for a sample rate that is not resampled from: outside ``MIN_RATE`` ..
-    ``MAX_RATE``, or one whose ratio to 16 kHz in lowest terms is so odd that the sinc kernel torchaudio
-    builds for it (``new`` rows of ``orig + 2 * width``) would hold more than ``MAX_RESAMPLE_KERNEL``
-    floats. A wav header is four bytes anyone can write: 2147483647 Hz made the resampler ask for 8.6 GB,
-    44101 Hz (44101/16000) for 2.8 GB. Checked before resampling a file (``Recognizer``), a stream
+    """``ValueError`` in one line for a sample rate that is not resampled from: outside ``MIN_RATE``
+    .. ``MAX_RATE``, or one whose ratio to 16 kHz in lowest terms is so odd that the sinc kernel
+    torchaudio builds for it (``new`` rows of ``orig + 2 * width``) would hold more than
+    ``MAX_RESAMPLE_KERNEL`` floats. A wav header is four bytes anyone can write: 2147483647 Hz made
+    the resampler ask for 8.6 GB, 44101 Hz (44101/16000) for 2.8 GB. Checked before resampling a
+    file (``Recognizer``), a stream
     (``Recognizer.stream``) and what the server takes."""
     if not MIN_RATE <= rate <= MAX_RATE:
-        raise ValueError(f"a sample rate of {rate} Hz: konkanivani takes {MIN_RATE} to {MAX_RATE} Hz")
+        raise ValueError(
+            f"a sample rate of {rate} Hz: konkanivani takes {MIN_RATE} to {MAX_RATE} Hz"
+        )
     if rate == SAMPLE_RATE:
         return
     gcd = math.gcd(rate, SAMPLE_RATE)
     orig, new = rate // gcd, SAMPLE_RATE // gcd
-    width = math.ceil(6 * orig / (0.99 * min(orig, new)))  # torchaudio's lowpass_filter_width 6, rolloff 0.99
+    # torchaudio's lowpass_filter_width 6, rolloff 0.99
+    width = math.ceil(6 * orig / (0.99 * min(orig, new)))
     if new * (orig + 2 * width) > MAX_RESAMPLE_KERNEL:
-        raise ValueError(f"a sample rate of {rate} Hz: too odd a ratio to {SAMPLE_RATE} Hz to resample ({orig}/{new}); "
-                         "use a common rate (8000, 11025, 16000, 22050, 32000, 44100, 48000 ...)")
+        raise ValueError(
+            f"a sample rate of {rate} Hz: too odd a ratio to {SAMPLE_RATE} Hz to resample"
+            f" ({orig}/{new}); use a common rate (8000, 11025, 16000, 22050, 32000, 44100, 48000"
+            " ...)"
+        )
 
 
 class StreamingLogMel:
-    """``LogMel`` of a waveform that comes in pieces: the frames of the whole waveform, each one as soon
-    as its samples are in (the same STFT of the same 400 samples: equal but for float rounding where
-    the FFTs are batched otherwise, under 1e-6). ``LogMel`` centres
-    frame t on sample 160t and pads the waveform's ends by reflection, so frame t needs samples
-    160t - 200 .. 160t + 199: the frames trail the input by 200 samples, and the last ones, which reach
+    """``LogMel`` of a waveform that comes in pieces: the frames of the whole waveform, each one as
+    soon as its samples are in (the same STFT of the same 400 samples: equal but for float rounding
+    where the FFTs are batched otherwise, under 1e-6). ``LogMel`` centres frame t on sample 160t and
+    pads the waveform's ends by reflection, so frame t needs samples 160t - 200 .. 160t + 199: the
+    frames trail the input by 200 samples, and the last ones, which reach
     into the end's reflection, come from ``finish``."""
 
     def __init__(self, log_mel: LogMel):
@@ -144,7 +174,8 @@ class StreamingLogMel:
         return self._frames((self.seen - self.half) // self.hop + 1)
 
     def finish(self) -> torch.Tensor:
-        """The last frames, up to the ``1 + N // 160`` of ``LogMel`` (none for fewer than 201 samples,
+        """The last frames, up to the ``1 + N // 160`` of ``LogMel`` (none for fewer than 201
+        samples,
         which ``LogMel`` cannot pad either)."""
         if self.buffer_start == 0:
             return self._empty()
@@ -170,9 +201,10 @@ class StreamingLogMel:
 
 class ModelChunks:
     """How a ``Stream`` encodes with an ``ASRModel``: new feature frames normalized as they come
-    (``ASRModel.normalize``; with cmvn "utterance", each frame by the mean of the frames up to it), a
-    window of them through ``ConformerEncoder.forward_chunk`` with its caches, seeing ``left_frames``
-    encoder frames back (-1: all of the segment), and its CTC log-probabilities. Another way to encode
+    (``ASRModel.normalize``; with cmvn "utterance", each frame by the mean of the frames up to it),
+    a window of them through ``ConformerEncoder.forward_chunk`` with its caches, seeing
+    ``left_frames`` encoder frames back (-1: all of the segment), and its CTC log-probabilities.
+    Another way to encode
     a stream (``decoding.onnx_recognizer``'s ONNX chunk graph) has the same three methods."""
 
     def __init__(self, model: ASRModel, left_frames: int):
@@ -187,7 +219,8 @@ class ModelChunks:
         self.state = None
 
     def prepare(self, feats: torch.Tensor) -> torch.Tensor:
-        """New raw log-mel frames ``(T, F)`` as the stream keeps them until they are encoded: normalized."""
+        """New raw log-mel frames ``(T, F)`` as the stream keeps them until they are encoded:
+        normalized."""
         if self.model.cfg.cmvn != "utterance" or not len(feats):
             return self.model.normalize(feats.to(self.device))
         sums = self.feat_sum + feats.double().cumsum(0)
@@ -197,20 +230,24 @@ class ModelChunks:
         return self.model.normalize(feats.to(self.device), mean.to(self.device))
 
     def encode(self, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A window of prepared frames ``(W, *)``: the chunk's CTC log-probabilities ``(C, V)`` and its
+        """A window of prepared frames ``(W, *)``: the chunk's CTC log-probabilities ``(C, V)`` and
+        its
         encoder frames ``(C, D)``."""
-        enc, self.state = self.model.encoder.forward_chunk(window[None], self.state, self.left_frames)
+        enc, self.state = self.model.encoder.forward_chunk(
+            window[None], self.state, self.left_frames
+        )
         return self.model.ctc_log_probs(enc)[0], enc[0]
 
 
 class Stream:
-    """One audio stream through a recognizer (made by ``Recognizer.stream``, which checks the settings).
+    """One audio stream through a recognizer (made by ``Recognizer.stream``, which checks the
+    settings).
 
     ``accept(samples)`` takes the next piece (any length, empty too) and returns the results it
-    brings: a partial result after each chunk encoded, and a final one at each endpoint. ``finish()``
-    ends the stream and returns what remains, ending with a final result: the last segment's, given
-    when it has text or when the stream has given no final result yet (so every stream gives at
-    least one, maybe empty; a segment of silence after an endpoint gives none).
+    brings: a partial result after each chunk encoded, and a final one at each endpoint.
+    ``finish()`` ends the stream and returns what remains, ending with a final result: the last
+    segment's, given when it has text or when the stream has given no final result yet (so every
+    stream gives at least one, maybe empty; a segment of silence after an endpoint gives none).
 
     ``chunks`` encodes the chunks: by default the model's own ``forward_chunk`` (``ModelChunks``);
     with another (an exported chunk graph) ``model`` may be None, and ``method`` not ``rescore``,
@@ -233,10 +270,15 @@ class Stream:
         self.endpoint_frames = d.endpoint_ms / 1000 / FRAME_SECONDS
         self.max_segment_frames = round(MAX_SEGMENT_SECONDS / FRAME_SECONDS)
         stride, context = Conv2dSubsampling.STRIDE, Conv2dSubsampling.CONTEXT
-        self.window, self.step, self.context = (chunk_size - 1) * stride + context, stride * chunk_size, context
+        self.window, self.step, self.context = (
+            (chunk_size - 1) * stride + context,
+            stride * chunk_size,
+            context,
+        )
         self.resampler = Resampler(sample_rate)
         self.features = StreamingLogMel(log_mel)
-        self.feats = self.chunks.prepare(torch.zeros(0, self.features.mel.n_mels))  # prepared, not yet encoded
+        # prepared, not yet encoded
+        self.feats = self.chunks.prepare(torch.zeros(0, self.features.mel.n_mels))
         self.frames = 0  # encoder frames of the stream so far
         self.finals = 0  # final results given
         self.finished = False
@@ -244,7 +286,8 @@ class Stream:
 
     @torch.inference_mode()
     def accept(self, samples: torch.Tensor | np.ndarray) -> list[Result]:
-        """The results the piece ``samples`` brings: mono float samples ``(N,)`` at the stream's rate."""
+        """The results the piece ``samples`` brings: mono float samples ``(N,)`` at the stream's
+        rate."""
         if self.finished:
             raise ValueError("the stream is finished: make a new one with Recognizer.stream")
         return self._encode(self.features.accept(self.resampler(_samples(samples))), last=False)
@@ -283,13 +326,16 @@ class Stream:
 
     def _advance(self, log_probs: torch.Tensor, enc: torch.Tensor) -> list[Result]:
         """One chunk's CTC log-probabilities ``(C, V)`` and encoder frames ``(C, D)`` through the
-        search; a partial result, or at an endpoint the segment's final one (none when it is empty)."""
+        search; a partial result, or at an endpoint the segment's final one (none when it is empty).
+        """
         self.search.advance(log_probs)
         if self.method == "rescore":
             self.encoded.append(enc)
         self.frames += len(enc)
         for token in log_probs.argmax(-1).tolist():
-            self.speech, self.blanks = (self.speech, self.blanks + 1) if token == BLANK_ID else (True, 0)
+            self.speech, self.blanks = (
+                (self.speech, self.blanks + 1) if token == BLANK_ID else (True, 0)
+            )
         endpoint = self.speech and self.endpoint_frames and self.blanks > self.endpoint_frames
         if not endpoint and self.frames - self.segment_start < self.max_segment_frames:
             return [self._result(self.search.hypotheses()[0], is_final=False)]
@@ -302,7 +348,9 @@ class Stream:
         """The current segment's final result."""
         nbest = self.search.hypotheses()
         if self.method == "rescore" and self.encoded and any(h.tokens for h in nbest):
-            best = _rescore(self.model, torch.cat(self.encoded), nbest, self.ctc_weight, self.fusion)
+            best = _rescore(
+                self.model, torch.cat(self.encoded), nbest, self.ctc_weight, self.fusion
+            )
         else:
             best = nbest[0]
         return self._result(best, is_final=True)
@@ -314,26 +362,43 @@ class Stream:
         if words:
             start, end = words[0].start, words[-1].end
         else:
-            start, end = round(self.segment_start * FRAME_SECONDS, 3), round(self.frames * FRAME_SECONDS, 3)
+            start, end = round(self.segment_start * FRAME_SECONDS, 3), round(
+                self.frames * FRAME_SECONDS, 3
+            )
         return Result(self.tokenizer.decode(hyp.tokens), is_final, start, end, words)
 
 
-def _rescore(model: ASRModel, enc: torch.Tensor, nbest: list[Hypothesis], ctc_weight: float, fusion: Fusion) -> Hypothesis:
-    """The hypothesis of ``nbest`` (a CTC prefix beam search's, best first) that ``attention_rescoring``
-    chooses over the encoder frames ``enc`` ``(T, D)``: ``λ * log P_ctc + (1 - λ) * log P_att`` plus the
+def _rescore(
+    model: ASRModel, enc: torch.Tensor, nbest: list[Hypothesis], ctc_weight: float, fusion: Fusion
+) -> Hypothesis:
+    """The hypothesis of ``nbest`` (a CTC prefix beam search's, best first) that
+    ``attention_rescoring`` chooses over the encoder frames ``enc`` ``(T, D)``: ``λ * log P_ctc + (1
+    - λ) * log P_att`` plus the
     LM's weighted sentence score and the length bonus; the first of equals."""
     n = len(nbest)
-    att = attention_scores(model, enc[None].expand(n, -1, -1), torch.full((n,), len(enc), device=enc.device),
-                           [h.tokens for h in nbest]).tolist()
-    lm = ([0.0] * n if fusion.lm is None else
-          (fusion.lm_weight * fusion.lm.sentence_log_probs([h.tokens for h in nbest], enc.device)).tolist())
-    scores = [ctc_weight * h.score + (1 - ctc_weight) * a + lm_score + fusion.length_bonus * len(h.tokens)
-              for h, a, lm_score in zip(nbest, att, lm)]
+    att = attention_scores(
+        model,
+        enc[None].expand(n, -1, -1),
+        torch.full((n,), len(enc), device=enc.device),
+        [h.tokens for h in nbest],
+    ).tolist()
+    lm = (
+        [0.0] * n
+        if fusion.lm is None
+        else (
+            fusion.lm_weight * fusion.lm.sentence_log_probs([h.tokens for h in nbest], enc.device)
+        ).tolist()
+    )
+    scores = [
+        ctc_weight * h.score + (1 - ctc_weight) * a + lm_score + fusion.length_bonus * len(h.tokens)
+        for h, a, lm_score in zip(nbest, att, lm)
+    ]
     return nbest[max(range(n), key=scores.__getitem__)]
 
 
 def _words(tokenizer: Tokenizer, tokens: list[int], frames: list[int]) -> list[Word]:
-    """The words of ``tokens`` (a new one at each piece that starts with SentencePiece's "▁"), each from
+    """The words of ``tokens`` (a new one at each piece that starts with SentencePiece's "▁"), each
+    from
     the frame of its first token to the end of its last one's."""
     groups: list[tuple[list[int], list[int]]] = []
     for token, piece, frame in zip(tokens, tokenizer.pieces(tokens), frames):
@@ -342,8 +407,15 @@ def _words(tokenizer: Tokenizer, tokens: list[int], frames: list[int]) -> list[W
         if piece != WORD_START:  # a space alone (character tokenizers): no part of the word's time
             groups[-1][0].append(token)
             groups[-1][1].append(frame)
-    return [Word(tokenizer.decode(ids), round(at[0] * FRAME_SECONDS, 3), round((at[-1] + 1) * FRAME_SECONDS, 3))
-            for ids, at in groups if ids]
+    return [
+        Word(
+            tokenizer.decode(ids),
+            round(at[0] * FRAME_SECONDS, 3),
+            round((at[-1] + 1) * FRAME_SECONDS, 3),
+        )
+        for ids, at in groups
+        if ids
+    ]
 
 
 def _samples(samples: torch.Tensor | np.ndarray) -> torch.Tensor:
@@ -351,8 +423,10 @@ def _samples(samples: torch.Tensor | np.ndarray) -> torch.Tensor:
     is not mono float audio."""
     wav = torch.as_tensor(samples)
     if wav.dim() != 1:
-        raise ValueError(f"a stream takes mono samples, shape (N,); got shape {tuple(wav.shape)}: mix the channels "
-                         "down first (the mean over them)")
+        raise ValueError(
+            f"a stream takes mono samples, shape (N,); got shape {tuple(wav.shape)}: mix the"
+            " channels down first (the mean over them)"
+        )
     if not wav.is_floating_point():
         raise ValueError(f"a stream takes float samples (-1 to 1); got {wav.dtype}")
     wav = wav.detach().to("cpu", torch.float32)

@@ -1,11 +1,11 @@
-"""The recognition server (``konkanivani-serve``): a checkpoint (or its ONNX export) loaded once behind
-an ASGI app.
+"""The recognition server (``konkanivani-serve``): a checkpoint (or its ONNX export) loaded once
+behind an ASGI app.
 
 - ``limits``: what one client may ask of the server (upload size, streams, their length and idle
   time, frame size, the least rates of bodies and streams, places per client address), with their
   defaults;
-- ``engine``: the recognizer (a checkpoint's, or an export folder's on onnxruntime) and how the server
-  decodes with it, off the event loop;
+- ``engine``: the recognizer (a checkpoint's, or an export folder's on onnxruntime) and how the
+  server decodes with it, off the event loop;
 - ``app``: the Starlette app: ``POST /transcribe``, the WebSocket ``/stream``, the page at ``/``,
   ``/health`` and ``/metrics``, and the origin and token checks;
 - ``static/``: the page's files, served from the package (no build step, nothing from elsewhere).

@@ -30,7 +30,14 @@ from pathlib import PurePath
 from typing import Any
 
 import numpy as np
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from starlette.applications import Starlette
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect, HTTPConnection, Request
@@ -49,35 +56,68 @@ __all__ = ["FORMATS", "TOKEN_COOKIE", "DenialLogFilter", "create_app"]
 log = logging.getLogger("konkanivani")
 
 TOKEN_COOKIE = "konkanivani_token"
-FORMATS = {"pcm16": np.dtype("<i2"), "float32": np.dtype("<f4")}  # a stream's sample formats, little-endian
-_STATIC = {"app.js": "text/javascript", "capture-worklet.js": "text/javascript", "style.css": "text/css",
-           "index.html": "text/html; charset=utf-8"}
-_PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; connect-src 'self' ws: wss:; img-src 'self' data:",
-                 "X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer",
-                 "Cache-Control": "no-store"}
+# a stream's sample formats, little-endian
+FORMATS = {"pcm16": np.dtype("<i2"), "float32": np.dtype("<f4")}
+_STATIC = {
+    "app.js": "text/javascript",
+    "capture-worklet.js": "text/javascript",
+    "style.css": "text/css",
+    "index.html": "text/html; charset=utf-8",
+}
+_PAGE_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'self'; connect-src 'self' ws: wss:; img-src 'self' data:"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
 # set in the task of a WebSocket connection whose handshake this app refused (DenialLogFilter)
 _denied = contextvars.ContextVar("konkanivani_denied", default=False)
 
 
 class _Metrics:
-    """The server's Prometheus metrics, in a registry of its own (two apps in one process count apart)."""
+    """The server's Prometheus metrics, in a registry of its own (two apps in one process count
+    apart)."""
 
     def __init__(self):
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("konkanivani_requests", "Requests answered, by endpoint and status code",
-                                ["endpoint", "code"], registry=r)
-        self.errors = Counter("konkanivani_errors", "Requests refused or failed (4xx, 5xx, a stream closed on an "
-                              "error), by endpoint and reason", ["endpoint", "reason"], registry=r)
-        self.active_streams = Gauge("konkanivani_active_streams", "WebSocket streams open", registry=r)
-        self.audio_seconds = Counter("konkanivani_audio_seconds", "Seconds of audio decoded", ["endpoint"],
-                                     registry=r)
-        self.decode_seconds = Counter("konkanivani_decode_seconds", "Seconds spent decoding", ["endpoint"],
-                                      registry=r)
-        self.rtf = Histogram("konkanivani_real_time_factor", "Decoding time over audio time, per upload or stream",
-                             ["endpoint"], buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0), registry=r)
-        self.partial_latency = Histogram("konkanivani_partial_latency_seconds", "From a stream's frame arriving to "
-                                         "the results it brought being sent", registry=r,
-                                         buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0))
+        self.requests = Counter(
+            "konkanivani_requests",
+            "Requests answered, by endpoint and status code",
+            ["endpoint", "code"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "konkanivani_errors",
+            "Requests refused or failed (4xx, 5xx, a stream closed on an "
+            "error), by endpoint and reason",
+            ["endpoint", "reason"],
+            registry=r,
+        )
+        self.active_streams = Gauge(
+            "konkanivani_active_streams", "WebSocket streams open", registry=r
+        )
+        self.audio_seconds = Counter(
+            "konkanivani_audio_seconds", "Seconds of audio decoded", ["endpoint"], registry=r
+        )
+        self.decode_seconds = Counter(
+            "konkanivani_decode_seconds", "Seconds spent decoding", ["endpoint"], registry=r
+        )
+        self.rtf = Histogram(
+            "konkanivani_real_time_factor",
+            "Decoding time over audio time, per upload or stream",
+            ["endpoint"],
+            buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0),
+            registry=r,
+        )
+        self.partial_latency = Histogram(
+            "konkanivani_partial_latency_seconds",
+            "From a stream's frame arriving to the results it brought being sent",
+            registry=r,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0),
+        )
 
     def decoded(self, endpoint: str, audio_s: float, decode_s: float) -> None:
         self.audio_seconds.labels(endpoint).inc(audio_s)
@@ -91,7 +131,12 @@ class _Refused(Exception):
 
     def __init__(self, status: int, reason: str, message: str, headers: dict | None = None):
         super().__init__(message)
-        self.status, self.reason, self.message, self.headers = status, reason, message, headers or {}
+        self.status, self.reason, self.message, self.headers = (
+            status,
+            reason,
+            message,
+            headers or {},
+        )
 
 
 class DenialLogFilter(logging.Filter):
@@ -119,10 +164,14 @@ def create_app(engine: Engine, limits: Limits = Limits(), token: str | None = No
     ``allow_origins``: origins besides its own whose pages may use it (``scheme://host[:port]``)."""
     server = _Server(engine, limits, token, model_name, allow_origins)
     guard = server.guard
-    routes = [Route("/", guard("/static", server.page)), Route("/static/{name}", guard("/static", server.page)),
-              Route("/health", guard("/health", server.health)), Route("/metrics", guard("/metrics", server.metrics_page)),
-              Route("/transcribe", guard("/transcribe", server.transcribe), methods=["POST"]),
-              WebSocketRoute("/stream", guard("/stream", server.stream))]
+    routes = [
+        Route("/", guard("/static", server.page)),
+        Route("/static/{name}", guard("/static", server.page)),
+        Route("/health", guard("/health", server.health)),
+        Route("/metrics", guard("/metrics", server.metrics_page)),
+        Route("/transcribe", guard("/transcribe", server.transcribe), methods=["POST"]),
+        WebSocketRoute("/stream", guard("/stream", server.stream)),
+    ]
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -191,12 +240,22 @@ class _Server:
         given = given[7:] if given.lower().startswith("bearer ") else ""
         given = given or conn.query_params.get("token", "") or conn.cookies.get(TOKEN_COOKIE, "")
         if not hmac.compare_digest(given.encode(), self.token.encode()):
-            raise _Refused(401, "token", "this server needs its token: the header 'Authorization: Bearer TOKEN', "
-                           "or ?token=TOKEN", {"WWW-Authenticate": "Bearer"})
+            raise _Refused(
+                401,
+                "token",
+                "this server needs its token: the header 'Authorization: Bearer TOKEN', "
+                "or ?token=TOKEN",
+                {"WWW-Authenticate": "Bearer"},
+            )
 
     def busy(self, what: str, limit: int) -> _Refused:
-        return _Refused(503, "busy", f"{limit} {what} already: the most this server takes at once; try again in "
-                        f"{self.limits.retry_after_s} s", {"Retry-After": str(self.limits.retry_after_s)})
+        return _Refused(
+            503,
+            "busy",
+            f"{limit} {what} already: the most this server takes at once; try again in "
+            f"{self.limits.retry_after_s} s",
+            {"Retry-After": str(self.limits.retry_after_s)},
+        )
 
     @contextlib.contextmanager
     def per_client(self, conn: HTTPConnection, counts: dict[str, int], what: str,
@@ -219,9 +278,17 @@ class _Server:
 
     async def health(self, request: Request) -> Response:
         self.metrics.requests.labels("/health", "200").inc()
-        return JSONResponse({"status": "ok", "model": self.model_name, **self.engine.description, **self.engine.notes,
-                             "active_streams": self.streams, "max_streams": self.limits.max_streams,
-                             "uptime_s": round(time.monotonic() - self.started, 1)})
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": self.model_name,
+                **self.engine.description,
+                **self.engine.notes,
+                "active_streams": self.streams,
+                "max_streams": self.limits.max_streams,
+                "uptime_s": round(time.monotonic() - self.started, 1),
+            }
+        )
 
     async def metrics_page(self, request: Request) -> Response:
         self.metrics.requests.labels("/metrics", "200").inc()
@@ -232,7 +299,9 @@ class _Server:
         if name not in _STATIC:  # a name, looked up in a fixed table: never a path
             raise _Refused(404, "not_found", "no such file")
         response = Response(self.static[name], media_type=_STATIC[name], headers=_PAGE_HEADERS)
-        if self.token and hmac.compare_digest(request.query_params.get("token", "").encode(), self.token.encode()):
+        if self.token and hmac.compare_digest(
+            request.query_params.get("token", "").encode(), self.token.encode()
+        ):
             # the page's later requests (its files, uploads, the WebSocket's handshake) carry it
             response.set_cookie(TOKEN_COOKIE, self.token, httponly=True, samesite="strict")
         return response
@@ -256,14 +325,17 @@ class _Server:
     async def _decode_upload(self, data: bytes) -> Response:
         start = time.perf_counter()
         try:
-            wav = await self.engine.run(self.engine.read_upload, data, self.limits.max_upload_seconds)
+            wav = await self.engine.run(
+                self.engine.read_upload, data, self.limits.max_upload_seconds
+            )
             del data
             results = await self.engine.run(self.engine.transcribe, wav)
         except UploadTooLong as e:
             raise _Refused(413, "too_long", str(e)) from e
         except AudioError as e:
             raise _Refused(400, "audio", str(e)) from e
-        except Exception as e:  # noqa: BLE001  whatever the audio makes the model raise: this request fails alone
+        # whatever the audio makes the model raise: this request fails alone
+        except Exception as e:  # noqa: BLE001
             log.exception("decoding an upload failed")
             raise _Refused(500, "decode", f"decoding failed ({type(e).__name__})") from e
         elapsed, seconds = time.perf_counter() - start, len(wav) / SAMPLE_RATE
@@ -277,8 +349,12 @@ class _Server:
     async def stream(self, ws: WebSocket) -> None:
         sample_rate, dtype = _stream_params(ws)
         if not self.engine.streaming:
-            raise _Refused(409, "not_streaming", f"this model cannot stream ({self.engine.why_not_streaming}): "
-                           "POST the recording to /transcribe")
+            raise _Refused(
+                409,
+                "not_streaming",
+                f"this model cannot stream ({self.engine.why_not_streaming}): "
+                "POST the recording to /transcribe",
+            )
         limits = self.limits
         with self.per_client(ws, self.client_streams, "streams open", limits.max_client_streams):
             if self.streams >= limits.max_streams:
@@ -307,7 +383,9 @@ async def _upload_bytes(request: Request, limits: Limits) -> bytes:
     so that a client still sending it gets the 413 rather than a reset."""
     limit = limits.max_upload_bytes
     length = request.headers.get("content-length", "")
-    too_big = _Refused(413, "too_large", f"the upload is larger than this server takes ({limit / 2 ** 20:g} MB)")
+    too_big = _Refused(
+        413, "too_large", f"the upload is larger than this server takes ({limit / 2 ** 20:g} MB)"
+    )
     if length.isdigit() and int(length) > _drain_limit(limit):
         raise too_big
     body, seen = bytearray(), 0
@@ -322,7 +400,11 @@ async def _upload_bytes(request: Request, limits: Limits) -> bytes:
     if request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
         body = await _form_file(request, bytes(body), limit)
     if not body:
-        raise _Refused(400, "empty", "no audio: send the file as the body, or as a file field of a multipart form")
+        raise _Refused(
+            400,
+            "empty",
+            "no audio: send the file as the body, or as a file field of a multipart form",
+        )
     return bytes(body)
 
 
@@ -381,23 +463,32 @@ def _stream_params(ws: WebSocket) -> tuple[int, np.dtype]:
     rate = ws.query_params.get("sample_rate", str(SAMPLE_RATE))
     fmt = ws.query_params.get("format", "pcm16")
     if not rate.isdigit() or not MIN_RATE <= int(rate) <= MAX_RATE:
-        raise _Refused(400, "params", f"sample_rate must be a whole number of Hz from {MIN_RATE} to {MAX_RATE}, "
-                       f"got {rate[:20]!r}")
+        raise _Refused(
+            400,
+            "params",
+            f"sample_rate must be a whole number of Hz from {MIN_RATE} to {MAX_RATE}, "
+            f"got {rate[:20]!r}",
+        )
     try:
         check_sample_rate(int(rate))
     except ValueError as e:
         raise _Refused(400, "params", f"sample_rate: {e}") from e
     if fmt not in FORMATS:
-        raise _Refused(400, "params", f"format must be one of {', '.join(FORMATS)}, got {fmt[:20]!r}")
+        raise _Refused(
+            400, "params", f"format must be one of {', '.join(FORMATS)}, got {fmt[:20]!r}"
+        )
     return int(rate), FORMATS[fmt]
 
 
 async def _deny(ws: WebSocket, e: _Refused) -> None:
-    """Refuse a WebSocket handshake with the HTTP answer of ``e`` (where the server can send one: uvicorn
+    """Refuse a WebSocket handshake with the HTTP answer of ``e`` (where the server can send one:
+    uvicorn
     does), else with close code 1008 (or 1013 for a 503) and its message as the reason."""
     _denied.set(True)
     try:
-        await ws.send_denial_response(JSONResponse({"error": e.message}, e.status, headers=e.headers))
+        await ws.send_denial_response(
+            JSONResponse({"error": e.message}, e.status, headers=e.headers)
+        )
     except RuntimeError:
         await ws.close(1013 if e.status == 503 else 1008, _reason(e.message))
 
@@ -420,7 +511,8 @@ def _result(r: Result, audio_seconds: float | None = None) -> dict:
 
 
 class _Close(Exception):
-    """End a stream: its last results are sent first when ``finish``; then close ``code`` with ``reason``."""
+    """End a stream: its last results are sent first when ``finish``; then close ``code`` with
+    ``reason``."""
 
     def __init__(self, code: int, reason: str, finish: bool = False, error: str | None = None):
         super().__init__(reason)
@@ -431,8 +523,15 @@ class _Session:
     """One accepted stream: frames in, results out, until the client's ``{"type": "end"}`` (its last
     results, ``{"type": "done"}``, close 1000), a limit, a malformed message or a disconnect."""
 
-    def __init__(self, ws: WebSocket, engine: Engine, limits: Limits, metrics: _Metrics, sample_rate: int,
-                 dtype: np.dtype):
+    def __init__(
+        self,
+        ws: WebSocket,
+        engine: Engine,
+        limits: Limits,
+        metrics: _Metrics,
+        sample_rate: int,
+        dtype: np.dtype,
+    ):
         self.ws, self.engine, self.limits, self.metrics = ws, engine, limits, metrics
         self.sample_rate, self.dtype = sample_rate, dtype
         self.stream = engine.open_stream(sample_rate)
@@ -446,13 +545,19 @@ class _Session:
         self.opened = time.monotonic()
         limits = self.limits
         # "format" is the samples' format the client asked for; the model's is "model_format"
-        await self._send({"type": "ready", "sample_rate": self.sample_rate, "format": _format_name(self.dtype),
-                          **self.engine.description,
-                          "max_stream_seconds": limits.max_stream_seconds,
-                          "idle_seconds": limits.idle_seconds,
-                          "min_stream_rate": limits.min_stream_rate,
-                          "grace_seconds": limits.grace_seconds,
-                          "max_frame_bytes": limits.max_frame_bytes})
+        await self._send(
+            {
+                "type": "ready",
+                "sample_rate": self.sample_rate,
+                "format": _format_name(self.dtype),
+                **self.engine.description,
+                "max_stream_seconds": limits.max_stream_seconds,
+                "idle_seconds": limits.idle_seconds,
+                "min_stream_rate": limits.min_stream_rate,
+                "grace_seconds": limits.grace_seconds,
+                "max_frame_bytes": limits.max_frame_bytes,
+            }
+        )
         try:
             while True:
                 await self._step()
@@ -501,24 +606,36 @@ class _Session:
         if data is None:
             if _is_end(text):
                 raise _Close(1000, "end of stream", finish=True)
-            raise _Close(1003, 'text frames take only {"type": "end"}; audio comes in binary frames',
-                         error="text_frame")
+            raise _Close(
+                1003,
+                'text frames take only {"type": "end"}; audio comes in binary frames',
+                error="text_frame",
+            )
         if len(data) > self.limits.max_frame_bytes:
-            raise _Close(1009, f"a frame of {len(data)} bytes: at most {self.limits.max_frame_bytes} a frame",
-                         error="frame_too_big")
+            raise _Close(
+                1009,
+                f"a frame of {len(data)} bytes: at most {self.limits.max_frame_bytes} a frame",
+                error="frame_too_big",
+            )
         samples = _samples(data, self.dtype)  # raises _Close 1007
         room = round(self.limits.max_stream_seconds * self.sample_rate) - self.samples
         self.samples += min(len(samples), room)
         if len(samples) >= room:
             await self._decode(self.stream.accept, samples[:room])
-            raise _Close(1008, f"the stream reached {self.limits.max_stream_seconds:g} s, the most this server "
-                         "takes in one stream", finish=True, error="too_long")
+            raise _Close(
+                1008,
+                f"the stream reached {self.limits.max_stream_seconds:g} s, the most this server "
+                "takes in one stream",
+                finish=True,
+                error="too_long",
+            )
         arrived = time.perf_counter()
         if await self._decode(self.stream.accept, samples):
             self.metrics.partial_latency.observe(time.perf_counter() - arrived)
 
     async def _decode(self, fn, *args) -> int:
-        """Run a stream's ``accept`` or ``finish`` on a decode thread and send its results; how many."""
+        """Run a stream's ``accept`` or ``finish`` on a decode thread and send its results; how
+        many."""
         start = time.perf_counter()
         try:
             results = await self.engine.run(fn, *args)
@@ -550,11 +667,16 @@ def _format_name(dtype: np.dtype) -> str:
 
 
 def _samples(data: bytes, dtype: np.dtype) -> np.ndarray:
-    """A frame's samples as float32 in [-1, 1]; ``_Close`` 1007 for one that holds no whole samples or
+    """A frame's samples as float32 in [-1, 1]; ``_Close`` 1007 for one that holds no whole samples
+    or
     non-finite ones (float32 beyond [-1, 1] is clipped)."""
     if len(data) % dtype.itemsize:
-        raise _Close(1007, f"a {_format_name(dtype)} frame holds whole {dtype.itemsize}-byte samples; got "
-                     f"{len(data)} bytes", error="bad_frame")
+        raise _Close(
+            1007,
+            f"a {_format_name(dtype)} frame holds whole {dtype.itemsize}-byte samples; got "
+            f"{len(data)} bytes",
+            error="bad_frame",
+        )
     samples = np.frombuffer(data, dtype)
     if dtype.kind == "i":
         return samples.astype(np.float32) / 32768.0

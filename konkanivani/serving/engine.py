@@ -1,13 +1,14 @@
 """The recognizer a server holds, loaded once and only read, and how the server decodes with it.
 
-Decoding is CPU-bound, so none of it runs on the event loop: ``Engine.run`` hands a call to a pool of
-``workers`` decode threads (one by default: PyTorch's own threads already use every core), and the
-loop stays free to answer ``/health`` and to read the next frames while a chunk decodes.
+Decoding is CPU-bound, so none of it runs on the event loop: ``Engine.run`` hands a call to a pool
+of ``workers`` decode threads (one by default: PyTorch's own threads already use every core), and
+the loop stays free to answer ``/health`` and to read the next frames while a chunk decodes.
 
-A streaming checkpoint (trained with ``--causal_conv``) decodes an upload as ``konkanivani-transcribe
---chunk_size`` does a file: through a stream, in segments that end at pauses, with word times. Any
-other checkpoint decodes it as that tool does a long file: in windows of at most 20 s cut at quiet
-moments (``quiet_windows``), each decoded whole with ``method``; it cannot stream (``/stream`` says so).
+A streaming checkpoint (trained with ``--causal_conv``) decodes an upload as
+``konkanivani-transcribe --chunk_size`` does a file: through a stream, in segments that end at
+pauses, with word times. Any other checkpoint decodes it as that tool does a long file: in windows
+of at most 20 s cut at quiet moments (``quiet_windows``), each decoded whole with ``method``; it
+cannot stream (``/stream`` says so).
 
 An export folder (``decoding.exported.ExportedRecognizer``, onnxruntime) decodes uploads in those
 windows through ``model.onnx`` with ``greedy`` or ``beam`` (no attention decoder: nothing rescored),
@@ -62,7 +63,8 @@ class Engine:
             decoding = dataclasses.replace(decoding, chunk_size=0, left_chunks=-1, endpoint_ms=None)
         self.decoding = recognizer.settings(decoding, streams=self.streaming)
         if self.streaming:
-            self.open_stream()  # refuses settings the model cannot take; warns once of untrained chunks
+            # refuses settings the model cannot take; warns once of untrained chunks
+            self.open_stream()
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="konkanivani-decode")
@@ -105,27 +107,39 @@ class Engine:
 
     @staticmethod
     def read_upload(data: bytes, max_seconds: float) -> torch.Tensor:
-        """The 16 kHz mono waveform of an uploaded file's bytes, read in memory. ``AudioError`` when it
-        cannot be read or is too short for the model; ``UploadTooLong`` beyond ``max_seconds`` (by its
+        """The 16 kHz mono waveform of an uploaded file's bytes, read in memory. ``AudioError`` when
+        it cannot be read or is too short for the model; ``UploadTooLong`` beyond ``max_seconds``
+        (by its
         header, before decoding it, and as decoded)."""
         try:
             info = sf.info(io.BytesIO(data))
-        except Exception as e:  # noqa: BLE001  soundfile raises LibsndfileError, RuntimeError, TypeError...
-            raise AudioError("audio unreadable", UPLOAD, str(getattr(e, "error_string", e)).strip() or None) from e
+        # soundfile raises LibsndfileError, RuntimeError, TypeError...
+        except Exception as e:  # noqa: BLE001
+            raise AudioError(
+                "audio unreadable", UPLOAD, str(getattr(e, "error_string", e)).strip() or None
+            ) from e
         try:
             check_sample_rate(info.samplerate)
         except ValueError as e:
             raise AudioError("sample rate unsupported", UPLOAD, str(e)) from e
         if info.frames / info.samplerate > max_seconds:
-            raise UploadTooLong(f"{info.frames / info.samplerate:.1f} s of audio: the server takes at most "
-                                f"{max_seconds:g} s in one upload")
+            raise UploadTooLong(
+                f"{info.frames / info.samplerate:.1f} s of audio: the server takes at most "
+                f"{max_seconds:g} s in one upload"
+            )
         wav = load_audio(io.BytesIO(data), label=UPLOAD)
         if len(wav) > max_seconds * SAMPLE_RATE:
-            raise UploadTooLong(f"{len(wav) / SAMPLE_RATE:.1f} s of audio: the server takes at most "
-                                f"{max_seconds:g} s in one upload")
+            raise UploadTooLong(
+                f"{len(wav) / SAMPLE_RATE:.1f} s of audio: the server takes at most "
+                f"{max_seconds:g} s in one upload"
+            )
         if len(wav) < MIN_SAMPLES:
-            raise AudioError("audio too short", UPLOAD, f"{len(wav) / SAMPLE_RATE:.3f} s; the model needs at "
-                             f"least {MIN_SAMPLES / SAMPLE_RATE:.3f} s")
+            raise AudioError(
+                "audio too short",
+                UPLOAD,
+                f"{len(wav) / SAMPLE_RATE:.3f} s; the model needs at "
+                f"least {MIN_SAMPLES / SAMPLE_RATE:.3f} s",
+            )
         return wav
 
     def transcribe(self, wav: torch.Tensor) -> list[Result]:
