@@ -17,8 +17,9 @@ written one a row (benchmarks/results/gpu/h100_memory_rows.csv: its comment line
 column means), and prints each row's estimate / peak with the fitted figures and with memory.py's.
 No GPU is needed for the fit; the rows come from one (benchmarks/gpu_report.py's memory part).
 
-    nice -n 19 python3 benchmarks/calibrate_memory.py     # prints the values to paste into memory.py
-    python3 benchmarks/calibrate_memory.py --cuda_csv benchmarks/results/gpu/h100_memory_rows.csv
+    nice -n 19 python3 benchmarks/calibrate_memory.py     # prints the values to paste into
+    memory.py python3 benchmarks/calibrate_memory.py --cuda_csv
+    benchmarks/results/gpu/h100_memory_rows.csv
 """
 from __future__ import annotations
 
@@ -67,30 +68,53 @@ def saved_bytes(model: ASRModel, batch: int, frames: int, tokens: int, half: boo
 def _per_utterance(cfg: ModelConfig, frames: int, tokens: int) -> dict[bool, int]:
     torch.manual_seed(0)
     model = ASRModel(cfg).train()
-    return {half: saved_bytes(model, 2, frames, tokens, half) - saved_bytes(model, 1, frames, tokens, half)
-            for half in (False, True)}
+    return {
+        half: (
+            saved_bytes(model, 2, frames, tokens, half)
+            - saved_bytes(model, 1, frames, tokens, half)
+        )
+        for half in (False, True)
+    }
 
 
 def fit_activations() -> dict[str, dict[str, float]]:
     rows, targets = [], {False: [], True: []}
     for (d, h, f, le, ld, v), (frames, tokens) in itertools.product(SHAPES, LENGTHS):
-        cfg = ModelConfig(vocab_size=v, d_model=d, n_heads=h, ffn_dim=f, encoder_layers=le, decoder_layers=ld)
+        cfg = ModelConfig(
+            vocab_size=v, d_model=d, n_heads=h, ffn_dim=f, encoder_layers=le, decoder_layers=ld
+        )
         rows.append(list(memory._activation_terms(cfg, frames, tokens).values()))
         for half, n in _per_utterance(cfg, frames, tokens).items():
             targets[half].append(n)
     names = list(memory._activation_terms(ModelConfig(vocab_size=8), 100, 1))
-    held_out = [(model_config_from_preset(p, vocab_size=128), frames, tokens) for p, frames, tokens in HELD_OUT]
-    held_out = [(cfg, frames, tokens, _per_utterance(cfg, frames, tokens)) for cfg, frames, tokens in held_out]
+    held_out = [
+        (model_config_from_preset(p, vocab_size=128), frames, tokens)
+        for p, frames, tokens in HELD_OUT
+    ]
+    held_out = [
+        (cfg, frames, tokens, _per_utterance(cfg, frames, tokens))
+        for cfg, frames, tokens in held_out
+    ]
     out = {}
     for half in (False, True):
         a, b = np.array(rows, dtype=float), np.array(targets[half], dtype=float)
         # relative errors matter: weight each row by 1 / its size
         coef, _ = nnls(a / b[:, None], np.ones_like(b))
         err = np.abs(a @ coef / b - 1)
-        checks = [abs(np.array(list(memory._activation_terms(cfg, frames, tokens).values())) @ coef / n[half] - 1)
-                  for cfg, frames, tokens, n in held_out]
-        print(f"{'half' if half else 'fp32'}: {len(b)} measurements, fit error mean {err.mean():.1%}, "
-              f"max {err.max():.1%}; held out (tiny, small presets): " + ", ".join(f"{c:.1%}" for c in checks))
+        checks = [
+            abs(
+                np.array(list(memory._activation_terms(cfg, frames, tokens).values()))
+                @ coef
+                / n[half]
+                - 1
+            )
+            for cfg, frames, tokens, n in held_out
+        ]
+        print(
+            f"{'half' if half else 'fp32'}: {len(b)} measurements, fit error mean {err.mean():.1%},"
+            f" max {err.max():.1%}; held out (tiny, small presets): "
+            + ", ".join(f"{c:.1%}" for c in checks)
+        )
         out["half" if half else "fp32"] = {n: round(float(c), 3) for n, c in zip(names, coef)}
     return out
 
@@ -99,7 +123,9 @@ PEAK_RUNS = [("tiny", 4, 8), ("small", 2, 8), ("small", 1, 20), ("medium", 2, 8)
              ("large", 1, 10), ("large", 1, 15)]  # (preset, utterances per micro-batch, seconds)
 
 
-def _accumulated_spec(preset: str, utts: int, seconds: int, precision: str, checkpointing: bool) -> dict:
+def _accumulated_spec(
+    preset: str, utts: int, seconds: int, precision: str, checkpointing: bool
+) -> dict:
     """A run of benchmarks/memory.py's worker: 2 micro-batches of ``utts`` utterances accumulated
     per optimizer step, as the training loop runs with --gradient_accumulation_steps 2 or more
     (the second micro-batch's backward pass adds to gradients that already exist)."""
@@ -118,8 +144,13 @@ def fit_peak(coeffs: dict[str, dict[str, float]]) -> tuple[float, float, float]:
     a, b = [], []
     for preset, utts, seconds in PEAK_RUNS:
         for precision in ("fp32", "bf16"):
-            peak = measure(_accumulated_spec(preset, utts, seconds, precision, False))["peak_mib"] * 2 ** 20
-            est = memory.MemoryEstimator(model_config_from_preset(preset, vocab_size=128), precision)
+            peak = (
+                measure(_accumulated_spec(preset, utts, seconds, precision, False))["peak_mib"]
+                * 2**20
+            )
+            est = memory.MemoryEstimator(
+                model_config_from_preset(preset, vocab_size=128), precision
+            )
             parts = est.components(utts, seconds * 100, seconds * 5)
             act = sum(v for k, v in parts.items() if k.startswith("activations"))
             static = sum(parts.values()) - act
@@ -128,7 +159,7 @@ def fit_peak(coeffs: dict[str, dict[str, float]]) -> tuple[float, float, float]:
             print(f"{preset} 2 x {utts} x {seconds} s {precision}: peak {peak / 2 ** 20:.0f} MiB, "
                   f"static {static / 2 ** 20:.0f} MiB, activations {act / 2 ** 20:.0f} MiB")
     (factor, accumulation, overhead), *_ = np.linalg.lstsq(np.array(a), np.array(b), rcond=None)
-    return round(float(factor), 3), round(float(accumulation), 3), round(float(overhead) / 2 ** 20, 1)
+    return round(float(factor), 3), round(float(accumulation), 3), round(float(overhead) / 2**20, 1)
 
 
 def fit_checkpointed_subsampling(factor: float, accumulation: float, overhead_mib: float) -> float:
@@ -140,18 +171,29 @@ def fit_checkpointed_subsampling(factor: float, accumulation: float, overhead_mi
     memory.PEAK_OVERHEAD = overhead_mib * 2 ** 20
     memory.CHECKPOINTED_SUBSAMPLING_FACTOR = 1.0  # so that the subsampling part is its bare size
     a, b = [], []
-    for preset, utts, seconds in [("tiny", 4, 8), ("small", 2, 8), ("small", 1, 20), ("medium", 1, 15)]:
+    for preset, utts, seconds in [
+        ("tiny", 4, 8),
+        ("small", 2, 8),
+        ("small", 1, 20),
+        ("medium", 1, 15),
+    ]:
         for precision in ("fp32", "bf16"):
             frames, tokens = seconds * 100, seconds * 5
-            peak = measure(_accumulated_spec(preset, utts, seconds, precision, True))["peak_mib"] * 2 ** 20
-            est = memory.MemoryEstimator(model_config_from_preset(preset, vocab_size=128), precision,
-                                         checkpointing=True)
+            peak = (
+                measure(_accumulated_spec(preset, utts, seconds, precision, True))["peak_mib"]
+                * 2**20
+            )
+            est = memory.MemoryEstimator(
+                model_config_from_preset(preset, vocab_size=128), precision, checkpointing=True
+            )
             parts = est.components(utts, frames, tokens)
             sub = parts["activations: subsampling"]
             a.append(sub)
             b.append(peak - (sum(parts.values()) - sub))
-            print(f"{preset} 2 x {utts} x {seconds} s {precision}, checkpointed: peak {peak / 2 ** 20:.0f} MiB, "
-                  f"subsampling activations {sub / 2 ** 20:.0f} MiB")
+            print(
+                f"{preset} 2 x {utts} x {seconds} s {precision}, checkpointed: peak"
+                f" {peak / 2 ** 20:.0f} MiB, subsampling activations {sub / 2 ** 20:.0f} MiB"
+            )
     a, b = np.array(a), np.array(b)
     return round(float(a @ b / (a @ a)), 3)
 
@@ -299,7 +341,10 @@ def main() -> None:
     factor, accumulation, overhead_mib = fit_peak(coeffs)
     print(f"PEAK_FACTOR = {factor}\nACCUMULATION_FACTOR = {accumulation}\n"
           f"PEAK_OVERHEAD = {overhead_mib} * 2 ** 20")
-    print("CHECKPOINTED_SUBSAMPLING_FACTOR =", fit_checkpointed_subsampling(factor, accumulation, overhead_mib))
+    print(
+        "CHECKPOINTED_SUBSAMPLING_FACTOR =",
+        fit_checkpointed_subsampling(factor, accumulation, overhead_mib),
+    )
 
 
 if __name__ == "__main__":

@@ -33,13 +33,20 @@ _MIB = 2 ** 20
 
 
 def worker(spec: dict) -> dict:
-    """Train ``spec['steps']`` steps as ``spec`` says; return the peak memory and seconds per step."""
+    """Train ``spec['steps']`` steps as ``spec`` says; return the peak memory and seconds per
+    step."""
     import torch
 
     from konkanivani.config import model_config_from_preset
     from konkanivani.data.dataset import Batch
     from konkanivani.model.asr import ASRModel
-    from konkanivani.training.memory import MemoryEstimator, peak_rss_bytes, precision_name, reset_peak_rss, rss_bytes
+    from konkanivani.training.memory import (
+        MemoryEstimator,
+        peak_rss_bytes,
+        precision_name,
+        reset_peak_rss,
+        rss_bytes,
+    )
     from konkanivani.training.optim import build_optimizer
     from konkanivani.training.precision import resolve_precision
     from konkanivani.training.step import forward_backward, optimizer_step
@@ -50,7 +57,8 @@ def worker(spec: dict) -> dict:
                                    subsampling_channels=spec.get("subsampling_channels"))
     utts, frames, tokens = spec["utterances"], spec["frames"], spec["tokens"]
     per_micro = spec.get("micro_batch") or utts
-    samples = (frames - 1) * 160  # waveforms of `frames` feature frames (the step makes the features)
+    # waveforms of `frames` feature frames (the step makes the features)
+    samples = (frames - 1) * 160
     audio = 0.1 * torch.randn(utts, samples)
     token_ids = torch.randint(3, cfg.vocab_size, (utts, tokens))
     micro = []
@@ -68,7 +76,9 @@ def worker(spec: dict) -> dict:
         reset_peak_rss()
     model = ASRModel(cfg).to(device)
     model.set_gradient_checkpointing(spec["checkpointing"])
-    optimizer, optimizer_name = build_optimizer(spec["optimizer"], model.parameters(), device, 1e-4, 0.01)
+    optimizer, optimizer_name = build_optimizer(
+        spec["optimizer"], model.parameters(), device, 1e-4, 0.01
+    )
     scaler = torch.amp.GradScaler(device.type, enabled=precision.use_scaler)
 
     def step() -> tuple[float, bool]:
@@ -98,12 +108,20 @@ def worker(spec: dict) -> dict:
         seconds, was_skipped = step()
         times.append(seconds)
         skipped += was_skipped
-    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()) - base
+    peak = (
+        torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()
+    ) - base
     estimate = MemoryEstimator(cfg, precision_name(precision), optimizer_name,
                                spec["checkpointing"], device)
-    return {"peak_mib": peak / _MIB, "step_s": statistics.median(times[1:] or times),
-            "optimizer": optimizer_name, "device": device.type, "skipped_updates": skipped, "warm_up_steps": warm_up,
-            "estimate_mib": estimate.peak_bytes(per_micro, frames, tokens) / _MIB}
+    return {
+        "peak_mib": peak / _MIB,
+        "step_s": statistics.median(times[1:] or times),
+        "optimizer": optimizer_name,
+        "device": device.type,
+        "skipped_updates": skipped,
+        "warm_up_steps": warm_up,
+        "estimate_mib": estimate.peak_bytes(per_micro, frames, tokens) / _MIB,
+    }
 
 
 def _warm_up(device, precision: str) -> None:
@@ -122,8 +140,13 @@ def _warm_up(device, precision: str) -> None:
     from konkanivani.training.step import forward_backward, optimizer_step
 
     cfg = model_config_from_preset("tiny", vocab_size=32)
-    batch = Batch(0.1 * torch.randn(1, 199 * 160), torch.tensor([199 * 160]), torch.randint(3, 32, (1, 10)),
-                  torch.tensor([10]), [0])
+    batch = Batch(
+        0.1 * torch.randn(1, 199 * 160),
+        torch.tensor([199 * 160]),
+        torch.randint(3, 32, (1, 10)),
+        torch.tensor([10]),
+        [0],
+    )
     for name in dict.fromkeys(["fp32", precision]):
         prec = resolve_precision(device, False, name)
         scaler = torch.amp.GradScaler(device.type, enabled=prec.use_scaler)
@@ -151,9 +174,19 @@ def configurations(half: str, cuda: bool = False) -> list[tuple[str, dict]]:
     the two options that cost step time on a CPU; on CUDA also --offload_activations (alone, and
     instead of checkpointing in the combination)."""
     base = {"precision": "fp32", "optimizer": "adamw", "checkpointing": False, "micro_batch": 0}
-    combined = {"precision": half, "optimizer": "adamw_8bit", "checkpointing": True, "micro_batch": 1}
-    offload = [("--offload_activations", {**base, "offload": True}),
-               ("all, offloading instead of checkpointing", {**combined, "checkpointing": False, "offload": True})]
+    combined = {
+        "precision": half,
+        "optimizer": "adamw_8bit",
+        "checkpointing": True,
+        "micro_batch": 1,
+    }
+    offload = [
+        ("--offload_activations", {**base, "offload": True}),
+        (
+            "all, offloading instead of checkpointing",
+            {**combined, "checkpointing": False, "offload": True},
+        ),
+    ]
     return [
         ("fp32 + AdamW + fixed batch 2 (baseline)", base),
         (f"--precision {half}", {**base, "precision": half}),
@@ -173,12 +206,23 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seconds", type=float, default=15.0, help="length of each utterance")
     parser.add_argument("--utterances", type=int, default=2, help="utterances per optimizer step")
-    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run; the first is not timed")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="runs of every configuration, taken in turn so that a slow minute of the machine "
-                             "falls on all of them; the table gives medians")
-    parser.add_argument("--half", default="", help="reduced precision: bf16 or fp16 (default: fp16 on CUDA, "
-                                                   "bf16 elsewhere)")
+    parser.add_argument(
+        "--steps", type=int, default=4, help="optimizer steps per run; the first is not timed"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help=(
+            "runs of every configuration, taken in turn so that a slow minute of the machine "
+            "falls on all of them; the table gives medians"
+        ),
+    )
+    parser.add_argument(
+        "--half",
+        default="",
+        help="reduced precision: bf16 or fp16 (default: fp16 on CUDA, bf16 elsewhere)",
+    )
     parser.add_argument("--plot", default=str(ROOT / "benchmarks" / "memory_cpu.png"))
     parser.add_argument("--csv", default="", help="also write every run's figures here")
     args = parser.parse_args()
@@ -189,27 +233,44 @@ def main() -> None:
     configs = configurations(half, cuda=args.device.startswith("cuda"))
     frames = int(args.seconds * 100)
     tokens = int(args.seconds * 5)
-    what = "torch.cuda.max_memory_allocated" if args.device.startswith("cuda") else "peak RSS above process start"
+    what = (
+        "torch.cuda.max_memory_allocated"
+        if args.device.startswith("cuda")
+        else "peak RSS above process start"
+    )
     print(f"{args.utterances} x {args.seconds:g} s per optimizer step, {args.steps} steps per run, "
           f"{args.rounds} rounds, device {args.device}; memory: {what}", flush=True)
     runs: dict[tuple[str, int], list[dict]] = {}
     for preset in args.presets:
         for r in range(args.rounds):
             for i, (name, options) in enumerate(configs):
-                spec = {"device": args.device, "preset": preset, "utterances": args.utterances, "frames": frames,
-                        "tokens": tokens, "steps": args.steps, **options}
+                spec = {
+                    "device": args.device,
+                    "preset": preset,
+                    "utterances": args.utterances,
+                    "frames": frames,
+                    "tokens": tokens,
+                    "steps": args.steps,
+                    **options,
+                }
                 runs.setdefault((preset, i), []).append(measure(spec))
             print(f"{preset}: round {r + 1} of {args.rounds} done", file=sys.stderr, flush=True)
     rows = {key: _summary(results) for key, results in runs.items()}
     for preset in args.presets:
         base = rows[(preset, 0)]
-        print(f"\n{preset}\n| configuration | peak MiB | vs baseline | estimate MiB | step s | vs baseline |")
+        print(
+            f"\n{preset}\n| configuration | peak MiB | vs baseline | estimate MiB | step s | vs"
+            " baseline |"
+        )
         print("| --- | --- | --- | --- | --- | --- |")
         for i, (name, options) in enumerate(configs):
             r = rows[(preset, i)]
             note = "" if r["optimizer"] == options["optimizer"] else f" (ran {r['optimizer']})"
-            print(f"| {name}{note} | {r['peak_mib']:.0f} | {r['peak_mib'] / base['peak_mib']:.2f}x | "
-                  f"{r['estimate_mib']:.0f} | {r['step_s']:.2f} | {r['step_s'] / base['step_s']:.2f}x |")
+            print(
+                f"| {name}{note} | {r['peak_mib']:.0f} | {r['peak_mib'] / base['peak_mib']:.2f}x |"
+                f" {r['estimate_mib']:.0f} | {r['step_s']:.2f} |"
+                f" {r['step_s'] / base['step_s']:.2f}x |"
+            )
     if args.csv:
         _write_csv(args.csv, runs, configs)
     _plot(rows, [n for n, _ in configs], args.presets, args.plot, what)
@@ -227,15 +288,27 @@ def _write_csv(path: str, runs: dict, configs: list) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
         out = csv.writer(f)
-        out.writerow(["preset", "configuration", "round", "peak_mib", "estimate_mib", "step_s", "optimizer"])
+        out.writerow(
+            ["preset", "configuration", "round", "peak_mib", "estimate_mib", "step_s", "optimizer"]
+        )
         for (preset, i), results in runs.items():
             for r, res in enumerate(results):
-                out.writerow([preset, configs[i][0], r + 1, f"{res['peak_mib']:.1f}", f"{res['estimate_mib']:.1f}",
-                              f"{res['step_s']:.3f}", res["optimizer"]])
+                out.writerow(
+                    [
+                        preset,
+                        configs[i][0],
+                        r + 1,
+                        f"{res['peak_mib']:.1f}",
+                        f"{res['estimate_mib']:.1f}",
+                        f"{res['step_s']:.3f}",
+                        res["optimizer"],
+                    ]
+                )
 
 
 def _plot(rows: dict, names: list[str], presets: list[str], path: str, what: str) -> None:
-    """Two panels: the peak memory of each configuration, and its step time against the baseline's."""
+    """Two panels: the peak memory of each configuration, and its step time against the
+    baseline's."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -248,7 +321,9 @@ def _plot(rows: dict, names: list[str], presets: list[str], path: str, what: str
     for p, preset in enumerate(presets):
         at = [i + p * width for i in range(len(names))]
         peaks = [rows[(preset, i)]["peak_mib"] for i in range(len(names))]
-        slow = [rows[(preset, i)]["step_s"] / rows[(preset, 0)]["step_s"] for i in range(len(names))]
+        slow = [
+            rows[(preset, i)]["step_s"] / rows[(preset, 0)]["step_s"] for i in range(len(names))
+        ]
         bars = mem_ax.barh(at, peaks, height=width, label=preset, color=f"C{p}")
         mem_ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=2)
         bars = time_ax.barh(at, slow, height=width, label=preset, color=f"C{p}")

@@ -6,18 +6,18 @@ each, vocabulary 256) with AdamW, their steps interleaved round by round, so tha
 speed drifts from minute to minute slows all of them alike:
 
 * ``ours enc+CTC``: our front-end, Conformer encoder and CTC head, CTC loss only;
-* ``torchaudio``: ``torchaudio.models.Conformer`` of the same width, heads, feed-forward size, layers
-  and kernel, behind the same front-end as our default one (two 3x3 stride-2 Conv2d, 4x) and a
-  linear CTC head: the same work as ``ours enc+CTC``;
+* ``torchaudio``: ``torchaudio.models.Conformer`` of the same width, heads, feed-forward size,
+  layers and kernel, behind the same front-end as our default one (two 3x3 stride-2 Conv2d, 4x) and
+  a linear CTC head: the same work as ``ours enc+CTC``;
 * ``ours full``: ``ASRModel`` as the trainer runs it, CTC + attention decoder;
-* ``WeNet`` (with ``--wenet PATH``, a WeNet source tree): WeNet's Conformer + Transformer decoder + CTC
-  of the same dimensions, the same work as ``ours full``.
+* ``WeNet`` (with ``--wenet PATH``, a WeNet source tree): WeNet's Conformer + Transformer decoder +
+  CTC of the same dimensions, the same work as ``ours full``.
 
-Each is timed in fp32 and in the precision ``--mixed_precision`` picks on this machine (bf16 autocast
-where it is faster than fp32; on a CPU without fast bf16 it picks fp32 and the second pass is
-skipped). FLOPs are counted once per model with ``torch.utils.flop_counter`` (its backward formula
-for grouped convolutions over-counts the weight gradient by the group count; corrected here), and
-utilization is the step's FLOP rate over the matmul peak measured in the same run.
+Each is timed in fp32 and in the precision ``--mixed_precision`` picks on this machine (bf16
+autocast where it is faster than fp32; on a CPU without fast bf16 it picks fp32 and the second pass
+is skipped). FLOPs are counted once per model with ``torch.utils.flop_counter`` (its backward
+formula for grouped convolutions over-counts the weight gradient by the group count; corrected
+here), and utilization is the step's FLOP rate over the matmul peak measured in the same run.
 
     python3 benchmarks/throughput.py                      # all presets: table + PNG
     python3 benchmarks/throughput.py --preset small --json  # one JSON line
@@ -60,9 +60,13 @@ class TorchaudioCTC(nn.Module):
         from torchaudio.models import Conformer
 
         d = cfg.d_model
-        self.conv = nn.Sequential(nn.Conv2d(1, d, 3, stride=2), nn.ReLU(), nn.Conv2d(d, d, 3, stride=2), nn.ReLU())
+        self.conv = nn.Sequential(
+            nn.Conv2d(1, d, 3, stride=2), nn.ReLU(), nn.Conv2d(d, d, 3, stride=2), nn.ReLU()
+        )
         self.proj = nn.Linear(d * (((cfg.n_mels - 1) // 2 - 1) // 2), d)
-        self.conformer = Conformer(d, cfg.n_heads, cfg.ffn_dim, cfg.encoder_layers, cfg.conv_kernel, dropout=cfg.dropout)
+        self.conformer = Conformer(
+            d, cfg.n_heads, cfg.ffn_dim, cfg.encoder_layers, cfg.conv_kernel, dropout=cfg.dropout
+        )
         self.head = nn.Linear(d, cfg.vocab_size)
 
     def forward(self, feats, lens, tokens, token_lens):
@@ -116,17 +120,43 @@ class WenetFull(nn.Module):
         from wenet.models.transformer.decoder import TransformerDecoder
         from wenet.models.transformer.encoder import ConformerEncoder as WenetEncoder
 
-        encoder = WenetEncoder(cfg.n_mels, cfg.d_model, cfg.n_heads, cfg.ffn_dim, cfg.encoder_layers,
-                               dropout_rate=cfg.dropout, cnn_module_kernel=cfg.conv_kernel)
-        decoder = TransformerDecoder(cfg.vocab_size, cfg.d_model, cfg.n_heads, cfg.ffn_dim, cfg.decoder_layers,
-                                     dropout_rate=cfg.dropout)
-        self.model = WenetASR(cfg.vocab_size, encoder, decoder, CTC(cfg.vocab_size, cfg.d_model), ctc_weight=0.3,
-                              lsm_weight=0.1)
+        encoder = WenetEncoder(
+            cfg.n_mels,
+            cfg.d_model,
+            cfg.n_heads,
+            cfg.ffn_dim,
+            cfg.encoder_layers,
+            dropout_rate=cfg.dropout,
+            cnn_module_kernel=cfg.conv_kernel,
+        )
+        decoder = TransformerDecoder(
+            cfg.vocab_size,
+            cfg.d_model,
+            cfg.n_heads,
+            cfg.ffn_dim,
+            cfg.decoder_layers,
+            dropout_rate=cfg.dropout,
+        )
+        self.model = WenetASR(
+            cfg.vocab_size,
+            encoder,
+            decoder,
+            CTC(cfg.vocab_size, cfg.d_model),
+            ctc_weight=0.3,
+            lsm_weight=0.1,
+        )
 
     def forward(self, feats, lens, tokens, token_lens):
-        batch = {"feats": feats, "feats_lengths": lens, "target": tokens, "target_lengths": token_lens,
-                 "langs": ["none"] * len(lens), "tasks": ["transcribe"] * len(lens)}
-        return self.model(batch, feats.device)["loss"] * feats.shape[0]  # WeNet averages over utterances
+        batch = {
+            "feats": feats,
+            "feats_lengths": lens,
+            "target": tokens,
+            "target_lengths": token_lens,
+            "langs": ["none"] * len(lens),
+            "tasks": ["transcribe"] * len(lens),
+        }
+        # WeNet averages over utterances
+        return self.model(batch, feats.device)["loss"] * feats.shape[0]
 
 
 class OursFullCompiled(OursFull):
@@ -145,15 +175,40 @@ class OursFullCompiled(OursFull):
 MODELS = {"torchaudio": TorchaudioCTC, "ours enc+CTC": OursCTC, "ours full": OursFull}
 
 
-def _conv_backward_flop(grad_out_shape, x_shape, w_shape, bias, stride, padding, dilation, transposed, output_padding,
-                        groups, output_mask, out_shape, **kwargs) -> int:
+def _conv_backward_flop(
+    grad_out_shape,
+    x_shape,
+    w_shape,
+    bias,
+    stride,
+    padding,
+    dilation,
+    transposed,
+    output_padding,
+    groups,
+    output_mask,
+    out_shape,
+    **kwargs,
+) -> int:
     """torch's formula, with the weight gradient of a grouped convolution divided by the group count
     (torch counts it as if every output channel saw every input channel)."""
     from torch.utils.flop_counter import conv_backward_flop  # registered form: takes out_val
 
     def count(mask):
-        return conv_backward_flop(grad_out_shape, x_shape, w_shape, bias, stride, padding, dilation, transposed,
-                                  output_padding, groups, mask, out_val=out_shape)
+        return conv_backward_flop(
+            grad_out_shape,
+            x_shape,
+            w_shape,
+            bias,
+            stride,
+            padding,
+            dilation,
+            transposed,
+            output_padding,
+            groups,
+            mask,
+            out_val=out_shape,
+        )
 
     total = count(output_mask)
     if output_mask[1] and groups > 1:
@@ -166,7 +221,9 @@ def count_flops(model: nn.Module, batch, precision) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
     aten = torch.ops.aten
-    with FlopCounterMode(display=False, custom_mapping={aten.convolution_backward: _conv_backward_flop}) as counter:
+    with FlopCounterMode(
+        display=False, custom_mapping={aten.convolution_backward: _conv_backward_flop}
+    ) as counter:
         with precision.autocast(torch.device("cpu")):
             loss = model(*batch)
         loss.backward()
@@ -206,8 +263,13 @@ def step(model, optimizer, batch, precision) -> float:
 
 
 def run_preset(preset: str, args, peaks: dict[str, float]) -> list[dict]:
-    cfg = model_config_from_preset(preset, vocab_size=args.vocab, conv_kernel=args.conv_kernel,
-                                   subsampling=args.subsampling, subsampling_channels=args.subsampling_channels)
+    cfg = model_config_from_preset(
+        preset,
+        vocab_size=args.vocab,
+        conv_kernel=args.conv_kernel,
+        subsampling=args.subsampling,
+        subsampling_channels=args.subsampling_channels,
+    )
     batch = make_batch(cfg, args.utterances, args.seconds, args.tokens)
     audio_seconds = args.utterances * args.seconds
     precisions = {"fp32": resolve_precision(torch.device("cpu"), False, "fp32")}
@@ -221,8 +283,13 @@ def run_preset(preset: str, args, peaks: dict[str, float]) -> list[dict]:
             torch.manual_seed(0)
             model = cls(cfg).train()
             # Ours with the trainer's optimizer (fused AdamW); the peer with torch's default AdamW.
-            optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-4) if name == "torchaudio"
-                         else build_optimizer("adamw", model.parameters(), torch.device("cpu"), 1e-4, 0.01)[0])
+            optimizer = (
+                torch.optim.AdamW(model.parameters(), lr=1e-4)
+                if name == "torchaudio"
+                else build_optimizer("adamw", model.parameters(), torch.device("cpu"), 1e-4, 0.01)[
+                    0
+                ]
+            )
             flops = count_flops(model, batch, precision)
             for _ in range(args.warmup):
                 step(model, optimizer, batch, precision)
@@ -234,11 +301,17 @@ def run_preset(preset: str, args, peaks: dict[str, float]) -> list[dict]:
         peak = peaks["bf16" if pname == "bf16" else "fp32"]
         for name, (model, _, flops) in built.items():
             median = statistics.median(times[name])
-            row = {"preset": preset, "precision": pname, "model": name,
-                   "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
-                   "step_s": round(median, 4), "audio_s_per_s": round(audio_seconds / median, 1),
-                   "gflop_per_step": round(flops / 1e9, 1), "gflop_s": round(flops / median / 1e9, 1),
-                   "utilization": round(flops / median / 1e9 / peak, 3)}
+            row = {
+                "preset": preset,
+                "precision": pname,
+                "model": name,
+                "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
+                "step_s": round(median, 4),
+                "audio_s_per_s": round(audio_seconds / median, 1),
+                "gflop_per_step": round(flops / 1e9, 1),
+                "gflop_s": round(flops / median / 1e9, 1),
+                "utilization": round(flops / median / 1e9 / peak, 3),
+            }
             # The median of the per-round ratios, not the ratio of medians.
             if name.startswith("ours"):
                 row["speedup_vs_torchaudio"] = _speedup(times["torchaudio"], times[name])
@@ -255,8 +328,19 @@ def _speedup(reference: list[float], ours: list[float]) -> float:
 def print_table(rows: list[dict], cpu: str, peaks: dict[str, float]) -> None:
     print(f"CPU: {cpu}; {torch.get_num_threads()} threads; matmul peak "
           + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peaks.items()))
-    header = ["preset", "precision", "model", "params_m", "step_s", "audio_s_per_s", "gflop_per_step", "gflop_s",
-              "utilization", "speedup_vs_torchaudio", "speedup_vs_wenet"]
+    header = [
+        "preset",
+        "precision",
+        "model",
+        "params_m",
+        "step_s",
+        "audio_s_per_s",
+        "gflop_per_step",
+        "gflop_s",
+        "utilization",
+        "speedup_vs_torchaudio",
+        "speedup_vs_wenet",
+    ]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in rows:
@@ -274,8 +358,17 @@ def plot(rows: list[dict], path: Path, names: list[str]) -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
-        values = [next((r["audio_s_per_s"] for r in rows if (r["preset"], r["precision"]) == g and r["model"] == name), 0)
-                  for g in groups]
+        values = [
+            next(
+                (
+                    r["audio_s_per_s"]
+                    for r in rows
+                    if (r["preset"], r["precision"]) == g and r["model"] == name
+                ),
+                0,
+            )
+            for g in groups
+        ]
         ax.bar([x + i * width for x in range(len(groups))], values, width, label=name)
     ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(groups))])
     ax.set_xticklabels([f"{p}\n{q}" for p, q in groups])
@@ -289,7 +382,9 @@ def plot(rows: list[dict], path: Path, names: list[str]) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", choices=PRESET_ORDER, action="append", help="repeatable; default: all")
+    parser.add_argument(
+        "--preset", choices=PRESET_ORDER, action="append", help="repeatable; default: all"
+    )
     parser.add_argument("--utterances", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--tokens", type=int, default=20)
@@ -297,15 +392,29 @@ def main(argv=None) -> int:
     parser.add_argument("--conv_kernel", type=int, default=31)
     parser.add_argument("--subsampling", choices=SUBSAMPLING["choices"], default="conv2d",
                         help="our front-end (the peers keep theirs)")
-    parser.add_argument("--subsampling_channels", type=int, default=0,
-                        help="our conv2d front-end's first convolution width (0: d_model, as the peers')")
+    parser.add_argument(
+        "--subsampling_channels",
+        type=int,
+        default=0,
+        help="our conv2d front-end's first convolution width (0: d_model, as the peers')",
+    )
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--wenet", metavar="PATH", help="also time WeNet's hybrid model, imported from this "
-                        "WeNet source tree (not shipped with this project)")
-    parser.add_argument("--compile", action="store_true", help="also time ours full through torch.compile")
-    parser.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    parser.add_argument(
+        "--wenet",
+        metavar="PATH",
+        help=(
+            "also time WeNet's hybrid model, imported from this "
+            "WeNet source tree (not shipped with this project)"
+        ),
+    )
+    parser.add_argument(
+        "--compile", action="store_true", help="also time ours full through torch.compile"
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON line instead of the table"
+    )
     parser.add_argument("--png", default=str(ROOT / "benchmarks" / "throughput_cpu.png"))
     args = parser.parse_args(argv)
     threads = torch.get_num_threads()
@@ -325,12 +434,25 @@ def _run(args: argparse.Namespace) -> int:
     peaks = {"fp32": matmul_peak(torch.float32)}
     if resolve_precision(torch.device("cpu"), True).dtype is torch.bfloat16:
         peaks["bf16"] = matmul_peak(torch.bfloat16)
-    rows = [row for preset in (args.preset or PRESET_ORDER) for row in run_preset(preset, args, peaks)]
+    rows = [
+        row for preset in args.preset or PRESET_ORDER for row in run_preset(preset, args, peaks)
+    ]
     if args.json:
-        speedups = {key: {f"{r['preset']}/{r['precision']}/{r['model']}": r[key] for r in rows if key in r}
-                    for key in ("speedup_vs_torchaudio", "speedup_vs_wenet")}
-        print(json.dumps({"cpu": cpu, "threads": args.threads, "matmul_peak_gflop_s": peaks, **speedups,
-                          "rows": rows}))
+        speedups = {
+            key: {f"{r['preset']}/{r['precision']}/{r['model']}": r[key] for r in rows if key in r}
+            for key in ("speedup_vs_torchaudio", "speedup_vs_wenet")
+        }
+        print(
+            json.dumps(
+                {
+                    "cpu": cpu,
+                    "threads": args.threads,
+                    "matmul_peak_gflop_s": peaks,
+                    **speedups,
+                    "rows": rows,
+                }
+            )
+        )
     else:
         print_table(rows, cpu, peaks)
         if args.png:

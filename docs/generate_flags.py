@@ -60,11 +60,14 @@ def _doc(cls: type) -> str:
     return re.sub(r"``(.+?)``", r"`\1`", " ".join((cls.__doc__ or "").split()))
 
 
-def _flag_rows(cls: type, *, defaults: bool, skip: tuple[str, ...] = ()) -> list[tuple[dataclasses.Field, argparse.Action]]:
+def _flag_rows(
+    cls: type, *, defaults: bool, skip: tuple[str, ...] = ()
+) -> list[tuple[dataclasses.Field, argparse.Action]]:
     """Each field of ``cls`` with the parser action ``add_dataclass_args`` makes for it."""
     parser = argparse.ArgumentParser(add_help=False)
     add_dataclass_args(parser, cls, defaults=defaults, skip=skip)
-    actions = {a.dest: a for a in parser._actions if a.help != argparse.SUPPRESS}  # not an old spelling
+    # not an old spelling
+    actions = {a.dest: a for a in parser._actions if a.help != argparse.SUPPRESS}
     return [(f, actions[f.name]) for f in flag_fields(cls) if f.name in actions]
 
 
@@ -109,14 +112,21 @@ def _decoding_section() -> list[str]:
     actions = {a.dest: a for a in parser._actions if a.help != argparse.SUPPRESS}
     old = {a.dest: a for a in parser._actions if a.help == argparse.SUPPRESS}
     taken = {tool: _source_constant("DECODING_FIELDS", tool) for tool in DECODING_TOOLS}
-    lines = ["## Decoding: `DecodingConfig`", "",
-             "The decoding flags of `konkanivani-transcribe`, `konkanivani-evaluate`, "
-             "`konkanivani-serve` and `konkanivani-export` are the fields of `DecodingConfig` "
-             "([konkanivani/decoding/settings.py](../konkanivani/decoding/settings.py)), which also "
-             "holds their one check; *tools* says which tool takes each "
-             "([decoding.md](decoding.md), [serving.md](serving.md)). "
-             f"{_cell(_doc(DecodingConfig))}", "",
-             "| flag | default | type | tools | meaning |", "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "## Decoding: `DecodingConfig`",
+        "",
+        (
+            "The decoding flags of `konkanivani-transcribe`, `konkanivani-evaluate`, "
+            "`konkanivani-serve` and `konkanivani-export` are the fields of `DecodingConfig` "
+            "([konkanivani/decoding/settings.py](../konkanivani/decoding/settings.py)), which also "
+            "holds their one check; *tools* says which tool takes each "
+            "([decoding.md](decoding.md), [serving.md](serving.md)). "
+            f"{_cell(_doc(DecodingConfig))}"
+        ),
+        "",
+        "| flag | default | type | tools | meaning |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for f in dataclasses.fields(DecodingConfig):
         action = actions[f.name]
         flag = _flag(action) + (f" (old: {_flag(old[f.name])})" if f.name in old else "")
@@ -149,11 +159,14 @@ def render_serving(text: str) -> str:
 
 
 def _config_help() -> str:
-    """``CONFIG_HELP`` of konkanivani/cli/train.py, the help of ``--config`` (the one flag that is no
+    """``CONFIG_HELP`` of konkanivani/cli/train.py, the help of ``--config`` (the one flag that is
+    no
     field), read from the source: importing the trainer would import the whole training stack."""
     source = ROOT / "konkanivani" / "cli" / "train.py"
     for node in ast.parse(source.read_text(encoding="utf-8")).body:
-        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["CONFIG_HELP"]:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [
+            "CONFIG_HELP"
+        ]:
             return ast.literal_eval(node.value)
     raise SystemExit(f"{source}: no CONFIG_HELP, the help text of --config")
 
@@ -163,24 +176,31 @@ def _train_table(sections: dict[str, str]) -> list[str]:
              f"| `--config` | none | path | — | {_cell(_config_help())} |"]
     for f, action in _flag_rows(TrainConfig, defaults=True):
         default = "required" if action.required else f"`{action.default!r}`"
-        lines.append(f"| {_flag(action)} | {default} | {_type(action)} | {sections.get(f.name, '—')} | "
-                     f"{_cell(f.metadata.get('help', ''))} |")
+        lines.append(
+            f"| {_flag(action)} | {default} | {_type(action)} | {sections.get(f.name, '—')} | "
+            f"{_cell(f.metadata.get('help', ''))} |"
+        )
     return lines
 
 
 def _model_table(sections: dict[str, str]) -> list[str]:
     from_preset = {name for values in PRESETS.values() for name in values}
     lines = ["| flag | default | type | config file | meaning |", "| --- | --- | --- | --- | --- |"]
-    for f, action in _flag_rows(ModelConfig, defaults=False):  # vocab_size: no flag (config.FROM_TOKENIZER)
+    # vocab_size: no flag (config.FROM_TOKENIZER)
+    for f, action in _flag_rows(ModelConfig, defaults=False):
         default = "the preset's" if f.name in from_preset else f"`{f.default!r}`"
-        lines.append(f"| {_flag(action)} | {default} | {_type(action)} | {sections.get(f.name, '—')} | "
-                     f"{_cell(f.metadata.get('help', ''))} |")
+        lines.append(
+            f"| {_flag(action)} | {default} | {_type(action)} | {sections.get(f.name, '—')} | "
+            f"{_cell(f.metadata.get('help', ''))} |"
+        )
     return lines
 
 
 def _presets_table() -> list[str]:
     resolved = {name: dataclasses.asdict(model_config_from_preset(name)) for name in PRESETS}
-    names = [f.name for f in dataclasses.fields(ModelConfig) if not f.metadata.get("from_tokenizer")]
+    names = [
+        f.name for f in dataclasses.fields(ModelConfig) if not f.metadata.get("from_tokenizer")
+    ]
     varying = [n for n in names if len({repr(r[n]) for r in resolved.values()}) > 1]
     same = [n for n in names if n not in varying]
     lines = ["| `--preset` | " + " | ".join(f"`{n}`" for n in varying) + " |",
@@ -202,11 +222,19 @@ def _lm_section() -> list[str]:
     if not dataclasses.is_dataclass(LMConfig):
         return []
     hints = get_type_hints(LMConfig)
-    lines = ["## konkanivani-train-lm: `LMConfig`", "",
-             f"`LMConfig` ([konkanivani/model/lm.py](../konkanivani/model/lm.py)): {_cell(_doc(LMConfig))} "
-             "The LM checkpoint stores it; the `konkanivani-train-lm` flags of the same names set it "
-             "(`konkanivani-train-lm --help` lists them with the tool's own defaults).", "",
-             "| field | default | type | meaning |", "| --- | --- | --- | --- |"]
+    lines = [
+        "## konkanivani-train-lm: `LMConfig`",
+        "",
+        (
+            "`LMConfig` ([konkanivani/model/lm.py](../konkanivani/model/lm.py)):"
+            f" {_cell(_doc(LMConfig))} The LM checkpoint stores it; the `konkanivani-train-lm`"
+            " flags of the same names set it (`konkanivani-train-lm --help` lists them with the"
+            " tool's own defaults)."
+        ),
+        "",
+        "| field | default | type | meaning |",
+        "| --- | --- | --- | --- |",
+    ]
     for f in dataclasses.fields(LMConfig):
         if f.default is not dataclasses.MISSING:
             default = f"`{f.default!r}`"
@@ -215,33 +243,58 @@ def _lm_section() -> list[str]:
         else:
             default = "—"
         tp = _flag_type(hints[f.name])
-        lines.append(f"| `{f.name}` | {default} | {getattr(tp, '__name__', tp)} | {_cell(f.metadata.get('help', '')) or '—'} |")
+        lines.append(
+            f"| `{f.name}` | {default} | {getattr(tp, '__name__', tp)} |"
+            f" {_cell(f.metadata.get('help', '')) or '—'} |"
+        )
     return lines
 
 
 def render() -> str:
     """The text of docs/flags.md for the dataclasses as they are now."""
     sections = _sections()
-    lines = ["<!-- Generated by docs/generate_flags.py from konkanivani/config.py and "
-             "konkanivani/decoding/settings.py: do not edit by hand. "
-             "Change the dataclasses, then run `python docs/generate_flags.py`. -->", "",
-             "# Flags", "",
-             "Every flag of `konkanivani-train` (and of `python training_scripts/train_konkanivani_asr.py`, "
-             "the same code) is a field of `TrainConfig` or `ModelConfig` in "
-             "[konkanivani/config.py](../konkanivani/config.py). A boolean has a `--no_` form. "
-             "*config file* is the section of a `--config` YAML file the key belongs in "
-             "([training.md](training.md#recipes-yaml-configs)). A bad value stops the run before any work, "
-             "in one line, with exit status 2.", "",
-             "## konkanivani-train", "",
-             "### Training: `TrainConfig`", "", _cell(_doc(TrainConfig)), "",
-             *_train_table(sections), "",
-             "### Model: `ModelConfig`", "",
-             f"{_cell(_doc(ModelConfig))} Each flag overrides the value of `--preset` (or of the `--init_from` "
-             "checkpoint).", "",
-             *_model_table(sections), "",
-             "## Presets", "",
-             "`PRESETS`, as `model_config_from_preset` resolves them:", "",
-             *_presets_table(), ""]
+    lines = [
+        (
+            "<!-- Generated by docs/generate_flags.py from konkanivani/config.py and "
+            "konkanivani/decoding/settings.py: do not edit by hand. "
+            "Change the dataclasses, then run `python docs/generate_flags.py`. -->"
+        ),
+        "",
+        "# Flags",
+        "",
+        (
+            "Every flag of `konkanivani-train` (and of `python"
+            " training_scripts/train_konkanivani_asr.py`, the same code) is a field of"
+            " `TrainConfig` or `ModelConfig` in [konkanivani/config.py](../konkanivani/config.py)."
+            " A boolean has a `--no_` form. *config file* is the section of a `--config` YAML file"
+            " the key belongs in ([training.md](training.md#recipes-yaml-configs)). A bad value"
+            " stops the run before any work, in one line, with exit status 2."
+        ),
+        "",
+        "## konkanivani-train",
+        "",
+        "### Training: `TrainConfig`",
+        "",
+        _cell(_doc(TrainConfig)),
+        "",
+        *_train_table(sections),
+        "",
+        "### Model: `ModelConfig`",
+        "",
+        (
+            f"{_cell(_doc(ModelConfig))} Each flag overrides the value of `--preset` (or of the"
+            " `--init_from` checkpoint)."
+        ),
+        "",
+        *_model_table(sections),
+        "",
+        "## Presets",
+        "",
+        "`PRESETS`, as `model_config_from_preset` resolves them:",
+        "",
+        *_presets_table(),
+        "",
+    ]
     lm = _lm_section()
     if lm:
         lines += [*lm, ""]

@@ -1,7 +1,7 @@
 """Checkpoint files that survive a crash: written to a temporary file, fsynced, renamed into
 place; read back with ``weights_only`` (no pickled code runs) and refused in one line when they are
 not konkanivani checkpoints. The run directory around them (step files, ``latest.pt``, the lock)
-is ``training.rundir``; what a training checkpoint holds is ``training.state.TrainState``.
+is ``training.run_files``; what a training checkpoint holds is ``training.state.TrainState``.
 """
 from __future__ import annotations
 
@@ -14,14 +14,25 @@ from typing import Any, BinaryIO
 
 import torch
 
-__all__ = ["CheckpointError", "FORMAT_VERSION", "atomic_file", "average_checkpoints", "fsync_dir",
-           "inference_state_dict", "load_checkpoint", "save_checkpoint", "temporary_path", "write_file_atomic"]
+__all__ = [
+    "CheckpointError",
+    "FORMAT_VERSION",
+    "atomic_file",
+    "average_checkpoints",
+    "fsync_dir",
+    "inference_state_dict",
+    "load_checkpoint",
+    "save_checkpoint",
+    "temporary_path",
+    "write_file_atomic",
+]
 
 log = logging.getLogger("konkanivani")
 
 
 FORMAT_VERSION = 2  # 2: TrainState (no LR scheduler state: the LR is a function of the step)
-_READABLE_FORMATS = (1, 2)  # format 1 still serves decoding and averaging: its model fields are the same
+# format 1 still serves decoding and averaging: its model fields are the same
+_READABLE_FORMATS = (1, 2)
 
 
 class CheckpointError(RuntimeError):
@@ -90,7 +101,8 @@ class _KeepsWriteError:
 
 
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
-    """Write ``state`` to ``path`` atomically: a reader sees the old file or the new one, never half.
+    """Write ``state`` to ``path`` atomically: a reader sees the old file or the new one, never
+    half.
     ``CheckpointError`` when it cannot be written, with the system's reason (a full disk, say)."""
     path = Path(path)
     f = None
@@ -126,13 +138,17 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: the file is truncated, corrupt or not a "
-                              f"PyTorch checkpoint ({type(e).__name__})") from e
+        raise CheckpointError(
+            f"cannot read checkpoint {path}: the file is truncated, corrupt or not a "
+            f"PyTorch checkpoint ({type(e).__name__})"
+        ) from e
     if not isinstance(state, dict) or "format_version" not in state:
         raise CheckpointError(f"{path} is not a konkanivani checkpoint")
     if state["format_version"] not in _READABLE_FORMATS:
-        raise CheckpointError(f"{path} has checkpoint format {state['format_version']}; this konkanivani "
-                              f"reads formats {', '.join(map(str, _READABLE_FORMATS))}")
+        raise CheckpointError(
+            f"{path} has checkpoint format {state['format_version']}; this konkanivani "
+            f"reads formats {', '.join(map(str, _READABLE_FORMATS))}"
+        )
     return state
 
 
@@ -147,15 +163,22 @@ def average_checkpoints(paths: list[str | Path]) -> dict[str, Any]:
         state = load_checkpoint(p)
         if first is None:
             first = state
-        elif state["model_config"] != first["model_config"] or state["tokenizer"] != first["tokenizer"]:
-            raise CheckpointError(f"{p}: model shape or tokenizer differs from {paths[0]}; cannot average")
+        elif (
+            state["model_config"] != first["model_config"]
+            or state["tokenizer"] != first["tokenizer"]
+        ):
+            raise CheckpointError(
+                f"{p}: model shape or tokenizer differs from {paths[0]}; cannot average"
+            )
         for name, tensor in state["model"].items():
             if name not in total:
                 total[name] = tensor.double() if tensor.is_floating_point() else tensor.clone()
             elif tensor.is_floating_point():
                 total[name] += tensor.double()
-    averaged = {name: (t / len(paths)).to(first["model"][name].dtype) if t.is_floating_point() else t
-                for name, t in total.items()}
+    averaged = {
+        name: (t / len(paths)).to(first["model"][name].dtype) if t.is_floating_point() else t
+        for name, t in total.items()
+    }
     keep = ("model_config", "train_config", "tokenizer", "step")
     return {**{k: first[k] for k in keep if k in first}, "model": averaged,
             "averaged_from": [str(p) for p in paths]}

@@ -45,8 +45,13 @@ def flag_help(text: str, section: str = "", kept_on_resume: bool = False) -> dic
 def kept_settings(cfg: Any, saved: dict[str, Any]) -> dict[str, Any]:
     """The checkpoint's value of every field of ``cfg`` (a dataclass) marked ``kept_on_resume``
     where it differs from ``cfg``'s: what a resumed run must take back (both trainers ask this)."""
-    return {f.name: saved[f.name] for f in dataclasses.fields(cfg)
-            if f.metadata.get("kept_on_resume") and f.name in saved and getattr(cfg, f.name) != saved[f.name]}
+    return {
+        f.name: saved[f.name]
+        for f in dataclasses.fields(cfg)
+        if f.metadata.get("kept_on_resume")
+        and f.name in saved
+        and getattr(cfg, f.name) != saved[f.name]
+    }
 
 
 # The metadata of a model's vocab_size: the tokenizer decides it, so it is no flag and no recipe key
@@ -70,7 +75,8 @@ DEFAULT_LABEL_SMOOTHING = 0.1
 
 @dataclass
 class ModelConfig:
-    """Dimensions of the Conformer encoder + Transformer decoder. ``vocab_size`` is set from the tokenizer."""
+    """Dimensions of the Conformer encoder + Transformer decoder. ``vocab_size`` is set from the
+    tokenizer."""
 
     vocab_size: int = field(default=0, metadata=FROM_TOKENIZER)  # no flag: the tokenizer decides it
     n_mels: int = field(default=80, metadata=flag_help("log-mel bins per frame"))
@@ -79,41 +85,70 @@ class ModelConfig:
     ffn_dim: int = field(default=768, metadata=flag_help("hidden size of the feed-forward modules"))
     encoder_layers: int = field(default=8, metadata=flag_help("Conformer blocks"))
     decoder_layers: int = field(default=4, metadata=flag_help("Transformer decoder layers"))
-    conv_kernel: int = field(default=15, metadata=flag_help("depthwise convolution kernel (odd), in frames after subsampling"))
+    conv_kernel: int = field(
+        default=15,
+        metadata=flag_help("depthwise convolution kernel (odd), in frames after subsampling"),
+    )
     dropout: float = field(default=0.1, metadata=flag_help("dropout in every block"))
     attention_dropout: float = field(default=0.0, metadata=flag_help(
         "dropout on attention weights (0 lets a CPU run the fused attention kernel)"))
-    subsampling: str = field(default="conv2d", metadata={
-        "help": "4x front-end: conv2d (two full 3x3 stride-2 convs) or dw_striding (the second one "
-                "depthwise-separable: about 1.7x faster training steps, but on the demo corpus its CTC "
-                "branch had not started to align after 200 steps)",
-        "choices": ("conv2d", "dw_striding")})
+    subsampling: str = field(
+        default="conv2d",
+        metadata={
+            "help": (
+                "4x front-end: conv2d (two full 3x3 stride-2 convs) or dw_striding (the second one"
+                " depthwise-separable: about 1.7x faster training steps, but on the demo corpus its"
+                " CTC branch had not started to align after 200 steps)"
+            ),
+            "choices": ("conv2d", "dw_striding"),
+        },
+    )
     subsampling_channels: int = field(default=0, metadata=flag_help(
         "channels of conv2d's first convolution (0: d_model, as WeNet and ESPnet; fewer make the "
         "second convolution, the front-end's costliest part, that much cheaper)"))
-    cmvn: str = field(default="global", metadata={
-        "help": "feature normalization: global (the training set's mean and std per mel bin) or utterance "
-                "(each utterance's own mean, then the training set's std: a channel or loudness change "
-                "shifts log-mel bins by a constant, which this removes; ESPnet's utterance_mvn)",
-        "choices": ("global", "utterance")})
-    # Streaming: one model for full-context and chunk-by-chunk recognition (docs/architecture.md, "Streaming").
-    dynamic_chunk: bool = field(default=False, metadata=flag_help(
-        "train for chunk-by-chunk recognition too: each training batch attends with full context half the "
-        "time, otherwise in chunks of 1 to --max_chunk encoder frames drawn per batch (each frame sees its "
-        "own chunk and those before it)"))
+    cmvn: str = field(
+        default="global",
+        metadata={
+            "help": (
+                "feature normalization: global (the training set's mean and std per mel bin) or"
+                " utterance (each utterance's own mean, then the training set's std: a channel or"
+                " loudness change shifts log-mel bins by a constant, which this removes; ESPnet's"
+                " utterance_mvn)"
+            ),
+            "choices": ("global", "utterance"),
+        },
+    )
+    # Streaming: one model for full-context and chunk-by-chunk recognition (docs/architecture.md,
+    # "Streaming").
+    dynamic_chunk: bool = field(
+        default=False,
+        metadata=flag_help(
+            "train for chunk-by-chunk recognition too: each training batch attends with full"
+            " context half the time, otherwise in chunks of 1 to --max_chunk encoder frames drawn"
+            " per batch (each frame sees its own chunk and those before it)"
+        ),
+    )
     max_chunk: int = field(default=25, metadata=flag_help(
         "the largest chunk --dynamic_chunk draws, in encoder frames of 40 ms (25: 1 s)"))
-    dynamic_left_chunks: bool = field(default=False, metadata=flag_help(
-        "with --dynamic_chunk, also draw per batch how many chunks to the left a chunk sees (0 up to all of "
-        "them), for recognition with a bounded left context; off: all of them"))
-    causal_conv: bool = field(default=False, metadata=flag_help(
-        "the convolution module's depthwise convolution sees past frames only (--conv_kernel - 1 of them), "
-        "as chunk-by-chunk recognition needs; off: centered on the frame"))
+    dynamic_left_chunks: bool = field(
+        default=False,
+        metadata=flag_help(
+            "with --dynamic_chunk, also draw per batch how many chunks to the left a chunk sees (0"
+            " up to all of them), for recognition with a bounded left context; off: all of them"
+        ),
+    )
+    causal_conv: bool = field(
+        default=False,
+        metadata=flag_help(
+            "the convolution module's depthwise convolution sees past frames only (--conv_kernel -"
+            " 1 of them), as chunk-by-chunk recognition needs; off: centered on the frame"
+        ),
+    )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
-        """The config stored in a checkpoint; those written before ``attention_dropout`` existed used
-        ``dropout`` on attention weights (and conv2d at full width, before ``subsampling`` and
+        """The config stored in a checkpoint; those written before ``attention_dropout`` existed
+        used ``dropout`` on attention weights (and conv2d at full width, before ``subsampling`` and
         ``subsampling_channels`` existed, with global CMVN, before ``cmvn``, and full context with a
         centered convolution, before the streaming fields)."""
         return cls(**{"subsampling": "conv2d", "subsampling_channels": 0, "cmvn": "global",
@@ -126,7 +161,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "medium": dict(d_model=192, n_heads=4, ffn_dim=768, encoder_layers=8, decoder_layers=4),
     "small": dict(d_model=128, n_heads=4, ffn_dim=512, encoder_layers=6, decoder_layers=3),
     # For tests and smoke runs: trains in seconds on a laptop CPU.
-    "tiny": dict(d_model=48, n_heads=2, ffn_dim=96, encoder_layers=2, decoder_layers=1, conv_kernel=7),
+    "tiny": dict(
+        d_model=48, n_heads=2, ffn_dim=96, encoder_layers=2, decoder_layers=1, conv_kernel=7
+    ),
 }
 
 
@@ -142,7 +179,8 @@ def model_config_from_preset(preset: str, **overrides: Any) -> ModelConfig:
 
 
 def model_config_from(base: dict[str, Any], **overrides: Any) -> ModelConfig:
-    """``ModelConfig`` of ``base`` (a preset's values, or an --init_from checkpoint's config) with the
+    """``ModelConfig`` of ``base`` (a preset's values, or an --init_from checkpoint's config) with
+    the
     overrides whose value is not None; ``ConfigError`` for dimensions that do not fit together."""
     values = dict(base)
     values.update({k: v for k, v in overrides.items() if v is not None})
@@ -154,14 +192,18 @@ def model_config_from(base: dict[str, Any], **overrides: Any) -> ModelConfig:
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} must be 0 or more, got {getattr(cfg, name)}")
     if cfg.d_model % cfg.n_heads or (cfg.d_model // cfg.n_heads) % 2:
-        raise ConfigError(f"--d_model {cfg.d_model} must split into --n_heads {cfg.n_heads} heads of even width")
+        raise ConfigError(
+            f"--d_model {cfg.d_model} must split into --n_heads {cfg.n_heads} heads of even width"
+        )
     for f in dataclasses.fields(ModelConfig):  # --subsampling, --cmvn: one of the field's choices
         choices, value = f.metadata.get("choices"), getattr(cfg, f.name)
         if choices and value not in choices:
             raise ConfigError(f"--{f.name} {value}: unknown; choose {' or '.join(choices)}")
     if cfg.subsampling_channels < 0 or (cfg.subsampling_channels and cfg.subsampling != "conv2d"):
-        raise ConfigError(f"--subsampling_channels {cfg.subsampling_channels}: must be 0 (d_model) or a positive "
-                          f"width for --subsampling conv2d")
+        raise ConfigError(
+            f"--subsampling_channels {cfg.subsampling_channels}: must be 0 (d_model) or a positive "
+            "width for --subsampling conv2d"
+        )
     if cfg.conv_kernel % 2 == 0:
         raise ConfigError(f"--conv_kernel must be odd, got {cfg.conv_kernel}")
     for name in ("dropout", "attention_dropout"):
@@ -205,25 +247,71 @@ class RunConfig(Seeded):
 
 @dataclass
 class AugmentConfig(Seeded):
-    """Which augmentations run on training utterances and how, every one off by default, and the seed
+    """Which augmentations run on training utterances and how, every one off by default, and the
+    seed
     of every random draw (``data.augment.Augmenter`` takes this; a ``TrainConfig`` is one)."""
 
-    speed_perturb: bool = field(default=False, metadata=flag_help(kept_on_resume=True, section="data", text=
-        "play each training utterance at a speed drawn from 0.9, 1.0, 1.1 (tempo and pitch; batches are planned "
-        "for the slowest)"))
+    speed_perturb: bool = field(
+        default=False,
+        metadata=flag_help(
+            kept_on_resume=True,
+            section="data",
+            text=(
+                "play each training utterance at a speed drawn from 0.9, 1.0, 1.1 (tempo and pitch;"
+                " batches are planned for the slowest)"
+            ),
+        ),
+    )
     noise_prob: float = field(default=0.0, metadata=flag_help(section="data", text=
         "share of training utterances that get additive noise (generated, or from --noise_dir)"))
-    noise_snr_low_db: float = field(default=5.0, metadata=flag_help(section="data", text="lowest signal-to-noise ratio of the added noise"))
-    noise_snr_high_db: float = field(default=20.0, metadata=flag_help(section="data", text="highest signal-to-noise ratio of the added noise"))
-    noise_dir: str = field(default="", metadata=flag_help(section="data", text=
-        "folder of noise recordings (searched recursively), random excerpts of them (default: generated noise)"))
-    reverb_prob: float = field(default=0.0, metadata=flag_help(section="data", text=
-        "share of training utterances convolved with a room impulse response (synthetic, or from --rir_dir)"))
-    rir_dir: str = field(default="", metadata=flag_help(section="data", text=
-        "folder of room impulse responses (searched recursively) (default: synthetic rooms, RT60 0.2-0.9 s)"))
-    vtlp_prob: float = field(default=0.0, metadata=flag_help(section="data", text=
-        "share of training utterances whose spectrum is warped by a factor in [0.9, 1.1] (vocal tract length "
-        "perturbation)"))
+    noise_snr_low_db: float = field(
+        default=5.0,
+        metadata=flag_help(section="data", text="lowest signal-to-noise ratio of the added noise"),
+    )
+    noise_snr_high_db: float = field(
+        default=20.0,
+        metadata=flag_help(section="data", text="highest signal-to-noise ratio of the added noise"),
+    )
+    noise_dir: str = field(
+        default="",
+        metadata=flag_help(
+            section="data",
+            text=(
+                "folder of noise recordings (searched recursively), random excerpts of them"
+                " (default: generated noise)"
+            ),
+        ),
+    )
+    reverb_prob: float = field(
+        default=0.0,
+        metadata=flag_help(
+            section="data",
+            text=(
+                "share of training utterances convolved with a room impulse response (synthetic, or"
+                " from --rir_dir)"
+            ),
+        ),
+    )
+    rir_dir: str = field(
+        default="",
+        metadata=flag_help(
+            section="data",
+            text=(
+                "folder of room impulse responses (searched recursively) (default: synthetic rooms,"
+                " RT60 0.2-0.9 s)"
+            ),
+        ),
+    )
+    vtlp_prob: float = field(
+        default=0.0,
+        metadata=flag_help(
+            section="data",
+            text=(
+                "share of training utterances whose spectrum is warped by a factor in [0.9, 1.1]"
+                " (vocal tract length perturbation)"
+            ),
+        ),
+    )
 
     @property
     def noise_snr_db(self) -> tuple[float, float]:
@@ -232,7 +320,9 @@ class AugmentConfig(Seeded):
     @property
     def augments(self) -> bool:
         """Whether any augmentation is on."""
-        return self.speed_perturb or self.noise_prob > 0 or self.reverb_prob > 0 or self.vtlp_prob > 0
+        return (
+            self.speed_perturb or self.noise_prob > 0 or self.reverb_prob > 0 or self.vtlp_prob > 0
+        )
 
 
 @dataclass
@@ -240,99 +330,275 @@ class TrainConfig(AugmentConfig, RunConfig):
     """One training run: its own fields, then those of every run (``RunConfig``) and the
     augmentations (``AugmentConfig``). Defaults suit the demo corpus on a small GPU or a CPU."""
 
-    train_manifest: str = field(default="", metadata={"section": "data", "help":
-                                "NeMo-style JSONL manifest for training (required, or --train_shards)"})
-    train_shards: str = field(default="", metadata=flag_help(section="data", text=
-        "train on tar shards instead of --train_manifest: their shards.json (konkanivani-prepare shards), a brace "
-        "pattern (shards/shard-{000000..000099}.tar) or a file listing shard paths"))
-    shuffle_buffer: int = field(default=1000, metadata=flag_help(kept_on_resume=True, section="data", text=
-        "with --train_shards: utterances in the shuffle buffer of each reader, and in each length-sorted pool cut "
-        "into batches (about twice this many encoded utterances in memory per worker)"))
-    valid_manifest: str = field(default="", metadata={"section": "data", "help": "JSONL manifest for validation", "required": True})
-    output_dir: str = field(default="checkpoints/run", metadata=flag_help("where checkpoints and logs go"))
-    preset: str = field(default="medium", metadata=flag_help(section="model", text="model size: " + ", ".join(PRESETS)))
-    tokenizer: str = field(default="", metadata=flag_help(section="data", text="existing SentencePiece .model (default: train one)"))
+    train_manifest: str = field(
+        default="",
+        metadata={
+            "section": "data",
+            "help": "NeMo-style JSONL manifest for training (required, or --train_shards)",
+        },
+    )
+    train_shards: str = field(
+        default="",
+        metadata=flag_help(
+            section="data",
+            text=(
+                "train on tar shards instead of --train_manifest: their shards.json"
+                " (konkanivani-prepare shards), a brace pattern (shards/shard-{000000..000099}.tar)"
+                " or a file listing shard paths"
+            ),
+        ),
+    )
+    shuffle_buffer: int = field(
+        default=1000,
+        metadata=flag_help(
+            kept_on_resume=True,
+            section="data",
+            text=(
+                "with --train_shards: utterances in the shuffle buffer of each reader, and in each"
+                " length-sorted pool cut into batches (about twice this many encoded utterances in"
+                " memory per worker)"
+            ),
+        ),
+    )
+    valid_manifest: str = field(
+        default="",
+        metadata={"section": "data", "help": "JSONL manifest for validation", "required": True},
+    )
+    output_dir: str = field(
+        default="checkpoints/run", metadata=flag_help("where checkpoints and logs go")
+    )
+    preset: str = field(
+        default="medium",
+        metadata=flag_help(section="model", text="model size: " + ", ".join(PRESETS)),
+    )
+    tokenizer: str = field(
+        default="",
+        metadata=flag_help(
+            section="data", text="existing SentencePiece .model (default: train one)"
+        ),
+    )
     vocab_size: int = field(default=DEFAULT_VOCAB_SIZE, metadata=flag_help(
         section="data", text="SentencePiece vocabulary size when training one"))
-    tokenizer_type: str = field(default="unigram", metadata=flag_help(section="data", text=
-        "SentencePiece model type: unigram, bpe, or char (one token per character; --vocab_size is then ignored)"))
-    batch_size: int = field(default=8, metadata=flag_help(kept_on_resume=True, section="data", text="utterances per micro-batch"))
-    gradient_accumulation_steps: int = field(default=1, metadata=flag_help("micro-batches per optimizer step"))
-    warmup_steps: int = field(default=300, metadata=flag_help("linear warm-up, then inverse square-root decay"))
-    grad_clip: float = field(default=5.0, metadata=flag_help("clip the gradient norm to this (0: off)"))
+    tokenizer_type: str = field(
+        default="unigram",
+        metadata=flag_help(
+            section="data",
+            text=(
+                "SentencePiece model type: unigram, bpe, or char (one token per character;"
+                " --vocab_size is then ignored)"
+            ),
+        ),
+    )
+    batch_size: int = field(
+        default=8,
+        metadata=flag_help(kept_on_resume=True, section="data", text="utterances per micro-batch"),
+    )
+    gradient_accumulation_steps: int = field(
+        default=1, metadata=flag_help("micro-batches per optimizer step")
+    )
+    warmup_steps: int = field(
+        default=300, metadata=flag_help("linear warm-up, then inverse square-root decay")
+    )
+    grad_clip: float = field(
+        default=5.0, metadata=flag_help("clip the gradient norm to this (0: off)")
+    )
     ctc_weight: float = field(default=DEFAULT_CTC_WEIGHT, metadata=flag_help(
         "loss = w * CTC + (1 - w) * attention"))
     label_smoothing: float = field(default=DEFAULT_LABEL_SMOOTHING, metadata=flag_help(
         "label smoothing of the attention loss"))
-    spec_augment: bool = field(default=True, metadata=flag_help("time and frequency masks on training batches"))
+    spec_augment: bool = field(
+        default=True, metadata=flag_help("time and frequency masks on training batches")
+    )
     mixed_precision: bool = field(default=False, metadata=flag_help(
         "fp16 autocast + GradScaler on CUDA; bf16 on a CPU only where it computes bf16 natively"))
-    num_workers: int = field(default=2, metadata=flag_help(section="data", text="DataLoader worker processes"))
+    num_workers: int = field(
+        default=2, metadata=flag_help(section="data", text="DataLoader worker processes")
+    )
     empty_cache_every: int = field(default=50, metadata=flag_help(
         "call torch.cuda.empty_cache() every N batches on CUDA (0: never)"))
-    save_every_steps: int = field(default=0, metadata=flag_help("also save every N optimizer steps (0: each epoch only)"))
+    save_every_steps: int = field(
+        default=0, metadata=flag_help("also save every N optimizer steps (0: each epoch only)")
+    )
     max_duration: float = field(default=DEFAULT_MAX_DURATION, metadata=flag_help(
         kept_on_resume=True, section="data", text="skip utterances longer than this many seconds"))
-    log_every: int = field(default=50, metadata=flag_help(
-        "log a summary line (loss, lr, utt/s, memory) every N optimizer steps, to the console and train.log"))
-    validate_every_steps: int = field(default=0, metadata=flag_help(
-        "also validate (and keep best.pt current) every N optimizer steps, not only at epoch ends (0: epochs only)"))
+    log_every: int = field(
+        default=50,
+        metadata=flag_help(
+            "log a summary line (loss, lr, utt/s, memory) every N optimizer steps, to the console"
+            " and train.log"
+        ),
+    )
+    validate_every_steps: int = field(
+        default=0,
+        metadata=flag_help(
+            "also validate (and keep best.pt current) every N optimizer steps, not only at epoch"
+            " ends (0: epochs only)"
+        ),
+    )
     progress: bool = field(default=True, metadata=flag_help("show tqdm progress bars"))
-    tensorboard: bool = field(default=True, metadata=flag_help(
-        "write the metrics as TensorBoard event files to OUTPUT_DIR/tensorboard/ (when TensorBoard is installed)"))
-    max_consecutive_skips: int = field(default=20, metadata=flag_help(
-        "stop after this many updates in a row skipped for a non-finite loss or gradients (0: never)"))
-    duration_tolerance: float = field(default=DEFAULT_DURATION_TOLERANCE, metadata=flag_help(
-        section="data", text="skip rows whose 'duration' differs from the audio file's by more seconds "
-        "than this (<0: don't compare)"))
+    tensorboard: bool = field(
+        default=True,
+        metadata=flag_help(
+            "write the metrics as TensorBoard event files to OUTPUT_DIR/tensorboard/ (when"
+            " TensorBoard is installed)"
+        ),
+    )
+    max_consecutive_skips: int = field(
+        default=20,
+        metadata=flag_help(
+            "stop after this many updates in a row skipped for a non-finite loss or gradients (0:"
+            " never)"
+        ),
+    )
+    duration_tolerance: float = field(
+        default=DEFAULT_DURATION_TOLERANCE,
+        metadata=flag_help(
+            section="data",
+            text=(
+                "skip rows whose 'duration' differs from the audio file's by more seconds "
+                "than this (<0: don't compare)"
+            ),
+        ),
+    )
     optimizer: str = field(default="adamw", metadata=flag_help(
         "adamw, or adamw_8bit (also adamw8bit): 8-bit AdamW states from bitsandbytes"))
-    gradient_checkpointing: bool = field(default=False, metadata=flag_help(
-        "recompute each encoder/decoder layer in the backward pass instead of storing its activations"))
-    precision: str = field(default="", metadata=flag_help(
-        "fp32, fp16 or bf16 autocast; overrides --mixed_precision (default: as --mixed_precision decides)"))
-    max_batch_frames: int = field(default=0, metadata=flag_help(kept_on_resume=True, section="data", text=
-        "dynamic batches of at most this many padded 10 ms frames, bucketed by length (0: --batch_size)"))
-    max_batch_seconds: float = field(default=0.0, metadata=flag_help(kept_on_resume=True, section="data", text=
-        "the same budget in seconds of padded audio (100 frames a second)"))
-    num_buckets: int = field(default=10, metadata=flag_help(kept_on_resume=True, section="data", text="length buckets of the dynamic batches"))
-    max_memory_gb: float = field(default=0.0, metadata=flag_help(kept_on_resume=True, section="data", text=
-        "cap each dynamic batch so the estimated peak training memory stays under this (0: no cap)"))
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata=flag_help(
+            "recompute each encoder/decoder layer in the backward pass instead of storing its"
+            " activations"
+        ),
+    )
+    precision: str = field(
+        default="",
+        metadata=flag_help(
+            "fp32, fp16 or bf16 autocast; overrides --mixed_precision (default: as"
+            " --mixed_precision decides)"
+        ),
+    )
+    max_batch_frames: int = field(
+        default=0,
+        metadata=flag_help(
+            kept_on_resume=True,
+            section="data",
+            text=(
+                "dynamic batches of at most this many padded 10 ms frames, bucketed by length (0:"
+                " --batch_size)"
+            ),
+        ),
+    )
+    max_batch_seconds: float = field(
+        default=0.0,
+        metadata=flag_help(
+            kept_on_resume=True,
+            section="data",
+            text="the same budget in seconds of padded audio (100 frames a second)",
+        ),
+    )
+    num_buckets: int = field(
+        default=10,
+        metadata=flag_help(
+            kept_on_resume=True, section="data", text="length buckets of the dynamic batches"
+        ),
+    )
+    max_memory_gb: float = field(
+        default=0.0,
+        metadata=flag_help(
+            kept_on_resume=True,
+            section="data",
+            text=(
+                "cap each dynamic batch so the estimated peak training memory stays under this (0:"
+                " no cap)"
+            ),
+        ),
+    )
     auto_batch: bool = field(default=False, metadata=flag_help(section="data", text=
         "probe the device before training for the largest batch budget that fits"))
-    preflight: bool = field(default=True, metadata=flag_help(kept_on_resume=True, section="data", text=
-        "first epoch starts with the largest batches, so an out-of-memory error shows at once"))
+    preflight: bool = field(
+        default=True,
+        metadata=flag_help(
+            kept_on_resume=True,
+            section="data",
+            text=(
+                "first epoch starts with the largest batches, so an out-of-memory error shows at"
+                " once"
+            ),
+        ),
+    )
     max_samples: int = field(default=0, metadata=flag_help(section="data", text=
         "train on a seeded choice of N utterances (0: all); may grow on resume"))
-    compile: bool = field(default=False, metadata=flag_help("torch.compile the model (eager if compiling fails)"))
-    strategy: str = field(default="ddp", metadata=flag_help(
-        "under torchrun: ddp (each process holds the model) or fsdp (parameters, gradients and optimizer states "
-        "sharded between the processes, offloaded to CPU memory on CUDA; for models past ~100 M parameters)"))
-    gpu_memory_gb: float = field(default=0.0, metadata=flag_help(section="data", text=
-        "on CUDA: use at most this much GPU memory (a larger card then behaves as one of this size) and "
-        "size each batch to fill it by the calibrated memory estimate, in place of --batch_size and "
-        "--gradient_accumulation_steps; the peak --lr grows with the square root of the batch (at most 2x) "
-        "and the warm-up covers as many utterances as before (0: off; no effect on a CPU)"))
-    offload_activations: bool = field(default=False, metadata=flag_help(
-        "keep the activations saved for the backward pass in pinned CPU memory (CUDA only; slower, less GPU memory)"))
-    ema_decay: float = field(default=0.0, metadata=flag_help(
-        "keep an exponential moving average of the weights with this decay (e.g. 0.999; 0: off); validation, "
-        "best.pt and decoding use it"))
+    compile: bool = field(
+        default=False, metadata=flag_help("torch.compile the model (eager if compiling fails)")
+    )
+    strategy: str = field(
+        default="ddp",
+        metadata=flag_help(
+            "under torchrun: ddp (each process holds the model) or fsdp (parameters, gradients and"
+            " optimizer states sharded between the processes, offloaded to CPU memory on CUDA; for"
+            " models past ~100 M parameters)"
+        ),
+    )
+    gpu_memory_gb: float = field(
+        default=0.0,
+        metadata=flag_help(
+            section="data",
+            text=(
+                "on CUDA: use at most this much GPU memory (a larger card then behaves as one of"
+                " this size) and size each batch to fill it by the calibrated memory estimate, in"
+                " place of --batch_size and --gradient_accumulation_steps; the peak --lr grows with"
+                " the square root of the batch (at most 2x) and the warm-up covers as many"
+                " utterances as before (0: off; no effect on a CPU)"
+            ),
+        ),
+    )
+    offload_activations: bool = field(
+        default=False,
+        metadata=flag_help(
+            "keep the activations saved for the backward pass in pinned CPU memory (CUDA only;"
+            " slower, less GPU memory)"
+        ),
+    )
+    ema_decay: float = field(
+        default=0.0,
+        metadata=flag_help(
+            "keep an exponential moving average of the weights with this decay (e.g. 0.999; 0:"
+            " off); validation, best.pt and decoding use it"
+        ),
+    )
     init_from: str = field(default="", metadata=flag_help(section="init", text=
         "start a fresh run from another run's checkpoint: its weights where they fit (vocabulary "
         "rows matched by token), its model dimensions unless model flags are given; own tokenizer, "
         "optimizer and step 0"))
-    init_modules: str = field(default=",".join(INIT_MODULES), metadata=flag_help(section="init", text=
-        "with --init_from: the modules to take from it, a comma list of " + ", ".join(INIT_MODULES)))
-    keep_init_cmvn: bool = field(default=False, metadata=flag_help(section="init", text=
-        "with --init_from: keep its CMVN statistics instead of computing them from the new training "
-        "data"))
-    freeze_encoder_steps: int = field(default=0, metadata=flag_help(
-        "leave the encoder unchanged for the first N optimizer steps (the heads learn first), then train it"))
+    init_modules: str = field(
+        default=",".join(INIT_MODULES),
+        metadata=flag_help(
+            section="init",
+            text="with --init_from: the modules to take from it, a comma list of "
+            + ", ".join(INIT_MODULES),
+        ),
+    )
+    keep_init_cmvn: bool = field(
+        default=False,
+        metadata=flag_help(
+            section="init",
+            text=(
+                "with --init_from: keep its CMVN statistics instead of computing them from the new"
+                " training data"
+            ),
+        ),
+    )
+    freeze_encoder_steps: int = field(
+        default=0,
+        metadata=flag_help(
+            "leave the encoder unchanged for the first N optimizer steps (the heads learn first),"
+            " then train it"
+        ),
+    )
 
 
 TOKENIZER_TYPES = ("unigram", "bpe", "char")
-PRECISIONS = ("fp32", "fp16", "bf16")  # --precision ("" or left out: decided by --mixed_precision and the device)
+# --precision ("" or left out: decided by --mixed_precision and the device)
+PRECISIONS = ("fp32", "fp16", "bf16")
 # --optimizer's accepted spellings -> the name stored in checkpoints (training.optim builds them).
 OPTIMIZERS = {"adamw": "adamw", "adamw_8bit": "adamw_8bit", "adamw8bit": "adamw_8bit"}
 STRATEGIES = ("ddp", "fsdp")  # --strategy under torchrun (training.distributed)
@@ -364,22 +630,49 @@ _RUN_CHECKS: dict[str, Check] = {
 
 # Each checked flag of TrainConfig's own and its augmentations'.
 _CHECKS: dict[str, Check] = {
-    **{name: POSITIVE_INTEGER for name in (
-        "batch_size", "gradient_accumulation_steps", "vocab_size", "log_every", "num_buckets",
-        "shuffle_buffer")},
-    **{name: COUNT for name in (
-        "warmup_steps", "num_workers", "empty_cache_every", "save_every_steps",
-        "validate_every_steps", "max_batch_frames", "max_samples", "max_consecutive_skips", "freeze_encoder_steps")},
-    **{name: AMOUNT for name in (
-        "max_batch_seconds", "max_memory_gb", "gpu_memory_gb", "grad_clip")},
+    **{
+        name: POSITIVE_INTEGER
+        for name in (
+            "batch_size",
+            "gradient_accumulation_steps",
+            "vocab_size",
+            "log_every",
+            "num_buckets",
+            "shuffle_buffer",
+        )
+    },
+    **{
+        name: COUNT
+        for name in (
+            "warmup_steps",
+            "num_workers",
+            "empty_cache_every",
+            "save_every_steps",
+            "validate_every_steps",
+            "max_batch_frames",
+            "max_samples",
+            "max_consecutive_skips",
+            "freeze_encoder_steps",
+        )
+    },
+    **{
+        name: AMOUNT
+        for name in ("max_batch_seconds", "max_memory_gb", "gpu_memory_gb", "grad_clip")
+    },
     "max_duration": (lambda v: v > 0, "a positive number of seconds"),
     "ctc_weight": (_fraction, "in [0, 1]"),
     **{name: (_fraction, "in [0, 1]") for name in ("noise_prob", "reverb_prob", "vtlp_prob")},
-    **{name: (math.isfinite, "a number of dB") for name in ("noise_snr_low_db", "noise_snr_high_db")},
+    **{
+        name: (math.isfinite, "a number of dB")
+        for name in ("noise_snr_low_db", "noise_snr_high_db")
+    },
     "label_smoothing": BELOW_ONE,
     "ema_decay": (lambda v: 0.0 <= v < 1.0, "in [0, 1) (0: off)"),
     "tokenizer_type": (TOKENIZER_TYPES.__contains__, "one of " + ", ".join(TOKENIZER_TYPES)),
-    "precision": (lambda v: v in ("", *PRECISIONS), f"one of {', '.join(PRECISIONS)} (or left out)"),
+    "precision": (
+        lambda v: v in ("", *PRECISIONS),
+        f"one of {', '.join(PRECISIONS)} (or left out)",
+    ),
     "optimizer": (OPTIMIZERS.__contains__, "adamw or adamw_8bit"),
     "strategy": (STRATEGIES.__contains__, " or ".join(STRATEGIES)),
     "preset": (PRESETS.__contains__, "one of " + ", ".join(PRESETS)),
@@ -424,23 +717,35 @@ def check_config(cfg: TrainConfig) -> None:
         if path and not Path(path).is_dir():
             raise ConfigError(f"--{name} {path}: folder not found")
     if cfg.noise_snr_low_db > cfg.noise_snr_high_db:
-        raise ConfigError(f"--noise_snr_low_db {cfg.noise_snr_low_db:g} is above --noise_snr_high_db "
-                          f"{cfg.noise_snr_high_db:g}")
+        raise ConfigError(
+            f"--noise_snr_low_db {cfg.noise_snr_low_db:g} is above --noise_snr_high_db "
+            f"{cfg.noise_snr_high_db:g}"
+        )
     if cfg.max_batch_frames and cfg.max_batch_seconds:
         raise ConfigError("give --max_batch_frames or --max_batch_seconds, not both")
     if cfg.train_shards and cfg.max_samples:
-        raise ConfigError("--max_samples picks rows of --train_manifest; with --train_shards, write shards of the "
-                          "rows to train on")
+        raise ConfigError(
+            "--max_samples picks rows of --train_manifest; with --train_shards, write shards of the"
+            " rows to train on"
+        )
     if cfg.strategy == "fsdp" and cfg.optimizer != "adamw":
-        raise ConfigError("--strategy fsdp shards AdamW's states itself; use --optimizer adamw with it")
+        raise ConfigError(
+            "--strategy fsdp shards AdamW's states itself; use --optimizer adamw with it"
+        )
     if cfg.strategy == "fsdp" and cfg.ema_decay:
-        raise ConfigError("--ema_decay keeps a whole copy of the weights in every process, which --strategy fsdp "
-                          "is there to avoid; use --strategy ddp with it")
+        raise ConfigError(
+            "--ema_decay keeps a whole copy of the weights in every process, which --strategy fsdp "
+            "is there to avoid; use --strategy ddp with it"
+        )
     unknown = [m for m in cfg.init_modules.split(",") if m.strip() not in INIT_MODULES]
     if unknown or not cfg.init_modules.strip():
-        raise ConfigError(f"--init_modules {cfg.init_modules!r}: give a comma list of {', '.join(INIT_MODULES)}")
+        raise ConfigError(
+            f"--init_modules {cfg.init_modules!r}: give a comma list of {', '.join(INIT_MODULES)}"
+        )
     if cfg.keep_init_cmvn and not cfg.init_from:
-        raise ConfigError("--keep_init_cmvn keeps the CMVN statistics of --init_from: give --init_from too")
+        raise ConfigError(
+            "--keep_init_cmvn keeps the CMVN statistics of --init_from: give --init_from too"
+        )
 
 
 def resolve_model_config(cfg: TrainConfig, flags: dict[str, Any] | None = None,
@@ -482,7 +787,9 @@ class Renamed(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string: str | None = None) -> None:
         if not self.said:
-            print(f"{parser.prog}: note: {option_string} is now spelled {self.new}", file=sys.stderr)
+            print(
+                f"{parser.prog}: note: {option_string} is now spelled {self.new}", file=sys.stderr
+            )
             self.said = True
         setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
 
@@ -525,12 +832,28 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, *, defaults: 
         elif defaults and tp is not bool:
             help_text += f" (default: {f.default!r})"
         if tp is bool:
-            parser.add_argument(f"--{f.name}", f"--no_{f.name}", action=_Switch, default=default, help=help_text)
-            parser.add_argument(f"--no-{f.name}", dest=f.name, action=Renamed, new=f"--no_{f.name}", nargs=0,
-                                const=False, help=argparse.SUPPRESS)  # argparse's spelling, this project's before
+            parser.add_argument(
+                f"--{f.name}", f"--no_{f.name}", action=_Switch, default=default, help=help_text
+            )
+            parser.add_argument(
+                f"--no-{f.name}",
+                dest=f.name,
+                action=Renamed,
+                new=f"--no_{f.name}",
+                nargs=0,
+                # argparse's spelling, this project's before
+                const=False,
+                help=argparse.SUPPRESS,
+            )
         else:
-            parser.add_argument(f"--{f.name}", type=tp, default=default, help=help_text, required=required,
-                                choices=f.metadata.get("choices"))
+            parser.add_argument(
+                f"--{f.name}",
+                type=tp,
+                default=default,
+                help=help_text,
+                required=required,
+                choices=f.metadata.get("choices"),
+            )
 
 
 def dataclass_from_args(cls: type, args: argparse.Namespace, **extra: Any):

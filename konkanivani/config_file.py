@@ -43,7 +43,8 @@ __all__ = ["SECTIONS", "SWEEP_SECTION", "load_sweep_section", "SECTION_OF", "loa
 log = logging.getLogger("konkanivani")
 
 SECTIONS = ("model", "init", "data", "training")
-SWEEP_SECTION = "sweep"  # konkanivani-sweep's grid (and options) in a recipe; the trainer ignores it
+# konkanivani-sweep's grid (and options) in a recipe; the trainer ignores it
+SWEEP_SECTION = "sweep"
 
 # The section of every key, from the fields' own metadata (config.flag_help): the model section
 # holds --preset and the ModelConfig fields (but vocab_size, which the tokenizer decides;
@@ -52,7 +53,11 @@ SWEEP_SECTION = "sweep"  # konkanivani-sweep's grid (and options) in a recipe; t
 # TrainConfig field.
 SECTION_OF: dict[str, str] = {
     **{f.name: f.metadata.get("section", "training") for f in flag_fields(TrainConfig)},
-    **{f.name: "model" for f in dataclasses.fields(ModelConfig) if not f.metadata.get("from_tokenizer")},
+    **{
+        f.name: "model"
+        for f in dataclasses.fields(ModelConfig)
+        if not f.metadata.get("from_tokenizer")
+    },
 }
 
 # Keys an earlier layout filed in another section: still read there, with a note.
@@ -66,7 +71,8 @@ _NOT_WRITTEN = ("resume", "overwrite")
 _ALIASES = {"learning_rate": "lr", "num_epochs": "epochs", "max_epoch": "epochs",
             "accum_grad": "gradient_accumulation_steps", "max_frames_in_batch": "max_batch_frames"}
 
-_TYPES: dict[str, type] = {**get_type_hints(ModelConfig), **get_type_hints(TrainConfig)}  # TrainConfig's vocab_size
+# TrainConfig's vocab_size
+_TYPES: dict[str, type] = {**get_type_hints(ModelConfig), **get_type_hints(TrainConfig)}
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -84,7 +90,9 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}: not valid YAML ({getattr(e, 'problem', None) or 'unreadable'}{where})") from e
+        raise ConfigError(
+            f"{path}: not valid YAML ({getattr(e, 'problem', None) or 'unreadable'}{where})"
+        ) from e
     if document is None:
         return {}
     if not isinstance(document, dict):
@@ -92,27 +100,36 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     values: dict[str, Any] = {}
     moved: list[str] = []
     for section, entries in document.items():
-        if section == SWEEP_SECTION:  # konkanivani-sweep's (load_sweep_section); every trial runs the rest
+        # konkanivani-sweep's (load_sweep_section); every trial runs the rest
+        if section == SWEEP_SECTION:
             continue
         if section not in SECTIONS:
             raise ConfigError(_unknown_section(path, section))
         if entries is None:  # a section left empty
             continue
         if not isinstance(entries, dict):
-            raise ConfigError(f"{path}: section {section} must be a mapping of keys to values, got {entries!r}")
+            raise ConfigError(
+                f"{path}: section {section} must be a mapping of keys to values, got {entries!r}"
+            )
         for key, value in entries.items():
             values[key] = _checked(path, section, key, value)
             if _OLD_SECTION.get(key) == section:
                 moved.append(f"{section}.{key}")
     if moved:
-        log.info("%s: note: %s now belong%s in the %s section; the file loads as it is", path,
-                 ", ".join(moved), "" if len(moved) > 1 else "s", SECTION_OF[moved[0].split(".")[1]])
+        log.info(
+            "%s: note: %s now belong%s in the %s section; the file loads as it is",
+            path,
+            ", ".join(moved),
+            "" if len(moved) > 1 else "s",
+            SECTION_OF[moved[0].split(".")[1]],
+        )
     return values
 
 
 def load_sweep_section(path: str | Path) -> dict[str, Any]:
     """The ``sweep:`` section of a recipe: ``grid`` (flag -> list of values) or ``search`` (flag ->
-    {kind: values}, ``tools.search``) and the sweep's own options (``target_cer``, ``gpu_gb``); {}
+    {kind: values}, ``experiments.optuna_search``) and the sweep's own options (``target_cer``,
+    ``gpu_gb``); {}
     without one. ``ConfigError`` naming the file otherwise."""
     path = Path(path)
     try:
@@ -127,8 +144,10 @@ def load_sweep_section(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: sweep: holds grid:, a mapping of flags to lists of values")
     unknown = set(section) - {"grid", "search", "target_cer", "gpu_gb"}
     if unknown:
-        raise ConfigError(f"{path}: sweep: {sorted(unknown)[0]} is not a sweep option (grid, search, target_cer, "
-                          "gpu_gb)")
+        raise ConfigError(
+            f"{path}: sweep: {sorted(unknown)[0]} is not a sweep option (grid, search, target_cer, "
+            "gpu_gb)"
+        )
     return section
 
 
@@ -172,12 +191,18 @@ def _suggestion(key: str, section: str) -> str:
     if not near:
         return " (not a field of TrainConfig or ModelConfig: konkanivani-train --help lists them)"
     name = _ALIASES.get(near[0], near[0])
-    return f" (did you mean {name if SECTION_OF[name] == section else f'{SECTION_OF[name]}.{name}'}?)"
+    return (
+        f" (did you mean {name if SECTION_OF[name] == section else f'{SECTION_OF[name]}.{name}'}?)"
+    )
 
 
 def resolved_config(cfg: TrainConfig, model_cfg: ModelConfig) -> dict[str, dict[str, Any]]:
     """Every value a run uses, in the sections of a config file, in the order of the dataclasses."""
-    values = {**dataclasses.asdict(cfg), **dataclasses.asdict(model_cfg), "vocab_size": cfg.vocab_size}
+    values = {
+        **dataclasses.asdict(cfg),
+        **dataclasses.asdict(model_cfg),
+        "vocab_size": cfg.vocab_size,
+    }
     sections: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
     for name, section in SECTION_OF.items():
         if name not in _NOT_WRITTEN:
@@ -185,10 +210,16 @@ def resolved_config(cfg: TrainConfig, model_cfg: ModelConfig) -> dict[str, dict[
     return sections
 
 
-def write_config_file(path: str | Path, cfg: TrainConfig, model_cfg: ModelConfig, step: int = 0) -> Path:
-    """Write the resolved config of a run to ``path`` (atomically), loadable again with ``--config``."""
-    header = (f"# The config of this run as konkanivani-train resolved it at step {step}, every value it uses\n"
-              f"# (model vocabulary: {model_cfg.vocab_size}, from the tokenizer; --resume and --overwrite are "
-              "not written).\n# Run it again with: konkanivani-train --config THIS_FILE --output_dir ANOTHER_DIR\n")
+def write_config_file(
+    path: str | Path, cfg: TrainConfig, model_cfg: ModelConfig, step: int = 0
+) -> Path:
+    """Write the resolved config of a run to ``path`` (atomically), loadable again with
+    ``--config``."""
+    header = (
+        f"# The config of this run as konkanivani-train resolved it at step {step}, every value it"
+        f" uses\n# (model vocabulary: {model_cfg.vocab_size}, from the tokenizer; --resume and"
+        " --overwrite are not written).\n# Run it again with: konkanivani-train --config THIS_FILE"
+        " --output_dir ANOTHER_DIR\n"
+    )
     body = yaml.safe_dump(resolved_config(cfg, model_cfg), sort_keys=False, allow_unicode=True)
     return write_file_atomic(path, (header + body).encode("utf-8"))

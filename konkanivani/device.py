@@ -1,5 +1,7 @@
 """Which device a ``--device`` flag names: training, the LM trainer, decoding and the server all
-resolve it here, so ``auto`` means the same everywhere and a device this machine lacks is one line."""
+resolve it here, so ``auto`` means the same everywhere and a device this machine lacks is one line.
+"""
+
 from __future__ import annotations
 
 import torch
@@ -23,10 +25,18 @@ def resolve_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError as e:
-        raise DeviceError(f"--device {name}: not a device name (auto, cpu, cuda, cuda:N or mps)") from e
+        raise DeviceError(
+            f"--device {name}: not a device name (auto, cpu, cuda, cuda:N or mps)"
+        ) from e
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise DeviceError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise DeviceError(
+            f"--device {name}: CUDA is not available on this machine (use --device cpu)"
+        )
+    if (
+        device.type == "cuda"
+        and device.index is not None
+        and device.index >= torch.cuda.device_count()
+    ):
         count = torch.cuda.device_count()
         first_last = f" to cuda:{count - 1}" if count > 1 else ""
         raise DeviceError(f"--device {name}: this machine has {count} CUDA "

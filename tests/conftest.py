@@ -2,7 +2,7 @@ import shutil
 
 import pytest
 
-from konkanivani.tools.demo_corpus import make_corpus
+from konkanivani.datatools.corpus import make_corpus
 
 
 def pytest_collection_modifyitems(config, items):
@@ -16,7 +16,9 @@ def pytest_collection_modifyitems(config, items):
 def _skip_gpu_tests_without_gpus(items):
     """A test marked ``gpu`` (``gpu(devices=2)``: two of them) is skipped, with one line saying why,
     where this machine has fewer CUDA GPUs."""
-    marked = [(item, item.get_closest_marker("gpu")) for item in items if item.get_closest_marker("gpu")]
+    marked = [
+        (item, item.get_closest_marker("gpu")) for item in items if item.get_closest_marker("gpu")
+    ]
     if not marked:
         return
     import torch
@@ -25,9 +27,13 @@ def _skip_gpu_tests_without_gpus(items):
     for item, marker in marked:
         needed = marker.kwargs.get("devices", 1)
         if count == 0:
-            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False here"))
+            item.add_marker(
+                pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False here")
+            )
         elif count < needed:
-            item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA GPUs, this machine has {count}"))
+            item.add_marker(
+                pytest.mark.skip(reason=f"needs {needed} CUDA GPUs, this machine has {count}")
+            )
 
 
 
@@ -37,7 +43,9 @@ def tiny_corpus(tmp_path_factory):
     if shutil.which("espeak-ng") is None:
         pytest.fail("espeak-ng is required for the end-to-end tests: apt-get install espeak-ng")
     out = tmp_path_factory.mktemp("corpus")
-    make_corpus(out, seed=3, num_utterances=64, max_sentences=24, jobs=2, progress=False, festival_share=0)
+    make_corpus(
+        out, seed=3, num_utterances=64, max_sentences=24, jobs=2, progress=False, festival_share=0
+    )
     return out
 
 
@@ -48,8 +56,20 @@ def tiny_run(tiny_corpus, tmp_path_factory):
     from konkanivani.training.loop import train
 
     out = tmp_path_factory.mktemp("tiny_run")
-    cfg = TrainConfig(train_manifest=str(tiny_corpus / "train.jsonl"), valid_manifest=str(tiny_corpus / "valid.jsonl"),
-                      output_dir=str(out), preset="tiny", vocab_size=48, batch_size=8, lr=3e-3, warmup_steps=10,
-                      epochs=12, num_workers=0, progress=False, keep_checkpoints=20, seed=11)
+    cfg = TrainConfig(
+        train_manifest=str(tiny_corpus / "train.jsonl"),
+        valid_manifest=str(tiny_corpus / "valid.jsonl"),
+        output_dir=str(out),
+        preset="tiny",
+        vocab_size=48,
+        batch_size=8,
+        lr=3e-3,
+        warmup_steps=10,
+        epochs=12,
+        num_workers=0,
+        progress=False,
+        keep_checkpoints=20,
+        seed=11,
+    )
     train(cfg)
     return out

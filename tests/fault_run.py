@@ -53,7 +53,8 @@ def main() -> int:
         _on_call(train, "optimizer_step", n, lambda _: os.kill(os.getpid(), signal.SIGKILL))
     elif fault == "sigterm_at_step":
         _on_call(train, "optimizer_step", n, lambda _: os.kill(os.getpid(), signal.SIGTERM))
-    elif fault == "error_on_rank1_at_step":  # under torchrun: one process fails, the others must not hang
+    # under torchrun: one process fails, the others must not hang
+    elif fault == "error_on_rank1_at_step":
         def fail(_):
             if os.environ.get("RANK") == "1":
                 raise RuntimeError("injected failure of rank 1")

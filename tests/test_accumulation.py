@@ -27,7 +27,8 @@ def _batches(n_utts, per_batch, seed=0):
 
 
 def _assert_close(a, b, name, atol=1e-8):
-    # Summation order differs between the two paths: allow float noise relative to the tensor's scale.
+    # Summation order differs between the two paths: allow float noise relative to the tensor's
+    # scale.
     err, scale = (a - b).abs().max().item(), b.abs().max().item()
     assert err <= 1e-5 * scale + atol, f"{name}: max difference {err:.3g} at scale {scale:.3g}"
 
@@ -57,8 +58,11 @@ def test_accumulating_4x2_equals_1x8():
     for name in grads_big:
         _assert_close(grads_small[name], grads_big[name], name)
     moved = 0.0
-    for (name, p_small), p_big, p0 in zip(after_small.named_parameters(), after_big.parameters(), model.parameters()):
-        # atol: rounding of weights near 1 in float32 (the update is a difference of two such numbers)
+    for (name, p_small), p_big, p0 in zip(
+        after_small.named_parameters(), after_big.parameters(), model.parameters()
+    ):
+        # atol: rounding of weights near 1 in float32 (the update is a difference of two such
+        # numbers)
         _assert_close(p_small - p0, p_big - p0, name, atol=2e-7)
         moved = max(moved, (p_big - p0).abs().max().item())
     assert moved > 1e-3  # the step did change the weights

@@ -26,13 +26,17 @@ from konkanivani.data.features import LogMel
 from konkanivani.data.frames import frames_of
 from konkanivani.data.samplers import DurationBucketSampler, EpochKeyed, LengthGroupedBatchSampler
 from konkanivani.data.tokenizer import train_tokenizer
-from konkanivani.tools.corrupt import corrupt_manifest
+from konkanivani.datatools.corrupt import corrupt_manifest
 
 TEXTS = ["हांव घरा वता", "तूं कितें करता", "आमी पणजेक गेलें", "ताणें जेवण केलें"]
 
 ALL_ON = dict(speed_perturb=True, noise_prob=0.5, reverb_prob=0.5, vtlp_prob=0.5)
-EACH = {"speed": dict(speed_perturb=True), "noise": dict(noise_prob=1.0), "reverb": dict(reverb_prob=1.0),
-        "vtlp": dict(vtlp_prob=1.0)}
+EACH = {
+    "speed": dict(speed_perturb=True),
+    "noise": dict(noise_prob=1.0),
+    "reverb": dict(reverb_prob=1.0),
+    "vtlp": dict(vtlp_prob=1.0),
+}
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +58,17 @@ def corpus(tmp_path_factory):
     rows = []
     for i, seconds in enumerate((0.83, 1.0, 1.37, 0.61, 1.2, 0.95)):
         _wav(folder / f"u{i}.wav", seconds, freq=150 + 40 * i, seed=i)
-        rows.append({"audio_filepath": f"u{i}.wav", "duration": seconds, "text": TEXTS[i % 4], "speaker": f"s{i}"})
-    (folder / "m.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+        rows.append(
+            {
+                "audio_filepath": f"u{i}.wav",
+                "duration": seconds,
+                "text": TEXTS[i % 4],
+                "speaker": f"s{i}",
+            }
+        )
+    (folder / "m.jsonl").write_text(
+        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8"
+    )
     return folder
 
 
@@ -88,7 +101,8 @@ def test_frames_follow_the_augmented_waveform_and_tokens_stay(utts, name):
             augmented = dataset.augment.waveform(clean, epoch, index)
             factor = dataset.augment.speed_factor(epoch, index)
             factors.add(factor)
-            assert len(augmented) == math.ceil(len(clean) / factor - 1e-9)  # speed scales it, the rest keep it
+            # speed scales it, the rest keep it
+            assert len(augmented) == math.ceil(len(clean) / factor - 1e-9)
             assert torch.equal(example.audio, augmented)
             alpha = dataset.augment.vtlp_alpha(epoch, index)
             assert example.vtlp == alpha if alpha is not None else math.isnan(example.vtlp)
@@ -104,7 +118,8 @@ def test_off_is_exactly_the_unaugmented_dataset(utts):
     nothing = ASRDataset(utts, Augmenter(AugmentConfig(seed=3)))
     for index in range(len(utts)):
         assert torch.equal(_feats(plain[index]), _feats(nothing[(5, index)]))
-        assert torch.equal(_feats(plain[index]), _feats(plain[(5, index)]))  # a key without an augmenter: epoch unused
+        # a key without an augmenter: epoch unused
+        assert torch.equal(_feats(plain[index]), _feats(plain[(5, index)]))
 
 
 def test_same_key_same_features_whatever_the_instance_or_workers(utts):
@@ -115,10 +130,18 @@ def test_same_key_same_features_whatever_the_instance_or_workers(utts):
     def epoch_batches(workers, epoch):
         sampler = LengthGroupedBatchSampler([u.duration for u in utts], batch_size=2, seed=1)
         sampler.set_epoch(epoch)
-        loader = DataLoader(_dataset(utts, **ALL_ON), batch_sampler=EpochKeyed(sampler), collate_fn=collate,
-                            num_workers=workers)
-        return {i: feats[row, :int(frames[row])] for batch in loader
-                for feats, frames in [batch.features(_LOG_MEL)] for row, i in enumerate(batch.indices)}
+        loader = DataLoader(
+            _dataset(utts, **ALL_ON),
+            batch_sampler=EpochKeyed(sampler),
+            collate_fn=collate,
+            num_workers=workers,
+        )
+        return {
+            i: feats[row, : int(frames[row])]
+            for batch in loader
+            for feats, frames in [batch.features(_LOG_MEL)]
+            for row, i in enumerate(batch.indices)
+        }
 
     in_process, in_a_worker = epoch_batches(0, 1), epoch_batches(1, 1)
     assert in_process.keys() == in_a_worker.keys() == set(range(len(utts)))
@@ -130,8 +153,14 @@ def test_same_key_same_features_whatever_the_instance_or_workers(utts):
 def test_epochs_and_seeds_draw_differently(utts):
     dataset, other_seed = _dataset(utts, **ALL_ON), _dataset(utts, seed=4, **ALL_ON)
     differs = lambda a, b: a.shape != b.shape or not torch.equal(a, b)  # noqa: E731
-    assert sum(differs(_feats(dataset[(0, i)]), _feats(dataset[(1, i)])) for i in range(len(utts))) >= 4
-    assert sum(differs(_feats(dataset[(0, i)]), _feats(other_seed[(0, i)])) for i in range(len(utts))) >= 4
+    assert (
+        sum(differs(_feats(dataset[(0, i)]), _feats(dataset[(1, i)])) for i in range(len(utts)))
+        >= 4
+    )
+    assert (
+        sum(differs(_feats(dataset[(0, i)]), _feats(other_seed[(0, i)])) for i in range(len(utts)))
+        >= 4
+    )
     # streams are independent: turning noise off leaves the speed draws as they were
     speed_only = _dataset(utts, speed_perturb=True).augment
     assert [speed_only.speed_factor(e, i) for e in range(4) for i in range(6)] == \
@@ -145,10 +174,20 @@ def _snr_db(clean, noisy):
 def test_added_noise_has_the_drawn_snr_generated_or_from_a_folder(utts, tmp_path):
     (tmp_path / "noise").mkdir()
     _wav(tmp_path / "noise" / "short_8k.wav", 0.3, sr=8000, freq=1000.0)  # looped and resampled
-    sf.write(tmp_path / "noise" / "long.flac", np.random.default_rng(1).normal(0, 0.2, 48000 * 3), 48000)
+    sf.write(
+        tmp_path / "noise" / "long.flac", np.random.default_rng(1).normal(0, 0.2, 48000 * 3), 48000
+    )
     (tmp_path / "noise" / "notes.txt").write_text("not audio")
     for noise_dir in ("", str(tmp_path / "noise")):
-        augmenter = Augmenter(AugmentConfig(noise_prob=1.0, noise_snr_low_db=0.0, noise_snr_high_db=15.0, noise_dir=noise_dir, seed=2))
+        augmenter = Augmenter(
+            AugmentConfig(
+                noise_prob=1.0,
+                noise_snr_low_db=0.0,
+                noise_snr_high_db=15.0,
+                noise_dir=noise_dir,
+                seed=2,
+            )
+        )
         assert len(augmenter.noise_files) == (2 if noise_dir else 0)
         drawn = []
         for index in range(12):
@@ -173,7 +212,9 @@ def test_reverb_keeps_length_level_and_alignment(utts, tmp_path):
     for index in range(4):
         wet = augmenter.waveform(clean, 0, index)
         assert wet.shape == clean.shape and torch.isfinite(wet).all()
-        assert wet.pow(2).mean().sqrt() == pytest.approx(float(clean.pow(2).mean().sqrt()), rel=1e-4)
+        assert wet.pow(2).mean().sqrt() == pytest.approx(
+            float(clean.pow(2).mean().sqrt()), rel=1e-4
+        )
         assert not torch.equal(wet, clean)
     # An RIR file whose direct path comes 200 samples in: no delay in the output (a pure delayed
     # impulse gives back the input), and a decaying tail leaves it correlated with the input.
@@ -199,8 +240,12 @@ def test_vtlp_alpha_one_is_no_warp_and_alpha_moves_a_tone():
     tone = torch.sin(2 * math.pi * 1000 * t)
     assert torch.equal(vtlp_warp_matrix(1.0, log_mel.n_freqs), torch.eye(log_mel.n_freqs))
     assert torch.equal(log_mel(tone, vtlp_warp_matrix(1.0, log_mel.n_freqs)), log_mel(tone))
-    torch.testing.assert_close(log_mel(tone, vtlp_warp_matrix(1.0 + 1e-6, log_mel.n_freqs)), log_mel(tone),
-                               atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(
+        log_mel(tone, vtlp_warp_matrix(1.0 + 1e-6, log_mel.n_freqs)),
+        log_mel(tone),
+        atol=1e-3,
+        rtol=1e-4,
+    )
     spectrum = log_mel.mel.spectrogram(tone).mean(1)  # (F,), 40 Hz bins
     for alpha in (0.9, 1.1):
         warped = vtlp_warp_matrix(alpha, log_mel.n_freqs) @ spectrum
@@ -211,7 +256,10 @@ def test_speed_perturbation_never_takes_a_batch_over_its_frame_budget():
     rng = np.random.default_rng(0)
     durations = list(rng.uniform(0.3, 4.0, 300).round(3))
     budget = 2000
-    slowest = [1 + len(speed_perturb(torch.zeros(int(d * 16000)), min(SPEED_FACTORS))) // 160 for d in durations]
+    slowest = [
+        1 + len(speed_perturb(torch.zeros(int(d * 16000)), min(SPEED_FACTORS))) // 160
+        for d in durations
+    ]
     planned = DurationBucketSampler([batching_duration(d, True) for d in durations], budget, seed=1)
     naive = DurationBucketSampler(durations, budget, seed=1)
     for epoch in range(3):
@@ -227,11 +275,19 @@ def test_speed_perturbation_never_takes_a_batch_over_its_frame_budget():
 
 
 def test_corrupt_manifest_is_a_deterministic_noisy_copy(corpus, tokenizer, tmp_path):
-    first = corrupt_manifest(corpus / "m.jsonl", tmp_path / "a", "test_noisy", seed=7, snr_db=(5.0, 10.0))
-    again = corrupt_manifest(corpus / "m.jsonl", tmp_path / "b", "test_noisy", seed=7, snr_db=(5.0, 10.0))
-    other = corrupt_manifest(corpus / "m.jsonl", tmp_path / "c", "test_noisy", seed=8, snr_db=(5.0, 10.0))
+    first = corrupt_manifest(
+        corpus / "m.jsonl", tmp_path / "a", "test_noisy", seed=7, snr_db=(5.0, 10.0)
+    )
+    again = corrupt_manifest(
+        corpus / "m.jsonl", tmp_path / "b", "test_noisy", seed=7, snr_db=(5.0, 10.0)
+    )
+    other = corrupt_manifest(
+        corpus / "m.jsonl", tmp_path / "c", "test_noisy", seed=8, snr_db=(5.0, 10.0)
+    )
     assert first == tmp_path / "a" / "test_noisy.jsonl"
-    src = [json.loads(line) for line in (corpus / "m.jsonl").read_text(encoding="utf-8").splitlines()]
+    src = [
+        json.loads(line) for line in (corpus / "m.jsonl").read_text(encoding="utf-8").splitlines()
+    ]
     rows = [json.loads(line) for line in first.read_text(encoding="utf-8").splitlines()]
     assert [r["text"] for r in rows] == [r["text"] for r in src]
     assert [r["speaker"] for r in rows] == [r["speaker"] for r in src]
@@ -240,35 +296,71 @@ def test_corrupt_manifest_is_a_deterministic_noisy_copy(corpus, tokenizer, tmp_p
         info = sf.info(str(first.parent / row["audio_filepath"]))
         assert (info.samplerate, info.subtype) == (16000, "PCM_16")
         assert row["duration"] == pytest.approx(source["duration"], abs=1e-3)
-        clean, noisy = load_audio(corpus / source["audio_filepath"]), load_audio(first.parent / row["audio_filepath"])
-        assert _snr_db(clean, noisy) < 12  # noise and reverberation both took the copy away from the original
+        clean, noisy = load_audio(corpus / source["audio_filepath"]), load_audio(
+            first.parent / row["audio_filepath"]
+        )
+        # noise and reverberation both took the copy away from the original
+        assert _snr_db(clean, noisy) < 12
         assert (first.parent / row["audio_filepath"]).read_bytes() == \
             (again.parent / row["audio_filepath"]).read_bytes()
-    assert any((first.parent / r["audio_filepath"]).read_bytes() != (other.parent / r["audio_filepath"]).read_bytes()
-               for r in rows)
+    assert any(
+        (first.parent / r["audio_filepath"]).read_bytes()
+        != (other.parent / r["audio_filepath"]).read_bytes()
+        for r in rows
+    )
     assert len(load_utterances(first, tokenizer)[0]) == len(src)  # usable as a manifest as it is
 
 
-def test_an_unbroken_and_a_resumed_augmented_run_see_the_same_batches(tiny_corpus, tmp_path, caplog):
+def test_an_unbroken_and_a_resumed_augmented_run_see_the_same_batches(
+    tiny_corpus, tmp_path, caplog
+):
     """Every augmentation on: stopped mid-epoch at step 3 and resumed (with a worker process this
-    time) to step 8, across an epoch boundary (5 steps an epoch), the losses are those of the unbroken run."""
+    time) to step 8, across an epoch boundary (5 steps an epoch), the losses are those of the
+    unbroken run.
+    """
     from tiny_args import tiny_args
 
     from konkanivani.checkpoint import load_checkpoint
     from konkanivani.cli import train as cli
 
-    augment = ["--speed_perturb", "--noise_prob", "0.5", "--reverb_prob", "0.5", "--vtlp_prob", "0.5",
-               "--max_batch_frames", "2400"]
+    augment = [
+        "--speed_perturb",
+        "--noise_prob",
+        "0.5",
+        "--reverb_prob",
+        "0.5",
+        "--vtlp_prob",
+        "0.5",
+        "--max_batch_frames",
+        "2400",
+    ]
     whole, split = tmp_path / "whole", tmp_path / "split"
     with caplog.at_level(logging.INFO, logger="konkanivani"):
         assert cli.main(tiny_args(tiny_corpus, whole, *augment, "--max_steps", "8")) == 0
-    assert "augmentation of training utterances: speed perturbation x0.9/1/1.1; reverberation p=0.5 " \
-           "(synthetic rooms); noise p=0.5 at 5-20 dB SNR (generated noise); VTLP p=0.5" in caplog.text
+    assert (
+        "augmentation of training utterances: speed perturbation x0.9/1/1.1; reverberation p=0.5 "
+        "(synthetic rooms); noise p=0.5 at 5-20 dB SNR (generated noise); VTLP p=0.5"
+        in caplog.text
+    )
     assert cli.main(tiny_args(tiny_corpus, split, *augment, "--max_steps", "3")) == 0
     stopped = load_checkpoint(split / "latest.pt")
     assert stopped["step"] == 3 and stopped["batches_done"] > 0 and stopped["epoch"] == 0
-    assert cli.main(tiny_args(tiny_corpus, split, *augment, "--max_steps", "8", "--num_workers", "1",
-                              "--resume", "latest")) == 0
+    assert (
+        cli.main(
+            tiny_args(
+                tiny_corpus,
+                split,
+                *augment,
+                "--max_steps",
+                "8",
+                "--num_workers",
+                "1",
+                "--resume",
+                "latest",
+            )
+        )
+        == 0
+    )
 
     def train_rows(out):
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -276,6 +368,7 @@ def test_an_unbroken_and_a_resumed_augmented_run_see_the_same_batches(tiny_corpu
 
     resumed, unbroken = train_rows(split), train_rows(whole)
     assert [r["step"] for r in resumed] == [r["step"] for r in unbroken] == list(range(1, 9))
-    assert unbroken[-1]["epoch"] > unbroken[0]["epoch"]  # the comparison crosses into a new epoch's draws
+    # the comparison crosses into a new epoch's draws
+    assert unbroken[-1]["epoch"] > unbroken[0]["epoch"]
     for a, b in zip(resumed, unbroken, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a, b)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from konkanivani.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from konkanivani.training.rundir import (
+from konkanivani.training.run_files import (
     point_to,
     prune_checkpoints,
     remove_stale_temporaries,
@@ -16,8 +16,12 @@ from konkanivani.training.rundir import (
 
 
 def _state(step):
-    return {"step": step, "model": {"w": torch.full((3,), float(step))}, "tokenizer": b"\x00\x01bytes",
-            "rng": {"python": (3, tuple(range(5)), None)}}
+    return {
+        "step": step,
+        "model": {"w": torch.full((3,), float(step))},
+        "tokenizer": b"\x00\x01bytes",
+        "rng": {"python": (3, tuple(range(5)), None)},
+    }
 
 
 def test_save_load_round_trip_and_no_temporary_left(tmp_path):
@@ -33,7 +37,10 @@ def test_failed_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
     path = tmp_path / "latest.pt"
     save_checkpoint(_state(1), path)
 
-    for error in (OSError(28, "No space left on device"), RuntimeError("PytorchStreamWriter failed writing file")):
+    for error in (
+        OSError(28, "No space left on device"),
+        RuntimeError("PytorchStreamWriter failed writing file"),
+    ):
         def failing_save(*args, error=error, **kwargs):
             raise error
 
@@ -75,9 +82,15 @@ def test_truncated_or_foreign_files_give_clear_errors(tmp_path):
 def test_prune_keeps_the_newest_writes_after_resuming_an_older_step(tmp_path):
     for step in (200, 300, 400, 110):  # resumed from step 100, then saved step 110
         save_checkpoint(_state(step), tmp_path / step_checkpoint_name(step))
-        os.utime(tmp_path / step_checkpoint_name(step), ns=(step * 10**9, (1000 + len(os.listdir(tmp_path))) * 10**9))
+        os.utime(
+            tmp_path / step_checkpoint_name(step),
+            ns=(step * 10**9, (1000 + len(os.listdir(tmp_path))) * 10**9),
+        )
     prune_checkpoints(tmp_path, keep=2)
-    assert sorted(p.name for p in tmp_path.glob("step_*.pt")) == ["step_0000110.pt", "step_0000400.pt"]
+    assert sorted(p.name for p in tmp_path.glob("step_*.pt")) == [
+        "step_0000110.pt",
+        "step_0000400.pt",
+    ]
 
 
 def test_stale_temporaries_of_a_killed_process_are_removed(tmp_path):
@@ -88,32 +101,63 @@ def test_stale_temporaries_of_a_killed_process_are_removed(tmp_path):
     for p in (dead, mine, other):
         p.write_bytes(b"half")
     assert remove_stale_temporaries(tmp_path) == [dead]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, other.name, "latest.pt"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [mine.name, other.name, "latest.pt"]
+    )
 
 
 def test_train_state_round_trip_and_older_formats(tmp_path):
     from konkanivani.training.state import TrainState
 
-    state = TrainState(model_config={"d_model": 8}, train_config={"lr": 1e-3}, tokenizer=b"sp",
-                       model={"w": torch.ones(2)}, optimizer={"state": {}, "param_groups": []}, step=7, epoch=1,
-                       batches_done=3, processes=2, rng=[{"a": 1}, {"a": 2}], best_wer=0.5, best_cer=0.2)
+    state = TrainState(
+        model_config={"d_model": 8},
+        train_config={"lr": 1e-3},
+        tokenizer=b"sp",
+        model={"w": torch.ones(2)},
+        optimizer={"state": {}, "param_groups": []},
+        step=7,
+        epoch=1,
+        batches_done=3,
+        processes=2,
+        rng=[{"a": 1}, {"a": 2}],
+        best_wer=0.5,
+        best_cer=0.2,
+    )
     loaded = TrainState.load(state.save(tmp_path / "s.pt"))
-    assert (loaded.step, loaded.epoch, loaded.batches_done, loaded.processes, loaded.best_cer) == (7, 1, 3, 2, 0.2)
+    assert (loaded.step, loaded.epoch, loaded.batches_done, loaded.processes, loaded.best_cer) == (
+        7,
+        1,
+        3,
+        2,
+        0.2,
+    )
     assert torch.equal(loaded.model["w"], torch.ones(2)) and loaded.rng == [{"a": 1}, {"a": 2}]
 
     old = tmp_path / "old.pt"
-    torch.save({"format_version": 1, "model": {"w": torch.ones(2)}, "model_config": {}, "tokenizer": b"sp",
-                "optimizer": {}, "sampler": {"epoch": 0, "start": 0}}, old)
+    torch.save(
+        {
+            "format_version": 1,
+            "model": {"w": torch.ones(2)},
+            "model_config": {},
+            "tokenizer": b"sp",
+            "optimizer": {},
+            "sampler": {"epoch": 0, "start": 0},
+        },
+        old,
+    )
     assert load_checkpoint(old)["model"]["w"].sum() == 2  # still decodes and averages
     with pytest.raises(CheckpointError, match="format 1 .* resumes format 2 only"):
         TrainState.load(old)
-    averaged = save_checkpoint({"model": {"w": torch.ones(2)}, "model_config": {}, "tokenizer": b"sp"},
-                               tmp_path / "avg.pt")
+    averaged = save_checkpoint(
+        {"model": {"w": torch.ones(2)}, "model_config": {}, "tokenizer": b"sp"}, tmp_path / "avg.pt"
+    )
     with pytest.raises(CheckpointError, match="model weights only"):
         TrainState.load(averaged)
 
 
-needs_dev_full = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full (Linux only)")
+needs_dev_full = pytest.mark.skipif(
+    not os.path.exists("/dev/full"), reason="no /dev/full (Linux only)"
+)
 
 
 class _DiskFillsUp(io.FileIO):
@@ -133,12 +177,18 @@ def test_a_full_disk_is_reported_as_such_not_in_torch_words(tmp_path, monkeypatc
 
     path = tmp_path / "latest.pt"
     save_checkpoint(_state(1), path)
-    monkeypatch.setattr(checkpoint, "open", lambda name, mode: _DiskFillsUp(name, mode), raising=False)
+    monkeypatch.setattr(
+        checkpoint, "open", lambda name, mode: _DiskFillsUp(name, mode), raising=False
+    )
     with pytest.raises(CheckpointError) as error:
         save_checkpoint({**_state(2), "model": {"w": torch.zeros(100_000)}}, path)
-    assert isinstance(error.value.__cause__, RuntimeError)  # torch's words, which the message does not repeat
-    assert str(error.value) == f"could not write checkpoint {path}: No space left on device; the previous " \
-                               "checkpoints are untouched"
+    # torch's words, which the message does not repeat
+    assert isinstance(error.value.__cause__, RuntimeError)
+    assert (
+        str(error.value)
+        == f"could not write checkpoint {path}: No space left on device; the previous "
+        "checkpoints are untouched"
+    )
     assert load_checkpoint(path)["step"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.pt"]
 
@@ -153,7 +203,8 @@ def test_a_full_disk_under_the_metrics_log_is_a_checkpoint_error(tmp_path):
 
 
 def test_a_checkpoint_path_under_a_file_is_a_checkpoint_error(tmp_path):
-    """konkanivani-average --output FILE/avg.pt, say: one line, not a NotADirectoryError traceback."""
+    """konkanivani-average --output FILE/avg.pt, say: one line, not a NotADirectoryError
+    traceback."""
     (tmp_path / "file").write_text("")
     with pytest.raises(CheckpointError, match="could not write checkpoint .*file/avg.pt: "):
         save_checkpoint(_state(1), tmp_path / "file" / "avg.pt")

@@ -11,16 +11,54 @@ from konkanivani.checkpoint import load_checkpoint
 ROOT = Path(__file__).resolve().parents[1]
 from konkanivani.cli import train as cli  # noqa: E402
 
-GUIDE_FLAGS = ["--batch_size", "2", "--gradient_accumulation_steps", "4", "--mixed_precision", "--device", "cpu",
-               "--d_model", "192", "--encoder_layers", "8", "--decoder_layers", "4", "--resume", "latest",
-               "--num_workers", "2", "--preset", "medium", "--epochs", "3", "--max_steps", "10", "--lr", "5e-4",
-               "--output_dir", "x", "--empty_cache_every", "50", "--save_every_steps", "100",
-               "--keep_checkpoints", "2", "--seed", "7"]
+GUIDE_FLAGS = [
+    "--batch_size",
+    "2",
+    "--gradient_accumulation_steps",
+    "4",
+    "--mixed_precision",
+    "--device",
+    "cpu",
+    "--d_model",
+    "192",
+    "--encoder_layers",
+    "8",
+    "--decoder_layers",
+    "4",
+    "--resume",
+    "latest",
+    "--num_workers",
+    "2",
+    "--preset",
+    "medium",
+    "--epochs",
+    "3",
+    "--max_steps",
+    "10",
+    "--lr",
+    "5e-4",
+    "--output_dir",
+    "x",
+    "--empty_cache_every",
+    "50",
+    "--save_every_steps",
+    "100",
+    "--keep_checkpoints",
+    "2",
+    "--seed",
+    "7",
+]
 
 
 def test_flags_people_already_type_are_accepted():
-    args = cli.parse_args(["--train_manifest", "t.jsonl", "--valid_manifest", "v.jsonl", *GUIDE_FLAGS])
-    assert args.batch_size == 2 and args.gradient_accumulation_steps == 4 and args.mixed_precision is True
+    args = cli.parse_args(
+        ["--train_manifest", "t.jsonl", "--valid_manifest", "v.jsonl", *GUIDE_FLAGS]
+    )
+    assert (
+        args.batch_size == 2
+        and args.gradient_accumulation_steps == 4
+        and args.mixed_precision is True
+    )
     assert (args.d_model, args.encoder_layers, args.decoder_layers) == (192, 8, 4)
     assert args.resume == "latest" and args.lr == 5e-4 and args.seed == 7
     assert args.n_heads is None  # not given: the preset decides
@@ -33,7 +71,10 @@ def test_unknown_flag_wrong_type_and_missing_manifest_are_refused(capsys):
         with pytest.raises(SystemExit):
             cli.parse_args(argv)
     err = capsys.readouterr().err
-    assert "the following arguments are required: --train_manifest (or --train_shards) (see --help)" in err
+    assert (
+        "the following arguments are required: --train_manifest (or --train_shards) (see --help)"
+        in err
+    )
     assert "usage:" not in err  # one line, not the whole usage first
 
 
@@ -42,29 +83,54 @@ BAD_VALUES = [
     (["--batch_size", "0"], "--batch_size must be a positive integer, got 0"),
     (["--ctc_weight", "1.5"], "--ctc_weight must be in [0, 1], got 1.5"),
     (["--dropout", "1.2"], "--dropout must be in [0, 1), got 1.2"),
-    (["--precision", "fp8"], "--precision must be one of fp32, fp16, bf16 (or left out), got 'fp8'"),
-    (["--max_batch_frames", "1000", "--max_batch_seconds", "10"], "give --max_batch_frames or --max_batch_seconds"),
-    (["--max_batch_frames", "1000", "--max_batch_seconds", "10", "--auto_batch"],
-     "give --max_batch_frames or --max_batch_seconds"),
+    (
+        ["--precision", "fp8"],
+        "--precision must be one of fp32, fp16, bf16 (or left out), got 'fp8'",
+    ),
+    (
+        ["--max_batch_frames", "1000", "--max_batch_seconds", "10"],
+        "give --max_batch_frames or --max_batch_seconds",
+    ),
+    (
+        ["--max_batch_frames", "1000", "--max_batch_seconds", "10", "--auto_batch"],
+        "give --max_batch_frames or --max_batch_seconds",
+    ),
     (["--resume", "latest", "--overwrite"], "give --resume or --overwrite, not both"),
     (["--tokenizer", "missing.model"], "--tokenizer missing.model: file not found"),
     (["--resume", "nowhere.pt"], "--resume nowhere.pt: file not found"),
-    (["--d_model", "50", "--n_heads", "4"], "--d_model 50 must split into --n_heads 4 heads of even width"),
+    (
+        ["--d_model", "50", "--n_heads", "4"],
+        "--d_model 50 must split into --n_heads 4 heads of even width",
+    ),
     (["--dynamic_chunk", "--max_chunk", "0"], "--max_chunk must be a positive integer, got 0"),
-    (["--strategy", "fsdp", "--optimizer", "adamw_8bit"], "--strategy fsdp shards AdamW's states itself"),
+    (
+        ["--strategy", "fsdp", "--optimizer", "adamw_8bit"],
+        "--strategy fsdp shards AdamW's states itself",
+    ),
     (["--device", "gpu"], "--device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
     (["--offload_activations", "--device", "cpu"], "--offload_activations needs a CUDA device"),
     (["--ema_decay", "1"], "--ema_decay must be in [0, 1) (0: off), got 1.0"),
-    (["--strategy", "fsdp", "--ema_decay", "0.999"], "--ema_decay keeps a whole copy of the weights in every process"),
+    (
+        ["--strategy", "fsdp", "--ema_decay", "0.999"],
+        "--ema_decay keeps a whole copy of the weights in every process",
+    ),
     (["--init_from", "nowhere.pt"], "--init_from nowhere.pt: file not found"),
-    (["--init_modules", "encoder,joiner"],
-     "--init_modules 'encoder,joiner': give a comma list of encoder, decoder, ctc_head"),
+    (
+        ["--init_modules", "encoder,joiner"],
+        "--init_modules 'encoder,joiner': give a comma list of encoder, decoder, ctc_head",
+    ),
     (["--freeze_encoder_steps", "-1"], "--freeze_encoder_steps must be 0 or more, got -1"),
-    (["--keep_init_cmvn"], "--keep_init_cmvn keeps the CMVN statistics of --init_from: give --init_from too"),
+    (
+        ["--keep_init_cmvn"],
+        "--keep_init_cmvn keeps the CMVN statistics of --init_from: give --init_from too",
+    ),
     (["--noise_prob", "1.5"], "--noise_prob must be in [0, 1], got 1.5"),
     (["--reverb_prob", "-0.1"], "--reverb_prob must be in [0, 1], got -0.1"),
     (["--vtlp_prob", "2"], "--vtlp_prob must be in [0, 1], got 2.0"),
-    (["--noise_snr_low_db", "20", "--noise_snr_high_db", "5"], "--noise_snr_low_db 20 is above --noise_snr_high_db 5"),
+    (
+        ["--noise_snr_low_db", "20", "--noise_snr_high_db", "5"],
+        "--noise_snr_low_db 20 is above --noise_snr_high_db 5",
+    ),
     (["--noise_snr_high_db", "nan"], "--noise_snr_high_db must be a number of dB, got nan"),
     (["--noise_dir", "no/such/folder"], "--noise_dir no/such/folder: folder not found"),
     (["--rir_dir", "no/rirs"], "--rir_dir no/rirs: folder not found"),
@@ -78,8 +144,20 @@ def test_bad_values_are_one_line_and_exit_2_before_any_work(flags, message, tmp_
     train_manifest.write_text("")
     valid_manifest.write_text("")
     out = tmp_path / "out"
-    assert cli.main(["--train_manifest", str(train_manifest), "--valid_manifest", str(valid_manifest),
-                     "--output_dir", str(out), *flags]) == 2
+    assert (
+        cli.main(
+            [
+                "--train_manifest",
+                str(train_manifest),
+                "--valid_manifest",
+                str(valid_manifest),
+                "--output_dir",
+                str(out),
+                *flags,
+            ]
+        )
+        == 2
+    )
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(errors) == 1 and len(errors[0].splitlines()) == 1 and message in errors[0], errors
     assert not out.exists()
@@ -88,8 +166,19 @@ def test_bad_values_are_one_line_and_exit_2_before_any_work(flags, message, tmp_
 def test_a_missing_manifest_is_named_before_any_work(tmp_path, caplog):
     valid = tmp_path / "v.jsonl"
     valid.write_text("")
-    assert cli.main(["--train_manifest", str(tmp_path / "nope.jsonl"), "--valid_manifest", str(valid),
-                     "--output_dir", str(tmp_path / "out")]) == 2
+    assert (
+        cli.main(
+            [
+                "--train_manifest",
+                str(tmp_path / "nope.jsonl"),
+                "--valid_manifest",
+                str(valid),
+                "--output_dir",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 2
+    )
     assert f"--train_manifest {tmp_path / 'nope.jsonl'}: file not found" in caplog.text
     assert not (tmp_path / "out").exists()
 
@@ -99,12 +188,20 @@ MISSING_DEVICES = [
     ("cuda:0", 0, "--device cuda:0: CUDA is not available on this machine (use --device cpu)"),
     ("cuda:2", 1, "--device cuda:2: this machine has 1 CUDA device (cuda:0)"),
     ("cuda:4", 2, "--device cuda:4: this machine has 2 CUDA devices (cuda:0 to cuda:1)"),
-    ("mps", 0, "--device mps: MPS (Apple silicon) is not available on this machine (use --device cpu)"),
+    (
+        "mps",
+        0,
+        "--device mps: MPS (Apple silicon) is not available on this machine (use --device cpu)",
+    ),
 ]
 
 
-@pytest.mark.parametrize("device,gpus,message", MISSING_DEVICES, ids=[d for d, _, _ in MISSING_DEVICES])
-def test_a_device_this_machine_lacks_is_one_line_and_exit_2(device, gpus, message, tmp_path, caplog, monkeypatch):
+@pytest.mark.parametrize(
+    "device,gpus,message", MISSING_DEVICES, ids=[d for d, _, _ in MISSING_DEVICES]
+)
+def test_a_device_this_machine_lacks_is_one_line_and_exit_2(
+    device, gpus, message, tmp_path, caplog, monkeypatch
+):
     """The same on a machine with GPUs as without: the GPUs are counted by a stand-in."""
     import torch
 
@@ -116,17 +213,32 @@ def test_a_device_this_machine_lacks_is_one_line_and_exit_2(device, gpus, messag
     manifest = tmp_path / "m.jsonl"
     manifest.write_text("")
     out = tmp_path / "out"
-    assert cli.main(["--train_manifest", str(manifest), "--valid_manifest", str(manifest), "--output_dir", str(out),
-                     "--device", device]) == 2
+    assert (
+        cli.main(
+            [
+                "--train_manifest",
+                str(manifest),
+                "--valid_manifest",
+                str(manifest),
+                "--output_dir",
+                str(out),
+                "--device",
+                device,
+            ]
+        )
+        == 2
+    )
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert errors == [message]
     assert not out.exists()
-    with pytest.raises(RuntimeError, match="--device"):  # what transcribe, evaluate and train-lm catch
+    # what transcribe, evaluate and train-lm catch
+    with pytest.raises(RuntimeError, match="--device"):
         resolve_device(device)
 
 
 def test_an_output_under_a_file_is_one_line_for_average_and_export(tmp_path, capsys):
-    """A folder that cannot be made (a file is in the way, which stops root too): exit 2, no traceback."""
+    """A folder that cannot be made (a file is in the way, which stops root too): exit 2, no
+    traceback."""
     import dataclasses
 
     from konkanivani.checkpoint import save_checkpoint
@@ -137,13 +249,24 @@ def test_an_output_under_a_file_is_one_line_for_average_and_export(tmp_path, cap
 
     tokenizer = train_tokenizer(["हांव घरा वता", "तूं कितें करता"] * 20, 30, "char")
     cfg = model_config_from_preset("tiny", vocab_size=tokenizer.vocab_size)
-    checkpoint = save_checkpoint({"model_config": dataclasses.asdict(cfg), "model": ASRModel(cfg).state_dict(),
-                                  "tokenizer": tokenizer.model_proto}, tmp_path / "model.pt")
+    checkpoint = save_checkpoint(
+        {
+            "model_config": dataclasses.asdict(cfg),
+            "model": ASRModel(cfg).state_dict(),
+            "tokenizer": tokenizer.model_proto,
+        },
+        tmp_path / "model.pt",
+    )
     blocker = tmp_path / "file"
     blocker.write_text("")
-    assert average.main(["--inputs", str(checkpoint), str(checkpoint), "--output", str(blocker / "avg.pt")]) == 2
+    assert (
+        average.main(
+            ["--inputs", str(checkpoint), str(checkpoint), "--output", str(blocker / "avg.pt")]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
-    # refused before any checkpoint is read (tools.outputs.check_outputs)
+    # refused before any checkpoint is read (datatools.outputs.check_outputs)
     assert err == [f"error: --output {blocker / 'avg.pt'} cannot be written: {blocker} is not a "
                    "folder"], err
     status = 0
@@ -163,17 +286,44 @@ def test_t4_recipe_script_runs_on_cpu(tiny_corpus, tmp_path, data):
     """The recipe script itself, made tiny by extra flags that pass through and override it; on a
     manifest (TRAIN_MANIFEST) or on shards (TRAIN_SHARDS, as for data on a Drive mount)."""
     if data == "shards":
-        from konkanivani.tools.shards import write_shards
-        write_shards(tiny_corpus / "train.jsonl", tmp_path / "shards", shard_size=20, progress=False)
+        from konkanivani.datatools.shard_writer import write_shards
+        write_shards(
+            tiny_corpus / "train.jsonl", tmp_path / "shards", shard_size=20, progress=False
+        )
         train = {"TRAIN_SHARDS": str(tmp_path / "shards" / "shards.json")}
     else:
         train = {"TRAIN_MANIFEST": str(tiny_corpus / "train.jsonl")}
-    env = dict(os.environ, PYTHON=sys.executable, **train, VALID_MANIFEST=str(tiny_corpus / "valid.jsonl"),
-               OUTPUT_DIR=str(tmp_path / "t4"))
+    env = dict(
+        os.environ,
+        PYTHON=sys.executable,
+        **train,
+        VALID_MANIFEST=str(tiny_corpus / "valid.jsonl"),
+        OUTPUT_DIR=str(tmp_path / "t4"),
+    )
     result = subprocess.run(
-        [str(ROOT / "run_training_memory_optimized.sh"), "--preset", "tiny", "--d_model", "48", "--encoder_layers", "2",
-         "--decoder_layers", "1", "--vocab_size", "48", "--max_steps", "3", "--num_workers", "0", "--no_progress"],
-        env=env, capture_output=True, text=True, timeout=300)
+        [
+            str(ROOT / "run_training_memory_optimized.sh"),
+            "--preset",
+            "tiny",
+            "--d_model",
+            "48",
+            "--encoder_layers",
+            "2",
+            "--decoder_layers",
+            "1",
+            "--vocab_size",
+            "48",
+            "--max_steps",
+            "3",
+            "--num_workers",
+            "0",
+            "--no_progress",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "8 utterances per update (batch 2 x 4 accumulation steps)" in result.stderr
     assert ("train shards" in result.stderr) == (data == "shards")
@@ -182,29 +332,63 @@ def test_t4_recipe_script_runs_on_cpu(tiny_corpus, tmp_path, data):
 
 def _other_tools():
     from konkanivani.cli import average, demo_corpus, evaluate, plan_memory, transcribe, validate
-    return {"transcribe": transcribe, "evaluate": evaluate, "average": average, "validate": validate,
-            "plan_memory": plan_memory, "demo_corpus": demo_corpus}
+    return {
+        "transcribe": transcribe,
+        "evaluate": evaluate,
+        "average": average,
+        "validate": validate,
+        "plan_memory": plan_memory,
+        "demo_corpus": demo_corpus,
+    }
 
 
 OTHER_BAD_VALUES = [
     ("transcribe", ["missing.pt", "a.wav"], "checkpoint missing.pt: file not found"),
-    ("transcribe", ["{ckpt}", "a.wav", "--beam_size", "0"], "--beam_size must be a positive integer"),
-    ("transcribe", ["{ckpt}", "a.wav", "--decode_ctc_weight", "2"], "--decode_ctc_weight must be in [0, 1], got 2.0"),
-    ("transcribe", ["{ckpt}", "a.wav", "--method", "viterbi"], "argument --method: invalid choice: 'viterbi'"),
+    (
+        "transcribe",
+        ["{ckpt}", "a.wav", "--beam_size", "0"],
+        "--beam_size must be a positive integer",
+    ),
+    (
+        "transcribe",
+        ["{ckpt}", "a.wav", "--decode_ctc_weight", "2"],
+        "--decode_ctc_weight must be in [0, 1], got 2.0",
+    ),
+    (
+        "transcribe",
+        ["{ckpt}", "a.wav", "--method", "viterbi"],
+        "argument --method: invalid choice: 'viterbi'",
+    ),
     ("evaluate", ["{ckpt}", "missing.jsonl"], "manifest missing.jsonl: file not found"),
     ("average", ["--last", "0", "{dir}"], "--last must be at least 1, got 0"),
     ("average", ["--inputs", "a.pt", "b.pt"], "--inputs a.pt: file not found"),
     ("validate", ["missing.jsonl"], "manifest missing.jsonl: file not found"),
     ("validate", ["{manifest}", "--vocab_size", "0"], "--vocab_size must be a positive integer"),
-    ("plan_memory", ["--preset", "huge", "--gpu_gb", "8"], "argument --preset: invalid choice: 'huge'"),
+    (
+        "plan_memory",
+        ["--preset", "huge", "--gpu_gb", "8"],
+        "argument --preset: invalid choice: 'huge'",
+    ),
     ("plan_memory", ["--gpu_gb", "0"], "--gpu_gb must be a positive number, got 0.0"),
     ("plan_memory", ["--gpu_gb", "8", "--margin", "1.5"], "--margin must be in [0, 1), got 1.5"),
-    ("demo_corpus", ["--output_dir", "{dir}", "--num_utterances", "0"], "--num_utterances must be a positive integer, got 0"),
-    ("demo_corpus", ["--output_dir", "{dir}", "--festival_share", "1.5"], "--festival_share must be between 0 and 1, got 1.5"),
+    (
+        "demo_corpus",
+        ["--output_dir", "{dir}", "--num_utterances", "0"],
+        "--num_utterances must be a positive integer, got 0",
+    ),
+    (
+        "demo_corpus",
+        ["--output_dir", "{dir}", "--festival_share", "1.5"],
+        "--festival_share must be between 0 and 1, got 1.5",
+    ),
 ]
 
 
-@pytest.mark.parametrize("tool,argv,message", OTHER_BAD_VALUES, ids=[f"{t} {' '.join(a)}" for t, a, _ in OTHER_BAD_VALUES])
+@pytest.mark.parametrize(
+    "tool,argv,message",
+    OTHER_BAD_VALUES,
+    ids=[f"{t} {' '.join(a)}" for t, a, _ in OTHER_BAD_VALUES],
+)
 def test_every_tool_says_a_bad_value_in_one_line_with_exit_2(tool, argv, message, tmp_path, capsys):
     ckpt, manifest = tmp_path / "c.pt", tmp_path / "m.jsonl"
     ckpt.write_bytes(b"not read: the flags are checked first")
@@ -222,7 +406,9 @@ def test_validate_on_a_csv_says_what_a_manifest_is_once(tmp_path, capsys):
     from konkanivani.data.tokenizer import train_tokenizer
 
     csv = tmp_path / "data.csv"
-    csv.write_text("audio_filepath,text\n" + "".join(f"wavs/{i}.wav,हांव घरा वता {i}\n" for i in range(120)))
+    csv.write_text(
+        "audio_filepath,text\n" + "".join(f"wavs/{i}.wav,हांव घरा वता {i}\n" for i in range(120))
+    )
     tokenizer = tmp_path / "t.model"
     train_tokenizer(["हांव घरा वता", "तूं कितें करता"] * 20, 30, "char").save(tokenizer)
     for extra in ([], ["--tokenizer", str(tokenizer)]):
@@ -269,9 +455,12 @@ def test_the_flags_page_lists_every_flag_and_which_are_required():
 
     flags = (ROOT / "docs" / "flags.md").read_text(encoding="utf-8")
     table = flags.split("## konkanivani-train\n")[1].split("\n## ")[0]
-    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `--(\w+)`[^|]*\| ([^|]+) \|", table, re.M)}
-    fields = [f for f in dataclasses.fields(TrainConfig)] + [f for f in dataclasses.fields(ModelConfig)
-                                                            if f.name != "vocab_size"]
+    rows = {
+        m.group(1): m.group(2) for m in re.finditer(r"^\| `--(\w+)`[^|]*\| ([^|]+) \|", table, re.M)
+    }
+    fields = [f for f in dataclasses.fields(TrainConfig)] + [
+        f for f in dataclasses.fields(ModelConfig) if f.name != "vocab_size"
+    ]
     assert set(rows) == {f.name for f in fields} | {"config"}
     assert {name for name, default in rows.items() if default == "required"} == {"valid_manifest"}
     assert "(required, or --train_shards)" in table.split("`--train_manifest`")[1].split("\n")[0]
@@ -282,7 +471,9 @@ def test_the_old_spelling_of_the_decoding_ctc_weight_still_works_and_says_so_onc
 
     (tmp_path / "m.pt").write_bytes(b"")
     with pytest.raises(SystemExit):  # refused after the flags are read: the note came first, once
-        transcribe.main([str(tmp_path / "m.pt"), "a.wav", "--ctc_weight", "0.5", "--ctc_weight", "2"])
+        transcribe.main(
+            [str(tmp_path / "m.pt"), "a.wav", "--ctc_weight", "0.5", "--ctc_weight", "2"]
+        )
     err = capsys.readouterr().err
     assert err.count("--ctc_weight is now spelled --decode_ctc_weight") == 1
     assert "--decode_ctc_weight must be in [0, 1], got 2.0" in err
@@ -295,10 +486,14 @@ def test_old_spellings_still_work_and_say_so_once(tmp_path, capsys):
 
     (tmp_path / "clips").mkdir()
     with pytest.raises(SystemExit):  # refused after the folder was read: no audio in clips/
-        prepare.main(["folder", str(tmp_path / "clips"), str(tmp_path / "out"), "--max_duration", "0"])
+        prepare.main(
+            ["folder", str(tmp_path / "clips"), str(tmp_path / "out"), "--max_duration", "0"]
+        )
     assert capsys.readouterr().err.count(f"now given as --output_dir {tmp_path / 'out'}") == 1
     args = train.parse_args(["--train_manifest", "t", "--valid_manifest", "v", "--no-spec_augment",
                              "--no-spec_augment", "--no_progress"])
     assert args.spec_augment is False and args.progress is False
     assert capsys.readouterr().err.count("--no-spec_augment is now spelled --no_spec_augment") == 1
-    assert train.parse_args(["--train_manifest", "t", "--valid_manifest", "v", "--spec_augment"]).spec_augment
+    assert train.parse_args(
+        ["--train_manifest", "t", "--valid_manifest", "v", "--spec_augment"]
+    ).spec_augment

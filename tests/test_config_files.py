@@ -47,13 +47,28 @@ def _manifests(tmp_path):
 
 
 def test_every_flag_has_one_section_and_every_section_its_fields():
-    flags = {f.name for f in dataclasses.fields(TrainConfig)} | {f.name for f in dataclasses.fields(ModelConfig)}
-    assert set(SECTION_OF) == flags  # ModelConfig.vocab_size shares its name with the data section's
+    flags = {f.name for f in dataclasses.fields(TrainConfig)} | {
+        f.name for f in dataclasses.fields(ModelConfig)
+    }
+    # ModelConfig.vocab_size shares its name with the data section's
+    assert set(SECTION_OF) == flags
     assert set(SECTION_OF.values()) == set(SECTIONS)
     assert {SECTION_OF[k] for k in ("preset", "d_model", "subsampling")} == {"model"}
-    assert {SECTION_OF[k] for k in ("train_manifest", "tokenizer", "vocab_size", "num_workers", "max_duration",
-                                    "batch_size", "max_batch_frames")} == {"data"}
-    assert {SECTION_OF[k] for k in ("lr", "epochs", "gradient_accumulation_steps", "output_dir")} == {"training"}
+    assert {
+        SECTION_OF[k]
+        for k in (
+            "train_manifest",
+            "tokenizer",
+            "vocab_size",
+            "num_workers",
+            "max_duration",
+            "batch_size",
+            "max_batch_frames",
+        )
+    } == {"data"}
+    assert {
+        SECTION_OF[k] for k in ("lr", "epochs", "gradient_accumulation_steps", "output_dir")
+    } == {"training"}
     assert {SECTION_OF[k] for k in ("init_from", "init_modules", "keep_init_cmvn")} == {"init"}
 
 
@@ -65,7 +80,8 @@ def test_the_three_recipes_are_shipped():
 def test_every_shipped_config_loads_and_resolves_to_valid_configs(path, tmp_path):
     values = load_config_file(path)
     assert values and set(values) <= set(SECTION_OF)
-    assert {"preset", "train_manifest", "valid_manifest", "output_dir"} <= set(values)  # a whole recipe alone
+    # a whole recipe alone
+    assert {"preset", "train_manifest", "valid_manifest", "output_dir"} <= set(values)
     args = cli.parse_args(["--config", str(path), *_manifests(tmp_path)])
     cfg = dataclass_from_args(TrainConfig, args)
     check_config(cfg)
@@ -79,33 +95,109 @@ def test_every_shipped_config_loads_and_resolves_to_valid_configs(path, tmp_path
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_every_shipped_config_trains_a_step_of_the_tiny_model(path, tiny_corpus, tmp_path):
     out = tmp_path / "run"
-    assert cli.main(["--config", str(path), "--train_manifest", str(tiny_corpus / "train.jsonl"), "--valid_manifest",
-                     str(tiny_corpus / "valid.jsonl"), "--output_dir", str(out), "--preset", "tiny", "--max_steps", "1",
-                     "--num_workers", "0", "--device", "cpu", "--no_progress"]) == 0
+    assert (
+        cli.main(
+            [
+                "--config",
+                str(path),
+                "--train_manifest",
+                str(tiny_corpus / "train.jsonl"),
+                "--valid_manifest",
+                str(tiny_corpus / "valid.jsonl"),
+                "--output_dir",
+                str(out),
+                "--preset",
+                "tiny",
+                "--max_steps",
+                "1",
+                "--num_workers",
+                "0",
+                "--device",
+                "cpu",
+                "--no_progress",
+            ]
+        )
+        == 0
+    )
     assert load_config_file(out / "config.yaml")["max_steps"] == 1
 
 
 def test_t4_config_is_the_recipe_the_script_passed_as_flags():
     """The flags run_training_memory_optimized.sh gave before it used configs/t4.yaml, and
     --gpu_memory_gb 15, which changes nothing on a CPU."""
-    script_flags = ["--preset", "medium", "--d_model", "192", "--encoder_layers", "8", "--decoder_layers", "4",
-                    "--tokenizer_type", "char", "--batch_size", "2", "--gradient_accumulation_steps", "4",
-                    "--mixed_precision", "--empty_cache_every", "50", "--num_workers", "2",
-                    "--validate_every_steps", "200", "--seed", "1234",  # the default seed then
-                    "--gpu_memory_gb", "15"]  # since: batches that fill a GPU's 15 GB (no effect on a CPU)
+    script_flags = [
+        "--preset",
+        "medium",
+        "--d_model",
+        "192",
+        "--encoder_layers",
+        "8",
+        "--decoder_layers",
+        "4",
+        "--tokenizer_type",
+        "char",
+        "--batch_size",
+        "2",
+        "--gradient_accumulation_steps",
+        "4",
+        "--mixed_precision",
+        "--empty_cache_every",
+        "50",
+        "--num_workers",
+        "2",
+        "--validate_every_steps",
+        "200",
+        "--seed",
+        "1234",  # the default seed then
+        # since: batches that fill a GPU's 15 GB (no effect on a CPU)
+        "--gpu_memory_gb",
+        "15",
+    ]
     given = ["--train_manifest", "t.jsonl", "--valid_manifest", "v.jsonl", "--output_dir", "out"]
-    assert _resolve([*given, *script_flags]) == _resolve(["--config", str(ROOT / "configs" / "t4.yaml"), *given])
+    assert _resolve([*given, *script_flags]) == _resolve(
+        ["--config", str(ROOT / "configs" / "t4.yaml"), *given]
+    )
     assert "--config configs/t4.yaml" in (ROOT / "run_training_memory_optimized.sh").read_text()
 
 
 def test_cpu_small_config_is_the_learning_curve_recipe():
-    """The trainer flags the learning-curve benchmark used (the curves of docs/results.md) before it read the file."""
+    """The trainer flags the learning-curve benchmark used (the curves of docs/results.md) before it
+    read the file."""
     from benchmark_modules import load
 
-    recipe = ["--preset", "small", "--tokenizer_type", "char", "--batch_size", "16", "--lr", "2e-3", "--warmup_steps",
-              "200", "--epochs", "1000", "--mixed_precision", "--num_workers", "1", "--keep_checkpoints", "10",
-              "--no_progress", "--log_every", "20", "--validate_every_steps", "500", "--ema_decay", "0.998",
-              "--subsampling_channels", "32", "--cmvn", "utterance", "--seed", "1234"]  # the default seed then
+    recipe = [
+        "--preset",
+        "small",
+        "--tokenizer_type",
+        "char",
+        "--batch_size",
+        "16",
+        "--lr",
+        "2e-3",
+        "--warmup_steps",
+        "200",
+        "--epochs",
+        "1000",
+        "--mixed_precision",
+        "--num_workers",
+        "1",
+        "--keep_checkpoints",
+        "10",
+        "--no_progress",
+        "--log_every",
+        "20",
+        "--validate_every_steps",
+        "500",
+        "--ema_decay",
+        "0.998",
+        # the default seed then
+        "--subsampling_channels",
+        "32",
+        "--cmvn",
+        "utterance",
+        "--seed",
+        "1234",
+    ]
     given = ["--train_manifest", "t.jsonl", "--valid_manifest", "v.jsonl", "--output_dir", "out"]
     assert _resolve([*given, *recipe]) == _resolve([*given, *load("learning_curve").RECIPE])
 
@@ -134,9 +226,22 @@ def test_flags_override_the_file_and_model_fields_the_preset(tmp_path):
                             "training:\n  lr: 2e-3\n  mixed_precision: true\n")
     cfg, model_cfg = _resolve(["--config", str(path), *_manifests(tmp_path)])
     assert (cfg.preset, model_cfg.d_model, model_cfg.encoder_layers) == ("small", 96, 6)
-    assert (cfg.batch_size, cfg.lr, cfg.mixed_precision) == (3, 2e-3, True)  # 2e-3: a string to YAML, a float here
-    cfg, model_cfg = _resolve(["--config", str(path), *_manifests(tmp_path), "--batch_size", "5", "--d_model", "64",
-                               "--no_mixed_precision", "--preset", "tiny"])
+    # 2e-3: a string to YAML, a float here
+    assert (cfg.batch_size, cfg.lr, cfg.mixed_precision) == (3, 2e-3, True)
+    cfg, model_cfg = _resolve(
+        [
+            "--config",
+            str(path),
+            *_manifests(tmp_path),
+            "--batch_size",
+            "5",
+            "--d_model",
+            "64",
+            "--no_mixed_precision",
+            "--preset",
+            "tiny",
+        ]
+    )
     assert (cfg.preset, model_cfg.d_model, model_cfg.encoder_layers) == ("tiny", 64, 2)
     assert (cfg.batch_size, cfg.lr, cfg.mixed_precision) == (5, 2e-3, False)
 
@@ -146,16 +251,27 @@ def test_required_manifests_may_come_from_the_file(tmp_path, capsys):
     args = cli.parse_args(["--config", str(path)])
     assert (args.train_manifest, args.valid_manifest) == ("t.jsonl", "v.jsonl")
     with pytest.raises(SystemExit):
-        cli.parse_args(["--config", str(_write(tmp_path, "data:\n  train_manifest: t.jsonl\n", "y.yaml"))])
+        cli.parse_args(
+            ["--config", str(_write(tmp_path, "data:\n  train_manifest: t.jsonl\n", "y.yaml"))]
+        )
     assert "the following arguments are required: --valid_manifest" in capsys.readouterr().err
 
 
 BAD_FILES = [
     ("training:\n  lerning_rate: 0.1\n", "unknown key training.lerning_rate (did you mean lr?)"),
     ("data:\n  batchsize: 4\n", "unknown key data.batchsize (did you mean batch_size?)"),
-    ("training:\n  batchsize: 4\n", "unknown key training.batchsize (did you mean data.batch_size?)"),
-    ("training:\n  zzzz: 4\n", "unknown key training.zzzz (not a field of TrainConfig or ModelConfig"),
-    ("training:\n  batch_size: 4\n", "training.batch_size belongs in the data section (data.batch_size)"),
+    (
+        "training:\n  batchsize: 4\n",
+        "unknown key training.batchsize (did you mean data.batch_size?)",
+    ),
+    (
+        "training:\n  zzzz: 4\n",
+        "unknown key training.zzzz (not a field of TrainConfig or ModelConfig",
+    ),
+    (
+        "training:\n  batch_size: 4\n",
+        "training.batch_size belongs in the data section (data.batch_size)",
+    ),
     ("data:\n  d_model: 96\n", "data.d_model belongs in the model section (model.d_model)"),
     ("training:\n  preset: tiny\n", "training.preset belongs in the model section (model.preset)"),
     ("lr: 0.1\n", "key lr outside a section (it belongs in training:)"),
@@ -168,8 +284,10 @@ BAD_FILES = [
     ("training:\n  lr:\n", "training.lr has no value"),
     ("training: [lr]\n", "section training must be a mapping"),
     ("- lr\n", "a config is a mapping of the sections model, init, data, training"),
-    ("training:\n  init_from: x.pt\n",
-     "training.init_from belongs in the init section (init.init_from)"),
+    (
+        "training:\n  init_from: x.pt\n",
+        "training.init_from belongs in the init section (init.init_from)",
+    ),
     ("data:\n  keep_init_cmvn: true\n", "data.keep_init_cmvn belongs in the init section"),
     ("training:\n  lr: [1\n", "not valid YAML ("),
 ]
@@ -193,11 +311,15 @@ def test_a_missing_config_file_is_named(tmp_path, caplog):
 
 def test_an_empty_file_changes_nothing(tmp_path):
     given = _manifests(tmp_path)
-    assert _resolve(["--config", str(_write(tmp_path, "# nothing yet\nmodel:\n")), *given]) == _resolve(given)
+    assert _resolve(
+        ["--config", str(_write(tmp_path, "# nothing yet\nmodel:\n")), *given]
+    ) == _resolve(given)
 
 
 def test_resolved_config_has_every_value_but_how_the_command_started():
-    cfg, model_cfg = TrainConfig(train_manifest="t", valid_manifest="v"), model_config_from_preset("tiny", vocab_size=9)
+    cfg, model_cfg = TrainConfig(train_manifest="t", valid_manifest="v"), model_config_from_preset(
+        "tiny", vocab_size=9
+    )
     sections = resolved_config(cfg, model_cfg)
     assert list(sections) == list(SECTIONS)
     written = {k: v for section in sections.values() for k, v in section.items()}
@@ -208,7 +330,16 @@ def test_resolved_config_has_every_value_but_how_the_command_started():
 
 def _train_rows(out):
     """The rows of metrics.jsonl without the machine's figures (speed, data wait, memory)."""
-    machine = ("utt_per_s", "data_wait", "rss_gb", "peak_rss_gb", "mem_gb", "peak_gb", "reserved_gb", "elapsed_s")
+    machine = (
+        "utt_per_s",
+        "data_wait",
+        "rss_gb",
+        "peak_rss_gb",
+        "mem_gb",
+        "peak_gb",
+        "reserved_gb",
+        "elapsed_s",
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if k not in machine} for r in rows]
 
@@ -218,7 +349,14 @@ def test_a_run_writes_its_config_and_the_file_runs_it_again(tiny_corpus, tmp_pat
     from tiny_args import tiny_args
 
     first, again = tmp_path / "first", tmp_path / "again"
-    assert cli.main(tiny_args(tiny_corpus, first, "--max_steps", "2", "--ctc_weight", "0.5", "--d_model", "32")) == 0
+    assert (
+        cli.main(
+            tiny_args(
+                tiny_corpus, first, "--max_steps", "2", "--ctc_weight", "0.5", "--d_model", "32"
+            )
+        )
+        == 0
+    )
     written = yaml.safe_load((first / "config.yaml").read_text())
     assert list(written) == list(SECTIONS)
     assert written["model"]["preset"] == "tiny" and written["model"]["d_model"] == 32
@@ -232,8 +370,21 @@ def test_a_run_writes_its_config_and_the_file_runs_it_again(tiny_corpus, tmp_pat
 
     # Resumed, it is written again with the values the run goes on with (the batch size the
     # checkpoint keeps, not the flag's).
-    assert cli.main(["--config", str(first / "config.yaml"), "--resume", "latest", "--max_steps", "3",
-                     "--batch_size", "8"]) == 0
+    assert (
+        cli.main(
+            [
+                "--config",
+                str(first / "config.yaml"),
+                "--resume",
+                "latest",
+                "--max_steps",
+                "3",
+                "--batch_size",
+                "8",
+            ]
+        )
+        == 0
+    )
     text = (first / "config.yaml").read_text()
     assert "at step 2" in text.splitlines()[0]
     resumed = yaml.safe_load(text)

@@ -28,8 +28,12 @@ def _wav(path, seconds=1.0, sr=16000):
 
 
 def _manifest(path, rows):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n" for r in rows),
-                    encoding="utf-8")
+    path.write_text(
+        "".join(
+            (r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n" for r in rows
+        ),
+        encoding="utf-8",
+    )
     return path
 
 
@@ -60,13 +64,17 @@ def test_bad_rows_are_skipped_named_and_counted(tmp_path, tokenizer, caplog):
 def test_missing_manifest_and_non_json_lines_are_clear_errors(tmp_path):
     with pytest.raises(ManifestError, match="does not exist"):
         read_manifest(tmp_path / "nope.jsonl")
-    bad = _manifest(tmp_path / "bad.jsonl", [{"audio_filepath": "a.wav", "text": "x"}, "audio_filepath,text"])
+    bad = _manifest(
+        tmp_path / "bad.jsonl", [{"audio_filepath": "a.wav", "text": "x"}, "audio_filepath,text"]
+    )
     with pytest.raises(ManifestError, match=rf"{bad}:2: not a JSON line"):
         read_manifest(bad)
     (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
     with pytest.raises(ManifestError, match="latin1.jsonl:1"):
         read_manifest(tmp_path / "latin1.jsonl")
-    (tmp_path / "bom.jsonl").write_bytes('\ufeff{"audio_filepath": "a.wav", "text": "x"}\n'.encode())
+    (tmp_path / "bom.jsonl").write_bytes(
+        '\ufeff{"audio_filepath": "a.wav", "text": "x"}\n'.encode()
+    )
     assert read_manifest(tmp_path / "bom.jsonl") == [(1, {"audio_filepath": "a.wav", "text": "x"})]
     _manifest(tmp_path / "list.jsonl", ["[1, 2]"])
     with pytest.raises(ManifestError, match="expected a JSON object"):
@@ -79,9 +87,11 @@ def test_dataset_features_and_collate(tmp_path, tokenizer):
     utts, _ = load_utterances(_manifest(tmp_path / "m.jsonl", rows), tokenizer)
     ds = ASRDataset(utts)
     ex = ds[1]
-    assert ex.audio.shape == (16000,) and math.isnan(ex.vtlp)  # the waveform: the step makes its features
+    # the waveform: the step makes its features
+    assert ex.audio.shape == (16000,) and math.isnan(ex.vtlp)
     assert ex.tokens.tolist() == tokenizer.encode(TEXTS[1])
-    batch = collate([ds[0], Unreadable(2), ds[3]])  # a file that failed to load is left out, and named
+    # a file that failed to load is left out, and named
+    batch = collate([ds[0], Unreadable(2), ds[3]])
     assert batch.audio.shape == (2, 32000) and batch.audio_lens.tolist() == [8000, 32000]
     feats, frames = batch.features(LogMel())
     assert feats.shape == (2, 1 + 32000 // 160, 80) and torch.isfinite(feats).all()
@@ -128,8 +138,10 @@ def test_sharded_samplers_split_the_epoch_disjointly_in_equal_counts():
     whole.set_epoch(3)
     everything = whole.epoch_batches()  # 26 batches: 2 shards of 13, 3 of 8 (2 dropped)
     for world in (2, 3):
-        shards = [ShardedSampler(LengthGroupedBatchSampler(durations, batch_size=4, seed=7), r, world)
-                  for r in range(world)]
+        shards = [
+            ShardedSampler(LengthGroupedBatchSampler(durations, batch_size=4, seed=7), r, world)
+            for r in range(world)
+        ]
         for s in shards:
             s.set_epoch(3)
         got = [list(s) for s in shards]
@@ -138,7 +150,9 @@ def test_sharded_samplers_split_the_epoch_disjointly_in_equal_counts():
         assert len(set(flat)) == len(flat) and set(flat) <= {tuple(b) for b in everything}
         # Batch k of every shard comes from the same stretch of the global order: one optimizer
         # step of the data-parallel run trains on what one process would train on in a row.
-        assert [got[r][k] for k in range(len(got[0])) for r in range(world)] == everything[:len(flat)]
+        assert [got[r][k] for k in range(len(got[0])) for r in range(world)] == everything[
+            : len(flat)
+        ]
         shards[0].set_epoch(3, start=5)  # a mid-epoch resume skips this shard's first batches
         assert list(shards[0]) == got[0][5:] and len(shards[0]) == len(got[0]) - 5
 
@@ -154,15 +168,24 @@ def test_row_checks_duration_unknown_characters_and_strict_audio(tmp_path, token
     sf.write(tmp_path / "b.wav", np.stack([np.sin(t * 900), np.cos(t * 900)], axis=1) * 0.3, 8000)
 
     def check(text=TEXTS[0], audio="a.wav", **kwargs):
-        row = {"audio_filepath": audio, "text": text, **{k: v for k, v in kwargs.items() if k == "duration"}}
-        return check_row(row, tmp_path, tokenizer, **{k: v for k, v in kwargs.items() if k != "duration"})
+        row = {
+            "audio_filepath": audio,
+            "text": text,
+            **{k: v for k, v in kwargs.items() if k == "duration"},
+        }
+        return check_row(
+            row, tmp_path, tokenizer, **{k: v for k, v in kwargs.items() if k != "duration"}
+        )
 
     good = check(duration=1.2)
     assert good.error is None and good.duration == 1.0 and good.tokens == tokenizer.encode(TEXTS[0])
     assert check(duration=1.6).error[0] == "duration mismatch"
     assert check(duration=1.6, duration_tolerance=-1).error is None
     assert check(duration="1.0").error == ("duration not a number", "'1.0'")
-    assert check(text="हांव ø घरा").error == ("characters the tokenizer cannot encode", "'ø' U+00F8")
+    assert check(text="हांव ø घरा").error == (
+        "characters the tokenizer cannot encode",
+        "'ø' U+00F8",
+    )
     converted = check(audio="b.wav")
     assert converted.error is None and converted.duration == 1.0
     assert [reason for reason, _ in converted.warnings] == ["not 16 kHz", "not mono"]

@@ -21,11 +21,18 @@ import soundfile as sf
 
 from konkanivani.cli import prepare as prepare_cli
 from konkanivani.data.manifest import read_manifest, resolve_audio_path
-from konkanivani.tools import prepare as prepare_module
-from konkanivani.tools.outputs import child, safe_name
+from konkanivani.datatools import importers as prepare_module
+from konkanivani.datatools.outputs import child, safe_name
 
 SR = 16000
-TEXTS = ["हांव घरा वता", "तूं कितें करता", "आमी पणजेक गेलें", "ताणें जेवण केलें", "तो शाळेंत वता", "ती गावांत रावता"]
+TEXTS = [
+    "हांव घरा वता",
+    "तूं कितें करता",
+    "आमी पणजेक गेलें",
+    "ताणें जेवण केलें",
+    "तो शाळेंत वता",
+    "ती गावांत रावता",
+]
 
 
 def _noise(seed, seconds=1.0):
@@ -49,12 +56,20 @@ def _rows(manifest):
 
 def _audio_by_text(manifest):
     """text -> the samples of the file that the row names."""
-    return {r["text"]: _read(resolve_audio_path(r["audio_filepath"], manifest.parent)) for r in _rows(manifest)}
+    return {
+        r["text"]: _read(resolve_audio_path(r["audio_filepath"], manifest.parent))
+        for r in _rows(manifest)
+    }
 
 
 def _output_dir_flag(argv):
-    """SOURCE SOURCE_DIR OUT_DIR ... as the tool spells it: SOURCE SOURCE_DIR --output_dir OUT_DIR ..."""
-    return [*argv[:2], "--output_dir", *argv[2:]] if len(argv) > 2 and not argv[2].startswith("-") else argv
+    """SOURCE SOURCE_DIR OUT_DIR ... as the tool spells it: SOURCE SOURCE_DIR --output_dir OUT_DIR
+    ..."""
+    return (
+        [*argv[:2], "--output_dir", *argv[2:]]
+        if len(argv) > 2 and not argv[2].startswith("-")
+        else argv
+    )
 
 
 def _run(capsys, *argv):
@@ -73,11 +88,32 @@ def _files(folder):
 # --- names ------------------------------------------------------------------------------------
 
 def test_safe_names_are_plain_and_never_shared():
-    keys = ["a_b", "a/b", "a\\b", ".", "..", "../x", "/abs/x", ".hidden", "a b", "क/ख", "x" * 300, "", "-", "ok.1"]
+    keys = [
+        "a_b",
+        "a/b",
+        "a\\b",
+        ".",
+        "..",
+        "../x",
+        "/abs/x",
+        ".hidden",
+        "a b",
+        "क/ख",
+        "x" * 300,
+        "",
+        "-",
+        "ok.1",
+    ]
     names = [safe_name(k) for k in keys]
     assert len(set(names)) == len(keys)
     for name in names:
-        assert name and "/" not in name and "\\" not in name and not name.startswith(".") and len(name) <= 120
+        assert (
+            name
+            and "/" not in name
+            and "\\" not in name
+            and not name.startswith(".")
+            and len(name) <= 120
+        )
     assert safe_name("a_b") == "a_b" and safe_name("common_voice_kok_0") == "common_voice_kok_0"
 
 
@@ -91,17 +127,21 @@ def test_a_chosen_name_that_would_leave_its_folder_is_refused(tmp_path, name):
 
 def _kaldi(folder, recordings, segments, texts):
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "wav.scp").write_text("".join(f"{r} {p}\n" for r, p in recordings.items()), encoding="utf-8")
+    (folder / "wav.scp").write_text(
+        "".join(f"{r} {p}\n" for r, p in recordings.items()), encoding="utf-8"
+    )
     if segments is not None:
-        (folder / "segments").write_text("".join(f"{u} {r} {s} {e}\n" for u, (r, s, e) in segments.items()),
-                                         encoding="utf-8")
+        (folder / "segments").write_text(
+            "".join(f"{u} {r} {s} {e}\n" for u, (r, s, e) in segments.items()), encoding="utf-8"
+        )
     (folder / "text").write_text("".join(f"{u} {t}\n" for u, t in texts.items()), encoding="utf-8")
     return folder
 
 
 def test_kaldi_ids_that_collide_or_climb_out_each_get_their_own_segment(tmp_path, capsys):
     """Ids a/b and a_b used to share wavs/a_b.wav (the second clip, both rows); '.' and '..' stopped
-    every row; '../x' became a hidden file. Now each row's file holds its own segment, inside wavs/."""
+    every row; '../x' became a hidden file. Now each row's file holds its own segment, inside wavs/.
+    """
     rec = _noise(1, seconds=6.0)
     source = _write(tmp_path / "rec.wav", rec)
     ids = ["a/b", "a_b", ".", "..", "../up", "/abs"]
@@ -116,7 +156,8 @@ def test_kaldi_ids_that_collide_or_climb_out_each_get_their_own_segment(tmp_path
         assert np.array_equal(got[text], rec[i * SR: i * SR + int(0.9 * SR)]), text
     written = _files(out / "wavs")
     assert len(written) == len(ids) and not any(Path(w).name.startswith(".") for w in written)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "out", "rec.wav"]  # nothing outside out/
+    # nothing outside out/
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "out", "rec.wav"]
 
 
 def test_kaldi_into_its_own_data_directory_is_refused(tmp_path, capsys):
@@ -125,7 +166,11 @@ def test_kaldi_into_its_own_data_directory_is_refused(tmp_path, capsys):
     before = _files(data)
     for out in (data, tmp_path):  # the folder itself, and one that contains it
         status, printed = _run(capsys, "kaldi", data, out, "--convert", "wav")
-        assert status == 2 and "never writes into its own input" in printed and "Traceback" not in printed
+        assert (
+            status == 2
+            and "never writes into its own input" in printed
+            and "Traceback" not in printed
+        )
         assert len(printed.strip().splitlines()) == 1, printed
     assert _files(data) == before
 
@@ -144,11 +189,17 @@ def test_folder_files_whose_flattened_names_collide_stay_apart(tmp_path, capsys)
     got = _audio_by_text(out / "train.jsonl")
     for i, name in enumerate(["a/b", "a_b", "a b", "x/.y"]):
         assert np.array_equal(got[TEXTS[i]], _read(clips / f"{name}.wav")), name
-    assert all(resolve_audio_path(r["audio_filepath"], out).resolve().is_relative_to(out.resolve() / "wavs")
-               for r in _rows(out / "train.jsonl"))
+    assert all(
+        resolve_audio_path(r["audio_filepath"], out)
+        .resolve()
+        .is_relative_to(out.resolve() / "wavs")
+        for r in _rows(out / "train.jsonl")
+    )
 
 
-def test_folder_two_sources_that_would_still_share_a_file_are_both_refused_by_name(tmp_path, capsys):
+def test_folder_two_sources_that_would_still_share_a_file_are_both_refused_by_name(
+    tmp_path, capsys
+):
     clips = tmp_path / "clips"
     _write(clips / "x.wav", _noise(20))
     sf.write(str(clips / "x.flac"), _noise(21), SR)
@@ -164,7 +215,9 @@ def test_folder_two_sources_that_would_still_share_a_file_are_both_refused_by_na
 
 
 @pytest.mark.parametrize("split_name", ["../escaped", "/tmp/abs", "..", "a/b", ".hidden"])
-def test_a_split_name_cannot_place_the_manifest_outside_the_output_folder(tmp_path, capsys, split_name):
+def test_a_split_name_cannot_place_the_manifest_outside_the_output_folder(
+    tmp_path, capsys, split_name
+):
     clips = tmp_path / "clips"
     _write(clips / "a.wav", _noise(30))
     (clips / "a.txt").write_text(TEXTS[0], encoding="utf-8")
@@ -189,14 +242,21 @@ CV_HEADER = "client_id\tpath\tsentence\n"
 
 def _cv(folder, rows):
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "train.tsv").write_text(CV_HEADER + "".join(f"spk\t{p}\t{t}\n" for p, t in rows), encoding="utf-8")
+    (folder / "train.tsv").write_text(
+        CV_HEADER + "".join(f"spk\t{p}\t{t}\n" for p, t in rows), encoding="utf-8"
+    )
     return folder
 
 
-def test_commonvoice_convert_into_the_release_itself_is_refused_and_the_clips_stay(tmp_path, capsys):
-    """`prepare commonvoice X X --convert wav` with .wav clips resampled X/clips/*.wav over the originals."""
+def test_commonvoice_convert_into_the_release_itself_is_refused_and_the_clips_stay(
+    tmp_path, capsys
+):
+    """`prepare commonvoice X X --convert wav` with .wav clips resampled X/clips/*.wav over the
+    originals."""
     if "MP3" not in sf.available_formats():
-        pytest.skip("this libsndfile cannot read MP3, so the Common Voice importer refuses to start")
+        pytest.skip(
+            "this libsndfile cannot read MP3, so the Common Voice importer refuses to start"
+        )
     cv = _cv(tmp_path / "cv", [("a.wav", TEXTS[0])])
     clip = cv / "clips" / "a.wav"
     clip.parent.mkdir()
@@ -207,15 +267,20 @@ def test_commonvoice_convert_into_the_release_itself_is_refused_and_the_clips_st
     assert clip.read_bytes() == original and not (cv / "train.jsonl").exists()
 
 
-def test_commonvoice_clip_paths_that_collide_or_leave_clips_are_kept_apart_or_skipped(tmp_path, capsys):
+def test_commonvoice_clip_paths_that_collide_or_leave_clips_are_kept_apart_or_skipped(
+    tmp_path, capsys
+):
     if "MP3" not in sf.available_formats():
-        pytest.skip("this libsndfile cannot read MP3, so the Common Voice importer refuses to start")
+        pytest.skip(
+            "this libsndfile cannot read MP3, so the Common Voice importer refuses to start"
+        )
     cv = tmp_path / "cv"
     for i, name in enumerate(["a/c.wav", "a_c.wav", "a_c.flac"]):
         (cv / "clips" / name).parent.mkdir(parents=True, exist_ok=True)
         sf.write(str(cv / "clips" / name), _noise(50 + i), SR, subtype="PCM_16")
     _write(tmp_path / "outside.wav", _noise(59))
-    _cv(cv, [("a/c.wav", TEXTS[0]), ("a_c.wav", TEXTS[1]), ("a_c.wav", TEXTS[2]),  # the same clip twice: one file
+    # the same clip twice: one file
+    _cv(cv, [("a/c.wav", TEXTS[0]), ("a_c.wav", TEXTS[1]), ("a_c.wav", TEXTS[2]),
              ("../../outside.wav", TEXTS[3]), (str(tmp_path / "outside.wav"), TEXTS[4])])
     out = tmp_path / "out"
     status, printed = _run(capsys, "commonvoice", cv, out, "--convert", "wav")
@@ -233,7 +298,9 @@ def test_commonvoice_clip_paths_that_collide_or_leave_clips_are_kept_apart_or_sk
 
 def test_hf_into_the_dataset_folder_is_refused(tmp_path, capsys):
     datasets = pytest.importorskip("datasets")
-    ds = datasets.Dataset.from_dict({"audio": [{"bytes": _encoded(_noise(60)), "path": None}], "sentence": [TEXTS[0]]})
+    ds = datasets.Dataset.from_dict(
+        {"audio": [{"bytes": _encoded(_noise(60)), "path": None}], "sentence": [TEXTS[0]]}
+    )
     ds.cast_column("audio", datasets.Audio(decode=False)).save_to_disk(str(tmp_path / "hf"))
     before = _files(tmp_path / "hf")
     status, printed = _run(capsys, "hf", tmp_path / "hf", tmp_path / "hf")
@@ -286,7 +353,9 @@ def _assert_manifest_matches(out, audio, texts):
         assert np.array_equal(got[text], audio[u]), u
 
 
-def test_prepare_interrupted_leaves_the_previous_result_whole_and_a_rerun_finishes(tmp_path, capsys, monkeypatch):
+def test_prepare_interrupted_leaves_the_previous_result_whole_and_a_rerun_finishes(
+    tmp_path, capsys, monkeypatch
+):
     data1, data2, old, new, texts = _two_generations(tmp_path)
     out = tmp_path / "out"
     assert _run(capsys, "kaldi", data1, out, "--convert", "wav")[0] == 0
@@ -329,15 +398,19 @@ def test_a_file_prepare_did_not_write_is_never_replaced(tmp_path, capsys):
     assert _run(capsys, "kaldi", data1, out, "--convert", "wav")[0] == 0  # beside it: fine
     _assert_manifest_matches(out, old, texts)
     assert (out / "wavs" / "mine.wav").read_bytes() == mine
-    (out / ".prepare.json").unlink()  # as if an older konkanivani had written wavs/u0.wav: not ours to replace
+    # as if an older konkanivani had written wavs/u0.wav: not ours to replace
+    (out / ".prepare.json").unlink()
     before = (out / "wavs" / "u0.wav").read_bytes()
     status, printed = _run(capsys, "kaldi", data1, out, "--convert", "wav")
     assert status == 2 and "was not written by konkanivani-prepare" in printed
-    assert (out / "wavs" / "u0.wav").read_bytes() == before and (out / "wavs" / "mine.wav").read_bytes() == mine
+    assert (out / "wavs" / "u0.wav").read_bytes() == before and (
+        out / "wavs" / "mine.wav"
+    ).read_bytes() == mine
 
 
 def test_splits_prepared_one_at_a_time_into_one_folder_keep_each_other(tmp_path, capsys):
-    """kaldi data/train then kaldi data/test into one OUT_DIR: the second run adds test.jsonl and its
+    """kaldi data/train then kaldi data/test into one OUT_DIR: the second run adds test.jsonl and
+    its
     audio and leaves train's; running train again replaces train's alone."""
     train = {f"tr{i}": _noise(600 + i) for i in range(3)}
     test = {f"te{i}": _noise(700 + i) for i in range(2)}
@@ -362,8 +435,7 @@ def test_splits_prepared_one_at_a_time_into_one_folder_keep_each_other(tmp_path,
 
 def test_a_kill_while_publishing_does_not_block_the_next_run(tmp_path, capsys, monkeypatch):
     """Ctrl-C between the renames of publishing: the next run starts clean and finishes."""
-    from konkanivani.tools import outputs
-
+    from konkanivani.datatools import outputs
     data1, data2, old, new, texts = _two_generations(tmp_path)
     out = tmp_path / "out"
     assert _run(capsys, "kaldi", data1, out, "--convert", "wav")[0] == 0
@@ -388,16 +460,44 @@ def test_a_kill_while_publishing_does_not_block_the_next_run(tmp_path, capsys, m
 def test_prepare_killed_by_a_real_ctrl_c_exits_130_without_a_traceback(tmp_path):
     data1, data2, old, new, texts = _two_generations(tmp_path, n=6)
     out = tmp_path / "out"
-    subprocess.run([sys.executable, "-m", "konkanivani.cli.prepare", "kaldi", str(data1), str(out), "--convert",
-                    "wav", "--no_progress"], check=True, capture_output=True)
-    many = {f"w{i}": _noise(400 + i, seconds=2.0) for i in range(400)}  # long enough to be caught in the middle
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "konkanivani.cli.prepare",
+            "kaldi",
+            str(data1),
+            str(out),
+            "--convert",
+            "wav",
+            "--no_progress",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    # long enough to be caught in the middle
+    many = {f"w{i}": _noise(400 + i, seconds=2.0) for i in range(400)}
     for u, samples in many.items():
         _write(tmp_path / "v3" / f"{u}.wav", samples)
     data3 = _kaldi(tmp_path / "d3", {u: tmp_path / "v3" / f"{u}.wav" for u in many}, None,
                    {u: f"{TEXTS[0]} {u}" for u in many})
-    proc = subprocess.Popen([sys.executable, "-m", "konkanivani.cli.prepare", "kaldi", str(data3), str(out),
-                             "--convert", "wav", "--no_progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "konkanivani.cli.prepare",
+            "kaldi",
+            str(data3),
+            str(out),
+            "--convert",
+            "wav",
+            "--no_progress",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     staged = out / ".prepare.partial" / "wavs"
     for _ in range(600):  # until it has written some files (bounded: 600 polls)
         if proc.poll() is not None or (staged.is_dir() and len(list(staged.iterdir())) >= 5):
@@ -433,9 +533,22 @@ def test_demo_corpus_killed_while_regenerating_keeps_the_old_corpus(tiny_corpus,
     shutil.copytree(tiny_corpus, corpus)
     before = _snapshot(corpus)
     info = json.loads((corpus / "corpus_info.json").read_text())
-    command = [sys.executable, "-m", "konkanivani.cli.demo_corpus", str(corpus), "--seed", "4", "--num_utterances",
-               str(info["num_utterances"]), "--max_sentences", str(info["max_sentences"]), "--jobs", "2",
-               "--festival_share", "0"]
+    command = [
+        sys.executable,
+        "-m",
+        "konkanivani.cli.demo_corpus",
+        str(corpus),
+        "--seed",
+        "4",
+        "--num_utterances",
+        str(info["num_utterances"]),
+        "--max_sentences",
+        str(info["max_sentences"]),
+        "--jobs",
+        "2",
+        "--festival_share",
+        "0",
+    ]
     for sig in (signal.SIGKILL, signal.SIGINT):
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=sig == signal.SIGKILL,
@@ -452,7 +565,8 @@ def test_demo_corpus_killed_while_regenerating_keeps_the_old_corpus(tiny_corpus,
             time.sleep(0.05)
         assert proc.poll() is None, "the corpus finished before it could be stopped"
         if sig == signal.SIGKILL:
-            os.killpg(proc.pid, signal.SIGKILL)  # the tool and its synthesis workers, as a kill -9 of the group
+            # the tool and its synthesis workers, as a kill -9 of the group
+            os.killpg(proc.pid, signal.SIGKILL)
         else:
             proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
@@ -465,7 +579,10 @@ def test_demo_corpus_killed_while_regenerating_keeps_the_old_corpus(tiny_corpus,
     assert not (corpus / ".demo_corpus.partial").exists()
     assert not [p for p in corpus.rglob(".*") if p.is_file() and p.name != "corpus_info.json"]
     fresh = tmp_path / "fresh"
-    assert subprocess.run([*command[:3], str(fresh), *command[4:]], capture_output=True).returncode == 0
+    assert (
+        subprocess.run([*command[:3], str(fresh), *command[4:]], capture_output=True).returncode
+        == 0
+    )
     assert _snapshot(corpus) == _snapshot(fresh) != before
 
 
@@ -475,7 +592,8 @@ def test_average_never_writes_over_a_checkpoint_it_reads_or_a_runs_own_names(tmp
     from konkanivani.checkpoint import save_checkpoint
     from konkanivani.cli import average
 
-    inputs = [save_checkpoint({"model": {}}, tmp_path / f"step_000000{n}.pt") for n in (1, 2)]  # a run's folder
+    # a run's folder
+    inputs = [save_checkpoint({"model": {}}, tmp_path / f"step_000000{n}.pt") for n in (1, 2)]
     before = [p.read_bytes() for p in inputs]
     for output in (inputs[0], tmp_path / "latest.pt", tmp_path / "step_0000100.pt"):
         status = average.main(["--inputs", *map(str, inputs), "--output", str(output)])
@@ -489,8 +607,12 @@ def test_validate_output_may_not_be_the_manifest_it_reads(tmp_path, capsys):
 
     _write(tmp_path / "a.wav", _noise(500))
     manifest = tmp_path / "m.jsonl"
-    manifest.write_text(json.dumps({"audio_filepath": "a.wav", "duration": 1.0, "text": TEXTS[0]}) + "\n"
-                        + "not json\n", encoding="utf-8")
+    manifest.write_text(
+        json.dumps({"audio_filepath": "a.wav", "duration": 1.0, "text": TEXTS[0]})
+        + "\n"
+        + "not json\n",
+        encoding="utf-8",
+    )
     before = manifest.read_bytes()
     with pytest.raises(SystemExit) as exit_:
         validate.main([str(manifest), "--output", str(manifest)])
@@ -499,17 +621,25 @@ def test_validate_output_may_not_be_the_manifest_it_reads(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("tool_name", ["transcribe", "evaluate"])
-def test_decoding_tools_never_write_their_results_over_the_manifest_they_read(tmp_path, capsys, tool_name):
+def test_decoding_tools_never_write_their_results_over_the_manifest_they_read(
+    tmp_path, capsys, tool_name
+):
     import importlib
 
     tool = importlib.import_module(f"konkanivani.cli.{tool_name}")
     (tmp_path / "model.pt").write_bytes(b"never loaded: the flags are refused first")
     manifest = tmp_path / "test.jsonl"
-    manifest.write_text(json.dumps({"audio_filepath": "a.wav", "duration": 1.0, "text": TEXTS[0]}) + "\n",
-                        encoding="utf-8")
+    manifest.write_text(
+        json.dumps({"audio_filepath": "a.wav", "duration": 1.0, "text": TEXTS[0]}) + "\n",
+        encoding="utf-8",
+    )
     before = manifest.read_bytes()
     with pytest.raises(SystemExit) as exit_:
         tool.main([str(tmp_path / "model.pt"), str(manifest), "--output", str(manifest)])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and "never rewrites its own input" in err and len(err.strip().splitlines()) == 1
+    assert (
+        exit_.value.code == 2
+        and "never rewrites its own input" in err
+        and len(err.strip().splitlines()) == 1
+    )
     assert manifest.read_bytes() == before

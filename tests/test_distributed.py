@@ -20,13 +20,31 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # two processes on two cores
 
 
 def _torchrun(args, **kwargs):
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             str(SCRIPT), *args], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, **kwargs)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(SCRIPT),
+            *args,
+        ],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kwargs,
+    )
 
 
 def _rows(out, kind="train"):
-    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+    return [
+        r
+        for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+        if r["kind"] == kind
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +67,13 @@ EXACT = ("--dropout", "0", "--no_spec_augment", "--max_steps", "6", "--save_ever
 
 
 def _one_process(tiny_corpus, out, tokenizer_path, *extra):
-    result = subprocess.run([sys.executable, str(SCRIPT), *_args(tiny_corpus, out, tokenizer_path, *extra)],
-                            env=ENV, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), *_args(tiny_corpus, out, tokenizer_path, *extra)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stderr
 
@@ -79,21 +102,41 @@ def test_two_gloo_processes_end_with_the_parameters_of_one_process_with_the_same
     """Batch 4 in each of 2 processes = batch 4 accumulated twice in one: the same utterances make
     each step (the shards interleave the same global batches)."""
     two = tmp_path / "two"
-    proc = _torchrun(_args(tiny_corpus, two, tokenizer_path, "--gradient_accumulation_steps", "1", "--strategy",
-                           strategy, *EXACT))
+    proc = _torchrun(
+        _args(
+            tiny_corpus,
+            two,
+            tokenizer_path,
+            "--gradient_accumulation_steps",
+            "1",
+            "--strategy",
+            strategy,
+            *EXACT,
+        )
+    )
     output = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, output[-3000:]
     assert "8 utterances per update (batch 4 x 1 accumulation steps x 2 processes)" in output
     assert f"2 processes, {strategy}" in output
     assert output.count("done: step 6") == 1  # rank 0 reports, rank 1 is quiet
-    assert len(load_checkpoint(two / "latest.pt")["rng"]) == 2  # each process's random state is kept
+    # each process's random state is kept
+    assert len(load_checkpoint(two / "latest.pt")["rng"]) == 2
     _assert_same_run(two, one_process, rtol=1e-5, atol=atol)
     assert _rows(two, "valid")[-1]["cer"] == pytest.approx(_rows(one_process, "valid")[-1]["cer"])
     if strategy == "fsdp":
-        # A sharded run's checkpoint is whole: one process resumes it (at the same place in the epoch).
+        # A sharded run's checkpoint is whole: one process resumes it (at the same place in the
+        # epoch).
         resumed = tmp_path / "resumed"
-        err = _one_process(tiny_corpus, resumed, tokenizer_path, "--gradient_accumulation_steps", "2", *EXACT,
-                           "--resume", str(two / "step_0000003.pt"))
+        err = _one_process(
+            tiny_corpus,
+            resumed,
+            tokenizer_path,
+            "--gradient_accumulation_steps",
+            "2",
+            *EXACT,
+            "--resume",
+            str(two / "step_0000003.pt"),
+        )
         assert "written by 2 processes, this run has 1" in err and "after 6 of its batches" in err
         rows = _rows(resumed)
         assert [r["step"] for r in rows] == [4, 5, 6]
@@ -101,7 +144,9 @@ def test_two_gloo_processes_end_with_the_parameters_of_one_process_with_the_same
             assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-4), (ra, rb)
 
 
-def test_sigterm_to_torchrun_saves_once_and_both_processes_resume_exactly(tiny_corpus, tokenizer_path, tmp_path):
+def test_sigterm_to_torchrun_saves_once_and_both_processes_resume_exactly(
+    tiny_corpus, tokenizer_path, tmp_path
+):
     """Dropout and SpecAugment on: the resumed run must restore each process's random state."""
     whole, split = tmp_path / "whole", tmp_path / "split"
     args = ("--gradient_accumulation_steps", "1", "--max_steps", "12")
@@ -134,13 +179,37 @@ def test_sigterm_to_torchrun_saves_once_and_both_processes_resume_exactly(tiny_c
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
 
 
-def test_one_failing_process_ends_the_run_instead_of_hanging_the_others(tiny_corpus, tokenizer_path, tmp_path):
+def test_one_failing_process_ends_the_run_instead_of_hanging_the_others(
+    tiny_corpus, tokenizer_path, tmp_path
+):
     out = tmp_path / "fails"
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             str(Path(__file__).parent / "fault_run.py"), "error_on_rank1_at_step", "3", "--",
-                             *_args(tiny_corpus, out, tokenizer_path, "--gradient_accumulation_steps", "1",
-                                    "--max_steps", "1000")],
-                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(Path(__file__).parent / "fault_run.py"),
+            "error_on_rank1_at_step",
+            "3",
+            "--",
+            *_args(
+                tiny_corpus,
+                out,
+                tokenizer_path,
+                "--gradient_accumulation_steps",
+                "1",
+                "--max_steps",
+                "1000",
+            ),
+        ],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     output = proc.communicate(timeout=300)[0]  # a hang would run into the timeout
     assert proc.returncode != 0
     assert "injected failure of rank 1" in output
@@ -165,11 +234,29 @@ if td.is_initialized():  # the caller's to destroy, as the block destroys its ow
 
 @pytest.mark.parametrize("owner", ["block", "caller"])
 def test_the_process_group_is_destroyed_by_whoever_made_it(owner, tmp_path):
-    """A process that leaves with gloo's threads running aborts at interpreter exit, failing the run."""
+    """A process that leaves with gloo's threads running aborts at interpreter exit, failing the
+    run."""
     script = tmp_path / "group.py"
     script.write_text(GROUP_SCRIPT)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(script), owner, str(tmp_path)], env=ENV, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(script),
+            owner,
+            str(tmp_path),
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank in (0, 1):
-        assert (tmp_path / f"rank{rank}.txt").read_text() == f"sum 3, group left {owner == 'caller'}"
+        assert (
+            tmp_path / f"rank{rank}.txt"
+        ).read_text() == f"sum 3, group left {owner == 'caller'}"

@@ -1,5 +1,6 @@
 """The documentation: docs/flags.md, and the limits table of docs/serving.md, are what
-docs/generate_flags.py writes from the dataclasses, the README stays short, and every relative link (and heading anchor) in the README, docs/ and the
+docs/generate_flags.py writes from the dataclasses, the README stays short, and every relative link
+(and heading anchor) in the README, docs/ and the
 benchmark results' READMEs points to something that exists."""
 from __future__ import annotations
 
@@ -11,11 +12,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 250
-PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "benchmarks" / "results").glob("*/README.md")])
+PAGES = sorted(
+    [
+        ROOT / "README.md",
+        *(ROOT / "docs").glob("*.md"),
+        *(ROOT / "benchmarks" / "results").glob("*/README.md"),
+    ]
+)
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("generate_flags", ROOT / "docs" / "generate_flags.py")
+    spec = importlib.util.spec_from_file_location(
+        "generate_flags", ROOT / "docs" / "generate_flags.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -43,7 +52,9 @@ def test_a_stale_limits_table_is_caught_and_rewritten_from_the_limits(tmp_path, 
     flags.write_text((ROOT / "docs" / "flags.md").read_text(encoding="utf-8"), encoding="utf-8")
     text = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
     assert "| `--max_streams` | 8 |" in text
-    page.write_text(text.replace("| `--max_streams` | 8 |", "| `--max_streams` | 9 |"), encoding="utf-8")
+    page.write_text(
+        text.replace("| `--max_streams` | 8 |", "| `--max_streams` | 9 |"), encoding="utf-8"
+    )
     pages = ["--output", str(flags), "--serving", str(page)]
     assert generator.main(["--check", *pages]) == 1
     assert f"{page} is stale: run python docs/generate_flags.py" in capsys.readouterr().err
@@ -77,16 +88,20 @@ def test_the_readme_is_short():
 
 
 def _prose(text: str) -> str:
-    """``text`` without its fenced code blocks (a ``# comment`` there is no heading, a link no link)."""
+    """``text`` without its fenced code blocks (a ``# comment`` there is no heading, a link no
+    link)."""
     return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
 
 
 def _anchors(path: Path) -> set[str]:
-    """The heading anchors GitHub makes for ``path``: lower case, punctuation dropped, spaces to dashes,
+    """The heading anchors GitHub makes for ``path``: lower case, punctuation dropped, spaces to
+    dashes,
     a repeated one numbered."""
     seen: dict[str, int] = {}
     anchors = set()
-    for heading in re.findall(r"^#{1,6}\s+(.+?)\s*#*\s*$", _prose(path.read_text(encoding="utf-8")), re.M):
+    for heading in re.findall(
+        r"^#{1,6}\s+(.+?)\s*#*\s*$", _prose(path.read_text(encoding="utf-8")), re.M
+    ):
         slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
         n = seen.get(slug, 0)
         seen[slug] = n + 1
@@ -95,7 +110,9 @@ def _anchors(path: Path) -> set[str]:
 
 
 def _links(path: Path) -> list[str]:
-    return re.findall(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", _prose(path.read_text(encoding="utf-8")))
+    return re.findall(
+        r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", _prose(path.read_text(encoding="utf-8"))
+    )
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -117,11 +134,15 @@ def test_every_relative_link_points_to_an_existing_file(page):
 def test_every_module_path_named_exists(page):
     named = set(re.findall(r"\bkonkanivani/[\w/]+\.py\b", page.read_text(encoding="utf-8")))
     missing = sorted(p for p in named if not (ROOT / p).is_file())
-    assert not missing, f"{page.relative_to(ROOT)} names modules that are not there: {', '.join(missing)}"
+    assert (
+        not missing
+    ), f"{page.relative_to(ROOT)} names modules that are not there: {', '.join(missing)}"
 
 
 def test_no_suite_size_or_time_is_written_down():
     """A count of tests or a suite's run time is stale the day after it is written."""
     for page in PAGES:
         text = page.read_text(encoding="utf-8")
-        assert not re.search(r"\b\d[\d,]* tests (in|pass|passed|run)\b", text), page.relative_to(ROOT)
+        assert not re.search(r"\b\d[\d,]* tests (in|pass|passed|run)\b", text), page.relative_to(
+            ROOT
+        )

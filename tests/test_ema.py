@@ -24,7 +24,8 @@ class _Toy(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.linear = torch.nn.Linear(3, 2)
-        self.register_buffer("stat", torch.full((2,), 4.0))  # as CMVN: a buffer training never changes
+        # as CMVN: a buffer training never changes
+        self.register_buffer("stat", torch.full((2,), 4.0))
 
 
 def test_the_average_is_its_closed_form_from_a_copy_of_the_first_step():
@@ -37,12 +38,15 @@ def test_the_average_is_its_closed_form_from_a_copy_of_the_first_step():
     expected = None
     for t in range(1, 31):
         for p in model.parameters():
-            p.grad = torch.full_like(p, float(t % 7))  # a hand-set gradient: θ_t = θ_{t-1} - 0.5·(t mod 7)
+            # a hand-set gradient: θ_t = θ_{t-1} - 0.5·(t mod 7)
+            p.grad = torch.full_like(p, float(t % 7))
         optimizer.step()
         ema.update_parameters(model)
         theta = [p.detach().clone() for p in model.parameters()]
         d = min(decay, t / (t + 9))
-        expected = theta if expected is None else [d * e + (1 - d) * th for e, th in zip(expected, theta)]
+        expected = (
+            theta if expected is None else [d * e + (1 - d) * th for e, th in zip(expected, theta)]
+        )
         for got, want in zip(ema.module.parameters(), expected, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert torch.equal(ema.module.stat, torch.full((2,), 4.0))
@@ -55,7 +59,10 @@ def test_the_average_is_its_closed_form_from_a_copy_of_the_first_step():
     model.linear.weight.data += 1.0
     ema.update_parameters(model)
     again.update_parameters(model)
-    assert all(torch.equal(a, b) for a, b in zip(ema.module.state_dict().values(), again.module.state_dict().values()))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(ema.module.state_dict().values(), again.module.state_dict().values())
+    )
 
 
 def test_decoding_reads_the_ema_weights_averaging_the_training_ones_and_old_files_load(tmp_path):
@@ -65,10 +72,18 @@ def test_decoding_reads_the_ema_weights_averaging_the_training_ones_and_old_file
     assert inference_state_dict({"model": raw, "ema_model": {}}) is raw  # a run without EMA
     assert inference_state_dict({"model": raw}) is raw  # written before EMA existed
 
-    state = TrainState(model_config={}, train_config={}, tokenizer=b"sp", model=raw, optimizer={"state": {}},
-                       ema_model=averaged, ema_updates=3)
+    state = TrainState(
+        model_config={},
+        train_config={},
+        tokenizer=b"sp",
+        model=raw,
+        optimizer={"state": {}},
+        ema_model=averaged,
+        ema_updates=3,
+    )
     files = [state.save(tmp_path / f"s{i}.pt") for i in range(2)]
-    assert torch.equal(average_checkpoints(files)["model"]["w"], raw["w"])  # the training weights, as before
+    # the training weights, as before
+    assert torch.equal(average_checkpoints(files)["model"]["w"], raw["w"])
     assert "ema_model" not in average_checkpoints(files)
 
     older = {k: v for k, v in load_checkpoint(files[0]).items() if not k.startswith("ema_")}
@@ -79,11 +94,17 @@ def test_decoding_reads_the_ema_weights_averaging_the_training_ones_and_old_file
 @pytest.fixture(scope="module")
 def ema_runs(tiny_corpus, tmp_path_factory):
     """Six steps with --ema_decay 0.9 unbroken, and stopped at 3 then resumed to 6."""
-    whole, split = tmp_path_factory.mktemp("ema_whole") / "run", tmp_path_factory.mktemp("ema_split") / "run"
+    whole, split = (
+        tmp_path_factory.mktemp("ema_whole") / "run",
+        tmp_path_factory.mktemp("ema_split") / "run",
+    )
     flags = ("--ema_decay", "0.9", "--no_tensorboard")
     assert cli.main(tiny_args(tiny_corpus, whole, "--max_steps", "6", *flags)) == 0
     assert cli.main(tiny_args(tiny_corpus, split, "--max_steps", "3", *flags)) == 0
-    assert cli.main(tiny_args(tiny_corpus, split, "--max_steps", "6", "--resume", "latest", *flags)) == 0
+    assert (
+        cli.main(tiny_args(tiny_corpus, split, "--max_steps", "6", "--resume", "latest", *flags))
+        == 0
+    )
     return whole, split
 
 
@@ -94,7 +115,8 @@ def test_a_resumed_run_keeps_the_same_average(ema_runs):
     assert set(a["ema_model"]) == set(a["model"])
     for name, tensor in a["ema_model"].items():
         torch.testing.assert_close(b["ema_model"][name], tensor, rtol=1e-4, atol=1e-5)
-    assert any(not torch.equal(a["ema_model"][n], a["model"][n]) for n in a["model"])  # not the raw weights
+    # not the raw weights
+    assert any(not torch.equal(a["ema_model"][n], a["model"][n]) for n in a["model"])
 
 
 def test_validation_and_decoding_use_the_ema_weights(ema_runs, tiny_corpus):
@@ -112,7 +134,9 @@ def test_validation_and_decoding_use_the_ema_weights(ema_runs, tiny_corpus):
         model = ASRModel(cfg, train_cfg["ctc_weight"], train_cfg["label_smoothing"])
         model.load_state_dict(weights)
         cpu = torch.device("cpu")
-        return validate(model, loader, tokenizer, utts, cpu, resolve_precision(cpu, False, ""))["loss"]
+        return validate(model, loader, tokenizer, utts, cpu, resolve_precision(cpu, False, ""))[
+            "loss"
+        ]
 
     assert valid_loss(ckpt["ema_model"]) == pytest.approx(row["loss"], rel=1e-4)
     assert valid_loss(ckpt["model"]) != pytest.approx(row["loss"], rel=1e-3)

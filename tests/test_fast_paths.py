@@ -53,7 +53,9 @@ def test_padding_to_the_alignment_changes_no_real_frame_loss_or_gradient(monkeyp
     for i, n in enumerate(lens.tolist()):
         torch.testing.assert_close(padded_enc[i, :n], enc[i, :n], atol=1e-5, rtol=1e-5)
     for name in ("loss", "ctc", "attention"):
-        torch.testing.assert_close(getattr(padded_out, name), getattr(out, name), atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(
+            getattr(padded_out, name), getattr(out, name), atol=1e-4, rtol=1e-5
+        )
     assert grads.keys() == padded_grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(padded_grads[name], grad, atol=1e-4, rtol=1e-4, msg=name)
@@ -73,4 +75,5 @@ def test_compiled_layers_compute_what_the_eager_ones_do_and_the_average_stays_ea
         torch.testing.assert_close(got.loss, want.loss, atol=1e-4, rtol=1e-5)
         for name, grad in want_grads.items():
             torch.testing.assert_close(got_grads[name], grad, atol=1e-4, rtol=1e-4, msg=name)
-    assert all("forward" in layer.__dict__ for layer in compiled_layers(model))  # no fallback to eager
+    # no fallback to eager
+    assert all("forward" in layer.__dict__ for layer in compiled_layers(model))

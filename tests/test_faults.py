@@ -35,7 +35,8 @@ def _temporaries(out):
 
 
 def _on_call(monkeypatch, name, action):
-    """Patch ``konkanivani.training.loop.<name>`` to run ``action(call number, result, *args)`` after each call."""
+    """Patch ``konkanivani.training.loop.<name>`` to run ``action(call number, result, *args)``
+    after each call."""
     real, calls = getattr(train_module, name), [0]
 
     def wrapper(*args, **kwargs):
@@ -48,9 +49,20 @@ def _on_call(monkeypatch, name, action):
 def test_kill9_while_writing_a_checkpoint_keeps_the_previous_one(tiny_corpus, tmp_path, caplog):
     out = tmp_path / "run"
     # Saves come at steps 3 and 6; the second is killed with half its bytes written.
-    result = subprocess.run([sys.executable, str(ROOT / "tests" / "fault_run.py"), "kill9_in_save", "2", "--",
-                             *tiny_args(tiny_corpus, out, "--save_every_steps", "3", "--max_steps", "20")],
-                            check=False, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tests" / "fault_run.py"),
+            "kill9_in_save",
+            "2",
+            "--",
+            *tiny_args(tiny_corpus, out, "--save_every_steps", "3", "--max_steps", "20"),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
     assert not (out / "step_0000006.pt").exists()
     [partial] = _temporaries(out)
@@ -60,13 +72,18 @@ def test_kill9_while_writing_a_checkpoint_keeps_the_previous_one(tiny_corpus, tm
     with caplog.at_level(logging.INFO, logger="konkanivani"):
         assert cli.main(tiny_args(tiny_corpus, out, "--save_every_steps", "3", "--max_steps", "8",
                               "--resume", "latest")) == 0
-    assert f"removed 1 unfinished checkpoint writes of a run killed while saving: {partial}" in caplog.text
+    assert (
+        f"removed 1 unfinished checkpoint writes of a run killed while saving: {partial}"
+        in caplog.text
+    )
     assert "resumed from latest at step 3" in caplog.text
     assert _temporaries(out) == []
     assert load_checkpoint(out / "latest.pt")["step"] == 8
 
 
-def test_full_disk_is_a_clear_error_and_the_previous_checkpoint_stays(tiny_corpus, tmp_path, monkeypatch, caplog):
+def test_full_disk_is_a_clear_error_and_the_previous_checkpoint_stays(
+    tiny_corpus, tmp_path, monkeypatch, caplog
+):
     out, real_save, saves = tmp_path / "run", torch.save, []
 
     def save_on_a_full_disk(obj, f, *args, **kwargs):
@@ -78,7 +95,10 @@ def test_full_disk_is_a_clear_error_and_the_previous_checkpoint_stays(tiny_corpu
 
     monkeypatch.setattr(torch, "save", save_on_a_full_disk)
     with caplog.at_level(logging.ERROR, logger="konkanivani"):
-        assert cli.main(tiny_args(tiny_corpus, out, "--save_every_steps", "2", "--max_steps", "10")) == 2
+        assert (
+            cli.main(tiny_args(tiny_corpus, out, "--save_every_steps", "2", "--max_steps", "10"))
+            == 2
+        )
     assert (f"could not write checkpoint {out / 'step_0000004.pt'}: No space left on device; "
             "the previous checkpoints are untouched") in caplog.text
     assert sorted(p.name for p in out.glob("*.pt")) == ["latest.pt", "step_0000002.pt"]
@@ -95,8 +115,9 @@ def interactive_sigint():
     signal.signal(signal.SIGINT, inherited)
 
 
-def test_ctrl_c_saves_and_stops_and_a_second_one_interrupts_at_once(tiny_corpus, tmp_path, monkeypatch, caplog,
-                                                                     capsys, interactive_sigint):
+def test_ctrl_c_saves_and_stops_and_a_second_one_interrupts_at_once(
+    tiny_corpus, tmp_path, monkeypatch, caplog, capsys, interactive_sigint
+):
     sigint_before = signal.getsignal(signal.SIGINT)
     sigterm_before = signal.getsignal(signal.SIGTERM)
 
@@ -118,20 +139,31 @@ def test_ctrl_c_saves_and_stops_and_a_second_one_interrupts_at_once(tiny_corpus,
     assert load_checkpoint(once / "latest.pt")["step"] == 2
     printed = capsys.readouterr().out
     assert "stopped by SIGINT at step 2" in printed
-    assert printed.rstrip().endswith(f"--output_dir {once} --preset tiny --vocab_size 48 --batch_size 4 "
-                                     "--gradient_accumulation_steps 2 --lr 2e-3 --warmup_steps 8 --epochs 100 "
-                                     "--log_every 1 --num_workers 0 --no_progress --seed 5 --max_steps 50 "
-                                     "--resume latest")
-    assert signal.getsignal(signal.SIGINT) is sigint_before and signal.getsignal(signal.SIGTERM) is sigterm_before
+    assert printed.rstrip().endswith(
+        f"--output_dir {once} --preset tiny --vocab_size 48 --batch_size 4 "
+        "--gradient_accumulation_steps 2 --lr 2e-3 --warmup_steps 8 --epochs 100 "
+        "--log_every 1 --num_workers 0 --no_progress --seed 5 --max_steps 50 "
+        "--resume latest"
+    )
+    assert (
+        signal.getsignal(signal.SIGINT) is sigint_before
+        and signal.getsignal(signal.SIGTERM) is sigterm_before
+    )
 
     _on_call(monkeypatch, "optimizer_step", ctrl_c(2))
     twice = tmp_path / "twice"
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="konkanivani"):
-        assert cli.main(tiny_args(tiny_corpus, twice, "--max_steps", "50", "--save_every_steps", "1")) == 130
+        assert (
+            cli.main(tiny_args(tiny_corpus, twice, "--max_steps", "50", "--save_every_steps", "1"))
+            == 130
+        )
     assert "interrupted at once by a second Ctrl-C" in caplog.text
     assert load_checkpoint(twice / "latest.pt")["step"] == 1  # step 2 never finished
-    assert signal.getsignal(signal.SIGINT) is sigint_before and signal.getsignal(signal.SIGTERM) is sigterm_before
+    assert (
+        signal.getsignal(signal.SIGINT) is sigint_before
+        and signal.getsignal(signal.SIGTERM) is sigterm_before
+    )
 
 
 def test_max_time_saves_and_stops_with_success(tiny_corpus, tmp_path, capsys):
@@ -141,7 +173,9 @@ def test_max_time_saves_and_stops_with_success(tiny_corpus, tmp_path, capsys):
     assert "stopped by --max_time at step 1" in capsys.readouterr().out
 
 
-def test_non_finite_updates_are_skipped_named_and_stop_the_run(tiny_corpus, tmp_path, monkeypatch, caplog):
+def test_non_finite_updates_are_skipped_named_and_stop_the_run(
+    tiny_corpus, tmp_path, monkeypatch, caplog
+):
     """Step 2: NaN gradients; step 3: NaN loss; steps 5 on: both, until 3 in a row stop the run."""
     def poison(n, stats, model, *args):
         if n == 2 or n >= 5:
@@ -155,14 +189,35 @@ def test_non_finite_updates_are_skipped_named_and_stop_the_run(tiny_corpus, tmp_
     _on_call(monkeypatch, "forward_backward", poison)
     out = tmp_path / "run"
     with caplog.at_level(logging.INFO, logger="konkanivani"):
-        assert cli.main(tiny_args(tiny_corpus, out, "--save_every_steps", "1", "--keep_checkpoints", "10",
-                              "--max_consecutive_skips", "3", "--max_steps", "50")) == 3
+        assert (
+            cli.main(
+                tiny_args(
+                    tiny_corpus,
+                    out,
+                    "--save_every_steps",
+                    "1",
+                    "--keep_checkpoints",
+                    "10",
+                    "--max_consecutive_skips",
+                    "3",
+                    "--max_steps",
+                    "50",
+                )
+            )
+            == 3
+        )
     manifest = tiny_corpus / "train.jsonl"
-    assert f"step 2: non-finite gradients, update skipped (1 in a row, 1 in all); batch: {manifest}:" in caplog.text
+    assert (
+        f"step 2: non-finite gradients, update skipped (1 in a row, 1 in all); batch: {manifest}:"
+        in caplog.text
+    )
     assert "step 3: non-finite loss, update skipped (2 in a row, 2 in all)" in caplog.text
     assert ".wav)" in caplog.text  # the batch's audio files are named
-    assert ("3 updates in a row were skipped for a non-finite loss or gradients (steps 5 to 7), so training "
-            f"stopped. The weights are those of step 4, saved in {out / 'latest.pt'}") in caplog.text
+    assert (
+        "3 updates in a row were skipped for a non-finite loss or gradients (steps 5 to 7), so"
+        f" training stopped. The weights are those of step 4, saved in {out / 'latest.pt'}"
+        in caplog.text
+    )
     weights = {s: load_checkpoint(out / f"step_{s:07d}.pt")["model"] for s in (1, 3, 4, 7)}
     assert load_checkpoint(out / "latest.pt")["step"] == 7
 
@@ -170,7 +225,15 @@ def test_non_finite_updates_are_skipped_named_and_stop_the_run(tiny_corpus, tmp_
         return all(torch.equal(weights[a][k], weights[b][k]) for k in weights[a])
     assert same(1, 3) and same(4, 7) and not same(3, 4)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["loss"] is None for r in rows if r["kind"] == "train"] == [False, False, True, False, True, True, True]
+    assert [r["loss"] is None for r in rows if r["kind"] == "train"] == [
+        False,
+        False,
+        True,
+        False,
+        True,
+        True,
+        True,
+    ]
 
 
 def test_fp16_overflow_is_skipped_and_lowers_the_scale_on_cpu():
@@ -197,8 +260,10 @@ def test_fp16_overflow_is_skipped_and_lowers_the_scale_on_cpu():
 
 def test_metrics_line_cut_by_a_kill_is_dropped_on_resume(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"kind": "train", "step": 1, "loss": 2.0}\n{"kind": "train", "step": 2, "loss": 1.5}\n'
-                    '{"kind": "train", "st')
+    path.write_text(
+        '{"kind": "train", "step": 1, "loss": 2.0}\n{"kind": "train", "step": 2, "loss": 1.5}\n'
+        '{"kind": "train", "st'
+    )
     MetricsLog(path).truncate(1)
     assert path.read_text() == '{"kind": "train", "step": 1, "loss": 2.0}\n'
 
@@ -218,8 +283,12 @@ def bad_corpus(tiny_corpus, tmp_path):
     sf.write(wavs / "stereo8k.wav", np.stack([low, low], axis=1), sr // 2)
     nan = audio.astype(np.float32)
     nan[100] = np.nan
-    sf.write(wavs / "nan.wav", nan, sr, subtype="FLOAT")  # a valid header: the NaN shows only when read
-    rows = [json.loads(line) for line in (corpus / "train.jsonl").read_text(encoding="utf-8").splitlines()]
+    # a valid header: the NaN shows only when read
+    sf.write(wavs / "nan.wav", nan, sr, subtype="FLOAT")
+    rows = [
+        json.loads(line)
+        for line in (corpus / "train.jsonl").read_text(encoding="utf-8").splitlines()
+    ]
     text, duration = rows[0]["text"], rows[0]["duration"]
     with open(corpus / "train.jsonl", "a", encoding="utf-8") as f:
         for name in ("corrupt", "truncated", "empty", "stereo8k", "nan"):
@@ -229,10 +298,13 @@ def bad_corpus(tiny_corpus, tmp_path):
     return corpus
 
 
-def test_validate_manifest_names_every_bad_row_and_writes_a_clean_copy(bad_corpus, tmp_path, capsys, caplog):
+def test_validate_manifest_names_every_bad_row_and_writes_a_clean_copy(
+    bad_corpus, tmp_path, capsys, caplog
+):
     manifest = bad_corpus / "train.jsonl"
     with open(manifest, "ab") as f:
-        f.write(b'{"audio_filepath": "wavs/train_00002.wav", "text": "caf\xe9"}\n')  # Latin-1, not UTF-8
+        # Latin-1, not UTF-8
+        f.write(b'{"audio_filepath": "wavs/train_00002.wav", "text": "caf\xe9"}\n')
     cleaned = tmp_path / "elsewhere" / "clean.jsonl"
     assert validate_manifest.main([str(manifest), "--output", str(cleaned)]) == 1
     printed = capsys.readouterr().out
@@ -240,29 +312,45 @@ def test_validate_manifest_names_every_bad_row_and_writes_a_clean_copy(bad_corpu
                          (56, "audio holds NaN or infinite samples")):
         assert f"ERROR {manifest}:{line}: {reason}" in printed
     assert f"ERROR {manifest}: 1 of 57 lines not JSON objects (line 57)" in printed
-    assert f"warning {manifest}:55: not 16 kHz" in printed and f"warning {manifest}:55: not mono" in printed
+    assert (
+        f"warning {manifest}:55: not 16 kHz" in printed
+        and f"warning {manifest}:55: not mono" in printed
+    )
     assert f"{manifest}: 57 rows, 52 good, 5 with errors, 2 warnings" in printed
-    assert validate_manifest.main([str(cleaned), "--quiet"]) == 0  # paths rewritten for the new folder
+    # paths rewritten for the new folder
+    assert validate_manifest.main([str(cleaned), "--quiet"]) == 0
     assert f"{cleaned}: 52 rows, 52 good, 0 with errors, 2 warnings" in capsys.readouterr().out
 
     # Training stops on the non-UTF-8 line before it touches a checkpoint, naming the line.
     out = tmp_path / "run"
     with caplog.at_level(logging.ERROR, logger="konkanivani"):
         assert cli.main(tiny_args(bad_corpus, out)) == 2
-    assert f"{manifest}:57: not a JSON line" in caplog.text and "validate_manifest.py" in caplog.text
+    assert (
+        f"{manifest}:57: not a JSON line" in caplog.text and "validate_manifest.py" in caplog.text
+    )
     assert not list(out.glob("*.pt"))
 
 
-def test_training_skips_bad_rows_and_counts_a_file_that_fails_mid_epoch(bad_corpus, tmp_path, caplog):
+def test_training_skips_bad_rows_and_counts_a_file_that_fails_mid_epoch(
+    bad_corpus, tmp_path, caplog
+):
     out = tmp_path / "run"
     with caplog.at_level(logging.INFO, logger="konkanivani"):
         assert cli.main(tiny_args(bad_corpus, out, "--max_steps", "7")) == 0
     manifest = bad_corpus / "train.jsonl"
-    assert (f"train manifest {manifest}: 53 utterances, 3 rows skipped (1 audio unreadable, 1 duration mismatch, "
-            "1 audio empty)") in caplog.text
-    assert f"{manifest}: audio converted to 16 kHz mono when loaded (rows not 16 kHz: 1, not mono: 1)" in caplog.text
+    assert (
+        f"train manifest {manifest}: 53 utterances, 3 rows skipped (1 audio unreadable, 1 duration"
+        " mismatch, 1 audio empty)"
+        in caplog.text
+    )
+    assert (
+        f"{manifest}: audio converted to 16 kHz mono when loaded (rows not 16 kHz: 1, not mono: 1)"
+        in caplog.text
+    )
     # nan.wav passes the header check at start; reading it mid-epoch fails, and the epoch goes on.
-    assert f"epoch 1: 1 audio files could not be read and were left out: {manifest}:56" in caplog.text
+    assert (
+        f"epoch 1: 1 audio files could not be read and were left out: {manifest}:56" in caplog.text
+    )
     assert load_checkpoint(out / "latest.pt")["step"] == 7
 
 
@@ -285,8 +373,23 @@ def test_each_step_is_written_once_with_its_validation(tiny_corpus, tmp_path, mo
     --max_steps: the saves that fall on the same step are one write, the one with the metrics."""
     written = _checkpoint_writes(monkeypatch)
     out = tmp_path / "run"
-    assert cli.main(tiny_args(tiny_corpus, out, "--epochs", "2", "--save_every_steps", "1", "--validate_every_steps",
-                              "2", "--keep_checkpoints", "100")) == 0
+    assert (
+        cli.main(
+            tiny_args(
+                tiny_corpus,
+                out,
+                "--epochs",
+                "2",
+                "--save_every_steps",
+                "1",
+                "--validate_every_steps",
+                "2",
+                "--keep_checkpoints",
+                "100",
+            )
+        )
+        == 0
+    )
     last = load_checkpoint(out / "latest.pt")["step"]
     assert written == [f"step_{s:07d}.pt" for s in range(1, last + 1)]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -297,21 +400,34 @@ def test_each_step_is_written_once_with_its_validation(tiny_corpus, tmp_path, mo
         assert state["valid_step"] == step and state["valid_metrics"]
 
     written.clear()
-    assert cli.main(tiny_args(tiny_corpus, tmp_path / "stop", "--max_steps", "3", "--save_every_steps", "3")) == 0
+    assert (
+        cli.main(
+            tiny_args(tiny_corpus, tmp_path / "stop", "--max_steps", "3", "--save_every_steps", "3")
+        )
+        == 0
+    )
     assert written == ["step_0000003.pt"]
     assert load_checkpoint(tmp_path / "stop" / "latest.pt")["valid_step"] == 3
 
 
-def test_a_validation_that_fails_at_an_epoch_end_still_keeps_the_epoch(tiny_corpus, tmp_path, monkeypatch, caplog):
+def test_a_validation_that_fails_at_an_epoch_end_still_keeps_the_epoch(
+    tiny_corpus, tmp_path, monkeypatch, caplog
+):
     def broken(*args, **kwargs):
         raise RuntimeError("injected validation failure")
 
     monkeypatch.setattr(train_module, "validate", broken)
     written = _checkpoint_writes(monkeypatch)
     out = tmp_path / "run"
-    with caplog.at_level(logging.INFO, logger="konkanivani"), pytest.raises(RuntimeError, match="injected"):
+    with (
+        caplog.at_level(logging.INFO, logger="konkanivani"),
+        pytest.raises(RuntimeError, match="injected"),
+    ):
         cli.main(tiny_args(tiny_corpus, out))
     state = load_checkpoint(out / "latest.pt")
     assert state["epoch"] == 1 and state["batches_done"] == 0 and state["valid_step"] == -1
     assert written == [f"step_{state['step']:07d}.pt"]
-    assert f"validation at the end of epoch 1 failed; the epoch is saved in {out / written[0]}" in caplog.text
+    assert (
+        f"validation at the end of epoch 1 failed; the epoch is saved in {out / written[0]}"
+        in caplog.text
+    )

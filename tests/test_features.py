@@ -13,15 +13,19 @@ from konkanivani.data.features import LogMel
 def _waveforms(lengths: list[int]) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     t = torch.arange(max(lengths)) / 16000
-    voice = torch.sin(2 * math.pi * 220 * t) * torch.sin(2 * math.pi * 3 * t)  # a tone that comes and goes
+    # a tone that comes and goes
+    voice = torch.sin(2 * math.pi * 220 * t) * torch.sin(2 * math.pi * 3 * t)
     return [0.3 * voice[:n] + 0.05 * torch.randn(n, generator=g) for n in lengths]
 
 
 def _padded(wavs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.nn.utils.rnn.pad_sequence(wavs, batch_first=True), torch.tensor([len(w) for w in wavs])
+    return torch.nn.utils.rnn.pad_sequence(wavs, batch_first=True), torch.tensor(
+        [len(w) for w in wavs]
+    )
 
 
-# lengths around the hop (160) and the window (400), the shortest a batch may hold (201) and longer ones
+# lengths around the hop (160) and the window (400), the shortest a batch may hold (201) and longer
+# ones
 LENGTHS = [16000, 201, 400, 401, 12345, 3361, 160 * 37]
 
 
@@ -51,7 +55,8 @@ def test_the_warp_matrices_of_a_batch_are_the_single_ones():
     batch = vtlp_warp_matrices(alphas, 201)
     for alpha, matrix in zip(alphas.tolist(), batch):
         assert torch.equal(matrix, vtlp_warp_matrix(alpha, 201))
-        assert torch.allclose(matrix.sum(1), torch.ones(201))  # each output bin reads one interpolated input
+        # each output bin reads one interpolated input
+        assert torch.allclose(matrix.sum(1), torch.ones(201))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16])

@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from konkanivani.data.manifest import ManifestError, check_row, iter_manifest, read_manifest
 from konkanivani.data.tokenizer import normalize_text, train_tokenizer
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 TEXTS = ["हांव घरा वता", "तूं कितें करता", "आमी पणजेक गेलें", "ताणें जेवण केलें"]
 
 
@@ -39,7 +41,9 @@ def test_manifest_reader_reports_every_bad_line_and_nothing_else(tmp_path, lines
     numbers = [n for n, _ in items]
     assert numbers == sorted(set(numbers)) and all(1 <= n <= len(lines) for n in numbers)
     for n, item in items:
-        assert isinstance(item, dict) or (isinstance(item, ManifestError) and f"{path}:{n}:" in str(item))
+        assert isinstance(item, dict) or (
+            isinstance(item, ManifestError) and f"{path}:{n}:" in str(item)
+        )
     if any(isinstance(item, ManifestError) for _, item in items):
         with pytest.raises(ManifestError, match="validate_manifest.py"):
             read_manifest(path)
@@ -74,5 +78,7 @@ def test_normalized_text_is_canonical(tokenizer, text):
     assert normalize_text(norm) == norm
     assert norm == norm.strip() and "  " not in norm
     assert all(ch == " " or not ch.isspace() for ch in norm)
-    assert not any(unicodedata.category(ch)[0] in "PS" or unicodedata.category(ch) == "Cf" for ch in norm)
+    assert not any(
+        unicodedata.category(ch)[0] in "PS" or unicodedata.category(ch) == "Cf" for ch in norm
+    )
     assert all(i >= 0 for i in tokenizer.encode(text))

@@ -5,9 +5,9 @@ single utterance that does not fit), the --auto_batch probe (under a budget, and
 out-of-memory error), --offload_activations (a lower peak, the same gradients), FSDP2 with CPU
 offload, 8-bit AdamW, and NCCL data parallelism over 2 GPUs.
 
-Tests marked ``gpu`` are skipped without a GPU (conftest.py); run them with
-``python -m pytest -m gpu`` or, with the rest of the GPU report, ``python3 benchmarks/gpu_report.py``.
-The tests of that script at the end of this file run anywhere.
+Tests marked ``gpu`` are skipped without a GPU (conftest.py); run them with ``python -m pytest -m
+gpu`` or, with the rest of the GPU report, ``python3 benchmarks/gpu_report.py``. The tests of that
+script at the end of this file run anywhere.
 """
 import contextlib
 import dataclasses
@@ -59,10 +59,25 @@ def corpus(request, tmp_path_factory):
 
 
 def _config(corpus, out, **overrides):
-    values = dict(train_manifest=str(corpus / "train.jsonl"), valid_manifest=str(corpus / "valid.jsonl"),
-                  output_dir=str(out), preset="tiny", tokenizer_type="char", batch_size=4,
-                  gradient_accumulation_steps=2, lr=2e-3, warmup_steps=8, epochs=100, log_every=1, num_workers=0,
-                  progress=False, tensorboard=False, seed=5, device="cuda", keep_checkpoints=10)
+    values = dict(
+        train_manifest=str(corpus / "train.jsonl"),
+        valid_manifest=str(corpus / "valid.jsonl"),
+        output_dir=str(out),
+        preset="tiny",
+        tokenizer_type="char",
+        batch_size=4,
+        gradient_accumulation_steps=2,
+        lr=2e-3,
+        warmup_steps=8,
+        epochs=100,
+        log_every=1,
+        num_workers=0,
+        progress=False,
+        tensorboard=False,
+        seed=5,
+        device="cuda",
+        keep_checkpoints=10,
+    )
     values.update(overrides)
     return TrainConfig(**values)
 
@@ -88,7 +103,8 @@ def _assert_trained(out, summary, steps):
     rows = _rows(out)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all(_finite(r["loss"]) for r in rows), [r["loss"] for r in rows]
-    assert {"mem_gb", "peak_gb", "reserved_gb"} <= rows[-1].keys()  # CUDA's allocator, not a CPU's RSS
+    # CUDA's allocator, not a CPU's RSS
+    assert {"mem_gb", "peak_gb", "reserved_gb"} <= rows[-1].keys()
     assert _rows(out, "valid")[-1]["step"] == steps
     saved = load_checkpoint(out / "latest.pt")
     assert saved["step"] == steps
@@ -123,8 +139,9 @@ def _memory_cap(total_bytes):
     an allocation past it raises a real ``torch.OutOfMemoryError``."""
     device = torch.cuda.current_device()
     _fresh()
-    torch.cuda.set_per_process_memory_fraction(total_bytes / torch.cuda.get_device_properties(device).total_memory,
-                                               device)
+    torch.cuda.set_per_process_memory_fraction(
+        total_bytes / torch.cuda.get_device_properties(device).total_memory, device
+    )
     try:
         yield
     finally:
@@ -136,14 +153,21 @@ def _batch(n, frames, tokens, vocab, seed=0):
     """``n`` random waveforms of ``frames`` feature frames each (``(frames - 1) * 160`` samples)."""
     g = torch.Generator().manual_seed(seed)
     samples = (frames - 1) * 160
-    return Batch(0.1 * torch.randn(n, samples, generator=g), torch.full((n,), samples),
-                 torch.randint(3, vocab, (n, tokens), generator=g), torch.full((n,), tokens), list(range(n)))
+    return Batch(
+        0.1 * torch.randn(n, samples, generator=g),
+        torch.full((n,), samples),
+        torch.randint(3, vocab, (n, tokens), generator=g),
+        torch.full((n,), tokens),
+        list(range(n)),
+    )
 
 
 def _medium():
     """The medium preset without dropout: 20 s utterances need hundreds of MiB each in training."""
     torch.manual_seed(0)
-    return ASRModel(model_config_from_preset("medium", vocab_size=64, dropout=0.0, attention_dropout=0.0)).to(CUDA)
+    return ASRModel(
+        model_config_from_preset("medium", vocab_size=64, dropout=0.0, attention_dropout=0.0)
+    ).to(CUDA)
 
 
 def _stepper(model, precision="fp32", **kwargs):
@@ -155,7 +179,10 @@ def _stepper(model, precision="fp32", **kwargs):
     def step(batches):
         model.zero_grad(set_to_none=True)
         stats = forward_backward(model, batches, CUDA, prec, scaler, spec_augment=False, **kwargs)
-        return stats, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).cpu()
+        return (
+            stats,
+            torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).cpu(),
+        )
 
     return step
 
@@ -194,7 +221,9 @@ def test_mixed_precision_trains_on_cuda(corpus, tmp_path, caplog, precision):
 
 
 @pytest.mark.gpu
-def test_a_non_finite_fp16_gradient_skips_the_update_and_is_counted(corpus, tmp_path, caplog, monkeypatch):
+def test_a_non_finite_fp16_gradient_skips_the_update_and_is_counted(
+    corpus, tmp_path, caplog, monkeypatch
+):
     """Step 3's gradients are made NaN before the loop's own ``optimizer_step``: the weights stay,
     the loss scale halves, the run counts the skip, logs it and goes on."""
     real, calls, seen = loop.optimizer_step, [], {}
@@ -206,8 +235,12 @@ def test_a_non_finite_fp16_gradient_skips_the_update_and_is_counted(corpus, tmp_
         next(p.grad for p in model.parameters() if p.grad is not None).fill_(float("nan"))
         before, scale = [p.detach().clone() for p in model.parameters()], scaler.get_scale()
         norm = real(model, optimizer, scaler, grad_clip, loss)
-        seen.update(norm=norm, scale=scale, scale_after=scaler.get_scale(),
-                    unchanged=all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters())))
+        seen.update(
+            norm=norm,
+            scale=scale,
+            scale_after=scaler.get_scale(),
+            unchanged=all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters())),
+        )
         return norm
 
     monkeypatch.setattr(loop, "optimizer_step", poisoned)
@@ -216,9 +249,13 @@ def test_a_non_finite_fp16_gradient_skips_the_update_and_is_counted(corpus, tmp_
     assert not math.isfinite(seen["norm"]) and seen["unchanged"]
     assert seen["scale_after"] == seen["scale"] / 2  # GradScaler's backoff
     assert summary["skipped_updates"] >= 1
-    assert "step 3: non-finite gradients, update skipped" in caplog.text and "fp16 loss scale now" in caplog.text
+    assert (
+        "step 3: non-finite gradients, update skipped" in caplog.text
+        and "fp16 loss scale now" in caplog.text
+    )
     rows, _ = _assert_trained(out, summary, 6)
-    assert rows[2]["grad_norm"] is None  # metrics.jsonl keeps strict JSON: the non-finite norm is null
+    # metrics.jsonl keeps strict JSON: the non-finite norm is null
+    assert rows[2]["grad_norm"] is None
 
 
 @pytest.mark.gpu
@@ -238,7 +275,9 @@ def test_empty_cache_every_n_batches_releases_cached_blocks(corpus, tmp_path, ca
     monkeypatch.setattr(loop, "maybe_empty_cache", watched)
     monkeypatch.setattr(torch.cuda, "empty_cache", counted)
     out = tmp_path / "run"
-    summary = _train(corpus, out, caplog, empty_cache_every=2, gradient_accumulation_steps=1, max_steps=5)
+    summary = _train(
+        corpus, out, caplog, empty_cache_every=2, gradient_accumulation_steps=1, max_steps=5
+    )
     _assert_trained(out, summary, 5)
     assert [b for b, done, _, _ in seen[:5]] == [1, 2, 3, 4, 5]
     assert [b for b, done, _, _ in seen[:5] if done] == [2, 4]
@@ -286,15 +325,27 @@ def test_a_single_utterance_that_really_does_not_fit_stops_with_its_name():
     assert peak - allocated > 2 * (reserved - allocated) + 64 * MIB, (peak, allocated, reserved)
     prec = resolve_precision(CUDA, False, "fp32")
     with _memory_cap(allocated + (peak - allocated) // 2):
-        with pytest.raises(BatchDoesNotFit, match=r"train\.jsonl:9 \(2000 frames\) does not fit in cuda memory even alone"):
-            forward_backward(model, [_batch(2, 2000, 60, 64)], CUDA, prec, torch.amp.GradScaler("cuda", enabled=False),
-                             False, name_of=lambda i: f"train.jsonl:{i + 9}")
+        with pytest.raises(
+            BatchDoesNotFit,
+            match=r"train\.jsonl:9 \(2000 frames\) does not fit in cuda memory even alone",
+        ):
+            forward_backward(
+                model,
+                [_batch(2, 2000, 60, 64)],
+                CUDA,
+                prec,
+                torch.amp.GradScaler("cuda", enabled=False),
+                False,
+                name_of=lambda i: f"train.jsonl:{i + 9}",
+            )
 
 
 # ---- the --auto_batch probe ---------------------------------------------------------------------
 
-AUTO_BATCH = re.compile(r"--auto_batch: (\d+) utterances of the longest \((\d+) frames\) fit in ([\d.]+) GiB on "
-                        r"cuda\S* \(measured\)")
+AUTO_BATCH = re.compile(
+    r"--auto_batch: (\d+) utterances of the longest \((\d+) frames\) fit in ([\d.]+) GiB on "
+    r"cuda\S* \(measured\)"
+)
 
 
 def _auto_batch(caplog, out):
@@ -310,21 +361,32 @@ def _auto_batch(caplog, out):
 @pytest.mark.gpu
 def test_auto_batch_measures_the_largest_batch_under_a_memory_budget(corpus, tmp_path, caplog):
     out = tmp_path / "run"
-    summary = _train(corpus, out, caplog, auto_batch=True, max_memory_gb=1.0, gradient_accumulation_steps=1,
-                     max_steps=3)
+    summary = _train(
+        corpus,
+        out,
+        caplog,
+        auto_batch=True,
+        max_memory_gb=1.0,
+        gradient_accumulation_steps=1,
+        max_steps=3,
+    )
     _assert_trained(out, summary, 3)
     _, budget = _auto_batch(caplog, out)
     assert budget == 1.0
 
 
 @pytest.mark.gpu
-def test_auto_batch_probes_up_to_a_real_out_of_memory_error_and_trains_under_it(corpus, tmp_path, caplog):
+def test_auto_batch_probes_up_to_a_real_out_of_memory_error_and_trains_under_it(
+    corpus, tmp_path, caplog
+):
     """No --max_memory_gb: the budget is 90% of the whole GPU, and with the allocator capped at
     1 GiB above what it holds, the probe finds the largest batch by running out of memory."""
     out = tmp_path / "run"
     _fresh()
     with _memory_cap(torch.cuda.memory_reserved() + 2 ** 30):
-        summary = _train(corpus, out, caplog, auto_batch=True, gradient_accumulation_steps=1, max_steps=3)
+        summary = _train(
+            corpus, out, caplog, auto_batch=True, gradient_accumulation_steps=1, max_steps=3
+        )
     _assert_trained(out, summary, 3)
     _, budget = _auto_batch(caplog, out)
     assert budget > 10  # the device's budget, not the cap: the cap was found by its errors
@@ -332,8 +394,11 @@ def test_auto_batch_probes_up_to_a_real_out_of_memory_error_and_trains_under_it(
 
 # ---- --offload_activations ----------------------------------------------------------------------
 
+
 @pytest.mark.gpu
-def test_offloaded_activations_lower_the_peak_keep_the_gradients_and_train(corpus, tmp_path, caplog):
+def test_offloaded_activations_lower_the_peak_keep_the_gradients_and_train(
+    corpus, tmp_path, caplog
+):
     model = _medium()
     batches = [_batch(4, 2000, 60, 64)]
     results = {}
@@ -343,7 +408,9 @@ def test_offloaded_activations_lower_the_peak_keep_the_gradients_and_train(corpu
         (stats, grad), peak, _, _ = _measured(lambda: step(batches))
         results[offload] = stats, grad, peak
     (plain_stats, plain_grad, plain_peak), (stats, grad, peak) = results[False], results[True]
-    assert peak < 0.7 * plain_peak, f"offloaded {peak / MIB:.0f} MiB, plain {plain_peak / MIB:.0f} MiB"
+    assert (
+        peak < 0.7 * plain_peak
+    ), f"offloaded {peak / MIB:.0f} MiB, plain {plain_peak / MIB:.0f} MiB"
     assert float(stats["loss"]) == pytest.approx(float(plain_stats["loss"]), rel=1e-5)
     _same_update(grad, plain_grad)
     del model
@@ -368,7 +435,9 @@ class _CTCLetThrough(torch.autograd.Function):
     its lengths between the CPU and the GPU, the one wait of a step that the test lets through."""
 
     @staticmethod
-    def forward(ctx, log_probs, targets, input_lengths, target_lengths, blank, reduction, zero_infinity):
+    def forward(
+        ctx, log_probs, targets, input_lengths, target_lengths, blank, reduction, zero_infinity
+    ):
         with _syncs_allowed(), torch.enable_grad():
             ctx.inputs = log_probs.detach().requires_grad_()
             ctx.loss = _REAL_CTC(ctx.inputs, targets, input_lengths, target_lengths, blank=blank,
@@ -395,9 +464,18 @@ def test_a_training_step_waits_for_the_gpu_only_in_ctc(precision, monkeypatch):
     from konkanivani.training.optim import adamw
     from konkanivani.training.step import optimizer_step
 
-    def ctc(log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean", zero_infinity=False):
-        return _CTCLetThrough.apply(log_probs, targets, input_lengths, target_lengths, blank, reduction,
-                                    zero_infinity)
+    def ctc(
+        log_probs,
+        targets,
+        input_lengths,
+        target_lengths,
+        blank=0,
+        reduction="mean",
+        zero_infinity=False,
+    ):
+        return _CTCLetThrough.apply(
+            log_probs, targets, input_lengths, target_lengths, blank, reduction, zero_infinity
+        )
 
     monkeypatch.setattr(torch.nn.functional, "ctc_loss", ctc)
     torch.manual_seed(0)
@@ -405,11 +483,15 @@ def test_a_training_step_waits_for_the_gpu_only_in_ctc(precision, monkeypatch):
     optimizer = adamw(list(model.parameters()), lr=1e-4)
     prec = resolve_precision(CUDA, False, precision)
     scaler = torch.amp.GradScaler("cuda", enabled=prec.use_scaler)
-    batch = Batch(*(t.pin_memory() if isinstance(t, torch.Tensor) else t for t in _batch(4, 601, 20, 64)))
+    batch = Batch(
+        *(t.pin_memory() if isinstance(t, torch.Tensor) else t for t in _batch(4, 601, 20, 64))
+    )
     log_mel = LogMel().to(CUDA)
 
     def step():
-        stats = forward_backward(model, [batch], CUDA, prec, scaler, spec_augment=True, log_mel=log_mel)
+        stats = forward_backward(
+            model, [batch], CUDA, prec, scaler, spec_augment=True, log_mel=log_mel
+        )
         return optimizer_step(model, optimizer, scaler, grad_clip=5.0, loss=stats["loss"])
 
     step()  # the first step initializes the libraries' handles and the optimizer's states
@@ -434,7 +516,9 @@ class _ActiveDist(Dist):
 
 
 @pytest.mark.gpu
-def test_fsdp2_with_cpu_offload_trains_and_saves_whole_checkpoints(corpus, tmp_path, caplog, monkeypatch):
+def test_fsdp2_with_cpu_offload_trains_and_saves_whole_checkpoints(
+    corpus, tmp_path, caplog, monkeypatch
+):
     """``distributed()`` makes a group only for 2 or more processes, which need 2 GPUs; here one
     process makes an NCCL group of one, as ``distributed()`` makes it on CUDA, and the run takes
     every FSDP path: sharding with CPU offload, the all-gathers in forward and validation, the
@@ -457,18 +541,28 @@ def test_fsdp2_with_cpu_offload_trains_and_saves_whole_checkpoints(corpus, tmp_p
     placed = []
 
     def on_step(step, epoch, model):
-        placed.append({(isinstance(p, DTensor), p.to_local().device.type if isinstance(p, DTensor) else p.device.type)
-                       for p in model.parameters()})
+        placed.append(
+            {
+                (
+                    isinstance(p, DTensor),
+                    p.to_local().device.type if isinstance(p, DTensor) else p.device.type,
+                )
+                for p in model.parameters()
+            }
+        )
         return False
 
     out = tmp_path / "run"
     summary = _train(corpus, out, caplog, on_step=on_step, strategy="fsdp", max_steps=4)
     assert "1 processes, fsdp" in caplog.text
-    assert placed and all(p == {(True, "cpu")} for p in placed), placed  # sharded, kept in CPU memory
+    # sharded, kept in CPU memory
+    assert placed and all(p == {(True, "cpu")} for p in placed), placed
     _, saved = _assert_trained(out, summary, 4)
     whole = ASRModel(ModelConfig.from_dict(saved["model_config"])).state_dict()
     assert saved["model"].keys() == whole.keys()
-    assert all(type(t) is torch.Tensor and t.shape == whole[k].shape for k, t in saved["model"].items())
+    assert all(
+        type(t) is torch.Tensor and t.shape == whole[k].shape for k, t in saved["model"].items()
+    )
 
 
 @pytest.mark.gpu
@@ -504,18 +598,61 @@ FSDP_CPU_COLLECTIVE = "No backend type associated with device type cpu"
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_gpus_train_data_parallel_over_nccl(corpus, tmp_path, strategy):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
-           "--train_manifest", str(corpus / "train.jsonl"), "--valid_manifest", str(corpus / "valid.jsonl"),
-           "--output_dir", str(out), "--preset", "tiny", "--tokenizer_type", "char", "--batch_size", "4", "--lr",
-           "2e-3", "--warmup_steps", "8", "--epochs", "100", "--log_every", "1", "--num_workers", "0",
-           "--no_progress", "--no_tensorboard", "--seed", "5", "--device", "cuda", "--max_steps", "6",
-           "--strategy", strategy]
-    result = subprocess.run(cmd, env=gpu_report.child_env(OMP_NUM_THREADS="1"), cwd=ROOT, capture_output=True,
-                            text=True, timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(SCRIPT),
+        "--train_manifest",
+        str(corpus / "train.jsonl"),
+        "--valid_manifest",
+        str(corpus / "valid.jsonl"),
+        "--output_dir",
+        str(out),
+        "--preset",
+        "tiny",
+        "--tokenizer_type",
+        "char",
+        "--batch_size",
+        "4",
+        "--lr",
+        "2e-3",
+        "--warmup_steps",
+        "8",
+        "--epochs",
+        "100",
+        "--log_every",
+        "1",
+        "--num_workers",
+        "0",
+        "--no_progress",
+        "--no_tensorboard",
+        "--seed",
+        "5",
+        "--device",
+        "cuda",
+        "--max_steps",
+        "6",
+        "--strategy",
+        strategy,
+    ]
+    result = subprocess.run(
+        cmd,
+        env=gpu_report.child_env(OMP_NUM_THREADS="1"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     output = result.stdout + result.stderr
     if strategy == "fsdp" and result.returncode and FSDP_CPU_COLLECTIVE in output:
-        pytest.xfail("FSDP2's CPU offload needs a gloo backend for CPU tensors beside NCCL: distributed() makes its "
-                     "group with 'nccl' alone (konkanivani/training/distributed.py)")
+        pytest.xfail(
+            "FSDP2's CPU offload needs a gloo backend for CPU tensors beside NCCL: distributed()"
+            " makes its group with 'nccl' alone (konkanivani/training/distributed.py)"
+        )
     assert result.returncode == 0, output[-3000:]
     assert "8 utterances per update (batch 4 x 1 accumulation steps x 2 processes)" in output
     assert f"2 processes, {strategy}" in output
@@ -998,7 +1135,7 @@ def test_the_trainer_reads_a_corpus_unpacked_from_its_shards(tmp_path):
     """Shards as konkanivani-prepare writes them (of the tone corpus): unpacked once, their rows
     in order with absolute FLAC paths the audio reader takes."""
     from konkanivani.data.audio import load_audio
-    from konkanivani.tools.shards import write_shards
+    from konkanivani.datatools.shard_writer import write_shards
 
     tones = gpu_report.write_tone_corpus(tmp_path / "tones", train=5, valid=2)
     write_shards(tones / "train.jsonl", tmp_path / "c" / "shards", shard_size=2)

@@ -1,5 +1,7 @@
 """The language model and shallow fusion: each fused search against a from-scratch recomputation
-of its score, on a tiny random ASR model and LM (no training), then LM training, resume and the CLI."""
+of its score, on a tiny random ASR model and LM (no training), then LM training, resume and the CLI.
+"""
+
 import pytest
 import torch
 from test_decode import ctc_logprob  # log P(tokens | x) by torch's CTC forward algorithm
@@ -49,7 +51,9 @@ def test_lm_step_equals_the_full_forward(models):
             total += float(log_p[0, nxt])
         assert total == pytest.approx(float(expected), abs=1e-4)
     assert lm.next_log_probs([s for s in sentences]).exp().sum(-1) == pytest.approx(1.0, abs=1e-5)
-    torch.testing.assert_close(lm.next_log_probs([[5, 6]])[0], lm.next_log_probs([[5, 6], [8, 8, 8, 8]])[0])
+    torch.testing.assert_close(
+        lm.next_log_probs([[5, 6]])[0], lm.next_log_probs([[5, 6], [8, 8, 8, 8]])[0]
+    )
 
 
 @pytest.mark.parametrize("ctc_weight", [0.0, 0.5])
@@ -57,7 +61,9 @@ def test_weight_zero_is_the_plain_search(models, ctc_weight):
     asr, lm, feats, feat_lens, enc, enc_lens = models
     zero = Fusion(lm, 0.0, 0.0)
     plain = attention_beam_search(asr, enc, enc_lens, beam_size=3, ctc_weight=ctc_weight)
-    fused = attention_beam_search(asr, enc, enc_lens, beam_size=3, ctc_weight=ctc_weight, fusion=zero)
+    fused = attention_beam_search(
+        asr, enc, enc_lens, beam_size=3, ctc_weight=ctc_weight, fusion=zero
+    )
     assert [(h.tokens, h.score) for h in fused] == [(h.tokens, h.score) for h in plain]
     plain = attention_rescoring(asr, enc, enc_lens, beam_size=3, ctc_weight=ctc_weight)
     fused = attention_rescoring(asr, enc, enc_lens, beam_size=3, ctc_weight=ctc_weight, fusion=zero)
@@ -75,7 +81,8 @@ def test_weight_zero_is_the_plain_search(models, ctc_weight):
 @pytest.mark.parametrize("ctc_weight", [0.0, 0.5])
 @pytest.mark.parametrize("lm_weight, bonus", [(0.6, 0.0), (1.5, 2.0)])
 def test_fused_beam_and_joint_scores_equal_a_recomputation(models, ctc_weight, lm_weight, bonus):
-    """Score = λ log P_ctc + (1-λ) log P_att (teacher-forced, full CTC forward) + W log P_LM(hyp + end)
+    """Score = λ log P_ctc + (1-λ) log P_att (teacher-forced, full CTC forward) + W log P_LM(hyp +
+    end)
     + B len(hyp), each part computed from scratch."""
     asr, lm, _, _, enc, enc_lens = models
     fused = attention_beam_search(asr, enc, enc_lens, beam_size=3, ctc_weight=ctc_weight,
@@ -85,7 +92,9 @@ def test_fused_beam_and_joint_scores_equal_a_recomputation(models, ctc_weight, l
     lm_lp = lm.sentence_log_probs([h.tokens for h in fused])
     log_probs = asr.ctc_log_probs(enc)
     for b, h in enumerate(fused):
-        expected = (1 - ctc_weight) * float(att[b]) + lm_weight * float(lm_lp[b]) + bonus * len(h.tokens)
+        expected = (
+            (1 - ctc_weight) * float(att[b]) + lm_weight * float(lm_lp[b]) + bonus * len(h.tokens)
+        )
         if ctc_weight:
             expected += ctc_weight * ctc_logprob(log_probs[b], int(enc_lens[b]), h.tokens)
         assert h.score == pytest.approx(expected, abs=2e-3)
@@ -94,26 +103,38 @@ def test_fused_beam_and_joint_scores_equal_a_recomputation(models, ctc_weight, l
 
 def test_fused_rescoring_score_equals_a_recomputation(models):
     asr, lm, _, _, enc, enc_lens = models
-    fused = attention_rescoring(asr, enc, enc_lens, beam_size=4, ctc_weight=0.3, fusion=Fusion(lm, 0.8, 0.5))
+    fused = attention_rescoring(
+        asr, enc, enc_lens, beam_size=4, ctc_weight=0.3, fusion=Fusion(lm, 0.8, 0.5)
+    )
     log_probs = asr.ctc_log_probs(enc)
     for b, h in enumerate(fused):
         nbest = ctc_prefix_beam_search(log_probs[b], int(enc_lens[b]), 4)
         ctc = next(n.score for n in nbest if n.tokens == h.tokens)
         att = float(attention_scores(asr, enc[b:b + 1], enc_lens[b:b + 1], [h.tokens])[0])
-        expected = 0.3 * ctc + 0.7 * att + 0.8 * float(lm.sentence_log_probs([h.tokens])[0]) + 0.5 * len(h.tokens)
+        expected = (
+            0.3 * ctc
+            + 0.7 * att
+            + 0.8 * float(lm.sentence_log_probs([h.tokens])[0])
+            + 0.5 * len(h.tokens)
+        )
         assert h.score == pytest.approx(expected, abs=1e-4)
 
 
 def test_fused_ctc_prefix_beam_search_without_pruning_is_exact(models):
-    """With every prefix kept, each score is the CTC log P over all alignments + the fusion terms."""
+    """With every prefix kept, each score is the CTC log P over all alignments + the fusion
+    terms."""
     _, lm, *_ = models
     torch.manual_seed(1)
     log_probs = torch.randn(4, V).log_softmax(-1)
     nbest = ctc_prefix_beam_search(log_probs, 4, beam_size=100_000, fusion=Fusion(lm, 0.7, 1.2))
-    assert len(nbest) > 500 and [h.score for h in nbest] == sorted((h.score for h in nbest), reverse=True)
+    assert len(nbest) > 500 and [h.score for h in nbest] == sorted(
+        (h.score for h in nbest), reverse=True
+    )
     lm_lp = lm.sentence_log_probs([h.tokens for h in nbest])
     for h, lp in zip(nbest, lm_lp.tolist()):
-        assert h.score == pytest.approx(ctc_logprob(log_probs, 4, h.tokens) + 0.7 * lp + 1.2 * len(h.tokens), abs=1e-4)
+        assert h.score == pytest.approx(
+            ctc_logprob(log_probs, 4, h.tokens) + 0.7 * lp + 1.2 * len(h.tokens), abs=1e-4
+        )
 
 
 def test_a_fused_search_fed_piece_by_piece_with_partial_results_equals_one_pass(models):
@@ -147,19 +168,40 @@ from konkanivani.checkpoint import CheckpointError  # noqa: E402
 from konkanivani.cli import train_lm  # noqa: E402
 from konkanivani.data.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 from konkanivani.model.lm import check_same_vocabulary, load_lm  # noqa: E402
-from konkanivani.training import lm as lm_training  # noqa: E402
+from konkanivani.training import lm_training  # noqa: E402
 
-SENTENCES = Path(__file__).resolve().parents[1] / "konkanivani" / "resources" / "demo_sentences_kok.txt"
-TINY = ["--d_model", "32", "--layers", "1", "--n_heads", "2", "--batch_size", "16", "--warmup_steps", "5",
-        "--lr", "3e-3", "--device", "cpu", "--valid_every", "4"]
+SENTENCES = (
+    Path(__file__).resolve().parents[1] / "konkanivani" / "resources" / "demo_sentences_kok.txt"
+)
+TINY = [
+    "--d_model",
+    "32",
+    "--layers",
+    "1",
+    "--n_heads",
+    "2",
+    "--batch_size",
+    "16",
+    "--warmup_steps",
+    "5",
+    "--lr",
+    "3e-3",
+    "--device",
+    "cpu",
+    "--valid_every",
+    "4",
+]
 
 
 @pytest.fixture(scope="module")
 def text_setup(tmp_path_factory):
-    """200 sentences with blank lines among them, a tokenizer file, and a second, different tokenizer."""
+    """200 sentences with blank lines among them, a tokenizer file, and a second, different
+    tokenizer."""
     d = tmp_path_factory.mktemp("lm_text")
     lines = SENTENCES.read_text(encoding="utf-8").splitlines()[:200]
-    (d / "text.txt").write_text("\n".join(lines[:100] + ["", "   ।  "] + lines[100:]) + "\n\n", encoding="utf-8")
+    (d / "text.txt").write_text(
+        "\n".join(lines[:100] + ["", "   ।  "] + lines[100:]) + "\n\n", encoding="utf-8"
+    )
     train_tokenizer(lines, vocab_size=60).save(d / "tok.model")
     train_tokenizer(lines, vocab_size=70).save(d / "other.model")
     return d
@@ -167,8 +209,17 @@ def text_setup(tmp_path_factory):
 
 def _train(d: Path, out: str, *flags: str) -> dict:
     with torch.inference_mode(False):
-        args = train_lm.parse_args([str(d / "text.txt"), "--tokenizer", str(d / "tok.model"), "--output_dir",
-                                    str(d / out), *TINY, *flags])
+        args = train_lm.parse_args(
+            [
+                str(d / "text.txt"),
+                "--tokenizer",
+                str(d / "tok.model"),
+                "--output_dir",
+                str(d / out),
+                *TINY,
+                *flags,
+            ]
+        )
         return lm_training.train_lm(*train_lm.configs(args))
 
 
@@ -188,8 +239,10 @@ def test_read_sentences_counts_blank_lines_and_names_bad_text(text_setup, tmp_pa
 
 
 def test_lm_learns_and_resume_is_exact(text_setup, caplog):
-    """Validation perplexity drops by a third over 20 steps; 10 steps then a resume to 24 give the unbroken run's
-    losses, with the checkpoint's split even when the resume asks for another (and the log says that split)."""
+    """Validation perplexity drops by a third over 20 steps; 10 steps then a resume to 24 give the
+    unbroken run's losses, with the checkpoint's split even when the resume asks for another (and
+    the log says that split).
+    """
     d = text_setup
     caplog.set_level(logging.INFO, logger="konkanivani")
     whole = _train(d, "whole", "--max_steps", "24")
@@ -199,8 +252,12 @@ def test_lm_learns_and_resume_is_exact(text_setup, caplog):
     assert _train(d, "broken", "--max_steps", "10")["stopped_by"] == "max_steps"
     caplog.clear()
     _train(d, "broken", "--max_steps", "24", "--resume", "latest", "--valid_fraction", "0.5")
-    assert [r.getMessage() for r in caplog.records if "for validation" in r.getMessage()] == [split_line]
-    assert [r["loss"] for r in _rows(d, "broken", "train")] == [r["loss"] for r in _rows(d, "whole", "train")]
+    assert [r.getMessage() for r in caplog.records if "for validation" in r.getMessage()] == [
+        split_line
+    ]
+    assert [r["loss"] for r in _rows(d, "broken", "train")] == [
+        r["loss"] for r in _rows(d, "whole", "train")
+    ]
     a, b = load_lm(d / "whole" / "latest.pt")[0], load_lm(d / "broken" / "latest.pt")[0]
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(x, y), name
@@ -219,17 +276,41 @@ def test_cli_end_to_end(text_setup, tmp_path, caplog, capsys):
     """The console script's module as a subprocess: trains, saves, is refused a second fresh start,
     and its checkpoint fuses into decoding."""
     d = text_setup
-    cmd = [sys.executable, "-m", "konkanivani.cli.train_lm", str(d / "text.txt"), "--tokenizer", str(d / "tok.model"),
-           "--output_dir", str(tmp_path / "lm"), "--valid_text", str(d / "text.txt"), "--max_steps", "3", *TINY]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "konkanivani.cli.train_lm",
+        str(d / "text.txt"),
+        "--tokenizer",
+        str(d / "tok.model"),
+        "--output_dir",
+        str(tmp_path / "lm"),
+        "--valid_text",
+        str(d / "text.txt"),
+        "--max_steps",
+        "3",
+        *TINY,
+    ]
+    done = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr
     assert "step 3: validation perplexity" in done.stdout and "3 blank lines skipped" in done.stderr
-    assert {"latest.pt", "best.pt", "metrics.jsonl"} <= {p.name for p in (tmp_path / "lm").iterdir()}
+    assert {"latest.pt", "best.pt", "metrics.jsonl"} <= {
+        p.name for p in (tmp_path / "lm").iterdir()
+    }
     assert train_lm.main(cmd[3:]) == 2  # in-process from here on
     assert "already holds a run" in caplog.text
-    assert train_lm.main([str(tmp_path / "nope.txt"), *cmd[4:6], "--output_dir", str(tmp_path / "x")]) == 2
+    assert (
+        train_lm.main([str(tmp_path / "nope.txt"), *cmd[4:6], "--output_dir", str(tmp_path / "x")])
+        == 2
+    )
     assert f"{tmp_path / 'nope.txt'}: file not found" in caplog.text
-    # ...and its checkpoint fuses into konkanivani-transcribe, whose ASR checkpoint must share its tokenizer.
+    # ...and its checkpoint fuses into konkanivani-transcribe, whose ASR checkpoint must share its
+    # tokenizer.
     import soundfile
 
     from konkanivani.checkpoint import save_checkpoint
@@ -241,17 +322,44 @@ def test_cli_end_to_end(text_setup, tmp_path, caplog, capsys):
         asr = ASRModel(model_config_from_preset("tiny", vocab_size=tokenizer.vocab_size))
         save_checkpoint({"model_config": vars(asr.cfg), "tokenizer": tokenizer.model_proto,
                          "model": asr.state_dict()}, tmp_path / name)
-    lm_flags = ["--method", "joint", "--beam_size", "2", "--lm", str(tmp_path / "lm" / "best.pt"), "--lm_weight", "0.5",
-                "--length_bonus", "0.5", "--device", "cpu"]
+    lm_flags = [
+        "--method",
+        "joint",
+        "--beam_size",
+        "2",
+        "--lm",
+        str(tmp_path / "lm" / "best.pt"),
+        "--lm_weight",
+        "0.5",
+        "--length_bonus",
+        "0.5",
+        "--device",
+        "cpu",
+    ]
     with torch.inference_mode(False):
-        assert transcribe.main([str(tmp_path / "asr.pt"), str(tmp_path / "noise.wav"), *lm_flags]) == 0
+        assert (
+            transcribe.main([str(tmp_path / "asr.pt"), str(tmp_path / "noise.wav"), *lm_flags]) == 0
+        )
         caplog.clear()
-        assert transcribe.main([str(tmp_path / "other_asr.pt"), str(tmp_path / "noise.wav"), *lm_flags]) == 2
+        assert (
+            transcribe.main(
+                [str(tmp_path / "other_asr.pt"), str(tmp_path / "noise.wav"), *lm_flags]
+            )
+            == 2
+        )
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: language model") and str(tmp_path / "other_asr.pt") in err
     assert str(tmp_path / "lm" / "best.pt") in err
     with pytest.raises(SystemExit) as e:
-        transcribe.main([str(tmp_path / "asr.pt"), str(tmp_path / "noise.wav"), *lm_flags[:-2], "--method", "greedy"])
+        transcribe.main(
+            [
+                str(tmp_path / "asr.pt"),
+                str(tmp_path / "noise.wav"),
+                *lm_flags[:-2],
+                "--method",
+                "greedy",
+            ]
+        )
     assert e.value.code == 2 and "takes no --lm" in capsys.readouterr().err
 
 

@@ -34,7 +34,9 @@ def test_causal_mask_lower_triangular():
             assert bool(m[i, j]) == (j <= i)
 
 
-@pytest.mark.parametrize("size,chunk,left", [(1, 1, -1), (7, 1, 0), (7, 3, -1), (7, 3, 1), (10, 4, 0), (10, 2, 2)])
+@pytest.mark.parametrize(
+    "size,chunk,left", [(1, 1, -1), (7, 1, 0), (7, 3, -1), (7, 3, 1), (10, 4, 0), (10, 2, 2)]
+)
 def test_chunk_mask_allows_the_own_chunk_and_the_left_ones(size, chunk, left):
     mask = chunk_mask(size, chunk, left)
     for i in range(size):
@@ -44,7 +46,9 @@ def test_chunk_mask_allows_the_own_chunk_and_the_left_ones(size, chunk, left):
 
 
 def test_subsampled_lengths_match_convolution_output():
-    conv = torch.nn.Sequential(torch.nn.Conv2d(1, 1, 3, stride=2), torch.nn.Conv2d(1, 1, 3, stride=2))
+    conv = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 1, 3, stride=2), torch.nn.Conv2d(1, 1, 3, stride=2)
+    )
     for t in [7, 8, 9, 10, 33, 100, 101]:
         out = conv(torch.zeros(1, 1, t, 80))
         assert out.shape[2] == int(subsampled_lengths(torch.tensor(t)))

@@ -14,7 +14,7 @@ from konkanivani.data.frames import frames_of
 from konkanivani.training import memory
 from konkanivani.training.memory import GIB, MemoryEstimator, precision_name
 from konkanivani.training.precision import resolve_precision
-from konkanivani.training.run import FILL_FRACTION, gpu_batches
+from konkanivani.training.start import FILL_FRACTION, gpu_batches
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = ROOT / "benchmarks" / "results" / "gpu" / "h100_memory_rows.csv"
@@ -132,12 +132,21 @@ def test_the_t4_recipe_fills_15_gib_with_batches_of_the_median_utterance():
     args = train_cli.parse_args(["--config", str(ROOT / "configs" / "t4.yaml")])
     cfg = dataclass_from_args(TrainConfig, args)
     assert cfg.gpu_memory_gb == 15
-    est = MemoryEstimator(model_config_from_preset(cfg.preset, vocab_size=128), "fp16", cfg.optimizer,
-                          cfg.gradient_checkpointing, "cuda")
+    est = MemoryEstimator(
+        model_config_from_preset(cfg.preset, vocab_size=128),
+        "fp16",
+        cfg.optimizer,
+        cfg.gradient_checkpointing,
+        "cuda",
+    )
     durations = [2.0, 3.0, 3.0, 4.5, 9.0]
     planned, fits, per_batch = gpu_batches(cfg, est, durations, 15 * GIB)
     median = frames_of(3.0)
-    assert est.peak_bytes(per_batch, median) <= FILL_FRACTION * 15 * GIB < est.peak_bytes(per_batch + 1, median)
+    assert (
+        est.peak_bytes(per_batch, median)
+        <= FILL_FRACTION * 15 * GIB
+        < est.peak_bytes(per_batch + 1, median)
+    )
     assert fits(per_batch, median) and not fits(per_batch + 1, median)
     assert 250 <= per_batch <= 1500  # hundreds of utterances a step, where the CPU recipe takes 8
     assert planned.gradient_accumulation_steps == 1

@@ -90,8 +90,15 @@ def test_activations_offloaded_to_cpu_memory_give_the_same_gradients():
     grads = []
     for offload in (False, True):
         m = copy.deepcopy(model)
-        stats = forward_backward(m, batches, CPU, Precision(None, False, ""), torch.amp.GradScaler("cpu", enabled=False),
-                                 spec_augment=False, offload_activations=offload)
+        stats = forward_backward(
+            m,
+            batches,
+            CPU,
+            Precision(None, False, ""),
+            torch.amp.GradScaler("cpu", enabled=False),
+            spec_augment=False,
+            offload_activations=offload,
+        )
         grads.append(({n: p.grad for n, p in m.named_parameters()}, float(stats["loss"])))
     assert grads[0][1] == grads[1][1]
     for name, g in grads[0][0].items():
@@ -102,7 +109,8 @@ def test_explicit_precision(monkeypatch):
     monkeypatch.setattr(precision_module, "cpu_bf16_speed_ratio", lambda: 0.005)
     slow_bf16 = resolve_precision(CPU, False, "bf16")  # asked for outright: runs, with a warning
     assert slow_bf16.dtype == torch.bfloat16 and slow_bf16.slow and "far slower" in slow_bf16.note
-    assert resolve_precision(CPU, True, "fp32").dtype is None  # --precision overrides --mixed_precision
+    # --precision overrides --mixed_precision
+    assert resolve_precision(CPU, True, "fp32").dtype is None
     fp16 = resolve_precision(CPU, False, "fp16")
     assert fp16.dtype == torch.float16 and fp16.use_scaler
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
@@ -118,7 +126,9 @@ def test_norms_stay_fp32_under_autocast():
         h = torch.nn.Linear(8, 8)(torch.randn(2, 8))
         assert h.dtype == torch.bfloat16 and norm(h).dtype == torch.float32
     x = torch.randn(2, 8)
-    torch.testing.assert_close(norm(x), torch.nn.functional.layer_norm(x, (8,), norm.weight, norm.bias))
+    torch.testing.assert_close(
+        norm(x), torch.nn.functional.layer_norm(x, (8,), norm.weight, norm.bias)
+    )
 
 
 # ---- dynamic batches ---------------------------------------------------------------------------
@@ -135,7 +145,8 @@ def test_bucketed_batches_cover_the_epoch_within_budget_and_pad_little():
     batches = sampler.epoch_batches()
     assert sorted(i for b in batches for i in b) == list(range(len(durations)))
     assert all(len(b) * max(frames[i] for i in b) <= 4000 for b in batches)
-    fixed = LengthGroupedBatchSampler(durations, 4, seed=3, pool_batches=1).epoch_batches()  # no length grouping
+    # no length grouping
+    fixed = LengthGroupedBatchSampler(durations, 4, seed=3, pool_batches=1).epoch_batches()
     assert padding_fraction(batches, frames) < 0.5 * padding_fraction(fixed, frames)
     again = DurationBucketSampler(durations, max_frames=4000, seed=3).epoch_batches()
     assert again == batches  # deterministic by seed
@@ -147,7 +158,9 @@ def test_bucketed_batches_cover_the_epoch_within_budget_and_pad_little():
 def test_an_utterance_over_the_budget_goes_alone_and_the_cap_is_kept():
     sampler = DurationBucketSampler([1.0, 1.0, 30.0, 2.0], max_frames=1000, shuffle=False)
     assert [3 - len(b) for b in sampler.epoch_batches()] == [0, 2]  # [1 s, 1 s, 2 s], [30 s]
-    capped = DurationBucketSampler([1.0] * 10, max_frames=10 ** 6, shuffle=False, fits=lambda n, t: n <= 3)
+    capped = DurationBucketSampler(
+        [1.0] * 10, max_frames=10**6, shuffle=False, fits=lambda n, t: n <= 3
+    )
     assert [len(b) for b in capped.epoch_batches()] == [3, 3, 3, 1]
 
 
@@ -176,7 +189,10 @@ def test_sampler_resumed_mid_epoch_yields_exactly_the_remaining_batches(prefligh
 def test_preflight_puts_the_largest_batches_first_in_the_first_epoch_only():
     durations = _durations(200)
     frames = [frames_of(d) for d in durations]
-    cost = [len(b) * max(frames[i] for i in b) for b in LengthGroupedBatchSampler(durations, 4).epoch_batches()]
+    cost = [
+        len(b) * max(frames[i] for i in b)
+        for b in LengthGroupedBatchSampler(durations, 4).epoch_batches()
+    ]
     sampler = PreflightSampler(LengthGroupedBatchSampler(durations, 4), durations, 3)
     sampler.set_epoch(0)
     first = [len(b) * max(frames[i] for i in b) for b in sampler.epoch_batches()[:3]]
@@ -191,9 +207,15 @@ def test_split_batch_and_select_samples():
     batch = _batches(5, 5)[0]
     a, b = split_batch(batch)
     assert a.indices + b.indices == batch.indices
-    assert a.audio.shape[1] == int(a.audio_lens.max()) and b.tokens.shape[1] == int(b.token_lens.max())
+    assert a.audio.shape[1] == int(a.audio_lens.max()) and b.tokens.shape[1] == int(
+        b.token_lens.max()
+    )
     small, large = select_samples(100, 30, seed=1), select_samples(100, 60, seed=1)
-    assert len(small) == 30 and set(small) <= set(large) and select_samples(100, 0, seed=1) == list(range(100))
+    assert (
+        len(small) == 30
+        and set(small) <= set(large)
+        and select_samples(100, 0, seed=1) == list(range(100))
+    )
     assert select_samples(100, 30, seed=2) != small
 
 
@@ -233,7 +255,9 @@ def _step(model, batches, oom=None):
     state = _oom_on(model, *oom) if oom else None
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    stats = forward_backward(model, batches, CPU, resolve_precision(CPU, False), scaler, spec_augment=False)
+    stats = forward_backward(
+        model, batches, CPU, resolve_precision(CPU, False), scaler, spec_augment=False
+    )
     optimizer_step(model, opt, scaler, grad_clip=1.0)
     assert state is None or not state["armed"]  # the simulated error did happen
     return stats, model
@@ -259,7 +283,9 @@ def test_a_single_utterance_that_does_not_fit_stops_with_its_name():
     with pytest.raises(BatchDoesNotFit, match=r"train.jsonl:17 \(\d+ frames\) does not fit"):
         forward_backward(model, _batches(1, 1), CPU, resolve_precision(CPU, False), scaler, False,
                          name_of=lambda i: "train.jsonl:17")
-    assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate"))
+    assert is_out_of_memory(
+        RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate")
+    )
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
 
 
@@ -269,10 +295,15 @@ def test_plan_memory_prints_the_table_and_flags_that_fit(device, capsys):
 
     assert plan_memory.main(["--preset", "large", "--gpu_gb", "15", "--device", device]) == 0
     out = capsys.readouterr().out
-    assert "optimizer (adamw)" in out and "activations: encoder" in out and "--preset large --max_batch_frames" in out
+    assert (
+        "optimizer (adamw)" in out
+        and "activations: encoder" in out
+        and "--preset large --max_batch_frames" in out
+    )
     flags = out.split("recommended")[1].splitlines()[1].split()
     frames = int(flags[flags.index("--max_batch_frames") + 1])
     est = MemoryEstimator(model_config_from_preset("large", vocab_size=128), device=device)
-    assert est.peak_bytes(frames // 2001, 2001) <= 0.75 * 15 * 2 ** 30  # 20 s utterances, 25% margin
+    # 20 s utterances, 25% margin
+    assert est.peak_bytes(frames // 2001, 2001) <= 0.75 * 15 * 2 ** 30
     # nothing fits
     assert plan_memory.main(["--preset", "large", "--gpu_gb", "0.3", "--device", device]) == 1

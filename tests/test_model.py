@@ -22,29 +22,49 @@ def test_shapes():
     assert enc_lens.tolist() == [38, 29, 7]
     assert model.ctc_log_probs(enc).shape == (3, 38, V)
     tokens = torch.tensor([[5, 6, 7, 8], [9, 10, -1, -1], [11, -1, -1, -1]])
-    logits = model.decoder(torch.cat([torch.full((3, 1), 2), tokens.clamp_min(0)], 1), torch.tensor([5, 3, 2]),
-                           enc, enc_lens)
+    logits = model.decoder(
+        torch.cat([torch.full((3, 1), 2), tokens.clamp_min(0)], 1),
+        torch.tensor([5, 3, 2]),
+        enc,
+        enc_lens,
+    )
     assert logits.shape == (3, 5, V)
     out = model(feats, lens, tokens, torch.tensor([4, 2, 1]))
     assert all(t.shape == () and torch.isfinite(t) for t in out)
 
 
-@pytest.mark.parametrize("preset,low,high", [("large", 20e6, 35e6), ("medium", 7e6, 14e6), ("small", 2.5e6, 5e6),
-                                             ("tiny", 1e5, 4e5)])
+@pytest.mark.parametrize(
+    "preset,low,high",
+    [("large", 20e6, 35e6), ("medium", 7e6, 14e6), ("small", 2.5e6, 5e6), ("tiny", 1e5, 4e5)],
+)
 def test_preset_parameter_counts(preset, low, high):
     n = count_parameters(_model(preset))
     assert low < n < high, f"{preset}: {n:,}"
 
 
 def test_presets_match_the_published_sizes():
-    assert (PRESETS["large"]["d_model"], PRESETS["large"]["encoder_layers"], PRESETS["large"]["decoder_layers"]) == (256, 12, 6)
-    assert (PRESETS["medium"]["d_model"], PRESETS["medium"]["encoder_layers"], PRESETS["medium"]["decoder_layers"]) == (192, 8, 4)
-    assert (PRESETS["small"]["d_model"], PRESETS["small"]["encoder_layers"], PRESETS["small"]["decoder_layers"]) == (128, 6, 3)
+    assert (
+        PRESETS["large"]["d_model"],
+        PRESETS["large"]["encoder_layers"],
+        PRESETS["large"]["decoder_layers"],
+    ) == (256, 12, 6)
+    assert (
+        PRESETS["medium"]["d_model"],
+        PRESETS["medium"]["encoder_layers"],
+        PRESETS["medium"]["decoder_layers"],
+    ) == (192, 8, 4)
+    assert (
+        PRESETS["small"]["d_model"],
+        PRESETS["small"]["encoder_layers"],
+        PRESETS["small"]["decoder_layers"],
+    ) == (128, 6, 3)
 
 
 def test_layer_flags_add_exactly_one_block():
     cfg = model_config_from_preset("small")
-    block = count_parameters(ConformerBlock(cfg.d_model, cfg.n_heads, cfg.ffn_dim, cfg.conv_kernel, 0.0))
+    block = count_parameters(
+        ConformerBlock(cfg.d_model, cfg.n_heads, cfg.ffn_dim, cfg.conv_kernel, 0.0)
+    )
     layer = count_parameters(DecoderLayer(cfg.d_model, cfg.n_heads, cfg.ffn_dim, 0.0))
     base = count_parameters(_model("small"))
     assert count_parameters(_model("small", encoder_layers=7)) - base == block
@@ -76,12 +96,18 @@ def test_a_narrow_first_convolution_keeps_the_shapes_and_old_configs_mean_full_w
         assert out.shape == (2, 38, 128) and out_lens.tolist() == [38, 7]
     first, second = narrow.encoder.subsampling.conv[0], narrow.encoder.subsampling.conv[2]
     assert (first.out_channels, second.in_channels, second.out_channels) == (32, 32, 128)
-    assert count_parameters(full) - count_parameters(narrow) == (128 - 32) * (1 * 9 + 1) + (128 - 32) * 128 * 9
+    assert (
+        count_parameters(full) - count_parameters(narrow)
+        == (128 - 32) * (1 * 9 + 1) + (128 - 32) * 128 * 9
+    )
     stored = dict(vars(full.cfg))
     del stored["subsampling_channels"]  # a checkpoint written before the flag existed
     assert ModelConfig.from_dict(stored).subsampling_channels == 0
     assert ASRModel(ModelConfig.from_dict(stored)).encoder.subsampling.conv[0].out_channels == 128
-    for bad in (dict(subsampling_channels=-1), dict(subsampling_channels=32, subsampling="dw_striding")):
+    for bad in (
+        dict(subsampling_channels=-1),
+        dict(subsampling_channels=32, subsampling="dw_striding"),
+    ):
         with pytest.raises(ValueError, match="--subsampling_channels"):
             model_config_from_preset("tiny", **bad)
 
@@ -102,7 +128,8 @@ def test_utterance_cmvn_ignores_a_constant_gain_and_the_batch_padding_and_old_co
         alone = models["utterance"].encode(louder[1:, :60], lens[1:])[0]
     assert torch.allclose(moved["utterance"], enc["utterance"], atol=1e-4)
     assert not torch.allclose(moved["global"], enc["global"], atol=1e-2)
-    assert torch.allclose(alone[0], moved["utterance"][1, :alone.shape[1]], atol=1e-4)  # the same without padding
+    # the same without padding
+    assert torch.allclose(alone[0], moved["utterance"][1, :alone.shape[1]], atol=1e-4)
     stored = dict(vars(models["utterance"].cfg))
     assert ModelConfig.from_dict(stored).cmvn == "utterance"
     del stored["cmvn"]  # a checkpoint written before the flag existed
@@ -129,8 +156,15 @@ def test_padding_does_not_change_outputs():
     tok_lens = torch.tensor([5, 3])
     enc, enc_lens = model.encode(feats, lens)
     batch_out = model(feats, lens, tokens, tok_lens)
-    single = [model(feats[i:i + 1, :lens[i]], lens[i:i + 1], tokens[i:i + 1, :tok_lens[i]], tok_lens[i:i + 1])
-              for i in range(2)]
+    single = [
+        model(
+            feats[i : i + 1, : lens[i]],
+            lens[i : i + 1],
+            tokens[i : i + 1, : tok_lens[i]],
+            tok_lens[i : i + 1],
+        )
+        for i in range(2)
+    ]
     for i in range(2):
         alone, _ = model.encode(feats[i:i + 1, :lens[i]], lens[i:i + 1])
         torch.testing.assert_close(enc[i, :enc_lens[i]], alone[0], rtol=1e-4, atol=1e-4)

@@ -1,5 +1,7 @@
 """notebooks/train_on_colab_t4.ipynb: a valid notebook whose cells, run in order on a CPU with the
-tiny preset and a tiny demo corpus, make the corpus, train, resume, draw the curves and transcribe."""
+tiny preset and a tiny demo corpus, make the corpus, train, resume, draw the curves and transcribe.
+"""
+
 import importlib.util
 import json
 import os
@@ -36,14 +38,24 @@ def test_the_notebook_is_nbformat_4_with_empty_outputs_and_plain_python_cells():
     assert len(set(ids)) == len(ids)
     for cell in nb["cells"]:
         assert cell["cell_type"] in ("markdown", "code")
-        assert isinstance(cell["source"], list) and all(isinstance(line, str) for line in cell["source"])
+        assert isinstance(cell["source"], list) and all(
+            isinstance(line, str) for line in cell["source"]
+        )
         if cell["cell_type"] == "code":
-            assert set(cell) == {"cell_type", "id", "metadata", "source", "execution_count", "outputs"}
+            assert set(cell) == {
+                "cell_type",
+                "id",
+                "metadata",
+                "source",
+                "execution_count",
+                "outputs",
+            }
             assert cell["outputs"] == [] and cell["execution_count"] is None
         else:
             assert set(cell) == {"cell_type", "id", "metadata", "source"}
     code_cells = [cell for cell in nb["cells"] if cell["cell_type"] == "code"]
-    assert "settings" in _tags(code_cells[0])  # the one cell to edit (and for this test to override) comes first
+    # the one cell to edit (and for this test to override) comes first
+    assert "settings" in _tags(code_cells[0])
     skipped = [cell for cell in code_cells if SKIPPED_TAG in _tags(cell)]
     assert len(skipped) == 1 and "%tensorboard" in _code(skipped[0])
     for cell in code_cells:
@@ -60,11 +72,17 @@ def test_the_notebook_is_nbformat_4_with_empty_outputs_and_plain_python_cells():
 def test_the_notebook_trains_resumes_draws_and_transcribes_on_a_cpu(tmp_path, monkeypatch, capsys):
     if shutil.which("espeak-ng") is None:
         pytest.fail("espeak-ng is required for the end-to-end tests: apt-get install espeak-ng")
-    # The tools the notebook starts import this checkout; the notebook writes only where its settings say.
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    # The tools the notebook starts import this checkout; the notebook writes only where its
+    # settings say.
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    )
     monkeypatch.chdir(tmp_path)
-    recording = tmp_path / "recording.wav"  # what a user would upload: 22.05 kHz, not from the corpus
-    subprocess.run(["espeak-ng", "-v", "mr", "-w", str(recording), "हांव पणजेक वता"], check=True, timeout=60)
+    # what a user would upload: 22.05 kHz, not from the corpus
+    recording = tmp_path / "recording.wav"
+    subprocess.run(
+        ["espeak-ng", "-v", "mr", "-w", str(recording), "हांव पणजेक वता"], check=True, timeout=60
+    )
     run_dir = tmp_path / "drive" / "runs" / "t4"
     settings = {
         "REPO_DIR": str(ROOT), "DATA": "demo", "DATA_DIR": str(tmp_path / "demo"),
@@ -78,12 +96,17 @@ def test_the_notebook_trains_resumes_draws_and_transcribes_on_a_cpu(tmp_path, mo
     for cell in _notebook()["cells"]:
         if cell["cell_type"] != "code" or SKIPPED_TAG in _tags(cell):
             continue
-        if "resume" in _tags(cell):  # the session ended after step 3; the settings now ask for 6 steps
-            assert (run_dir / "step_0000003.pt").is_file() and not (run_dir / "step_0000006.pt").exists()
+        # the session ended after step 3; the settings now ask for 6 steps
+        if "resume" in _tags(cell):
+            assert (run_dir / "step_0000003.pt").is_file() and not (
+                run_dir / "step_0000006.pt"
+            ).exists()
             namespace["MAX_STEPS"] = 6
         exec(compile(_code(cell), f"{NOTEBOOK.name} cell {cell['id']}", "exec"), namespace)
         if "settings" in _tags(cell):
-            assert set(settings) <= set(namespace), "a setting the test overrides is gone from the notebook"
+            assert set(settings) <= set(
+                namespace
+            ), "a setting the test overrides is gone from the notebook"
             namespace.update(settings)
     assert namespace["IN_COLAB"] is False
 
@@ -92,10 +115,14 @@ def test_the_notebook_trains_resumes_draws_and_transcribes_on_a_cpu(tmp_path, mo
     for name in ("latest.pt", "best.pt", "config.yaml", "metrics.jsonl", "step_0000006.pt"):
         assert (run_dir / name).is_file(), name
     assert "resumed from" in out and "at step 3" in out
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+    metrics = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    ]
     assert max(row["step"] for row in metrics) == 6
     if importlib.util.find_spec("matplotlib") is not None:  # the plot extra (CI has it)
         assert (run_dir / "curves.png").stat().st_size > 0
         assert f"wrote {run_dir / 'curves.png'}" in out
-    transcripts = [line for line in out.splitlines() if line.startswith(f"{recording}\t")]  # path<TAB>text
+    # path<TAB>text
+    transcripts = [line for line in out.splitlines() if line.startswith(f"{recording}\t")]
     assert len(transcripts) == 1 and "1 of 1 files" in out

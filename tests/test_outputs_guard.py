@@ -25,9 +25,9 @@ from konkanivani.checkpoint import save_checkpoint
 from konkanivani.cli import average, evaluate, export, plot, prepare, transcribe, validate
 from konkanivani.config import model_config_from_preset
 from konkanivani.data.tokenizer import train_tokenizer
+from konkanivani.datatools.outputs import OutputError, check_outputs
 from konkanivani.decoding.recognizer import Recognizer
 from konkanivani.model.asr import ASRModel
-from konkanivani.tools.outputs import OutputError, check_outputs
 
 SR = 16000
 TEXTS = ["हांव घरा वता", "तूं कितें करता", "आमी पणजेक गेलें"]

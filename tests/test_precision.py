@@ -37,10 +37,16 @@ def test_probe_measures_a_ratio():
 
 
 def test_an_x86_cpu_without_bf16_flags_never_gets_bf16_whatever_a_busy_probe_measures(monkeypatch):
-    monkeypatch.setattr(precision_module, "_cpuinfo", lambda: ("AMD EPYC", frozenset({"avx2", "fma"})))
-    monkeypatch.setattr(precision_module, "_matmul_seconds", lambda dtype, size=256, seconds=0.02: 1e-3)
+    monkeypatch.setattr(
+        precision_module, "_cpuinfo", lambda: ("AMD EPYC", frozenset({"avx2", "fma"}))
+    )
+    monkeypatch.setattr(
+        precision_module, "_matmul_seconds", lambda dtype, size=256, seconds=0.02: 1e-3
+    )
     assert precision_module.cpu_bf16_speed_ratio.__wrapped__() == 0.0
-    monkeypatch.setattr(precision_module, "_cpuinfo", lambda: ("Xeon", frozenset({"avx2", "avx512_bf16"})))
+    monkeypatch.setattr(
+        precision_module, "_cpuinfo", lambda: ("Xeon", frozenset({"avx2", "avx512_bf16"}))
+    )
     threads = torch.get_num_threads()
     assert precision_module.cpu_bf16_speed_ratio.__wrapped__() == 1.0
     assert torch.get_num_threads() == threads
@@ -56,9 +62,12 @@ def test_probe_keeps_the_fastest_product_of_each_dtype_on_a_busy_machine(monkeyp
         return true[dtype] * slow[dtype].pop(0)
 
     monkeypatch.setattr(precision_module, "_matmul_seconds", fake_seconds)
-    monkeypatch.setattr(precision_module, "_cpuinfo", lambda: ("Xeon", frozenset({"avx2", "amx_bf16"})))
+    monkeypatch.setattr(
+        precision_module, "_cpuinfo", lambda: ("Xeon", frozenset({"avx2", "amx_bf16"}))
+    )
     assert precision_module.cpu_bf16_speed_ratio.__wrapped__(rounds=5) == 2.0
-    assert slow == {torch.float32: [], torch.bfloat16: []}  # one warm-up and 5 rounds of each, alternating
+    # one warm-up and 5 rounds of each, alternating
+    assert slow == {torch.float32: [], torch.bfloat16: []}
 
 
 def test_the_precision_note_names_the_cpu(monkeypatch):

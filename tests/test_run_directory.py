@@ -18,7 +18,7 @@ from tiny_args import tiny_args  # noqa: E402
 
 from konkanivani.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from konkanivani.cli import train as cli  # noqa: E402
-from konkanivani.training.rundir import (
+from konkanivani.training.run_files import (
     claim_output_dir,
     hold_run_directory,
     load_resume_checkpoint,
@@ -44,20 +44,29 @@ def first_run(tiny_corpus, tmp_path_factory):
     return out
 
 
-def test_a_fresh_run_into_a_used_directory_is_refused_and_changes_nothing(first_run, tiny_corpus, caplog):
+def test_a_fresh_run_into_a_used_directory_is_refused_and_changes_nothing(
+    first_run, tiny_corpus, caplog
+):
     before = _snapshot(first_run)
     assert "step_0000004.pt" in before and "metrics.jsonl" in before
     with caplog.at_level(logging.INFO, logger="konkanivani"):
         assert cli.main(tiny_args(tiny_corpus, first_run, "--max_steps", "6")) == 2
     errors = _errors(caplog)
     assert len(errors) == 1 and len(errors[0].splitlines()) == 1, errors
-    assert "already holds a run" in errors[0] and "--resume latest" in errors[0] and "--overwrite" in errors[0]
+    assert (
+        "already holds a run" in errors[0]
+        and "--resume latest" in errors[0]
+        and "--overwrite" in errors[0]
+    )
     assert _snapshot(first_run) == before  # nothing written, appended, pruned or deleted
 
 
-def test_overwrite_moves_the_old_run_aside_and_deletes_nothing(first_run, tiny_corpus, tmp_path, caplog):
+def test_overwrite_moves_the_old_run_aside_and_deletes_nothing(
+    first_run, tiny_corpus, tmp_path, caplog
+):
     out = tmp_path / "run"
-    shutil.copytree(first_run, out)  # a copy of the first run (its tensorboard/ too), hard links kept apart
+    # a copy of the first run (its tensorboard/ too), hard links kept apart
+    shutil.copytree(first_run, out)
     before = _snapshot(out)
     with caplog.at_level(logging.INFO, logger="konkanivani"):
         assert cli.main(tiny_args(tiny_corpus, out, "--max_steps", "3", "--overwrite")) == 0
@@ -67,16 +76,20 @@ def test_overwrite_moves_the_old_run_aside_and_deletes_nothing(first_run, tiny_c
     assert f"the previous run in {out} was moved to {aside[0]}" in caplog.text
     assert load_checkpoint(out / "latest.pt")["step"] == 3
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3]  # the new run's rows alone
-    assert not (out / "step_0000004.pt").exists()  # the old run's files are only in the folder aside
+    # the new run's rows alone
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3]
+    # the old run's files are only in the folder aside
+    assert not (out / "step_0000004.pt").exists()
 
 
-def test_a_second_run_in_the_same_directory_is_refused_while_the_first_holds_it(tiny_corpus, tmp_path, caplog):
+def test_a_second_run_in_the_same_directory_is_refused_while_the_first_holds_it(
+    tiny_corpus, tmp_path, caplog
+):
     out = tmp_path / "busy"
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys
-            from konkanivani.training.rundir import hold_run_directory
+            from konkanivani.training.run_files import hold_run_directory
             with hold_run_directory({str(out)!r}):
                 print("held", flush=True)
                 sys.stdin.read()
@@ -88,7 +101,8 @@ def test_a_second_run_in_the_same_directory_is_refused_while_the_first_holds_it(
         errors = _errors(caplog)
         assert len(errors) == 1 and "in use by another training run" in errors[0]
         assert f"pid {holder.pid}," in errors[0]
-        assert sorted(p.name for p in out.iterdir()) == [".lock"]  # no log, tokenizer or checkpoint of its own
+        # no log, tokenizer or checkpoint of its own
+        assert sorted(p.name for p in out.iterdir()) == [".lock"]
         holder.kill()  # kill -9: the kernel releases the lock with the process
         holder.wait()
         with hold_run_directory(out):
@@ -103,9 +117,17 @@ def test_the_lock_is_released_on_every_exit_of_a_run(tiny_corpus, tmp_path):
     corpus_missing = tmp_path / "nothing"
     corpus_missing.mkdir()
     assert cli.main(tiny_args(corpus_missing, out)) == 2  # an error inside the run
-    probe = [sys.executable, "-c", f"from konkanivani.training.rundir import hold_run_directory as h\nwith h({str(out)!r}): "
-             "print('free')"]
-    assert subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip() == "free"
+    probe = [
+        sys.executable,
+        "-c",
+        (
+            "from konkanivani.training.run_files import hold_run_directory as h\nwith"
+            f" h({str(out)!r}): print('free')"
+        ),
+    ]
+    assert (
+        subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip() == "free"
+    )
 
 
 def _state(step):
@@ -123,7 +145,9 @@ def test_resume_latest_falls_back_to_the_newest_readable_checkpoint(tmp_path, ca
     with caplog.at_level(logging.WARNING, logger="konkanivani"):
         state, path = load_resume_checkpoint("latest", tmp_path)
     assert state["step"] == 4 and path.name == "step_0000004.pt"
-    assert "latest.pt" in caplog.text and "truncated" in caplog.text and "resuming from" in caplog.text
+    assert (
+        "latest.pt" in caplog.text and "truncated" in caplog.text and "resuming from" in caplog.text
+    )
 
     # Truncated in place, the hard-linked step file is broken too: the one before it is used.
     with open(tmp_path / "step_0000004.pt", "r+b") as f:
@@ -142,7 +166,9 @@ def test_resume_latest_falls_back_to_the_newest_readable_checkpoint(tmp_path, ca
         load_resume_checkpoint("latest", tmp_path / "empty")
 
 
-def test_cli_resumes_from_the_step_file_when_latest_is_broken(first_run, tiny_corpus, tmp_path, caplog):
+def test_cli_resumes_from_the_step_file_when_latest_is_broken(
+    first_run, tiny_corpus, tmp_path, caplog
+):
     out = tmp_path / "run"
     shutil.copytree(first_run, out)  # copies: latest.pt is no longer a link to step 4
     (out / "latest.pt").write_bytes((out / "latest.pt").read_bytes()[:1000])
@@ -155,9 +181,18 @@ def test_cli_resumes_from_the_step_file_when_latest_is_broken(first_run, tiny_co
 
 def test_sigkill_of_a_training_run_frees_its_directory(tiny_corpus, tmp_path):
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "fault_run.py"), "kill9_at_step", "2", "--",
-                             *tiny_args(tiny_corpus, out, "--max_steps", "10")], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).parent / "fault_run.py"),
+            "kill9_at_step",
+            "2",
+            "--",
+            *tiny_args(tiny_corpus, out, "--max_steps", "10"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     assert proc.wait(timeout=300) == -signal.SIGKILL
     with hold_run_directory(out):  # nobody holds it any more
         pass
@@ -170,22 +205,41 @@ TEXTS = ["हांव घरा वता", "तूं कितें कर�
 
 def _manifests(tmp_path, usable=()):
     """train.jsonl and valid.jsonl in ``tmp_path/data``, ten rows each: text to train a tokenizer
-    on, and audio only for the manifests named in ``usable`` (the others' audio files are missing)."""
+    on, and audio only for the manifests named in ``usable`` (the others' audio files are missing).
+    """
     data = tmp_path / "data"
     data.mkdir(exist_ok=True)
     sf.write(data / "a.wav", np.random.default_rng(0).normal(0, 0.1, 16000), 16000)
     for name in ("train", "valid"):
         audio = "a.wav" if name in usable else "missing.wav"
         rows = [{"audio_filepath": audio, "duration": 1.0, "text": TEXTS[i % 2]} for i in range(10)]
-        (data / f"{name}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
-                                            encoding="utf-8")
+        (data / f"{name}.jsonl").write_text(
+            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8"
+        )
     return data
 
 
 def _flags(data, out, *extra):
-    return ["--train_manifest", str(data / "train.jsonl"), "--valid_manifest", str(data / "valid.jsonl"),
-            "--output_dir", str(out), "--device", "cpu", "--preset", "tiny", "--tokenizer_type", "char",
-            "--vocab_size", "30", "--num_workers", "0", "--no_progress", *extra]
+    return [
+        "--train_manifest",
+        str(data / "train.jsonl"),
+        "--valid_manifest",
+        str(data / "valid.jsonl"),
+        "--output_dir",
+        str(out),
+        "--device",
+        "cpu",
+        "--preset",
+        "tiny",
+        "--tokenizer_type",
+        "char",
+        "--vocab_size",
+        "30",
+        "--num_workers",
+        "0",
+        "--no_progress",
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize("name", ["best.pt", "model.pt"])
@@ -300,8 +354,13 @@ def test_a_read_only_output_dir_is_one_line_and_exit_2(tmp_path, caplog):
             pass
         else:
             pytest.skip("this process writes into read-only folders (root)")
-        for out, message in ((parent / "run", f"cannot make the output directory {parent / 'run'}: Permission denied"),
-                             (existing, f"cannot write to the output directory {existing}: permission denied")):
+        for out, message in (
+            (
+                parent / "run",
+                f"cannot make the output directory {parent / 'run'}: Permission denied",
+            ),
+            (existing, f"cannot write to the output directory {existing}: permission denied"),
+        ):
             caplog.clear()
             with caplog.at_level(logging.INFO, logger="konkanivani"):
                 assert cli.main(_flags(data, out)) == 2

@@ -35,8 +35,8 @@ from konkanivani.data.shards import (
     open_shards,
 )
 from konkanivani.data.tokenizer import train_tokenizer
-from konkanivani.tools import shards as shard_tools
-from konkanivani.tools.shards import write_shards
+from konkanivani.datatools import shard_writer as shard_tools
+from konkanivani.datatools.shard_writer import write_shards
 
 SCRIPT = Path(__file__).resolve().parents[1] / "training_scripts" / "train_konkanivani_asr.py"
 
@@ -51,10 +51,12 @@ def shard_dir(tiny_corpus, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_corpus):
-    return train_tokenizer([row["text"] for _, row in read_manifest(tiny_corpus / "train.jsonl")], 48)
+    return train_tokenizer(
+        [row["text"] for _, row in read_manifest(tiny_corpus / "train.jsonl")], 48
+    )
 
 
-# ---- writing ------------------------------------------------------------------------------------
+# ---- writing -------------------------------------------------------------------------------------
 
 def test_shards_hold_every_row_losslessly_and_webdataset_reads_them(tiny_corpus, shard_dir):
     rows = [row for _, row in read_manifest(tiny_corpus / "train.jsonl")]
@@ -65,21 +67,26 @@ def test_shards_hold_every_row_losslessly_and_webdataset_reads_them(tiny_corpus,
     assert (shard_dir / "text.txt").read_text().splitlines() == [r["text"] for r in rows]
 
     import webdataset as wds
-    samples = list(wds.WebDataset(str(shard_dir / "shard-{000000..000005}.tar"), shardshuffle=False))
+    samples = list(
+        wds.WebDataset(str(shard_dir / "shard-{000000..000005}.tar"), shardshuffle=False)
+    )
     assert [s["__key__"] for s in samples] == [f"train-{i:08d}" for i in range(1, len(rows) + 1)]
     for sample, row in zip(samples, rows, strict=True):
         meta = json.loads(sample["json"])
         assert meta["text"] == row["text"] and meta["speaker"] == row["speaker"]
         assert meta["duration"] == pytest.approx(row["duration"], abs=1e-3)
     flac, _ = sf.read(io.BytesIO(samples[3]["flac"]), dtype="float32")
-    assert torch.equal(torch.from_numpy(flac), load_audio(tiny_corpus / rows[3]["audio_filepath"]))  # lossless
+    # lossless
+    assert torch.equal(torch.from_numpy(flac), load_audio(tiny_corpus / rows[3]["audio_filepath"]))
 
 
 def test_bad_rows_are_counted_and_named_and_the_others_written(tiny_corpus, tmp_path):
     lines = (tiny_corpus / "train.jsonl").read_text().splitlines()[:6]
     broken = json.loads(lines[2]) | {"audio_filepath": "wavs/nowhere.wav"}
     manifest = tmp_path / "m.jsonl"
-    manifest.write_text("\n".join([lines[0], lines[1], json.dumps(broken), "{not json", lines[3]]) + "\n")
+    manifest.write_text(
+        "\n".join([lines[0], lines[1], json.dumps(broken), "{not json", lines[3]]) + "\n"
+    )
     (tmp_path / "wavs").symlink_to(tiny_corpus / "wavs")
     report = write_shards(manifest, tmp_path / "out", shard_size=2, progress=False)
     assert report.utterances == 3 and report.shards == 2
@@ -88,7 +95,9 @@ def test_bad_rows_are_counted_and_named_and_the_others_written(tiny_corpus, tmp_
     assert any(e.startswith(f"{manifest}:4: not a JSON") for e in report.examples)
 
 
-def test_a_killed_writer_leaves_only_whole_shards_and_a_rerun_keeps_them(tiny_corpus, tmp_path, monkeypatch):
+def test_a_killed_writer_leaves_only_whole_shards_and_a_rerun_keeps_them(
+    tiny_corpus, tmp_path, monkeypatch
+):
     clean = tmp_path / "clean"
     write_shards(tiny_corpus / "train.jsonl", clean, shard_size=10, progress=False)
     out = tmp_path / "out"
@@ -103,7 +112,11 @@ def test_a_killed_writer_leaves_only_whole_shards_and_a_rerun_keeps_them(tiny_co
     monkeypatch.setattr(shard_tools, "_encode", dies_in_shard_three)
     with pytest.raises(KeyboardInterrupt):
         write_shards(tiny_corpus / "train.jsonl", out, shard_size=10, progress=False)
-    assert sorted(p.name for p in out.iterdir()) == [".shards.progress.jsonl", "shard-000000.tar", "shard-000001.tar"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".shards.progress.jsonl",
+        "shard-000000.tar",
+        "shard-000001.tar",
+    ]
     with pytest.raises(ShardError):  # no list: nothing a reader could take for the whole set
         open_shards(str(out / LIST_NAME))
 
@@ -112,10 +125,16 @@ def test_a_killed_writer_leaves_only_whole_shards_and_a_rerun_keeps_them(tiny_co
     assert report.written == 4 and report.shards == 6  # the two whole shards kept, not read again
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in clean.iterdir())
     for p in clean.iterdir():
-        assert (out / p.name).read_bytes() == p.read_bytes(), p.name  # the same bytes as one unbroken run
+        # the same bytes as one unbroken run
+        assert (out / p.name).read_bytes() == p.read_bytes(), p.name
 
-    again = write_shards(tiny_corpus / "train.jsonl", out, shard_size=20, progress=False)  # other sizes: all anew
-    assert again.written == 3 and again.removed == ["shard-000003.tar", "shard-000004.tar", "shard-000005.tar"]
+    # other sizes: all anew
+    again = write_shards(tiny_corpus / "train.jsonl", out, shard_size=20, progress=False)
+    assert again.written == 3 and again.removed == [
+        "shard-000003.tar",
+        "shard-000004.tar",
+        "shard-000005.tar",
+    ]
     n = len(read_manifest(tiny_corpus / "train.jsonl"))
     assert [len(s) for s in open_shards(str(out)).shards] == [20, 20, n - 40]
 
@@ -123,7 +142,16 @@ def test_a_killed_writer_leaves_only_whole_shards_and_a_rerun_keeps_them(tiny_co
 def test_prepare_shards_command_refuses_the_manifests_own_folder(tiny_corpus, tmp_path):
     from konkanivani.cli.prepare import main
     with pytest.raises(SystemExit) as e:
-        main(["shards", str(tiny_corpus / "train.jsonl"), "--output_dir", str(tiny_corpus), "--shard_size", "5"])
+        main(
+            [
+                "shards",
+                str(tiny_corpus / "train.jsonl"),
+                "--output_dir",
+                str(tiny_corpus),
+                "--shard_size",
+                "5",
+            ]
+        )
     assert e.value.code == 2
     assert main(["shards", str(tiny_corpus / "train.jsonl"), "--output_dir", str(tmp_path / "s"),
                  "--shard_hours", "0.005", "--no_progress"]) == 0
@@ -134,7 +162,7 @@ def test_prepare_shards_command_refuses_the_manifests_own_folder(tiny_corpus, tm
 _HELD = """
 import sys, time
 from pathlib import Path
-import konkanivani.tools.shards as shards
+import konkanivani.datatools.shard_writer as shards
 from konkanivani.cli.prepare import main
 encode, started, go = shards._encode, Path(sys.argv[1]), Path(sys.argv[2])
 
@@ -183,26 +211,42 @@ def test_a_second_prepare_shards_into_the_same_folder_is_refused_in_one_line(tin
     assert _files(tiny_corpus) == corpus
 
 
-# ---- the plan -------------------------------------------------------------------------------------
+# ---- the plan ------------------------------------------------------------------------------------
 
 def _fake_set(counts, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    shards = [Shard(Path(f"s{i}.tar"), f"s{i}.tar", 0, tuple(f"k{i}_{j}" for j in range(n)),
-                    tuple(float(1 + 9 * torch.rand(1, generator=gen)) for _ in range(n))) for i, n in enumerate(counts)]
+    shards = [
+        Shard(
+            Path(f"s{i}.tar"),
+            f"s{i}.tar",
+            0,
+            tuple(f"k{i}_{j}" for j in range(n)),
+            tuple(float(1 + 9 * torch.rand(1, generator=gen)) for _ in range(n)),
+        )
+        for i, n in enumerate(counts)
+    ]
     return ShardSet(shards, "fake")
 
 
 def _plans(shards, world, streams, **kw):
     frames = [frames_of(d) for d in shards.durations()]
-    return [ShardPlan(shards, frames, rank=r, world=world, streams=streams, **kw) for r in range(world)]
+    return [
+        ShardPlan(shards, frames, rank=r, world=world, streams=streams, **kw) for r in range(world)
+    ]
 
 
 @settings(max_examples=60, deadline=None)
-@given(counts=st.lists(st.integers(0, 30), min_size=1, max_size=7).filter(lambda c: sum(c) >= 6),
-       world=st.integers(1, 3), streams=st.integers(1, 3), buffer=st.integers(1, 20), epoch=st.integers(0, 3),
-       budget=st.sampled_from([0, 1200, 3000]))
-def test_every_utterance_once_per_epoch_and_as_many_batches_in_every_process(counts, world, streams, buffer, epoch,
-                                                                             budget):
+@given(
+    counts=st.lists(st.integers(0, 30), min_size=1, max_size=7).filter(lambda c: sum(c) >= 6),
+    world=st.integers(1, 3),
+    streams=st.integers(1, 3),
+    buffer=st.integers(1, 20),
+    epoch=st.integers(0, 3),
+    budget=st.sampled_from([0, 1200, 3000]),
+)
+def test_every_utterance_once_per_epoch_and_as_many_batches_in_every_process(
+    counts, world, streams, buffer, epoch, budget
+):
     shards = _fake_set(counts)
     plans = _plans(shards, world, streams, buffer=buffer, max_frames=budget, batch_size=3)
     for p in plans:
@@ -213,7 +257,11 @@ def test_every_utterance_once_per_epoch_and_as_many_batches_in_every_process(cou
     assert len({len(rank) for rank in batches}) == 1  # no process waits for another at the end
     for rank in batches:
         for b in rank:
-            assert not budget or len(b) <= 1 or len(b) * max(frames_of(shards.durations()[i]) for i in b) <= budget
+            assert (
+                not budget
+                or len(b) <= 1
+                or len(b) * max(frames_of(shards.durations()[i]) for i in b) <= budget
+            )
     again = _plans(shards, world, streams, buffer=buffer, max_frames=budget, batch_size=3)
     for p, q in zip(plans, again):
         q.set_epoch(epoch)
@@ -223,7 +271,9 @@ def test_every_utterance_once_per_epoch_and_as_many_batches_in_every_process(cou
 @settings(max_examples=40, deadline=None)
 @given(counts=st.lists(st.integers(1, 25), min_size=1, max_size=6), streams=st.integers(1, 4),
        start=st.integers(0, 40))
-def test_after_a_resume_the_workers_in_turn_give_the_rest_of_the_epoch_in_order(counts, streams, start):
+def test_after_a_resume_the_workers_in_turn_give_the_rest_of_the_epoch_in_order(
+    counts, streams, start
+):
     """A fresh DataLoader takes its workers' batches in turn from worker 0; ``work`` gives worker w
     the stream that makes that the unbroken epoch's order."""
     plan = _plans(_fake_set(counts), 1, streams, buffer=7, batch_size=2)[0]
@@ -243,30 +293,40 @@ def test_a_plan_differs_from_epoch_to_epoch_and_splits_few_shards_among_many_pro
     assert {i % 3 for b in plans[1].epoch_batches() for i in b} == {1}
     a = plans[0].epoch_batches()
     plans[0].set_epoch(1)
-    assert plans[0].epoch_batches() != a and sorted(sum(a, [])) == sorted(sum(plans[0].epoch_batches(), []))
+    assert plans[0].epoch_batches() != a and sorted(sum(a, [])) == sorted(
+        sum(plans[0].epoch_batches(), [])
+    )
 
 
 # ---- reading -------------------------------------------------------------------------------------
 
 def _loader(plan, tokenizer, workers):
     from torch.utils.data import DataLoader
-    return DataLoader(ShardStream(plan, tokenizer, ASRDataset([])), batch_size=None, num_workers=workers)
+    return DataLoader(
+        ShardStream(plan, tokenizer, ASRDataset([])), batch_size=None, num_workers=workers
+    )
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_the_dataloader_gives_the_plans_batches_with_their_features_and_tokens(shard_dir, tokenizer, tiny_corpus,
-                                                                              workers):
+def test_the_dataloader_gives_the_plans_batches_with_their_features_and_tokens(
+    shard_dir, tokenizer, tiny_corpus, workers
+):
     shards = open_shards(str(shard_dir))
     plan = _plans(shards, 1, workers, buffer=8, max_frames=2000)[0]
     plan.set_epoch(2)
     batches = list(_loader(plan, tokenizer, workers))
-    assert [b.indices for b in batches] == plan.epoch_batches() and not any(b.missing for b in batches)
+    assert [b.indices for b in batches] == plan.epoch_batches() and not any(
+        b.missing for b in batches
+    )
     rows = [row for _, row in read_manifest(tiny_corpus / "train.jsonl")]
     b = batches[1]
     i = b.indices[0]
-    assert b.tokens[0, :b.token_lens[0]].tolist() == tokenizer.encode(rows[i]["text"])  # set index = manifest row
+    # set index = manifest row
+    assert b.tokens[0, :b.token_lens[0]].tolist() == tokenizer.encode(rows[i]["text"])
     plan.set_epoch(2, 3)  # resumed after 3 batches
-    assert [b.indices for b in _loader(plan, tokenizer, workers)] == [b.indices for b in batches[3:]]
+    assert [b.indices for b in _loader(plan, tokenizer, workers)] == [
+        b.indices for b in batches[3:]
+    ]
 
 
 def _copy_shards(shard_dir, tmp_path):
@@ -298,7 +358,8 @@ def test_a_corrupt_member_is_skipped_and_counted_and_a_truncated_shard_ends_with
     with caplog.at_level("WARNING", logger="konkanivani"):
         batches = list(_loader(plan, tokenizer, 0))
     missing = sorted(i for b in batches for i in b.missing)
-    assert missing == [2] + list(range(15, 20))  # the corrupt one; the truncated shard's 6th to 10th
+    # the corrupt one; the truncated shard's 6th to 10th
+    assert missing == [2] + list(range(15, 20))
     assert sum(len(b) for b in batches) == len(shards) - 6
     log = caplog.text
     assert "shard-000001.tar: shard truncated or corrupt after 5 utterances" in log
@@ -306,11 +367,15 @@ def test_a_corrupt_member_is_skipped_and_counted_and_a_truncated_shard_ends_with
     assert "1 audio unreadable" in log and "5 missing from their shard" in log
 
 
-def test_a_missing_shard_or_one_that_differs_from_its_list_is_one_line_before_training(shard_dir, tmp_path):
+def test_a_missing_shard_or_one_that_differs_from_its_list_is_one_line_before_training(
+    shard_dir, tmp_path
+):
     out = _copy_shards(shard_dir, tmp_path)
     second = out / "shard-000001.tar"
     second.write_bytes(second.read_bytes()[:-1024])
-    with pytest.raises(ShardError, match=r"shard-000001.tar: \d+ bytes, but .*shards.json lists \d+"):
+    with pytest.raises(
+        ShardError, match=r"shard-000001.tar: \d+ bytes, but .*shards.json lists \d+"
+    ):
         open_shards(str(out / LIST_NAME))
     second.unlink()
     with pytest.raises(ShardError, match="shard-000001.tar: shard missing"):
@@ -509,7 +574,9 @@ def test_a_worker_that_raises_ends_training_in_one_line_at_once(tiny_corpus, sha
 def test_brace_patterns_and_list_files_find_what_the_list_holds(shard_dir, tmp_path):
     listed = open_shards(str(shard_dir / LIST_NAME))
     pattern = open_shards(str(shard_dir / "shard-{000000..000005}.tar"))
-    (tmp_path / "list.txt").write_text("".join(f"{shard_dir}/shard-{i:06d}.tar\n" for i in range(6)))
+    (tmp_path / "list.txt").write_text(
+        "".join(f"{shard_dir}/shard-{i:06d}.tar\n" for i in range(6))
+    )
     from_file = open_shards(str(tmp_path / "list.txt"))
     for other in (pattern, from_file):
         assert [s.keys for s in other.shards] == [s.keys for s in listed.shards]
@@ -519,7 +586,9 @@ def test_brace_patterns_and_list_files_find_what_the_list_holds(shard_dir, tmp_p
 # ---- training ------------------------------------------------------------------------------------
 
 def _train(args):
-    result = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=900
+    )
     return result
 
 
@@ -530,7 +599,9 @@ def _rows(out):
 def test_a_missing_shard_stops_training_before_it_starts(tiny_corpus, shard_dir, tmp_path):
     out = _copy_shards(shard_dir, tmp_path)
     (out / "shard-000004.tar").unlink()
-    result = _train(tiny_args(tiny_corpus, tmp_path / "run", "--train_shards", str(out / LIST_NAME)))
+    result = _train(
+        tiny_args(tiny_corpus, tmp_path / "run", "--train_shards", str(out / LIST_NAME))
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == \
         f"error: {out / 'shard-000004.tar'}: shard missing (listed in {out / LIST_NAME})"
@@ -540,35 +611,58 @@ def test_a_missing_shard_stops_training_before_it_starts(tiny_corpus, shard_dir,
 @pytest.mark.slow
 def test_training_on_shards_learns_and_a_resume_mid_epoch_goes_on_with_the_same_batches(
         tiny_corpus, shard_dir, tmp_path):
-    common = ("--train_shards", str(shard_dir / LIST_NAME), "--num_workers", "2", "--shuffle_buffer", "16",
-              "--max_batch_frames", "3000", "--save_every_steps", "5", "--keep_checkpoints", "10")
+    common = (
+        "--train_shards",
+        str(shard_dir / LIST_NAME),
+        "--num_workers",
+        "2",
+        "--shuffle_buffer",
+        "16",
+        "--max_batch_frames",
+        "3000",
+        "--save_every_steps",
+        "5",
+        "--keep_checkpoints",
+        "10",
+    )
     whole = tmp_path / "whole"
     result = _train(tiny_args(tiny_corpus, whole, *common, "--max_steps", "40"))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"train shards {shard_dir / LIST_NAME}: 6 shards, {len(open_shards(str(shard_dir)))} utterances" \
+    assert (
+        f"train shards {shard_dir / LIST_NAME}: 6 shards, {len(open_shards(str(shard_dir)))}"
+        " utterances"
         in result.stderr
+    )
     train, valid = ([r for r in _rows(whole) if r["kind"] == kind] for kind in ("train", "valid"))
-    assert sum(r["loss"] for r in train[-10:]) < 0.85 * sum(r["loss"] for r in train[:10])  # it learns
-    assert valid[-1]["loss"] < 0.9 * valid[0]["loss"] and len(valid) == 10  # an epoch is 4 steps: 10 epochs
+    # it learns
+    assert sum(r["loss"] for r in train[-10:]) < 0.85 * sum(r["loss"] for r in train[:10])
+    # an epoch is 4 steps: 10 epochs
+    assert valid[-1]["loss"] < 0.9 * valid[0]["loss"] and len(valid) == 10
 
     split = tmp_path / "split"
     first = _train(tiny_args(tiny_corpus, split, *common, "--max_steps", "13"))
     assert first.returncode == 0, first.stderr[-3000:]
     state = torch.load(split / "latest.pt", weights_only=True)
     assert state["batches_done"] > 0  # stopped inside an epoch
-    assert state["data_position"][0]["kind"] == "shards" and state["data_position"][0]["streams"] == 2
-    second = _train(tiny_args(tiny_corpus, split, *common, "--max_steps", "40", "--resume", "latest"))
+    assert (
+        state["data_position"][0]["kind"] == "shards" and state["data_position"][0]["streams"] == 2
+    )
+    second = _train(
+        tiny_args(tiny_corpus, split, *common, "--max_steps", "40", "--resume", "latest")
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     a, b = [r for r in _rows(split) if r["kind"] == "train"], train
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b, strict=True):
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5), (ra, rb)
-    wa, wb = torch.load(split / "latest.pt", weights_only=True), torch.load(whole / "latest.pt", weights_only=True)
+    wa, wb = torch.load(split / "latest.pt", weights_only=True), torch.load(
+        whole / "latest.pt", weights_only=True
+    )
     for name, tensor in wb["model"].items():
         torch.testing.assert_close(wa["model"][name], tensor, rtol=0, atol=1e-6)
 
 
-# ---- two processes under torchrun -----------------------------------------------------------------
+# ---- two processes under torchrun ----------------------------------------------------------------
 
 TRACED = Path(__file__).resolve().parent / "traced_run.py"
 
@@ -576,9 +670,24 @@ TRACED = Path(__file__).resolve().parent / "traced_run.py"
 def _torchrun_traced(trace, args):
     trace.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(TRACED), str(trace), "--", *args], env=env, capture_output=True, text=True,
-                          timeout=900)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(TRACED),
+            str(trace),
+            "--",
+            *args,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 def _trace(trace, rank):
@@ -589,31 +698,58 @@ def _trace(trace, rank):
 def test_two_torchrun_processes_see_every_utterance_once_an_epoch_and_resume_on_the_same_batches(
         tiny_corpus, tmp_path):
     shards = tmp_path / "shards"
-    write_shards(tiny_corpus / "train.jsonl", shards, shard_size=12, progress=False)  # 4 whole + 1 shared by both
+    # 4 whole + 1 shared by both
+    write_shards(tiny_corpus / "train.jsonl", shards, shard_size=12, progress=False)
     total = len(open_shards(str(shards)))
-    common = ("--train_shards", str(shards / LIST_NAME), "--num_workers", "2", "--shuffle_buffer", "10",
-              "--gradient_accumulation_steps", "1", "--no_preflight", "--save_every_steps", "4", "--epochs", "2")
+    common = (
+        "--train_shards",
+        str(shards / LIST_NAME),
+        "--num_workers",
+        "2",
+        "--shuffle_buffer",
+        "10",
+        "--gradient_accumulation_steps",
+        "1",
+        "--no_preflight",
+        "--save_every_steps",
+        "4",
+        "--epochs",
+        "2",
+    )
     whole = tmp_path / "whole"
     result = _torchrun_traced(whole / "trace", tiny_args(tiny_corpus, whole / "run", *common))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     traces = [_trace(whole / "trace", r) for r in (0, 1)]
-    assert [t["step"] for t in traces[0]] == [t["step"] for t in traces[1]]  # the same steps: nobody waits
+    # the same steps: nobody waits
+    assert [t["step"] for t in traces[0]] == [t["step"] for t in traces[1]]
     for epoch in (0, 1):
-        seen = [i for t in traces for row in t if row["epoch"] == epoch for b in row["batches"] for i in b]
+        seen = [
+            i
+            for t in traces
+            for row in t
+            if row["epoch"] == epoch
+            for b in row["batches"]
+            for i in b
+        ]
         assert sorted(seen) == list(range(total)), epoch  # every utterance, once
     assert traces[0][0]["batches"] != traces[0][len(traces[0]) // 2]["batches"]
 
     split = tmp_path / "split"
     steps = len(traces[0])
-    first = _torchrun_traced(split / "trace", tiny_args(tiny_corpus, split / "run", *common, "--max_steps", "5"))
+    first = _torchrun_traced(
+        split / "trace", tiny_args(tiny_corpus, split / "run", *common, "--max_steps", "5")
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     state = torch.load(split / "run" / "latest.pt", weights_only=True)
     assert state["step"] == 5 and state["batches_done"] > 0 and len(state["data_position"]) == 2
-    second = _torchrun_traced(split / "trace", tiny_args(tiny_corpus, split / "run", *common, "--resume", "latest"))
+    second = _torchrun_traced(
+        split / "trace", tiny_args(tiny_corpus, split / "run", *common, "--resume", "latest")
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from latest at step 5" in second.stderr
     for r in (0, 1):
-        assert _trace(split / "trace", r) == traces[r]  # the same batches, step by step, in both processes
+        # the same batches, step by step, in both processes
+        assert _trace(split / "trace", r) == traces[r]
     a, b = (torch.load(d / "run" / "latest.pt", weights_only=True) for d in (split, whole))
     assert a["step"] == b["step"] == steps
     for name, tensor in b["model"].items():

@@ -12,9 +12,30 @@ shards = load("shards")
 @pytest.mark.slow
 def test_the_shards_benchmark_writes_its_tables_and_plot(tiny_corpus, tmp_path, capsys):
     out = tmp_path / "shards"
-    code = shards.main(["--corpus", str(tiny_corpus), "--out", str(out), "--latency_ms", "2", "--shard_size", "10",
-                        "--utterances", "30", "--max_batch_frames", "3000", "--preset", "tiny", "--train_steps", "6",
-                        "--scaling_steps", "6", "--extra", "--num_buckets 2"])
+    code = shards.main(
+        [
+            "--corpus",
+            str(tiny_corpus),
+            "--out",
+            str(out),
+            "--latency_ms",
+            "2",
+            "--shard_size",
+            "10",
+            "--utterances",
+            "30",
+            "--max_batch_frames",
+            "3000",
+            "--preset",
+            "tiny",
+            "--train_steps",
+            "6",
+            "--scaling_steps",
+            "6",
+            "--extra",
+            "--num_buckets 2",
+        ]
+    )
     assert code == 0
     loader = list(csv.DictReader(open(out / "loader.csv")))
     assert [r["store"] for r in loader] == ["loose", "shards", "shards / loose"]
@@ -27,5 +48,9 @@ def test_the_shards_benchmark_writes_its_tables_and_plot(tiny_corpus, tmp_path, 
     assert [int(r["processes"]) for r in scaling] == [1, 2] and float(scaling[1]["efficiency"]) > 0
     assert (out / "shards.png").stat().st_size > 10_000
     printed = capsys.readouterr().out
-    assert "| loader alone" in printed and "| training" in printed and "| torchrun processes" in printed
+    assert (
+        "| loader alone" in printed
+        and "| training" in printed
+        and "| torchrun processes" in printed
+    )
     assert "startup: checking the manifest's" in printed

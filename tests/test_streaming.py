@@ -1,5 +1,6 @@
 """Streaming: one model for full-context and chunk-by-chunk recognition. The chunk mask, the causal
-convolution, the per-batch chunk draw of --dynamic_chunk, and the central property: encoding a stream
+convolution, the per-batch chunk draw of --dynamic_chunk, and the central property: encoding a
+stream
 chunk by chunk with caches gives the frames the full forward gives under the same chunk mask."""
 import doctest
 import functools
@@ -28,7 +29,10 @@ def test_the_doctests_hold():
 @pytest.mark.parametrize("frames", [7, 8, 10, 11, 30, 50, 217])
 @pytest.mark.parametrize("chunk", [1, 3, 4, 25])
 def test_feature_windows_make_the_encoder_frames_of_the_whole(frames, chunk):
-    made = [int(subsampled_lengths(w.shape[1])) for w in feature_windows(torch.zeros(1, frames, 2), chunk)]
+    made = [
+        int(subsampled_lengths(w.shape[1]))
+        for w in feature_windows(torch.zeros(1, frames, 2), chunk)
+    ]
     assert sum(made) == subsampled_lengths(frames)
     assert all(n == chunk for n in made[:-1]) and 1 <= made[-1] <= chunk
 
@@ -43,7 +47,9 @@ def _causal_encoder(subsampling):
 @pytest.mark.parametrize("subsampling", ["conv2d", "dw_striding"])
 @pytest.mark.parametrize("chunk", [1, 2, 4, 8])
 @pytest.mark.parametrize("left", [-1, 1, 2])
-def test_chunk_by_chunk_with_caches_equals_the_full_forward_under_the_chunk_mask(subsampling, chunk, left):
+def test_chunk_by_chunk_with_caches_equals_the_full_forward_under_the_chunk_mask(
+    subsampling, chunk, left
+):
     encoder = _causal_encoder(subsampling)
     torch.manual_seed(1)
     lens = torch.tensor([217, 150])  # 53 and 36 encoder frames: no multiple of 2, 4 or 8
@@ -68,7 +74,8 @@ def test_the_chunk_mask_changes_the_output_and_a_chunk_longer_than_the_input_doe
 
 
 def test_the_rotary_positions_are_absolute_when_the_cache_keeps_a_window():
-    """With one left chunk the cache holds 2 frames, yet the 20th chunk's frames sit at 38 and 39."""
+    """With one left chunk the cache holds 2 frames, yet the 20th chunk's frames sit at 38 and
+    39."""
     encoder = _causal_encoder("conv2d")
     feats = torch.randn(1, 167, 80)  # 41 encoder frames
     with torch.no_grad():
@@ -105,11 +112,15 @@ def test_the_causal_convolution_sees_no_later_frame():
 def test_default_flags_take_no_chunk_path(monkeypatch):
     """A model of default flags builds no chunk mask and draws no chunk size, in training either: it
     computes what it computed before the streaming flags existed."""
-    cfg = ModelConfig(vocab_size=V, d_model=48, n_heads=2, ffn_dim=96, encoder_layers=2, decoder_layers=1)
+    cfg = ModelConfig(
+        vocab_size=V, d_model=48, n_heads=2, ffn_dim=96, encoder_layers=2, decoder_layers=1
+    )
     assert not (cfg.dynamic_chunk or cfg.dynamic_left_chunks or cfg.causal_conv)
     torch.manual_seed(0)
     model = ASRModel(cfg)
-    assert all(b.conv_module.depthwise.padding == (cfg.conv_kernel // 2,) for b in model.encoder.blocks)
+    assert all(
+        b.conv_module.depthwise.padding == (cfg.conv_kernel // 2,) for b in model.encoder.blocks
+    )
 
     def refused(*args, **kwargs):
         raise AssertionError("the chunk path was taken")
@@ -117,7 +128,9 @@ def test_default_flags_take_no_chunk_path(monkeypatch):
     monkeypatch.setattr(ConformerEncoder, "draw_chunk", refused)
     feats, lens = torch.randn(2, 120, 80), torch.tensor([120, 90])
     model.train()
-    out = model(feats, lens, torch.tensor([[5, 6, 7], [8, 9, -1]]), torch.tensor([3, 2]), spec_augment=True)
+    out = model(
+        feats, lens, torch.tensor([[5, 6, 7], [8, 9, -1]]), torch.tensor([3, 2]), spec_augment=True
+    )
     out.loss.backward()
     model.eval()
     with torch.no_grad():
@@ -131,12 +144,18 @@ def test_old_checkpoint_configs_load_as_full_context_models():
     cfg = ModelConfig.from_dict(stored)
     assert (cfg.dynamic_chunk, cfg.dynamic_left_chunks, cfg.causal_conv) == (False, False, False)
     assert not any(b.conv_module.causal for b in ASRModel(cfg).encoder.blocks)
-    streaming = vars(model_config_from_preset("tiny", vocab_size=V, dynamic_chunk=True, causal_conv=True, max_chunk=8))
+    streaming = vars(
+        model_config_from_preset(
+            "tiny", vocab_size=V, dynamic_chunk=True, causal_conv=True, max_chunk=8
+        )
+    )
     assert ModelConfig.from_dict(streaming) == ModelConfig(**streaming)
 
 
 def test_dynamic_chunk_draws_a_chunk_per_training_batch_and_trains():
-    model = _model(dynamic_chunk=True, dynamic_left_chunks=True, max_chunk=8, causal_conv=True, dropout=0.0)
+    model = _model(
+        dynamic_chunk=True, dynamic_left_chunks=True, max_chunk=8, causal_conv=True, dropout=0.0
+    )
     encoder = model.encoder
     torch.manual_seed(3)
     draws = [encoder.draw_chunk(30) for _ in range(300)]
@@ -156,7 +175,9 @@ def test_dynamic_chunk_draws_a_chunk_per_training_batch_and_trains():
         torch.manual_seed(seed)
         trained = encoder.train()(feats, lens)[0]
         with torch.no_grad():
-            torch.testing.assert_close(trained, encoder.eval()(feats, lens, chunk_size=chunk, left_chunks=left)[0])
+            torch.testing.assert_close(
+                trained, encoder.eval()(feats, lens, chunk_size=chunk, left_chunks=left)[0]
+            )
     assert len(seen) > 1
 
     model.train()
@@ -187,9 +208,13 @@ def test_a_model_trained_with_dynamic_chunk_decodes_the_same_ctc_text_chunk_by_c
     emitted = 0
     with torch.no_grad():
         for chunk, left in [(1, -1), (4, -1), (4, 2), (8, 1)]:
-            full = model.ctc_log_probs(model.encode(feats, lens, chunk_size=chunk, left_chunks=left)[0]).argmax(-1)
+            full = model.ctc_log_probs(
+                model.encode(feats, lens, chunk_size=chunk, left_chunks=left)[0]
+            ).argmax(-1)
             for b in range(2):
-                enc = model.encoder.forward_chunk_by_chunk(model.normalize(feats[b:b + 1]), chunk, left)
+                enc = model.encoder.forward_chunk_by_chunk(
+                    model.normalize(feats[b : b + 1]), chunk, left
+                )
                 streamed = model.ctc_log_probs(enc).argmax(-1)[0]
                 assert streamed.tolist() == full[b].tolist()
                 emitted += int((streamed != 0).sum())

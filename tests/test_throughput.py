@@ -26,13 +26,36 @@ def test_grouped_convolution_backward_is_counted_once_per_group():
 @pytest.mark.slow
 def test_one_round_of_the_small_preset_prints_one_json_line(capsys):
     threads = torch.get_num_threads()
-    assert throughput.main(["--preset", "small", "--rounds", "1", "--warmup", "0", "--utterances", "2",
-                            "--seconds", "1", "--tokens", "4", "--threads", "1", "--json"]) == 0
+    assert (
+        throughput.main(
+            [
+                "--preset",
+                "small",
+                "--rounds",
+                "1",
+                "--warmup",
+                "0",
+                "--utterances",
+                "2",
+                "--seconds",
+                "1",
+                "--tokens",
+                "4",
+                "--threads",
+                "1",
+                "--json",
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     models = {row["model"] for row in result["rows"]}
     assert models == {"torchaudio", "ours enc+CTC", "ours full"}
     assert all(row["gflop_per_step"] > 0 and row["step_s"] > 0 for row in result["rows"])
-    assert set(result["speedup_vs_torchaudio"]) >= {"small/fp32/ours enc+CTC", "small/fp32/ours full"}
+    assert set(result["speedup_vs_torchaudio"]) >= {
+        "small/fp32/ours enc+CTC",
+        "small/fp32/ours full",
+    }
     # The process keeps its thread count (a later in-process training run must match one in a
     # subprocess bit for bit, and other thread counts sum in another order).
     assert torch.get_num_threads() == threads

@@ -1,10 +1,23 @@
 import pytest
 
-from konkanivani.data.tokenizer import BLANK_ID, SOS_EOS_ID, UNK_ID, Tokenizer, normalize_text, train_tokenizer
+from konkanivani.data.tokenizer import (
+    BLANK_ID,
+    SOS_EOS_ID,
+    UNK_ID,
+    Tokenizer,
+    normalize_text,
+    train_tokenizer,
+)
 
 SENTENCES = [
-    "हांव घरा वता।", "तूं कितें करता?", "आमी काल पणजेक गेलें॥", "ताणें जेवण केलें, आनी तो न्हिदलो।",
-    "आयज पावस पडटा!", "म्हजो भाव शाळेंत शिकता।", "तो बाजारांत गेलो आनी मासे हाडले।", "ती गीत गायता।",
+    "हांव घरा वता।",
+    "तूं कितें करता?",
+    "आमी काल पणजेक गेलें॥",
+    "ताणें जेवण केलें, आनी तो न्हिदलो।",
+    "आयज पावस पडटा!",
+    "म्हजो भाव शाळेंत शिकता।",
+    "तो बाजारांत गेलो आनी मासे हाडले।",
+    "ती गीत गायता।",
 ]
 
 
@@ -16,7 +29,8 @@ def test_normalize_handles_danda_punctuation_space_and_nfc():
     # joiners disappear.
     assert normalize_text("\u0915\u093c") == normalize_text("\u0958")
     assert normalize_text("क\u200dष") == "कष"
-    assert normalize_text("\ufeffकलम\u00ad \u200eघर\u2060") == "कलम घर"  # BOM, soft hyphen, LRM, word joiner
+    # BOM, soft hyphen, LRM, word joiner
+    assert normalize_text("\ufeffकलम\u00ad \u200eघर\u2060") == "कलम घर"
     assert normalize_text("।, ?") == ""
 
 

@@ -1,8 +1,13 @@
 """The Devanagari transliteration that lets festival's voices of other languages read Konkani."""
 import pytest
 
-from konkanivani.tools.demo_corpus import DEFAULT_SENTENCES, DEFAULT_TEXT, FESTIVAL_TRAIN_VOICES, load_sentences
-from konkanivani.tools.transliterate import (
+from konkanivani.datatools.corpus import (
+    DEFAULT_SENTENCES,
+    DEFAULT_TEXT,
+    FESTIVAL_TRAIN_VOICES,
+    load_sentences,
+)
+from konkanivani.datatools.transliterate import (
     CONSONANTS,
     ENGLISH_PHONES,
     NASALS,
@@ -22,7 +27,8 @@ from konkanivani.tools.transliterate import (
 @pytest.mark.parametrize("word, phones", [
     ("कर", ["k", "a", "r"]),  # the final inherent vowel is dropped...
     ("न", ["n", "a"]),  # ...but not in a word of one syllable
-    ("तुमचें", ["t", "u", "m", "c", "e", "n"]),  # VC-a-CV: the medial one too; the nasal sign at the end: n
+    # VC-a-CV: the medial one too; the nasal sign at the end: n
+    ("तुमचें", ["t", "u", "m", "c", "e", "n"]),
     ("नमस्कार", ["n", "a", "m", "a", "s", "k", "aa", "r"]),  # the virama joins s and k
     ("अंबो", ["a", "m", "b", "o"]),  # the nasal sign takes the place of the next consonant
     ("रंग", ["r", "a", "ng", "g"]),
@@ -49,7 +55,8 @@ def test_spelled_in_each_orthography():
     assert spell(text, "fi") == "tumkaan meeluun mhaakaa khuub khoos djaalii."
     assert spell(text, "it") == "tumcan melun maca cub cos giali."  # c before a, gi for j before a
     assert spell("कितें, जेवण", "it") == "chiten, gevan."  # ch before i, g before e
-    assert spell("जैत कृपा", "it") == "giait cripa."  # not before ai and ri, which are spelled a.., r..
+    # not before ai and ri, which are spelled a.., r..
+    assert spell("जैत कृपा", "it") == "giait cripa."
     assert spell(text, "ca") == "tumcan melun maca cub coss tjali."
     assert english_phones("हांव, बरो") == "pau hh aa n v pau b ah r ow pau"
 
@@ -59,10 +66,13 @@ def test_phrases_split_at_punctuation():
 
 
 def test_every_letter_of_the_demo_sentences_is_known_and_every_voice_can_read_them():
-    """Each character of the package's sentences is a letter the transliteration knows (or punctuation and
-    space), and each sentence encodes in every training voice's input encoding, or is all known English
+    """Each character of the package's sentences is a letter the transliteration knows (or
+    punctuation and space), and each sentence encodes in every training voice's input encoding, or
+    is all known English
     phones: no sentence reaches a voice half-read."""
-    known = set(CONSONANTS) | set(VOWEL_LETTERS) | set(VOWEL_SIGNS) | set(NASALS) | {VIRAMA, VISARGA}
+    known = (
+        set(CONSONANTS) | set(VOWEL_LETTERS) | set(VOWEL_SIGNS) | set(NASALS) | {VIRAMA, VISARGA}
+    )
     sentences = load_sentences(DEFAULT_SENTENCES) + load_sentences(DEFAULT_TEXT)
     letters = {ch for s in sentences for ch in s if "\u0900" <= ch <= "\u097f"}
     assert letters - known - {"।", "॥"} == set()
@@ -79,14 +89,18 @@ def test_every_letter_of_the_demo_sentences_is_known_and_every_voice_can_read_th
 
 def test_english_segments_scale_with_the_stretch_and_fall_in_pitch_through_a_phrase():
     """Festival Segments: (phone duration [(position f0)]); the phones are english_phones' and the
-    durations scale with the stretch; the vowels' F0 falls from 1.15 to 0.85 times the mean in a phrase."""
+    durations scale with the stretch; the vowels' F0 falls from 1.15 to 0.85 times the mean in a
+    phrase.
+    """
     import re
     text = "तुमकां मेळून, म्हाका खूब खोस जाली।"
     segment = re.compile(r"\((\S+) ([\d.]+)(?: \(([\d.]+) ([\d.]+)\))?\)")
     segs = segment.findall(english_segments(text, 1.0, 100))
     assert [name for name, *_ in segs] == english_phones(text).split()
     slow = segment.findall(english_segments(text, 1.5, 100))
-    assert [float(d) for _, d, *_ in slow] == pytest.approx([1.5 * float(d) for _, d, *_ in segs], abs=2e-3)
+    assert [float(d) for _, d, *_ in slow] == pytest.approx(
+        [1.5 * float(d) for _, d, *_ in segs], abs=2e-3
+    )
     f0 = [float(f) for *_, f in segs if f]
     assert f0[0] == pytest.approx(115) and f0[-1] == pytest.approx(85)
     assert f0[:4] == sorted(f0[:4], reverse=True) and f0[4:] == sorted(f0[4:], reverse=True)

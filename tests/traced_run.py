@@ -23,8 +23,16 @@ def main() -> int:
 
     def traced(run, micro):
         with open(path, "a") as f:
-            f.write(json.dumps({"epoch": run.epoch, "step": run.step + 1,
-                                "batches": [list(b.indices) + list(b.missing) for b in micro]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "epoch": run.epoch,
+                        "step": run.step + 1,
+                        "batches": [list(b.indices) + list(b.missing) for b in micro],
+                    }
+                )
+                + "\n"
+            )
         return real(run, micro)
 
     loop.train_step = traced

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Average checkpoints for decoding (konkanivani-average); the code is konkanivani/cli/average.py. `--help` lists the flags."""
+"""Average checkpoints for decoding (konkanivani-average); the code is konkanivani/cli/average.py.
+`--help` lists the flags."""
 import sys
 
 from konkanivani.cli.average import main

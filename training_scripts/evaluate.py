@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Score a checkpoint on a manifest (konkanivani-evaluate); the code is konkanivani/cli/evaluate.py. `--help` lists the flags."""
+"""Score a checkpoint on a manifest (konkanivani-evaluate); the code is konkanivani/cli/evaluate.py.
+`--help` lists the flags."""
 import sys
 
 from konkanivani.cli.evaluate import main

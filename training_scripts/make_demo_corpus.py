@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Synthesize the Konkani demo corpus (konkanivani-demo-corpus); the code is konkanivani/cli/demo_corpus.py. `--help` lists the flags."""
+"""Synthesize the Konkani demo corpus (konkanivani-demo-corpus); the code is
+konkanivani/cli/demo_corpus.py. `--help` lists the flags."""
 import sys
 
 from konkanivani.cli.demo_corpus import main

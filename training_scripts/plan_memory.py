@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Plan a run that fits a GPU (konkanivani-plan-memory); the code is konkanivani/cli/plan_memory.py. `--help` lists the flags."""
+"""Plan a run that fits a GPU (konkanivani-plan-memory); the code is konkanivani/cli/plan_memory.py.
+`--help` lists the flags."""
 import sys
 
 from konkanivani.cli.plan_memory import main

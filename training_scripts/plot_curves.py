@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Draw or compare the learning curves of training runs (konkanivani-plot); the code is konkanivani/cli/plot.py. `--help` lists the flags."""
+"""Draw or compare the learning curves of training runs (konkanivani-plot); the code is
+konkanivani/cli/plot.py. `--help` lists the flags."""
 import sys
 
 from konkanivani.cli.plot import main

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Serve a checkpoint over HTTP and WebSocket, with a page to try it (konkanivani-serve); the code is konkanivani/cli/serve.py. `--help` lists the flags."""
+"""Serve a checkpoint over HTTP and WebSocket, with a page to try it (konkanivani-serve); the code
+is konkanivani/cli/serve.py. `--help` lists the flags."""
 import sys
 
 from konkanivani.cli.serve import main

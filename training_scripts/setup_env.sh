@@ -12,9 +12,9 @@ extras="[8bit]"
 
 # espeak-ng reads the demo corpus; festival's Marathi diphone voice reads its held-out split; festival's
 # voices of other languages (Czech, Finnish, Italian, Catalan, US English) read 30% of its training
-# split (without all of them, espeak-ng reads it all). konkanivani/tools/voices.py names them with their
+# split (without all of them, espeak-ng reads it all). konkanivani/datatools/voices.py names them with their
 # Debian packages, one "package:folder" line each, the held-out voice first (it needs only Python).
-VOICES=$("$PYTHON" konkanivani/tools/voices.py)
+VOICES=$("$PYTHON" konkanivani/datatools/voices.py)
 HELDOUT_VOICE=${VOICES%%$'\n'*}
 missing=""
 command -v espeak-ng >/dev/null 2>&1 || missing="espeak-ng"

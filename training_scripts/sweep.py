@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Sweep trainer flags over a grid (konkanivani-sweep); the code is konkanivani/cli/sweep.py. `--help` lists the flags."""
+"""Sweep trainer flags over a grid (konkanivani-sweep); the code is konkanivani/cli/sweep.py.
+`--help` lists the flags."""
 import sys
 
 from konkanivani.cli.sweep import main

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Train a konkanivani model (konkanivani-train); the code is konkanivani/cli/train.py. `--help` lists the flags."""
+"""Train a konkanivani model (konkanivani-train); the code is konkanivani/cli/train.py. `--help`
+lists the flags."""
 import sys
 
 from konkanivani.cli.train import main

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Transcribe audio with a checkpoint (konkanivani-transcribe); the code is konkanivani/cli/transcribe.py. `--help` lists the flags."""
+"""Transcribe audio with a checkpoint (konkanivani-transcribe); the code is
+konkanivani/cli/transcribe.py. `--help` lists the flags."""
 import sys
 
 from konkanivani.cli.transcribe import main

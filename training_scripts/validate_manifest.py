@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Check every row of a manifest (konkanivani-validate); the code is konkanivani/cli/validate.py. `--help` lists the flags."""
+"""Check every row of a manifest (konkanivani-validate); the code is konkanivani/cli/validate.py.
+`--help` lists the flags."""
 import sys
 
 from konkanivani.cli.validate import main

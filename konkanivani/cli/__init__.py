@@ -11,7 +11,7 @@ The conventions every tool keeps, all here:
   (``tool``; the console scripts start in ``scripts``, which covers their imports too);
 - an output folder is ``--output_dir``, an output file ``--output``; no tool writes over its own
   input, however it names it (``refuse_unsafe_outputs``), and an output appears whole or not at all
-  (``tools.outputs``); ``--seed`` defaults to ``config.DEFAULT_SEED``;
+  (``datatools.outputs``); ``--seed`` defaults to ``config.DEFAULT_SEED``;
 - an old spelling of a flag still works and says once what it is now called (``config.Renamed``).
 """
 from __future__ import annotations
@@ -120,11 +120,11 @@ def fail(message: str) -> int:
 
 
 def refuse_unsafe_outputs(parser: Parser, outputs, reads=(), folders=None) -> None:
-    """``tools.outputs.check_outputs``: a tool never rewrites its own input, nor one output with
+    """``datatools.outputs.check_outputs``: a tool never rewrites its own input, nor one output with
     another; the refusal is one line of ``parser`` (exit 2), before any work."""
     # Imported here: the package itself stays free of torch, so that the console scripts
     # (cli/scripts.py) handle Ctrl-C before the slow imports.
-    from ..tools.outputs import OutputError, check_outputs
+    from ..datatools.outputs import OutputError, check_outputs
 
     try:
         check_outputs(outputs, reads, folders)

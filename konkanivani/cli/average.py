@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 from ..checkpoint import CheckpointError, average_checkpoints, save_checkpoint
-from ..tools.outputs import OutputError, check_outputs
-from ..training.rundir import select_checkpoints
+from ..datatools.outputs import OutputError, check_outputs
+from ..training.run_files import select_checkpoints
 from . import Parser, fail, setup_logging, tool
 
 

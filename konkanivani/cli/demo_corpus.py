@@ -1,5 +1,5 @@
 """Synthesize the Konkani demo speech corpus with espeak-ng (``konkanivani-demo-corpus``; see
-konkanivani/tools/demo_corpus.py).
+konkanivani/datatools/corpus.py).
 
     konkanivani-demo-corpus --output_dir OUT_DIR [--seed 0] [--num_utterances 4800] [--max_sentences
         N] [--jobs 2] [--sentences PATH] [--train_from_text N] [--festival_share F] [--force]
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..config import DEFAULT_SEED
-from ..tools.demo_corpus import (
+from ..datatools.corpus import (
     DEFAULT_FESTIVAL_SHARE,
     DEFAULT_SENTENCES,
     DEFAULT_TRAIN_FROM_TEXT,

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from ..checkpoint import CheckpointError
 from ..data.manifest import ManifestError
+from ..datatools.outputs import OutputError, manifest_audio, write_output
 from ..decoding.evaluation import evaluate_manifest, markdown_report
-from ..tools.outputs import OutputError, manifest_audio, write_output
 from . import Parser, fail, refuse_unsafe_outputs, setup_logging, tool
 from .decoding_flags import (
     add_decoding_args,

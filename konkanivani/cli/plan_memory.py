@@ -28,10 +28,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the kind of device to plan for, whose calibration the estimate uses "
                              "(default: cuda)")
     parser.add_argument("--seconds", type=float, default=20.0, help="longest utterance to plan for")
-    parser.add_argument("--utterances_per_update", type=int, default=8, help="effective batch to keep")
+    parser.add_argument(
+        "--utterances_per_update", type=int, default=8, help="effective batch to keep"
+    )
     parser.add_argument("--vocab_size", type=int, default=128)
-    parser.add_argument("--margin", type=float, default=0.25,
-                        help="share of the device kept free (CUDA context, allocator slack, estimate error)")
+    parser.add_argument(
+        "--margin",
+        type=float,
+        default=0.25,
+        help="share of the device kept free (CUDA context, allocator slack, estimate error)",
+    )
     args = parser.parse_args(argv)
     for name in ("gpu_gb", "seconds"):
         if not getattr(args, name) > 0:
@@ -58,9 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model_config_from_preset(args.preset, vocab_size=args.vocab_size)
     longest = frames_of(args.seconds)
     budget = args.gpu_gb * (1 - args.margin) * GIB
-    print(f"preset {args.preset}: {MemoryEstimator(cfg).n_params / 1e6:.1f} M parameters; device {args.gpu_gb:g} GiB, "
-          f"planning for {(1 - args.margin) * args.gpu_gb:.1f} GiB; utterances up to {args.seconds:g} s "
-          f"({longest} frames); {args.utterances_per_update} utterances per update")
+    print(
+        f"preset {args.preset}: {MemoryEstimator(cfg).n_params / 1e6:.1f} M parameters; device"
+        f" {args.gpu_gb:g} GiB, planning for {(1 - args.margin) * args.gpu_gb:.1f} GiB; utterances"
+        f" up to {args.seconds:g} s ({longest} frames); {args.utterances_per_update} utterances per"
+        " update"
+    )
     cuda = args.device == "cuda"
     print(f"estimates calibrated on {f'CUDA ({CUDA_CALIBRATED_ON})' if cuda else 'a CPU'}")
     print(f"\nbaseline, fp32 + AdamW, one {args.seconds:g} s utterance per micro-batch:")
@@ -69,9 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     options = [("fp32", "adamw", False), ("fp16", "adamw", False), ("fp16", "adamw_8bit", False),
                ("fp16", "adamw_8bit", True)]
     chosen = None
-    print("\n--max_batch_frames below = utterances per micro-batch x the longest utterance's frames, the value "
-          f"to pass;\na micro-batch never needs more than --utterances_per_update ({args.utterances_per_update}) "
-          "utterances, even where the estimate allows more (last column)")
+    print(
+        "\n--max_batch_frames below = utterances per micro-batch x the longest utterance's frames,"
+        " the value to pass;\na micro-batch never needs more than --utterances_per_update"
+        f" ({args.utterances_per_update}) utterances, even where the estimate allows more (last"
+        " column)"
+    )
     print(f"{'precision':<10}{'optimizer':<12}{'checkpointing':<15}{'utterances/micro-batch':>24}"
           f"{'max_batch_frames':>18}{'accumulation':>14}{'estimate allows':>17}")
     for precision, optimizer, ckpt in options:
@@ -79,16 +91,25 @@ def main(argv: list[str] | None = None) -> int:
         allowed = est.max_frames(budget, longest)
         per_batch = min(allowed // longest, args.utterances_per_update)
         accum = -(-args.utterances_per_update // per_batch) if per_batch else 0
-        print(f"{precision:<10}{optimizer:<12}{'yes' if ckpt else 'no':<15}{per_batch:>24}{per_batch * longest:>18}"
-              f"{accum if per_batch else '-':>14}{allowed:>17}")
-        # The fewest options that hold the most utterances per micro-batch (fewest accumulation steps).
+        print(
+            f"{precision:<10}{optimizer:<12}{'yes' if ckpt else 'no':<15}{per_batch:>24}"
+            f"{per_batch * longest:>18}{accum if per_batch else '-':>14}{allowed:>17}"
+        )
+        # The fewest options that hold the most utterances per micro-batch (fewest accumulation
+        # steps).
         if per_batch and (chosen is None or per_batch > chosen[3]):
             chosen = (precision, optimizer, ckpt, per_batch, accum, est)
     if chosen is None:
-        print(f"\nnot even one {args.seconds:g} s utterance fits: use a smaller preset or shorter utterances")
+        print(
+            f"\nnot even one {args.seconds:g} s utterance fits: use a smaller preset or shorter"
+            " utterances"
+        )
         return 1
     precision, optimizer, ckpt, per_batch, accum, est = chosen
-    flags = f"--preset {args.preset} --max_batch_frames {per_batch * longest} --gradient_accumulation_steps {accum}"
+    flags = (
+        f"--preset {args.preset} --max_batch_frames {per_batch * longest}"
+        f" --gradient_accumulation_steps {accum}"
+    )
     if precision != "fp32":
         flags += f" --precision {precision}"
     if optimizer != "adamw":
@@ -96,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     if ckpt:
         flags += " --gradient_checkpointing"
     print(f"\nrecommended (the fewest options for the most utterances per micro-batch):\n  {flags}")
-    print(f"estimated peak {est.peak_bytes(per_batch, longest) / GIB:.2f} GiB of {args.gpu_gb:g} GiB:")
+    print(
+        f"estimated peak {est.peak_bytes(per_batch, longest) / GIB:.2f} GiB of {args.gpu_gb:g} GiB:"
+    )
     print(table(est, per_batch, longest))
     return 0
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..tools.sweep import SWEEP_FILE, TRIAL_FILE, plot_sweep
+from ..experiments.trials import SWEEP_FILE, TRIAL_FILE, plot_sweep
 from ..training.curves import CURVES, have_matplotlib, plot_runs
 from ..training.metrics_log import read_metrics
 from . import Parser, fail, refuse_unsafe_outputs, setup_logging, tool

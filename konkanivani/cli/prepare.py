@@ -1,15 +1,17 @@
 """Write NeMo manifests (train.jsonl, valid.jsonl, test.jsonl) from a Common Voice release, a Kaldi
 data directory, a folder of audio with .txt transcripts or a saved Hugging Face dataset
-(``konkanivani-prepare``; the code is konkanivani/tools/prepare.py).
+(``konkanivani-prepare``; the code is konkanivani/datatools/importers.py).
 
-    konkanivani-prepare commonvoice CV_DIR --output_dir OUT_DIR [--convert wav]
-    konkanivani-prepare kaldi DATA_DIR --output_dir OUT_DIR [--audio_root DIR] [--split_name train] [--valid_fraction 0.1]
-    konkanivani-prepare folder AUDIO_DIR --output_dir OUT_DIR [--split_name train] [--valid_fraction 0.1]
-    konkanivani-prepare hf DATASET_DIR --output_dir OUT_DIR [--text_column sentence] [--valid_fraction 0.1]
-    konkanivani-prepare shards MANIFEST --output_dir SHARD_DIR (--shard_size N | --shard_hours H)
+    konkanivani-prepare commonvoice CV_DIR --output_dir OUT_DIR [--convert wav] konkanivani-prepare
+    kaldi DATA_DIR --output_dir OUT_DIR [--audio_root DIR] [--split_name train] [--valid_fraction
+    0.1] konkanivani-prepare folder AUDIO_DIR --output_dir OUT_DIR [--split_name train]
+    [--valid_fraction 0.1] konkanivani-prepare hf DATASET_DIR --output_dir OUT_DIR [--text_column
+    sentence] [--valid_fraction 0.1] konkanivani-prepare shards MANIFEST --output_dir SHARD_DIR
+    (--shard_size N | --shard_hours H)
 
-``shards`` writes a manifest's utterances as tar shards for ``--train_shards`` (konkanivani/tools/shards.py;
-docs/data.md): a Drive mount or several machines read them far faster than one file per utterance.
+``shards`` writes a manifest's utterances as tar shards for ``--train_shards``
+(konkanivani/datatools/shard_writer.py; docs/data.md): a Drive mount or several machines read them
+far faster than one file per utterance.
 
 Each row is checked as konkanivani-validate checks it; the rows that cannot be used are counted by
 reason at the end, the first few named with file and line. Exit status: 0 when a manifest was
@@ -26,8 +28,7 @@ from ..checkpoint import CheckpointError
 from ..config import DEFAULT_MAX_DURATION, DEFAULT_SEED
 from ..data.manifest import ManifestError
 from ..data.tokenizer import Tokenizer
-from ..tools.outputs import OutputError, child, manifest_audio, refuse_overlap
-from ..tools.prepare import (
+from ..datatools.importers import (
     CONVERT_FORMATS,
     PrepareError,
     commonvoice_items,
@@ -37,41 +38,95 @@ from ..tools.prepare import (
     prepare,
     print_report,
 )
-from ..tools.shards import print_shard_report, write_shards
+from ..datatools.outputs import OutputError, child, manifest_audio, refuse_overlap
+from ..datatools.shard_writer import print_shard_report, write_shards
 from . import Parser, add_output_dir, fail, output_dir, refuse_unsafe_outputs, setup_logging, tool
 
 
 def parse_args(argv: list[str] | None = None):
     p = Parser(description=__doc__.split("\n\n")[0])
-    sources = p.add_subparsers(dest="source", required=True, metavar="SOURCE",
-                               help="commonvoice, kaldi, folder or hf (each has its own --help); or shards")
-    metavars = {"commonvoice": "CV_DIR", "kaldi": "DATA_DIR", "folder": "AUDIO_DIR", "hf": "DATASET_DIR"}
-    helps = {"commonvoice": "a Common Voice release folder: train.tsv, dev.tsv, test.tsv and clips/",
-             "kaldi": "a Kaldi data directory: wav.scp, text, optional segments and utt2spk",
-             "folder": "a folder of audio files with same-named .txt transcripts (searched recursively)",
-             "hf": "a Hugging Face datasets audio dataset saved with save_to_disk (pip install 'konkanivani[hf]')"}
+    sources = p.add_subparsers(
+        dest="source",
+        required=True,
+        metavar="SOURCE",
+        help="commonvoice, kaldi, folder or hf (each has its own --help); or shards",
+    )
+    metavars = {
+        "commonvoice": "CV_DIR",
+        "kaldi": "DATA_DIR",
+        "folder": "AUDIO_DIR",
+        "hf": "DATASET_DIR",
+    }
+    helps = {
+        "commonvoice": "a Common Voice release folder: train.tsv, dev.tsv, test.tsv and clips/",
+        "kaldi": "a Kaldi data directory: wav.scp, text, optional segments and utt2spk",
+        "folder": "a folder of audio files with same-named .txt transcripts (searched recursively)",
+        "hf": (
+            "a Hugging Face datasets audio dataset saved with save_to_disk (pip install"
+            " 'konkanivani[hf]')"
+        ),
+    }
     for name, text in helps.items():
         s = sources.add_parser(name, help=text, description=text)
         s.add_argument("source_dir", type=Path, metavar=metavars[name])
         add_output_dir(s, "where the manifests (and any audio written) go", old_positional=True)
-        s.add_argument("--convert", choices=CONVERT_FORMATS, help="decode the audio to 16 kHz mono files of this "
-                       "format under OUT_DIR" + (" (always done here; default: wav)" if name == "hf" else
-                                                 " (Kaldi segments are always cut to files; default: wav)"
-                                                 if name == "kaldi" else ""))
+        s.add_argument(
+            "--convert",
+            choices=CONVERT_FORMATS,
+            help="decode the audio to 16 kHz mono files of this format under OUT_DIR"
+            + (
+                " (always done here; default: wav)"
+                if name == "hf"
+                else (
+                    " (Kaldi segments are always cut to files; default: wav)"
+                    if name == "kaldi"
+                    else ""
+                )
+            ),
+        )
         _add_row_check_flags(s)
-        s.add_argument("--no-progress", dest="progress", action="store_false", help=argparse.SUPPRESS)  # old spelling
+        # old spelling
+        s.add_argument(
+            "--no-progress", dest="progress", action="store_false", help=argparse.SUPPRESS
+        )
         if name != "commonvoice":
-            s.add_argument("--split_name", default="train", help="the manifest's name (default: train)"
-                           + ("; a dataset with splits keeps their names, validation/dev as valid" if name == "hf"
-                              else ""))
-            s.add_argument("--valid_fraction", type=float, default=0.0,
-                           help="move this share of the rows, drawn at random, to valid.jsonl (default: 0)")
-            s.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of that draw (default: %(default)s)")
+            s.add_argument(
+                "--split_name",
+                default="train",
+                help="the manifest's name (default: train)"
+                + (
+                    "; a dataset with splits keeps their names, validation/dev as valid"
+                    if name == "hf"
+                    else ""
+                ),
+            )
+            s.add_argument(
+                "--valid_fraction",
+                type=float,
+                default=0.0,
+                help="move this share of the rows, drawn at random, to valid.jsonl (default: 0)",
+            )
+            s.add_argument(
+                "--seed",
+                type=int,
+                default=DEFAULT_SEED,
+                help="seed of that draw (default: %(default)s)",
+            )
         if name == "kaldi":
-            s.add_argument("--audio_root", type=Path, default=Path("."),
-                           help="folder relative wav.scp paths start from (default: the current one, as in Kaldi)")
+            s.add_argument(
+                "--audio_root",
+                type=Path,
+                default=Path("."),
+                help=(
+                    "folder relative wav.scp paths start from (default: the current one, as in"
+                    " Kaldi)"
+                ),
+            )
         if name == "hf":
-            s.add_argument("--text_column", help="default: sentence, text or transcription, the first that exists")
+            s.add_argument(
+                "--text_column",
+                help="default: sentence, text or transcription, the first that exists",
+            )
             s.add_argument("--audio_column", help="default: the dataset's Audio column")
     _shards_parser(sources)
     args = p.parse_args(argv)
@@ -95,8 +150,11 @@ def parse_args(argv: list[str] | None = None):
 
 def _add_row_check_flags(s) -> None:
     """The flags every source shares: how rows are checked, and the progress bar."""
-    s.add_argument("--tokenizer", type=Path, help="SentencePiece .model to check the text against (default: "
-                   "characters, the strictest)")
+    s.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="SentencePiece .model to check the text against (default: characters, the strictest)",
+    )
     s.add_argument("--max_duration", type=float, default=DEFAULT_MAX_DURATION,
                    help="skip audio longer than this many seconds (default: "
                         f"{DEFAULT_MAX_DURATION}, as training)")
@@ -113,7 +171,12 @@ def _check_row_check_flags(sub, args) -> None:
 def _shards_parser(sources) -> None:
     text = "a manifest's utterances as tar shards (KEY.flac + KEY.json) and their list, shards.json"
     s = sources.add_parser("shards", help=text, description=text)
-    s.add_argument("manifest", type=Path, metavar="MANIFEST", help="the NeMo manifest (JSON lines) to write as shards")
+    s.add_argument(
+        "manifest",
+        type=Path,
+        metavar="MANIFEST",
+        help="the NeMo manifest (JSON lines) to write as shards",
+    )
     add_output_dir(s, "where the shards, shards.json and text.txt go")
     size = s.add_mutually_exclusive_group(required=True)
     size.add_argument("--shard_size", type=int, help="utterances per shard")
@@ -129,8 +192,12 @@ def _check_shards_args(sub, args):
     if (args.shard_size is not None and args.shard_size <= 0) or (args.shard_hours is not None
                                                                    and args.shard_hours <= 0):
         sub.error("--shard_size and --shard_hours must be positive")
-    if args.out_dir.resolve() == args.manifest.parent.resolve():  # its text.txt could be the corpus's own
-        sub.error(f"--output_dir {args.out_dir} is the manifest's folder: shards go in a folder of their own")
+    # its text.txt could be the corpus's own
+    if args.out_dir.resolve() == args.manifest.parent.resolve():
+        sub.error(
+            f"--output_dir {args.out_dir} is the manifest's folder: shards go in a folder of"
+            " their own"
+        )
     # Nor may the folder hold any other file the shards are made from: the tokenizer, a row's audio.
     tokenizer = [args.tokenizer] if args.tokenizer else []
     reads = [args.manifest, *tokenizer, *manifest_audio(args.manifest)]
@@ -142,10 +209,19 @@ def _items(args):
     if args.source == "commonvoice":
         return commonvoice_items(args.source_dir, args.out_dir, args.convert)
     if args.source == "kaldi":
-        return kaldi_items(args.source_dir, args.out_dir, args.split_name, args.convert, args.audio_root)
+        return kaldi_items(
+            args.source_dir, args.out_dir, args.split_name, args.convert, args.audio_root
+        )
     if args.source == "folder":
         return folder_items(args.source_dir, args.split_name, args.convert, args.out_dir)
-    return hf_items(args.source_dir, args.out_dir, args.split_name, args.text_column, args.audio_column, args.convert)
+    return hf_items(
+        args.source_dir,
+        args.out_dir,
+        args.split_name,
+        args.text_column,
+        args.audio_column,
+        args.convert,
+    )
 
 
 @tool
@@ -156,10 +232,16 @@ def main(argv: list[str] | None = None) -> int:
         return _shards(args)
     try:
         items = _items(args)
-        report = prepare(items, args.out_dir, tokenizer=Tokenizer.load(args.tokenizer) if args.tokenizer else None,
-                         max_duration=args.max_duration, valid_fraction=getattr(args, "valid_fraction", 0.0),
-                         split_name=getattr(args, "split_name", "train"), seed=getattr(args, "seed", 0),
-                         progress=args.progress)
+        report = prepare(
+            items,
+            args.out_dir,
+            tokenizer=Tokenizer.load(args.tokenizer) if args.tokenizer else None,
+            max_duration=args.max_duration,
+            valid_fraction=getattr(args, "valid_fraction", 0.0),
+            split_name=getattr(args, "split_name", "train"),
+            seed=getattr(args, "seed", 0),
+            progress=args.progress,
+        )
     except PrepareError as e:
         return fail(str(e))
     print_report(report)

@@ -1,7 +1,7 @@
 """Train a konkanivani Conformer CTC/attention model (``konkanivani-train``).
 
-Every field of ``TrainConfig`` is a flag; model dimensions (``--d_model``, ``--encoder_layers``, ...)
-override the chosen ``--preset``. Example, the T4 recipe's model, batches and precision on the
+Every field of ``TrainConfig`` is a flag; model dimensions (``--d_model``, ``--encoder_layers``,
+...) override the chosen ``--preset``. Example, the T4 recipe's model, batches and precision on the
 demo corpus::
 
     konkanivani-train --train_manifest data/demo/train.jsonl \\
@@ -41,18 +41,26 @@ from ..training.loop import train
 from ..training.signals import TrainingDiverged
 from . import Parser, fail, setup_logging, tool
 
-CONFIG_HELP = ("YAML recipe (sections model, init, data, training; see configs/): its values become "
-               "the defaults, flags given here override them")
+CONFIG_HELP = (
+    "YAML recipe (sections model, init, data, training; see configs/): its values become "
+    "the defaults, flags given here override them"
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags; with ``--config FILE`` the file's values are their defaults (so the manifests
-    may come from it), and flags on the command line override them. ``ConfigError`` for a bad file."""
-    parser = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    may come from it), and flags on the command line override them. ``ConfigError`` for a bad file.
+    """
+    parser = Parser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     add_dataclass_args(parser.add_argument_group("training"), TrainConfig)
-    add_dataclass_args(parser.add_argument_group("model (overrides the preset)"), ModelConfig, defaults=False)
-    config = Parser(add_help=False)  # --config alone first: its file sets the defaults of the others
+    add_dataclass_args(
+        parser.add_argument_group("model (overrides the preset)"), ModelConfig, defaults=False
+    )
+    # --config alone first: its file sets the defaults of the others
+    config = Parser(add_help=False)
     config.add_argument("--config")
     path = config.parse_known_args(argv)[0].config
     if path:
@@ -61,7 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             if action.dest in values:
                 action.default, action.required = values[action.dest], False
     args = parser.parse_args(argv)
-    if not args.train_manifest and not args.train_shards:  # one of the two (argparse cannot say "or")
+    # one of the two (argparse cannot say "or")
+    if not args.train_manifest and not args.train_shards:
         parser.error("the following arguments are required: --train_manifest (or --train_shards)")
     return args
 
@@ -106,19 +115,32 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", e)
         return 3
     except KeyboardInterrupt:
-        log.error("interrupted at once by a second Ctrl-C; the last complete checkpoint is %s/latest.pt; "
-                  "resume with: %s", cfg.output_dir, resume_command(argv))
+        log.error(
+            "interrupted at once by a second Ctrl-C; the last complete checkpoint is %s/latest.pt; "
+            "resume with: %s",
+            cfg.output_dir,
+            resume_command(argv),
+        )
         return 128 + signal.SIGINT
-    report = print if os.environ.get("RANK", "0") == "0" else (lambda *a, **k: None)  # torchrun: rank 0 reports
+    # torchrun: rank 0 reports
+    report = print if os.environ.get("RANK", "0") == "0" else (lambda *a, **k: None)
     if summary["stopped_by"]:
-        report(f"stopped by {summary['stopped_by']} at step {summary['step']}; checkpoints in {cfg.output_dir}; "
-               f"resume with:\n  {resume_command(argv)}")
-        return 0 if summary["stopped_by"] == "--max_time" else 128 + signal.Signals[summary["stopped_by"]]
+        report(
+            f"stopped by {summary['stopped_by']} at step {summary['step']}; checkpoints in"
+            f" {cfg.output_dir}; resume with:\n  {resume_command(argv)}"
+        )
+        return (
+            0
+            if summary["stopped_by"] == "--max_time"
+            else 128 + signal.Signals[summary["stopped_by"]]
+        )
     valid = summary["valid"]
     if valid:
-        report(f"done: step {summary['step']}, epoch {summary['epoch']}, valid CER {100 * valid['cer']:.2f}% "
-               f"WER {100 * valid['wer']:.2f}% (best WER {100 * summary['best_wer']:.2f}%); "
-               f"checkpoints in {cfg.output_dir}")
+        report(
+            f"done: step {summary['step']}, epoch {summary['epoch']}, valid CER"
+            f" {100 * valid['cer']:.2f}% WER {100 * valid['wer']:.2f}% (best WER"
+            f" {100 * summary['best_wer']:.2f}%); checkpoints in {cfg.output_dir}"
+        )
     else:
         report(f"done: step {summary['step']}; checkpoints in {cfg.output_dir}")
     return 0

@@ -1,5 +1,5 @@
 """Train a language model on text alone for shallow fusion (``konkanivani-train-lm``; the code is
-konkanivani/training/lm.py, on the ASR trainer's machinery).
+konkanivani/training/lm_training.py, on the ASR trainer's machinery).
 
     konkanivani-train-lm corpus.txt more.txt --tokenizer checkpoints/run/best.pt \\
         --output_dir checkpoints/lm --valid_text valid.txt --max_steps 20000
@@ -22,13 +22,16 @@ from pathlib import Path
 from ..checkpoint import CheckpointError
 from ..config import ConfigError, add_dataclass_args, dataclass_from_args
 from ..model.lm import LMConfig
-from ..training.lm import LMTrainConfig, TextError, train_lm
+from ..training.lm_training import LMTrainConfig, TextError, train_lm
 from . import Parser, fail, setup_logging, tool
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The flags: every field of ``LMTrainConfig`` (the text files positional) and of ``LMConfig``."""
-    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The flags: every field of ``LMTrainConfig`` (the text files positional) and of
+    ``LMConfig``."""
+    p = Parser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("text", nargs="+", type=Path, help="text files, one sentence a line")
     add_dataclass_args(p.add_argument_group("training"), LMTrainConfig, skip=("text",))
     add_dataclass_args(p.add_argument_group("model"), LMConfig)
@@ -49,10 +52,15 @@ def main(argv: list[str] | None = None) -> int:
         summary = train_lm(*configs(args))
     except (ConfigError, TextError, CheckpointError, RuntimeError) as e:
         return fail(str(e))
-    print(f"step {summary['step']}: validation perplexity {summary['valid_ppl']:.2f} (best {summary['best_ppl']:.2f}); "
-          f"checkpoints in {args.output_dir}"
-          + (f"; stopped by {summary['stopped_by']}, continue with --resume latest"
-             if summary["stopped_by"] not in (None, "max_steps") else ""))
+    print(
+        f"step {summary['step']}: validation perplexity {summary['valid_ppl']:.2f} (best"
+        f" {summary['best_ppl']:.2f}); checkpoints in {args.output_dir}"
+        + (
+            f"; stopped by {summary['stopped_by']}, continue with --resume latest"
+            if summary["stopped_by"] not in (None, "max_steps")
+            else ""
+        )
+    )
     stopped = summary["stopped_by"]
     return 128 + signal.Signals[stopped] if stopped in ("SIGINT", "SIGTERM") else 0
 

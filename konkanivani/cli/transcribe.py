@@ -38,11 +38,11 @@ import soundfile as sf
 from ..checkpoint import CheckpointError
 from ..data.audio import AudioError
 from ..data.manifest import ManifestError
+from ..datatools.outputs import OutputError, output_file
 from ..decoding.recognizer import Recognizer, find_audio
 from ..decoding.search import LONG_INPUT_SECONDS
 from ..decoding.settings import DecodingConfig
 from ..decoding.streaming import FRAME_SECONDS
-from ..tools.outputs import OutputError, output_file
 from . import Parser, fail, refuse_unsafe_outputs, setup_logging, tool
 from .decoding_flags import (
     add_decoding_args,

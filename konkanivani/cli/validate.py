@@ -24,27 +24,44 @@ from pathlib import Path
 from ..config import DEFAULT_DURATION_TOLERANCE, DEFAULT_MAX_DURATION, DEFAULT_VOCAB_SIZE
 from ..data.manifest import ManifestError, check_row, iter_manifest
 from ..data.tokenizer import Tokenizer, train_tokenizer
-from ..tools.outputs import OutputError, manifest_audio, write_output
+from ..datatools.outputs import OutputError, manifest_audio, write_output
 from . import Parser, fail, refuse_unsafe_outputs, setup_logging, tool
 
 _NOT_JSON = "not a JSON object line"
-_MANIFEST_FORMAT = 'a NeMo manifest holds one JSON object a line: {"audio_filepath": ..., "duration": ..., "text": ...}'
+_MANIFEST_FORMAT = (
+    'a NeMo manifest holds one JSON object a line: {"audio_filepath": ..., "duration": ..., "text":'
+    " ...}"
+)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Parser]:
     p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("manifest", type=Path)
     p.add_argument("--output", type=Path, help="write the good rows here (JSON lines)")
-    p.add_argument("--tokenizer", type=Path, help="SentencePiece .model to check the text against (default: "
-                   "train one on the manifest, as training does, so only unusable text is found)")
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        help=(
+            "SentencePiece .model to check the text against (default: "
+            "train one on the manifest, as training does, so only unusable text is found)"
+        ),
+    )
     p.add_argument("--vocab_size", type=int, default=DEFAULT_VOCAB_SIZE,
                    help=f"vocabulary size when training one (default: {DEFAULT_VOCAB_SIZE})")
     p.add_argument("--max_duration", type=float, default=DEFAULT_MAX_DURATION,
                    help=f"longest audio in seconds (default: {DEFAULT_MAX_DURATION})")
-    p.add_argument("--duration_tolerance", type=float, default=DEFAULT_DURATION_TOLERANCE,
-                   help="seconds a row's 'duration' may differ from its file's (<0: don't compare; default: "
-                        f"{DEFAULT_DURATION_TOLERANCE})")
-    p.add_argument("--strict", action="store_true", help="treat audio that is not 16 kHz mono as an error")
+    p.add_argument(
+        "--duration_tolerance",
+        type=float,
+        default=DEFAULT_DURATION_TOLERANCE,
+        help=(
+            "seconds a row's 'duration' may differ from its file's (<0: don't compare; default: "
+            f"{DEFAULT_DURATION_TOLERANCE})"
+        ),
+    )
+    p.add_argument(
+        "--strict", action="store_true", help="treat audio that is not 16 kHz mono as an error"
+    )
     p.add_argument("--quiet", action="store_true", help="print only the summary")
     args = p.parse_args(argv)
     if not args.manifest.is_file():
@@ -62,7 +79,10 @@ def _rebased(row: dict, source_dir: Path, target_dir: Path) -> dict:
     audio = Path(row["audio_filepath"])
     if audio.is_absolute() or source_dir.resolve() == target_dir.resolve():
         return row
-    return {**row, "audio_filepath": os.path.relpath((source_dir / audio).resolve(), target_dir.resolve())}
+    return {
+        **row,
+        "audio_filepath": os.path.relpath((source_dir / audio).resolve(), target_dir.resolve()),
+    }
 
 
 @tool
@@ -80,8 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     refuse_unsafe_outputs(parser, {"--output": args.output}, reads)
     not_json = [(line_no, row) for line_no, row in lines if isinstance(row, ManifestError)]
     if lines and len(not_json) == len(lines):  # a CSV, a TSV, a list of paths: no row to check
-        return fail(f"{args.manifest}: none of its {len(lines)} lines is a JSON object (line {not_json[0][0]}: "
-                    f"{str(not_json[0][1]).split(': ', 1)[-1].split(';')[0]}); {_MANIFEST_FORMAT}")
+        return fail(
+            f"{args.manifest}: none of its {len(lines)} lines is a JSON object (line"
+            f" {not_json[0][0]}: {str(not_json[0][1]).split(': ', 1)[-1].split(';')[0]});"
+            f" {_MANIFEST_FORMAT}"
+        )
     if args.tokenizer:
         tokenizer = Tokenizer.load(args.tokenizer)
     else:
@@ -101,8 +124,15 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(row, ManifestError):
             continue
         where = f"{args.manifest}:{line_no}"
-        check = check_row(row, args.manifest.parent, tokenizer, max_duration=args.max_duration,
-                          duration_tolerance=args.duration_tolerance, decode=True, strict=args.strict)
+        check = check_row(
+            row,
+            args.manifest.parent,
+            tokenizer,
+            max_duration=args.max_duration,
+            duration_tolerance=args.duration_tolerance,
+            decode=True,
+            strict=args.strict,
+        )
         for reason, detail in check.warnings:
             warnings[reason] += 1
             if not args.quiet:
@@ -122,8 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         for reason, n in counts.most_common():
             print(f"  {n:6d} {label}: {reason}")
     if args.output:
-        text = "".join(json.dumps(_rebased(row, args.manifest.parent, args.output.parent), ensure_ascii=False) + "\n"
-                       for row in good)
+        text = "".join(
+            json.dumps(_rebased(row, args.manifest.parent, args.output.parent), ensure_ascii=False)
+            + "\n"
+            for row in good
+        )
         try:
             write_output(args.output, text)  # a kill leaves the old file or the new one
         except OutputError as e:

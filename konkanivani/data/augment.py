@@ -3,11 +3,11 @@ and vocal-tract-length perturbation (VTLP).
 
 Everything here runs in the DataLoader workers, one utterance at a time, before (speed, reverb,
 noise) or inside (VTLP) the log-mel computation. Every random draw of an utterance comes from a
-generator seeded by ``(seed, epoch, utterance index, augmentation)`` alone (``utterance_generator``),
-never from the global RNG or the worker's: the same seed gives the same features whatever the
-number of workers or the order they run in, each epoch draws afresh, and a resumed run sees exactly
-the augmentations an unbroken one would. Each augmentation has a stream of its own, so turning one
-on or off leaves the others' draws as they were.
+generator seeded by ``(seed, epoch, utterance index, augmentation)`` alone
+(``utterance_generator``), never from the global RNG or the worker's: the same seed gives the same
+features whatever the number of workers or the order they run in, each epoch draws afresh, and a
+resumed run sees exactly the augmentations an unbroken one would. Each augmentation has a stream of
+its own, so turning one on or off leaves the others' draws as they were.
 
 ``corrupt_manifest`` writes a noisy and reverberant copy of a manifest (a harder test set).
 """
@@ -28,14 +28,27 @@ from ..config import AugmentConfig
 from .audio import list_audio_files, load_audio, resample
 from .frames import SAMPLE_RATE, frames_of_samples, subsampled_lengths
 
-__all__ = ["SPEED_FACTORS", "VTLP_RANGE", "vtlp_warp_matrices", "Augmenter", "utterance_generator", "speed_perturb",
-           "coloured_noise", "add_noise", "synthetic_rir", "reverberate", "vtlp_warp_matrix", "batching_duration"]
+__all__ = [
+    "SPEED_FACTORS",
+    "VTLP_RANGE",
+    "vtlp_warp_matrices",
+    "Augmenter",
+    "utterance_generator",
+    "speed_perturb",
+    "coloured_noise",
+    "add_noise",
+    "synthetic_rir",
+    "reverberate",
+    "vtlp_warp_matrix",
+    "batching_duration",
+]
 
 log = logging.getLogger("konkanivani")
 
 SPEED_FACTORS = (0.9, 1.0, 1.1)  # Kaldi/ESPnet 3-way speed perturbation
 VTLP_RANGE = (0.9, 1.1)  # warp factor alpha (Jaitly & Hinton 2013)
-VTLP_HIGH_HZ = 4800.0  # J&H's F_hi: the warp is linear (f * alpha) up to about here, then meets Nyquist
+# J&H's F_hi: the warp is linear (f * alpha) up to about here, then meets Nyquist
+VTLP_HIGH_HZ = 4800.0
 RT60_RANGE_S = (0.2, 0.9)  # reverberation time of the synthetic rooms
 DRR_RANGE_DB = (0.0, 10.0)  # direct-to-reverberant energy ratio of the synthetic rooms
 NOISE_SLOPE_RANGE = (0.0, 2.0)  # power spectrum ~ 1/f^slope: 0 white, 1 pink, 2 brown
@@ -107,8 +120,12 @@ def coloured_noise(num_samples: int, gen: torch.Generator) -> torch.Tensor:
     if _chance(gen, BABBLE_PROB):  # a random level every 1/rate seconds, interpolated
         points = max(2, math.ceil(num_samples / SAMPLE_RATE * _uniform(gen, *BABBLE_RATE_HZ)) + 1)
         envelope = torch.rand(points, generator=gen) + 0.1
-        noise = noise * torch.nn.functional.interpolate(envelope[None, None], size=num_samples, mode="linear",
-                                                        align_corners=True)[0, 0]
+        noise = (
+            noise
+            * torch.nn.functional.interpolate(
+                envelope[None, None], size=num_samples, mode="linear", align_corners=True
+            )[0, 0]
+        )
     return noise
 
 
@@ -146,7 +163,8 @@ def synthetic_rir(gen: torch.Generator) -> torch.Tensor:
     drr_db = _uniform(gen, *DRR_RANGE_DB)
     length = int(rt60 * SAMPLE_RATE)
     t = torch.arange(1, length) / SAMPLE_RATE
-    tail = torch.randn(length - 1, generator=gen) * torch.exp(-3 * math.log(10) * t / rt60)  # -60 dB at rt60
+    # -60 dB at rt60
+    tail = torch.randn(length - 1, generator=gen) * torch.exp(-3 * math.log(10) * t / rt60)
     tail = tail * math.sqrt(10 ** (-drr_db / 10) / float(tail.pow(2).sum()))
     return torch.cat([torch.ones(1), tail])
 
@@ -192,7 +210,8 @@ def vtlp_warp_matrices(alphas: torch.Tensor, n_freqs: int) -> torch.Tensor:
     edge_in = edge_out / alphas
     below = out_freqs / alphas
     above = nyquist - (nyquist - out_freqs) * (nyquist - edge_in) / (nyquist - edge_out)
-    position = torch.where(out_freqs <= edge_out, below, above) / nyquist * (n_freqs - 1)  # (K, F) input bin
+    # (K, F) input bin
+    position = torch.where(out_freqs <= edge_out, below, above) / nyquist * (n_freqs - 1)
     low = position.floor().long().clamp(0, n_freqs - 2)
     frac = (position - low).clamp(0, 1)
     matrix = torch.zeros(len(alphas), n_freqs, n_freqs, dtype=torch.float64, device=alphas.device)
@@ -214,8 +233,12 @@ class Augmenter:
 
     def __init__(self, cfg: AugmentConfig):
         self.cfg = cfg
-        self.noise_files = list_audio_files(cfg.noise_dir, "noise_dir") if cfg.noise_dir and cfg.noise_prob else []
-        self.rir_files = list_audio_files(cfg.rir_dir, "rir_dir") if cfg.rir_dir and cfg.reverb_prob else []
+        self.noise_files = (
+            list_audio_files(cfg.noise_dir, "noise_dir") if cfg.noise_dir and cfg.noise_prob else []
+        )
+        self.rir_files = (
+            list_audio_files(cfg.rir_dir, "rir_dir") if cfg.rir_dir and cfg.reverb_prob else []
+        )
 
     def describe(self) -> str:
         """One line: the augmentations that are on."""
@@ -223,12 +246,22 @@ class Augmenter:
         if cfg.speed_perturb:
             parts.append("speed perturbation x" + "/".join(f"{f:g}" for f in SPEED_FACTORS))
         if cfg.reverb_prob:
-            source = f"{len(self.rir_files)} RIRs from {cfg.rir_dir}" if self.rir_files else "synthetic rooms"
+            source = (
+                f"{len(self.rir_files)} RIRs from {cfg.rir_dir}"
+                if self.rir_files
+                else "synthetic rooms"
+            )
             parts.append(f"reverberation p={cfg.reverb_prob:g} ({source})")
         if cfg.noise_prob:
-            source = f"{len(self.noise_files)} files from {cfg.noise_dir}" if self.noise_files else "generated noise"
-            parts.append(f"noise p={cfg.noise_prob:g} at {cfg.noise_snr_db[0]:g}-{cfg.noise_snr_db[1]:g} dB SNR "
-                         f"({source})")
+            source = (
+                f"{len(self.noise_files)} files from {cfg.noise_dir}"
+                if self.noise_files
+                else "generated noise"
+            )
+            parts.append(
+                f"noise p={cfg.noise_prob:g} at {cfg.noise_snr_db[0]:g}-{cfg.noise_snr_db[1]:g} dB"
+                f" SNR ({source})"
+            )
         if cfg.vtlp_prob:
             parts.append(f"VTLP p={cfg.vtlp_prob:g}, alpha {VTLP_RANGE[0]:g}-{VTLP_RANGE[1]:g}")
         return "; ".join(parts) if parts else "none"
@@ -246,12 +279,18 @@ class Augmenter:
         gen = utterance_generator(self.cfg.seed, epoch, index, "vtlp")
         return _uniform(gen, *VTLP_RANGE) if _chance(gen, self.cfg.vtlp_prob) else None
 
-    def waveform(self, wav: torch.Tensor, epoch: int, index: int, min_encoder_frames: int = 0) -> torch.Tensor:
-        """``wav`` with this utterance's speed, reverberation and noise draws applied. A speed-up that
-        would leave fewer than ``min_encoder_frames`` encoder frames (its token count: CTC could not
+    def waveform(
+        self, wav: torch.Tensor, epoch: int, index: int, min_encoder_frames: int = 0
+    ) -> torch.Tensor:
+        """``wav`` with this utterance's speed, reverberation and noise draws applied. A speed-up
+        that would leave fewer than ``min_encoder_frames`` encoder frames (its token count: CTC
+        could not
         align it, and its loss would be zeroed) is not applied."""
         factor = self.speed_factor(epoch, index)
-        if factor > 1 and subsampled_lengths(frames_of_samples(int(len(wav) / factor))) < min_encoder_frames:
+        if (
+            factor > 1
+            and subsampled_lengths(frames_of_samples(int(len(wav) / factor))) < min_encoder_frames
+        ):
             factor = 1.0
         wav = speed_perturb(wav, factor)
         if self.cfg.reverb_prob:

@@ -21,8 +21,18 @@ from .frames import HOP_LENGTH
 from .manifest import DEFAULT_DURATION_TOLERANCE, check_row, read_manifest
 from .tokenizer import Tokenizer
 
-__all__ = ["Utterance", "load_utterances", "log_skipped", "compute_cmvn", "cmvn_of", "ASRDataset", "Example",
-           "Unreadable", "Batch", "collate"]
+__all__ = [
+    "Utterance",
+    "load_utterances",
+    "log_skipped",
+    "compute_cmvn",
+    "cmvn_of",
+    "ASRDataset",
+    "Example",
+    "Unreadable",
+    "Batch",
+    "collate",
+]
 
 log = logging.getLogger("konkanivani")
 
@@ -38,9 +48,14 @@ class Utterance:
     where: str  # "manifest.jsonl:LINE", for messages
 
 
-def load_utterances(path: str | Path, tokenizer: Tokenizer, max_duration: float = float("inf"),
-                    duration_tolerance: float = DEFAULT_DURATION_TOLERANCE) -> tuple[list[Utterance], Counter]:
-    """Read and check a manifest; return the usable utterances and a count of skipped rows by reason.
+def load_utterances(
+    path: str | Path,
+    tokenizer: Tokenizer,
+    max_duration: float = float("inf"),
+    duration_tolerance: float = DEFAULT_DURATION_TOLERANCE,
+) -> tuple[list[Utterance], Counter]:
+    """Read and check a manifest; return the usable utterances and a count of skipped rows by
+    reason.
 
     Each row goes through ``checks.check_row`` (audio missing, unreadable or empty, duration
     mismatch, longer than ``max_duration``, empty text or no token, characters the tokenizer
@@ -60,7 +75,9 @@ def load_utterances(path: str | Path, tokenizer: Tokenizer, max_duration: float 
                 log.warning("skipping %s: %s%s", where, reason, f" ({detail})" if detail else "")
             continue
         converted.update(reason for reason, _ in check.warnings)
-        utterances.append(Utterance(check.audio_path, check.duration, check.text, check.tokens, where))
+        utterances.append(
+            Utterance(check.audio_path, check.duration, check.text, check.tokens, where)
+        )
     total = sum(skipped.values())
     if total > _MAX_ROW_WARNINGS:
         log.warning("... %d more rows of %s skipped", total - _MAX_ROW_WARNINGS, path)
@@ -82,7 +99,8 @@ def log_skipped(name: str, path: str | Path, kept: int, skipped: Counter) -> Non
 
 def compute_cmvn(utterances: Sequence[Utterance], n_mels: int, max_utterances: int = 500,
                  seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global mean and standard deviation of log-mel features over (a seeded sample of) the training set."""
+    """Global mean and standard deviation of log-mel features over (a seeded sample of) the training
+    set."""
     sample = random.Random(seed).sample(list(utterances), min(max_utterances, len(utterances)))
 
     def waveforms() -> Iterator[torch.Tensor]:
@@ -98,7 +116,11 @@ def compute_cmvn(utterances: Sequence[Utterance], n_mels: int, max_utterances: i
 def cmvn_of(waveforms: Iterable[torch.Tensor], n_mels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and standard deviation per mel bin of the log-mel features of ``waveforms``."""
     log_mel = LogMel(n_mels)
-    total, total_sq, frames = torch.zeros(n_mels, dtype=torch.float64), torch.zeros(n_mels, dtype=torch.float64), 0
+    total, total_sq, frames = (
+        torch.zeros(n_mels, dtype=torch.float64),
+        torch.zeros(n_mels, dtype=torch.float64),
+        0,
+    )
     for wav in waveforms:
         feats = log_mel(wav).double()  # (T, F)
         total += feats.sum(0)
@@ -152,13 +174,16 @@ class ASRDataset(Dataset):
         return self.example(wav, utt.tokens, epoch, index)
 
     def example(self, wav: torch.Tensor, tokens: Sequence[int], epoch: int, index: int) -> Example:
-        """Utterance ``index``'s waveform, augmented (training) as its epoch and index draw, with the
+        """Utterance ``index``'s waveform, augmented (training) as its epoch and index draw, with
+        the
         VTLP factor its features are to be warped by."""
         alpha = None
         if self.augment is not None:
             wav = self.augment.waveform(wav, epoch, index, min_encoder_frames=len(tokens))
             alpha = self.augment.vtlp_alpha(epoch, index)
-        return Example(wav, torch.tensor(tokens, dtype=torch.long), index, math.nan if alpha is None else alpha)
+        return Example(
+            wav, torch.tensor(tokens, dtype=torch.long), index, math.nan if alpha is None else alpha
+        )
 
 
 class Batch(NamedTuple):
@@ -170,8 +195,10 @@ class Batch(NamedTuple):
     tokens: torch.Tensor  # (B, U), padded with -1
     token_lens: torch.Tensor  # (B,)
     indices: list[int]  # positions in the dataset, to name utterances in messages
-    missing: tuple[int, ...] = ()  # positions of the batch's utterances whose audio could not be read
-    vtlp: Optional[torch.Tensor] = None  # (B,) VTLP warp factors, NaN where none; None: no utterance warped
+    # positions of the batch's utterances whose audio could not be read
+    missing: tuple[int, ...] = ()
+    # (B,) VTLP warp factors, NaN where none; None: no utterance warped
+    vtlp: Optional[torch.Tensor] = None
 
     @property
     def feat_lens(self) -> torch.Tensor:
@@ -186,9 +213,15 @@ class Batch(NamedTuple):
     def to(self, device: torch.device | str) -> "Batch":
         """The batch on ``device``; from pinned memory to CUDA without waiting for the copies."""
         nb = torch.device(device).type == "cuda"
-        return Batch(self.audio.to(device, non_blocking=nb), self.audio_lens.to(device, non_blocking=nb),
-                     self.tokens.to(device, non_blocking=nb), self.token_lens.to(device, non_blocking=nb),
-                     self.indices, self.missing, None if self.vtlp is None else self.vtlp.to(device, non_blocking=nb))
+        return Batch(
+            self.audio.to(device, non_blocking=nb),
+            self.audio_lens.to(device, non_blocking=nb),
+            self.tokens.to(device, non_blocking=nb),
+            self.token_lens.to(device, non_blocking=nb),
+            self.indices,
+            self.missing,
+            None if self.vtlp is None else self.vtlp.to(device, non_blocking=nb),
+        )
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -200,10 +233,29 @@ def collate(examples: Sequence[Example | Unreadable]) -> Batch:
     missing = tuple(e.index for e in examples if isinstance(e, Unreadable))
     examples = [e for e in examples if isinstance(e, Example)]
     if not examples:
-        return Batch(torch.zeros(0, 0), torch.zeros(0, dtype=torch.long), torch.zeros(0, 0, dtype=torch.long),
-                     torch.zeros(0, dtype=torch.long), [], missing)
+        return Batch(
+            torch.zeros(0, 0),
+            torch.zeros(0, dtype=torch.long),
+            torch.zeros(0, 0, dtype=torch.long),
+            torch.zeros(0, dtype=torch.long),
+            [],
+            missing,
+        )
     audio = torch.nn.utils.rnn.pad_sequence([e.audio for e in examples], batch_first=True)  # (B, N)
-    tokens = torch.nn.utils.rnn.pad_sequence([e.tokens for e in examples], batch_first=True, padding_value=-1)
-    vtlp = torch.tensor([e.vtlp for e in examples]) if any(not math.isnan(e.vtlp) for e in examples) else None
-    return Batch(audio, torch.tensor([len(e.audio) for e in examples]), tokens,
-                 torch.tensor([len(e.tokens) for e in examples]), [e.index for e in examples], missing, vtlp)
+    tokens = torch.nn.utils.rnn.pad_sequence(
+        [e.tokens for e in examples], batch_first=True, padding_value=-1
+    )
+    vtlp = (
+        torch.tensor([e.vtlp for e in examples])
+        if any(not math.isnan(e.vtlp) for e in examples)
+        else None
+    )
+    return Batch(
+        audio,
+        torch.tensor([len(e.audio) for e in examples]),
+        tokens,
+        torch.tensor([len(e.tokens) for e in examples]),
+        [e.index for e in examples],
+        missing,
+        vtlp,
+    )

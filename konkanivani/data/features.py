@@ -34,7 +34,8 @@ class LogMel(torch.nn.Module):
     def __init__(self, n_mels: int = 80):
         super().__init__()
         self.mel = torchaudio.transforms.MelSpectrogram(
-            sample_rate=SAMPLE_RATE, n_fft=400, win_length=400, hop_length=HOP_LENGTH, n_mels=n_mels)
+            sample_rate=SAMPLE_RATE, n_fft=400, win_length=400, hop_length=HOP_LENGTH, n_mels=n_mels
+        )
 
     @torch.no_grad()
     def forward(self, wav: torch.Tensor, warp: torch.Tensor | None = None) -> torch.Tensor:
@@ -62,15 +63,27 @@ class LogMel(torch.nn.Module):
         with torch.autocast(wavs.device.type, enabled=False):
             padded = _reflected(wavs.float(), lengths, half)  # (B, N + 2 * half)
             spec = torchaudio.functional.spectrogram(
-                padded, pad=0, window=spectrogram.window, n_fft=spectrogram.n_fft, hop_length=spectrogram.hop_length,
-                win_length=spectrogram.win_length, power=2.0, normalized=False, center=False)  # (B, F, T)
-            if alphas is not None:  # every utterance through its matrix (the identity for NaN and 1):
+                padded,
+                pad=0,
+                window=spectrogram.window,
+                n_fft=spectrogram.n_fft,
+                hop_length=spectrogram.hop_length,
+                # (B, F, T)
+                win_length=spectrogram.win_length,
+                power=2.0,
+                normalized=False,
+                center=False,
+            )
+            # every utterance through its matrix (the identity for NaN and 1):
+            if alphas is not None:
                 # picking out the warped ones would make the host wait for the device to count them
                 alphas = torch.where(torch.isfinite(alphas), alphas, 1.0).to(spec.device)
                 spec = vtlp_warp_matrices(alphas, spec.shape[1]) @ spec  # (B, F, F) @ (B, F, T)
-            feats = torch.log(self.mel.mel_scale(spec) + LOG_OFFSET).transpose(1, 2)  # (B, T, n_mels)
+            # (B, T, n_mels)
+            feats = torch.log(self.mel.mel_scale(spec) + LOG_OFFSET).transpose(1, 2)
         frames = 1 + lengths // spectrogram.hop_length
-        padding = torch.arange(feats.shape[1], device=feats.device)[None, :] >= frames[:, None]  # (B, T)
+        # (B, T)
+        padding = torch.arange(feats.shape[1], device=feats.device)[None, :] >= frames[:, None]
         return feats.masked_fill(padding[..., None], 0.0), frames
 
     @property
@@ -83,7 +96,8 @@ def _reflected(wavs: torch.Tensor, lengths: torch.Tensor, half: int) -> torch.Te
     """``(B, N)`` -> ``(B, N + 2 * half)``: each waveform with ``half`` samples reflected about its
     first and about its last sample (``torch.stft``'s ``center`` padding, at each one's own length);
     what lies beyond is filler that only padding frames read."""
-    position = torch.arange(-half, wavs.shape[1] + half, device=wavs.device).abs()[None, :]  # (1, N + 2h)
+    # (1, N + 2h)
+    position = torch.arange(-half, wavs.shape[1] + half, device=wavs.device).abs()[None, :]
     last = (lengths.to(wavs.device) - 1)[:, None]  # (B, 1)
     index = torch.where(position > last, 2 * last - position, position)  # reflected at the end
     return wavs.gather(1, index.clamp(0, wavs.shape[1] - 1))

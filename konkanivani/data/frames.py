@@ -9,7 +9,14 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["SAMPLE_RATE", "HOP_LENGTH", "FRAMES_PER_SECOND", "frames_of", "subsampled_lengths", "budget_frames"]
+__all__ = [
+    "SAMPLE_RATE",
+    "HOP_LENGTH",
+    "FRAMES_PER_SECOND",
+    "frames_of",
+    "subsampled_lengths",
+    "budget_frames",
+]
 
 SAMPLE_RATE = 16000
 HOP_LENGTH = 160

@@ -25,13 +25,22 @@ from ..config import DEFAULT_DURATION_TOLERANCE
 from .frames import SAMPLE_RATE, frames_of, subsampled_lengths
 from .tokenizer import UNK_ID, Tokenizer, normalize_text
 
-__all__ = ["DEFAULT_DURATION_TOLERANCE", "ManifestError", "RowCheck", "check_row", "check_text", "iter_manifest",
-           "read_manifest", "resolve_audio_path"]
+__all__ = [
+    "DEFAULT_DURATION_TOLERANCE",
+    "ManifestError",
+    "RowCheck",
+    "check_row",
+    "check_text",
+    "iter_manifest",
+    "read_manifest",
+    "resolve_audio_path",
+]
 
 
 @dataclass
 class RowCheck:
-    """What ``check_row`` found. ``error`` is None for a usable row; ``warnings`` may still hold notes."""
+    """What ``check_row`` found. ``error`` is None for a usable row; ``warnings`` may still hold
+    notes."""
 
     error: tuple[str, str] | None = None  # (reason, detail)
     warnings: list[tuple[str, str]] = field(default_factory=list)
@@ -42,7 +51,8 @@ class RowCheck:
 
 
 def resolve_audio_path(audio: str, base_dir: Path) -> Path:
-    """A manifest's ``audio_filepath``: absolute as written, or relative to the manifest's folder."""
+    """A manifest's ``audio_filepath``: absolute as written, or relative to the manifest's
+    folder."""
     return Path(audio) if Path(audio).is_absolute() else base_dir / audio
 
 
@@ -51,9 +61,16 @@ def _fail(check: RowCheck, reason: str, detail: str = "") -> RowCheck:
     return check
 
 
-def check_row(row: dict[str, Any], base_dir: Path, tokenizer: Tokenizer, *, max_duration: float = float("inf"),
-              duration_tolerance: float = DEFAULT_DURATION_TOLERANCE, decode: bool = False,
-              strict: bool = False) -> RowCheck:
+def check_row(
+    row: dict[str, Any],
+    base_dir: Path,
+    tokenizer: Tokenizer,
+    *,
+    max_duration: float = float("inf"),
+    duration_tolerance: float = DEFAULT_DURATION_TOLERANCE,
+    decode: bool = False,
+    strict: bool = False,
+) -> RowCheck:
     """Check one manifest row; relative audio paths are taken from ``base_dir``.
 
     Only the audio header is read unless ``decode`` (which reads every sample, and finds files
@@ -79,17 +96,26 @@ def check_row(row: dict[str, Any], base_dir: Path, tokenizer: Tokenizer, *, max_
             frames = data.shape[0]
             if not np.isfinite(data).all():
                 return _fail(check, "audio holds NaN or infinite samples", str(path))
-    except Exception as e:  # noqa: BLE001  soundfile raises LibsndfileError, RuntimeError, TypeError...
+    # soundfile raises LibsndfileError, RuntimeError, TypeError...
+    except Exception as e:  # noqa: BLE001
         return _fail(check, "audio unreadable", f"{path}: {e}")
     if frames <= 0 or sample_rate <= 0:
         return _fail(check, "audio empty", str(path))
     check.duration = duration = frames / sample_rate
     stated = row.get("duration")
     if stated is not None and duration_tolerance >= 0:
-        if isinstance(stated, bool) or not isinstance(stated, (int, float)) or not math.isfinite(stated):
+        if (
+            isinstance(stated, bool)
+            or not isinstance(stated, (int, float))
+            or not math.isfinite(stated)
+        ):
             return _fail(check, "duration not a number", repr(stated))
         if abs(stated - duration) > duration_tolerance:
-            return _fail(check, "duration mismatch", f"manifest says {stated:.2f} s, {path} holds {duration:.2f} s")
+            return _fail(
+                check,
+                "duration mismatch",
+                f"manifest says {stated:.2f} s, {path} holds {duration:.2f} s",
+            )
     conversions = [("not 16 kHz", f"{sample_rate} Hz")] if sample_rate != SAMPLE_RATE else []
     conversions += [("not mono", f"{channels} channels")] if channels != 1 else []
     for reason, detail in conversions:
@@ -105,7 +131,9 @@ def check_row(row: dict[str, Any], base_dir: Path, tokenizer: Tokenizer, *, max_
     return check
 
 
-def check_text(text: str, duration: float, tokenizer: Tokenizer) -> tuple[tuple[str, str] | None, list[int]]:
+def check_text(
+    text: str, duration: float, tokenizer: Tokenizer
+) -> tuple[tuple[str, str] | None, list[int]]:
     """The text checks of a row whose audio lasts ``duration`` seconds: ``(None, token ids)``, or
     ``((reason, detail), [])`` when it leaves no token, holds characters the tokenizer cannot encode
     or has more tokens than CTC can align to that audio. (Shards check their members with it.)"""
@@ -115,7 +143,13 @@ def check_text(text: str, duration: float, tokenizer: Tokenizer) -> tuple[tuple[
     if not tokens:
         return ("no token after normalization", ""), []
     if UNK_ID in tokens:
-        unknown = sorted({ch for ch in normalize_text(text) if not ch.isspace() and UNK_ID in tokenizer.encode(ch)})
+        unknown = sorted(
+            {
+                ch
+                for ch in normalize_text(text)
+                if not ch.isspace() and UNK_ID in tokenizer.encode(ch)
+            }
+        )
         return ("characters the tokenizer cannot encode",
                 " ".join(f"{ch!r} U+{ord(ch):04X}" for ch in unknown) or "unknown pieces"), []
     frames_after = subsampled_lengths(frames_of(duration))
@@ -137,17 +171,21 @@ def iter_manifest(path: str | Path) -> Iterator[tuple[int, dict | ManifestError]
     with path.open("rb") as f:
         for line_no, raw in enumerate(f, start=1):
             try:
-                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8").strip()  # a BOM may open the file
+                # a BOM may open the file
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8").strip()
                 if not line:
                     continue
                 row = json.loads(line)
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 yield line_no, ManifestError(
-                    f"{path}:{line_no}: not a JSON line ({e}); a manifest holds one JSON object a line "
-                    '{"audio_filepath": ..., "duration": ..., "text": ...}')
+                    f"{path}:{line_no}: not a JSON line ({e}); a manifest holds one JSON object a"
+                    ' line {"audio_filepath": ..., "duration": ..., "text": ...}'
+                )
                 continue
             if not isinstance(row, dict):
-                yield line_no, ManifestError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
+                yield line_no, ManifestError(
+                    f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}"
+                )
                 continue
             yield line_no, row
 
@@ -158,7 +196,9 @@ def read_manifest(path: str | Path) -> list[tuple[int, dict]]:
     rows = []
     for line_no, row in iter_manifest(path):
         if isinstance(row, ManifestError):
-            raise ManifestError(f"{row}; konkanivani-validate (training_scripts/validate_manifest.py) lists every "
-                                "bad line and writes a cleaned manifest")
+            raise ManifestError(
+                f"{row}; konkanivani-validate (training_scripts/validate_manifest.py) lists every "
+                "bad line and writes a cleaned manifest"
+            )
         rows.append((line_no, row))
     return rows

@@ -1,6 +1,7 @@
 """The batch samplers, all resumable mid-epoch: length-grouped batches of a fixed size (validation),
-a process's share of them under torchrun, and dynamic batching by duration: batches hold as many utterances as fit a frame budget, grouped by
-length so that little of each batch is padding; plus the helpers that change a batch's size
+a process's share of them under torchrun, and dynamic batching by duration: batches hold as many
+utterances as fit a frame budget, grouped by length so that little of each batch is padding; plus
+the helpers that change a batch's size
 (halving a micro-batch after an out-of-memory error) or the training set's (``--max_samples``)."""
 from __future__ import annotations
 
@@ -12,8 +13,19 @@ from torch.utils.data import Sampler
 from .dataset import Batch
 from .frames import frames_of
 
-__all__ = ["ResumableBatchSampler", "LengthGroupedBatchSampler", "ShardedSampler", "EpochKeyed", "DurationBucketSampler",
-           "PreflightSampler", "cut_batches", "train_sampler", "padding_fraction", "split_batch", "select_samples"]
+__all__ = [
+    "ResumableBatchSampler",
+    "LengthGroupedBatchSampler",
+    "ShardedSampler",
+    "EpochKeyed",
+    "DurationBucketSampler",
+    "PreflightSampler",
+    "cut_batches",
+    "train_sampler",
+    "padding_fraction",
+    "split_batch",
+    "select_samples",
+]
 
 
 class ResumableBatchSampler(Sampler[list[int]]):
@@ -37,7 +49,8 @@ class ResumableBatchSampler(Sampler[list[int]]):
         raise NotImplementedError
 
     def position(self, epoch: int, batches_done: int) -> dict:
-        """More of the data position than ``epoch`` and ``batches_done`` that a checkpoint keeps (a shard plan's)."""
+        """More of the data position than ``epoch`` and ``batches_done`` that a checkpoint keeps (a
+        shard plan's)."""
         return {}
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -72,7 +85,8 @@ class ShardedSampler(ResumableBatchSampler):
     so that every process has the same number (each optimizer step needs every process)."""
 
     def __init__(self, inner: ResumableBatchSampler, rank: int, world: int, even: bool = True):
-        self.inner, self.rank, self.world, self.even = inner, rank, world, even  # even=False: keep them all
+        # even=False: keep them all
+        self.inner, self.rank, self.world, self.even = inner, rank, world, even
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         super().set_epoch(epoch, start)
@@ -94,8 +108,14 @@ class LengthGroupedBatchSampler(ResumableBatchSampler):
     epoch after the batches already consumed, which is what a mid-epoch resume needs.
     """
 
-    def __init__(self, durations: Sequence[float], batch_size: int, seed: int = 0, shuffle: bool = True,
-                 pool_batches: int = 50):
+    def __init__(
+        self,
+        durations: Sequence[float],
+        batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        pool_batches: int = 50,
+    ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.durations = list(durations)
@@ -137,8 +157,15 @@ class DurationBucketSampler(ResumableBatchSampler):
     batches already consumed; ``state_dict``/``load_state_dict``.
     """
 
-    def __init__(self, durations: Sequence[float], max_frames: int, seed: int = 0, num_buckets: int = 10,
-                 shuffle: bool = True, fits: Optional[Callable[[int, int], bool]] = None):
+    def __init__(
+        self,
+        durations: Sequence[float],
+        max_frames: int,
+        seed: int = 0,
+        num_buckets: int = 10,
+        shuffle: bool = True,
+        fits: Optional[Callable[[int, int], bool]] = None,
+    ):
         if max_frames < 1:
             raise ValueError(f"max_frames must be >= 1, got {max_frames}")
         if num_buckets < 1:
@@ -194,10 +221,15 @@ class PreflightSampler(ResumableBatchSampler):
         batches = self.inner.epoch_batches()
         if self.epoch != 0 or self.count <= 0:
             return batches
-        ranked = sorted(range(len(batches)), key=lambda b: -len(batches[b]) * max(self.frames[i] for i in batches[b]))
+        ranked = sorted(
+            range(len(batches)),
+            key=lambda b: -len(batches[b]) * max(self.frames[i] for i in batches[b]),
+        )
         first = ranked[:self.count]
         chosen = set(first)
-        return [batches[b] for b in first] + [batch for b, batch in enumerate(batches) if b not in chosen]
+        return [batches[b] for b in first] + [
+            batch for b, batch in enumerate(batches) if b not in chosen
+        ]
 
     def __len__(self) -> int:  # as many batches as the inner sampler's
         return max(0, len(self.inner) - self.start)
@@ -205,13 +237,16 @@ class PreflightSampler(ResumableBatchSampler):
 
 def cut_batches(order: Sequence[int], frames: Sequence[int], max_frames: int,
                 fits: Optional[Callable[[int, int], bool]] = None) -> list[list[int]]:
-    """Greedy batches of the utterances in ``order`` (``frames`` long each) of at most ``max_frames``
-    padded frames (utterances x longest), and ``fits(n, longest)`` when given; an utterance over the
+    """Greedy batches of the utterances in ``order`` (``frames`` long each) of at most
+    ``max_frames`` padded frames (utterances x longest), and ``fits(n, longest)`` when given; an
+    utterance over the
     budget on its own goes alone."""
     batches, batch, longest = [], [], 0
     for i in order:
         grown = max(longest, frames[i])
-        if batch and not ((len(batch) + 1) * grown <= max_frames and (fits is None or fits(len(batch) + 1, grown))):
+        if batch and not (
+            (len(batch) + 1) * grown <= max_frames and (fits is None or fits(len(batch) + 1, grown))
+        ):
             batches.append(batch)
             batch, longest = [], 0
         batch.append(i)
@@ -221,15 +256,26 @@ def cut_batches(order: Sequence[int], frames: Sequence[int], max_frames: int,
     return batches
 
 
-def train_sampler(durations: Sequence[float], batch_size: int, max_frames: int, seed: int, num_buckets: int,
-                  fits: Optional[Callable[[int, int], bool]] = None, preflight: int = 0, rank: int = 0,
-                  world: int = 1) -> ResumableBatchSampler:
+def train_sampler(
+    durations: Sequence[float],
+    batch_size: int,
+    max_frames: int,
+    seed: int,
+    num_buckets: int,
+    fits: Optional[Callable[[int, int], bool]] = None,
+    preflight: int = 0,
+    rank: int = 0,
+    world: int = 1,
+) -> ResumableBatchSampler:
     """The training batches: duration-bucketed under a frame budget (``max_frames``; ``fits`` a
     further cap, the memory estimator's) or ``batch_size`` utterances of similar length; the
-    ``preflight`` largest first in the first epoch; process ``rank``'s share of them when ``world`` > 1."""
+    ``preflight`` largest first in the first epoch; process ``rank``'s share of them when ``world``
+    > 1.
+    """
     if max_frames or fits is not None:
-        sampler: ResumableBatchSampler = DurationBucketSampler(durations, max_frames or 10 ** 9, seed=seed,
-                                                               num_buckets=num_buckets, fits=fits)
+        sampler: ResumableBatchSampler = DurationBucketSampler(
+            durations, max_frames or 10**9, seed=seed, num_buckets=num_buckets, fits=fits
+        )
     else:
         sampler = LengthGroupedBatchSampler(durations, batch_size, seed=seed)
     if preflight > 0:
@@ -245,15 +291,22 @@ def padding_fraction(batches: Sequence[Sequence[int]], frames: Sequence[int]) ->
 
 
 def split_batch(batch: Batch) -> tuple[Batch, Batch]:
-    """Two halves of a batch (of at least 2 utterances), each trimmed to its own longest utterance."""
+    """Two halves of a batch (of at least 2 utterances), each trimmed to its own longest
+    utterance."""
     if len(batch) < 2:
         raise ValueError("a batch of one utterance cannot be split")
     half = len(batch) // 2
 
     def part(sl: slice) -> Batch:
         audio_lens, token_lens = batch.audio_lens[sl], batch.token_lens[sl]
-        return Batch(batch.audio[sl, :int(audio_lens.max())], audio_lens, batch.tokens[sl, :int(token_lens.max())],
-                     token_lens, batch.indices[sl], vtlp=None if batch.vtlp is None else batch.vtlp[sl])
+        return Batch(
+            batch.audio[sl, : int(audio_lens.max())],
+            audio_lens,
+            batch.tokens[sl, : int(token_lens.max())],
+            token_lens,
+            batch.indices[sl],
+            vtlp=None if batch.vtlp is None else batch.vtlp[sl],
+        )
 
     return part(slice(0, half)), part(slice(half, None))
 

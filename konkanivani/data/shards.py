@@ -3,18 +3,19 @@
 A shard is a tar file holding two members per utterance, ``KEY.flac`` (16 kHz mono 16-bit, lossless)
 and ``KEY.json`` (``text``, ``duration`` and the manifest row's other keys): the layout WebDataset,
 NeMo's tarred datasets and SpeechBrain read. ``shards.json`` lists a set of them: each shard's file,
-size in bytes and, per utterance, its key and duration, so that an epoch is planned without opening a
-shard (``konkanivani-prepare shards`` writes both: ``tools/shards.py``). ``--train_shards`` takes that
-list, a brace pattern (``shards/shard-{000000..000099}.tar``) or a text file of shard paths; for the
-last two each shard is read once before training to list its utterances.
+size in bytes and, per utterance, its key and duration, so that an epoch is planned without opening
+a shard (``konkanivani-prepare shards`` writes both: ``datatools/shard_writer.py``).
+``--train_shards`` takes that list, a brace pattern (``shards/shard-{000000..000099}.tar``) or a
+text file of shard paths; for the last two each shard is read once before training to list its
+utterances.
 
 **An epoch's plan** (``ShardPlan``) is a pure function of the list, the seed, the epoch, the world
 size and the settings, so that every process computes every process's share and a resumed run finds
 the same batches:
 
-1. the shards are shuffled (seeded by seed and epoch); process ``r`` of ``W`` takes every ``W``-th of
-   the first ``W * (n // W)``; the ``n % W`` left over are read by every process, each taking every
-   ``W``-th utterance of them (so a list of fewer shards than processes still splits);
+1. the shards are shuffled (seeded by seed and epoch); process ``r`` of ``W`` takes every ``W``-th
+   of the first ``W * (n // W)``; the ``n % W`` left over are read by every process, each taking
+   every ``W``-th utterance of them (so a list of fewer shards than processes still splits);
 2. a process's shards are dealt to its streams (one per DataLoader worker), every ``S``-th each;
 3. a stream reads its shards in turn, through a shuffle buffer of ``--shuffle_buffer`` utterances;
    each run of that many utterances out of it is sorted by duration and cut into batches under the
@@ -23,10 +24,11 @@ the same batches:
 4. the process's batches are its streams' in turn, as the DataLoader takes them from its workers;
 5. every process gets the same number of batches: one with fewer splits its largest batches in two
    until it has as many as the most (when all are down to one utterance, the last are empty: that
-   process adds nothing to those steps). Every utterance is seen once an epoch, and no process waits.
+   process adds nothing to those steps). Every utterance is seen once an epoch, and no process
+   waits.
 
-Reading (``ShardStream``, an IterableDataset) follows the plan: a worker opens its stream's shards in
-order, keeps the encoded bytes of the utterances its coming batches need (a bounded number: the
+Reading (``ShardStream``, an IterableDataset) follows the plan: a worker opens its stream's shards
+in order, keeps the encoded bytes of the utterances its coming batches need (a bounded number: the
 buffer's) and sends each batch as soon as all of its utterances are read. On a resume it skips the
 batches already trained on, and every shard none of the rest needs, without opening it.
 
@@ -64,13 +66,29 @@ from .manifest import DEFAULT_DURATION_TOLERANCE, ManifestError, check_text
 from .samplers import ResumableBatchSampler, cut_batches
 from .tokenizer import Tokenizer
 
-__all__ = ["LIST_NAME", "TEXTS_NAME", "FORMAT", "ShardError", "Shard", "ShardSet", "open_shards", "read_shard_list",
-           "texts_of", "iter_shard", "scan_shard", "shard_waveforms", "ShardPlan", "ShardStream", "ShardUtterances"]
+__all__ = [
+    "LIST_NAME",
+    "TEXTS_NAME",
+    "FORMAT",
+    "ShardError",
+    "Shard",
+    "ShardSet",
+    "open_shards",
+    "read_shard_list",
+    "texts_of",
+    "iter_shard",
+    "scan_shard",
+    "shard_waveforms",
+    "ShardPlan",
+    "ShardStream",
+    "ShardUtterances",
+]
 
 log = logging.getLogger("konkanivani")
 
 LIST_NAME = "shards.json"  # the shard list prepare writes beside the shards
-TEXTS_NAME = "text.txt"  # every utterance's text, a line each: what a fresh run trains its tokenizer on
+# every utterance's text, a line each: what a fresh run trains its tokenizer on
+TEXTS_NAME = "text.txt"
 FORMAT = {"format": "konkanivani-shards", "version": 1}
 AUDIO_MEMBER, META_MEMBER = "flac", "json"
 _NAMED = 5  # bad members of a kind a reader names one by one; the others are counted
@@ -153,7 +171,9 @@ class ShardUtterances(Sequence[Utterance]):
             return [self[i] for i in range(*index.indices(len(self)))]
         s, pos = self.shards.locate(index)
         shard = self.shards.shards[s]
-        return Utterance(shard.path, shard.durations[pos], "", [], f"{shard.name}:{shard.keys[pos]}")
+        return Utterance(
+            shard.path, shard.durations[pos], "", [], f"{shard.name}:{shard.keys[pos]}"
+        )
 
 
 # ---- the list --------------------------------------------------------------------------------
@@ -169,14 +189,24 @@ def read_shard_list(path: str | Path, check_files: bool = True) -> ShardSet:
     if not isinstance(listing, dict) or listing.get("format") != FORMAT["format"]:
         raise ShardError(f"{path}: not a shard list (konkanivani-prepare shards writes one)")
     if listing.get("version") != FORMAT["version"]:
-        raise ShardError(f"{path}: shard list version {listing.get('version')}, this konkanivani reads "
-                         f"{FORMAT['version']}")
+        raise ShardError(
+            f"{path}: shard list version {listing.get('version')}, this konkanivani reads "
+            f"{FORMAT['version']}"
+        )
     shards = []
     for n, entry in enumerate(listing.get("shards", []), start=1):
         try:
-            name, size, keys, durations = entry["path"], int(entry["bytes"]), entry["keys"], entry["durations"]
+            name, size, keys, durations = (
+                entry["path"],
+                int(entry["bytes"]),
+                entry["keys"],
+                entry["durations"],
+            )
             if len(keys) != len(durations) or len(keys) != entry["utterances"]:
-                raise ValueError(f"{len(keys)} keys, {len(durations)} durations, {entry['utterances']} utterances")
+                raise ValueError(
+                    f"{len(keys)} keys, {len(durations)} durations, {entry['utterances']}"
+                    " utterances"
+                )
             if not all(isinstance(key, str) for key in keys):
                 raise ValueError("a key that is not a string")
         except (KeyError, TypeError, ValueError) as e:
@@ -184,7 +214,9 @@ def read_shard_list(path: str | Path, check_files: bool = True) -> ShardSet:
         shard_path = path.parent / name
         if check_files:
             _check_file(shard_path, size, path)
-        shards.append(Shard(shard_path, name, size, tuple(keys), tuple(float(d) for d in durations)))
+        shards.append(
+            Shard(shard_path, name, size, tuple(keys), tuple(float(d) for d in durations))
+        )
     if not shards:
         raise ShardError(f"{path}: the list holds no shard")
     _check_unique(shards, path)
@@ -225,13 +257,16 @@ def _check_file(shard_path: Path, size: int, listed_in: Path) -> None:
         raise ShardError(f"{shard_path}: shard missing (listed in {listed_in})")
     actual = shard_path.stat().st_size
     if actual != size:
-        raise ShardError(f"{shard_path}: {actual} bytes, but {listed_in} lists {size}: the shard does not match "
-                         "its list (rewritten or cut short since); write the shards again with konkanivani-prepare "
-                         "shards")
+        raise ShardError(
+            f"{shard_path}: {actual} bytes, but {listed_in} lists {size}: the shard does not match"
+            " its list (rewritten or cut short since); write the shards again with"
+            " konkanivani-prepare shards"
+        )
 
 
 def texts_of(spec: str) -> Optional[Path]:
-    """The ``text.txt`` beside the shards ``--train_shards`` names (a fresh run trains its tokenizer on it)."""
+    """The ``text.txt`` beside the shards ``--train_shards`` names (a fresh run trains its tokenizer
+    on it)."""
     path = Path(spec)
     folder = path if path.is_dir() else path.parent
     if path.suffix != ".json" and not path.is_dir() and "{" in spec:
@@ -248,7 +283,11 @@ def open_shards(spec: str, check_files: bool = True) -> ShardSet:
         return read_shard_list(path / LIST_NAME if path.is_dir() else path, check_files)
     if path.is_file() and path.suffix != ".tar":
         lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
-        paths = [Path(p) if Path(p).is_absolute() else path.parent / p for p in lines if p and not p.startswith("#")]
+        paths = [
+            Path(p) if Path(p).is_absolute() else path.parent / p
+            for p in lines
+            if p and not p.startswith("#")
+        ]
     else:
         from braceexpand import braceexpand
         paths = [Path(p) for p in braceexpand(spec)]
@@ -292,8 +331,12 @@ def iter_shard(path: Path, name: str = "") -> Iterator[tuple[str, dict[str, byte
                 handle = tar.extractfile(member)
                 files[ext] = handle.read() if handle is not None else b""
     except (tarfile.TarError, EOFError, OSError, ValueError) as e:
-        log.warning("%s: shard truncated or corrupt after %d utterances (%s); the rest of it is skipped", name, count,
-                    e)
+        log.warning(
+            "%s: shard truncated or corrupt after %d utterances (%s); the rest of it is skipped",
+            name,
+            count,
+            e,
+        )
         return  # the member being read when it broke is not complete: not yielded
     if key is not None:
         yield key, files
@@ -312,7 +355,9 @@ def scan_shard(path: Path) -> tuple[list[str], list[float], list[str]]:
                 info = sf.info(io.BytesIO(files[AUDIO_MEMBER]))
                 duration = info.frames / info.samplerate
             except Exception:  # noqa: BLE001 (soundfile raises several kinds)
-                problems.append(f"{path}: {key}: no duration in its JSON and no readable audio; not listed")
+                problems.append(
+                    f"{path}: {key}: no duration in its JSON and no readable audio; not listed"
+                )
                 continue
         keys.append(key)
         durations.append(duration)
@@ -320,7 +365,8 @@ def scan_shard(path: Path) -> tuple[list[str], list[float], list[str]]:
 
 
 def decode_member(files: dict[str, bytes], where: str) -> tuple[torch.Tensor, dict[str, Any]]:
-    """An utterance's waveform and metadata; ``AudioError`` (reason counted) when either is unusable."""
+    """An utterance's waveform and metadata; ``AudioError`` (reason counted) when either is
+    unusable."""
     if AUDIO_MEMBER not in files:
         raise AudioError("no audio member", where)
     try:
@@ -332,7 +378,9 @@ def decode_member(files: dict[str, bytes], where: str) -> tuple[torch.Tensor, di
     return load_audio(io.BytesIO(files[AUDIO_MEMBER]), label=where), meta
 
 
-def shard_waveforms(shards: ShardSet, max_utterances: int = 500, seed: int = 0) -> Iterator[torch.Tensor]:
+def shard_waveforms(
+    shards: ShardSet, max_utterances: int = 500, seed: int = 0
+) -> Iterator[torch.Tensor]:
     """Up to ``max_utterances`` waveforms from shards taken in a seeded order (for CMVN statistics;
     whole shards, read once each: cheap on a network mount)."""
     order = list(range(len(shards.shards)))
@@ -356,7 +404,8 @@ def shard_waveforms(shards: ShardSet, max_utterances: int = 500, seed: int = 0) 
 
 @dataclass(frozen=True)
 class Unit:
-    """A stream's share of one shard: its utterances at positions ``phase``, ``phase + stride``, ..."""
+    """A stream's share of one shard: its utterances at positions ``phase``, ``phase + stride``,
+    ..."""
 
     shard: int
     stride: int = 1
@@ -368,7 +417,8 @@ class StreamWork:
     """What one reader (a DataLoader worker) does in an epoch: its shards and its batches left."""
 
     epoch: int
-    units: list[tuple[Path, str, int, int, int, dict[str, int]]]  # path, name, offset, stride, phase, key -> position
+    # path, name, offset, stride, phase, key -> position
+    units: list[tuple[Path, str, int, int, int, dict[str, int]]]
     batches: list[list[int]]
 
 
@@ -400,13 +450,32 @@ class ShardPlan(ResumableBatchSampler):
     module's docstring tells how. As a ``ResumableBatchSampler`` (what the training loop asks of its
     sampler) its ``epoch_batches`` are this process's batches, as utterance indices of the set."""
 
-    def __init__(self, shards: ShardSet, frames: Sequence[int], *, rank: int = 0, world: int = 1, streams: int = 1,
-                 seed: int = 0, buffer: int = 1000, max_frames: int = 0, batch_size: int = 8,
-                 max_duration: float = float("inf"), fits: Optional[Callable[[int, int], bool]] = None):
+    def __init__(
+        self,
+        shards: ShardSet,
+        frames: Sequence[int],
+        *,
+        rank: int = 0,
+        world: int = 1,
+        streams: int = 1,
+        seed: int = 0,
+        buffer: int = 1000,
+        max_frames: int = 0,
+        batch_size: int = 8,
+        max_duration: float = float("inf"),
+        fits: Optional[Callable[[int, int], bool]] = None,
+    ):
         if buffer < 1:
             raise ValueError(f"the shuffle buffer must hold at least 1 utterance, got {buffer}")
-        self.shards, self.frames = shards, list(frames)  # frames: each utterance's, as batching counts them
-        self.rank, self.world, self.streams, self.seed, self.buffer = rank, world, max(1, streams), seed, buffer
+        # frames: each utterance's, as batching counts them
+        self.shards, self.frames = shards, list(frames)
+        self.rank, self.world, self.streams, self.seed, self.buffer = (
+            rank,
+            world,
+            max(1, streams),
+            seed,
+            buffer,
+        )
         self.max_frames, self.batch_size, self.fits = max_frames, batch_size, fits
         self.usable = [d <= max_duration for d in shards.durations()]
         self._cache: tuple[int, list[list[list[list[int]]]]] | None = None
@@ -417,12 +486,17 @@ class ShardPlan(ResumableBatchSampler):
         order = list(range(len(self.shards.shards)))
         random.Random(f"shards {self.seed} {epoch}").shuffle(order)
         whole = len(order) // self.world * self.world
-        return [[Unit(s) for s in order[r:whole:self.world]] + [Unit(s, self.world, r) for s in order[whole:]]
-                for r in range(self.world)]
+        return [
+            [Unit(s) for s in order[r : whole : self.world]]
+            + [Unit(s, self.world, r) for s in order[whole:]]
+            for r in range(self.world)
+        ]
 
     def _indices(self, unit: Unit) -> list[int]:
         offset, count = self.shards.offsets[unit.shard], len(self.shards.shards[unit.shard])
-        return [offset + p for p in range(unit.phase, count, unit.stride) if self.usable[offset + p]]
+        return [
+            offset + p for p in range(unit.phase, count, unit.stride) if self.usable[offset + p]
+        ]
 
     def _stream(self, units: Sequence[Unit], rng: random.Random) -> list[list[int]]:
         items = [i for unit in units for i in self._indices(unit)]
@@ -448,13 +522,21 @@ class ShardPlan(ResumableBatchSampler):
         return batches
 
     def plan(self, epoch: int) -> list[list[list[list[int]]]]:
-        """Every process's streams of batches in ``epoch`` (``[rank][stream][batch]``), equal in count per process."""
+        """Every process's streams of batches in ``epoch`` (``[rank][stream][batch]``), equal in
+        count per process."""
         if self._cache is not None and self._cache[0] == epoch:
             return self._cache[1]
         ranks = []
         for r, units in enumerate(self._units(epoch)):
-            ranks.append([self._stream(units[k::self.streams], random.Random(f"stream {self.seed} {epoch} {r} {k}"))
-                          for k in range(self.streams)])
+            ranks.append(
+                [
+                    self._stream(
+                        units[k :: self.streams],
+                        random.Random(f"stream {self.seed} {epoch} {r} {k}"),
+                    )
+                    for k in range(self.streams)
+                ]
+            )
         target = max(sum(len(s) for s in streams) for streams in ranks)
         for streams in ranks:
             self._even_out(streams, target)
@@ -476,7 +558,8 @@ class ShardPlan(ResumableBatchSampler):
                 batches[len(batches)] = b
                 orders[-1].append(len(batches) - 1)
                 if len(b) > 1:
-                    heap.append((-len(b) * self.frames[b[-1]], len(batches) - 1))  # sorted: the last is the longest
+                    # sorted: the last is the longest
+                    heap.append((-len(b) * self.frames[b[-1]], len(batches) - 1))
         heapq.heapify(heap)
         where = {i: k for k, order in enumerate(orders) for i in order}
         next_id = len(batches)
@@ -493,7 +576,8 @@ class ShardPlan(ResumableBatchSampler):
             at = orders[k].index(i)
             orders[k][at:at + 1] = ids
             short -= 1
-        for _ in range(short):  # every batch down to one utterance, and still fewer: a share of nothing
+        # every batch down to one utterance, and still fewer: a share of nothing
+        for _ in range(short):
             orders[min(range(len(orders)), key=lambda k: len(orders[k]))].append(-1)
         for k, order in enumerate(orders):
             streams[k][:] = [batches[i] if i >= 0 else [] for i in order]
@@ -514,8 +598,9 @@ class ShardPlan(ResumableBatchSampler):
 
     def work(self, worker: int) -> StreamWork:
         """DataLoader worker ``worker``'s share of the rest of this process's epoch (after ``start``
-        batches). A fresh DataLoader asks its workers in turn from worker 0, so after a resume worker 0
-        reads the stream whose batch comes next, worker 1 the stream after it, and so on: the
+        batches). A fresh DataLoader asks its workers in turn from worker 0, so after a resume
+        worker 0 reads the stream whose batch comes next, worker 1 the stream after it, and so on:
+        the
         batches then come in the order the unbroken epoch had."""
         streams = self.plan(self.epoch)[self.rank]
         order = interleave([[k] * len(s) for k, s in enumerate(streams)])
@@ -524,10 +609,19 @@ class ShardPlan(ResumableBatchSampler):
         needed = {i for b in left for i in b}
         units = []
         for unit in self._units(self.epoch)[self.rank][stream::self.streams]:
-            if any(i in needed for i in self._indices(unit)):  # a shard nothing left needs is not opened
+            # a shard nothing left needs is not opened
+            if any(i in needed for i in self._indices(unit)):
                 shard = self.shards.shards[unit.shard]
-                units.append((shard.path, shard.name, self.shards.offsets[unit.shard], unit.stride, unit.phase,
-                              {key: p for p, key in enumerate(shard.keys)}))
+                units.append(
+                    (
+                        shard.path,
+                        shard.name,
+                        self.shards.offsets[unit.shard],
+                        unit.stride,
+                        unit.phase,
+                        {key: p for p, key in enumerate(shard.keys)},
+                    )
+                )
         return StreamWork(self.epoch, units, left)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -538,21 +632,42 @@ class ShardPlan(ResumableBatchSampler):
     # -- the data position a checkpoint keeps
     def position(self, epoch: int, batches_done: int) -> dict[str, Any]:
         """This process's place in ``epoch``: its plan's inputs, and for each stream its next batch
-        and the shard and key that batch starts with (what a person reading the checkpoint wants)."""
+        and the shard and key that batch starts with (what a person reading the checkpoint wants).
+        """
         streams = self.plan(epoch)[self.rank]
         done = self._done(streams, batches_done)
         at = []
         for k, stream in enumerate(streams):
             nxt = stream[done[k]] if done[k] < len(stream) else None
-            at.append({"batch": done[k], "of": len(stream), "next": self.shards.where(nxt[0]) if nxt else None})
-        return {"kind": "shards", "digest": self.shards.digest(), "world": self.world, "streams": self.streams,
-                "seed": self.seed, "buffer": self.buffer, "epoch": epoch, "batches_done": batches_done,
-                "stream_positions": at}
+            at.append(
+                {
+                    "batch": done[k],
+                    "of": len(stream),
+                    "next": self.shards.where(nxt[0]) if nxt else None,
+                }
+            )
+        return {
+            "kind": "shards",
+            "digest": self.shards.digest(),
+            "world": self.world,
+            "streams": self.streams,
+            "seed": self.seed,
+            "buffer": self.buffer,
+            "epoch": epoch,
+            "batches_done": batches_done,
+            "stream_positions": at,
+        }
 
     def same_plan(self, position: dict[str, Any]) -> Optional[str]:
         """None when a saved ``position`` was made by this plan's inputs; else what differs."""
-        for name, mine in (("kind", "shards"), ("digest", self.shards.digest()), ("world", self.world),
-                           ("streams", self.streams), ("seed", self.seed), ("buffer", self.buffer)):
+        for name, mine in (
+            ("kind", "shards"),
+            ("digest", self.shards.digest()),
+            ("world", self.world),
+            ("streams", self.streams),
+            ("seed", self.seed),
+            ("buffer", self.buffer),
+        ):
             if position.get(name) != mine:
                 return f"{name} {position.get(name)} then, {mine} now"
         return None
@@ -570,14 +685,18 @@ class ShardStream(IterableDataset):
 
     def __init__(self, plan: ShardPlan, tokenizer: Tokenizer, features: ASRDataset,
                  duration_tolerance: float = DEFAULT_DURATION_TOLERANCE):
-        self.plan, self.tokenizer, self.features = plan, tokenizer, features  # features: log-mel + augmentation
+        # features: log-mel + augmentation
+        self.plan, self.tokenizer, self.features = plan, tokenizer, features
         self.duration_tolerance = duration_tolerance  # < 0: not compared, as for a manifest
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        if workers != self.plan.streams:  # a programming error: the plan is made for the loader's workers
-            raise RuntimeError(f"a plan of {self.plan.streams} shard streams read by {workers} DataLoader workers")
+        # a programming error: the plan is made for the loader's workers
+        if workers != self.plan.streams:
+            raise RuntimeError(
+                f"a plan of {self.plan.streams} shard streams read by {workers} DataLoader workers"
+            )
         self._reading = self.plan.shards.source
         try:
             yield from self._read(self.plan.work(worker))
@@ -591,7 +710,8 @@ class ShardStream(IterableDataset):
     def _read(self, work: StreamWork) -> Iterator[Batch]:
         pending = list(reversed(work.batches))  # a stack: the next batch last
         needed = {i for b in work.batches for i in b}
-        held: dict[int, tuple[str, Optional[dict[str, bytes]]]] = {}  # index -> (where, files or None: never comes)
+        # index -> (where, files or None: never comes)
+        held: dict[int, tuple[str, Optional[dict[str, bytes]]]] = {}
         problems: Counter = Counter()
         for path, name, offset, stride, phase, positions in work.units:
             self._reading = name
@@ -615,8 +735,13 @@ class ShardStream(IterableDataset):
             log.warning("shards, epoch %d: %s", work.epoch + 1,
                         ", ".join(f"{n} {reason}" for reason, n in problems.most_common()))
 
-    def _ready(self, pending: list[list[int]], held: dict[int, tuple[str, Optional[dict[str, bytes]]]], epoch: int,
-               problems: Counter) -> Iterator[Batch]:
+    def _ready(
+        self,
+        pending: list[list[int]],
+        held: dict[int, tuple[str, Optional[dict[str, bytes]]]],
+        epoch: int,
+        problems: Counter,
+    ) -> Iterator[Batch]:
         while pending and all(i in held for i in pending[-1]):
             examples, reading = [], self._reading
             for i in pending.pop():
@@ -647,7 +772,12 @@ class ShardStream(IterableDataset):
         error, tokens = check_text(meta.get("text"), seconds, self.tokenizer)
         if error is not None:
             problems[error[0]] += 1
-            log.warning("%s: %s%s; skipped in this batch", where, error[0], f" ({error[1]})" if error[1] else "")
+            log.warning(
+                "%s: %s%s; skipped in this batch",
+                where,
+                error[0],
+                f" ({error[1]})" if error[1] else "",
+            )
             return Unreadable(index)
         return self.features.example(wav, tokens, epoch, index)
 

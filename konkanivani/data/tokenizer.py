@@ -39,7 +39,8 @@ def _map_char(ch: str) -> str:
 
 
 def normalize_text(text: str) -> str:
-    """Canonical form of a transcript: NFC, no punctuation or danda, single spaces, Latin lower-case.
+    """Canonical form of a transcript: NFC, no punctuation or danda, single spaces, Latin
+    lower-case.
 
     >>> normalize_text("  मुजें  नांव, राम ।  तुजें?")
     'मुजें नांव राम तुजें'
@@ -54,8 +55,14 @@ class Tokenizer:
     def __init__(self, model_proto: bytes):
         self.model_proto = bytes(model_proto)
         self._sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
-        if self._sp.pad_id() != BLANK_ID or self._sp.unk_id() != UNK_ID or self._sp.eos_id() != SOS_EOS_ID:
-            raise ValueError("tokenizer was not made by konkanivani.train_tokenizer (special ids differ)")
+        if (
+            self._sp.pad_id() != BLANK_ID
+            or self._sp.unk_id() != UNK_ID
+            or self._sp.eos_id() != SOS_EOS_ID
+        ):
+            raise ValueError(
+                "tokenizer was not made by konkanivani.train_tokenizer (special ids differ)"
+            )
 
     @classmethod
     def load(cls, path: str | Path) -> "Tokenizer":
@@ -80,7 +87,9 @@ class Tokenizer:
         return [self._sp.id_to_piece(int(i)) for i in ids]
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 128, model_type: str = "unigram") -> Tokenizer:
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int = 128, model_type: str = "unigram"
+) -> Tokenizer:
     """Train SentencePiece on normalized transcripts, in memory.
 
     ``vocab_size`` is an upper bound for tiny corpora: SentencePiece may return fewer pieces when
@@ -93,13 +102,18 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 128, model_type: str
     try:
         _train_sentencepiece(sentences, model, vocab_size, model_type)
     except RuntimeError as e:  # e.g. fewer pieces asked for than the text has characters
-        reason = str(e).strip().splitlines()[-1].split("] ")[-1]  # without SentencePiece's source location
-        raise ValueError(f"cannot train a {model_type} tokenizer of {vocab_size} pieces: {reason} (--vocab_size; "
-                         "--tokenizer_type char needs none)") from e
+        # without SentencePiece's source location
+        reason = str(e).strip().splitlines()[-1].split("] ")[-1]
+        raise ValueError(
+            f"cannot train a {model_type} tokenizer of {vocab_size} pieces: {reason} (--vocab_size;"
+            " --tokenizer_type char needs none)"
+        ) from e
     return Tokenizer(model.getvalue())
 
 
-def _train_sentencepiece(sentences: list[str], model: io.BytesIO, vocab_size: int, model_type: str) -> None:
+def _train_sentencepiece(
+    sentences: list[str], model: io.BytesIO, vocab_size: int, model_type: str
+) -> None:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(sentences),
         model_writer=model,

@@ -1,4 +1,5 @@
-"""The hybrid CTC/attention model: CMVN, SpecAugment, Conformer encoder, CTC head, Transformer decoder."""
+"""The hybrid CTC/attention model: CMVN, SpecAugment, Conformer encoder, CTC head, Transformer
+decoder."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -33,9 +34,12 @@ class SpecAugment(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.freq_masks = nn.ModuleList(torchaudio.transforms.FrequencyMasking(27, iid_masks=True) for _ in range(2))
-        self.time_masks = nn.ModuleList(torchaudio.transforms.TimeMasking(40, iid_masks=True, p=0.05)
-                                        for _ in range(2))
+        self.freq_masks = nn.ModuleList(
+            torchaudio.transforms.FrequencyMasking(27, iid_masks=True) for _ in range(2)
+        )
+        self.time_masks = nn.ModuleList(
+            torchaudio.transforms.TimeMasking(40, iid_masks=True, p=0.05) for _ in range(2)
+        )
 
     def forward(self, feats: torch.Tensor) -> torch.Tensor:
         x = feats.transpose(1, 2)  # (B, F, T), the layout torchaudio masks expect
@@ -55,8 +59,13 @@ class ASRModel(nn.Module):
 
     # The tensors with one row per token: a model of another vocabulary has them in another size,
     # and their rows follow the tokens (``finetune.load_init_weights`` matches them by piece).
-    VOCABULARY_TENSORS = ("ctc_head.weight", "ctc_head.bias", "decoder.embed.weight", "decoder.output.weight",
-                          "decoder.output.bias")
+    VOCABULARY_TENSORS = (
+        "ctc_head.weight",
+        "ctc_head.bias",
+        "decoder.embed.weight",
+        "decoder.output.weight",
+        "decoder.output.bias",
+    )
 
     def __init__(self, cfg: ModelConfig, ctc_weight: float = DEFAULT_CTC_WEIGHT,
                  label_smoothing: float = DEFAULT_LABEL_SMOOTHING):
@@ -66,7 +75,8 @@ class ASRModel(nn.Module):
         self.cfg = cfg
         self.ctc_weight = ctc_weight
         self.label_smoothing = label_smoothing
-        # CMVN statistics from the training set, saved with the weights (cmvn "utterance" uses the std only).
+        # CMVN statistics from the training set, saved with the weights (cmvn "utterance" uses the
+        # std only).
         self.register_buffer("feat_mean", torch.zeros(cfg.n_mels))
         self.register_buffer("feat_std", torch.ones(cfg.n_mels))
         self.spec_augment = SpecAugment()
@@ -84,30 +94,43 @@ class ASRModel(nn.Module):
         self.feat_mean.copy_(mean)
         self.feat_std.copy_(std.clamp_min(1e-5))
 
-    def encode(self, feats: torch.Tensor, feat_lens: torch.Tensor, spec_augment: bool = False,
-               chunk_size: Optional[int] = None, left_chunks: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(B, T, F)`` raw log-mel, zero-padded -> ``(B, T', D)`` encoder states and ``(B,)`` lengths.
-        ``chunk_size`` and ``left_chunks``: the attention's chunks (``ConformerEncoder.forward``; 0 full
-        context, None the model's own: full context, drawn per batch in training with ``dynamic_chunk``)."""
+    def encode(
+        self,
+        feats: torch.Tensor,
+        feat_lens: torch.Tensor,
+        spec_augment: bool = False,
+        chunk_size: Optional[int] = None,
+        left_chunks: int = -1,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(B, T, F)`` raw log-mel, zero-padded -> ``(B, T', D)`` encoder states and ``(B,)``
+        lengths. ``chunk_size`` and ``left_chunks``: the attention's chunks
+        (``ConformerEncoder.forward``; 0 full context, None the model's own: full context, drawn per
+        batch in training with ``dynamic_chunk``).
+        """
         x = (feats - self._mean(feats, feat_lens)) / self.feat_std
         if spec_augment and self.training:
             x = self.spec_augment(x)
         return self.encoder(x, feat_lens, chunk_size, left_chunks)
 
     def normalize(self, feats: torch.Tensor, mean: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """CMVN of raw log-mel frames ``(B, T, F)`` for a stream (``ConformerEncoder.forward_chunk``),
-        frame by frame: minus ``mean`` (default: the training set's, ``feat_mean``), over the training
-        set's std. With cmvn "utterance" the model was trained on each utterance's own mean, which a
-        stream does not know yet: pass the mean of the frames seen so far (a running mean), which
+        """CMVN of raw log-mel frames ``(B, T, F)`` for a stream
+        (``ConformerEncoder.forward_chunk``), frame by frame: minus ``mean`` (default: the training
+        set's, ``feat_mean``), over the training set's std. With cmvn "utterance" the model was
+        trained on each utterance's own mean, which a stream does not know yet: pass the mean of the
+        frames seen so far (a running mean), which
         comes closer to it as the stream goes on; with cmvn "global" pass nothing."""
         return (feats - (self.feat_mean if mean is None else mean)) / self.feat_std
 
     def _mean(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> torch.Tensor:
-        """What CMVN subtracts: the training set's mean ``(F,)``, or each utterance's own mean over its
+        """What CMVN subtracts: the training set's mean ``(F,)``, or each utterance's own mean over
+        its
         frames, ``(B, T, F)`` with zeros on the padding (which then stays as it came)."""
         if self.cfg.cmvn == "global":
             return self.feat_mean
-        valid = torch.arange(feats.shape[1], device=feats.device)[None, :, None] < feat_lens[:, None, None]
+        valid = (
+            torch.arange(feats.shape[1], device=feats.device)[None, :, None]
+            < feat_lens[:, None, None]
+        )
         frames = feat_lens.clamp_min(1).to(feats.dtype)[:, None, None]
         return feats.masked_fill(~valid, 0.0).sum(1, keepdim=True) / frames * valid
 
@@ -142,10 +165,16 @@ class ASRModel(nn.Module):
         sos = tokens.new_full((B, 1), SOS_EOS_ID)
         dec_in = torch.cat([sos, tokens.clamp_min(0)], dim=1)  # (B, U+1): <sos> y1 .. yU
         target = torch.cat([tokens, tokens.new_full((B, 1), IGNORE_ID)], dim=1)  # (B, U+1)
-        target[torch.arange(B, device=tokens.device), token_lens] = SOS_EOS_ID  # y1 .. yU <eos>, then ignored
+        # y1 .. yU <eos>, then ignored
+        target[torch.arange(B, device=tokens.device), token_lens] = SOS_EOS_ID
         logits = self.decoder(dec_in, token_lens + 1, enc, enc_lens)  # (B, U+1, V)
-        attention = F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), ignore_index=IGNORE_ID,
-                                    label_smoothing=self.label_smoothing, reduction="sum")
+        attention = F.cross_entropy(
+            logits.float().flatten(0, 1),
+            target.flatten(),
+            ignore_index=IGNORE_ID,
+            label_smoothing=self.label_smoothing,
+            reduction="sum",
+        )
         loss = self.ctc_weight * ctc + (1.0 - self.ctc_weight) * attention
         return LossOutput(loss, ctc, attention)
 

@@ -26,8 +26,24 @@ from ..config import ModelConfig
 from ..data.frames import subsampled_lengths
 from .masks import chunk_mask, pad_mask
 
-__all__ = ["ALIGN", "aligned_length", "Dropout", "random_bytes", "LayerNorm", "RotaryEmbedding", "KVCache", "MultiHeadAttention", "FeedForward", "ConvolutionModule", "ConformerBlock",
-           "Conv2dSubsampling", "ConformerEncoder", "StreamState", "feature_windows", "run_layers"]
+__all__ = [
+    "ALIGN",
+    "aligned_length",
+    "Dropout",
+    "random_bytes",
+    "LayerNorm",
+    "RotaryEmbedding",
+    "KVCache",
+    "MultiHeadAttention",
+    "FeedForward",
+    "ConvolutionModule",
+    "ConformerBlock",
+    "Conv2dSubsampling",
+    "ConformerEncoder",
+    "StreamState",
+    "feature_windows",
+    "run_layers",
+]
 
 
 # On CUDA the frame axis of the encoder (and the token axis of the decoder) is padded to a multiple
@@ -50,10 +66,12 @@ def aligned_length(length: int, device: torch.device) -> int:
 
 class LayerNorm(nn.LayerNorm):
     """LayerNorm computed and returned in float32 even under autocast: CUDA autocast already does
-    this, CPU autocast would normalize in bf16/fp16. The parameters are those of ``nn.LayerNorm``."""
+    this, CPU autocast would normalize in bf16/fp16. The parameters are those of ``nn.LayerNorm``.
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # autocast runs layer_norm in float32 on CUDA: no casts of our own (3 kernels)
+        # autocast runs layer_norm in float32 on CUDA: no casts of our own (3 kernels)
+        if x.is_cuda:
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         with torch.autocast(x.device.type, enabled=False):
             weight = None if self.weight is None else self.weight.float()
@@ -75,10 +93,11 @@ def _compiling() -> bool:
 
 
 class Dropout(nn.Dropout):
-    """``nn.Dropout``, with CPU masks drawn from one random byte per element (``random_bytes``): ``p``
-    is then taken to the nearest multiple of 1/256 and the kept values scaled by the matching factor.
-    Drawing masks element by element was a sixth of a training step on a CPU. On other devices,
-    and inside ``torch.compile`` (whose generated code draws its own masks, and which mis-handles
+    """``nn.Dropout``, with CPU masks drawn from one random byte per element (``random_bytes``):
+    ``p`` is then taken to the nearest multiple of 1/256 and the kept values scaled by the matching
+    factor. Drawing masks element by element was a sixth of a training step on a CPU. On other
+    devices, and inside ``torch.compile`` (whose generated code draws its own masks, and which
+    mis-handles
     the byte view of the 64-bit draws), torch's dropout."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +108,9 @@ class Dropout(nn.Dropout):
         return torch.where(keep, x, 0.0) * (256 / (256 - dropped))
 
 
-def run_layers(layers: nn.ModuleList, x: torch.Tensor, *args: object, checkpointed: bool = False) -> torch.Tensor:
+def run_layers(
+    layers: nn.ModuleList, x: torch.Tensor, *args: object, checkpointed: bool = False
+) -> torch.Tensor:
     """``x = layer(x, *args)`` for each layer; with ``checkpointed`` (in training) each layer's
     activations are recomputed in the backward pass instead of kept (non-reentrant
     ``torch.utils.checkpoint``; dropout draws the same masks again)."""
@@ -122,12 +143,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
-KVCache = dict  # attention module -> its (keys, values), each (N, H, T, D/H); see MultiHeadAttention
+# attention module -> its (keys, values), each (N, H, T, D/H); see MultiHeadAttention
+KVCache = dict
 
 
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention over ``scaled_dot_product_attention``; self- or cross-attention, with
-    an optional key/value cache for incremental decoding (one attention path for training and search).
+    """Multi-head attention over ``scaled_dot_product_attention``; self- or cross-attention, with an
+    optional key/value cache for incremental decoding (one attention path for training and search).
     """
 
     def __init__(self, d_model: int, n_heads: int, dropout: float):
@@ -143,22 +165,26 @@ class MultiHeadAttention(nn.Module):
         N, T, D = x.shape
         return x.view(N, T, self.n_heads, D // self.n_heads).transpose(1, 2)  # (N, H, T, D/H)
 
-    def forward(self, query: torch.Tensor, memory: Optional[torch.Tensor] = None,
-                allowed: Optional[torch.Tensor] = None, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                cache: Optional[KVCache] = None, offset: Optional[int] = None) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        memory: Optional[torch.Tensor] = None,
+        allowed: Optional[torch.Tensor] = None,
+        rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        cache: Optional[KVCache] = None,
+        offset: Optional[int] = None,
+    ) -> torch.Tensor:
         """
         Args:
-            query: ``(N, Tq, D)``.
-            memory: ``(B, Tk, D)`` keys and values of cross-attention; None for self-attention.
-            allowed: bool, broadcastable to ``(N, H, Tq, Tk)``, True where attention is allowed.
-            rope: ``(cos, sin)`` of shape ``(T, D/H)``, rotary tables (self-attention only), row p for
-                position p.
-            cache: incremental decoding. Self-attention appends the new keys and values to
-                ``cache[self]`` (the queries are the positions after those cached); cross-attention
-                projects ``memory`` once and reuses it. Cross-attention memory may have fewer rows
-                than the queries: the N = B x K hypotheses of an utterance share its row.
-            offset: the position of the first query, for ``rope`` (default: after the cached keys); a
-                stream whose cache keeps only the last frames passes it.
+            query: ``(N, Tq, D)``. memory: ``(B, Tk, D)`` keys and values of cross-attention; None
+            for self-attention. allowed: bool, broadcastable to ``(N, H, Tq, Tk)``, True where
+            attention is allowed. rope: ``(cos, sin)`` of shape ``(T, D/H)``, rotary tables
+            (self-attention only), row p for position p. cache: incremental decoding. Self-attention
+            appends the new keys and values to ``cache[self]`` (the queries are the positions after
+            those cached); cross-attention projects ``memory`` once and reuses it. Cross-attention
+            memory may have fewer rows than the queries: the N = B x K hypotheses of an utterance
+            share its row. offset: the position of the first query, for ``rope`` (default: after the
+            cached keys); a stream whose cache keeps only the last frames passes it.
         Returns:
             ``(N, Tq, D)``.
         """
@@ -168,11 +194,13 @@ class MultiHeadAttention(nn.Module):
             k, v = cache[self]
         else:
             source = query if memory is None else memory
-            k, v = self._heads(self.k_proj(source)), self._heads(self.v_proj(source))  # (., H, Tk, D/H)
+            # (., H, Tk, D/H)
+            k, v = self._heads(self.k_proj(source)), self._heads(self.v_proj(source))
         if rope is not None:
             if offset is None:
                 offset = cache[self][0].shape[2] if cache is not None and self in cache else 0
-            cos, sin = rope[0][offset:offset + Tq], rope[1][offset:offset + Tq]  # the new positions' tables
+            # the new positions' tables
+            cos, sin = rope[0][offset:offset + Tq], rope[1][offset:offset + Tq]
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if cache is not None:
             if memory is None and self in cache:
@@ -180,11 +208,19 @@ class MultiHeadAttention(nn.Module):
             cache[self] = (k, v)
         B = k.shape[0]
         if B != N:  # hypotheses of one utterance: query positions of one call against its memory
-            q = q.reshape(B, N // B, self.n_heads, Tq, -1).transpose(1, 2).reshape(B, self.n_heads, N // B * Tq, -1)
+            q = (
+                q.reshape(B, N // B, self.n_heads, Tq, -1)
+                .transpose(1, 2)
+                .reshape(B, self.n_heads, N // B * Tq, -1)
+            )
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed,
                                              dropout_p=self.dropout if self.training else 0.0)
         if B != N:
-            out = out.reshape(B, self.n_heads, N // B, Tq, -1).transpose(1, 2).reshape(N, self.n_heads, Tq, -1)
+            out = (
+                out.reshape(B, self.n_heads, N // B, Tq, -1)
+                .transpose(1, 2)
+                .reshape(N, self.n_heads, Tq, -1)
+            )
         return self.out_proj(out.transpose(1, 2).reshape(N, Tq, D))
 
 
@@ -207,8 +243,9 @@ class ConvolutionModule(nn.Module):
     LayerNorm rather than BatchNorm after the depthwise convolution: T4 recipes train with two
     utterances per micro-batch, where batch statistics are noise.
 
-    ``causal``: the depthwise convolution sees the frame and the ``kernel_size - 1`` before it (zeros
-    before the first frame), no later one, so a stream needs no look-ahead (``forward_chunk``).
+    ``causal``: the depthwise convolution sees the frame and the ``kernel_size - 1`` before it
+    (zeros before the first frame), no later one, so a stream needs no look-ahead
+    (``forward_chunk``).
     """
 
     def __init__(self, d_model: int, kernel_size: int, dropout: float, causal: bool = False):
@@ -217,8 +254,9 @@ class ConvolutionModule(nn.Module):
         self.past = kernel_size - 1  # the frames before one that a causal kernel sees
         self.norm = LayerNorm(d_model)
         self.pointwise_in = nn.Linear(d_model, 2 * d_model)
-        self.depthwise = nn.Conv1d(d_model, d_model, kernel_size, padding=0 if causal else kernel_size // 2,
-                                   groups=d_model)
+        self.depthwise = nn.Conv1d(
+            d_model, d_model, kernel_size, padding=0 if causal else kernel_size // 2, groups=d_model
+        )
         self.depthwise_norm = LayerNorm(d_model)
         self.pointwise_out = nn.Linear(d_model, d_model)
         self.dropout = Dropout(dropout)
@@ -232,9 +270,12 @@ class ConvolutionModule(nn.Module):
             x = F.pad(x, (0, 0, self.past, 0))  # zeros before the first frame
         return self._depthwise_on(x)
 
-    def forward_chunk(self, x: torch.Tensor, cache: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One chunk of a stream (``causal`` only): ``x`` ``(B, C, D)`` and ``cache`` ``(B, kernel-1, D)``,
-        the depthwise convolution's inputs just before the chunk (None at the start: zeros) ->
+    def forward_chunk(
+        self, x: torch.Tensor, cache: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chunk of a stream (``causal`` only): ``x`` ``(B, C, D)`` and ``cache`` ``(B,
+        kernel-1, D)``, the depthwise convolution's inputs just before the chunk (None at the start:
+        zeros) ->
         ``(B, C, D)`` and the cache for the next chunk."""
         x = F.glu(self.pointwise_in(self.norm(x)), dim=-1)  # (B, C, D)
         if cache is None:
@@ -243,7 +284,8 @@ class ConvolutionModule(nn.Module):
         return self._depthwise_on(x), x[:, x.shape[1] - self.past:]
 
     def _depthwise_on(self, x: torch.Tensor) -> torch.Tensor:
-        """The depthwise convolution over ``x`` ``(B, T, D)`` (with its left context when causal), norm,
+        """The depthwise convolution over ``x`` ``(B, T, D)`` (with its left context when causal),
+        norm,
         Swish, pointwise conv, dropout."""
         x = self.depthwise(x.transpose(1, 2)).transpose(1, 2)  # (B, D, T) conv, back to (B, T', D)
         x = self.pointwise_out(F.silu(self.depthwise_norm(x)))
@@ -266,7 +308,8 @@ class ConformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, pad: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``x`` ``(B, T', D)``, ``pad`` ``(B, T')`` -> ``(B, T', D)``; ``allowed`` ``(B, 1, T', T')``, True
+        """``x`` ``(B, T', D)``, ``pad`` ``(B, T')`` -> ``(B, T', D)``; ``allowed`` ``(B, 1, T',
+        T')``, True
         where a frame may attend to another (None: every frame sees every real frame)."""
         x = x + 0.5 * self.ffn1(x)
         h = self.attn_norm(x)
@@ -277,16 +320,26 @@ class ConformerBlock(nn.Module):
         x = x + 0.5 * self.ffn2(x)
         return self.final_norm(x)
 
-    def forward_chunk(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], offset: int,
-                      keys_values: Optional[tuple[torch.Tensor, torch.Tensor]], conv_inputs: Optional[torch.Tensor],
-                      left_frames: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """One chunk of a stream: ``x`` ``(B, C, D)``, frames ``offset`` .. ``offset + C - 1``; the chunk
-        attends to itself and to ``keys_values`` (this block's cached keys, rotated, and values; None
-        at the start). Returns ``(B, C, D)``, the keys and values with this chunk's, cut to the last
-        ``left_frames`` (all when < 0), and the convolution's cache (``ConvolutionModule.forward_chunk``)."""
+    def forward_chunk(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        offset: int,
+        keys_values: Optional[tuple[torch.Tensor, torch.Tensor]],
+        conv_inputs: Optional[torch.Tensor],
+        left_frames: int,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """One chunk of a stream: ``x`` ``(B, C, D)``, frames ``offset`` .. ``offset + C - 1``; the
+        chunk attends to itself and to ``keys_values`` (this block's cached keys, rotated, and
+        values; None at the start). Returns ``(B, C, D)``, the keys and values with this chunk's,
+        cut to the last ``left_frames`` (all when < 0), and the convolution's cache
+        (``ConvolutionModule.forward_chunk``).
+        """
         x = x + 0.5 * self.ffn1(x)
         cache = {} if keys_values is None else {self.attn: keys_values}
-        x = x + self.attn_dropout(self.attn(self.attn_norm(x), None, None, rope, cache, offset=offset))
+        x = x + self.attn_dropout(
+            self.attn(self.attn_norm(x), None, None, rope, cache, offset=offset)
+        )
         k, v = cache[self.attn]  # (B, H, past + C, D/H)
         if left_frames >= 0:
             first = max(0, k.shape[2] - left_frames)
@@ -308,7 +361,8 @@ class Conv2dSubsampling(nn.Module):
     frequency-major where ``conv2d`` flattens it channel-major.
 
     ``channels`` (0: ``d_model``) narrows the first convolution's output, as icefall's front-ends
-    do: the second convolution's work falls in proportion (a quarter of it at 32 channels for D=128).
+    do: the second convolution's work falls in proportion (a quarter of it at 32 channels for
+    D=128).
 
     Output frame t comes from input frames ``4t`` .. ``4t + 6``: ``STRIDE`` and ``CONTEXT``.
     """
@@ -320,8 +374,14 @@ class Conv2dSubsampling(nn.Module):
         super().__init__()
         self.depthwise_separable = depthwise_separable
         c = channels or d_model  # the first convolution's output channels
-        second = ([nn.Conv2d(d_model, d_model, 3, stride=2, groups=d_model), nn.Conv2d(d_model, d_model, 1)]
-                  if depthwise_separable else [nn.Conv2d(c, d_model, 3, stride=2)])
+        second = (
+            [
+                nn.Conv2d(d_model, d_model, 3, stride=2, groups=d_model),
+                nn.Conv2d(d_model, d_model, 1),
+            ]
+            if depthwise_separable
+            else [nn.Conv2d(c, d_model, 3, stride=2)]
+        )
         self.conv = nn.Sequential(nn.Conv2d(1, c, 3, stride=2), nn.ReLU(), *second, nn.ReLU())
         freq_out = ((n_mels - 1) // 2 - 1) // 2
         self.out = nn.Linear(d_model * freq_out, d_model)
@@ -340,31 +400,43 @@ class Conv2dSubsampling(nn.Module):
         first, _, depthwise, pointwise, _ = self.conv
         cl = torch.channels_last
         x = F.relu(F.conv2d(x, first.weight.to(memory_format=cl), first.bias, stride=2))
-        x = F.conv2d(x, depthwise.weight.to(memory_format=cl), depthwise.bias, stride=2, groups=depthwise.groups)
+        x = F.conv2d(
+            x,
+            depthwise.weight.to(memory_format=cl),
+            depthwise.bias,
+            stride=2,
+            groups=depthwise.groups,
+        )
         x = x.permute(0, 2, 3, 1)  # (B, D, T', F') stored channels-last -> (B, T', F', D), no copy
         return F.relu(F.linear(x, pointwise.weight.flatten(1), pointwise.bias))
 
 
 class StreamState(NamedTuple):
-    """What chunk-by-chunk encoding carries from one chunk to the next (``ConformerEncoder.forward_chunk``)."""
+    """What chunk-by-chunk encoding carries from one chunk to the next
+    (``ConformerEncoder.forward_chunk``)."""
 
     offset: int  # encoder frames made so far: the position of the next chunk's first frame
-    keys_values: list[tuple[torch.Tensor, torch.Tensor]]  # per block: the visible past's keys (rotated), values
+    # per block: the visible past's keys (rotated), values
+    keys_values: list[tuple[torch.Tensor, torch.Tensor]]
     conv_inputs: list[torch.Tensor]  # per block: its depthwise convolution's last kernel - 1 inputs
 
 
 def feature_windows(feats: torch.Tensor, chunk_size: int) -> list[torch.Tensor]:
-    """``(B, T, F)`` -> the feature windows that ``ConformerEncoder.forward_chunk`` turns into chunks of
-    ``chunk_size`` encoder frames: ``(chunk_size - 1) * 4 + 7`` frames each, the next ``4 * chunk_size``
-    frames later (they overlap by 3); the last may be shorter and make fewer encoder frames. Together
-    they make the ``subsampled_lengths(T)`` frames of the whole.
+    """``(B, T, F)`` -> the feature windows that ``ConformerEncoder.forward_chunk`` turns into
+    chunks of ``chunk_size`` encoder frames: ``(chunk_size - 1) * 4 + 7`` frames each, the next ``4
+    * chunk_size`` frames later (they overlap by 3); the last may be shorter and make fewer encoder
+    frames. Together they make the ``subsampled_lengths(T)`` frames of the whole.
 
-    >>> [w.shape[1] for w in feature_windows(torch.zeros(1, 50, 80), 4)]  # 4 + 4 + 3 = 11 encoder frames
+    >>> # 4 + 4 + 3 = 11 encoder frames
+    >>> [w.shape[1] for w in feature_windows(torch.zeros(1, 50, 80), 4)]
     [19, 19, 18]
     """
     stride, context = Conv2dSubsampling.STRIDE, Conv2dSubsampling.CONTEXT
     size = (chunk_size - 1) * stride + context
-    return [feats[:, start:start + size] for start in range(0, feats.shape[1] - context + 1, stride * chunk_size)]
+    return [
+        feats[:, start : start + size]
+        for start in range(0, feats.shape[1] - context + 1, stride * chunk_size)
+    ]
 
 
 def _chunk_allowed(pad: torch.Tensor, chunk_size: int, left_chunks: int) -> torch.Tensor:
@@ -392,38 +464,60 @@ class ConformerEncoder(nn.Module):
                                              channels=cfg.subsampling_channels)
         self.rotary = RotaryEmbedding(cfg.d_model // cfg.n_heads)
         self.blocks = nn.ModuleList(
-            ConformerBlock(cfg.d_model, cfg.n_heads, cfg.ffn_dim, cfg.conv_kernel, cfg.dropout, cfg.attention_dropout,
-                           causal_conv=cfg.causal_conv)
-            for _ in range(cfg.encoder_layers))
+            ConformerBlock(
+                cfg.d_model,
+                cfg.n_heads,
+                cfg.ffn_dim,
+                cfg.conv_kernel,
+                cfg.dropout,
+                cfg.attention_dropout,
+                causal_conv=cfg.causal_conv,
+            )
+            for _ in range(cfg.encoder_layers)
+        )
         self.gradient_checkpointing = False  # set by ASRModel.set_gradient_checkpointing
 
-    def forward(self, feats: torch.Tensor, feat_lens: torch.Tensor, chunk_size: Optional[int] = None,
-                left_chunks: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        feats: torch.Tensor,
+        feat_lens: torch.Tensor,
+        chunk_size: Optional[int] = None,
+        left_chunks: int = -1,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """
         Args:
-            feats: ``(B, T, F)`` normalized log-mel features.
-            feat_lens: ``(B,)`` int64 frame counts.
-            chunk_size: 0 for full context; > 0 each encoder frame attends to its chunk of that many
-                frames and ``left_chunks`` chunks before it (< 0: all), as ``forward_chunk`` encodes a
-                stream; None: full context, except in training with ``dynamic_chunk`` (``draw_chunk``).
+            feats: ``(B, T, F)`` normalized log-mel features. feat_lens: ``(B,)`` int64 frame
+            counts. chunk_size: 0 for full context; > 0 each encoder frame attends to its chunk of
+            that many frames and ``left_chunks`` chunks before it (< 0: all), as ``forward_chunk``
+            encodes a stream; None: full context, except in training with ``dynamic_chunk``
+            (``draw_chunk``).
         Returns:
             ``(B, T', D)`` encoder states and ``(B,)`` their lengths (on CUDA T' is padded to a
             multiple of ``ALIGN``: read the states by their lengths).
         """
         x, lengths = self.subsampling(feats, feat_lens)
-        x = F.pad(x, (0, 0, 0, aligned_length(x.shape[1], x.device) - x.shape[1]))  # (B, T', D), see ALIGN
+        # (B, T', D), see ALIGN
+        x = F.pad(x, (0, 0, 0, aligned_length(x.shape[1], x.device) - x.shape[1]))
         pad = pad_mask(lengths, x.shape[1])  # (B, T')
         rope = self.rotary(x.shape[1], x.device)
         if chunk_size is None and self.training and self.cfg.dynamic_chunk:
             chunk_size, left_chunks = self.draw_chunk(x.shape[1])
         allowed = _chunk_allowed(pad, chunk_size, left_chunks) if chunk_size else None
-        x = run_layers(self.blocks, x, pad, rope, allowed, checkpointed=self.gradient_checkpointing and self.training)
+        x = run_layers(
+            self.blocks,
+            x,
+            pad,
+            rope,
+            allowed,
+            checkpointed=self.gradient_checkpointing and self.training,
+        )
         return x, lengths
 
     def draw_chunk(self, frames: int) -> tuple[int, int]:
         """A training batch's ``(chunk_size, left_chunks)`` under ``dynamic_chunk``, for ``frames``
-        encoder frames, from torch's default generator (the run's seed): full context ``(0, -1)`` half
-        the time, otherwise a chunk of 1 to ``max_chunk`` frames (uniform) with all chunks to its left
+        encoder frames, from torch's default generator (the run's seed): full context ``(0, -1)``
+        half the time, otherwise a chunk of 1 to ``max_chunk`` frames (uniform) with all chunks to
+        its left
         (-1), or with ``dynamic_left_chunks`` 0 up to all of them (uniform)."""
         if torch.randint(2, ()) == 0:
             return 0, -1
@@ -444,16 +538,22 @@ class ConformerEncoder(nn.Module):
             left_frames: encoder frames of the past that later chunks may attend to, ``left_chunks *
                 chunk_size`` (< 0: all of them); the attention caches keep no more.
         Returns:
-            ``(B, C, D)`` encoder states, those ``forward(..., chunk_size=C, left_chunks=...)`` gives
-            for these frames, and the state for the next chunk.
+            ``(B, C, D)`` encoder states, those ``forward(..., chunk_size=C, left_chunks=...)``
+            gives for these frames, and the state for the next chunk.
         """
         if not self.cfg.causal_conv:
-            raise ValueError("chunk-by-chunk encoding needs a model with causal_conv (its convolutions "
-                             "would otherwise look ahead of the chunk)")
+            raise ValueError(
+                "chunk-by-chunk encoding needs a model with causal_conv (its convolutions "
+                "would otherwise look ahead of the chunk)"
+            )
         x, _ = self.subsampling(feats, torch.tensor([feats.shape[1]]))
         offset = 0 if state is None else state.offset
         rope = self.rotary(offset + x.shape[1], x.device)  # rows for positions 0 .. offset + C - 1
-        past = [(None, None)] * len(self.blocks) if state is None else zip(state.keys_values, state.conv_inputs)
+        past = (
+            [(None, None)] * len(self.blocks)
+            if state is None
+            else zip(state.keys_values, state.conv_inputs)
+        )
         keys_values, conv_inputs = [], []
         for block, (kv, conv) in zip(self.blocks, past):
             x, kv, conv = block.forward_chunk(x, rope, offset, kv, conv, left_frames)
@@ -461,7 +561,9 @@ class ConformerEncoder(nn.Module):
             conv_inputs.append(conv)
         return x, StreamState(offset + x.shape[1], keys_values, conv_inputs)
 
-    def forward_chunk_by_chunk(self, feats: torch.Tensor, chunk_size: int, left_chunks: int = -1) -> torch.Tensor:
+    def forward_chunk_by_chunk(
+        self, feats: torch.Tensor, chunk_size: int, left_chunks: int = -1
+    ) -> torch.Tensor:
         """``(B, T, F)`` normalized features of whole utterances (no padding) -> ``(B, T', D)``,
         encoded chunk by chunk with ``forward_chunk`` as a stream would be."""
         left_frames = left_chunks * chunk_size if left_chunks >= 0 else -1
@@ -469,4 +571,6 @@ class ConformerEncoder(nn.Module):
         for window in feature_windows(feats, chunk_size):
             out, state = self.forward_chunk(window, state, left_frames)
             outs.append(out)
-        return torch.cat(outs, dim=1) if outs else feats.new_zeros(feats.shape[0], 0, self.cfg.d_model)
+        return (
+            torch.cat(outs, dim=1) if outs else feats.new_zeros(feats.shape[0], 0, self.cfg.d_model)
+        )

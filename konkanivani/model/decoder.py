@@ -43,9 +43,17 @@ __all__ = ["DecoderLayer", "DecoderState", "TransformerDecoder"]
 
 
 class DecoderLayer(nn.Module):
-    """Causal self-attention, cross-attention to the encoder, feed-forward; each pre-norm residual."""
+    """Causal self-attention, cross-attention to the encoder, feed-forward; each pre-norm
+    residual."""
 
-    def __init__(self, d_model: int, n_heads: int, ffn_dim: int, dropout: float, attention_dropout: float = 0.0):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        ffn_dim: int,
+        dropout: float,
+        attention_dropout: float = 0.0,
+    ):
         super().__init__()
         self.self_norm = LayerNorm(d_model)
         self.self_attn = MultiHeadAttention(d_model, n_heads, attention_dropout)
@@ -60,8 +68,12 @@ class DecoderLayer(nn.Module):
         """``state``: incremental decoding (``y`` the new positions, whose keys and values the
         state's caches keep); None in training."""
         self_cache, cross_cache = (None, None) if state is None else (state.self_kv, state.cross_kv)
-        y = y + self.dropout(self.self_attn(self.self_norm(y), None, self_allowed, rope, self_cache))
-        y = y + self.dropout(self.cross_attn(self.cross_norm(y), memory, cross_allowed, cache=cross_cache))
+        y = y + self.dropout(
+            self.self_attn(self.self_norm(y), None, self_allowed, rope, self_cache)
+        )
+        y = y + self.dropout(
+            self.cross_attn(self.cross_norm(y), memory, cross_allowed, cache=cross_cache)
+        )
         return y + self.ffn(y)
 
 
@@ -74,7 +86,9 @@ class TransformerDecoder(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.rotary = RotaryEmbedding(cfg.d_model // cfg.n_heads)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg.d_model, cfg.n_heads, cfg.ffn_dim, cfg.dropout, cfg.attention_dropout) for _ in range(cfg.decoder_layers))
+            DecoderLayer(cfg.d_model, cfg.n_heads, cfg.ffn_dim, cfg.dropout, cfg.attention_dropout)
+            for _ in range(cfg.decoder_layers)
+        )
         self.final_norm = LayerNorm(cfg.d_model)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size)
         self.gradient_checkpointing = False  # set by ASRModel.set_gradient_checkpointing
@@ -91,11 +105,13 @@ class TransformerDecoder(nn.Module):
             ``(B, U, V)`` logits.
         """
         B, U = tokens.shape
-        tokens = F.pad(tokens, (0, aligned_length(U, tokens.device) - U))  # (B, U) padded, see ALIGN
+        # (B, U) padded, see ALIGN
+        tokens = F.pad(tokens, (0, aligned_length(U, tokens.device) - U))
         y = self.embed(tokens) * math.sqrt(self.d_model)  # (B, U, D)
         # Query i sees real keys j <= i. The first key is always real, so no row is fully masked.
         Up = tokens.shape[1]
-        self_allowed = causal_mask(Up, tokens.device) & ~pad_mask(token_lens, Up)[:, None, :]  # (B, U, U)
+        # (B, U, U)
+        self_allowed = causal_mask(Up, tokens.device) & ~pad_mask(token_lens, Up)[:, None, :]
         self_allowed = self_allowed.unsqueeze(1)  # (B, 1, U, U)
         cross_allowed = ~pad_mask(memory_lens, memory.shape[1])[:, None, None, :]  # (B, 1, 1, T')
         rope = self.rotary(Up, tokens.device)
@@ -112,9 +128,12 @@ class TransformerDecoder(nn.Module):
         return DecoderState(memory, allowed, {}, {})
 
     def step(self, tokens: torch.Tensor, state: DecoderState) -> tuple[torch.Tensor, DecoderState]:
-        """Logits ``(N, V)`` after appending ``tokens`` ``(N,)`` to each hypothesis, and the new state.
-        The same layers and numbers as ``forward`` on the whole prefix, computing only the new position."""
-        state = state._replace(self_kv=dict(state.self_kv), cross_kv=dict(state.cross_kv))  # the caller's stays
+        """Logits ``(N, V)`` after appending ``tokens`` ``(N,)`` to each hypothesis, and the new
+        state. The same layers and numbers as ``forward`` on the whole prefix, computing only the
+        new position.
+        """
+        # the caller's stays
+        state = state._replace(self_kv=dict(state.self_kv), cross_kv=dict(state.cross_kv))
         position = next(iter(state.self_kv.values()))[0].shape[2] if state.self_kv else 0
         rope = self.rotary(position + 1, tokens.device)
         y = self.embed(tokens)[:, None] * math.sqrt(self.d_model)  # (N, 1, D)

@@ -52,7 +52,8 @@ class LMState(NamedTuple):
     kv: KVCache
 
     def select(self, rows: torch.Tensor) -> LMState:
-        """Keep (reorder, copy) the hypotheses ``rows``, as beam search does with the decoder's state."""
+        """Keep (reorder, copy) the hypotheses ``rows``, as beam search does with the decoder's
+        state."""
         return LMState({m: (k[rows], v[rows]) for m, (k, v) in self.kv.items()})
 
 
@@ -66,8 +67,13 @@ class _Layer(nn.Module):
         self.ffn = FeedForward(d_model, ffn_dim, dropout)
         self.dropout = Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, allowed: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
-                cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        allowed: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.norm(x), None, allowed, rope, cache))
         return x + self.ffn(x)
 
@@ -78,7 +84,9 @@ class TransformerLM(nn.Module):
     def __init__(self, cfg: LMConfig):
         super().__init__()
         if cfg.d_model % cfg.n_heads or (cfg.d_model // cfg.n_heads) % 2:
-            raise ValueError(f"d_model {cfg.d_model} must split into {cfg.n_heads} heads of even width")
+            raise ValueError(
+                f"d_model {cfg.d_model} must split into {cfg.n_heads} heads of even width"
+            )
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.rotary = RotaryEmbedding(cfg.d_model // cfg.n_heads)
@@ -98,10 +106,14 @@ class TransformerLM(nn.Module):
         return self.output(self.final_norm(x))
 
     @staticmethod
-    def _inputs(sentences: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _inputs(
+        sentences: list[list[int]], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``<sos/eos>`` + each sentence, right-padded ``(N, U)``, and the real lengths ``(N,)``."""
         lens = torch.tensor([len(s) + 1 for s in sentences], device=device)
-        ids = torch.full((len(sentences), int(lens.max())), SOS_EOS_ID, dtype=torch.long, device=device)
+        ids = torch.full(
+            (len(sentences), int(lens.max())), SOS_EOS_ID, dtype=torch.long, device=device
+        )
         for i, s in enumerate(sentences):
             if s:
                 ids[i, 1:len(s) + 1] = torch.tensor(s, device=device)
@@ -113,8 +125,11 @@ class TransformerLM(nn.Module):
         log_p = self.sentence_log_probs(sentences, device)
         return -log_p.sum(), sum(len(s) + 1 for s in sentences)
 
-    def sentence_log_probs(self, sentences: list[list[int]], device: torch.device | None = None) -> torch.Tensor:
-        """log P(sentence + ``<sos/eos>``) per sentence, ``(N,)``: what shallow fusion adds, at weight W,
+    def sentence_log_probs(
+        self, sentences: list[list[int]], device: torch.device | None = None
+    ) -> torch.Tensor:
+        """log P(sentence + ``<sos/eos>``) per sentence, ``(N,)``: what shallow fusion adds, at
+        weight W,
         to a finished hypothesis."""
         device = device or next(self.parameters()).device
         ids, lens = self._inputs(sentences, device)
@@ -137,8 +152,10 @@ class TransformerLM(nn.Module):
         return LMState({})
 
     def step(self, tokens: torch.Tensor, state: LMState) -> tuple[torch.Tensor, LMState]:
-        """log P(next token) ``(N, V)`` after appending ``tokens`` ``(N,)`` to each hypothesis, and the
-        new state (the caller's is left as it was). The same numbers as ``forward`` on the prefix."""
+        """log P(next token) ``(N, V)`` after appending ``tokens`` ``(N,)`` to each hypothesis, and
+        the
+        new state (the caller's is left as it was). The same numbers as ``forward`` on the prefix.
+        """
         kv = dict(state.kv)
         position = next(iter(kv.values()))[0].shape[2] if kv else 0
         rope = self.rotary(position + 1, tokens.device)
@@ -148,19 +165,25 @@ class TransformerLM(nn.Module):
         return F.log_softmax(self.output(self.final_norm(x))[:, 0].float(), dim=-1), LMState(kv)
 
 
-def load_lm(path: str | Path, device: str | torch.device = "cpu") -> tuple[TransformerLM, Tokenizer]:
+def load_lm(
+    path: str | Path, device: str | torch.device = "cpu"
+) -> tuple[TransformerLM, Tokenizer]:
     """The LM of a ``konkanivani-train-lm`` checkpoint, in eval mode, and its tokenizer;
     ``CheckpointError`` in one line for any other file."""
     state = load_checkpoint(path)
     if "lm_config" not in state:
-        raise CheckpointError(f"{path} is not a language model checkpoint (made by konkanivani-train-lm)")
+        raise CheckpointError(
+            f"{path} is not a language model checkpoint (made by konkanivani-train-lm)"
+        )
     try:
         lm = TransformerLM(LMConfig(**state["lm_config"]))
         lm.load_state_dict(state["model"])
         tokenizer = Tokenizer(state["tokenizer"])
     except (KeyError, TypeError, RuntimeError, ValueError) as e:
-        raise CheckpointError(f"{path}: the checkpoint does not hold a usable language model "
-                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e})") from e
+        raise CheckpointError(
+            f"{path}: the checkpoint does not hold a usable language model "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e})"
+        ) from e
     return lm.to(device).eval(), tokenizer
 
 
@@ -173,6 +196,8 @@ def check_same_vocabulary(lm_tokenizer: Tokenizer, lm_path: str | Path, asr_toke
     if lm_pieces != asr_pieces:
         first = next((i for i, (a, b) in enumerate(zip(lm_pieces, asr_pieces)) if a != b),
                      min(len(lm_pieces), len(asr_pieces)))
-        raise CheckpointError(f"language model {lm_path} was trained with another tokenizer than {asr_path} "
-                              f"({len(lm_pieces)} vs {len(asr_pieces)} pieces, first difference at id {first}); "
-                              "train it with konkanivani-train-lm --tokenizer on that ASR checkpoint")
+        raise CheckpointError(
+            f"language model {lm_path} was trained with another tokenizer than {asr_path} "
+            f"({len(lm_pieces)} vs {len(asr_pieces)} pieces, first difference at id {first}); "
+            "train it with konkanivani-train-lm --tokenizer on that ASR checkpoint"
+        )

@@ -39,8 +39,9 @@ def causal_mask(size: int, device: Optional[torch.device] = None) -> torch.Tenso
     return torch.ones(size, size, dtype=torch.bool, device=device).tril()
 
 
-
-def chunk_mask(size: int, chunk: int, left_chunks: int = -1, device: Optional[torch.device] = None) -> torch.Tensor:
+def chunk_mask(
+    size: int, chunk: int, left_chunks: int = -1, device: Optional[torch.device] = None
+) -> torch.Tensor:
     """``(T, T)`` bool, True where frame i may attend to frame j: the frames are cut into chunks of
     ``chunk`` (the last one may be shorter), and i sees every frame of its own chunk and of the
     ``left_chunks`` chunks before it (all of them when ``left_chunks`` < 0), none after it.

@@ -47,7 +47,11 @@ def compiled(model: nn.Module) -> Callable[..., Any]:
             layer.forward = torch.compile(layer.forward, dynamic=True)
     except Exception as e:
         _eager(layers)
-        log.warning("--compile: torch.compile is not available here (%s: %s); running eager", type(e).__name__, e)
+        log.warning(
+            "--compile: torch.compile is not available here (%s: %s); running eager",
+            type(e).__name__,
+            e,
+        )
         return model
     compiling = [True]
 
@@ -59,11 +63,17 @@ def compiled(model: nn.Module) -> Callable[..., Any]:
                 if is_out_of_memory(e):
                     raise
                 first_line = (str(e).strip().splitlines() or [""])[0]
-                log.warning("--compile: compiling the model failed (%s: %s); running eager", type(e).__name__,
-                            first_line)
+                log.warning(
+                    "--compile: compiling the model failed (%s: %s); running eager",
+                    type(e).__name__,
+                    first_line,
+                )
                 _eager(layers)
                 compiling[0] = False
         return model(*args, **kwargs)
 
-    log.info("--compile: the model's %d layers are compiled with torch.compile at its first batches", len(layers))
+    log.info(
+        "--compile: the model's %d layers are compiled with torch.compile at its first batches",
+        len(layers),
+    )
     return forward

@@ -34,9 +34,12 @@ def run_labels(run_dirs: Sequence[Path]) -> list[str]:
     return names if len(set(names)) == len(names) else [str(d) for d in run_dirs]
 
 
-def write_csv(path: str | Path, rows: Sequence[dict[str, Any]], columns: Optional[Sequence[str]] = None) -> None:
-    """``rows`` as a CSV table with a header, as the benchmarks keep their results beside their plots
-    and a sweep its table: the ``columns`` given (a row's other keys left out, a missing one empty),
+def write_csv(
+    path: str | Path, rows: Sequence[dict[str, Any]], columns: Optional[Sequence[str]] = None
+) -> None:
+    """``rows`` as a CSV table with a header, as the benchmarks keep their results beside their
+    plots and a sweep its table: the ``columns`` given (a row's other keys left out, a missing one
+    empty),
     else the first row's keys. Written atomically: a reader sees the old table or the new one."""
     with atomic_file(path) as raw:
         text = io.TextIOWrapper(raw, encoding="utf-8", newline="")
@@ -48,8 +51,8 @@ def write_csv(path: str | Path, rows: Sequence[dict[str, Any]], columns: Optiona
 
 
 def text_table(rows: Sequence[dict[str, Any]], keys: Sequence[str], titles: Sequence[str]) -> str:
-    """``rows`` as a markdown table with columns padded to their widths, as the benchmarks print them:
-    the values of ``keys``, under ``titles``.
+    """``rows`` as a markdown table with columns padded to their widths, as the benchmarks print
+    them: the values of ``keys``, under ``titles``.
 
     >>> print(text_table([{"chunk": 16, "cer": 5.2}], ["chunk", "cer"], ["chunk", "CER %"]))
     | chunk | CER % |
@@ -60,7 +63,9 @@ def text_table(rows: Sequence[dict[str, Any]], keys: Sequence[str], titles: Sequ
     widths = [max(len(t), *(len(c[i]) for c in cells)) for i, t in enumerate(titles)]
     lines = ["| " + " | ".join(t.ljust(w) for t, w in zip(titles, widths)) + " |",
              "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells])
+    return "\n".join(
+        lines + ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells]
+    )
 
 
 def write_curves(run_dir: str | Path) -> Path:
@@ -83,7 +88,8 @@ def plot_runs(run_dirs: Sequence[Path], output: str | Path) -> Path:
 
 
 def _draw(runs: dict[str, Rows], title: Optional[str]) -> Any:
-    # A Figure of its own, not pyplot: no global figure list, no GUI backend, safe off the main thread.
+    # A Figure of its own, not pyplot: no global figure list, no GUI backend, safe off the main
+    # thread.
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(15, 4.2), layout="constrained")
@@ -94,9 +100,15 @@ def _draw(runs: dict[str, Rows], title: Optional[str]) -> Any:
         name = f"{label} " if several else ""
         colour = f"C{i}" if several else None
         loss_ax.plot(*_series(train, "loss"), color=colour or "C0", lw=1, label=f"{name}train")
-        loss_ax.plot(*_series(valid, "loss"), "o--", color=colour or "C1", ms=4, label=f"{name}valid")
-        error_ax.plot(*_series(valid, "cer", scale=100), "o-", color=colour or "C0", ms=4, label=f"{name}CER")
-        error_ax.plot(*_series(valid, "wer", scale=100), "s--", color=colour or "C1", ms=4, label=f"{name}WER")
+        loss_ax.plot(
+            *_series(valid, "loss"), "o--", color=colour or "C1", ms=4, label=f"{name}valid"
+        )
+        error_ax.plot(
+            *_series(valid, "cer", scale=100), "o-", color=colour or "C0", ms=4, label=f"{name}CER"
+        )
+        error_ax.plot(
+            *_series(valid, "wer", scale=100), "s--", color=colour or "C1", ms=4, label=f"{name}WER"
+        )
         lr_ax.plot(*_series(train, "lr"), color=colour or "C0", lw=1, label=label)
     if any(v > 0 for line in loss_ax.get_lines() for v in line.get_ydata() if math.isfinite(v)):
         loss_ax.set_yscale("log")  # losses fall by two orders of magnitude in the first epochs
@@ -116,8 +128,13 @@ def _draw(runs: dict[str, Rows], title: Optional[str]) -> Any:
     return figure
 
 
-def _series(rows: list[dict[str, Any]], name: str, scale: float = 1.0) -> tuple[list[int], list[float]]:
-    """Steps and values of one figure; a missing or non-finite one (null in the file) is NaN, a gap in the line."""
+def _series(
+    rows: list[dict[str, Any]], name: str, scale: float = 1.0
+) -> tuple[list[int], list[float]]:
+    """Steps and values of one figure; a missing or non-finite one (null in the file) is NaN, a gap
+    in the line."""
     steps = [row["step"] for row in rows]
-    values = [row[name] * scale if isinstance(row.get(name), (int, float)) else math.nan for row in rows]
+    values = [
+        row[name] * scale if isinstance(row.get(name), (int, float)) else math.nan for row in rows
+    ]
     return steps, values

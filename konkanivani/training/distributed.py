@@ -37,7 +37,8 @@ log = logging.getLogger("konkanivani")
 
 @dataclass(frozen=True)
 class Dist:
-    """This process's place in the run: ``rank`` of ``world`` processes (0 of 1 without torchrun)."""
+    """This process's place in the run: ``rank`` of ``world`` processes (0 of 1 without
+    torchrun)."""
 
     rank: int = 0
     world: int = 1
@@ -86,7 +87,11 @@ class Dist:
             td.barrier()
 
     def _device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if td.get_backend() == "nccl" else torch.device("cpu")
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if td.get_backend() == "nccl"
+            else torch.device("cpu")
+        )
 
 
 @contextlib.contextmanager
@@ -109,7 +114,9 @@ def distributed(device_name: str) -> Iterator[tuple[Dist, torch.device]]:
         torch.cuda.set_device(device)
     made_here = not td.is_initialized()
     if made_here:
-        td.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30))
+        td.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30)
+        )
     try:
         yield Dist(rank, world, local_rank), device
         if made_here:
@@ -129,7 +136,12 @@ def wrap_data_parallel(model: torch.nn.Module, dist: Dist, device: torch.device,
     if not dist.active:
         return model
     if strategy == "fsdp":
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            OffloadPolicy,
+            fully_shard,
+            register_fsdp_forward_method,
+        )
 
         policy = CPUOffloadPolicy(pin_memory=True) if device.type == "cuda" else OffloadPolicy()
         for layer in [*model.encoder.blocks, *model.decoder.layers]:
@@ -138,8 +150,9 @@ def wrap_data_parallel(model: torch.nn.Module, dist: Dist, device: torch.device,
         for method in ("encode", "losses", "ctc_log_probs"):  # validation calls these, not forward
             register_fsdp_forward_method(model, method)
         return model
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   broadcast_buffers=False)  # CMVN statistics are the only buffers
+    return DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
+    )  # CMVN statistics are the only buffers
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -150,16 +163,25 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 def full_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """Whole (unsharded) model and optimizer state dicts, for a checkpoint any number of processes
-    can resume. Sharded models gather them (every process must call this; keys are parameter names)."""
+    can resume. Sharded models gather them (every process must call this; keys are parameter names).
+    """
     if not is_sharded(model):
         return model.state_dict(), optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(
+        model, optimizer, options=options
+    )
 
 
-def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+def load_optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict
+) -> None:
     """Load a whole optimizer state dict, keyed by parameter index (``optimizer.state_dict()``) or
     by parameter name (a sharded run's), into a plain or sharded ``optimizer``."""
     groups = state.get("param_groups") or [{"params": []}]
@@ -171,9 +193,15 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
     if not by_name:  # index -> name, in the order the optimizer was given the parameters
         names = [name for name, _ in model.named_parameters()]
-        state = {"state": {names[i]: v for i, v in state["state"].items()},
-                 "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
-    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+        state = {
+            "state": {names[i]: v for i, v in state["state"].items()},
+            "param_groups": [
+                {**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]
+            ],
+        }
+    set_optimizer_state_dict(
+        model, optimizer, state, options=StateDictOptions(full_state_dict=True)
+    )
 
 
 @contextlib.contextmanager

@@ -1,12 +1,13 @@
-"""An exponential moving average of the weights (``--ema_decay``), kept by torch's ``AveragedModel``.
+"""An exponential moving average of the weights (``--ema_decay``), kept by torch's
+``AveragedModel``.
 
-After every optimizer step that updated the weights θ_t, ``ema_t = d_t * ema_{t-1} + (1 - d_t) * θ_t``;
-the first update copies θ_1 (``AveragedModel`` counts its updates in ``n_averaged`` and copies
-while it is 0). The decay warms up, ``d_t = min(D, t / (t + 9))`` (t-th update; the rule of
+After every optimizer step that updated the weights θ_t, ``ema_t = d_t * ema_{t-1} + (1 - d_t) *
+θ_t``; the first update copies θ_1 (``AveragedModel`` counts its updates in ``n_averaged`` and
+copies while it is 0). The decay warms up, ``d_t = min(D, t / (t + 9))`` (t-th update; the rule of
 TensorFlow's ``ExponentialMovingAverage`` with ``num_updates``): with a constant D = 0.998 the
-weights of step 1, nearly the random initialization, would still weigh 0.998^880 = 17% after the
-880 steps of a 30-minute CPU run, and the average scored 100% CER at step 240 where the training
-weights were far along. The CMVN statistics are buffers, averaged along with the weights (``use_buffers``):
+weights of step 1, nearly the random initialization, would still weigh 0.998^880 = 17% after the 880
+steps of a 30-minute CPU run, and the average scored 100% CER at step 240 where the training
+were far along. The CMVN statistics are buffers, averaged along with the weights (``use_buffers``):
 they never change in training, so the average holds them as they are. Validation, best.pt and
 decoding use the average; the raw weights go on training (and into every checkpoint as ``model``).
 """
@@ -21,7 +22,8 @@ __all__ = ["make_ema", "ema_state", "load_ema_state", "warmed_up_decay"]
 
 
 def warmed_up_decay(decay: float, update: int) -> float:
-    """The decay of the ``update``-th update (1-based; the first copies): ``min(decay, t / (t + 9))``."""
+    """The decay of the ``update``-th update (1-based; the first copies): ``min(decay, t / (t +
+    9))``."""
     return min(decay, update / (update + 9))
 
 
@@ -29,13 +31,16 @@ def _ema_multi_avg_fn(decay: float):
     """``AveragedModel``'s ``multi_avg_fn``: as torch's ``get_ema_multi_avg_fn``, with the decay
     warmed up by the number of updates averaged so far."""
     @torch.no_grad()
-    def update(averaged: list[torch.Tensor], current: list[torch.Tensor], num_averaged: torch.Tensor) -> None:
+    def update(
+        averaged: list[torch.Tensor], current: list[torch.Tensor], num_averaged: torch.Tensor
+    ) -> None:
         d = warmed_up_decay(decay, int(num_averaged) + 1)
         if torch.is_floating_point(averaged[0]) or torch.is_complex(averaged[0]):
             torch._foreach_lerp_(averaged, current, 1 - d)
         else:  # foreach lerp takes floating point only
             for a, c in zip(averaged, current):
                 a.copy_(a * d + c * (1 - d))
+
     return update
 
 

@@ -1,11 +1,12 @@
 """Fine-tuning: a fresh run that starts from another run's weights (``--init_from``), and the
 encoder held still for its first steps (``--freeze_encoder_steps``).
 
-The new run has its own tokenizer, so the tensors with one row per token (``ASRModel.VOCABULARY_TENSORS``)
-may differ in size or order from the checkpoint's. Their rows are matched by piece: a token whose
-piece string is in both vocabularies starts from its old row, the specials (blank, unk, sos/eos)
-by their role, and the other rows keep their fresh initialization. Any other tensor is loaded where
-its shape is the same and skipped otherwise (another ``--d_model``, say), and the report says which.
+The new run has its own tokenizer, so the tensors with one row per token
+(``ASRModel.VOCABULARY_TENSORS``) may differ in size or order from the checkpoint's. Their rows are
+matched by piece: a token whose piece string is in both vocabularies starts from its old row, the
+specials (blank, unk, sos/eos) by their role, and the other rows keep their fresh initialization.
+Any other tensor is loaded where its shape is the same and skipped otherwise (another ``--d_model``,
+say), and the report says which.
 """
 from __future__ import annotations
 
@@ -34,25 +35,33 @@ class InitReport:
     modules: tuple[str, ...]  # the modules asked for (--init_modules)
     weights: str  # "EMA" or "training": which weights of the checkpoint
     loaded: list[str] = field(default_factory=list)  # tensors copied whole
-    resized: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (rows matched by token, rows)
-    skipped: dict[str, str] = field(default_factory=dict)  # name -> why it kept its fresh initialization
+    # name -> (rows matched by token, rows)
+    resized: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # name -> why it kept its fresh initialization
+    skipped: dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> str:
-        """The one log line: ``init_from X: loaded 212 tensors (encoder, decoder), resized 4 (...), skipped 0``."""
+        """The one log line: ``init_from X: loaded 212 tensors (encoder, decoder), resized 4 (...),
+        skipped 0``."""
         modules = sorted({name.split(".")[0] for name in self.loaded}, key=self.modules.index)
         resized = ", ".join(f"{name}: {matched} of {rows} rows matched by token"
                             for name, (matched, rows) in self.resized.items())
         skipped = ", ".join(f"{name}: {why}" for name, why in list(self.skipped.items())[:3])
         more = f", {len(self.skipped) - 3} more" if len(self.skipped) > 3 else ""
-        return (f"init_from {self.source} ({self.weights} weights): loaded {len(self.loaded)} tensors "
-                f"({', '.join(modules) or 'none'}), resized {len(self.resized)}{f' ({resized})' if resized else ''}, "
-                f"skipped {len(self.skipped)}{f' ({skipped}{more})' if skipped else ''}")
+        return (
+            f"init_from {self.source} ({self.weights} weights): loaded {len(self.loaded)} tensors"
+            f" ({', '.join(modules) or 'none'}), resized"
+            f" {len(self.resized)}{f' ({resized})' if resized else ''}, skipped"
+            f" {len(self.skipped)}{f' ({skipped}{more})' if skipped else ''}"
+        )
 
 
 def token_row_map(old: Tokenizer, new: Tokenizer) -> dict[int, int]:
     """``{new id: old id}`` for the tokens of ``new`` that ``old`` has too: the specials by their
     role, the others by their piece string."""
-    old_ids = {piece: i for i, piece in enumerate(old.pieces(range(old.vocab_size))) if i not in _SPECIALS}
+    old_ids = {
+        piece: i for i, piece in enumerate(old.pieces(range(old.vocab_size))) if i not in _SPECIALS
+    }
     rows = {i: i for i in _SPECIALS}
     for i, piece in enumerate(new.pieces(range(new.vocab_size))):
         if i not in _SPECIALS and piece in old_ids:
@@ -61,13 +70,20 @@ def token_row_map(old: Tokenizer, new: Tokenizer) -> dict[int, int]:
 
 
 @torch.no_grad()
-def load_init_weights(model: ASRModel, tokenizer: Tokenizer, checkpoint: dict[str, Any], modules: tuple[str, ...],
-                      source: str = "the checkpoint") -> InitReport:
+def load_init_weights(
+    model: ASRModel,
+    tokenizer: Tokenizer,
+    checkpoint: dict[str, Any],
+    modules: tuple[str, ...],
+    source: str = "the checkpoint",
+) -> InitReport:
     """Load into ``model`` (whose vocabulary is ``tokenizer``'s) the tensors of ``modules`` from
     ``checkpoint`` (its EMA weights where it has them) that fit; see the module's docstring. The
     CMVN statistics are not among them (``keep_init_cmvn``)."""
     weights = inference_state_dict(checkpoint)
-    report = InitReport(source, modules, "EMA" if weights is not checkpoint["model"] else "training")
+    report = InitReport(
+        source, modules, "EMA" if weights is not checkpoint["model"] else "training"
+    )
     old_tokenizer = Tokenizer(checkpoint["tokenizer"])
     same_vocabulary = old_tokenizer.model_proto == tokenizer.model_proto
     rows = token_row_map(old_tokenizer, tokenizer)
@@ -80,7 +96,11 @@ def load_init_weights(model: ASRModel, tokenizer: Tokenizer, checkpoint: dict[st
             report.skipped[name] = "not in the checkpoint"
             continue
         old = weights[name]
-        if name in ASRModel.VOCABULARY_TENSORS and not same_vocabulary and old.shape[1:] == fresh.shape[1:]:
+        if (
+            name in ASRModel.VOCABULARY_TENSORS
+            and not same_vocabulary
+            and old.shape[1:] == fresh.shape[1:]
+        ):
             init[name] = fresh.clone()
             init[name][new_ids] = old[old_ids].to(fresh.dtype)
             report.resized[name] = (len(rows), fresh.shape[0])
@@ -95,12 +115,15 @@ def load_init_weights(model: ASRModel, tokenizer: Tokenizer, checkpoint: dict[st
 
 @torch.no_grad()
 def keep_init_cmvn(model: ASRModel, checkpoint: dict[str, Any]) -> None:
-    """The checkpoint's CMVN statistics in place of those of the new training data (``--keep_init_cmvn``)."""
+    """The checkpoint's CMVN statistics in place of those of the new training data
+    (``--keep_init_cmvn``)."""
     weights = inference_state_dict(checkpoint)
     mean, std = weights["feat_mean"], weights["feat_std"]
     if mean.shape != model.feat_mean.shape:
-        raise ValueError(f"--keep_init_cmvn: the checkpoint's features have {mean.numel()} mel bins, this model "
-                         f"{model.feat_mean.numel()}")
+        raise ValueError(
+            f"--keep_init_cmvn: the checkpoint's features have {mean.numel()} mel bins, this model "
+            f"{model.feat_mean.numel()}"
+        )
     model.set_cmvn(mean, std)
 
 

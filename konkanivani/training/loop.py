@@ -1,8 +1,8 @@
 """The training loop, readable top to bottom: set up a run, train epoch by epoch, end each epoch.
 
 ``train()`` is the outline; ``setup_run`` (``run.py``) builds a ``Run`` (everything a run holds
-while it runs) from the flags or from a checkpoint's ``TrainState``; ``train_epoch`` loops over the epoch's
-batches and makes one optimizer step per accumulation group (``train_step``); ``end_epoch``
+while it runs) from the flags or from a checkpoint's ``TrainState``; ``train_epoch`` loops over the
+epoch's batches and makes one optimizer step per accumulation group (``train_step``); ``end_epoch``
 validates and saves. A step's checkpoint is written once at most. Under ``torchrun`` every process
 runs this same loop on its share of the batches (``distributed.py``); rank 0 alone logs and writes.
 """
@@ -44,9 +44,9 @@ from .memory import (
     memory_status,
 )
 from .optim import lr_factor
-from .run import Run, setup_run, starting_point
-from .rundir import run_directory, save_step, step_checkpoint_name
+from .run_files import run_directory, save_step, step_checkpoint_name
 from .signals import StopRequest, TrainingDiverged, diverged_message
+from .start import Run, setup_run, starting_point
 from .state import TrainState, capture_rng
 from .step import forward_backward, maybe_empty_cache, optimizer_step, validate
 
@@ -54,7 +54,8 @@ __all__ = ["train", "train_epoch", "train_step", "end_epoch", "validate_and_save
 
 log = logging.getLogger("konkanivani")
 
-SIGNAL_STOPS = ("SIGINT", "SIGTERM", "--max_time")  # stops that end a run early; the others are its limits
+# stops that end a run early; the others are its limits
+SIGNAL_STOPS = ("SIGINT", "SIGTERM", "--max_time")
 
 
 # ---- the outline ------------------------------------------------------------------------------
@@ -82,40 +83,60 @@ def train(cfg: TrainConfig, model_overrides: Optional[dict[str, Any]] = None,
                 stop = "max_steps" if 0 < cfg.max_steps <= run.step else None
                 while run.epoch < cfg.epochs and stop is None:
                     stop, epoch_ended = train_epoch(run, stop_request, on_step)
-                    stop = end_epoch(run, stop, stop_request) if epoch_ended else stop_inside_epoch(run, stop)
-                if stop not in SIGNAL_STOPS and stop_request.signum is not None:  # a signal during the last step
-                    stop = stop_request.reason()  # (the run saved): say so, so that a caller stops too
+                    stop = (
+                        end_epoch(run, stop, stop_request)
+                        if epoch_ended
+                        else stop_inside_epoch(run, stop)
+                    )
+                # a signal during the last step
+                if stop not in SIGNAL_STOPS and stop_request.signum is not None:
+                    # (the run saved): say so, so that a caller stops too
+                    stop = stop_request.reason()
                 return finish(run, stop)
 
 
 def _check_device_settings(cfg: TrainConfig, device: torch.device) -> None:
     """What can only be checked once the device is known, before any work."""
     if cfg.offload_activations and device.type != "cuda":
-        raise ConfigError(f"--offload_activations needs a CUDA device (on {device.type} the activations are in CPU "
-                          "memory already)")
-
-
+        raise ConfigError(
+            f"--offload_activations needs a CUDA device (on {device.type} the activations are in"
+            " CPU memory already)"
+        )
 
 
 # ---- an epoch ---------------------------------------------------------------------------------
 
-def train_epoch(run: Run, stop_request: StopRequest,
-                on_step: Optional[Callable[[int, int, ASRModel], bool]]) -> tuple[Optional[str], bool]:
+
+def train_epoch(
+    run: Run, stop_request: StopRequest, on_step: Optional[Callable[[int, int, ASRModel], bool]]
+) -> tuple[Optional[str], bool]:
     """Train on the rest of the epoch in progress, one optimizer step per accumulation group of
     batches, until it ends or something stops the run. Returns what stopped it (None when nothing
     did) and whether the epoch ended."""
     cfg = run.cfg
     run.sampler.set_epoch(run.epoch, run.batches_done)
     run.epoch_batches = run.batches_done + len(run.sampler)
-    log.info("epoch %d: %d batches, %.1f%% of their frames padding", run.epoch + 1, run.epoch_batches,
-             100 * padding_fraction(run.sampler.epoch_batches(), [frames_of(u.duration) for u in run.train_utts]))
+    log.info(
+        "epoch %d: %d batches, %.1f%% of their frames padding",
+        run.epoch + 1,
+        run.epoch_batches,
+        100
+        * padding_fraction(
+            run.sampler.epoch_batches(), [frames_of(u.duration) for u in run.train_utts]
+        ),
+    )
     skips_before, unreadable, stop = run.skips.total, [], None
     run.model.train()
-    show_bar = cfg.progress and run.dist.is_main and sys.stderr.isatty()  # a bar in a file is only noise
-    bar = _progress_bar(run.epoch_batches, run.batches_done, f"epoch {run.epoch + 1}/{cfg.epochs}", show_bar)
+    # a bar in a file is only noise
+    show_bar = cfg.progress and run.dist.is_main and sys.stderr.isatty()
+    bar = _progress_bar(
+        run.epoch_batches, run.batches_done, f"epoch {run.epoch + 1}/{cfg.epochs}", show_bar
+    )
     micro: list[Batch] = []
-    speed, epoch_speed = _Speed(), _Speed()  # since the last summary line; since the epoch (re)started
-    with logging_redirect_tqdm([logging.root, log]) if show_bar else contextlib.nullcontext():  # log lines above the bar
+    # since the last summary line; since the epoch (re)started
+    speed, epoch_speed = _Speed(), _Speed()
+    # log lines above the bar
+    with logging_redirect_tqdm([logging.root, log]) if show_bar else contextlib.nullcontext():
         for batch in _timed(run.train_loader, speed, epoch_speed):
             run.batches_done += 1
             bar.update()
@@ -123,7 +144,10 @@ def train_epoch(run: Run, stop_request: StopRequest,
             unreadable += [run.train_utts[i].where for i in batch.missing]
             micro.append(batch)
             # An accumulation group closes after `accum` batches, or at the end of the epoch.
-            if len(micro) < cfg.gradient_accumulation_steps and run.batches_done < run.epoch_batches:
+            if (
+                len(micro) < cfg.gradient_accumulation_steps
+                and run.batches_done < run.epoch_batches
+            ):
                 continue
             stats = train_step(run, micro)
             micro = []
@@ -131,21 +155,35 @@ def train_epoch(run: Run, stop_request: StopRequest,
                 continue
             speed.add(stats["utterances"])
             epoch_speed.add(stats.pop("utterances"))
-            if run.step % cfg.log_every == 0:  # the step's figures read from the device: it waits here
+            # the step's figures read from the device: it waits here
+            if run.step % cfg.log_every == 0:
                 settle(run)
                 stats = _floats(stats)
                 bar.set_postfix_str(f"loss {stats['loss']:.3g}, {speed.rate():.1f} utt/s, data "
                                     f"{speed.wait_percent():.0f}%", refresh=False)
                 memory = {name: round(gib, 4) for name, gib in memory_status(run.device).items()}
-                run.record("train", **stats, utt_per_s=speed.rate(), data_wait=round(speed.wait_percent() / 100, 4),
-                           **memory)
+                run.record(
+                    "train",
+                    **stats,
+                    utt_per_s=speed.rate(),
+                    data_wait=round(speed.wait_percent() / 100, 4),
+                    **memory,
+                )
                 log.info("%s", _summary_line(run, stats, speed, memory))
                 speed.restart()
             epoch_goes_on = run.batches_done < run.epoch_batches
-            validating = cfg.validate_every_steps and run.step % cfg.validate_every_steps == 0 and epoch_goes_on
+            validating = (
+                cfg.validate_every_steps
+                and run.step % cfg.validate_every_steps == 0
+                and epoch_goes_on
+            )
             stop = _stop_after_step(run, stop_request, on_step)
-            saving = cfg.save_every_steps and run.step % cfg.save_every_steps == 0 and epoch_goes_on \
-                and stop is None  # (the epoch's end and a stop save anyway)
+            saving = (
+                cfg.save_every_steps
+                and run.step % cfg.save_every_steps == 0
+                and epoch_goes_on
+                and stop is None
+            )  # (the epoch's end and a stop save anyway)
             if validating or saving or stop:
                 settle(run)
             if run.skips.exceeded:  # too many non-finite updates in a row: save and stop
@@ -162,7 +200,9 @@ def train_epoch(run: Run, stop_request: StopRequest,
     settle(run)
     if run.skips.exceeded:
         save(run)
-        raise TrainingDiverged(diverged_message(run.skips.in_a_row, run.step, run.out_dir, run.scaler.is_enabled()))
+        raise TrainingDiverged(
+            diverged_message(run.skips.in_a_row, run.step, run.out_dir, run.scaler.is_enabled())
+        )
     _log_epoch_end(run, unreadable, run.skips.total - skips_before, epoch_speed)
     if run.batches_done < run.epoch_batches:
         return stop, False
@@ -177,25 +217,39 @@ def train_step(run: Run, micro: list[Batch]) -> Optional[dict[str, Any]]:
     is read (``settle``). In the first --freeze_encoder_steps steps the encoder's gradients are
     dropped (``hold_encoder``): the norm is then the heads' alone."""
     cfg = run.cfg
-    stats = forward_backward(run.forward, micro, run.device, run.precision, run.scaler, cfg.spec_augment,
-                             name_of=lambda i: f"{run.train_utts[i].where} ({run.train_utts[i].duration:.1f} s)",
-                             dist=run.dist, offload_activations=cfg.offload_activations, log_mel=run.log_mel)
+    stats = forward_backward(
+        run.forward,
+        micro,
+        run.device,
+        run.precision,
+        run.scaler,
+        cfg.spec_augment,
+        name_of=lambda i: f"{run.train_utts[i].where} ({run.train_utts[i].duration:.1f} s)",
+        dist=run.dist,
+        offload_activations=cfg.offload_activations,
+        log_mel=run.log_mel,
+    )
     if stats is None:
         return None
-    lr = cfg.lr * lr_factor(run.step, cfg.warmup_steps)  # a pure function of the step: nothing to resume
+    # a pure function of the step: nothing to resume
+    lr = cfg.lr * lr_factor(run.step, cfg.warmup_steps)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     held = hold_encoder(run.model, run.step, cfg.freeze_encoder_steps)
     if not held and cfg.freeze_encoder_steps and run.step == cfg.freeze_encoder_steps:
-        log.info("step %d: the encoder trains from now on (--freeze_encoder_steps %d)", run.step + 1,
-                 cfg.freeze_encoder_steps)
+        log.info(
+            "step %d: the encoder trains from now on (--freeze_encoder_steps %d)",
+            run.step + 1,
+            cfg.freeze_encoder_steps,
+        )
     loss = torch.as_tensor(stats["loss"])
     grad_norm = optimizer_step(run.model, run.optimizer, run.scaler, cfg.grad_clip, loss)
     run.step += 1
     loss_finite = torch.isfinite(loss).to(grad_norm.device)
     run.unsettled.append((run.step, ~(loss_finite & torch.isfinite(grad_norm)), loss_finite,
                           [i for b in micro for i in b.indices]))
-    if run.ema is not None:  # the average takes only updates that went through: it reads the flag now
+    # the average takes only updates that went through: it reads the flag now
+    if run.ema is not None:
         if settle(run):
             run.ema.update_parameters(run.model)
     return {**stats, "lr": lr, "grad_norm": grad_norm}
@@ -216,7 +270,8 @@ def settle(run: Run) -> bool:
     return not flags[-1][0]
 
 
-_NAMED_IN_A_SKIP = 3  # utterances of a skipped update's batch named in its message; the rest counted
+# utterances of a skipped update's batch named in its message; the rest counted
+_NAMED_IN_A_SKIP = 3
 
 
 def _say_skipped(run: Run, step: int, loss_finite: bool, indices: list[int]) -> None:
@@ -226,9 +281,17 @@ def _say_skipped(run: Run, step: int, loss_finite: bool, indices: list[int]) -> 
     more = f" and {len(indices) - _NAMED_IN_A_SKIP} more" if len(indices) > _NAMED_IN_A_SKIP else ""
     # fp16 gradients overflowing while the GradScaler finds its scale are expected: not a warning
     level = logging.INFO if fp16 and loss_finite and run.skips.in_a_row < 3 else logging.WARNING
-    log.log(level, "step %d: non-finite %s, update skipped (%d in a row, %d in all%s); batch: %s%s", step,
-            "gradients" if loss_finite else "loss", run.skips.in_a_row, run.skips.total,
-            f"; fp16 loss scale now {run.scaler.get_scale():g}" if fp16 else "", named, more)
+    log.log(
+        level,
+        "step %d: non-finite %s, update skipped (%d in a row, %d in all%s); batch: %s%s",
+        step,
+        "gradients" if loss_finite else "loss",
+        run.skips.in_a_row,
+        run.skips.total,
+        f"; fp16 loss scale now {run.scaler.get_scale():g}" if fp16 else "",
+        named,
+        more,
+    )
 
 
 def _floats(stats: dict[str, Any]) -> dict[str, float]:
@@ -274,8 +337,11 @@ def _validate_and_save_epoch(run: Run) -> None:
         if run.saved_step != run.step and not run.dist.active:
             try:
                 save(run, quiet=True)
-                log.warning("validation at the end of epoch %d failed; the epoch is saved in %s", run.epoch,
-                            run.out_dir / step_checkpoint_name(run.step))
+                log.warning(
+                    "validation at the end of epoch %d failed; the epoch is saved in %s",
+                    run.epoch,
+                    run.out_dir / step_checkpoint_name(run.step),
+                )
             except Exception as e:  # noqa: BLE001 (the first error is the one to report)
                 log.warning("could not save the epoch after validation failed: %s", e)
         raise
@@ -302,32 +368,65 @@ def _agreed_signal(run: Run, stop_request: StopRequest) -> Optional[str]:
 def finish(run: Run, stop: Optional[str]) -> dict[str, Any]:
     stopped_by = stop if stop in SIGNAL_STOPS else None
     if stopped_by is not None:
-        log.warning("stopped by %s at step %d (epoch %d, batch %d), saved in %s; to go on, run the same command "
-                    "with --resume latest", stopped_by, run.step, run.epoch + 1, run.batches_done,
-                    run.out_dir / "latest.pt")
-    return {"step": run.step, "epoch": run.epoch, "valid": run.valid_metrics, "best_wer": run.best_wer,
-            "stopped_by": stopped_by, "stop": stop,  # stop: any reason, --max_steps and on_step's too
-            "skipped_updates": run.skips.total, "unreadable_files": run.unreadable}
+        log.warning(
+            "stopped by %s at step %d (epoch %d, batch %d), saved in %s; to go on, run the same"
+            " command with --resume latest",
+            stopped_by,
+            run.step,
+            run.epoch + 1,
+            run.batches_done,
+            run.out_dir / "latest.pt",
+        )
+    return {
+        "step": run.step,
+        "epoch": run.epoch,
+        "valid": run.valid_metrics,
+        "best_wer": run.best_wer,
+        # stop: any reason, --max_steps and on_step's too
+        "stopped_by": stopped_by,
+        "stop": stop,
+        "skipped_updates": run.skips.total,
+        "unreadable_files": run.unreadable,
+    }
 
 
 def validate_and_save(run: Run) -> None:
-    """Validate at this step (the EMA weights with --ema_decay), record the metrics, save (best.pt too
-    when they improved: the lowest WER, then the lowest CER, as early on every WER is 100%), redraw
-    curves.png. Draws nothing from the global RNG, so a resumed run goes on exactly as it would have."""
+    """Validate at this step (the EMA weights with --ema_decay), record the metrics, save (best.pt
+    too when they improved: the lowest WER, then the lowest CER, as early on every WER is 100%),
+    redraw curves.png. Draws nothing from the global RNG, so a resumed run goes on exactly as it
+    would have.
+    """
     weights = run.model if run.ema is None else run.ema.module
-    metrics = validate(weights, run.valid_loader, run.tokenizer, run.valid_utts, run.device, run.precision,
-                       Dist() if is_sharded(run.model) else run.dist)  # sharded: each process saw all
+    metrics = validate(
+        weights,
+        run.valid_loader,
+        run.tokenizer,
+        run.valid_utts,
+        run.device,
+        run.precision,
+        # sharded: each process saw all
+        Dist() if is_sharded(run.model) else run.dist,
+    )
     run.valid_metrics, run.valid_step = metrics, run.step
-    run.record("valid", **metrics, **({"ema_decay": run.cfg.ema_decay} if run.ema is not None else {}))
+    run.record(
+        "valid", **metrics, **({"ema_decay": run.cfg.ema_decay} if run.ema is not None else {})
+    )
     is_best = (metrics["wer"], metrics["cer"]) < (run.best_wer, run.best_cer)
     if is_best:
         run.best_wer, run.best_cer = metrics["wer"], metrics["cer"]
     epochs_done = run.batches_done == 0
     where = f"epoch {run.epoch}" if epochs_done else \
         f"epoch {run.epoch + 1}, {100 * run.batches_done / max(run.epoch_batches, 1):.0f}%"
-    log.info("step %d (%s): valid loss %.3f  CER %.2f%%  WER %.2f%%%s%s", run.step, where, metrics["loss"],
-             100 * metrics["cer"], 100 * metrics["wer"], "  (EMA weights)" if run.ema is not None else "",
-             "  (best)" if is_best else "")
+    log.info(
+        "step %d (%s): valid loss %.3f  CER %.2f%%  WER %.2f%%%s%s",
+        run.step,
+        where,
+        metrics["loss"],
+        100 * metrics["cer"],
+        100 * metrics["wer"],
+        "  (EMA weights)" if run.ema is not None else "",
+        "  (best)" if is_best else "",
+    )
     save(run, is_best)
     if run.draw_curves:  # after the save: nothing that goes wrong in drawing costs the checkpoint
         _redraw_curves(run.out_dir)
@@ -337,7 +436,8 @@ def _redraw_curves(out_dir: Path) -> None:
     """curves.png from metrics.jsonl. A picture is not worth a run: any failure is a warning."""
     try:
         write_curves(out_dir)
-    except Exception as e:  # noqa: BLE001 (a full disk, a broken matplotlib install, a font cache...)
+    # a full disk, a broken matplotlib install, a font cache...
+    except Exception as e:  # noqa: BLE001
         log.warning("could not draw %s: %s: %s", out_dir / CURVES, type(e).__name__, e)
 
 
@@ -353,16 +453,29 @@ def save(run: Run, is_best: bool = False, quiet: bool = False) -> None:
         return
     ema_model, ema_updates = ema_state(run.ema) if run.ema is not None else ({}, 0)
     state = TrainState(
-        model_config=dataclasses.asdict(run.model.cfg), train_config=dataclasses.asdict(run.cfg),
-        tokenizer=run.tokenizer.model_proto, model=model_state, optimizer=optimizer_state,
-        scaler=run.scaler.state_dict(), step=run.step, epoch=run.epoch, batches_done=run.batches_done,
-        processes=run.dist.world, rng=rng, data_position=position if any(position) else [],
-        best_wer=run.best_wer, best_cer=run.best_cer, valid_metrics=run.valid_metrics, valid_step=run.valid_step,
-        ema_model=ema_model, ema_updates=ema_updates, train_seconds=run.elapsed())
+        model_config=dataclasses.asdict(run.model.cfg),
+        train_config=dataclasses.asdict(run.cfg),
+        tokenizer=run.tokenizer.model_proto,
+        model=model_state,
+        optimizer=optimizer_state,
+        scaler=run.scaler.state_dict(),
+        step=run.step,
+        epoch=run.epoch,
+        batches_done=run.batches_done,
+        processes=run.dist.world,
+        rng=rng,
+        data_position=position if any(position) else [],
+        best_wer=run.best_wer,
+        best_cer=run.best_cer,
+        valid_metrics=run.valid_metrics,
+        valid_step=run.valid_step,
+        ema_model=ema_model,
+        ema_updates=ema_updates,
+        train_seconds=run.elapsed(),
+    )
     path = save_step(run.out_dir, run.step, state.save, is_best, run.cfg.keep_checkpoints)
     if not quiet:
         log.info("saved %s%s", path, " (best so far: also best.pt)" if is_best else "")
-
 
 
 # ---- what a run prints -------------------------------------------------------------------------
@@ -433,30 +546,57 @@ def _loader_error(e: Exception) -> str:
 
 def _log_epoch_end(run: Run, unreadable: list[str], skipped: int, speed: _Speed) -> None:
     run.unreadable += len(unreadable)
-    log.info("epoch %d: %.1f utt/s, %.1f%% of the time waiting for data", run.epoch + 1, speed.rate(),
-             speed.wait_percent())
+    log.info(
+        "epoch %d: %.1f utt/s, %.1f%% of the time waiting for data",
+        run.epoch + 1,
+        speed.rate(),
+        speed.wait_percent(),
+    )
     if unreadable:
-        log.warning("epoch %d: %d audio files could not be read and were left out: %s%s", run.epoch + 1,
-                    len(unreadable), ", ".join(unreadable[:10]), " ..." if len(unreadable) > 10 else "")
+        log.warning(
+            "epoch %d: %d audio files could not be read and were left out: %s%s",
+            run.epoch + 1,
+            len(unreadable),
+            ", ".join(unreadable[:10]),
+            " ..." if len(unreadable) > 10 else "",
+        )
     if skipped:
-        log.warning("epoch %d: %d updates skipped for a non-finite loss or gradients", run.epoch + 1, skipped)
+        log.warning(
+            "epoch %d: %d updates skipped for a non-finite loss or gradients",
+            run.epoch + 1,
+            skipped,
+        )
     log.info("epoch %d memory (GiB): %s", run.epoch + 1,
              ", ".join(f"{k[:-3]} {v:.2f}" for k, v in memory_status(run.device).items()))
 
 
 def _progress_bar(total: int, done: int, desc: str, show: bool) -> tqdm:
-    """An epoch's bar that fits 80 columns: count, times, loss and speed (the summary lines carry the rest)."""
-    return tqdm(total=total, initial=done, desc=desc, disable=not show, leave=False, mininterval=1.0,
-                ncols=min(80, shutil.get_terminal_size().columns),
-                bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
+    """An epoch's bar that fits 80 columns: count, times, loss and speed (the summary lines carry
+    the rest)."""
+    return tqdm(
+        total=total,
+        initial=done,
+        desc=desc,
+        disable=not show,
+        leave=False,
+        mininterval=1.0,
+        ncols=min(80, shutil.get_terminal_size().columns),
+        bar_format=(
+            "{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}"
+        ),
+    )
 
 
-def _summary_line(run: Run, stats: dict[str, float], speed: _Speed, memory: dict[str, float]) -> str:
+def _summary_line(
+    run: Run, stats: dict[str, float], speed: _Speed, memory: dict[str, float]
+) -> str:
     """The --log_every line: where the run is, the losses, lr, gradient norm, speed and memory
     (``memory_status``: in use now, then the peak)."""
     now, peak = list(memory.values())[:2]
-    return (f"step {run.step} (epoch {run.epoch + 1}, {100 * run.batches_done / run.epoch_batches:.0f}%): "
-            f"loss {stats['loss']:.3f} (ctc {stats['ctc']:.3f}, attention {stats['attention']:.3f}), "
-            f"lr {stats['lr']:.2e}, grad norm {stats['grad_norm']:.2f}, {speed.rate():.1f} utt/s "
-            f"(data wait {speed.wait_percent():.0f}%), "
-            f"memory {now:.2f} GiB (peak {peak:.2f})")
+    return (
+        f"step {run.step} (epoch {run.epoch + 1},"
+        f" {100 * run.batches_done / run.epoch_batches:.0f}%): loss {stats['loss']:.3f} (ctc"
+        f" {stats['ctc']:.3f}, attention {stats['attention']:.3f}), lr {stats['lr']:.2e}, grad norm"
+        f" {stats['grad_norm']:.2f}, {speed.rate():.1f} utt/s (data wait"
+        f" {speed.wait_percent():.0f}%), memory {now:.2f} GiB (peak {peak:.2f})"
+    )

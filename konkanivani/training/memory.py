@@ -16,9 +16,21 @@ from ..config import ModelConfig
 from ..data.frames import subsampled_lengths
 from ..model.conformer import ALIGN
 
-__all__ = ["GIB", "MemoryEstimator", "precision_name", "largest_fitting", "available_memory_bytes", "auto_batch_frames",
-           "is_out_of_memory", "free_memory", "BatchDoesNotFit", "rss_bytes", "peak_rss_bytes", "reset_peak_rss",
-           "memory_status"]
+__all__ = [
+    "GIB",
+    "MemoryEstimator",
+    "precision_name",
+    "largest_fitting",
+    "available_memory_bytes",
+    "auto_batch_frames",
+    "is_out_of_memory",
+    "free_memory",
+    "BatchDoesNotFit",
+    "rss_bytes",
+    "peak_rss_bytes",
+    "reset_peak_rss",
+    "memory_status",
+]
 
 log = logging.getLogger("konkanivani")
 
@@ -34,7 +46,9 @@ def is_out_of_memory(error: BaseException) -> bool:
     if isinstance(error, torch.OutOfMemoryError):
         return True
     text = str(error)
-    return isinstance(error, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+    return isinstance(error, RuntimeError) and (
+        "out of memory" in text or "can't allocate memory" in text
+    )
 
 
 def free_memory(device: torch.device) -> None:
@@ -71,7 +85,8 @@ def peak_rss_bytes() -> int:
 
 
 def reset_peak_rss() -> bool:
-    """Restart the peak resident memory count at the current value (Linux); False where it cannot."""
+    """Restart the peak resident memory count at the current value (Linux); False where it
+    cannot."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
         return True
@@ -80,7 +95,8 @@ def reset_peak_rss() -> bool:
 
 
 def memory_status(device: torch.device) -> dict[str, float]:
-    """GiB in use now and at the peak: CUDA's allocated/peak/reserved, or the process RSS on a CPU."""
+    """GiB in use now and at the peak: CUDA's allocated/peak/reserved, or the process RSS on a
+    CPU."""
     if device.type == "cuda":
         return {"mem_gb": torch.cuda.memory_allocated(device) / GIB,
                 "peak_gb": torch.cuda.max_memory_allocated(device) / GIB,
@@ -90,7 +106,8 @@ def memory_status(device: torch.device) -> dict[str, float]:
 
 # ---- the estimator ---------------------------------------------------------------------------
 
-TOKENS_PER_SECOND = 5.0  # decoder length assumed per second of audio (SentencePiece, vocabulary ~128)
+# decoder length assumed per second of audio (SentencePiece, vocabulary ~128)
+TOKENS_PER_SECOND = 5.0
 
 # Activation bytes kept for the backward pass, per utterance, as coefficients of the terms of
 # ``_activation_terms``. Fitted by ``benchmarks/calibrate_memory.py``: non-negative least squares
@@ -100,10 +117,26 @@ TOKENS_PER_SECOND = 5.0  # decoder length assumed per second of audio (SentenceP
 # off by default the fused attention kernel keeps no T x T weights, and the attention terms fell to
 # almost nothing.
 ACTIVATION_COEFFS: dict[str, dict[str, float]] = {
-    "fp32": {"subsampling": 6.943, "encoder_width": 38.982, "encoder_ffn": 22.291, "encoder_attention": 0.573,
-             "decoder_width": 46.793, "decoder_ffn": 18.43, "decoder_attention": 0.0, "heads": 0.0},
-    "half": {"subsampling": 3.463, "encoder_width": 47.276, "encoder_ffn": 9.966, "encoder_attention": 0.509,
-             "decoder_width": 41.172, "decoder_ffn": 7.96, "decoder_attention": 0.0, "heads": 3.769},
+    "fp32": {
+        "subsampling": 6.943,
+        "encoder_width": 38.982,
+        "encoder_ffn": 22.291,
+        "encoder_attention": 0.573,
+        "decoder_width": 46.793,
+        "decoder_ffn": 18.43,
+        "decoder_attention": 0.0,
+        "heads": 0.0,
+    },
+    "half": {
+        "subsampling": 3.463,
+        "encoder_width": 47.276,
+        "encoder_ffn": 9.966,
+        "encoder_attention": 0.509,
+        "decoder_width": 41.172,
+        "decoder_ffn": 7.96,
+        "decoder_attention": 0.0,
+        "heads": 3.769,
+    },
 }
 # Peak resident memory of a training step = static + PEAK_FACTOR x saved activations +
 # ACCUMULATION_FACTOR x parameter bytes + PEAK_OVERHEAD: the backward pass holds gradients of
@@ -111,16 +144,17 @@ ACTIVATION_COEFFS: dict[str, dict[str, float]] = {
 # passes add new gradients to the accumulated ones; the first steps allocate kernels' and the
 # allocator's working memory. Fitted by the same script to the peak RSS of fresh processes training
 # the tiny, small, medium and large presets with two micro-batches accumulated (12 runs, fp32 and
-# bf16, 1-4 utterances of 8-20 s each; within 8% of each) on a 2-core AMD EPYC with torch 2.14, counted above a process
-# that has already loaded its libraries (about 200 MiB of code on a CPU, which the estimate leaves
-# out, as CUDA's allocator figures do). A step without accumulation peaks somewhat lower.
+# bf16, 1-4 utterances of 8-20 s each; within 8% of each) on a 2-core AMD EPYC with torch 2.14,
+# counted above a process that has already loaded its libraries (about 200 MiB of code on a CPU,
+# which the estimate leaves out, as CUDA's allocator figures do). A step without accumulation peaks
+# somewhat lower.
 PEAK_FACTOR = 2.352
 ACCUMULATION_FACTOR = 0.375
 PEAK_OVERHEAD = 26.8 * 2 ** 20
-# With --gradient_checkpointing the peak comes at the end of the backward pass, in the
-# (not checkpointed) subsampling convolutions: their saved outputs, the gradients flowing into them
-# and the ReLU's gradient are alive together. Their activations then count this many times instead
-# of PEAK_FACTOR; fitted by the same script to checkpointed runs of the tiny, small and medium presets
+# With --gradient_checkpointing the peak comes at the end of the backward pass, in the (not
+# checkpointed) subsampling convolutions: their saved outputs, the gradients flowing into them and
+# the ReLU's gradient are alive together. Their activations then count this many times instead of
+# PEAK_FACTOR; fitted by the same script to checkpointed runs of the tiny, small and medium presets
 # (fp32: bf16 runs slowly on the CPU it was last fitted on).
 CHECKPOINTED_SUBSAMPLING_FACTOR = 3.211
 
@@ -176,9 +210,16 @@ def _activation_terms(cfg: ModelConfig, frames: int, tokens: int,
     }
 
 
-_COMPONENT_OF = {"subsampling": "subsampling", "encoder_width": "encoder", "encoder_ffn": "encoder",
-                 "encoder_attention": "encoder", "decoder_width": "decoder", "decoder_ffn": "decoder",
-                 "decoder_attention": "decoder", "heads": "CTC + output heads"}
+_COMPONENT_OF = {
+    "subsampling": "subsampling",
+    "encoder_width": "encoder",
+    "encoder_ffn": "encoder",
+    "encoder_attention": "encoder",
+    "decoder_width": "decoder",
+    "decoder_ffn": "decoder",
+    "decoder_attention": "decoder",
+    "heads": "CTC + output heads",
+}
 
 
 class MemoryEstimator:
@@ -191,7 +232,8 @@ class MemoryEstimator:
 
     def __init__(self, cfg: ModelConfig, precision: str = "fp32", optimizer: str = "adamw",
                  checkpointing: bool = False, device: str | torch.device = "cpu"):
-        from ..model.asr import ASRModel  # here: model imports nothing from this module, but keep it light
+        # here: model imports nothing from this module, but keep it light
+        from ..model.asr import ASRModel
         from .optim import canonical_optimizer
 
         self.cfg, self.precision, self.checkpointing = cfg, precision, checkpointing
@@ -202,8 +244,11 @@ class MemoryEstimator:
         with torch.device("meta"):
             shapes = [p.numel() for p in ASRModel(cfg).parameters()]
         self.n_params = sum(shapes)
-        if self.optimizer == "adamw_8bit":  # bitsandbytes keeps tensors under 4096 elements in 32 bits
-            self.optimizer_bytes = sum(2 * n + 8 * -(-n // 256) if n >= 4096 else 8 * n for n in shapes)
+        # bitsandbytes keeps tensors under 4096 elements in 32 bits
+        if self.optimizer == "adamw_8bit":
+            self.optimizer_bytes = sum(
+                2 * n + 8 * -(-n // 256) if n >= 4096 else 8 * n for n in shapes
+            )
         else:
             self.optimizer_bytes = 8 * self.n_params
 
@@ -220,13 +265,22 @@ class MemoryEstimator:
         one = _activation_terms(cfg, frames, tokens, layers=(1, 1), align=self.align)
         t = _aligned(max(1, subsampled_lengths(frames)), self.align)
         u = _aligned(tokens + 1, self.align)
-        enc_one = sum(coeffs[k] * one[k] for k in ("encoder_width", "encoder_ffn", "encoder_attention"))
-        dec_one = sum(coeffs[k] * one[k] for k in ("decoder_width", "decoder_ffn", "decoder_attention"))
-        return {"subsampling": coeffs["subsampling"] * one["subsampling"],
-                "encoder": 4 * cfg.encoder_layers * t * cfg.d_model + (enc_one if cfg.encoder_layers else 0),
-                "decoder": (4 * cfg.decoder_layers * u * cfg.d_model
-                            + (dec_one if cfg.decoder_layers else 0)),
-                "CTC + output heads": coeffs["heads"] * one["heads"]}
+        enc_one = sum(
+            coeffs[k] * one[k] for k in ("encoder_width", "encoder_ffn", "encoder_attention")
+        )
+        dec_one = sum(
+            coeffs[k] * one[k] for k in ("decoder_width", "decoder_ffn", "decoder_attention")
+        )
+        return {
+            "subsampling": coeffs["subsampling"] * one["subsampling"],
+            "encoder": (
+                4 * cfg.encoder_layers * t * cfg.d_model + (enc_one if cfg.encoder_layers else 0)
+            ),
+            "decoder": (
+                4 * cfg.decoder_layers * u * cfg.d_model + (dec_one if cfg.decoder_layers else 0)
+            ),
+            "CTC + output heads": coeffs["heads"] * one["heads"],
+        }
 
     def components(self, batch: int, frames: int, tokens: Optional[int] = None) -> dict[str, float]:
         """Bytes per component for ``batch`` utterances padded to ``frames`` frames (``tokens``
@@ -250,7 +304,11 @@ class MemoryEstimator:
             parts["runtime overhead"] = CUDA_OVERHEAD
             return parts
         for name, value in acts.items():
-            factor = CHECKPOINTED_SUBSAMPLING_FACTOR if self.checkpointing and name == "subsampling" else PEAK_FACTOR
+            factor = (
+                CHECKPOINTED_SUBSAMPLING_FACTOR
+                if self.checkpointing and name == "subsampling"
+                else PEAK_FACTOR
+            )
             parts[f"activations: {name}"] = factor * batch * value
         parts["gradient accumulation"] = ACCUMULATION_FACTOR * 4.0 * self.n_params
         parts["runtime overhead"] = PEAK_OVERHEAD
@@ -260,7 +318,8 @@ class MemoryEstimator:
         return sum(self.components(batch, frames, tokens).values())
 
     def fits_budget(self, budget_bytes: float) -> Callable[[int, int], bool]:
-        """``fits(batch, frames)`` for ``DurationBucketSampler``: the estimated peak is under the budget."""
+        """``fits(batch, frames)`` for ``DurationBucketSampler``: the estimated peak is under the
+        budget."""
         def fits(batch: int, frames: int) -> bool:
             return self.peak_bytes(batch, frames) <= budget_bytes
 
@@ -315,21 +374,35 @@ def available_memory_bytes(device: torch.device) -> int:
     return 8 * GIB
 
 
-def auto_batch_frames(forward: Callable[..., Any], model: torch.nn.Module, device: torch.device,
-                      autocast: Callable[[], Any], longest: int, tokens: int, estimator: MemoryEstimator,
-                      max_memory_gb: float = 0.0) -> int:
+def auto_batch_frames(
+    forward: Callable[..., Any],
+    model: torch.nn.Module,
+    device: torch.device,
+    autocast: Callable[[], Any],
+    longest: int,
+    tokens: int,
+    estimator: MemoryEstimator,
+    max_memory_gb: float = 0.0,
+) -> int:
     """--auto_batch: the largest frame budget whose batches of the longest utterance (``longest``
     frames, ``tokens`` tokens) fit. On CUDA it is measured: forward + backward passes of ``forward``
     (the model's) on growing synthetic batches until one runs out of memory or its peak plus the
     optimizer states passes 90% of the device. A CPU raises no error to probe for (the kernel ends
-    the process instead), so there the estimator decides. ``autocast()`` opens the run's precision."""
+    the process instead), so there the estimator decides. ``autocast()`` opens the run's precision.
+    """
     budget = 0.9 * available_memory_bytes(device)
     if max_memory_gb > 0:
         budget = min(budget, max_memory_gb * GIB)
     if device.type != "cuda":
         frames = estimator.max_frames(budget, longest)
-        log.info("--auto_batch on %s: no out-of-memory error to probe for; by the estimate, %d utterances of the "
-                 "longest (%d frames) fit in %.1f GiB", device.type, frames // longest, longest, budget / GIB)
+        log.info(
+            "--auto_batch on %s: no out-of-memory error to probe for; by the estimate, %d"
+            " utterances of the longest (%d frames) fit in %.1f GiB",
+            device.type,
+            frames // longest,
+            longest,
+            budget / GIB,
+        )
     else:
         def runs(n: int) -> bool:
             feats = torch.randn(n, longest, model.cfg.n_mels, device=device)
@@ -338,7 +411,13 @@ def auto_batch_frames(forward: Callable[..., Any], model: torch.nn.Module, devic
             torch.cuda.reset_peak_memory_stats(device)
             try:
                 with autocast():
-                    out = forward(feats, lens, toks, torch.full((n,), tokens, device=device), spec_augment=True)
+                    out = forward(
+                        feats,
+                        lens,
+                        toks,
+                        torch.full((n,), tokens, device=device),
+                        spec_augment=True,
+                    )
                 out.loss.backward()
                 fits = torch.cuda.max_memory_allocated(device) + estimator.optimizer_bytes <= budget
             except (torch.OutOfMemoryError, RuntimeError) as e:
@@ -350,11 +429,20 @@ def auto_batch_frames(forward: Callable[..., Any], model: torch.nn.Module, devic
             free_memory(device)
             return fits
 
-        with torch.random.fork_rng(devices=[device]):  # the probe leaves training's random draws alone
+        # the probe leaves training's random draws alone
+        with torch.random.fork_rng(devices=[device]):
             frames = largest_fitting(runs, limit=512) * longest
-        log.info("--auto_batch: %d utterances of the longest (%d frames) fit in %.1f GiB on %s (measured)",
-                 frames // longest, longest, budget / GIB, device)
+        log.info(
+            "--auto_batch: %d utterances of the longest (%d frames) fit in %.1f GiB on %s"
+            " (measured)",
+            frames // longest,
+            longest,
+            budget / GIB,
+            device,
+        )
     if frames == 0:
-        raise BatchDoesNotFit(f"--auto_batch: even one utterance of {longest} frames does not fit in "
-                              f"{budget / GIB:.1f} GiB; lower --max_duration or use the memory options")
+        raise BatchDoesNotFit(
+            f"--auto_batch: even one utterance of {longest} frames does not fit in "
+            f"{budget / GIB:.1f} GiB; lower --max_duration or use the memory options"
+        )
     return frames

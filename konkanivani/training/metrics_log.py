@@ -17,13 +17,15 @@ Rows = dict[str, list[dict[str, Any]]]  # kind ("train", "valid") -> its rows, b
 
 
 class MetricsLog:
-    """``OUTPUT_DIR/metrics.jsonl``: one JSON object a line (``kind``, ``step``, ``epoch`` and the figures)."""
+    """``OUTPUT_DIR/metrics.jsonl``: one JSON object a line (``kind``, ``step``, ``epoch`` and the
+    figures)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
 
     def write(self, kind: str, step: int, epoch: int, **values: float) -> None:
-        values = {k: v if math.isfinite(v) else None for k, v in values.items()}  # strict JSON: no NaN
+        # strict JSON: no NaN
+        values = {k: v if math.isfinite(v) else None for k, v in values.items()}
         try:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"kind": kind, "step": step, "epoch": epoch, **values}) + "\n")

@@ -1,5 +1,6 @@
-"""The optimizer and the learning-rate schedule (``lr_factor``, a pure function of the step): standard AdamW, or 8-bit AdamW from bitsandbytes (its two moments stored in
-8 bits, 2 bytes per parameter instead of 8), with a fallback to standard AdamW when bitsandbytes
+"""The optimizer and the learning-rate schedule (``lr_factor``, a pure function of the step):
+standard AdamW, or 8-bit AdamW from bitsandbytes (its two moments stored in 8 bits, 2 bytes per
+parameter instead of 8), with a fallback to standard AdamW when bitsandbytes
 is missing or cannot run on the device."""
 from __future__ import annotations
 
@@ -21,22 +22,33 @@ def canonical_optimizer(name: str) -> str:
     try:
         return OPTIMIZERS[name.lower()]
     except KeyError:
-        raise ValueError(f"--optimizer {name!r}: choose adamw or adamw_8bit (also spelled adamw8bit)") from None
+        raise ValueError(
+            f"--optimizer {name!r}: choose adamw or adamw_8bit (also spelled adamw8bit)"
+        ) from None
 
 
-def _adamw_8bit(params: list[torch.nn.Parameter], device: torch.device, **kwargs) -> torch.optim.Optimizer:
+def _adamw_8bit(
+    params: list[torch.nn.Parameter], device: torch.device, **kwargs
+) -> torch.optim.Optimizer:
     """bitsandbytes' AdamW8bit, after one trial step on a scratch tensor of the device (a build
     without kernels for the device fails there rather than at the first real step)."""
     import bitsandbytes as bnb
 
-    probe = torch.nn.Parameter(torch.zeros(4096, device=device))  # large enough to take the 8-bit path
+    # large enough to take the 8-bit path
+    probe = torch.nn.Parameter(torch.zeros(4096, device=device))
     probe.grad = torch.ones_like(probe)
     bnb.optim.AdamW8bit([probe], lr=1e-3).step()
     return bnb.optim.AdamW8bit(params, **kwargs)
 
 
-def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], device: torch.device, lr: float,
-                    weight_decay: float, betas: tuple[float, float] = (0.9, 0.98)) -> tuple[torch.optim.Optimizer, str]:
+def build_optimizer(
+    name: str,
+    params: Iterable[torch.nn.Parameter],
+    device: torch.device,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float] = (0.9, 0.98),
+) -> tuple[torch.optim.Optimizer, str]:
     """The optimizer ``name`` asks for, or standard AdamW with a warning saying why not.
     Returns it and the canonical name of the optimizer that actually runs."""
     name = canonical_optimizer(name)
@@ -48,7 +60,9 @@ def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], device: tor
             reason = "bitsandbytes is not installed (pip install 'konkanivani[8bit]')"
         except Exception as e:  # a build without support for this device or platform
             reason = f"bitsandbytes cannot run on {device.type} here ({type(e).__name__}: {e})"
-        log.warning("--optimizer adamw_8bit: %s; using standard AdamW (4x more optimizer memory)", reason)
+        log.warning(
+            "--optimizer adamw_8bit: %s; using standard AdamW (4x more optimizer memory)", reason
+        )
     return adamw(params, lr=lr, betas=betas, weight_decay=weight_decay), "adamw"
 
 

@@ -29,8 +29,14 @@ import torch
 from ..config import PRECISIONS
 from ..device import DeviceError, resolve_device  # re-exported: the trainers import them from here
 
-__all__ = ["DeviceError", "Precision", "resolve_device", "resolve_precision", "cpu_bf16_speed_ratio",
-           "cpu_description"]
+__all__ = [
+    "DeviceError",
+    "Precision",
+    "resolve_device",
+    "resolve_precision",
+    "cpu_bf16_speed_ratio",
+    "cpu_description",
+]
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,8 @@ def _cpuinfo() -> tuple[str, frozenset[str]]:
 
 
 def cpu_description() -> str:
-    """The CPU's model name and its bf16-relevant flags, e.g. "AMD EPYC with avx2", for logs and tables."""
+    """The CPU's model name and its bf16-relevant flags, e.g. "AMD EPYC with avx2", for logs and
+    tables."""
     name, flags = _cpuinfo()
     name = name or platform.processor() or platform.machine() or "unknown CPU"
     shown = [f for f in _CPU_FLAGS if f in flags]
@@ -75,7 +82,8 @@ def cpu_description() -> str:
 
 
 def _matmul_seconds(dtype: torch.dtype, size: int = 256, seconds: float = 0.02) -> float:
-    """The fastest of the products of two ``size`` x ``size`` matrices made within ``seconds`` (at least one)."""
+    """The fastest of the products of two ``size`` x ``size`` matrices made within ``seconds`` (at
+    least one)."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     best, start = float("inf"), time.perf_counter()
     while best == float("inf") or time.perf_counter() - start < seconds:
@@ -116,31 +124,54 @@ def _explicit_precision(device: torch.device, precision: str) -> Precision:
     if precision == "fp16":
         if device.type == "cuda":
             return Precision(torch.float16, True, "precision: fp16 autocast with GradScaler")
-        return Precision(torch.float16, True, f"precision: fp16 autocast with GradScaler on {device.type} "
-                                              "(runs, but fp16 is slow off CUDA; bf16 needs no scaler)", slow=True)
+        return Precision(
+            torch.float16,
+            True,
+            f"precision: fp16 autocast with GradScaler on {device.type} "
+            "(runs, but fp16 is slow off CUDA; bf16 needs no scaler)",
+            slow=True,
+        )
     if device.type == "cuda":
         if torch.cuda.is_bf16_supported():
-            return Precision(torch.bfloat16, False, "precision: bf16 autocast (no GradScaler needed)")
-        return Precision(torch.bfloat16, False, "precision: bf16 autocast, which this GPU emulates "
-                                                "(far slower than fp16; a T4 wants --precision fp16)", slow=True)
+            return Precision(
+                torch.bfloat16, False, "precision: bf16 autocast (no GradScaler needed)"
+            )
+        return Precision(
+            torch.bfloat16,
+            False,
+            "precision: bf16 autocast, which this GPU emulates "
+            "(far slower than fp16; a T4 wants --precision fp16)",
+            slow=True,
+        )
     if device.type == "cpu":
         ratio = cpu_bf16_speed_ratio()
         if ratio >= 0.2:
             return _fast_cpu_bf16(ratio)
         speed = f"bf16 matmul at {ratio:.3f}x fp32" if ratio else "no avx512_bf16 or amx_bf16"
-        return Precision(torch.bfloat16, False, f"precision: bf16 autocast as asked, but this CPU "
-                                                f"({cpu_description()}) has no native bf16 ({speed}): far slower "
-                                                "than fp32", slow=True)
+        return Precision(
+            torch.bfloat16,
+            False,
+            "precision: bf16 autocast as asked, but this CPU "
+            f"({cpu_description()}) has no native bf16 ({speed}): far slower "
+            "than fp32",
+            slow=True,
+        )
     return Precision(torch.bfloat16, False, f"precision: bf16 autocast on {device.type}")
 
 
 def _fast_cpu_bf16(ratio: float) -> Precision:
     """bf16 autocast on a CPU whose bf16 matmul runs at ``ratio`` of fp32 speed (at least 0.2)."""
-    return Precision(torch.bfloat16, False, f"precision: bf16 autocast (this CPU, {cpu_description()}, runs bf16 "
-                                            f"matmul at {ratio:.2f}x fp32)")
+    return Precision(
+        torch.bfloat16,
+        False,
+        f"precision: bf16 autocast (this CPU, {cpu_description()}, runs bf16 "
+        f"matmul at {ratio:.2f}x fp32)",
+    )
 
 
-def resolve_precision(device: torch.device, mixed_precision: bool, precision: str = "") -> Precision:
+def resolve_precision(
+    device: torch.device, mixed_precision: bool, precision: str = ""
+) -> Precision:
     """The autocast setting for ``--precision`` (when given) or ``--mixed_precision``."""
     if precision:
         if precision not in PRECISIONS:
@@ -155,6 +186,12 @@ def resolve_precision(device: torch.device, mixed_precision: bool, precision: st
         if ratio >= 0.2:
             return _fast_cpu_bf16(ratio)
         speed = f"bf16 matmul at {ratio:.3f}x fp32 speed" if ratio else "no avx512_bf16 or amx_bf16"
-        return Precision(None, False, f"--mixed_precision: this CPU ({cpu_description()}) has no fast bf16 "
-                                      f"({speed}), training in fp32")
-    return Precision(None, False, f"--mixed_precision is not supported on {device.type}, training in fp32")
+        return Precision(
+            None,
+            False,
+            f"--mixed_precision: this CPU ({cpu_description()}) has no fast bf16 "
+            f"({speed}), training in fp32",
+        )
+    return Precision(
+        None, False, f"--mixed_precision is not supported on {device.type}, training in fp32"
+    )

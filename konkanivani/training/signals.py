@@ -17,8 +17,14 @@ from types import FrameType
 
 from torch.utils.data import DataLoader
 
-__all__ = ["NonFiniteSkips", "StopRequest", "TrainingDiverged", "diverged_message", "ignore_stop_signals",
-           "stop_workers"]
+__all__ = [
+    "NonFiniteSkips",
+    "StopRequest",
+    "TrainingDiverged",
+    "diverged_message",
+    "ignore_stop_signals",
+    "stop_workers",
+]
 
 log = logging.getLogger("konkanivani")
 
@@ -26,7 +32,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class StopRequest:
-    """``reason()`` is None until a stop was asked for, then ``"SIGINT"``, ``"SIGTERM"`` or ``"--max_time"``."""
+    """``reason()`` is None until a stop was asked for, then ``"SIGINT"``, ``"SIGTERM"`` or
+    ``"--max_time"``."""
 
     def __init__(self, max_time: float = 0.0):
         self.max_time = max_time  # seconds of wall clock; 0: no budget
@@ -47,7 +54,8 @@ class StopRequest:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        # The next signal of this kind gets the previous handler: a second Ctrl-C interrupts at once.
+        # The next signal of this kind gets the previous handler: a second Ctrl-C interrupts at
+        # once.
         previous = self._previous.pop(signum, None)
         signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         if self._reason is None:
@@ -56,7 +64,11 @@ class StopRequest:
                         "(send it again to stop at once)", self._reason)
 
     def reason(self) -> str | None:
-        if self._reason is None and self.max_time > 0 and time.monotonic() - self._start >= self.max_time:
+        if (
+            self._reason is None
+            and self.max_time > 0
+            and time.monotonic() - self._start >= self.max_time
+        ):
             self._reason = "--max_time"
         return self._reason
 
@@ -77,7 +89,8 @@ def stop_workers(loader: DataLoader) -> None:
     """End a DataLoader's persistent workers now, not when the loader happens to be collected: a
     training run called in a longer-lived process (a test suite, a notebook) could otherwise leave
     them to the interpreter's exit, which then hangs (see ``ignore_stop_signals``)."""
-    iterator, loader._iterator = getattr(loader, "_iterator", None), None  # where persistent workers live
+    # where persistent workers live
+    iterator, loader._iterator = getattr(loader, "_iterator", None), None
     if iterator is not None and hasattr(iterator, "_shutdown_workers"):
         iterator._shutdown_workers()
 
@@ -87,12 +100,18 @@ class TrainingDiverged(RuntimeError):
 
 
 def diverged_message(in_a_row: int, step: int, out_dir: Path, fp16: bool) -> str:
-    advice = ("with fp16 the gradients overflowed every time: go on in bf16 or fp32 (--precision bf16 or "
-              "--precision fp32; --no_mixed_precision trains in fp32)" if fp16 else
-              "lower --lr or --grad_clip, and check the utterances named above")
-    return (f"{in_a_row} updates in a row were skipped for a non-finite loss or gradients (steps "
-            f"{step - in_a_row + 1} to {step}), so training stopped. The weights are those of step {step - in_a_row}, "
-            f"saved in {out_dir / 'latest.pt'}; {advice}, then resume with --resume latest.")
+    advice = (
+        "with fp16 the gradients overflowed every time: go on in bf16 or fp32 (--precision bf16 or "
+        "--precision fp32; --no_mixed_precision trains in fp32)"
+        if fp16
+        else "lower --lr or --grad_clip, and check the utterances named above"
+    )
+    return (
+        f"{in_a_row} updates in a row were skipped for a non-finite loss or gradients (steps"
+        f" {step - in_a_row + 1} to {step}), so training stopped. The weights are those of step"
+        f" {step - in_a_row}, saved in {out_dir / 'latest.pt'}; {advice}, then resume with --resume"
+        " latest."
+    )
 
 
 class NonFiniteSkips:

@@ -38,11 +38,15 @@ class TrainState:
     best_cer: float = math.inf
     valid_metrics: dict[str, float] = field(default_factory=dict)
     valid_step: int = -1  # the step valid_metrics were measured at
-    ema_model: dict[str, Any] = field(default_factory=dict)  # the EMA weights (--ema_decay); empty when off
+    # the EMA weights (--ema_decay); empty when off
+    ema_model: dict[str, Any] = field(default_factory=dict)
     ema_updates: int = 0  # optimizer steps averaged into ema_model (AveragedModel.n_averaged)
-    train_seconds: float = 0.0  # seconds of training up to this step (Run.elapsed); 0 in older checkpoints
-    data_position: list[dict[str, Any]] = field(default_factory=list)  # per process, beyond batches_done: a
-    # shard plan's inputs and each reader's next shard and key (ShardPlan.position); empty for a manifest
+    # seconds of training up to this step (Run.elapsed); 0 in older checkpoints
+    train_seconds: float = 0.0
+    # per process, beyond batches_done: a
+    data_position: list[dict[str, Any]] = field(default_factory=list)
+    # shard plan's inputs and each reader's next shard and key (ShardPlan.position); empty for a
+    # manifest
 
     def save(self, path: str | Path) -> Path:
         return save_checkpoint({f.name: getattr(self, f.name) for f in fields(self)}, path)
@@ -56,16 +60,24 @@ class TrainState:
         """The training state of a loaded checkpoint; ``CheckpointError`` in one line for one that
         cannot be resumed (an older format, averaged weights)."""
         if state["format_version"] != FORMAT_VERSION:
-            raise CheckpointError(f"{path} has checkpoint format {state['format_version']} (an older konkanivani); "
-                                  f"training resumes format {FORMAT_VERSION} only. Its weights still serve "
-                                  "transcribe, evaluate and average")
+            raise CheckpointError(
+                f"{path} has checkpoint format {state['format_version']} (an older konkanivani); "
+                f"training resumes format {FORMAT_VERSION} only. Its weights still serve "
+                "transcribe, evaluate and average"
+            )
         if "optimizer" not in state:
-            raise CheckpointError(f"{path} holds model weights only (an averaged model?); resume from a step "
-                                  "checkpoint or latest")
-        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+            raise CheckpointError(
+                f"{path} holds model weights only (an averaged model?); resume from a step "
+                "checkpoint or latest"
+            )
+        required = [
+            f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
+        ]
         if missing := [name for name in required if name not in state]:
-            raise CheckpointError(f"{path} is not a speech recognition training checkpoint (no {', '.join(missing)}; "
-                                  "a language model's?)")
+            raise CheckpointError(
+                f"{path} is not a speech recognition training checkpoint (no {', '.join(missing)}; "
+                "a language model's?)"
+            )
         # A field added after the format (ema_model, say) is absent from older files: its default.
         return cls(**{f.name: state[f.name] for f in fields(cls) if f.name in state})
 
@@ -73,9 +85,12 @@ class TrainState:
 def capture_rng() -> dict[str, Any]:
     """This process's random states: Python, NumPy, torch (CPU and CUDA)."""
     np_state = np.random.get_state()
-    return {"python": random.getstate(), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    return {
+        "python": random.getstate(),
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
 
 
 def restore_rng(state: dict[str, Any]) -> None:

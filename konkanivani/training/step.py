@@ -73,7 +73,8 @@ def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], devi
     n_utts = dist.sum([sum(len(b) for b in pending)])[0]
     if n_utts == 0:
         return None
-    if not pending:  # this process has nothing, the others have: join their gradient sync with zeros
+    # this process has nothing, the others have: join their gradient sync with zeros
+    if not pending:
         pending = [_empty_batch(model)]
     per_process = n_utts / dist.world  # data parallelism averages the processes' gradients
     log_mel = log_mel or LogMel(getattr(model, "module", model).cfg.n_mels).to(device)
@@ -86,26 +87,40 @@ def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], devi
             dev_batch = batch.to(device)
             feats, feat_lens = dev_batch.features(log_mel)
             with precision.autocast(device), _saved_on_cpu(offload_activations, device):
-                out = model(feats, feat_lens, dev_batch.tokens, dev_batch.token_lens, spec_augment=spec_augment)
+                out = model(
+                    feats,
+                    feat_lens,
+                    dev_batch.tokens,
+                    dev_batch.token_lens,
+                    spec_augment=spec_augment,
+                )
             in_backward = True
-            with no_sync(model, skip=bool(pending)):  # gradients sync on the group's last backward pass
-                scaler.scale(out.loss / per_process if len(batch.indices) else out.loss * 0.0).backward()
+            # gradients sync on the group's last backward pass
+            with no_sync(model, skip=bool(pending)):
+                scaler.scale(
+                    out.loss / per_process if len(batch.indices) else out.loss * 0.0
+                ).backward()
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if not is_out_of_memory(e) or (dist.active and in_backward and not pending):
                 raise
-            failed = str(e)  # not the error itself: its traceback holds the failed attempt's tensors
+            # not the error itself: its traceback holds the failed attempt's tensors
+            failed = str(e)
         else:
             if len(batch.indices):
                 for name, value in out._asdict().items():
                     sums[name] += value.detach().float()
                 done.append(batch)
             continue
-        dev_batch = out = feats = None  # noqa: F841 (release the failed attempt's tensors before retrying)
+        # release the failed attempt's tensors before retrying
+        dev_batch = out = feats = None  # noqa: F841
         free_memory(device)
-        pending, done, sums = _after_out_of_memory(model, batch, pending, done, sums, in_backward, failed, device,
-                                                   name_of)
+        pending, done, sums = _after_out_of_memory(
+            model, batch, pending, done, sums, in_backward, failed, device, name_of
+        )
     if dist.active:  # one all-reduce of the three sums (it syncs anyway)
-        sums = dict(zip(sums, torch.tensor(dist.sum([float(v) for v in sums.values()]), device=device)))
+        sums = dict(
+            zip(sums, torch.tensor(dist.sum([float(v) for v in sums.values()]), device=device))
+        )
     return {**{name: value / n_utts for name, value in sums.items()}, "utterances": n_utts}
 
 
@@ -113,23 +128,36 @@ def _zero_sums(device: torch.device) -> dict[str, torch.Tensor]:
     return {name: torch.zeros((), device=device) for name in ("loss", "ctc", "attention")}
 
 
-def _after_out_of_memory(model: Any, batch: Batch, pending: list[Batch], done: list[Batch],
-                         sums: dict[str, torch.Tensor], in_backward: bool, failed: str, device: torch.device,
-                         name_of: Optional[Callable[[int], str]]
-                         ) -> tuple[list[Batch], list[Batch], dict[str, torch.Tensor]]:
+def _after_out_of_memory(
+    model: Any,
+    batch: Batch,
+    pending: list[Batch],
+    done: list[Batch],
+    sums: dict[str, torch.Tensor],
+    in_backward: bool,
+    failed: str,
+    device: torch.device,
+    name_of: Optional[Callable[[int], str]],
+) -> tuple[list[Batch], list[Batch], dict[str, torch.Tensor]]:
     """The micro-batches left to run after ``batch`` ran out of memory: its halves, and the whole
     group again when the error came in the backward pass (its gradients are cleared)."""
     if len(batch) == 1:
         who = name_of(batch.indices[0]) if name_of else f"utterance {batch.indices[0]}"
         raise BatchDoesNotFit(
-            f"{who} ({int(batch.feat_lens[0])} frames) does not fit in {device.type} memory even alone "
-            f"({failed}); lower --max_duration, or use --gradient_checkpointing, --precision bf16/fp16, "
-            "--optimizer adamw_8bit or a smaller --preset")
+            f"{who} ({int(batch.feat_lens[0])} frames) does not fit in {device.type} memory even"
+            f" alone ({failed}); lower --max_duration, or use --gradient_checkpointing, --precision"
+            " bf16/fp16, --optimizer adamw_8bit or a smaller --preset"
+        )
     halves = list(split_batch(batch))
-    log.warning("out of memory on a micro-batch of %d utterances (%d frames each)%s; retrying it as %d + %d "
-                "utterances, the update is unchanged", len(batch), int(batch.feat_lens.max()),
-                " in the backward pass: the accumulation group starts again" if in_backward else "",
-                len(halves[0]), len(halves[1]))
+    log.warning(
+        "out of memory on a micro-batch of %d utterances (%d frames each)%s; retrying it as %d + %d"
+        " utterances, the update is unchanged",
+        len(batch),
+        int(batch.feat_lens.max()),
+        " in the backward pass: the accumulation group starts again" if in_backward else "",
+        len(halves[0]),
+        len(halves[1]),
+    )
     if in_backward:
         model.zero_grad(set_to_none=True)
         return done + halves + pending, [], _zero_sums(device)
@@ -143,13 +171,21 @@ def _saved_on_cpu(offload: bool, device: torch.device) -> Any:
 
 
 def _empty_batch(model: Any) -> Batch:
-    """A one-utterance batch of silence that stands in, with its loss multiplied by 0, for a
-    process whose whole accumulation group failed to load (``indices`` is empty: it counts for nothing)."""
-    return Batch(torch.zeros(1, 16000), torch.tensor([16000]), torch.full((1, 1), 3), torch.tensor([1]), [])
+    """A one-utterance batch of silence that stands in, with its loss multiplied by 0, for a process
+    whose whole accumulation group failed to load (``indices`` is empty: it counts for nothing).
+    """
+    return Batch(
+        torch.zeros(1, 16000), torch.tensor([16000]), torch.full((1, 1), 3), torch.tensor([1]), []
+    )
 
 
-def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                   grad_clip: float, loss: float | torch.Tensor = 0.0) -> torch.Tensor:
+def optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    grad_clip: float,
+    loss: float | torch.Tensor = 0.0,
+) -> torch.Tensor:
     """Unscale, clip, step, update the scale, zero the gradients. Returns the gradient norm, a
     0-dim tensor on the gradients' device: reading it is the caller's choice.
 
@@ -162,7 +198,11 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sca
     scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = grad_clip if grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True) if params else torch.zeros(())
+    grad_norm = (
+        torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        if params
+        else torch.zeros(())
+    )
     if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
         grad_norm = grad_norm.full_tensor()
     loss = torch.as_tensor(loss, dtype=torch.float32).to(grad_norm.device, non_blocking=True)
@@ -170,7 +210,8 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sca
     if scaler.is_enabled():  # a non-finite loss gives non-finite gradients, which the scaler finds
         scaler.step(optimizer)
     elif _fused(optimizer):
-        optimizer.found_inf, optimizer.grad_scale = skip.float(), None  # GradScaler's contract with it
+        # GradScaler's contract with it
+        optimizer.found_inf, optimizer.grad_scale = skip.float(), None
         try:
             optimizer.step()
         finally:
@@ -190,10 +231,18 @@ def _fused(optimizer: torch.optim.Optimizer) -> bool:
 
 
 @torch.no_grad()
-def validate(model: ASRModel, loader: Iterable[Batch], tokenizer: Tokenizer, utterances: list[Utterance],
-             device: torch.device, precision: Precision, dist: Dist = Dist(),
-             log_mel: Optional[LogMel] = None) -> dict[str, float]:
-    """Loss per utterance, and CER/WER of greedy CTC, in eval mode; over the shares of every process."""
+def validate(
+    model: ASRModel,
+    loader: Iterable[Batch],
+    tokenizer: Tokenizer,
+    utterances: list[Utterance],
+    device: torch.device,
+    precision: Precision,
+    dist: Dist = Dist(),
+    log_mel: Optional[LogMel] = None,
+) -> dict[str, float]:
+    """Loss per utterance, and CER/WER of greedy CTC, in eval mode; over the shares of every
+    process."""
     model.eval()
     log_mel = log_mel or LogMel(model.cfg.n_mels).to(device)
     loss_sum, n, refs, hyps = 0.0, 0, [], []
@@ -213,4 +262,7 @@ def validate(model: ASRModel, loader: Iterable[Batch], tokenizer: Tokenizer, utt
     model.train()
     loss_sum, n = dist.sum([loss_sum, n])
     pairs = [pair for share in dist.gather(list(zip(refs, hyps))) for pair in share]
-    return {"loss": loss_sum / max(n, 1), **error_rates([r for r, _ in pairs], [h for _, h in pairs])}
+    return {
+        "loss": loss_sum / max(n, 1),
+        **error_rates([r for r, _ in pairs], [h for _, h in pairs]),
+    }

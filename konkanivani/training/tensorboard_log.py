@@ -2,8 +2,8 @@
 ``tensorboard --logdir RUN_DIR``.
 
 Each figure of a row becomes the scalar ``KIND/NAME`` at the row's step (``train/loss``,
-``train/lr``, ``valid/cer``, ...). TensorBoard is optional (``pip install "konkanivani[tensorboard]"``):
-without it a run logs one line saying so and writes no event files.
+``train/lr``, ``valid/cer``, ...). TensorBoard is optional (``pip install
+"konkanivani[tensorboard]"``): without it a run logs one line saying so and writes no event files.
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ class TensorBoardLog:
         if self.writer is None:
             return
         for name, value in values.items():
-            if value is not None and math.isfinite(value):  # as metrics.jsonl: a non-finite figure is left out
+            # as metrics.jsonl: a non-finite figure is left out
+            if value is not None and math.isfinite(value):
                 self.writer.add_scalar(f"{kind}/{name}", value, step)
         if kind == "valid":  # validations are rare: show each one at once, not at the next flush
             self.writer.flush()
@@ -49,7 +50,10 @@ def open_tensorboard(log_dir: str | Path, start_step: int) -> TensorBoardLog:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        log.info('TensorBoard is not installed: no event files in %s (pip install "konkanivani[tensorboard]", '
-                 'or --no_tensorboard to leave them out)', log_dir)
+        log.info(
+            "TensorBoard is not installed: no event files in %s (pip install"
+            ' "konkanivani[tensorboard]", or --no_tensorboard to leave them out)',
+            log_dir,
+        )
         return TensorBoardLog()
     return TensorBoardLog(SummaryWriter(str(log_dir), purge_step=start_step + 1, flush_secs=30))

@@ -46,15 +46,27 @@ from ..data.manifest import check_row
 from ..data.tokenizer import Tokenizer, train_tokenizer
 from .outputs import OutputError, Staging, child, safe_name
 
-__all__ = ["CONVERT_FORMATS", "PrepareError", "Item", "Report", "commonvoice_items", "kaldi_items", "folder_items",
-           "hf_items", "prepare", "print_report", "print_skipped"]
+__all__ = [
+    "CONVERT_FORMATS",
+    "PrepareError",
+    "Item",
+    "Report",
+    "commonvoice_items",
+    "kaldi_items",
+    "folder_items",
+    "hf_items",
+    "prepare",
+    "print_report",
+    "print_skipped",
+]
 
 CONVERT_FORMATS = ("wav", "flac")
 _EXAMPLES = 10  # skipped rows named one by one in the report
 _CV_SPLITS = {"train": "train", "dev": "valid", "test": "test"}  # Common Voice file -> our manifest
 _HF_SPLITS = {"validation": "valid", "dev": "valid"}
 _HF_TEXT_COLUMNS = ("sentence", "text", "transcription")
-RECORD = ".prepare.json"  # what the runs wrote into OUT_DIR, a group of manifests and files each (outputs.Staging)
+# what the runs wrote into OUT_DIR, a group of manifests and files each (outputs.Staging)
+RECORD = ".prepare.json"
 
 
 class PrepareError(ValueError):
@@ -62,7 +74,8 @@ class PrepareError(ValueError):
 
 
 class Unusable(Exception):
-    """One row that cannot be used: ``reason`` (counted) and ``detail`` (shown for the first few)."""
+    """One row that cannot be used: ``reason`` (counted) and ``detail`` (shown for the first
+    few)."""
 
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(reason, detail)
@@ -76,9 +89,12 @@ class Item:
     where: str  # "train.tsv:14", "data/text:3": the file and line, for messages
     split: str
     text: str = ""
-    audio: Path | None = None  # the file the manifest names (for a written one, where it will lie in OUT_DIR)
-    write_audio: Callable[[Path], None] | None = None  # writes the audio to the given path (a conversion, a cut)
-    source: str = ""  # what is written to ``audio``: the source file (and span), for refusing two on one name
+    # the file the manifest names (for a written one, where it will lie in OUT_DIR)
+    audio: Path | None = None
+    # writes the audio to the given path (a conversion, a cut)
+    write_audio: Callable[[Path], None] | None = None
+    # what is written to ``audio``: the source file (and span), for refusing two on one name
+    source: str = ""
     extra: dict[str, Any] = field(default_factory=dict)  # more keys of the row ("speaker")
     error: Unusable | None = None  # known unusable before any audio is read
     written_by: Item | None = None  # another item writes this item's audio (the same source)
@@ -86,17 +102,24 @@ class Item:
 
 @dataclass
 class Report:
-    manifests: dict[str, tuple[Path, int, float]] = field(default_factory=dict)  # split -> (path, rows, seconds)
+    # split -> (path, rows, seconds)
+    manifests: dict[str, tuple[Path, int, float]] = field(default_factory=dict)
     skipped: Counter = field(default_factory=Counter)  # reason -> rows
-    examples: list[str] = field(default_factory=list)  # the first few skipped rows, "where: reason (detail)"
-    notes: Counter = field(default_factory=Counter)  # check_row's warnings (not 16 kHz, not mono) -> rows
+    # the first few skipped rows, "where: reason (detail)"
+    examples: list[str] = field(default_factory=list)
+    # check_row's warnings (not 16 kHz, not mono) -> rows
+    notes: Counter = field(default_factory=Counter)
     total: int = 0
 
 
 # --- audio ------------------------------------------------------------------------------------
 
-def _decode(source: Path | io.BytesIO, label: str, start_s: float = 0.0, end_s: float | None = None) -> torch.Tensor:
-    """``audio.load_audio`` of a file or bytes (named ``label``), its failures as ``Unusable`` rows."""
+
+def _decode(
+    source: Path | io.BytesIO, label: str, start_s: float = 0.0, end_s: float | None = None
+) -> torch.Tensor:
+    """``audio.load_audio`` of a file or bytes (named ``label``), its failures as ``Unusable``
+    rows."""
     try:
         return load_audio(source, start_s=start_s, end_s=end_s, label=label)
     except AudioError as e:
@@ -110,16 +133,22 @@ def _writer(source: Path | Callable[[], io.BytesIO], label: str, start_s: float 
     def write(target: Path) -> None:
         wav = _decode(source if isinstance(source, Path) else source(), label, start_s, end_s)
         target.parent.mkdir(parents=True, exist_ok=True)
-        sf.write(str(target), np.clip(wav.numpy(), -1.0, 1.0), SAMPLE_RATE, subtype="PCM_16")  # resampling overshoots
+        # resampling overshoots
+        sf.write(str(target), np.clip(wav.numpy(), -1.0, 1.0), SAMPLE_RATE, subtype="PCM_16")
     return write
 
 
 def _source_audio(item: Item, path: Path, folder: Path, convert: str | None, name: str) -> None:
-    """Set ``item``'s audio to a source file as it is, or to it decoded to ``folder/name.convert``."""
+    """Set ``item``'s audio to a source file as it is, or to it decoded to
+    ``folder/name.convert``."""
     if convert is None:
         item.audio = path
         return
-    item.audio, item.write_audio, item.source = folder / f"{name}.{convert}", _writer(path, str(path)), str(path)
+    item.audio, item.write_audio, item.source = (
+        folder / f"{name}.{convert}",
+        _writer(path, str(path)),
+        str(path),
+    )
 
 
 # --- sources ----------------------------------------------------------------------------------
@@ -127,13 +156,21 @@ def _source_audio(item: Item, path: Path, folder: Path, convert: str | None, nam
 def commonvoice_items(cv_dir: Path, out_dir: Path, convert: str | None = None) -> list[Item]:
     """``train.tsv``, ``dev.tsv`` and ``test.tsv`` (those present) of a Common Voice release: the
     clip in ``clips/`` named by ``path``, the text in ``sentence``, ``client_id`` as ``speaker``."""
-    tsvs = [(cv_dir / f"{name}.tsv", split) for name, split in _CV_SPLITS.items() if (cv_dir / f"{name}.tsv").is_file()]
+    tsvs = [
+        (cv_dir / f"{name}.tsv", split)
+        for name, split in _CV_SPLITS.items()
+        if (cv_dir / f"{name}.tsv").is_file()
+    ]
     if not tsvs:
-        raise PrepareError(f"{cv_dir}: no train.tsv, dev.tsv or test.tsv (a Common Voice release folder holds them "
-                           "beside clips/)")
+        raise PrepareError(
+            f"{cv_dir}: no train.tsv, dev.tsv or test.tsv (a Common Voice release folder holds them"
+            " beside clips/)"
+        )
     if "MP3" not in sf.available_formats():
-        raise PrepareError(f"this soundfile's libsndfile {sf.__libsndfile_version__} cannot read MP3 (1.1 and later "
-                           "can): pip install -U soundfile")
+        raise PrepareError(
+            f"this soundfile's libsndfile {sf.__libsndfile_version__} cannot read MP3 (1.1 and"
+            " later can): pip install -U soundfile"
+        )
     items = []
     for tsv, split in tsvs:
         with open(tsv, encoding="utf-8", newline="") as f:
@@ -150,7 +187,8 @@ def commonvoice_items(cv_dir: Path, out_dir: Path, convert: str | None = None) -
                     item.error = Unusable("no clip named")
                 elif not _stays_inside(cv_dir / "clips", clip):
                     item.error = Unusable("clip path leaves clips/", clip)
-                else:  # the name of the path without its suffix: "a/x.mp3" and "a_x.mp3" stay two files
+                # the name of the path without its suffix: "a/x.mp3" and "a_x.mp3" stay two files
+                else:
                     _source_audio(item, cv_dir / "clips" / clip, out_dir / "clips", convert,
                                   safe_name(str(Path(clip).with_suffix(""))))
                 if row.get("client_id"):
@@ -161,7 +199,10 @@ def commonvoice_items(cv_dir: Path, out_dir: Path, convert: str | None = None) -
 
 def _stays_inside(folder: Path, relative: str) -> bool:
     """Whether ``folder / relative`` (a path a source file names) lies inside ``folder``."""
-    return not Path(relative).is_absolute() and folder.resolve() in (folder / relative).resolve().parents
+    return (
+        not Path(relative).is_absolute()
+        and folder.resolve() in (folder / relative).resolve().parents
+    )
 
 
 def _kaldi_table(path: Path) -> dict[str, tuple[str, int]]:
@@ -180,8 +221,10 @@ def _kaldi_audio(utt: str, recording: str, wav_scp: dict, path: Path, audio_root
         raise Unusable("recording not in wav.scp", f"{recording} of {utt}")
     value, line_no = wav_scp[recording]
     if value.endswith("|"):  # "sox ... - |": a command whose output is the audio
-        raise Unusable("wav.scp entry is a command", f"{path / 'wav.scp'}:{line_no}: not supported, write that audio "
-                                                     "to files first")
+        raise Unusable(
+            "wav.scp entry is a command",
+            f"{path / 'wav.scp'}:{line_no}: not supported, write that audio to files first",
+        )
     return audio_root / value  # an absolute path stays as it is
 
 
@@ -189,10 +232,13 @@ def kaldi_items(data_dir: Path, out_dir: Path, split: str, convert: str | None =
                 audio_root: Path = Path(".")) -> list[Item]:
     """One item per line of ``text``; its audio is the ``wav.scp`` recording of the same id, or with
     ``segments`` its segment, cut to ``out_dir/wavs/<safe_name(utt)>.<convert or wav>``. Relative
-    ``wav.scp`` paths are taken from ``audio_root`` (Kaldi reads them from the current directory)."""
+    ``wav.scp`` paths are taken from ``audio_root`` (Kaldi reads them from the current directory).
+    """
     for name in ("wav.scp", "text"):
         if not (data_dir / name).is_file():
-            raise PrepareError(f"{data_dir}: no {name} (a Kaldi data directory holds wav.scp and text)")
+            raise PrepareError(
+                f"{data_dir}: no {name} (a Kaldi data directory holds wav.scp and text)"
+            )
     wav_scp, texts = _kaldi_table(data_dir / "wav.scp"), _kaldi_table(data_dir / "text")
     segments = _kaldi_table(data_dir / "segments") if (data_dir / "segments").is_file() else None
     speakers = _kaldi_table(data_dir / "utt2spk") if (data_dir / "utt2spk").is_file() else {}
@@ -204,8 +250,13 @@ def kaldi_items(data_dir: Path, out_dir: Path, split: str, convert: str | None =
         name = safe_name(utt)  # "a/b" and "a_b", "." and "..": each a file of its own in wavs/
         try:
             if segments is None:
-                _source_audio(item, _kaldi_audio(utt, utt, wav_scp, data_dir, audio_root), out_dir / "wavs", convert,
-                              name)
+                _source_audio(
+                    item,
+                    _kaldi_audio(utt, utt, wav_scp, data_dir, audio_root),
+                    out_dir / "wavs",
+                    convert,
+                    name,
+                )
             else:
                 _segment(item, utt, segments, wav_scp, data_dir, audio_root,
                          out_dir / "wavs" / f"{name}.{convert or 'wav'}")
@@ -224,20 +275,34 @@ def _segment(item: Item, utt: str, segments: dict, wav_scp: dict, data_dir: Path
     try:
         recording, start, end = fields[0], float(fields[1]), float(fields[2])
     except (IndexError, ValueError):
-        raise Unusable("bad segments line", f"{data_dir / 'segments'}:{line_no}: {value!r}") from None
+        raise Unusable(
+            "bad segments line", f"{data_dir / 'segments'}:{line_no}: {value!r}"
+        ) from None
     if end >= 0 and end <= start:  # an end of -1 means the end of the recording
-        raise Unusable("bad segments line", f"{data_dir / 'segments'}:{line_no}: ends at {end} before {start}")
+        raise Unusable(
+            "bad segments line", f"{data_dir / 'segments'}:{line_no}: ends at {end} before {start}"
+        )
     source = _kaldi_audio(utt, recording, wav_scp, data_dir, audio_root)
-    item.audio, item.write_audio = target, _writer(source, str(source), start, None if end < 0 else end)
+    item.audio, item.write_audio = target, _writer(
+        source, str(source), start, None if end < 0 else end
+    )
     item.source = f"{source} from {start} s to {end} s"
 
 
-def folder_items(audio_dir: Path, split: str, convert: str | None = None, out_dir: Path | None = None) -> list[Item]:
+def folder_items(
+    audio_dir: Path, split: str, convert: str | None = None, out_dir: Path | None = None
+) -> list[Item]:
     """Every audio file under ``audio_dir`` (recursively) with its same-named ``.txt`` beside it."""
-    written = (out_dir or audio_dir) / "wavs"  # by --convert, when OUT_DIR lies in AUDIO_DIR: not a source
+    # by --convert, when OUT_DIR lies in AUDIO_DIR: not a source
+    written = (out_dir or audio_dir) / "wavs"
     items = []
-    for path in sorted(p for p in audio_dir.rglob("*") if p.suffix.lower() in AUDIO_SUFFIXES and p.is_file()
-                       and written.resolve() not in p.resolve().parents):
+    for path in sorted(
+        p
+        for p in audio_dir.rglob("*")
+        if p.suffix.lower() in AUDIO_SUFFIXES
+        and p.is_file()
+        and written.resolve() not in p.resolve().parents
+    ):
         transcript = path.with_suffix(".txt")
         item = Item(str(transcript), split)
         try:
@@ -246,11 +311,16 @@ def folder_items(audio_dir: Path, split: str, convert: str | None = None, out_di
             item.where, item.error = str(path), Unusable("no transcript (.txt) beside it")
         except (UnicodeDecodeError, OSError) as e:
             item.error = Unusable("transcript unreadable", str(e))
-        relative = path.relative_to(audio_dir).with_suffix("")  # its folders kept: "a/b" and "a_b" stay apart
-        _source_audio(item, path, written, convert, "/".join(safe_name(part) for part in relative.parts))
+        # its folders kept: "a/b" and "a_b" stay apart
+        relative = path.relative_to(audio_dir).with_suffix("")
+        _source_audio(
+            item, path, written, convert, "/".join(safe_name(part) for part in relative.parts)
+        )
         items.append(item)
     if not items:
-        raise PrepareError(f"{audio_dir}: no audio file ({', '.join(AUDIO_SUFFIXES)}) in it or below")
+        raise PrepareError(
+            f"{audio_dir}: no audio file ({', '.join(AUDIO_SUFFIXES)}) in it or below"
+        )
     return items
 
 
@@ -269,8 +339,8 @@ def _load_hf(path: Path):
 
 def hf_items(path: Path, out_dir: Path, split: str, text_column: str | None = None,
              audio_column: str | None = None, convert: str | None = None) -> list[Item]:
-    """Every row of a dataset saved with ``save_to_disk`` (a ``Dataset``: one split, named ``split``;
-    a ``DatasetDict``: each of its splits, validation/dev as valid), its audio decoded to
+    """Every row of a dataset saved with ``save_to_disk`` (a ``Dataset``: one split, named
+    ``split``; a ``DatasetDict``: each of its splits, validation/dev as valid), its audio decoded to
     ``out_dir/wavs/<split>_<row>.<convert or wav>``. The audio is read as the stored bytes and
     decoded with soundfile, so no audio decoder of ``datasets``' own is needed."""
     datasets, loaded = _load_hf(path)
@@ -282,17 +352,22 @@ def hf_items(path: Path, out_dir: Path, split: str, text_column: str | None = No
             child(out_dir, name, "the dataset's split")  # it names a manifest
         except OutputError as e:
             raise PrepareError(f"{path}: {e}") from None
-        audio_col = audio_column or next((c for c, f in ds.features.items() if isinstance(f, datasets.Audio)), None)
+        audio_col = audio_column or next(
+            (c for c, f in ds.features.items() if isinstance(f, datasets.Audio)), None
+        )
         text_col = text_column or next((c for c in _HF_TEXT_COLUMNS if c in ds.column_names), None)
         for flag, col in (("--audio_column", audio_col), ("--text_column", text_col)):
             if col not in ds.column_names:
                 what = f"no column {col}" if col else f"no {flag[2:].replace('_', ' ')} found"
-                raise PrepareError(f"{path} ({name}): {what}; its columns: {', '.join(ds.column_names)} "
-                                   f"({flag} chooses)")
+                raise PrepareError(
+                    f"{path} ({name}): {what}; its columns: {', '.join(ds.column_names)} "
+                    f"({flag} chooses)"
+                )
         raw = ds.cast_column(audio_col, datasets.Audio(decode=False)).select_columns([audio_col])
         for index, text in enumerate(ds[text_col]):
             target = out_dir / "wavs" / f"{name}_{index:06d}.{convert or 'wav'}"
-            stored = lambda raw=raw, i=index: _hf_bytes(raw[i][audio_col])  # noqa: E731  read when written
+            # read when written
+            stored = lambda raw=raw, i=index: _hf_bytes(raw[i][audio_col])  # noqa: E731
             where = f"{path} {name} row {index}"
             items.append(Item(where, name, text.strip() if isinstance(text, str) else "",
                               target, _writer(stored, "the stored audio"), where))
@@ -334,8 +409,11 @@ def _claim_targets(items: list[Item]) -> None:
             item.write_audio = None
             item.written_by = other
             continue
-        clash = Unusable("two sources, one output file", f"{other.source} ({other.where}) and {item.source} "
-                                                         f"({item.where}) would both write {item.audio}")
+        clash = Unusable(
+            "two sources, one output file",
+            f"{other.source} ({other.where}) and {item.source} "
+            f"({item.where}) would both write {item.audio}",
+        )
         item.error = other.error = clash
 
 
@@ -344,14 +422,28 @@ def _refuse_sources_in(items: list[Item], out_dir: Path, replaced: set[str]) -> 
     it: such rows are skipped."""
     gone = {(out_dir / f).resolve() for f in replaced}
     for item in items:
-        if item.error is None and item.write_audio is None and item.written_by is None and item.audio is not None:
+        if (
+            item.error is None
+            and item.write_audio is None
+            and item.written_by is None
+            and item.audio is not None
+        ):
             if item.audio.resolve() in gone:
-                item.error = Unusable("source audio is an earlier run's output, which this run replaces",
-                                      str(item.audio))
+                item.error = Unusable(
+                    "source audio is an earlier run's output, which this run replaces",
+                    str(item.audio),
+                )
 
 
-def _check(items: list[Item], out_dir: Path, staging: Path, tokenizer: Tokenizer, max_duration: float,
-           progress: bool, report: Report) -> dict[str, list[dict]]:
+def _check(
+    items: list[Item],
+    out_dir: Path,
+    staging: Path,
+    tokenizer: Tokenizer,
+    max_duration: float,
+    progress: bool,
+    report: Report,
+) -> dict[str, list[dict]]:
     """Write each item's audio (under ``staging``, laid out as in ``out_dir``) when it must be,
     check its row, and group the good rows by split."""
     rows: dict[str, list[dict]] = defaultdict(list)
@@ -364,18 +456,32 @@ def _check(items: list[Item], out_dir: Path, staging: Path, tokenizer: Tokenizer
                 raise Unusable("empty text")
             if item.write_audio:
                 item.write_audio(staging / item.audio.relative_to(out_dir))
-            row = {"audio_filepath": _manifest_path(item.audio, out_dir), "text": item.text, **item.extra}
-            check = check_row(row, staging if written else out_dir, tokenizer, max_duration=max_duration)
+            row = {
+                "audio_filepath": _manifest_path(item.audio, out_dir),
+                "text": item.text,
+                **item.extra,
+            }
+            check = check_row(
+                row, staging if written else out_dir, tokenizer, max_duration=max_duration
+            )
             if check.error:
                 raise Unusable(*check.error)
         except Unusable as e:
             report.skipped[e.reason] += 1
             if len(report.examples) < _EXAMPLES:
-                report.examples.append(f"{item.where}: {e.reason}" + (f" ({e.detail})" if e.detail else ""))
+                report.examples.append(
+                    f"{item.where}: {e.reason}" + (f" ({e.detail})" if e.detail else "")
+                )
             continue
         report.notes.update(reason for reason, _ in check.warnings)
-        rows[item.split].append({"audio_filepath": row["audio_filepath"], "duration": round(check.duration, 3),
-                                 "text": item.text, **item.extra})
+        rows[item.split].append(
+            {
+                "audio_filepath": row["audio_filepath"],
+                "duration": round(check.duration, 3),
+                "text": item.text,
+                **item.extra,
+            }
+        )
     return rows
 
 
@@ -390,8 +496,17 @@ def _carve_valid(rows: dict[str, list[dict]], split: str, fraction: float, seed:
     rows[split] = [r for i, r in enumerate(source) if i not in chosen]
 
 
-def prepare(items: list[Item], out_dir: Path, *, tokenizer: Tokenizer | None = None, max_duration: float = 30.0,
-            valid_fraction: float = 0.0, split_name: str = "train", seed: int = 0, progress: bool = True) -> Report:
+def prepare(
+    items: list[Item],
+    out_dir: Path,
+    *,
+    tokenizer: Tokenizer | None = None,
+    max_duration: float = 30.0,
+    valid_fraction: float = 0.0,
+    split_name: str = "train",
+    seed: int = 0,
+    progress: bool = True,
+) -> Report:
     """Check ``items``, write ``out_dir/<split>.jsonl`` for every split with a usable row, and
     report what was written and what was skipped.
 
@@ -411,7 +526,8 @@ def prepare(items: list[Item], out_dir: Path, *, tokenizer: Tokenizer | None = N
             tokenizer = train_tokenizer(["a"], model_type="char")
     _claim_targets(items)
     with Staging(out_dir, "prepare", RECORD) as staging:
-        # The manifests this run may write, and so the earlier run's files it replaces (runs of other splits stay).
+        # The manifests this run may write, and so the earlier run's files it replaces (runs of
+        # other splits stay).
         splits = {item.split for item in items} | ({"valid"} if valid_fraction > 0 else set())
         manifests = [f"{split}.jsonl" for split in splits]
         targets = [item.audio.relative_to(out_dir).as_posix() for item in items
@@ -431,8 +547,13 @@ def prepare(items: list[Item], out_dir: Path, *, tokenizer: Tokenizer | None = N
                     f.write(json.dumps(row, ensure_ascii=False) + "\n")
             report.manifests[split] = (out_dir / f"{split}.jsonl", len(split_rows),
                                        sum(r["duration"] for r in split_rows))
-        written = sorted({p.relative_to(staging.path).as_posix() for p in staging.path.rglob("*")
-                          if p.is_file() and not (p.parent == staging.path and p.suffix == ".jsonl")})
+        written = sorted(
+            {
+                p.relative_to(staging.path).as_posix()
+                for p in staging.path.rglob("*")
+                if p.is_file() and not (p.parent == staging.path and p.suffix == ".jsonl")
+            }
+        )
         try:
             staging.publish_group([f"{split}.jsonl" for split in rows], written)
         except OutputError as e:
@@ -446,8 +567,10 @@ def print_report(report: Report) -> None:
     if not report.manifests:
         print("no usable utterance: no manifest written")
     for reason, n in report.notes.most_common():
-        print(f"  note: {n} rows {reason}; converted when training loads them (--convert wav writes 16 kHz mono "
-              "files once)")
+        print(
+            f"  note: {n} rows {reason}; converted when training loads them (--convert wav writes"
+            " 16 kHz mono files once)"
+        )
     print_skipped(report.skipped, report.examples, report.total)
 
 

@@ -18,9 +18,16 @@ from .outputs import child
 __all__ = ["corrupt_manifest"]
 
 
-def corrupt_manifest(src_manifest: str | Path, out_dir: str | Path, name: str, seed: int = 0,
-                     snr_db: tuple[float, float] = (5.0, 20.0), reverb: bool = True,
-                     noise_dir: Optional[str | Path] = None, rir_dir: Optional[str | Path] = None) -> Path:
+def corrupt_manifest(
+    src_manifest: str | Path,
+    out_dir: str | Path,
+    name: str,
+    seed: int = 0,
+    snr_db: tuple[float, float] = (5.0, 20.0),
+    reverb: bool = True,
+    noise_dir: Optional[str | Path] = None,
+    rir_dir: Optional[str | Path] = None,
+) -> Path:
     """Write a noisy (and, with ``reverb``, reverberant) copy of ``src_manifest`` for testing in
     harder conditions; return the new manifest, ``OUT_DIR/NAME.jsonl``.
 
@@ -34,9 +41,19 @@ def corrupt_manifest(src_manifest: str | Path, out_dir: str | Path, name: str, s
     src_manifest, out_dir = Path(src_manifest), Path(out_dir)
     if not snr_db[0] <= snr_db[1]:
         raise ValueError(f"snr_db must be (low, high) with low <= high, got {snr_db}")
-    augmenter = Augmenter(AugmentConfig(noise_prob=1.0, noise_snr_low_db=snr_db[0], noise_snr_high_db=snr_db[1], reverb_prob=float(reverb),
-                                        noise_dir=str(noise_dir or ""), rir_dir=str(rir_dir or ""), seed=seed))
-    child(out_dir, name, "name").mkdir(parents=True, exist_ok=True)  # a plain name: it stays in out_dir
+    augmenter = Augmenter(
+        AugmentConfig(
+            noise_prob=1.0,
+            noise_snr_low_db=snr_db[0],
+            noise_snr_high_db=snr_db[1],
+            reverb_prob=float(reverb),
+            noise_dir=str(noise_dir or ""),
+            rir_dir=str(rir_dir or ""),
+            seed=seed,
+        )
+    )
+    # a plain name: it stays in out_dir
+    child(out_dir, name, "name").mkdir(parents=True, exist_ok=True)
     rows = []
     for n, (line_no, row) in enumerate(read_manifest(src_manifest)):
         audio = Path(str(row.get("audio_filepath", "")))
@@ -50,7 +67,15 @@ def corrupt_manifest(src_manifest: str | Path, out_dir: str | Path, name: str, s
         wav = wav * (0.99 / peak) if peak > 0.99 else wav
         relative = Path(name) / f"{n:05d}_{audio.stem}.wav"
         sf.write(out_dir / relative, wav.numpy(), SAMPLE_RATE, subtype="PCM_16")
-        rows.append({**row, "audio_filepath": relative.as_posix(), "duration": round(len(wav) / SAMPLE_RATE, 4)})
+        rows.append(
+            {
+                **row,
+                "audio_filepath": relative.as_posix(),
+                "duration": round(len(wav) / SAMPLE_RATE, 4),
+            }
+        )
     manifest = out_dir / f"{name}.jsonl"
-    manifest.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    manifest.write_text(
+        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8"
+    )
     return manifest

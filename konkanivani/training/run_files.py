@@ -2,11 +2,10 @@
 
 Layout of an output directory::
 
-    step_0000160.pt   one per save (each epoch and every --save_every_steps), last N kept
-    latest.pt         the newest complete save
-    best.pt           the save with the lowest validation WER
-    config.yaml       every setting the run uses, for --config (``config_file.py``; rewritten on resume)
-    .lock             held by the run that writes here (``hold_run_directory``)
+    step_0000160.pt   one per save (each epoch and every --save_every_steps), last N kept latest.pt
+    the newest complete save best.pt           the save with the lowest validation WER config.yaml
+    every setting the run uses, for --config (``config_file.py``; rewritten on resume) .lock
+    held by the run that writes here (``hold_run_directory``)
 
 ``latest.pt`` and ``best.pt`` are hard links to a step file where the file system allows it (no
 extra disk), copies otherwise; either way they are replaced by an atomic rename.
@@ -38,9 +37,24 @@ try:
 except ImportError:  # Windows: no advisory locks; the directory is then not guarded
     fcntl = None
 
-__all__ = ["LOCK_FILE", "run_directory", "save_step", "check_output_dir", "claim_output_dir", "existing_run", "hold_run_directory",
-           "load_resume_checkpoint", "move_run_aside", "point_to", "prune_checkpoints", "remove_stale_temporaries",
-           "resolve_resume", "select_checkpoints", "step_checkpoint_name", "step_checkpoints"]
+__all__ = [
+    "LOCK_FILE",
+    "run_directory",
+    "save_step",
+    "check_output_dir",
+    "claim_output_dir",
+    "existing_run",
+    "hold_run_directory",
+    "load_resume_checkpoint",
+    "move_run_aside",
+    "point_to",
+    "prune_checkpoints",
+    "remove_stale_temporaries",
+    "resolve_resume",
+    "select_checkpoints",
+    "step_checkpoint_name",
+    "step_checkpoints",
+]
 
 log = logging.getLogger("konkanivani")
 
@@ -143,7 +157,8 @@ def load_resume_checkpoint(resume: str, output_dir: str | Path) -> tuple[dict[st
             latest_inode = None
     for path in reversed(_by_write_time(Path(output_dir))):
         with contextlib.suppress(FileNotFoundError):
-            if path.stat().st_ino == latest_inode:  # the step file latest.pt is a hard link to: broken too
+            # the step file latest.pt is a hard link to: broken too
+            if path.stat().st_ino == latest_inode:
                 continue
         try:
             state = load_checkpoint(path)
@@ -154,8 +169,12 @@ def load_resume_checkpoint(resume: str, output_dir: str | Path) -> tuple[dict[st
                     "; ".join(broken) if broken else f"{latest} does not exist", path)
         return state, path
     if not broken:
-        raise CheckpointError(f"--resume latest: {latest} does not exist (no checkpoint in {output_dir})")
-    raise CheckpointError(f"--resume latest: no readable checkpoint in {output_dir}: " + "; ".join(broken))
+        raise CheckpointError(
+            f"--resume latest: {latest} does not exist (no checkpoint in {output_dir})"
+        )
+    raise CheckpointError(
+        f"--resume latest: no readable checkpoint in {output_dir}: " + "; ".join(broken)
+    )
 
 
 @contextlib.contextmanager
@@ -183,7 +202,8 @@ def hold_run_directory(directory: str | Path) -> Iterator[None]:
             yield
         finally:
             if made_lock and _names(directory) == found | {LOCK_FILE}:  # the block changed nothing
-                (directory / LOCK_FILE).unlink(missing_ok=True)  # while held: see _take_lock for a waiting process
+                # while held: see _take_lock for a waiting process
+                (directory / LOCK_FILE).unlink(missing_ok=True)
             os.close(fd)  # releases the lock
     finally:
         _remove_empty(made)
@@ -197,16 +217,23 @@ def _make_directory(directory: Path) -> list[Path]:
         made.append(existing)
         existing = existing.parent
     if existing.exists() and not existing.is_dir():
-        raise CheckpointError(f"cannot use {directory} as the output directory: {existing} is a file")
+        raise CheckpointError(
+            f"cannot use {directory} as the output directory: {existing} is a file"
+        )
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         _remove_empty(made)  # the parents made before the failure
-        raise CheckpointError(f"cannot make the output directory {directory}: {e.strerror or e}") from e
-    if not os.access(directory, os.W_OK | os.X_OK):  # for root, only a read-only file system says no
+        raise CheckpointError(
+            f"cannot make the output directory {directory}: {e.strerror or e}"
+        ) from e
+    # for root, only a read-only file system says no
+    if not os.access(directory, os.W_OK | os.X_OK):
         _remove_empty(made)
-        raise CheckpointError(f"cannot write to the output directory {directory}: permission denied or a "
-                              "read-only file system; give another --output_dir")
+        raise CheckpointError(
+            f"cannot write to the output directory {directory}: permission denied or a "
+            "read-only file system; give another --output_dir"
+        )
     return made
 
 
@@ -227,7 +254,8 @@ def _names(directory: Path) -> set[str] | None:
 
 
 def _take_lock(directory: Path) -> tuple[int, bool]:
-    """The open, locked ``directory/.lock`` with this process's id in it, and whether it was made here.
+    """The open, locked ``directory/.lock`` with this process's id in it, and whether it was made
+    here.
 
     A holder that made the lock file removes it as it lets go (``hold_run_directory``); a process
     that opened the file just before and locks it once it is released holds a file no longer in
@@ -244,14 +272,18 @@ def _take_lock(directory: Path) -> tuple[int, bool]:
             directory.mkdir(parents=True, exist_ok=True)
             continue
         except OSError as e:
-            raise CheckpointError(f"cannot write to the output directory {directory}: {e.strerror or e}") from e
+            raise CheckpointError(
+                f"cannot write to the output directory {directory}: {e.strerror or e}"
+            ) from e
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "another process"
             os.close(fd)
-            raise CheckpointError(f"{directory} is in use by another training run ({holder}); wait for it to end, "
-                                  "or give this run another --output_dir") from None
+            raise CheckpointError(
+                f"{directory} is in use by another training run ({holder}); wait for it to end, "
+                "or give this run another --output_dir"
+            ) from None
         try:
             current = os.stat(path).st_ino
         except FileNotFoundError:
@@ -275,9 +307,11 @@ def check_output_dir(directory: str | Path, resume: str, overwrite: bool) -> boo
         return False
     if not overwrite:
         advice = _how_to_continue(directory)
-        raise CheckpointError(f"{directory} already holds a run ({found}): {advice}"
-                              f"start a new one with --overwrite (moves the old run to {directory.name}.replaced-<time>/ "
-                              "beside it; nothing is deleted) or with another --output_dir")
+        raise CheckpointError(
+            f"{directory} already holds a run ({found}): {advice}start a new one with --overwrite"
+            f" (moves the old run to {directory.name}.replaced-<time>/ beside it; nothing is"
+            " deleted) or with another --output_dir"
+        )
     return True
 
 
@@ -312,7 +346,10 @@ def existing_run(directory: str | Path) -> str | None:
     others = sorted(p.name for p in directory.glob("*.pt") if p.is_file() and p.name not in counted)
     found = ["latest.pt"] if (directory / "latest.pt").exists() else []
     if steps:
-        found.append(f"{len(steps)} step checkpoint{'s' if len(steps) > 1 else ''} (up to {steps[-1][1].name})")
+        found.append(
+            f"{len(steps)} step checkpoint{'s' if len(steps) > 1 else ''} (up to"
+            f" {steps[-1][1].name})"
+        )
     found += others
     metrics = directory / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size > 0:
@@ -339,8 +376,10 @@ def move_run_aside(directory: str | Path) -> Path:
                 os.replace(entry, aside / entry.name)
     except OSError as e:
         where = f"; what was moved is in {aside}" if aside.is_dir() and any(aside.iterdir()) else ""
-        raise CheckpointError(f"--overwrite could not move the run in {directory} aside to {aside}: "
-                              f"{e.strerror or e}{where}") from e
+        raise CheckpointError(
+            f"--overwrite could not move the run in {directory} aside to {aside}: "
+            f"{e.strerror or e}{where}"
+        ) from e
     fsync_dir(directory)
     fsync_dir(aside)
     return aside
@@ -348,7 +387,11 @@ def move_run_aside(directory: str | Path) -> Path:
 
 def step_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
     """``(step, path)`` of the step files in ``directory``, by step."""
-    return sorted((int(m.group(1)), p) for p in Path(directory).glob("step_*.pt") if (m := _STEP_FILE.search(p.name)))
+    return sorted(
+        (int(m.group(1)), p)
+        for p in Path(directory).glob("step_*.pt")
+        if (m := _STEP_FILE.search(p.name))
+    )
 
 
 def select_checkpoints(directory: str | Path, last: int = 0, best: int = 0) -> list[Path]:
@@ -378,7 +421,9 @@ def run_directory(out_dir: Path, resume: str, overwrite: bool, dist: Dist = Dist
     with hold_run_directory(out_dir) if dist.is_main else contextlib.nullcontext():
         replace = check_output_dir(out_dir, resume, overwrite) if dist.is_main else False
         dist.barrier()
-        early = logging.handlers.MemoryHandler(1 << 30, flushLevel=logging.CRITICAL + 1, flushOnClose=False)
+        early = logging.handlers.MemoryHandler(
+            1 << 30, flushLevel=logging.CRITICAL + 1, flushOnClose=False
+        )
         handlers, level = [early], log.level
         if dist.is_main:
             log.addHandler(early)
@@ -395,7 +440,9 @@ def run_directory(out_dir: Path, resume: str, overwrite: bool, dist: Dist = Dist
             log.removeHandler(early)
             log.addHandler(handlers[-1])
             if moved_to is not None:
-                log.warning("--overwrite: the previous run in %s was moved to %s", out_dir, moved_to)
+                log.warning(
+                    "--overwrite: the previous run in %s was moved to %s", out_dir, moved_to
+                )
         try:
             yield start
         finally:
@@ -414,9 +461,12 @@ def _log_file(path: Path) -> logging.Handler:
     return handler
 
 
-def save_step(out_dir: Path, step: int, write: Callable[[Path], Path], is_best: bool, keep: int) -> Path:
+def save_step(
+    out_dir: Path, step: int, write: Callable[[Path], Path], is_best: bool, keep: int
+) -> Path:
     """This step's checkpoint, written by ``write(path)`` (atomically), with latest.pt (and best.pt)
-    pointed at it and all but the newest ``keep`` step files removed; both trainers save this way."""
+    pointed at it and all but the newest ``keep`` step files removed; both trainers save this way.
+    """
     path = write(out_dir / step_checkpoint_name(step))
     point_to(path, out_dir / "latest.pt")
     if is_best:

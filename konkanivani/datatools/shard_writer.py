@@ -16,8 +16,8 @@ Safe to interrupt: each shard is written to a temporary file and renamed into pl
 and the list comes last, so a killed run leaves no half shard a reader would take, and the old list
 (if any) still describes only shards that are whole. A run again continues: a shard already in place
 that an earlier run finished for the same rows (its list, or the progress record a killed run left)
-is kept without being read, the others are written. The bytes of a shard depend only on its utterances (member times are zero), so writing one
-again gives the same file.
+is kept without being read, the others are written. The bytes of a shard depend only on its
+utterances (member times are zero), so writing one again gives the same file.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from ..data.frames import SAMPLE_RATE
 from ..data.manifest import ManifestError, check_row, iter_manifest
 from ..data.shards import AUDIO_MEMBER, FORMAT, LIST_NAME, META_MEMBER, TEXTS_NAME, ShardError
 from ..data.tokenizer import Tokenizer, train_tokenizer
-from .prepare import print_skipped
+from .importers import print_skipped
 
 try:
     import fcntl
@@ -61,7 +61,8 @@ log = logging.getLogger("konkanivani")
 
 SHARD_PATTERN = re.compile(r"shard-(\d{6})\.tar")
 _EXAMPLES = 10
-PROGRESS = ".shards.progress.jsonl"  # the shards a run has finished, a line each, until it writes the list
+# the shards a run has finished, a line each, until it writes the list
+PROGRESS = ".shards.progress.jsonl"
 LOCK = ".shards.lock"  # held by the run writing the folder (hold_shard_folder)
 
 
@@ -79,7 +80,8 @@ class ShardReport:
     total: int = 0  # manifest rows
     skipped: Counter = field(default_factory=Counter)
     examples: list[str] = field(default_factory=list)
-    removed: list[str] = field(default_factory=list)  # shards of an earlier, larger run, no longer listed
+    # shards of an earlier, larger run, no longer listed
+    removed: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -93,14 +95,21 @@ class _Row:
 
 
 def _key_stem(manifest: Path) -> str:
-    """The manifest's name as a key's start: a key holds no dot (the layout splits names at the first)."""
+    """The manifest's name as a key's start: a key holds no dot (the layout splits names at the
+    first)."""
     return re.sub(r"[^0-9A-Za-z_-]+", "_", manifest.stem) or "utt"
 
 
-def _usable_rows(manifest: Path, tokenizer: Tokenizer | None, max_duration: float, report: ShardReport) -> list[_Row]:
+def _usable_rows(
+    manifest: Path, tokenizer: Tokenizer | None, max_duration: float, report: ShardReport
+) -> list[_Row]:
     entries = list(iter_manifest(manifest))
     if tokenizer is None:  # as prepare: characters, the strictest "too short for CTC"
-        texts = [row.get("text") for _, row in entries if isinstance(row, dict) and isinstance(row.get("text"), str)]
+        texts = [
+            row.get("text")
+            for _, row in entries
+            if isinstance(row, dict) and isinstance(row.get("text"), str)
+        ]
         tokenizer = train_tokenizer([t for t in texts if t.strip()] or ["a"], model_type="char")
     stem, rows = _key_stem(manifest), []
     for line_no, row in entries:
@@ -111,8 +120,19 @@ def _usable_rows(manifest: Path, tokenizer: Tokenizer | None, max_duration: floa
         else:
             check = check_row(row, manifest.parent, tokenizer, max_duration=max_duration)
             if check.error is None:
-                extra = {k: v for k, v in row.items() if k not in ("audio_filepath", "duration", "text")}
-                rows.append(_Row(f"{stem}-{line_no:08d}", where, check.audio_path, check.duration, check.text, extra))
+                extra = {
+                    k: v for k, v in row.items() if k not in ("audio_filepath", "duration", "text")
+                }
+                rows.append(
+                    _Row(
+                        f"{stem}-{line_no:08d}",
+                        where,
+                        check.audio_path,
+                        check.duration,
+                        check.text,
+                        extra,
+                    )
+                )
                 continue
             reason, detail = check.error
         report.skipped[reason] += 1
@@ -125,7 +145,11 @@ def _groups(rows: list[_Row], shard_size: int, shard_hours: float) -> list[list[
     groups: list[list[_Row]] = [[]]
     seconds = 0.0
     for row in rows:
-        full = len(groups[-1]) >= shard_size if shard_size else seconds + row.duration > shard_hours * 3600
+        full = (
+            len(groups[-1]) >= shard_size
+            if shard_size
+            else seconds + row.duration > shard_hours * 3600
+        )
         if groups[-1] and full:
             groups.append([])
             seconds = 0.0
@@ -144,14 +168,19 @@ def _encode(row: _Row) -> tuple[bytes, float]:
     """The row's audio as 16 kHz mono 16-bit FLAC bytes, and its duration."""
     wav = load_audio(row.audio, label=row.where).numpy()
     buffer = io.BytesIO()
-    sf.write(buffer, np.clip(wav, -1.0, 1.0), SAMPLE_RATE, format="FLAC", subtype="PCM_16")  # resampling overshoots
+    # resampling overshoots
+    sf.write(buffer, np.clip(wav, -1.0, 1.0), SAMPLE_RATE, format="FLAC", subtype="PCM_16")
     return buffer.getvalue(), round(len(wav) / SAMPLE_RATE, 6)
 
 
 def _write_shard(path: Path, rows: list[_Row], report: ShardReport) -> dict[str, Any]:
-    """Write one shard atomically; its list entry. A row whose audio fails now is left out, counted."""
+    """Write one shard atomically; its list entry. A row whose audio fails now is left out,
+    counted."""
     keys, durations = [], []
-    with atomic_file(path) as f, tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+    with (
+        atomic_file(path) as f,
+        tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar,
+    ):
         for row in rows:
             try:
                 audio, duration = _encode(row)
@@ -162,20 +191,34 @@ def _write_shard(path: Path, rows: list[_Row], report: ShardReport) -> dict[str,
                 continue
             meta = {"text": row.text, "duration": duration, **row.extra}
             _member(tar, f"{row.key}.{AUDIO_MEMBER}", audio)
-            _member(tar, f"{row.key}.{META_MEMBER}", json.dumps(meta, ensure_ascii=False).encode("utf-8"))
+            _member(
+                tar,
+                f"{row.key}.{META_MEMBER}",
+                json.dumps(meta, ensure_ascii=False).encode("utf-8"),
+            )
             keys.append(row.key)
             durations.append(duration)
-    return {"path": path.name, "bytes": path.stat().st_size, "utterances": len(keys),
-            "hours": round(sum(durations) / 3600, 6), "plan": _plan_digest(rows), "keys": keys, "durations": durations}
+    return {
+        "path": path.name,
+        "bytes": path.stat().st_size,
+        "utterances": len(keys),
+        "hours": round(sum(durations) / 3600, 6),
+        "plan": _plan_digest(rows),
+        "keys": keys,
+        "durations": durations,
+    }
 
 
 def _plan_digest(rows: list[_Row]) -> str:
     """What a shard should hold: its rows' keys and audio files (a changed manifest changes it)."""
-    return hashlib.sha256(json.dumps([[row.key, str(row.audio), row.text] for row in rows]).encode()).hexdigest()[:16]
+    return hashlib.sha256(
+        json.dumps([[row.key, str(row.audio), row.text] for row in rows]).encode()
+    ).hexdigest()[:16]
 
 
 def _kept(path: Path, rows: list[_Row], done: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """The entry of a shard in place that an earlier run wrote whole for these same rows, else None."""
+    """The entry of a shard in place that an earlier run wrote whole for these same rows, else
+    None."""
     entry = done.get(path.name)
     if entry is None or entry.get("plan") != _plan_digest(rows) or not path.is_file() \
             or path.stat().st_size != entry.get("bytes"):
@@ -183,8 +226,16 @@ def _kept(path: Path, rows: list[_Row], done: dict[str, dict[str, Any]]) -> dict
     return entry
 
 
-def write_shards(manifest: str | Path, out_dir: str | Path, *, shard_size: int = 0, shard_hours: float = 0.0,
-                 tokenizer: Tokenizer | None = None, max_duration: float = 30.0, progress: bool = True) -> ShardReport:
+def write_shards(
+    manifest: str | Path,
+    out_dir: str | Path,
+    *,
+    shard_size: int = 0,
+    shard_hours: float = 0.0,
+    tokenizer: Tokenizer | None = None,
+    max_duration: float = 30.0,
+    progress: bool = True,
+) -> ShardReport:
     """Write ``manifest``'s usable utterances as shards in ``out_dir`` and list them (the module's
     docstring says how). One of ``shard_size`` (utterances) and ``shard_hours`` is given."""
     if (shard_size > 0) == (shard_hours > 0):
@@ -213,7 +264,8 @@ def _write_groups(manifest: Path, out_dir: Path, groups: list[list[_Row]], repor
         if entry is None:
             entry = _write_shard(path, group, report)
             report.written += 1
-            with open(out_dir / PROGRESS, "a", encoding="utf-8") as f:  # after the rename: the shard is whole
+            # after the rename: the shard is whole
+            with open(out_dir / PROGRESS, "a", encoding="utf-8") as f:
                 f.write(json.dumps(entry, ensure_ascii=False) + "\n")
         entries.append(entry)
         by_key = {row.key: row.text for row in group}
@@ -223,9 +275,15 @@ def _write_groups(manifest: Path, out_dir: Path, groups: list[list[_Row]], repor
             old.unlink()
             report.removed.append(old.name)
     write_file_atomic(out_dir / TEXTS_NAME, "".join(f"{t}\n" for t in texts).encode("utf-8"))
-    listing = {**FORMAT, "manifest": str(manifest), "utterances": sum(e["utterances"] for e in entries),
-               "hours": round(sum(e["hours"] for e in entries), 6), "shards": entries}
-    write_file_atomic(out_dir / LIST_NAME, json.dumps(listing, ensure_ascii=False).encode("utf-8"))  # last
+    listing = {
+        **FORMAT,
+        "manifest": str(manifest),
+        "utterances": sum(e["utterances"] for e in entries),
+        "hours": round(sum(e["hours"] for e in entries), 6),
+        "shards": entries,
+    }
+    # last
+    write_file_atomic(out_dir / LIST_NAME, json.dumps(listing, ensure_ascii=False).encode("utf-8"))
     (out_dir / PROGRESS).unlink(missing_ok=True)
     report.shards = len(entries)
     report.utterances = listing["utterances"]
@@ -285,7 +343,8 @@ def _take_lock(out_dir: Path) -> int | None:
 
 
 def _done_before(out_dir: Path) -> dict[str, dict[str, Any]]:
-    """The shards earlier runs finished: the old list's, then those a killed run recorded after it."""
+    """The shards earlier runs finished: the old list's, then those a killed run recorded after
+    it."""
     entries: dict[str, dict[str, Any]] = {}
     try:
         for entry in json.loads((out_dir / LIST_NAME).read_text(encoding="utf-8"))["shards"]:
@@ -307,9 +366,11 @@ def _done_before(out_dir: Path) -> dict[str, dict[str, Any]]:
 
 def print_shard_report(report: ShardReport) -> None:
     if report.shards:
-        print(f"wrote {report.out_dir / LIST_NAME}: {report.shards} shards ({report.written} written now, "
-              f"{report.shards - report.written} already in place), {report.utterances} utterances, "
-              f"{report.seconds / 3600:.2f} h")
+        print(
+            f"wrote {report.out_dir / LIST_NAME}: {report.shards} shards ({report.written} written"
+            f" now, {report.shards - report.written} already in place), {report.utterances}"
+            f" utterances, {report.seconds / 3600:.2f} h"
+        )
     else:
         print("no usable utterance: no shard written")
     if report.removed:

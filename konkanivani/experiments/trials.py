@@ -2,11 +2,11 @@
 directory under the sweep's folder, named by its settings.
 
 A sweep never loses work. Re-running the same command continues it: a finished trial is kept and not
-run again, an interrupted one resumes from its own ``latest.pt``, new grid points are added. Ctrl-C or
-SIGTERM saves the running trial and stops the sweep. The sweep folder is held by one sweep at a time
-(the run-directory lock). A trial whose settings changed since it was recorded is refused by name.
-With a memory budget, a trial the memory planner says cannot fit is recorded as skipped, not run into
-out-of-memory. After every trial, ``sweep.csv`` and ``sweep.md`` tabulate them all.
+run again, an interrupted one resumes from its own ``latest.pt``, new grid points are added. Ctrl-C
+or SIGTERM saves the running trial and stops the sweep. The sweep folder is held by one sweep at a
+time (the run-directory lock). A trial whose settings changed since it was recorded is refused by
+name. With a memory budget, a trial the memory planner says cannot fit is recorded as skipped, not
+run into out-of-memory. After every trial, ``sweep.csv`` and ``sweep.md`` tabulate them all.
 
 The trainer's side is given as ``make_trial(settings, output_dir, resume) -> (TrainConfig, model
 flags)`` (``cli/sweep.py`` builds it from the command line), so every flag means what it means to
@@ -38,13 +38,13 @@ from ..config import (
 from ..data.frames import budget_frames, frames_of
 from ..data.manifest import read_manifest
 from ..data.shards import open_shards
+from ..datatools.outputs import safe_name
 from ..training.curves import have_matplotlib, write_csv
 from ..training.loop import train
 from ..training.memory import GIB, BatchDoesNotFit, MemoryEstimator
 from ..training.metrics_log import read_metrics
-from ..training.rundir import existing_run, hold_run_directory, move_run_aside
+from ..training.run_files import existing_run, hold_run_directory, move_run_aside
 from ..training.signals import TrainingDiverged
-from .outputs import safe_name
 
 __all__ = ["SweepError", "Trial", "check_sweep_folder", "grid_trials", "parse_grid", "plot_sweep",
            "read_sweep", "run_sweep", "sweep_table", "write_tables"]
@@ -68,7 +68,9 @@ def flag_types() -> dict[str, type]:
     """Every trainer flag a grid may vary, with its type."""
     hints = {**get_type_hints(ModelConfig), **get_type_hints(TrainConfig)}
     names = [f.name for f in flag_fields(TrainConfig) if f.name not in NOT_SETTINGS]
-    names += [f.name for f in dataclasses.fields(ModelConfig) if not f.metadata.get("from_tokenizer")]
+    names += [
+        f.name for f in dataclasses.fields(ModelConfig) if not f.metadata.get("from_tokenizer")
+    ]
     return {n: hints[n] for n in names}
 
 
@@ -87,12 +89,15 @@ def _typed(key: str, text: str, tp: type) -> Any:
 
 
 def parse_grid(items: list[str]) -> dict[str, list[Any]]:
-    """``["preset=small,medium", "lr=1e-3,2e-3"]`` -> ``{"preset": ["small", "medium"], "lr": [...]}``;
-    ``SweepError`` naming the item for an unknown flag (and the nearest one), a value of the wrong
+    """``["preset=small,medium", "lr=1e-3,2e-3"]`` -> ``{"preset": ["small", "medium"], "lr":
+    [...]}``; ``SweepError`` naming the item for an unknown flag (and the nearest one), a value of
+    the wrong
     type, an empty list or a flag given twice."""
     types, grid = flag_types(), {}
     if not items:
-        raise SweepError("an empty grid: give --grid FLAG=V1,V2 (or a sweep: section with grid: in --config)")
+        raise SweepError(
+            "an empty grid: give --grid FLAG=V1,V2 (or a sweep: section with grid: in --config)"
+        )
     for item in items:
         key, sep, values = item.partition("=")
         key = key.strip().lstrip("-")
@@ -100,9 +105,14 @@ def parse_grid(items: list[str]) -> dict[str, list[Any]]:
             raise SweepError(f"--grid {item!r}: write FLAG=V1,V2,...")
         if key not in types:
             near = difflib.get_close_matches(key, types, n=1)
-            raise SweepError(f"--grid {key}: not a trainer flag" + (f" (did you mean {near[0]}?)" if near else ""))
+            raise SweepError(
+                f"--grid {key}: not a trainer flag"
+                + (f" (did you mean {near[0]}?)" if near else "")
+            )
         if key in grid:
-            raise SweepError(f"--grid {key}: given twice; list all its values in one --grid {key}=...")
+            raise SweepError(
+                f"--grid {key}: given twice; list all its values in one --grid {key}=..."
+            )
         parts = [v for v in values.split(",") if v.strip()]
         if not parts:
             raise SweepError(f"--grid {key}: no value")
@@ -135,10 +145,17 @@ def resolved_settings(cfg: TrainConfig, model_flags: dict[str, Any]) -> dict[str
 
 
 def record_trial(trial_dir: Path, trial: Trial, resolved: dict[str, Any]) -> None:
-    record = {"settings": trial.settings, "status": trial.status, "reason": trial.reason, "resolved": resolved,
-              "summary": trial.summary}
+    record = {
+        "settings": trial.settings,
+        "status": trial.status,
+        "reason": trial.reason,
+        "resolved": resolved,
+        "summary": trial.summary,
+    }
     trial_dir.mkdir(parents=True, exist_ok=True)
-    write_file_atomic(trial_dir / TRIAL_FILE, (json.dumps(record, indent=2, default=str) + "\n").encode())
+    write_file_atomic(
+        trial_dir / TRIAL_FILE, (json.dumps(record, indent=2, default=str) + "\n").encode()
+    )
 
 
 def recorded_trial(trial_dir: Path) -> Optional[dict[str, Any]]:
@@ -148,46 +165,68 @@ def recorded_trial(trial_dir: Path) -> Optional[dict[str, Any]]:
         return None
 
 
-def check_same_settings(trial: Trial, recorded: dict[str, Any], resolved: dict[str, Any], trial_dir: Path) -> None:
+def check_same_settings(
+    trial: Trial, recorded: dict[str, Any], resolved: dict[str, Any], trial_dir: Path
+) -> None:
     """A trial's settings may not change under its name: that would mix two runs in one folder."""
     before = json.loads(json.dumps(recorded.get("resolved", {}), default=str))
     now = json.loads(json.dumps(resolved, default=str))
     changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
     if changed:
         shown = ", ".join(f"--{k} {before.get(k)!r} -> {now.get(k)!r}" for k in changed[:3])
-        raise SweepError(f"{trial_dir}: this trial ran with other settings ({shown}{', ...' if len(changed) > 3 else ''});"
-                         " use another --output_dir for the changed sweep, or give the same flags")
+        raise SweepError(
+            f"{trial_dir}: this trial ran with other settings"
+            f" ({shown}{', ...' if len(changed) > 3 else ''}); use another --output_dir for the"
+            " changed sweep, or give the same flags"
+        )
 
 
 def set_aside_unsaved_run(trial_dir: Path, resume: str, label: str) -> None:
     """A trial killed before its first checkpoint has nothing to resume but its folder holds a run
     (metrics, a log), which a fresh start would be refused: move that aside, as --overwrite does."""
     if not resume and existing_run(trial_dir):
-        log.warning("%s: no checkpoint to resume; its partial run moved to %s", label, move_run_aside(trial_dir))
+        log.warning(
+            "%s: no checkpoint to resume; its partial run moved to %s",
+            label,
+            move_run_aside(trial_dir),
+        )
 
 
 def _fits(cfg: TrainConfig, model_flags: dict[str, Any], budget_gb: float) -> Optional[str]:
-    """None when the memory planner says the trial's largest micro-batch fits ``budget_gb``; else why not."""
-    longest = frames_of(min(max(_train_durations(cfg.train_shards, cfg.train_manifest), default=1.0),
-                            cfg.max_duration))
+    """None when the memory planner says the trial's largest micro-batch fits ``budget_gb``; else
+    why not."""
+    longest = frames_of(
+        min(
+            max(_train_durations(cfg.train_shards, cfg.train_manifest), default=1.0),
+            cfg.max_duration,
+        )
+    )
     base = model_config_from_preset(cfg.preset, vocab_size=cfg.vocab_size,
                                     **{k: v for k, v in model_flags.items() if v is not None})
-    precision = cfg.precision or ("fp16" if cfg.mixed_precision else "fp32")  # as on a GPU, which the budget is
+    # as on a GPU, which the budget is
+    precision = cfg.precision or ("fp16" if cfg.mixed_precision else "fp32")
     estimator = MemoryEstimator(base, precision, cfg.optimizer, cfg.gradient_checkpointing)
-    if cfg.auto_batch:  # the run sizes its batches to the device itself: only one utterance must fit
+    # the run sizes its batches to the device itself: only one utterance must fit
+    if cfg.auto_batch:
         utterances = 1
     else:
         frames = budget_frames(cfg.max_batch_frames, cfg.max_batch_seconds)
         utterances = max(1, frames // longest) if frames else cfg.batch_size
-    if cfg.max_memory_gb > 0:  # the sampler keeps every batch under it: one utterance must fit, and it under the budget
+    # the sampler keeps every batch under it: one utterance must fit, and it under the budget
+    if cfg.max_memory_gb > 0:
         if cfg.max_memory_gb > budget_gb:
-            return f"--max_memory_gb {cfg.max_memory_gb:g} plans batches past the {budget_gb:g} GiB budget"
+            return (
+                f"--max_memory_gb {cfg.max_memory_gb:g} plans batches past the {budget_gb:g} GiB"
+                " budget"
+            )
         budget_gb, utterances = cfg.max_memory_gb, 1
     peak = estimator.peak_bytes(utterances, longest) / GIB
     if peak <= budget_gb:
         return None
-    return (f"needs about {peak:.2f} GiB (memory planner: {utterances} utterances of {longest} frames, {precision}, "
-            f"{cfg.optimizer}) of {budget_gb:g} GiB")
+    return (
+        f"needs about {peak:.2f} GiB (memory planner: {utterances} utterances of {longest} frames,"
+        f" {precision}, {cfg.optimizer}) of {budget_gb:g} GiB"
+    )
 
 
 def check_sweep_folder(out: Path) -> None:
@@ -203,15 +242,28 @@ def check_sweep_folder(out: Path) -> None:
                              "choose another --output_dir")
 
 
-def run_sweep(out: Path, grid: dict[str, list[Any]], make_trial: MakeTrial, budget_gb: float = 0.0,
-              target_cer: float = 0.0, shared: Optional[list[str]] = None) -> tuple[list[Trial], Optional[str]]:
-    """Run (or continue) every trial of ``grid`` under ``out``; returns the trials and what stopped the
-    sweep (a signal's name, or None when every trial ended). ``budget_gb`` > 0: skip what cannot fit."""
+def run_sweep(
+    out: Path,
+    grid: dict[str, list[Any]],
+    make_trial: MakeTrial,
+    budget_gb: float = 0.0,
+    target_cer: float = 0.0,
+    shared: Optional[list[str]] = None,
+) -> tuple[list[Trial], Optional[str]]:
+    """Run (or continue) every trial of ``grid`` under ``out``; returns the trials and what stopped
+    the sweep (a signal's name, or None when every trial ended). ``budget_gb`` > 0: skip what cannot
+    fit.
+    """
     trials = grid_trials(grid)
     with hold_run_directory(out):  # one sweep at a time in this folder
         check_sweep_folder(out)
-        write_file_atomic(out / SWEEP_FILE, (json.dumps({"grid": grid, "shared_flags": shared or []}, indent=2,
-                                                        default=str) + "\n").encode())
+        write_file_atomic(
+            out / SWEEP_FILE,
+            (
+                json.dumps({"grid": grid, "shared_flags": shared or []}, indent=2, default=str)
+                + "\n"
+            ).encode(),
+        )
         for i, trial in enumerate(trials, 1):
             stop = _run_trial(out, trial, make_trial, budget_gb, f"trial {i}/{len(trials)}")
             write_tables(out, trials, target_cer)
@@ -224,7 +276,9 @@ def run_sweep(out: Path, grid: dict[str, list[Any]], make_trial: MakeTrial, budg
     return trials, stop
 
 
-def _run_trial(out: Path, trial: Trial, make_trial: MakeTrial, budget_gb: float, label: str) -> Optional[str]:
+def _run_trial(
+    out: Path, trial: Trial, make_trial: MakeTrial, budget_gb: float, label: str
+) -> Optional[str]:
     trial_dir = out / trial.name
     resume = "latest" if (trial_dir / "latest.pt").exists() else ""
     cfg, model_flags = make_trial(trial.settings, trial_dir, resume)
@@ -233,7 +287,11 @@ def _run_trial(out: Path, trial: Trial, make_trial: MakeTrial, budget_gb: float,
     if recorded is not None:
         check_same_settings(trial, recorded, resolved, trial_dir)
         if recorded["status"] in ("done", "failed"):
-            trial.status, trial.reason, trial.summary = recorded["status"], recorded["reason"], recorded["summary"]
+            trial.status, trial.reason, trial.summary = (
+                recorded["status"],
+                recorded["reason"],
+                recorded["summary"],
+            )
             log.info("%s %s: %s before, kept", label, trial.name, trial.status)
             return None
     if budget_gb > 0 and (why := _fits(cfg, model_flags, budget_gb)) is not None:
@@ -244,11 +302,15 @@ def _run_trial(out: Path, trial: Trial, make_trial: MakeTrial, budget_gb: float,
     set_aside_unsaved_run(trial_dir, resume, f"{label} {trial.name}")
     trial.status = "running"
     record_trial(trial_dir, trial, resolved)
-    log.info("%s %s: %s", label, trial.name, "resuming from its latest.pt" if resume else "starting")
+    log.info(
+        "%s %s: %s", label, trial.name, "resuming from its latest.pt" if resume else "starting"
+    )
     try:
         trial.summary = train(cfg, model_flags)
-    except (TrainingDiverged, BatchDoesNotFit) as e:  # these settings cannot train: this trial's end, not the sweep's
-        # (anything else, a full disk or a missing manifest, stops the sweep; the same command then resumes the trial)
+    # these settings cannot train: this trial's end, not the sweep's
+    except (TrainingDiverged, BatchDoesNotFit) as e:
+        # (anything else, a full disk or a missing manifest, stops the sweep; the same command then
+        # resumes the trial)
         trial.status, trial.reason = "failed", str(e).splitlines()[0]
         record_trial(trial_dir, trial, resolved)
         log.error("%s %s failed: %s", label, trial.name, trial.reason)
@@ -261,13 +323,31 @@ def _run_trial(out: Path, trial: Trial, make_trial: MakeTrial, budget_gb: float,
 
 # ---- the table ----------------------------------------------------------------------------------
 
-COLUMNS = ["trial", "status", "parameters_m", "steps", "s_per_step", "audio_s_per_s", "peak_gb", "best_cer",
-           "best_wer", "best_step", "best_at_s", "target_at_s", "reason"]
+COLUMNS = [
+    "trial",
+    "status",
+    "parameters_m",
+    "steps",
+    "s_per_step",
+    "audio_s_per_s",
+    "peak_gb",
+    "best_cer",
+    "best_wer",
+    "best_step",
+    "best_at_s",
+    "target_at_s",
+    "reason",
+]
 
 
 def _trial_row(out: Path, trial: Trial, target_cer: float) -> dict[str, Any]:
     trial_dir = out / trial.name
-    row: dict[str, Any] = {"trial": trial.name, **trial.settings, "status": trial.status, "reason": trial.reason}
+    row: dict[str, Any] = {
+        "trial": trial.name,
+        **trial.settings,
+        "status": trial.status,
+        "reason": trial.reason,
+    }
     recorded = recorded_trial(trial_dir) or {}
     resolved = recorded.get("resolved") or {}
     if resolved.get("preset"):
@@ -295,13 +375,19 @@ def _trial_row(out: Path, trial: Trial, target_cer: float) -> dict[str, Any]:
         row["peak_gb"] = max((p for p in peaks if p is not None), default=None)
         rates = [r["utt_per_s"] for r in train_rows if r.get("utt_per_s")]
         if rates and (resolved.get("train_shards") or resolved.get("train_manifest")):
-            mean = _mean_duration(resolved.get("train_shards", ""), resolved.get("train_manifest", ""))
+            mean = _mean_duration(
+                resolved.get("train_shards", ""), resolved.get("train_manifest", "")
+            )
             row["audio_s_per_s"] = round(mean * sum(rates) / len(rates), 1)
     scored = [r for r in valid_rows if r.get("cer") is not None]
     if scored:
         best = min(scored, key=lambda r: (r["cer"], r["step"]))
-        row.update(best_cer=round(100 * best["cer"], 2), best_wer=round(100 * best.get("wer", math.nan), 2),
-                   best_step=best["step"], best_at_s=best.get("elapsed_s"))
+        row.update(
+            best_cer=round(100 * best["cer"], 2),
+            best_wer=round(100 * best.get("wer", math.nan), 2),
+            best_step=best["step"],
+            best_at_s=best.get("elapsed_s"),
+        )
         if target_cer:
             reached = [r for r in scored if 100 * r["cer"] <= target_cer]
             row["target_at_s"] = reached[0].get("elapsed_s") if reached else None
@@ -349,7 +435,8 @@ def _cell(value: Any) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return ""
     if isinstance(value, float):
-        return f"{value:.4g}"  # a sampled 0.0018149789739443749 reads 0.001815 (sweep.csv keeps every digit)
+        # a sampled 0.0018149789739443749 reads 0.001815 (sweep.csv keeps every digit)
+        return f"{value:.4g}"
     return str(value).replace("|", "/")
 
 
@@ -361,8 +448,11 @@ def read_sweep(out: Path) -> list[Trial]:
     if "grid" in record:
         trials = grid_trials(record["grid"])
     else:  # a search (tools.search): its trials are the folders it ran
-        trials = [Trial((recorded_trial(d) or {}).get("settings", {}), label=d.name)
-                  for d in sorted(out.glob("trial-*")) if re.fullmatch(r"trial-\d+", d.name) and (d / TRIAL_FILE).is_file()]
+        trials = [
+            Trial((recorded_trial(d) or {}).get("settings", {}), label=d.name)
+            for d in sorted(out.glob("trial-*"))
+            if re.fullmatch(r"trial-\d+", d.name) and (d / TRIAL_FILE).is_file()
+        ]
     for trial in trials:
         recorded = recorded_trial(out / trial.name) or {}
         trial.status, trial.reason = recorded.get("status", "pending"), recorded.get("reason", "")
@@ -380,14 +470,20 @@ def plot_sweep(out: Path, output: Optional[Path] = None) -> Path:
     for i, row in enumerate(rows):
         valid = read_metrics(out / row["trial"] / "metrics.jsonl").get("valid", []) \
             if (out / row["trial"] / "metrics.jsonl").is_file() else []
-        points = [(r["elapsed_s"] / 60, 100 * r["cer"]) for r in valid if r.get("cer") is not None and r.get("elapsed_s")]
+        points = [
+            (r["elapsed_s"] / 60, 100 * r["cer"])
+            for r in valid
+            if r.get("cer") is not None and r.get("elapsed_s")
+        ]
         if points:
             time_ax.plot(*zip(*points), "o-", color=f"C{i % 10}", ms=3, label=row["trial"])
         if row.get("best_cer") is not None and row.get("parameters_m"):
             size_ax.plot(row["parameters_m"], row["best_cer"], "o", color=f"C{i % 10}")
             size_ax.annotate(row["trial"], (row["parameters_m"], row["best_cer"]), fontsize=7)
     time_ax.set(xlabel="training time (min)", ylabel="validation CER (%)", title="CER against time")
-    size_ax.set(xlabel="parameters (M)", ylabel="best validation CER (%)", title="best CER against size")
+    size_ax.set(
+        xlabel="parameters (M)", ylabel="best validation CER (%)", title="best CER against size"
+    )
     if time_ax.lines:
         time_ax.legend(fontsize=7)
     output = output or out / "sweep.png"

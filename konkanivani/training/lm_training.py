@@ -36,12 +36,19 @@ from ..model.lm import LMConfig, TransformerLM
 from .metrics_log import MetricsLog
 from .optim import adamw, lr_factor
 from .precision import resolve_device
-from .rundir import load_resume_checkpoint, run_directory, save_step
+from .run_files import load_resume_checkpoint, run_directory, save_step
 from .signals import StopRequest
 from .state import capture_rng, restore_rng
 
-__all__ = ["LMTrainConfig", "TextError", "check_lm_config", "load_tokenizer", "perplexity", "read_sentences",
-           "train_lm"]
+__all__ = [
+    "LMTrainConfig",
+    "TextError",
+    "check_lm_config",
+    "load_tokenizer",
+    "perplexity",
+    "read_sentences",
+    "train_lm",
+]
 
 log = logging.getLogger("konkanivani")
 
@@ -51,16 +58,30 @@ class LMTrainConfig(RunConfig):
     """One LM training run: its own fields, then those of every run (``config.RunConfig``); the
     model's dimensions are ``model.lm.LMConfig``."""
 
-    text: list[str] = field(default_factory=list, metadata=flag_help("text files, one sentence a line"))
-    tokenizer: str = field(default="", metadata={"help": "the ASR checkpoint the LM will serve, or a .model",
-                                                 "required": True})
-    output_dir: str = field(default="", metadata={"help": "where checkpoints and logs go", "required": True})
-    valid_text: str = field(default="", metadata=flag_help("held-out text for validation perplexity"))
+    text: list[str] = field(
+        default_factory=list, metadata=flag_help("text files, one sentence a line")
+    )
+    tokenizer: str = field(
+        default="",
+        metadata={"help": "the ASR checkpoint the LM will serve, or a .model", "required": True},
+    )
+    output_dir: str = field(
+        default="", metadata={"help": "where checkpoints and logs go", "required": True}
+    )
+    valid_text: str = field(
+        default="", metadata=flag_help("held-out text for validation perplexity")
+    )
     valid_fraction: float = field(default=0.05, metadata=flag_help(
         "without --valid_text, this share of the sentences is held out", kept_on_resume=True))
-    batch_size: int = field(default=64, metadata=flag_help("sentences per step", kept_on_resume=True))
-    warmup_steps: int = field(default=500, metadata=flag_help("then 1/sqrt decay, as konkanivani-train"))
-    valid_every: int = field(default=500, metadata=flag_help("validate and save every N steps, and each epoch"))
+    batch_size: int = field(
+        default=64, metadata=flag_help("sentences per step", kept_on_resume=True)
+    )
+    warmup_steps: int = field(
+        default=500, metadata=flag_help("then 1/sqrt decay, as konkanivani-train")
+    )
+    valid_every: int = field(
+        default=500, metadata=flag_help("validate and save every N steps, and each epoch")
+    )
 
 
 class TextError(ValueError):
@@ -93,7 +114,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     except KeyError:
         raise TextError(f"--tokenizer {path}: the checkpoint carries no tokenizer") from None
     except (RuntimeError, ValueError, OSError) as e:
-        raise TextError(f"--tokenizer {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+        raise TextError(
+            f"--tokenizer {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from e
 
 
 def read_sentences(paths: list[str | Path], tokenizer: Tokenizer) -> tuple[list[list[int]], int]:
@@ -118,15 +141,20 @@ def read_sentences(paths: list[str | Path], tokenizer: Tokenizer) -> tuple[list[
     return sentences, blank
 
 
-def _split(sentences: list[list[int]], fraction: float, seed: int) -> tuple[list[list[int]], list[list[int]]]:
-    """A held-out share of the sentences, the same for a given seed (a resumed run sees the same split)."""
+def _split(
+    sentences: list[list[int]], fraction: float, seed: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """A held-out share of the sentences, the same for a given seed (a resumed run sees the same
+    split)."""
     order = torch.randperm(len(sentences), generator=torch.Generator().manual_seed(seed)).tolist()
     n_valid = max(1, round(fraction * len(sentences))) if len(sentences) > 1 else 0
     return [sentences[i] for i in order[n_valid:]], [sentences[i] for i in order[:n_valid]]
 
 
 @torch.inference_mode()
-def perplexity(model: TransformerLM, sentences: list[list[int]], batch_size: int, device: torch.device) -> float:
+def perplexity(
+    model: TransformerLM, sentences: list[list[int]], batch_size: int, device: torch.device
+) -> float:
     """exp(mean negative log-likelihood per predicted token, end symbols included)."""
     model.eval()
     nll, tokens = 0.0, 0
@@ -158,7 +186,8 @@ class LMRun:
 
 
 def _read_text(cfg: LMTrainConfig, tokenizer: Tokenizer) -> tuple[list, list, list]:
-    """All sentences, the training set and the validation set (``TextError`` for an empty one). What was
+    """All sentences, the training set and the validation set (``TextError`` for an empty one). What
+    was
     read is logged here; the split is logged by the caller, after a resume has redone it."""
     sentences, blank = read_sentences(cfg.text, tokenizer)
     if not sentences:
@@ -168,21 +197,37 @@ def _read_text(cfg: LMTrainConfig, tokenizer: Tokenizer) -> tuple[list, list, li
     else:
         (train_set, valid_set), valid_blank = _split(sentences, cfg.valid_fraction, cfg.seed), 0
     if not valid_set or not train_set:
-        raise TextError(f"no sentence left for {'validation' if not valid_set else 'training'} "
-                        f"({cfg.valid_text or f'--valid_fraction {cfg.valid_fraction} of {len(sentences)}'})")
+        raise TextError(
+            f"no sentence left for {'validation' if not valid_set else 'training'} "
+            f"({cfg.valid_text or f'--valid_fraction {cfg.valid_fraction} of {len(sentences)}'})"
+        )
     n_tokens = sum(map(len, sentences))
     unk = sum(s.count(UNK_ID) for s in sentences)
-    log.info("%d sentences (%d tokens, %d <unk>), %d blank lines skipped%s", len(sentences), n_tokens, unk, blank,
-             f"; validation on {cfg.valid_text} ({valid_blank} blank lines skipped)" if cfg.valid_text else "")
+    log.info(
+        "%d sentences (%d tokens, %d <unk>), %d blank lines skipped%s",
+        len(sentences),
+        n_tokens,
+        unk,
+        blank,
+        (
+            f"; validation on {cfg.valid_text} ({valid_blank} blank lines skipped)"
+            if cfg.valid_text
+            else ""
+        ),
+    )
     return sentences, train_set, valid_set
 
 
-def _resumed_settings(cfg: LMTrainConfig, state: dict[str, Any], tokenizer: Tokenizer) -> LMTrainConfig:
+def _resumed_settings(
+    cfg: LMTrainConfig, state: dict[str, Any], tokenizer: Tokenizer
+) -> LMTrainConfig:
     """A resumed run's tokenizer must be the checkpoint's, and it keeps the settings that decide its
     batches (``config.kept_settings``, as the ASR trainer)."""
     if bytes(state["tokenizer"]) != tokenizer.model_proto:
-        raise CheckpointError(f"--resume {cfg.resume}: the checkpoint's tokenizer differs from --tokenizer "
-                              f"{cfg.tokenizer}")
+        raise CheckpointError(
+            f"--resume {cfg.resume}: the checkpoint's tokenizer differs from --tokenizer "
+            f"{cfg.tokenizer}"
+        )
     changed = kept_settings(cfg, state["train_config"])
     if changed:
         log.warning("on resume, %s as in the checkpoint (they decide the batches)",
@@ -203,48 +248,96 @@ def _train_step(run: LMRun, batch: list[list[int]], lr: float) -> float:
 
 
 def _save(run: LMRun, valid_ppl: float) -> None:
-    """Validate-and-save: this step's checkpoint (``rundir.save_step``, as the ASR trainer saves)."""
+    """Validate-and-save: this step's checkpoint (``run_files.save_step``, as the ASR trainer
+    saves)."""
     run.last_ppl, run.saved_step = valid_ppl, run.step
     is_best = valid_ppl < run.best
     run.best = min(run.best, valid_ppl)
     train_config = {k: v for k, v in dataclasses.asdict(run.cfg).items() if k != "text"}
-    state = {"lm_config": run.lm_cfg.to_dict(), "train_config": train_config, "tokenizer": run.tokenizer.model_proto,
-             "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "step": run.step,
-             "epoch": run.epoch, "batches_done": run.batches_done, "rng": capture_rng(), "valid_ppl": valid_ppl,
-             "best_valid_ppl": run.best}
-    path = save_step(Path(run.cfg.output_dir), run.step, lambda p: save_checkpoint(state, p), is_best,
-                     run.cfg.keep_checkpoints)
+    state = {
+        "lm_config": run.lm_cfg.to_dict(),
+        "train_config": train_config,
+        "tokenizer": run.tokenizer.model_proto,
+        "model": run.model.state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "step": run.step,
+        "epoch": run.epoch,
+        "batches_done": run.batches_done,
+        "rng": capture_rng(),
+        "valid_ppl": valid_ppl,
+        "best_valid_ppl": run.best,
+    }
+    path = save_step(
+        Path(run.cfg.output_dir),
+        run.step,
+        lambda p: save_checkpoint(state, p),
+        is_best,
+        run.cfg.keep_checkpoints,
+    )
     run.metrics.write("valid", run.step, run.epoch, ppl=valid_ppl)
-    log.info("step %d: validation perplexity %.2f%s; saved %s", run.step, valid_ppl, " (best)" if is_best else "",
-             path.name)
+    log.info(
+        "step %d: validation perplexity %.2f%s; saved %s",
+        run.step,
+        valid_ppl,
+        " (best)" if is_best else "",
+        path.name,
+    )
 
 
-def _setup(cfg: LMTrainConfig, lm_cfg: LMConfig, state: Optional[dict[str, Any]], tokenizer: Tokenizer,
-           train_set: list, valid_set: list) -> LMRun:
+def _setup(
+    cfg: LMTrainConfig,
+    lm_cfg: LMConfig,
+    state: Optional[dict[str, Any]],
+    tokenizer: Tokenizer,
+    train_set: list,
+    valid_set: list,
+) -> LMRun:
     device = resolve_device(cfg.device)
-    lm_cfg = LMConfig(**state["lm_config"]) if state else dataclasses.replace(lm_cfg, vocab_size=tokenizer.vocab_size)
+    lm_cfg = (
+        LMConfig(**state["lm_config"])
+        if state
+        else dataclasses.replace(lm_cfg, vocab_size=tokenizer.vocab_size)
+    )
     torch.manual_seed(cfg.seed)
     model = TransformerLM(lm_cfg).to(device)
-    optimizer = adamw(list(model.parameters()), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
-    run = LMRun(cfg, lm_cfg, tokenizer, model, optimizer, device, MetricsLog(Path(cfg.output_dir) / "metrics.jsonl"),
-                train_set, valid_set)
+    optimizer = adamw(
+        list(model.parameters()), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay
+    )
+    run = LMRun(
+        cfg,
+        lm_cfg,
+        tokenizer,
+        model,
+        optimizer,
+        device,
+        MetricsLog(Path(cfg.output_dir) / "metrics.jsonl"),
+        train_set,
+        valid_set,
+    )
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         restore_rng(state["rng"])
         run.step, run.epoch, run.batches_done = state["step"], state["epoch"], state["batches_done"]
         run.best = state["best_valid_ppl"]
-        log.info("resumed at step %d (epoch %d, batch %d)", run.step, run.epoch + 1, run.batches_done)
+        log.info(
+            "resumed at step %d (epoch %d, batch %d)", run.step, run.epoch + 1, run.batches_done
+        )
     run.metrics.truncate(run.step)
     log.info("LM: %s, %.2fM parameters", lm_cfg, sum(p.numel() for p in model.parameters()) / 1e6)
     return run
 
 
 def _epoch(run: LMRun, stop_request: StopRequest) -> Optional[str]:
-    """The rest of the epoch in progress, or until a stop; returns what stopped it (None: the epoch ended)."""
+    """The rest of the epoch in progress, or until a stop; returns what stopped it (None: the epoch
+    ended)."""
     cfg = run.cfg
-    order = torch.randperm(len(run.train_set), generator=torch.Generator().manual_seed(cfg.seed * 100_003 + run.epoch))
-    batches = [order[i:i + cfg.batch_size].tolist() for i in range(0, len(run.train_set), cfg.batch_size)]
+    order = torch.randperm(
+        len(run.train_set), generator=torch.Generator().manual_seed(cfg.seed * 100_003 + run.epoch)
+    )
+    batches = [
+        order[i : i + cfg.batch_size].tolist() for i in range(0, len(run.train_set), cfg.batch_size)
+    ]
     losses, stop = [], None
     for i in range(run.batches_done, len(batches)):
         run.model.train()
@@ -263,18 +356,27 @@ def _epoch(run: LMRun, stop_request: StopRequest) -> Optional[str]:
     else:
         run.epoch, run.batches_done = run.epoch + 1, 0
     if losses:
-        log.info("step %d (%d epochs done): mean training loss %.3f over the last %d steps", run.step, run.epoch,
-                 sum(losses) / len(losses), len(losses))
+        log.info(
+            "step %d (%d epochs done): mean training loss %.3f over the last %d steps",
+            run.step,
+            run.epoch,
+            sum(losses) / len(losses),
+            len(losses),
+        )
     return stop
 
 
 def train_lm(cfg: LMTrainConfig, lm_cfg: LMConfig) -> dict[str, Any]:
-    """Train (or resume) as ``cfg`` says; returns the final step, validation perplexity and what stopped it."""
+    """Train (or resume) as ``cfg`` says; returns the final step, validation perplexity and what
+    stopped it."""
     check_lm_config(cfg, lm_cfg)
     tokenizer = load_tokenizer(cfg.tokenizer)
     sentences, train_set, valid_set = _read_text(cfg, tokenizer)
     out = Path(cfg.output_dir)
-    with run_directory(out, cfg.resume, cfg.overwrite) as start, StopRequest(cfg.max_time) as stop_request:
+    with (
+        run_directory(out, cfg.resume, cfg.overwrite) as start,
+        StopRequest(cfg.max_time) as stop_request,
+    ):
         state = load_resume_checkpoint(cfg.resume, out)[0] if cfg.resume else None
         if state is not None:
             cfg = _resumed_settings(cfg, state, tokenizer)
@@ -288,4 +390,10 @@ def train_lm(cfg: LMTrainConfig, lm_cfg: LMConfig) -> dict[str, Any]:
             stop = _epoch(run, stop_request)
             if run.saved_step != run.step:  # not saved by --valid_every at this very step
                 _save(run, perplexity(run.model, run.valid_set, cfg.batch_size, run.device))
-    return {"step": run.step, "epoch": run.epoch, "valid_ppl": run.last_ppl, "best_ppl": run.best, "stopped_by": stop}
+    return {
+        "step": run.step,
+        "epoch": run.epoch,
+        "valid_ppl": run.last_ppl,
+        "best_ppl": run.best,
+        "stopped_by": stop,
+    }

@@ -1,16 +1,17 @@
 """A small, deterministic Konkani demo speech corpus synthesized with espeak-ng (and festival).
 
 Sentences (Devanagari Konkani, ``resources/demo_sentences_kok.txt``, package data) are split into
-train / valid / test, and each utterance is read by an espeak-ng "speaker" = (language voice, variant) with a
-random speed and pitch. The test split uses sentences AND voice variants that never occur in
-train or valid. With ``festival_share``, that share of the training utterances is read instead by
-festival's voices of other languages (Czech, Finnish, Italian, Catalan, US English; each recorded from
-one real speaker), through a transliteration (``transliterate.py``), so that training hears more
-than one synthesizer. The ``heldout`` split reads the test sentences with a voice *source* that never
-occurs in training at all: festival's Marathi NSK diphone voice, recorded from another real speaker
-(made when festival and its Marathi voice are installed); ``test_noisy`` is the test split in a noisy, reverberant
-room (synthetic, ``augment.corrupt_manifest``). ``text.txt`` is a text-only set
-(``resources/demo_text_kok.txt``): sentences in no speech split, for a language model. Output
+train / valid / test, and each utterance is read by an espeak-ng "speaker" = (language voice,
+variant) with a random speed and pitch. The test split uses sentences AND voice variants that never
+occur in train or valid. With ``festival_share``, that share of the training utterances is read
+instead by festival's voices of other languages (Czech, Finnish, Italian, Catalan, US English; each
+recorded from one real speaker), through a transliteration (``transliterate.py``), so that training
+hears more than one synthesizer. The ``heldout`` split reads the test sentences with a voice
+*source* that never occurs in training at all: festival's Marathi NSK diphone voice, recorded from
+another real speaker (made when festival and its Marathi voice are installed); ``test_noisy`` is the
+test split in a noisy, reverberant room (synthetic, ``augment.corrupt_manifest``). ``text.txt`` is a
+text-only set (``resources/demo_text_kok.txt``): sentences in no speech split, for a language model.
+Output
 (relocatable, paths relative to OUT_DIR)::
 
     OUT_DIR/wavs/<split>_<index:05d>.wav     16 kHz mono 16-bit PCM
@@ -19,9 +20,9 @@ room (synthetic, ``augment.corrupt_manifest``). ``text.txt`` is a text-only set
     OUT_DIR/text.txt                         text-only sentences, one a line
     OUT_DIR/corpus_info.json                 generation parameters
 
-The command line is ``konkanivani-demo-corpus --output_dir OUT_DIR`` (``konkanivani/cli/demo_corpus.py``;
-``training_scripts/make_demo_corpus.py`` runs the same), with the defaults of ``default_options``, as
-``make_corpus``.
+The command line is ``konkanivani-demo-corpus --output_dir OUT_DIR``
+(``konkanivani/cli/demo_corpus.py``; ``training_scripts/make_demo_corpus.py`` runs the same), with
+the defaults of ``default_options``, as ``make_corpus``.
 """
 from __future__ import annotations
 
@@ -51,7 +52,12 @@ from ..data.tokenizer import normalize_text
 from .corrupt import corrupt_manifest
 from .outputs import Staging
 from .transliterate import english_segments, phrases, spell
-from .voices import FESTIVAL_TRAIN_VOICES, FESTIVAL_VOICE, FESTIVAL_VOICE_FOLDER, FESTIVAL_VOICE_PACKAGE
+from .voices import (
+    FESTIVAL_TRAIN_VOICES,
+    FESTIVAL_VOICE,
+    FESTIVAL_VOICE_FOLDER,
+    FESTIVAL_VOICE_PACKAGE,
+)
 
 # Package data: installed with the package (a wheel too), so the corpus can be made anywhere.
 DEFAULT_SENTENCES = Path(__file__).resolve().parent.parent / "resources" / "demo_sentences_kok.txt"
@@ -65,13 +71,71 @@ SPLIT_FRACTIONS = {"train": 0.80, "valid": 0.08, "test": 0.12}
 LANG_VOICES = ("mr", "hi")
 # espeak-ng's voice variants (`espeak-ng --voices=variant`) that sound like a person: the robots,
 # whispers and effects are left out.
-TRAIN_VARIANTS = ("", "f1", "f2", "f3", "f4", "m1", "m2", "m3", "m4", "m5", "m6", "m8", "klatt", "klatt2",
-                  "klatt4", "klatt5", "klatt6", "adam", "Alex", "Alicia", "Andrea", "Andy", "Annie", "antonio",
-                  "aunty", "belinda", "benjamin", "boris", "caleb", "david", "ed", "edward", "Gene", "gustave",
-                  "Henrique", "Hugo", "iven", "iven2", "john", "linda", "max", "Michael", "michel", "miguel",
-                  "Mike", "pablo", "paul", "pedro", "quincy", "rob", "robert", "steph", "zac", "anika",
-                  "grandpa", "grandma", "norbert", "sandro", "shelby", "victor", "croak")
-TEST_VARIANTS = ("f5", "m7", "klatt3", "travis", "steph2", "edward2")  # held out: never in train / valid
+TRAIN_VARIANTS = (
+    "",
+    "f1",
+    "f2",
+    "f3",
+    "f4",
+    "m1",
+    "m2",
+    "m3",
+    "m4",
+    "m5",
+    "m6",
+    "m8",
+    "klatt",
+    "klatt2",
+    "klatt4",
+    "klatt5",
+    "klatt6",
+    "adam",
+    "Alex",
+    "Alicia",
+    "Andrea",
+    "Andy",
+    "Annie",
+    "antonio",
+    "aunty",
+    "belinda",
+    "benjamin",
+    "boris",
+    "caleb",
+    "david",
+    "ed",
+    "edward",
+    "Gene",
+    "gustave",
+    "Henrique",
+    "Hugo",
+    "iven",
+    "iven2",
+    "john",
+    "linda",
+    "max",
+    "Michael",
+    "michel",
+    "miguel",
+    "Mike",
+    "pablo",
+    "paul",
+    "pedro",
+    "quincy",
+    "rob",
+    "robert",
+    "steph",
+    "zac",
+    "anika",
+    "grandpa",
+    "grandma",
+    "norbert",
+    "sandro",
+    "shelby",
+    "victor",
+    "croak",
+)
+# held out: never in train / valid
+TEST_VARIANTS = ("f5", "m7", "klatt3", "travis", "steph2", "edward2")
 SPEED_RANGE = (115, 215)  # words per minute (espeak -s)
 PITCH_RANGE = (15, 85)  # espeak -p, 0..99
 FESTIVAL_SPEAKER = "festival:nsk"
@@ -81,11 +145,13 @@ HELDOUT_PER_SENTENCE = 2
 
 
 FESTIVAL_TRAIN_STRETCH_RANGE = (0.8, 1.3)
-# konkanivani-demo-corpus's defaults, measured side by side (benchmarks/results/festival_voices/README.md):
-# at 2,000 steps they took the held-out voice from 64% to 36% CER, for 1.4 points on the clean test split.
+# konkanivani-demo-corpus's defaults, measured side by side
+# (benchmarks/results/festival_voices/README.md): at 2,000 steps they took the held-out voice from
+# 64% to 36% CER, for 1.4 points on the clean test split.
 DEFAULT_FESTIVAL_SHARE = 0.3
 DEFAULT_TRAIN_FROM_TEXT = 800
-ENGLISH_F0_RANGE = (85, 150)  # the English voices read phones with our F0 (the others use their own intonation)
+# the English voices read phones with our F0 (the others use their own intonation)
+ENGLISH_F0_RANGE = (85, 150)
 FESTIVAL_VOICE_ROOTS = ("/usr/share/festival/voices", "/usr/local/share/festival/voices")
 PEAK_RANGE = (0.75, 0.95)  # peak-normalization target (random gain around ~0.9)
 NOISE_PROB = 0.7  # share of utterances that get light white noise
@@ -108,19 +174,23 @@ def festival_available() -> bool:
 
 
 def festival_train_voices() -> list[str]:
-    """The speaker names of FESTIVAL_TRAIN_VOICES whose voice is installed (with festival itself)."""
+    """The speaker names of FESTIVAL_TRAIN_VOICES whose voice is installed (with festival
+    itself)."""
     if shutil.which("festival") is None or shutil.which("text2wave") is None:
         return []
     return [name for name, v in FESTIVAL_TRAIN_VOICES.items()
             if any(Path(root, v.folder).is_dir() for root in FESTIVAL_VOICE_ROOTS)]
 
 
-def default_options(sentences_path: Optional[str | Path] = None, max_sentences: Optional[int] = None) -> dict[str, Any]:
+def default_options(
+    sentences_path: Optional[str | Path] = None, max_sentences: Optional[int] = None
+) -> dict[str, Any]:
     """The options a corpus gets when they are not given, for ``make_corpus`` and
     konkanivani-demo-corpus alike: DEFAULT_FESTIVAL_SHARE of the training utterances read by
     festival's voices when all of them are installed (the share would otherwise fall on the few that
     are: Debian's festival brings one English voice along), and DEFAULT_TRAIN_FROM_TEXT more
-    sentences, none with another sentence set or a cut one (the package's text is no fit for them)."""
+    sentences, none with another sentence set or a cut one (the package's text is no fit for them).
+    """
     every_voice = len(festival_train_voices()) == len(FESTIVAL_TRAIN_VOICES)
     own_sentences = sentences_path is None and max_sentences is None
     return {"festival_share": DEFAULT_FESTIVAL_SHARE if every_voice else 0.0,
@@ -210,15 +280,25 @@ def plan_corpus(sentences: list[str], seed: int, num_utterances: int,
         texts = [t for t in by_split["test"] for _ in range(HELDOUT_PER_SENTENCE)]
         for i, text in enumerate(texts):
             snr = rng.uniform(*SNR_RANGE_DB) if rng.random() < NOISE_PROB else None
-            plan.append(PlannedUtterance(
-                split=HELDOUT, index=i, text=text, speaker=FESTIVAL_SPEAKER,
-                speed=round(100 * rng.uniform(*FESTIVAL_STRETCH_RANGE)), pitch=rng.randint(*FESTIVAL_F0_RANGE),
-                peak=round(rng.uniform(*PEAK_RANGE), 4), snr_db=None if snr is None else round(snr, 2),
-                noise_seed=rng.randrange(2**31)))
+            plan.append(
+                PlannedUtterance(
+                    split=HELDOUT,
+                    index=i,
+                    text=text,
+                    speaker=FESTIVAL_SPEAKER,
+                    speed=round(100 * rng.uniform(*FESTIVAL_STRETCH_RANGE)),
+                    pitch=rng.randint(*FESTIVAL_F0_RANGE),
+                    peak=round(rng.uniform(*PEAK_RANGE), 4),
+                    snr_db=None if snr is None else round(snr, 2),
+                    noise_seed=rng.randrange(2**31),
+                )
+            )
     return plan
 
 
-def read_text_into_train(plan: list[PlannedUtterance], extra: list[str], seed: int) -> list[PlannedUtterance]:
+def read_text_into_train(
+    plan: list[PlannedUtterance], extra: list[str], seed: int
+) -> list[PlannedUtterance]:
     """The plan with its training utterances' sentences drawn, in reshuffled passes, from the train
     split's sentences plus `extra`: more distinct sentences for the same utterances, speakers and
     acoustics. A second RNG chooses them, so valid, test and heldout stay as they were."""
@@ -239,8 +319,9 @@ def read_text_into_train(plan: list[PlannedUtterance], extra: list[str], seed: i
 
 def read_with_festival_voices(plan: list[PlannedUtterance], share: float, voices: list[str],
                               seed: int) -> list[PlannedUtterance]:
-    """The plan with `share` of its training utterances (a seeded choice) read by festival's training
-    `voices` instead of espeak-ng, in reshuffled passes, each with a random duration stretch. A second
+    """The plan with `share` of its training utterances (a seeded choice) read by festival's
+    training `voices` instead of espeak-ng, in reshuffled passes, each with a random duration
+    stretch. A second
     RNG chooses them, so valid, test and heldout stay as they were."""
     if share <= 0 or not voices:
         return plan
@@ -253,7 +334,9 @@ def read_with_festival_voices(plan: list[PlannedUtterance], share: float, voices
         if not cycle:
             cycle = rng.sample(voices, len(voices))
         speaker = cycle.pop()
-        stretch, f0 = round(100 * rng.uniform(*FESTIVAL_TRAIN_STRETCH_RANGE)), rng.randint(*ENGLISH_F0_RANGE)
+        stretch, f0 = round(100 * rng.uniform(*FESTIVAL_TRAIN_STRETCH_RANGE)), rng.randint(
+            *ENGLISH_F0_RANGE
+        )
         voice = FESTIVAL_TRAIN_VOICES[speaker]
         out[i] = out[i]._replace(speaker=speaker, speed=stretch if voice.stretches else 100,
                                  pitch=f0 if voice.language == "en" else 0)
@@ -261,7 +344,8 @@ def read_with_festival_voices(plan: list[PlannedUtterance], share: float, voices
 
 
 def check_transliterable(plan: list[PlannedUtterance], sources: list[Path]) -> None:
-    """Raise ValueError naming the file and line of the first sentence a festival training voice is to
+    """Raise ValueError naming the file and line of the first sentence a festival training voice is
+    to
     read that the transliteration cannot (a digit or a Latin letter in it), before any synthesis."""
     for u in plan:
         if u.speaker not in FESTIVAL_TRAIN_VOICES:
@@ -272,8 +356,10 @@ def check_transliterable(plan: list[PlannedUtterance], sources: list[Path]) -> N
             where = next((f"{path}: line {n}" for path in sources
                           for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
                           if line.strip() == u.text), "a sentence")
-            raise ValueError(f"{where}: {e}; festival's voices read only Devanagari (--festival_share 0 leaves "
-                             "the training split to espeak-ng)") from None
+            raise ValueError(
+                f"{where}: {e}; festival's voices read only Devanagari (--festival_share 0 leaves "
+                "the training split to espeak-ng)"
+            ) from None
 
 
 def trim_silence(x: np.ndarray, sr: int, keep_s: float = KEEP_SILENCE_S) -> np.ndarray:
@@ -298,12 +384,18 @@ def trim_silence(x: np.ndarray, sr: int, keep_s: float = KEEP_SILENCE_S) -> np.n
 def _festival(command: list[str], body: bytes, suffix: str, wav_path: str) -> None:
     """Run festival's `command` (text2wave or festival -b) on `body` written to a temporary file,
     whose path stands for {} in the command; `wav_path` must then hold the wav."""
-    fd, path = tempfile.mkstemp(suffix=suffix, prefix=".festival", dir=os.path.dirname(wav_path) or None)
+    fd, path = tempfile.mkstemp(
+        suffix=suffix, prefix=".festival", dir=os.path.dirname(wav_path) or None
+    )
     with os.fdopen(fd, "wb") as f:
         f.write(body)
     try:
-        subprocess.run([a.replace("{}", path) for a in command], check=True, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.PIPE)
+        subprocess.run(
+            [a.replace("{}", path) for a in command],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
     finally:
         os.unlink(path)
 
@@ -314,7 +406,8 @@ def _scheme_string(text: str) -> str:
 
 def _speak_festival_train(utt: PlannedUtterance, wav_path: str) -> None:
     """One utterance read by a festival training voice: spelled text through text2wave, or, for the
-    English diphone voices, US English phones with their durations and F0 through a festival script."""
+    English diphone voices, US English phones with their durations and F0 through a festival script.
+    """
     v = FESTIVAL_TRAIN_VOICES[utt.speaker]
     if v.language == "en":
         segments = english_segments(utt.text, utt.speed / 100, utt.pitch)
@@ -333,15 +426,39 @@ def _speak(utt: PlannedUtterance, wav_path: str) -> None:
         _speak_festival_train(utt, wav_path)
         return
     if utt.speaker != FESTIVAL_SPEAKER:
-        subprocess.run(["espeak-ng", "-b", "1", "-v", utt.speaker, "-s", str(utt.speed), "-p", str(utt.pitch),
-                        "-w", wav_path, "--", utt.text], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        subprocess.run(
+            [
+                "espeak-ng",
+                "-b",
+                "1",
+                "-v",
+                utt.speaker,
+                "-s",
+                str(utt.speed),
+                "-p",
+                str(utt.pitch),
+                "-w",
+                wav_path,
+                "--",
+                utt.text,
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         return
     # The Debian voice leaves Int_Method unset (festival stops with "Feature Int_Method not
     # defined"); the simple intonation model with our mean F0 stands in.
-    scheme = (f"(begin ({FESTIVAL_VOICE}) (set! int_simple_params '((f0_mean {utt.pitch}) (f0_std 15))) "
-              f"(Parameter.set 'Int_Method 'Simple) (Parameter.set 'Duration_Stretch {utt.speed / 100}))")
-    _festival(["text2wave", "-eval", scheme, "{}", "-o", wav_path], (utt.text + "\n").encode("utf-8"), ".txt",
-              wav_path)
+    scheme = (
+        f"(begin ({FESTIVAL_VOICE}) (set! int_simple_params '((f0_mean {utt.pitch}) (f0_std 15))) "
+        f"(Parameter.set 'Int_Method 'Simple) (Parameter.set 'Duration_Stretch {utt.speed / 100}))"
+    )
+    _festival(
+        ["text2wave", "-eval", scheme, "{}", "-o", wav_path],
+        (utt.text + "\n").encode("utf-8"),
+        ".txt",
+        wav_path,
+    )
 
 
 def synthesize(utt: PlannedUtterance, out_dir: str) -> tuple[str, int, float]:
@@ -373,7 +490,8 @@ def sha1_of(path: Path) -> str:
     return hashlib.sha1(path.read_bytes()).hexdigest()
 
 
-_OUTPUTS = ["wavs", NOISY, "text.txt", *(f"{s}.jsonl" for s in (*SPLITS, NOISY, HELDOUT))]  # before records
+# before records
+_OUTPUTS = ["wavs", NOISY, "text.txt", *(f"{s}.jsonl" for s in (*SPLITS, NOISY, HELDOUT))]
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
@@ -401,8 +519,9 @@ def corpus_is_complete(out_dir: Path, info: dict[str, Any]) -> bool:
 
 
 def text_only_sentences(text_path: Path, speech_sentences: list[str]) -> list[str]:
-    """The lines of `text_path` that no speech split may contain: any line equal to a sentence of the
-    speech corpus (after text normalization) is dropped, so an LM trained on them has not seen a test
+    """The lines of `text_path` that no speech split may contain: any line equal to a sentence of
+    the speech corpus (after text normalization) is dropped, so an LM trained on them has not seen a
+    test
     sentence."""
     spoken = {normalize_text(t) for t in speech_sentences}
     return [t for t in load_sentences(text_path) if normalize_text(t) not in spoken]
@@ -427,7 +546,9 @@ def summarize(out_dir: Path) -> dict[str, Any]:
     if (out_dir / "text.txt").is_file():
         text = {normalize_text(t) for t in load_sentences(out_dir / "text.txt")}
         summary["text_sentences"] = len(text)
-        summary["text_disjoint"] = text.isdisjoint(normalize_text(x["text"]) for r in rows.values() for x in r)
+        summary["text_disjoint"] = text.isdisjoint(
+            normalize_text(x["text"]) for r in rows.values() for x in r
+        )
     return summary
 
 
@@ -443,7 +564,8 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 
 def _voices_for_share(festival_share: float) -> list[str]:
-    """The installed festival training voices that are to read `festival_share` of training (none for
+    """The installed festival training voices that are to read `festival_share` of training (none
+    for
     a share of 0); a share above 1, or one with no voice installed, is an error."""
     if festival_share <= 0:
         return []
@@ -451,14 +573,23 @@ def _voices_for_share(festival_share: float) -> list[str]:
         raise ValueError(f"festival_share must be in (0, 1], got {festival_share}")
     voices = festival_train_voices()
     if not voices:
-        raise EspeakMissingError("festival_share needs festival and at least one of its training voices "
-                                 "(training_scripts/setup_env.sh installs them)")
+        raise EspeakMissingError(
+            "festival_share needs festival and at least one of its training voices "
+            "(training_scripts/setup_env.sh installs them)"
+        )
     return voices
 
 
-def _build(root: Path, plan: list[PlannedUtterance], info: dict[str, Any], jobs: int, progress: bool,
-           seed: int) -> None:
-    """Synthesize every planned utterance under `root` and write the manifests and the noisy copy."""
+def _build(
+    root: Path,
+    plan: list[PlannedUtterance],
+    info: dict[str, Any],
+    jobs: int,
+    progress: bool,
+    seed: int,
+) -> None:
+    """Synthesize every planned utterance under `root` and write the manifests and the noisy
+    copy."""
     (root / "wavs").mkdir()
     durations: dict[tuple[str, int], float] = {}
     tasks = [(u, str(root)) for u in plan]
@@ -467,7 +598,11 @@ def _build(root: Path, plan: list[PlannedUtterance], info: dict[str, Any], jobs:
     spawn = multiprocessing.get_context("spawn")
     workers = spawn.Pool(jobs, initializer=_worker_init) if jobs > 1 else nullcontext()
     with workers as pool:  # None without workers
-        results = pool.imap_unordered(_synthesize_job, tasks, chunksize=8) if pool else map(_synthesize_job, tasks)
+        results = (
+            pool.imap_unordered(_synthesize_job, tasks, chunksize=8)
+            if pool
+            else map(_synthesize_job, tasks)
+        )
         for split, idx, dur in tqdm(results, total=len(tasks), desc="synthesizing", unit="utt",
                                     disable=not progress):
             durations[split, idx] = dur
@@ -494,10 +629,11 @@ def make_corpus(out_dir: str | Path, seed: int = DEFAULT_SEED, num_utterances: i
                 text_path: Optional[str | Path] = None, train_from_text: Optional[int] = None,
                 festival_share: Optional[float] = None) -> dict[str, Any]:
     """Generate (or reuse) the corpus in `out_dir`; returns the summary dict. `heldout` (default:
-    when festival is installed) adds the festival split; `text_path` (default: the package's text-only
-    sentences, when present) gives text.txt. `train_from_text` N reads N of the text-only sentences
-    (a seeded choice) in the training split too, and text.txt keeps the rest. `festival_share` of the
-    training utterances are read by festival's voices of other languages (those installed). Options
+    when festival is installed) adds the festival split; `text_path` (default: the package's
+    text-only sentences, when present) gives text.txt. `train_from_text` N reads N of the text-only
+    sentences (a seeded choice) in the training split too, and text.txt keeps the rest.
+    `festival_share` of the training utterances are read by festival's voices of other languages
+    (those installed). Options
     left None take ``default_options``, as konkanivani-demo-corpus does."""
     defaults = default_options(sentences_path, max_sentences)
     train_from_text = defaults["train_from_text"] if train_from_text is None else train_from_text
@@ -508,17 +644,25 @@ def make_corpus(out_dir: str | Path, seed: int = DEFAULT_SEED, num_utterances: i
     if heldout is None:
         heldout = festival_available()
         if not heldout and progress:
-            print(f"festival or its Marathi voice is missing (apt-get install festival {FESTIVAL_VOICE_PACKAGE}): "
-                  f"no {HELDOUT} split")
+            print(
+                "festival or its Marathi voice is missing (apt-get install festival"
+                f" {FESTIVAL_VOICE_PACKAGE}): no {HELDOUT} split"
+            )
     elif heldout and not festival_available():
         raise EspeakMissingError("the heldout split needs festival and its Marathi voice: "
                                  f"`sudo apt-get install festival {FESTIVAL_VOICE_PACKAGE}`")
     out = Path(out_dir)
     sent_path = Path(sentences_path) if sentences_path else DEFAULT_SENTENCES
     text_file = Path(text_path) if text_path else (DEFAULT_TEXT if DEFAULT_TEXT.is_file() else None)
-    info = {"version": INFO_VERSION, "seed": seed, "num_utterances": num_utterances,
-            "max_sentences": max_sentences, "sentences_sha1": sha1_of(sent_path), "heldout": heldout,
-            "text_sha1": sha1_of(text_file) if text_file else None}
+    info = {
+        "version": INFO_VERSION,
+        "seed": seed,
+        "num_utterances": num_utterances,
+        "max_sentences": max_sentences,
+        "sentences_sha1": sha1_of(sent_path),
+        "heldout": heldout,
+        "text_sha1": sha1_of(text_file) if text_file else None,
+    }
     if train_from_text:
         if text_file is None:
             raise ValueError("train_from_text needs a text-only sentence file")
@@ -542,6 +686,8 @@ def make_corpus(out_dir: str | Path, seed: int = DEFAULT_SEED, num_utterances: i
         _build(staging.path, plan, info, jobs, progress, seed)
         if text_file:
             lines = text_only_sentences(text_file, sentences + extra)
-            (staging.path / "text.txt").write_text("".join(t + "\n" for t in lines), encoding="utf-8")
+            (staging.path / "text.txt").write_text(
+                "".join(t + "\n" for t in lines), encoding="utf-8"
+            )
         staging.publish(info, stale=_OUTPUTS)
     return {**summarize(out), "skipped": False}

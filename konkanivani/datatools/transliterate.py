@@ -15,17 +15,75 @@ import re
 import unicodedata
 
 CONSONANTS = {
-    "क": "k", "ख": "kh", "ग": "g", "घ": "gh", "ङ": "ng", "च": "c", "छ": "ch", "ज": "j", "झ": "jh", "ञ": "ny",
-    "ट": "T", "ठ": "Th", "ड": "D", "ढ": "Dh", "ण": "N", "त": "t", "थ": "th", "द": "d", "ध": "dh", "न": "n",
-    "प": "p", "फ": "ph", "ब": "b", "भ": "bh", "म": "m", "य": "y", "र": "r", "ऱ": "r", "ल": "l", "ळ": "L",
-    "व": "v", "श": "sh", "ष": "sh", "स": "s", "ह": "h"}
+    "क": "k",
+    "ख": "kh",
+    "ग": "g",
+    "घ": "gh",
+    "ङ": "ng",
+    "च": "c",
+    "छ": "ch",
+    "ज": "j",
+    "झ": "jh",
+    "ञ": "ny",
+    "ट": "T",
+    "ठ": "Th",
+    "ड": "D",
+    "ढ": "Dh",
+    "ण": "N",
+    "त": "t",
+    "थ": "th",
+    "द": "d",
+    "ध": "dh",
+    "न": "n",
+    "प": "p",
+    "फ": "ph",
+    "ब": "b",
+    "भ": "bh",
+    "म": "m",
+    "य": "y",
+    "र": "r",
+    "ऱ": "r",
+    "ल": "l",
+    "ळ": "L",
+    "व": "v",
+    "श": "sh",
+    "ष": "sh",
+    "स": "s",
+    "ह": "h",
+}
 # A consonant with a nukta (ज़, फ़, ...; precomposed letters are decomposed first).
 NUKTA = "\u093c"
 WITH_NUKTA = {"क": "k", "ख": "kh", "ग": "g", "ज": "z", "ड": "D", "ढ": "Dh", "फ": "f", "य": "y"}
-VOWEL_LETTERS = {"अ": "a", "आ": "aa", "इ": "i", "ई": "ii", "उ": "u", "ऊ": "uu", "ए": "e", "ऐ": "ai", "ओ": "o",
-                 "औ": "au", "ऍ": "ae", "ऑ": "ao", "ॲ": "ae", "ऋ": "ri"}
-VOWEL_SIGNS = {"ा": "aa", "ि": "i", "ी": "ii", "ु": "u", "ू": "uu", "े": "e", "ै": "ai", "ो": "o", "ौ": "au",
-               "ॅ": "ae", "ॉ": "ao", "ृ": "ri"}
+VOWEL_LETTERS = {
+    "अ": "a",
+    "आ": "aa",
+    "इ": "i",
+    "ई": "ii",
+    "उ": "u",
+    "ऊ": "uu",
+    "ए": "e",
+    "ऐ": "ai",
+    "ओ": "o",
+    "औ": "au",
+    "ऍ": "ae",
+    "ऑ": "ao",
+    "ॲ": "ae",
+    "ऋ": "ri",
+}
+VOWEL_SIGNS = {
+    "ा": "aa",
+    "ि": "i",
+    "ी": "ii",
+    "ु": "u",
+    "ू": "uu",
+    "े": "e",
+    "ै": "ai",
+    "ो": "o",
+    "ौ": "au",
+    "ॅ": "ae",
+    "ॉ": "ao",
+    "ृ": "ri",
+}
 VIRAMA, NASALS, VISARGA, AVAGRAHA = "्", "ंँ", "ः", "ऽ"
 VOWELS = frozenset(VOWEL_LETTERS.values()) | {"a0"}
 INHERENT = "a0"  # the consonant's own vowel, which schwa deletion may drop
@@ -35,8 +93,9 @@ PHRASE_BREAK = re.compile(r"[,.!?।॥;:\-\"'()]+")
 
 
 def word_phones(word: str) -> list[str]:
-    """One Devanagari word's phones: 'a' for a spoken inherent vowel, 'n'/'m'/'ng' for the nasal sign.
-    Raises ValueError on a character it cannot read (a digit, a Latin letter): the voice would skip it,
+    """One Devanagari word's phones: 'a' for a spoken inherent vowel, 'n'/'m'/'ng' for the nasal
+    sign. Raises ValueError on a character it cannot read (a digit, a Latin letter): the voice would
+    skip it,
     and its audio would no longer say the transcript."""
     word = unicodedata.normalize("NFD", word)
     out: list[str] = []
@@ -69,7 +128,8 @@ def word_phones(word: str) -> list[str]:
 
 def _delete_schwas(out: list[str]) -> None:
     """Konkani drops the inherent vowel at a word's end (after another vowel, not after a cluster:
-    मित्र keeps it) and between a vowel-consonant and a consonant-vowel (तुमचें: tum-chẽ), right to left
+    मित्र keeps it) and between a vowel-consonant and a consonant-vowel (तुमचें: tum-chẽ), right to
+    left
     as in Hindi."""
     cluster = len(out) >= 3 and out[-2] not in VOWELS and out[-3] not in VOWELS | {"~"}
     if sum(p in VOWELS for p in out) > 1 and out[-1] == INHERENT and not cluster:
@@ -88,35 +148,174 @@ def phrases(text: str) -> list[list[list[str]]]:
 
 # Each language's letters for a phone: a string, or (before a back vowel, before a front vowel) for
 # the letters that soften before e and i (Italian c/g, Catalan c/g/j).
-_BASE = {"a": "a", "aa": "a", "i": "i", "ii": "i", "u": "u", "uu": "u", "e": "e", "o": "o", "ai": "ai",
-         "au": "au", "ae": "e", "ao": "o", "ri": "ri", "k": "k", "kh": "kh", "g": "g", "gh": "gh", "ng": "n",
-         "c": "č", "ch": "čh", "j": "dž", "jh": "džh", "ny": "ň", "T": "t", "Th": "th", "D": "d", "Dh": "dh",
-         "N": "n", "t": "t", "th": "th", "d": "d", "dh": "dh", "n": "n", "p": "p", "ph": "ph", "b": "b",
-         "bh": "bh", "m": "m", "y": "j", "r": "r", "l": "l", "L": "l", "v": "v", "sh": "š", "s": "s", "h": "h",
-         "z": "z", "f": "f"}
+_BASE = {
+    "a": "a",
+    "aa": "a",
+    "i": "i",
+    "ii": "i",
+    "u": "u",
+    "uu": "u",
+    "e": "e",
+    "o": "o",
+    "ai": "ai",
+    "au": "au",
+    "ae": "e",
+    "ao": "o",
+    "ri": "ri",
+    "k": "k",
+    "kh": "kh",
+    "g": "g",
+    "gh": "gh",
+    "ng": "n",
+    "c": "č",
+    "ch": "čh",
+    "j": "dž",
+    "jh": "džh",
+    "ny": "ň",
+    "T": "t",
+    "Th": "th",
+    "D": "d",
+    "Dh": "dh",
+    "N": "n",
+    "t": "t",
+    "th": "th",
+    "d": "d",
+    "dh": "dh",
+    "n": "n",
+    "p": "p",
+    "ph": "ph",
+    "b": "b",
+    "bh": "bh",
+    "m": "m",
+    "y": "j",
+    "r": "r",
+    "l": "l",
+    "L": "l",
+    "v": "v",
+    "sh": "š",
+    "s": "s",
+    "h": "h",
+    "z": "z",
+    "f": "f",
+}
 SPELLINGS: dict[str, dict[str, str | tuple[str, str]]] = {
     # Czech: long vowels with an acute, č š dž as in Konkani; h is voiced, as in bh dh gh.
     "cs": {**_BASE, "aa": "á", "ii": "í", "uu": "ú", "e": "é", "ai": "aj"},
     # Finnish: long vowels doubled; it spells out š and č letter by letter, so those are plain.
-    "fi": {**_BASE, "aa": "aa", "ii": "ii", "uu": "uu", "e": "ee", "o": "oo", "ae": "ä", "c": "ts",
-           "ch": "tsh", "j": "dj", "jh": "djh", "ny": "nj", "sh": "s", "z": "s"},
+    "fi": {
+        **_BASE,
+        "aa": "aa",
+        "ii": "ii",
+        "uu": "uu",
+        "e": "ee",
+        "o": "oo",
+        "ae": "ä",
+        "c": "ts",
+        "ch": "tsh",
+        "j": "dj",
+        "jh": "djh",
+        "ny": "nj",
+        "sh": "s",
+        "z": "s",
+    },
     # Italian: c/g soften before e and i; h is silent, so aspiration is lost.
-    "it": {**_BASE, "k": ("c", "ch"), "kh": ("c", "ch"), "g": ("g", "gh"), "gh": ("g", "gh"),
-           "c": ("ci", "c"), "ch": ("ci", "c"), "j": ("gi", "g"), "jh": ("gi", "g"), "sh": ("sci", "sc"),
-           "ny": "gn", "y": "i", "h": "", "Th": "t", "th": "t", "Dh": "d", "dh": "d", "ph": "f", "bh": "b",
-           "z": "s"},
+    "it": {
+        **_BASE,
+        "k": ("c", "ch"),
+        "kh": ("c", "ch"),
+        "g": ("g", "gh"),
+        "gh": ("g", "gh"),
+        "c": ("ci", "c"),
+        "ch": ("ci", "c"),
+        "j": ("gi", "g"),
+        "jh": ("gi", "g"),
+        "sh": ("sci", "sc"),
+        "ny": "gn",
+        "y": "i",
+        "h": "",
+        "Th": "t",
+        "th": "t",
+        "Dh": "d",
+        "dh": "d",
+        "ph": "f",
+        "bh": "b",
+        "z": "s",
+    },
     # Catalan: c/qu, g/gu, tx and tj for ch and j, x for sh; h is silent.
-    "ca": {**_BASE, "k": ("c", "qu"), "kh": ("c", "qu"), "g": ("g", "gu"), "gh": ("g", "gu"), "c": "tx",
-           "ch": "tx", "j": ("tj", "tj"), "jh": ("tj", "tj"), "sh": "x", "ny": "ny", "y": "i", "h": "",
-           "Th": "t", "th": "t", "Dh": "d", "dh": "d", "ph": "f", "bh": "b", "s": "ss"},
+    "ca": {
+        **_BASE,
+        "k": ("c", "qu"),
+        "kh": ("c", "qu"),
+        "g": ("g", "gu"),
+        "gh": ("g", "gu"),
+        "c": "tx",
+        "ch": "tx",
+        "j": ("tj", "tj"),
+        "jh": ("tj", "tj"),
+        "sh": "x",
+        "ny": "ny",
+        "y": "i",
+        "h": "",
+        "Th": "t",
+        "th": "t",
+        "Dh": "d",
+        "dh": "d",
+        "ph": "f",
+        "bh": "b",
+        "s": "ss",
+    },
 }
 # festival's US English phones (the "radio" set of its diphone voices).
-ENGLISH_PHONES = {"a": "ah", "aa": "aa", "i": "ih", "ii": "iy", "u": "uh", "uu": "uw", "e": "ey", "o": "ow",
-                  "ai": "ay", "au": "aw", "ae": "ae", "ao": "ao", "ri": "r ih", "k": "k", "kh": "k", "g": "g",
-                  "gh": "g", "ng": "ng", "c": "ch", "ch": "ch", "j": "jh", "jh": "jh", "ny": "n y", "T": "t",
-                  "Th": "t", "D": "d", "Dh": "d", "N": "n", "t": "t", "th": "t", "d": "d", "dh": "d", "n": "n",
-                  "p": "p", "ph": "f", "b": "b", "bh": "b", "m": "m", "y": "y", "r": "r", "l": "l", "L": "l",
-                  "v": "v", "sh": "sh", "s": "s", "h": "hh", "z": "z", "f": "f"}
+ENGLISH_PHONES = {
+    "a": "ah",
+    "aa": "aa",
+    "i": "ih",
+    "ii": "iy",
+    "u": "uh",
+    "uu": "uw",
+    "e": "ey",
+    "o": "ow",
+    "ai": "ay",
+    "au": "aw",
+    "ae": "ae",
+    "ao": "ao",
+    "ri": "r ih",
+    "k": "k",
+    "kh": "k",
+    "g": "g",
+    "gh": "g",
+    "ng": "ng",
+    "c": "ch",
+    "ch": "ch",
+    "j": "jh",
+    "jh": "jh",
+    "ny": "n y",
+    "T": "t",
+    "Th": "t",
+    "D": "d",
+    "Dh": "d",
+    "N": "n",
+    "t": "t",
+    "th": "t",
+    "d": "d",
+    "dh": "d",
+    "n": "n",
+    "p": "p",
+    "ph": "f",
+    "b": "b",
+    "bh": "b",
+    "m": "m",
+    "y": "y",
+    "r": "r",
+    "l": "l",
+    "L": "l",
+    "v": "v",
+    "sh": "sh",
+    "s": "s",
+    "h": "hh",
+    "z": "z",
+    "f": "f",
+}
 
 
 def _spell_word(phones: list[str], table: dict[str, str | tuple[str, str]]) -> str:
@@ -133,23 +332,29 @@ def _spell_word(phones: list[str], table: dict[str, str | tuple[str, str]]) -> s
 def spell(text: str, language: str) -> str:
     """`text` spelled in `language`'s orthography (a key of SPELLINGS), phrases kept with commas."""
     table = SPELLINGS[language]
-    return ", ".join(" ".join(_spell_word(w, table) for w in phrase) for phrase in phrases(text)) + "."
+    return (
+        ", ".join(" ".join(_spell_word(w, table) for w in phrase) for phrase in phrases(text)) + "."
+    )
 
 
 def english_phones(text: str) -> str:
     """`text` as festival's US English phones, with a pause between phrases."""
-    spoken = (" ".join(ENGLISH_PHONES[p] for word in phrase for p in word) for phrase in phrases(text))
+    spoken = (
+        " ".join(ENGLISH_PHONES[p] for word in phrase for p in word) for phrase in phrases(text)
+    )
     return "pau " + " pau ".join(spoken) + " pau"
 
 
-# Seconds per phone before the stretch (a rough reading pace); long vowels and diphthongs are longer.
+# Seconds per phone before the stretch (a rough reading pace); long vowels and diphthongs are
+# longer.
 SHORT_VOWELS = {"a", "i", "u"}
 SECONDS = {"short": 0.07, "long": 0.12, "consonant": 0.065, "pause": 0.18}
 
 
 def english_segments(text: str, stretch: float = 1.0, f0: float = 110.0) -> str:
     """`text` as a festival Segments list of US English phones: each phone with a duration (seconds,
-    times `stretch`), and each vowel with an F0 target that falls through its phrase from 1.15 to 0.85
+    times `stretch`), and each vowel with an F0 target that falls through its phrase from 1.15 to
+    0.85
     times `f0` (Hz), as a declarative phrase does."""
     segments = [f"(pau {SECONDS['pause'] * stretch:.3f})"]
     for phrase in phrases(text):
@@ -161,7 +366,8 @@ def english_segments(text: str, stretch: float = 1.0, f0: float = 110.0) -> str:
             names = ENGLISH_PHONES[p].split()
             for k, name in enumerate(names):
                 target = ""
-                if i in vowels and k == len(names) - 1:  # the target in the middle of the vowel's own phone
+                # the target in the middle of the vowel's own phone
+                if i in vowels and k == len(names) - 1:
                     where = vowels.index(i) / max(1, len(vowels) - 1)
                     target = f" ({dur / len(names) / 2:.3f} {f0 * (1.15 - 0.3 * where):.1f})"
                 segments.append(f"({name} {dur / len(names):.3f}{target})")

@@ -39,7 +39,8 @@ from ..data.manifest import iter_manifest, resolve_audio_path
 __all__ = ["OutputError", "Staging", "check_outputs", "child", "manifest_audio", "output_file",
            "refuse_overlap", "safe_name", "write_output"]
 
-_PLAIN = re.compile(r"[\w][\w.\-]*")  # letters (any script), digits, _ . - ; not starting with a dot
+# letters (any script), digits, _ . - ; not starting with a dot
+_PLAIN = re.compile(r"[\w][\w.\-]*")
 _MAX_NAME = 120  # characters of a kept name; longer keys are cut and hashed
 
 
@@ -65,9 +66,18 @@ def safe_name(key: str) -> str:
 def child(folder: Path, name: str, what: str) -> Path:
     """``folder / name`` for a ``name`` the user chose (``what`` names the flag in the message);
     ``OutputError`` unless it is one plain file name that stays in ``folder``."""
-    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name or name.startswith("."):
-        raise OutputError(f"{what} {name!r}: not a plain name (no folders, '.', '..' or leading dot); it names a "
-                          f"file in {folder}")
+    if (
+        not name
+        or name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or "\0" in name
+        or name.startswith(".")
+    ):
+        raise OutputError(
+            f"{what} {name!r}: not a plain name (no folders, '.', '..' or leading dot); it names a "
+            f"file in {folder}"
+        )
     return folder / name
 
 
@@ -77,8 +87,10 @@ def refuse_overlap(source: Path, out: Path, source_what: str = "the source") -> 
     src, dst = source.resolve(), out.resolve()
     if src == dst or dst in src.parents:
         how = "is" if src == dst else "contains"
-        raise OutputError(f"output folder {out} {how} {source_what} {source}: a tool never writes into its own "
-                          "input; choose an output folder outside it")
+        raise OutputError(
+            f"output folder {out} {how} {source_what} {source}: a tool never writes into its own "
+            "input; choose an output folder outside it"
+        )
 
 
 PathLike = str | Path
@@ -205,9 +217,9 @@ class Staging:
     replaces exactly that and nothing a user put beside it.
 
     Publishing renames the old outputs into ``OUT/.<tool>.old/`` (manifests first), moves the new
-    ones in (manifests last), writes the record and only then deletes the old ones: every step before
-    the record is a rename, so a kill leaves the old result or, in the instant of renaming, no
-    manifest rather than one naming another build's audio; the slow deletion comes after. A kill
+    ones in (manifests last), writes the record and only then deletes the old ones: every step
+    before the record is a rename, so a kill leaves the old result or, in the instant of renaming,
+    no manifest rather than one naming another build's audio; the slow deletion comes after. A kill
     while building leaves the old result untouched; the next build removes the partial folders.
 
     ``publish`` replaces whole top-level entries (a tool that owns its folder: the demo corpus);
@@ -222,7 +234,8 @@ class Staging:
 
     def __enter__(self) -> Staging:
         self.out.mkdir(parents=True, exist_ok=True)
-        for leftover in (self.path, self.trash):  # a build or a deletion that was killed: start clean
+        # a build or a deletion that was killed: start clean
+        for leftover in (self.path, self.trash):
             if leftover.exists():
                 _remove(leftover)
         self.path.mkdir()
@@ -244,7 +257,9 @@ class Staging:
         names = self._read().get("outputs")
         if not isinstance(names, list):
             return None
-        return [n for n in names if isinstance(n, str) and n and "/" not in n and n not in (".", "..")]
+        return [
+            n for n in names if isinstance(n, str) and n and "/" not in n and n not in (".", "..")
+        ]
 
     def _set_aside(self, relative: str) -> None:
         """Rename ``OUT/relative`` into the trash (a rename: instant), if it exists."""
@@ -260,7 +275,10 @@ class Staging:
         os.replace(self.path / relative, target)
 
     def _finish(self, record: dict[str, Any]) -> None:
-        write_file_atomic(self.out / self.record, (json.dumps(record, indent=2, ensure_ascii=False) + "\n").encode())
+        write_file_atomic(
+            self.out / self.record,
+            (json.dumps(record, indent=2, ensure_ascii=False) + "\n").encode(),
+        )
         fsync_dir(self.out)
         for folder in (self.path, self.trash):
             if folder.exists():
@@ -275,7 +293,8 @@ class Staging:
         manifests = [n for n in new if n.endswith(".jsonl")]
         self.trash.mkdir(exist_ok=True)
         self._set_aside(self.record)
-        for name in sorted(old | set(new), key=lambda n: not n.endswith(".jsonl")):  # manifests first
+        # manifests first
+        for name in sorted(old | set(new), key=lambda n: not n.endswith(".jsonl")):
             self._set_aside(name)
         for name in [n for n in new if n not in manifests] + manifests:  # manifests last
             self._move_in(name)
@@ -286,24 +305,35 @@ class Staging:
         return [g for g in self._read().get("groups", []) if isinstance(g, dict)]
 
     def check_group(self, manifests: list[str], files: list[str]) -> None:
-        """``OutputError`` for a file of ``files`` (relative to ``OUT``) that a build of ``manifests``
-        may not write: one another group wrote, or one that exists and no build of this tool wrote.
+        """``OutputError`` for a file of ``files`` (relative to ``OUT``) that a build of
+        ``manifests`` may not write: one another group wrote, or one that exists and no build of
+        this tool wrote.
         ``publish_group`` checks this before anything moves; a tool may check it before any work."""
         groups = self._groups()
-        owned = {f: g for g in groups if not set(g.get("manifests", [])) & set(manifests) for f in g.get("files", [])}
+        owned = {
+            f: g
+            for g in groups
+            if not set(g.get("manifests", [])) & set(manifests)
+            for f in g.get("files", [])
+        }
         ours = self.group_files(manifests)
         for relative in files:
             if relative in owned:
-                raise OutputError(f"{self.out / relative} belongs to {', '.join(owned[relative]['manifests'])} of an "
-                                  "earlier run; give this run another OUT_DIR, or run both in one")
+                raise OutputError(
+                    f"{self.out / relative} belongs to {', '.join(owned[relative]['manifests'])} of"
+                    " an earlier run; give this run another OUT_DIR, or run both in one"
+                )
             if relative not in ours and (self.out / relative).exists():
-                raise OutputError(f"{self.out / relative} exists and was not written by konkanivani-"
-                                  f"{self.tool.replace('_', '-')}; this run would replace it: move it away or choose "
-                                  "another OUT_DIR")
+                raise OutputError(
+                    f"{self.out / relative} exists and was not written by"
+                    f" konkanivani-{self.tool.replace('_', '-')}; this run would replace it: move"
+                    " it away or choose another OUT_DIR"
+                )
 
     def publish_group(self, manifests: list[str], files: list[str]) -> None:
-        """Move this build's ``manifests`` (top-level names) and ``files`` (paths relative to ``OUT``)
-        into ``OUT``. An earlier group that wrote any of these manifests is replaced whole; other groups
+        """Move this build's ``manifests`` (top-level names) and ``files`` (paths relative to
+        ``OUT``) into ``OUT``. An earlier group that wrote any of these manifests is replaced whole;
+        other groups
         stay. ``OutputError`` (before anything moves) where ``check_group`` says so."""
         self.check_group(manifests, files)
         groups = self._groups()
@@ -313,7 +343,8 @@ class Staging:
         for g in replaced:  # manifests first, then their files
             for relative in [*g.get("manifests", []), *g.get("files", [])]:
                 self._set_aside(relative)
-        for name in manifests:  # a manifest of the same name that no recorded group wrote (an older version's)
+        # a manifest of the same name that no recorded group wrote (an older version's)
+        for name in manifests:
             self._set_aside(name)
         for relative in files:
             self._move_in(relative)
@@ -322,5 +353,11 @@ class Staging:
         self._finish({"groups": [*kept, {"manifests": sorted(manifests), "files": sorted(files)}]})
 
     def group_files(self, manifests: list[str]) -> set[str]:
-        """The files of the recorded groups that wrote any of ``manifests`` (which a build of them replaces)."""
-        return {f for g in self._groups() if set(g.get("manifests", [])) & set(manifests) for f in g.get("files", [])}
+        """The files of the recorded groups that wrote any of ``manifests`` (which a build of them
+        replaces)."""
+        return {
+            f
+            for g in self._groups()
+            if set(g.get("manifests", [])) & set(manifests)
+            for f in g.get("files", [])
+        }

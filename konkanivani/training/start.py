@@ -73,7 +73,7 @@ from .memory import (
 from .metrics_log import MetricsLog
 from .optim import build_optimizer, canonical_optimizer, lr_factor
 from .precision import Precision, resolve_precision
-from .rundir import load_resume_checkpoint, remove_stale_temporaries
+from .run_files import load_resume_checkpoint, remove_stale_temporaries
 from .signals import NonFiniteSkips, ignore_stop_signals, stop_workers
 from .state import TrainState, restore_rng
 from .tensorboard_log import TensorBoardLog, open_tensorboard
@@ -185,7 +185,7 @@ def setup_run(cfg: TrainConfig, model_cfg: ModelConfig, origin: Origin, dist: Di
     """A fresh run from the flags, or the one ``--resume`` names continued from its checkpoint
     (``origin``), with the model ``train`` resolved (``model_cfg``; its vocabulary is the
     tokenizer's). Nothing is written to the output directory until the data is known usable; then
-    ``start`` (``rundir.run_directory``) makes the directory this run's."""
+    ``start`` (``run_files.run_directory``) makes the directory this run's."""
     _seed_everything(cfg.seed)  # the same initial weights in every process
     # configs: the settings a resumed run keeps from its checkpoint, the tokenizer, the precision
     cfg, tokenizer, samples_grew = _configs(cfg, origin.state, dist)
