@@ -8,13 +8,20 @@ decodes with its moving average of the weights (``inference_state_dict``).
 the encoder, or fails to decode yields a ``Transcript`` with ``error`` set, and a file longer than
 ``decode.LONG_INPUT_SECONDS`` asked of an attention-based method is decoded with CTC prefix beam
 search, said once per call and recorded in ``Transcript.method``.
+
+Each transcript and result has its words with their times and probabilities: the hypothesis aligned
+to the CTC log-probabilities of the forward pass that decoded it (``alignment.align_words``), which
+the recognizer keeps from the encoder's output of the batch (a forward hook on the encoder, so the
+search itself is untouched and nothing is encoded twice).
 """
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import soundfile as sf
@@ -30,6 +37,7 @@ from ..data.tokenizer import Tokenizer
 from ..device import resolve_device
 from ..model.asr import ASRModel
 from ..model.lm import TransformerLM, check_same_vocabulary, load_lm
+from .alignment import Word, align_words
 from .search import (
     FUSED_METHODS,
     LONG_INPUT_METHOD,
@@ -47,7 +55,7 @@ from .streaming import (
     quiet_windows,
 )
 
-__all__ = ["MIN_SAMPLES", "Recognizer", "Transcript", "find_audio"]
+__all__ = ["MIN_SAMPLES", "Recognizer", "Transcript", "Word", "find_audio"]
 
 log = logging.getLogger("konkanivani")
 
@@ -66,6 +74,9 @@ class Transcript:
     error: str | None = None  # why the file could not be transcribed
     # the method that decoded it: the one asked for, or LONG_INPUT_METHOD for a long file
     method: str = ""
+    # its words, with times in seconds from the file's start and probabilities (alignment.Word);
+    # empty for no text, and where the hypothesis could not be aligned (alignment.align_tokens)
+    words: list[Word] = field(default_factory=list)
 
 
 class Recognizer:
@@ -159,21 +170,43 @@ class Recognizer:
         (``decode.method_for``) with ``LONG_INPUT_METHOD``, said in one warning. With
         ``chunk_size``, each is encoded under the chunk mask of a stream in chunks of that size:
         the text such a stream gives it."""
+        return [r.text for r in self.decode_results(wavs, decoding, **overrides)]
+
+    def decode_results(self, wavs: Sequence[torch.Tensor], decoding: DecodingConfig | None = None,
+                       **overrides) -> list[Result]:
+        """``decode_waveforms`` with the words: a final ``Result`` per waveform, its ``words``
+        timed in seconds from the waveform's start with their probabilities (``Word``), ``start``
+        and ``end`` those of its first and last word (0 and its duration when it has none)."""
         d = self.settings(decoding, **overrides)
-        texts = self._decode_waveforms(wavs, d)
+        results = self._decode_waveforms(wavs, d)
         long_inputs = [(f"waveform {i}", len(w) / SAMPLE_RATE) for i, w in enumerate(wavs)
                        if _method_of(d.method, w) != d.method]
         _say_long_inputs(d.method, long_inputs)
-        return texts
+        return results
 
-    def _decode_waveforms(self, wavs: Sequence[torch.Tensor], d: DecodingConfig) -> list[str]:
+    def _decode_waveforms(self, wavs: Sequence[torch.Tensor], d: DecodingConfig,
+                          offset: float = 0.0) -> list[Result]:
+        """The final results of waveforms decoded as one batch, their words aligned and timed from
+        ``offset`` seconds."""
         fusion = self.fusion(d)
         feats = [self.log_mel(w) for w in wavs]
         lens = torch.tensor([len(f) for f in feats], device=self.device)
         padded = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True).to(self.device)
-        ids = decode_batch(self.model, padded, lens, d.method, d.beam_size, d.ctc_weight,
-                           fusion=fusion, chunk_size=d.chunk_size, left_chunks=d.left_chunks)
-        return [self.tokenizer.decode(h) for h in ids]
+        with _encoder_output(self.model) as encoded:
+            ids = decode_batch(self.model, padded, lens, d.method, d.beam_size, d.ctc_weight,
+                               fusion=fusion, chunk_size=d.chunk_size, left_chunks=d.left_chunks)
+        enc, enc_lens = encoded[-1]
+        with torch.inference_mode():
+            log_probs = self.model.ctc_log_probs(enc).cpu()
+        results = []
+        for b, (tokens, wav) in enumerate(zip(ids, wavs)):
+            seconds = len(wav) / SAMPLE_RATE
+            words = align_words(self.tokenizer, tokens, log_probs[b, :int(enc_lens[b])], offset,
+                                seconds)
+            start, end = (words[0].start, words[-1].end) if words else (offset, offset + seconds)
+            results.append(Result(self.tokenizer.decode(tokens), True, round(start, 3),
+                                  round(end, 3), words))
+        return results
 
     def stream(self, decoding: DecodingConfig | None = None, *, sample_rate: int = SAMPLE_RATE,
                **overrides) -> Stream:
@@ -204,9 +237,10 @@ class Recognizer:
         memory of a segment: with ``chunk_size`` > 0 through a ``stream`` (its final results, and
         with ``partials`` its partial ones); else in windows of at most ``WINDOW_SECONDS`` cut at
         quiet moments (``quiet_windows``), each decoded whole with the method, one final result each
-        (no word times). As a stream does, it leaves out a final result without text unless there is
-        no other. ``AudioError`` for a file that cannot be read, states a sample rate that is not
-        resampled from (``check_sample_rate``) or is too short for the model."""
+        (its start and end the window's, its words timed from the file's start). As a stream does,
+        it leaves out a final result without text unless there is no other. ``AudioError`` for a
+        file that cannot be read, states a sample rate that is not resampled from
+        (``check_sample_rate``) or is too short for the model."""
         streams = bool(DecodingConfig.of(decoding, **overrides).chunk_size)
         d = self.settings(decoding, streams=streams, **overrides)
         seen = 0
@@ -228,14 +262,17 @@ class Recognizer:
         self.fusion(d)
         given = False
         for first, wav in quiet_windows(blocks()):
-            text = "" if _too_short(path, len(wav)) else self._decode_waveforms([wav], d)[0]
-            if text:
+            if _too_short(path, len(wav)):
+                continue
+            [result] = self._decode_waveforms([wav], d, first / SAMPLE_RATE)
+            if result.text:
                 given = True
                 yield Result(
-                    text,
+                    result.text,
                     True,
                     round(first / SAMPLE_RATE, 3),
                     round((first + len(wav)) / SAMPLE_RATE, 3),
+                    result.words,
                 )
         _check_length(path, seen)
         if not given:
@@ -267,40 +304,62 @@ class Recognizer:
                            ) -> Iterator[Transcript]:
         read = [_read(p) for p in paths]
         wavs, errors = [w for w, _ in read], [e for _, e in read]
-        texts: dict[int, str] = {}
+        results: dict[int, Result] = {}
         decodable = sorted(
             (i for i, e in enumerate(errors) if e is None), key=lambda i: -len(wavs[i])
         )
         for start in range(0, len(decodable), d.batch_size):
-            self._decode_files(decodable[start:start + d.batch_size], paths, wavs, texts, errors, d)
+            batch = decodable[start:start + d.batch_size]
+            self._decode_files(batch, paths, wavs, results, errors, d)
         for i, path in enumerate(paths):
             duration = 0.0 if wavs[i] is None else len(wavs[i]) / SAMPLE_RATE
             used = _method_of(d.method, wavs[i]) if errors[i] is None else ""
-            yield Transcript(str(path), texts.get(i, ""), duration, errors[i], used)
+            result = results.get(i)
+            yield Transcript(str(path), result.text if result else "", duration, errors[i], used,
+                             result.words if result else [])
 
     def _decode_files(
         self,
         chunk: list[int],
         paths: list[str | Path],
         wavs: Sequence[torch.Tensor | None],
-        texts: dict[int, str],
+        results: dict[int, Result],
         errors: list[str | None],
         d: DecodingConfig,
     ) -> None:
-        """Decode the files ``chunk`` (indices into ``paths``) as one batch into ``texts``. If the
+        """Decode the files ``chunk`` (indices into ``paths``) as one batch into ``results``. If the
         batch raises, each file alone, so that only a file that fails by itself gets an ``errors``
         entry (naming it and what was raised) and no other file is lost with it."""
         try:
-            texts.update(zip(chunk, self._decode_waveforms([wavs[i] for i in chunk], d)))
+            results.update(zip(chunk, self._decode_waveforms([wavs[i] for i in chunk], d)))
         except Exception as e:  # noqa: BLE001  whatever one file makes the model raise
             if len(chunk) > 1:
                 for i in chunk:
-                    self._decode_files([i], paths, wavs, texts, errors, d)
+                    self._decode_files([i], paths, wavs, results, errors, d)
             else:
                 reason = str(e).strip().splitlines()[0] if str(e).strip() else "no message"
                 errors[chunk[0]] = (
                     f"{paths[chunk[0]]}: decoding failed ({type(e).__name__}: {reason})"
                 )
+
+
+@contextmanager
+def _encoder_output(model: ASRModel) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The outputs ``(enc, enc_lens)`` of ``model.encoder`` in this thread while the block runs, in
+    order: the forward pass a search decodes from, whose CTC log-probabilities the words are aligned
+    to. Only this thread's: a server's decode threads share the model."""
+    outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    thread = threading.get_ident()
+
+    def keep(_module, _args, output) -> None:
+        if threading.get_ident() == thread:
+            outputs.append(output)
+
+    handle = model.encoder.register_forward_hook(keep)
+    try:
+        yield outputs
+    finally:
+        handle.remove()
 
 
 def _read(path: str | Path) -> tuple[torch.Tensor | None, str | None]:

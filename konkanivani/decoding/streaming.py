@@ -18,8 +18,10 @@ A segment ends at an endpoint: more than ``endpoint_ms`` of frames whose likelie
 blank after speech (a frame whose likeliest output is a token); or after ``MAX_SEGMENT_SECONDS``
 (the longest input the attention decoder is meant for, ``search.LONG_INPUT_SECONDS``), and at the
 end of the stream. Then the search and the encoder's caches start again, so memory stays bounded
-however long the stream. Times count from the stream's start, 40 ms per encoder frame: a token's
-time is that of the frame where it was likeliest.
+however long the stream. Times count from the stream's start, 40 ms per encoder frame: in a partial
+result a token's time is that of the frame where it was likeliest; a final result's words are
+aligned to the segment's CTC log-probabilities (``alignment.align_words``), with their
+probabilities.
 
 A model trained without ``causal_conv`` cannot encode chunk by chunk; a long recording goes through
 ``quiet_windows`` instead: pieces of at most ``WINDOW_SECONDS``, each decoded whole.
@@ -41,6 +43,7 @@ from ..data.frames import HOP_LENGTH, SAMPLE_RATE
 from ..data.tokenizer import BLANK_ID, Tokenizer
 from ..model.asr import ASRModel
 from ..model.conformer import Conv2dSubsampling
+from .alignment import FRAME_SECONDS, WORD_START, Word, align_words
 from .search import CTCPrefixBeam, Fusion, Hypothesis, attention_scores
 from .settings import LONG_INPUT_SECONDS, STREAM_METHODS, DecodingConfig
 
@@ -61,28 +64,20 @@ __all__ = [
     "quiet_windows",
 ]
 
-FRAME_SECONDS = Conv2dSubsampling.STRIDE * HOP_LENGTH / SAMPLE_RATE  # 0.04 s: one encoder frame
 MAX_SEGMENT_SECONDS = LONG_INPUT_SECONDS
 WINDOW_SECONDS = 20.0  # the longest piece of a long recording decoded whole (quiet_windows)
 CUT_SECONDS = 5.0  # ... cut at the quietest 100 ms of its last CUT_SECONDS
-WORD_START = "\u2581"  # SentencePiece's mark of a word's first piece
 MIN_RATE, MAX_RATE = 8000, 192000  # the sample rates recordings and streams are resampled from
 # floats (8 MB) of the sinc kernel torchaudio builds for a rate (check_sample_rate)
 MAX_RESAMPLE_KERNEL = 2 ** 21
 
 
 @dataclass
-class Word:
-    text: str
-    start: float  # seconds from the stream's start
-    end: float
-
-
-@dataclass
 class Result:
     """A partial (``is_final`` False: the best so far of the current segment, may still change) or
-    final result of a segment. ``words`` holds each word's time, in seconds from the stream's start;
-    ``start`` and ``end`` are those of its first and last word (of the segment when it has none)."""
+    final result of a segment. ``words`` holds each word's time, in seconds from the stream's start
+    (a final result's with its probability: ``alignment.Word``); ``start`` and ``end`` are those of
+    its first and last word (of the segment when it has none)."""
 
     text: str
     is_final: bool
@@ -311,6 +306,8 @@ class Stream:
         self.search = CTCPrefixBeam(self.beam_size, self.fusion if self.method == "beam" else None)
         self.segment_start = self.frames
         self.encoded: list[torch.Tensor] = []  # the segment's encoder frames, for rescoring
+        # the segment's CTC log-probabilities, to align the final result's words to
+        self.segment_log_probs: list[torch.Tensor] = []
         self.speech = False  # a frame whose likeliest output is a token, in this segment
         self.blanks = 0  # frames since the last such frame
 
@@ -329,6 +326,7 @@ class Stream:
         search; a partial result, or at an endpoint the segment's final one (none when it is empty).
         """
         self.search.advance(log_probs)
+        self.segment_log_probs.append(log_probs)
         if self.method == "rescore":
             self.encoded.append(enc)
         self.frames += len(enc)
@@ -356,9 +354,17 @@ class Stream:
         return self._result(best, is_final=True)
 
     def _result(self, hyp: Hypothesis, is_final: bool) -> Result:
-        # The frame of each token, never before the one of the token before it.
-        frames = list(itertools.accumulate((self.segment_start + f for f in hyp.frames or []), max))
-        words = _words(self.tokenizer, hyp.tokens, frames)
+        if is_final and self.segment_log_probs:
+            # aligned to the segment's CTC output, as offline decoding aligns a whole file
+            words = align_words(self.tokenizer, hyp.tokens, torch.cat(self.segment_log_probs),
+                                self.segment_start * FRAME_SECONDS,
+                                (self.frames - self.segment_start) * FRAME_SECONDS)
+        else:
+            # The frame of each token, never before the one of the token before it.
+            frames = list(
+                itertools.accumulate((self.segment_start + f for f in hyp.frames or []), max)
+            )
+            words = _words(self.tokenizer, hyp.tokens, frames)
         if words:
             start, end = words[0].start, words[-1].end
         else:
