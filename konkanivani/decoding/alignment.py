@@ -114,18 +114,24 @@ def words_of_spans(tokenizer: Tokenizer, spans: Sequence[TokenSpan], offset: flo
             groups.append([])
         if piece != WORD_START:  # a space alone (character tokenizers): no part of the word's time
             groups[-1].append(span)
+    groups = [g for g in groups if g]
+    starts = [offset + g[0].start * FRAME_SECONDS + START_SHIFT for g in groups]
+    ends = [offset + g[-1].end * FRAME_SECONDS + END_SHIFT for g in groups]
+    for i in range(1, len(groups)):
+        # shifted words that overlap meet half-way: the raw spans never overlap, so both keep time
+        if ends[i - 1] > starts[i]:
+            ends[i - 1] = starts[i] = (ends[i - 1] + starts[i]) / 2
+    if groups:
+        starts[0] = max(starts[0], offset)
+        if duration is not None:
+            ends[-1] = min(ends[-1], offset + duration)
     words = []
-    end_of_audio = None if duration is None else offset + duration
-    for group in filter(None, groups):
-        start = offset + group[0].start * FRAME_SECONDS + START_SHIFT
-        end = offset + group[-1].end * FRAME_SECONDS + END_SHIFT
-        start = max(start, offset, words[-1].end if words else offset)
-        if end_of_audio is not None:
-            end = min(end, end_of_audio)
-        end = max(end, start)
-        words.append(Word(tokenizer.decode([s.token for s in group]), round(start, 3),
-                          round(end, 3),
-                          round(word_probability([s.probability for s in group]), 3)))
+    for group, start, end in zip(groups, starts, ends):
+        start, end = round(start, 3), round(end, 3)
+        # the clamps above cannot undo a word; this keeps every word some time, whatever shifts
+        end = max(end, round(start + 0.001, 3))
+        probability = round(word_probability([s.probability for s in group]), 3)
+        words.append(Word(tokenizer.decode([s.token for s in group]), start, end, probability))
     return words
 
 
