@@ -15,6 +15,7 @@ caches and gives the frames the full forward gives under the same mask.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import NamedTuple, Optional
 
 import torch
@@ -223,6 +224,34 @@ class MultiHeadAttention(nn.Module):
             )
         return self.out_proj(out.transpose(1, 2).reshape(N, Tq, D))
 
+    def forward_rows(
+        self,
+        query: torch.Tensor,
+        rope_rows: tuple[torch.Tensor, torch.Tensor],
+        keys_values: torch.Tensor,
+        allowed: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """Self-attention of B streams' chunks, each row at its own position (``forward_chunks``).
+
+        Args:
+            query: ``(B, C, D)``. rope_rows: ``(cos, sin)`` of shape ``(B, 1, C, D/H)``, each row's
+            rotary tables of its chunk's positions. keys_values: ``(2, B, H, P + C, D/H)``, the
+            rows' visible past in the first P positions, keys (rotated) and values, each row's
+            padded before it to the longest; the chunk's own are written into the last C.
+            allowed: bool ``(B, 1, 1, P + C)``, True at the keys a row may attend to (its past and
+            its chunk, not its padding); None: every key.
+        Returns:
+            ``(B, C, D)``.
+        """
+        B, C, D = query.shape
+        q = self._heads(self.q_proj(query))  # (B, H, C, D/H)
+        k, v = self._heads(self.k_proj(query)), self._heads(self.v_proj(query))
+        q, k = _rotate(q, *rope_rows), _rotate(k, *rope_rows)
+        # written in place of a concatenation: the past is copied into the batch once
+        keys_values[0, :, :, -C:], keys_values[1, :, :, -C:] = k, v
+        out = F.scaled_dot_product_attention(q, keys_values[0], keys_values[1], attn_mask=allowed)
+        return self.out_proj(out.transpose(1, 2).reshape(B, C, D))
+
 
 class FeedForward(nn.Module):
     """Pre-norm position-wise feed-forward with Swish."""
@@ -349,6 +378,28 @@ class ConformerBlock(nn.Module):
         x = x + 0.5 * self.ffn2(x)
         return self.final_norm(x), (k, v), conv_inputs
 
+    def forward_chunks(
+        self,
+        x: torch.Tensor,
+        rope_rows: tuple[torch.Tensor, torch.Tensor],
+        keys_values: torch.Tensor,
+        allowed: Optional[torch.Tensor],
+        conv_inputs: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward_chunk`` of B streams' chunks ``(B, C, D)`` at once, each row at its own
+        position: ``MultiHeadAttention.forward_rows`` takes ``rope_rows``, ``keys_values`` (the
+        chunk's keys and values written into its last C positions) and ``allowed``;
+        ``conv_inputs`` ``(B, kernel - 1, D)``. Returns ``(B, C, D)`` and the convolution's caches.
+        """
+        x = x + 0.5 * self.ffn1(x)
+        x = x + self.attn_dropout(
+            self.attn.forward_rows(self.attn_norm(x), rope_rows, keys_values, allowed)
+        )
+        conv, conv_inputs = self.conv_module.forward_chunk(x, conv_inputs)
+        x = x + conv
+        x = x + 0.5 * self.ffn2(x)
+        return self.final_norm(x), conv_inputs
+
 
 class Conv2dSubsampling(nn.Module):
     """Two stride-2 3x3 convolutions: ``(B, T, F)`` -> ``(B, T', D)`` with T' = ((T-1)//2 - 1)//2.
@@ -413,12 +464,16 @@ class Conv2dSubsampling(nn.Module):
 
 class StreamState(NamedTuple):
     """What chunk-by-chunk encoding carries from one chunk to the next
-    (``ConformerEncoder.forward_chunk``)."""
+    (``ConformerEncoder.forward_chunk``, ``forward_chunks``). Per block: ``forward_chunk`` gives
+    lists; ``forward_chunks`` gives each a tensor with the blocks first, keys_values ``(N, 2, 1,
+    H, P, D/H)`` and conv_inputs ``(N, 1, kernel - 1, D)``, which read per block the same way (and
+    either one takes the other's)."""
 
     offset: int  # encoder frames made so far: the position of the next chunk's first frame
     # per block: the visible past's keys (rotated), values
-    keys_values: list[tuple[torch.Tensor, torch.Tensor]]
-    conv_inputs: list[torch.Tensor]  # per block: its depthwise convolution's last kernel - 1 inputs
+    keys_values: list[tuple[torch.Tensor, torch.Tensor]] | torch.Tensor
+    # per block: its depthwise convolution's last kernel - 1 inputs
+    conv_inputs: list[torch.Tensor] | torch.Tensor
 
 
 def feature_windows(feats: torch.Tensor, chunk_size: int) -> list[torch.Tensor]:
@@ -437,6 +492,14 @@ def feature_windows(feats: torch.Tensor, chunk_size: int) -> list[torch.Tensor]:
         feats[:, start : start + size]
         for start in range(0, feats.shape[1] - context + 1, stride * chunk_size)
     ]
+
+
+def _cached_frames(state: Optional[StreamState]) -> int:
+    """The encoder frames of the past that ``state``'s attention caches hold."""
+    if state is None:
+        return 0
+    kv = state.keys_values
+    return kv.shape[4] if isinstance(kv, torch.Tensor) else kv[0][0].shape[2]
 
 
 def _chunk_allowed(pad: torch.Tensor, chunk_size: int, left_chunks: int) -> torch.Tensor:
@@ -560,6 +623,80 @@ class ConformerEncoder(nn.Module):
             keys_values.append(kv)
             conv_inputs.append(conv)
         return x, StreamState(offset + x.shape[1], keys_values, conv_inputs)
+
+    def forward_chunks(
+        self, feats: torch.Tensor, states: Sequence[Optional[StreamState]], left_frames: int = -1
+    ) -> tuple[torch.Tensor, list[StreamState]]:
+        """Encode one chunk of each of B streams in one batched forward: what ``forward_chunk``
+        gives each row with its own state, though the streams are at different offsets with caches
+        of different lengths (each row's rotary positions are its own; the keys and values of the
+        past are padded before each row to the longest and the padding masked out; the convolution
+        caches, all of one size, stacked).
+
+        Args:
+            feats: ``(B, W, F)`` normalized features, one window of ``feature_windows`` a stream,
+                all of one length.
+            states: each row's state, from ``forward_chunk`` or ``forward_chunks`` (None: its first
+                chunk).
+            left_frames: as ``forward_chunk``, for every row.
+        Returns:
+            ``(B, C, D)`` encoder states and each row's state for its next chunk (its caches as
+            tensors, see ``StreamState``).
+        """
+        if not self.cfg.causal_conv:
+            raise ValueError(
+                "chunk-by-chunk encoding needs a model with causal_conv (its convolutions "
+                "would otherwise look ahead of the chunk)"
+            )
+        B = feats.shape[0]
+        if len(states) != B:
+            raise ValueError(f"{B} windows and {len(states)} states: one state a window")
+        x, _ = self.subsampling(feats, torch.full((B,), feats.shape[1]))
+        C, device = x.shape[1], x.device
+        offsets = [0 if s is None else s.offset for s in states]
+        lengths = [_cached_frames(s) for s in states]
+        longest = max(lengths)
+        cos, sin = self.rotary(max(offsets) + C, device)
+        positions = (torch.tensor(offsets)[:, None] + torch.arange(C)).to(device)  # (B, C)
+        rope_rows = cos[positions][:, None], sin[positions][:, None]  # (B, 1, C, D/H)
+        N, K, D = len(self.blocks), self.cfg.conv_kernel - 1, self.cfg.d_model
+        H = self.cfg.n_heads
+        # every block's keys and values, each row's past before its chunk's, right-aligned; zeros
+        # in the padding (masked out, and finite: a masked value still meets a zero weight)
+        keys_values = x.new_zeros(N, 2, B, H, longest + C, D // H)
+        conv = x.new_zeros(N, B, K, D)
+        for b, state in enumerate(states):
+            if state is None:
+                continue
+            first = longest - lengths[b]
+            if isinstance(state.keys_values, torch.Tensor):
+                keys_values[:, :, b:b + 1, :, first:longest] = state.keys_values
+                conv[:, b:b + 1] = state.conv_inputs
+                continue
+            for n, ((k, v), c) in enumerate(zip(state.keys_values, state.conv_inputs)):
+                keys_values[n, 0, b:b + 1, :, first:longest] = k
+                keys_values[n, 1, b:b + 1, :, first:longest] = v
+                conv[n, b:b + 1] = c
+        allowed = None
+        if min(lengths) < longest:
+            pad = torch.tensor([longest - n for n in lengths])[:, None]
+            seen = torch.arange(longest + C)[None, :] >= pad  # (B, P + C)
+            allowed = seen[:, None, None, :].to(device)
+        convs = []
+        for n, block in enumerate(self.blocks):
+            x, c = block.forward_chunks(x, rope_rows, keys_values[n], allowed, conv[n])
+            convs.append(c)
+        conv = torch.stack(convs)  # (N, B, K, D)
+        out = []
+        for b in range(B):
+            first = longest - lengths[b]
+            if left_frames >= 0:
+                first = max(first, longest + C - left_frames)
+            # copies: a row's state holds none of the batch's memory once the batch is gone
+            out.append(StreamState(offsets[b] + C,
+                                   keys_values[:, :, b:b + 1, :, first:].contiguous(),
+                                   conv[:, b:b + 1].contiguous()))
+        return x, out
 
     def forward_chunk_by_chunk(
         self, feats: torch.Tensor, chunk_size: int, left_chunks: int = -1
