@@ -32,7 +32,7 @@ from .decoding_flags import (
 # The DecodingConfig fields konkanivani-evaluate takes as flags (docs/generate_flags.py reads them):
 # its --chunk_size encodes each utterance under a stream's chunk mask, batched.
 DECODING_FIELDS = ("method", "beam_size", "ctc_weight", "lm", "lm_weight", "length_bonus",
-                   "batch_size", "chunk_size", "left_chunks", "device")
+                   "batch_size", "chunk_size", "left_chunks", "device", "hotwords", "hotword_boost")
 
 
 @tool

@@ -55,7 +55,8 @@ from .decoding_flags import (
 # The DecodingConfig fields konkanivani-transcribe takes as flags (docs/generate_flags.py reads
 # them).
 DECODING_FIELDS = ("method", "beam_size", "ctc_weight", "lm", "lm_weight", "length_bonus",
-                   "batch_size", "chunk_size", "left_chunks", "endpoint_ms", "device")
+                   "batch_size", "chunk_size", "left_chunks", "endpoint_ms", "device", "hotwords",
+                   "hotword_boost")
 
 
 @tool

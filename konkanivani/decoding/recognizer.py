@@ -38,6 +38,7 @@ from ..device import resolve_device
 from ..model.asr import ASRModel
 from ..model.lm import TransformerLM, check_same_vocabulary, load_lm
 from .alignment import Word, align_words
+from .hotwords import ContextGraph, context_graph
 from .search import (
     FUSED_METHODS,
     LONG_INPUT_METHOD,
@@ -149,6 +150,12 @@ class Recognizer:
         # weight 0: the LM need not run
         return Fusion(self.lm if d.lm_weight else None, d.lm_weight or 0.0, d.length_bonus)
 
+    def context(self, d: DecodingConfig) -> ContextGraph | None:
+        """The hotwords' context of settings ``d`` (``hotwords.context_graph``, spelled with this
+        recognizer's tokenizer): None without hotwords. A request's own list goes in as an override:
+        ``rec.transcribe(paths, hotwords=["पणजी", "मांडवी :2.5"])``."""
+        return context_graph(d.hotwords, d.hotword_boost, self.tokenizer)
+
     @classmethod
     def _from_checkpoint(cls, path: str | Path, device: torch.device) -> Recognizer:
         state = load_checkpoint(path)
@@ -194,7 +201,8 @@ class Recognizer:
         padded = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True).to(self.device)
         with _encoder_output(self.model) as encoded:
             ids = decode_batch(self.model, padded, lens, d.method, d.beam_size, d.ctc_weight,
-                               fusion=fusion, chunk_size=d.chunk_size, left_chunks=d.left_chunks)
+                               fusion=fusion, chunk_size=d.chunk_size, left_chunks=d.left_chunks,
+                               context=self.context(d))
         enc, enc_lens = encoded[-1]
         with torch.inference_mode():
             log_probs = self.model.ctc_log_probs(enc).cpu()
@@ -219,7 +227,8 @@ class Recognizer:
         chunks it was not trained with."""
         d = self.settings(decoding, streams=True, **overrides)
         check_sample_rate(sample_rate)
-        return Stream(self.model, self.tokenizer, self.log_mel, d, self.fusion(d), sample_rate)
+        return Stream(self.model, self.tokenizer, self.log_mel, d, self.fusion(d), sample_rate,
+                      context=self.context(d))
 
     def stream_results(self, pieces: Iterable[torch.Tensor], decoding: DecodingConfig | None = None,
                        *, sample_rate: int = SAMPLE_RATE, **overrides) -> Iterator[Result]:

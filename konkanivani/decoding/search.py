@@ -17,6 +17,15 @@ outputs. With fusion, the attention and joint searches rank finished hypotheses 
 score, not divided by the length: the bonus takes that role. With ``W = B = 0`` each method returns
 what it returns without fusion, scores included.
 
+Hotwords (``context``, a ``hotwords.ContextGraph``) add to every method but greedy a context bonus:
+each token that spells a hotword earns its boost, taken back when the word is not completed (the
+module ``hotwords``). CTC prefix beam search prunes and ranks its prefixes by the score with the
+bonus, attention rescoring rescores that search's n-best and keeps each hypothesis's bonus
+(``Hypothesis.context``) at full weight, so that a hotword the CTC search found is not lost to the
+decoder, which never saw it; joint decoding adds the bonus to each extension, in its pre-beam too
+(the attention search alone is not biased: nothing holds it to the audio). Without a context, or with a boost of 0 (``ContextGraph.active`` False), each
+method returns what it returns without hotwords.
+
 Long input: ``decode_batch``'s attention searches stop a hypothesis at a length the CTC head
 supports (``ctc_length_bound``, a margin over its greedy hypothesis), and it decodes an utterance
 longer than ``LONG_INPUT_SECONDS`` with CTC prefix beam search (``LONG_INPUT_METHOD``) when an
@@ -37,7 +46,14 @@ from ..data.frames import frames_of
 from ..data.tokenizer import BLANK_ID, SOS_EOS_ID
 from ..model.lm import TransformerLM
 from ..model.masks import pad_mask
-from .settings import FUSED_METHODS, LONG_INPUT_SECONDS, METHODS, DecodingConfig
+from .hotwords import ContextGraph, ContextState
+from .settings import (
+    FUSED_METHODS,
+    HOTWORD_METHODS,
+    LONG_INPUT_SECONDS,
+    METHODS,
+    DecodingConfig,
+)
 
 __all__ = [
     "ATTENTION_METHODS",
@@ -76,6 +92,8 @@ class Hypothesis:
     score: float  # the method's total log score (not length-normalized), fusion terms included
     # CTC prefix beam search: the encoder frame where each token peaked
     frames: list[int] | None = None
+    # CTC prefix beam search: the hotwords' context bonus that ``score`` includes
+    context: float = 0.0
 
 
 @dataclass
@@ -180,12 +198,13 @@ class _Prefix:
 
 @torch.inference_mode()
 def ctc_prefix_beam_search(log_probs: torch.Tensor, length: int, beam_size: int,
-                           fusion: Fusion | None = None) -> list[Hypothesis]:
+                           fusion: Fusion | None = None,
+                           context: ContextGraph | None = None) -> list[Hypothesis]:
     """Prefix beam search over one utterance's CTC output ``(T', V)``; returns up to ``beam_size``
     prefixes, best first, scored by log P(prefix) summed over all alignments (plus, with
-    ``fusion``, ``W * log P_LM(prefix + end) + B * len(prefix)``). ``CTCPrefixBeam`` over all the
-    frames at once."""
-    search = CTCPrefixBeam(beam_size, fusion)
+    ``fusion``, ``W * log P_LM(prefix + end) + B * len(prefix)``, and with ``context`` the
+    hotwords' bonus). ``CTCPrefixBeam`` over all the frames at once."""
+    search = CTCPrefixBeam(beam_size, fusion, context)
     search.advance(log_probs[:length])
     return search.hypotheses()
 
@@ -201,6 +220,10 @@ class CTCPrefixBeam:
     linear in the length (``_Prefix``). Each hypothesis carries, for timestamps, the frame at which
     each of its tokens was likeliest (counted from the stream's first frame).
 
+    With a ``context`` (hotwords), each prefix carries its node of the hotwords' automaton and its
+    context bonus, in the score it is pruned and ranked by; the final n-best
+    (``hypotheses(final=True)``) takes back the bonus of a hotword a prefix has only begun.
+
     Examples:
         >>> lp = torch.log_softmax(torch.tensor([[0., 5, 0], [5, 0, 0], [0, 0, 5]]), -1)
         >>> search = CTCPrefixBeam(beam_size=3)
@@ -210,8 +233,11 @@ class CTCPrefixBeam:
         ([1, 2], [0, 2])
     """
 
-    def __init__(self, beam_size: int, fusion: Fusion | None = None):
+    def __init__(self, beam_size: int, fusion: Fusion | None = None,
+                 context: ContextGraph | None = None):
         self.beam_size, self.fusion = beam_size, fusion or Fusion()
+        # a context that adds nothing (a boost of 0) is none: the search is the same
+        self.context = context if context is not None and context.active else None
         empty = _Prefix()
         # prefix -> (log P ending in blank, log P ending in its last token)
         self.beams: dict[_Prefix, tuple[float, float]] = {empty: (0.0, NEG_INF)}
@@ -220,6 +246,10 @@ class CTCPrefixBeam:
         self.lm_next: dict[_Prefix, list[float]] = {}
         # the one node of each prefix, holding its peak
         self.nodes: dict[_Prefix, _Prefix] = {empty: empty}
+        # prefix -> (its node in the hotwords' automaton, its context bonus so far)
+        self.states: dict[_Prefix, tuple[ContextState, float]] = (
+            {} if self.context is None else {empty: (self.context.root, 0.0)}
+        )
         self.frames = 0  # frames seen so far
 
     def advance(self, log_probs: torch.Tensor) -> None:
@@ -230,6 +260,7 @@ class CTCPrefixBeam:
         top_vals, top_ids = lp.topk(min(self.beam_size, lp.shape[-1]), dim=-1)
         blank_lp = lp[:, BLANK_ID].tolist()
         beams, extra, nodes, fusion = self.beams, self.extra, self.nodes, self.fusion
+        context, states = self.context, self.states
         for t in range(lp.shape[0]):
             self.lm_next = lm_next = _weighted_lm_next(fusion, beams, self.lm_next)
             nxt: dict[_Prefix, list[float]] = {}
@@ -250,6 +281,11 @@ class CTCPrefixBeam:
                             + (lm_next[prefix][tok] if lm_next else 0.0)
                             + fusion.length_bonus
                         )
+                        if context is not None:
+                            state, earned = states[prefix]
+                            state, bonus = context.step(state, tok)
+                            states[longer] = (state, earned + bonus)
+                            extra[longer] += bonus
                     if tok == prefix.token:
                         _peak(prefix, self.frames + t, value)
                         # repeat merged into the same token
@@ -263,15 +299,24 @@ class CTCPrefixBeam:
             beams = {prefix: (pb, pnb) for prefix, (pb, pnb) in ranked[:self.beam_size]}
             extra = {prefix: extra[prefix] for prefix in beams}
             nodes = {prefix: nodes[prefix] for prefix in beams}
-        self.beams, self.extra, self.nodes = beams, extra, nodes
+            if context is not None:
+                states = {prefix: states[prefix] for prefix in beams}
+        self.beams, self.extra, self.nodes, self.states = beams, extra, nodes, states
         self.frames += lp.shape[0]
 
-    def hypotheses(self) -> list[Hypothesis]:
-        """The n-best so far, best first; with fusion each ends with the LM's end symbol."""
+    def hypotheses(self, final: bool = True) -> list[Hypothesis]:
+        """The n-best so far, best first; with fusion each ends with the LM's end symbol. With
+        hotwords, ``final`` takes back the bonus of a hotword a prefix has only begun (the n-best
+        of a whole input or segment); a partial result (``final`` False) keeps it."""
         self.lm_next = lm_next = _weighted_lm_next(self.fusion, self.beams, self.lm_next)
         hyps = [Hypothesis(prefix.tokens(), _logaddexp(pb, pnb) + self.extra[prefix]
                            + (lm_next[prefix][SOS_EOS_ID] if lm_next else 0.0), prefix.frames())
                 for prefix, (pb, pnb) in self.beams.items()]
+        if self.context is not None:
+            for h, prefix in zip(hyps, self.beams):
+                state, earned = self.states[prefix]
+                taken = self.context.final(state) if final else 0.0
+                h.score, h.context = h.score + taken, earned + taken
         # stable: unchanged order without fusion
         return sorted(hyps, key=lambda h: h.score, reverse=True)
 
@@ -367,11 +412,13 @@ def attention_beam_search(
     length_norm: bool = True,
     max_len: int | torch.Tensor | None = None,
     fusion: Fusion | None = None,
+    context: ContextGraph | None = None,
 ) -> list[Hypothesis]:
     """Beam search of the attention decoder, batched over utterances and hypotheses; with
     ``ctc_weight`` > 0 it is joint CTC/attention decoding; with ``fusion`` an LM (stepped along
     with the decoder, its rows reordered with the decoder's) and a length bonus add to each
-    extension. Returns the best hypothesis per utterance.
+    extension, and with ``context`` the hotwords' bonus (ending a hypothesis takes back a hotword
+    it has only begun). Returns the best hypothesis per utterance.
 
     Each step takes the top ``2 * beam_size`` extensions per utterance; those that end go to the
     finished list, the best ``beam_size`` others continue. An utterance stops once it has
@@ -400,6 +447,11 @@ def attention_beam_search(
     lm_state = fusion.lm.init_state() if fusion.lm is not None else None
     # zeros without a bonus: nothing changes
     bonus = fusion.token_bonus(model.cfg.vocab_size, device)
+    hotwords = (
+        None
+        if context is None or not context.active
+        else _ContextRows(context, N, model.cfg.vocab_size, device)
+    )
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
     done = torch.zeros(B, dtype=torch.bool)
     n_cand = min(K * 2, model.cfg.vocab_size - 1)
@@ -411,12 +463,16 @@ def attention_beam_search(
         if lm_state is not None:
             lm_lp, lm_state = fusion.lm.step(ys[:, -1], lm_state)
             fused = fused + fusion.lm_weight * lm_lp
+        if hotwords is not None:
+            fused = fused + hotwords.rows()
         if use_ctc:
-            # Pre-beam on the attention (+ weighted LM) scores, then CTC prefix scores for those
-            # candidates only.
+            # Pre-beam on the attention (+ weighted LM, + context bonus) scores, then CTC prefix
+            # scores for those candidates only.
             pre = (
                 att if lm_state is None or fusion.lm_weight == 0 else att + fusion.lm_weight * lm_lp
             )
+            if hotwords is not None:
+                pre = pre + hotwords.rows()
             cand = pre.topk(n_cand, dim=-1).indices  # (N, C)
             psi, r_new = scorer.score(ctc_r, ys[:, -1], cand, empty_prefix=step == 0)
             ext = ((1 - ctc_weight) * att.gather(1, cand) + ctc_weight * (psi - ctc_psi[:, None])
@@ -437,6 +493,8 @@ def attention_beam_search(
         if bool(done.all()):
             break
         rows = torch.tensor(new_rows, device=device)
+        if hotwords is not None:
+            hotwords.advance(new_rows, new_tok, new_scores)
         ys = torch.cat([ys[rows], torch.tensor(new_tok, device=device)[:, None]], dim=1)
         dec_state = dec_state.select(rows)
         if lm_state is not None:
@@ -451,6 +509,39 @@ def attention_beam_search(
     # With fusion the length bonus does length normalization's work (dividing by the length would
     # all but cancel it): finished hypotheses are ranked by their fused score.
     return _best_finished(finished, normalize=length_norm and not fusion.active)
+
+
+class _ContextRows:
+    """The context bonus of every extension of the attention searches' N running hypotheses: each
+    row's node of the hotwords' automaton and its bonus for every token (``ContextGraph.row``, one
+    tensor per node, made once)."""
+
+    def __init__(self, context: ContextGraph, n: int, vocab_size: int, device: torch.device):
+        self.context, self.vocab_size, self.device = context, vocab_size, device
+        self.states = [context.root] * n
+        self.cache: dict[ContextState, torch.Tensor] = {}
+        self._rows: torch.Tensor | None = None
+
+    def rows(self) -> torch.Tensor:
+        """``(N, V)``: the bonus of each token after each hypothesis (the end symbol's:
+        ``ContextGraph.final``)."""
+        if self._rows is None:
+            for state in self.states:
+                if state not in self.cache:
+                    self.cache[state] = torch.tensor(
+                        self.context.row(state, self.vocab_size, SOS_EOS_ID), device=self.device
+                    )
+            self._rows = torch.stack([self.cache[state] for state in self.states])
+        return self._rows
+
+    def advance(self, rows: list[int], tokens: list[int], scores: list[float]) -> None:
+        """The hypotheses of the next step: row ``rows[i]`` extended by ``tokens[i]`` (none, a dead
+        one, where ``scores[i]`` is -inf)."""
+        self.states = [
+            self.context.root if score == NEG_INF else self.context.step(self.states[row], tok)[0]
+            for row, tok, score in zip(rows, tokens, scores)
+        ]
+        self._rows = None
 
 
 def _limit(max_len: int | torch.Tensor | None, enc_lens: torch.Tensor) -> torch.Tensor:
@@ -550,15 +641,18 @@ def attention_scores(model, enc: torch.Tensor, enc_lens: torch.Tensor,
 def attention_rescoring(model, enc: torch.Tensor, enc_lens: torch.Tensor,
                         beam_size: int = DecodingConfig.beam_size,
                         ctc_weight: float = DecodingConfig.ctc_weight,
-                        fusion: Fusion | None = None) -> list[Hypothesis]:
+                        fusion: Fusion | None = None,
+                        context: ContextGraph | None = None) -> list[Hypothesis]:
     """CTC prefix beam search, then each n-best hypothesis rescored with the attention decoder:
     ``λ * log P_ctc + (1 - λ) * log P_att`` (+ ``W * log P_LM(hyp + end) + B * len(hyp)`` with
-    ``fusion``; the n-best itself comes from the plain CTC search). Returns the best per utterance.
+    ``fusion``; the n-best itself comes from the CTC search without the LM). With ``context`` the
+    n-best comes from the search biased towards the hotwords, and each hypothesis keeps its context
+    bonus at full weight. Returns the best per utterance.
     """
     fusion = fusion or Fusion()
     log_probs = model.ctc_log_probs(enc)
     nbests = [
-        ctc_prefix_beam_search(log_probs[b], int(enc_lens[b]), beam_size)
+        ctc_prefix_beam_search(log_probs[b], int(enc_lens[b]), beam_size, context=context)
         for b in range(enc.shape[0])
     ]
     rows = torch.tensor([b for b, nbest in enumerate(nbests) for _ in nbest], device=enc.device)
@@ -573,8 +667,9 @@ def attention_rescoring(model, enc: torch.Tensor, enc_lens: torch.Tensor,
     )
     best: list[Hypothesis | None] = [None] * len(nbests)
     for b, h, a, lm_score in zip(rows.tolist(), flat, att, lm):
-        cand = Hypothesis(h.tokens, ctc_weight * h.score + (1 - ctc_weight) * a + lm_score
-                          + fusion.length_bonus * len(h.tokens))
+        cand = Hypothesis(h.tokens, ctc_weight * (h.score - h.context) + (1 - ctc_weight) * a
+                          + lm_score + fusion.length_bonus * len(h.tokens) + h.context,
+                          context=h.context)
         if best[b] is None or cand.score > best[b].score:
             best[b] = cand
     return best
@@ -595,9 +690,9 @@ def decode_batch(model, feats: torch.Tensor, feat_lens: torch.Tensor, method: st
                  ctc_weight: float = DecodingConfig.ctc_weight,
                  length_norm: bool = True, fusion: Fusion | None = None,
                  long_input_seconds: float = LONG_INPUT_SECONDS, chunk_size: int = 0,
-                 left_chunks: int = -1) -> list[list[int]]:
+                 left_chunks: int = -1, context: ContextGraph | None = None) -> list[list[int]]:
     """Token ids per utterance of a feature batch ``(B, T, F)`` with one of ``METHODS``, each but
-    greedy with optional shallow ``fusion``:
+    greedy with optional shallow ``fusion`` and hotwords' ``context``:
 
     - ``greedy``: best CTC path;
     - ``beam``: CTC prefix beam search;
@@ -620,11 +715,14 @@ def decode_batch(model, feats: torch.Tensor, feat_lens: torch.Tensor, method: st
     ):
         raise ValueError(f"{method} decoding takes no language model or length bonus; choose from "
                          f"{', '.join(FUSED_METHODS)}")
+    if method not in HOTWORD_METHODS and context is not None:
+        raise ValueError(f"{method} decoding cannot be biased towards hotwords; choose from "
+                         f"{', '.join(HOTWORD_METHODS)}")
     enc, enc_lens = model.encode(feats, feat_lens, chunk_size=chunk_size, left_chunks=left_chunks)
     methods = [method_for(method, n, long_input_seconds) for n in feat_lens.tolist()]
     if len(set(methods)) == 1:
         return _decode_encoded(
-            model, enc, enc_lens, methods[0], beam_size, ctc_weight, length_norm, fusion
+            model, enc, enc_lens, methods[0], beam_size, ctc_weight, length_norm, fusion, context
         )
     out: list[list[int]] = [[] for _ in methods]
     for each in dict.fromkeys(methods):  # each group cut to its own longest utterance
@@ -639,6 +737,7 @@ def decode_batch(model, feats: torch.Tensor, feat_lens: torch.Tensor, method: st
             ctc_weight,
             length_norm,
             fusion,
+            context,
         )
         for b, h in zip(rows, ids):
             out[b] = h
@@ -646,24 +745,29 @@ def decode_batch(model, feats: torch.Tensor, feat_lens: torch.Tensor, method: st
 
 
 def _decode_encoded(model, enc: torch.Tensor, enc_lens: torch.Tensor, method: str, beam_size: int,
-                    ctc_weight: float, length_norm: bool, fusion: Fusion | None) -> list[list[int]]:
+                    ctc_weight: float, length_norm: bool, fusion: Fusion | None,
+                    context: ContextGraph | None = None) -> list[list[int]]:
     """``decode_batch`` from the encoder states on, every utterance with ``method``."""
     if method == "greedy":
         return ctc_greedy(model.ctc_log_probs(enc), enc_lens)
     if method == "beam":
         log_probs = model.ctc_log_probs(enc)
-        return [ctc_prefix_beam_search(log_probs[b], int(enc_lens[b]), beam_size, fusion)[0].tokens
+        return [ctc_prefix_beam_search(log_probs[b], int(enc_lens[b]), beam_size, fusion,
+                                       context)[0].tokens
                 for b in range(enc.shape[0])]
     if method == "rescore":
         return [
             h.tokens
-            for h in attention_rescoring(model, enc, enc_lens, beam_size, ctc_weight, fusion)
+            for h in attention_rescoring(
+                model, enc, enc_lens, beam_size, ctc_weight, fusion, context
+            )
         ]
     weight = ctc_weight if method == "joint" else 0.0
     bound = ctc_length_bound(model.ctc_log_probs(enc), enc_lens)
     return [
         h.tokens
         for h in attention_beam_search(
-            model, enc, enc_lens, beam_size, weight, length_norm, max_len=bound, fusion=fusion
+            model, enc, enc_lens, beam_size, weight, length_norm, max_len=bound, fusion=fusion,
+            context=context,
         )
     ]

@@ -26,15 +26,21 @@ from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from ..config import ConfigError, Renamed
+from .hotwords import HotwordError, parse_hotword, read_hotwords
 
 __all__ = ["CHUNK_SIZE", "ENDPOINT_MS", "EXPORTED_METHOD", "EXPORTED_METHODS", "EXPORT_LEFT_CHUNKS",
-           "FUSED_METHODS", "LM_WEIGHT", "LONG_INPUT_SECONDS", "METHOD", "METHODS",
-           "STREAMING_METHOD", "STREAM_METHODS", "DecodingConfig", "add_decoding_flags",
-           "decoding_config_from_args", "default_text", "flag_name"]
+           "FUSED_METHODS", "HOTWORD_BOOST", "HOTWORD_METHODS", "LM_WEIGHT", "LONG_INPUT_SECONDS",
+           "METHOD", "METHODS", "STREAMING_METHOD", "STREAM_METHODS", "DecodingConfig",
+           "add_decoding_flags", "decoding_config_from_args", "default_text", "flag_name",
+           "hotwords_file"]
 
 METHODS = ("greedy", "beam", "attention", "joint", "rescore")
 # greedy has no hypotheses to weigh
 FUSED_METHODS = ("beam", "attention", "joint", "rescore")
+# The searches that take a hotwords' context bonus (decoding.hotwords). Greedy has no hypotheses to
+# favour one of; the attention decoder alone, with no CTC score to hold it to the audio, writes a
+# boosted word again and again ("bed bed bed" for "bad cafe" on the tests' tone model).
+HOTWORD_METHODS = ("beam", "joint", "rescore")
 # What a stream decodes with: CTC prefix beam search chunk by chunk, rescored at a segment's end.
 STREAM_METHODS = ("greedy", "beam", "rescore")
 # CTC only: an export holds no attention decoder.
@@ -49,6 +55,9 @@ EXPORT_LEFT_CHUNKS = 4
 # The shallow fusion weight with --lm: a common starting point, not a tuned value
 # (benchmarks/lm_fusion.py chooses one on a validation set).
 LM_WEIGHT = 0.3
+# The context bonus per token of a hotword (decoding.hotwords): chosen with benchmarks/hotwords.py
+# (benchmarks/results/hotwords/README.md).
+HOTWORD_BOOST = 1.5
 ENDPOINT_MS = 800  # a streamed segment ends after this much of blank frames after speech
 # Above this many seconds an utterance asked of an attention-based method is decoded with
 # search.LONG_INPUT_METHOD instead: the training default --max_duration, so the decoder never saw
@@ -63,6 +72,15 @@ def _setting(help: str, **more: Any) -> dict[str, Any]:
     it is not the field's), ``old`` (an old spelling that still works and says so once),
     ``choices``, ``metavar`` and ``default`` (how the default reads where the field's is None)."""
     return {"help": help, **more}
+
+
+def hotwords_file(path: str) -> tuple[str, ...]:
+    """The type of ``--hotwords FILE``: the file's hotword lines; its errors in the parser's one
+    line."""
+    try:
+        return read_hotwords(path)
+    except HotwordError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -113,6 +131,21 @@ class DecodingConfig:
     device: str = field(default="auto", metadata=_setting(
         "auto (CUDA where there is one, else the CPU), cpu, cuda, cuda:1 ... (an ONNX export runs "
         "on onnxruntime's CPU)"))
+    # The flag reads a file into the lines; a library caller passes the lines (a request's, say).
+    hotwords: tuple[str, ...] = field(default=(), metadata=_setting(
+        "a file of words or phrases to favour (names, places), one a line, as 'phrase' or "
+        "'phrase :BOOST' (a boost of its own); blank lines and lines starting with # skipped. "
+        f"Biases {', '.join(HOTWORD_METHODS)}: each token of a hotword a hypothesis spells earns "
+        "the boost, taken back unless the word is completed", metavar="FILE", read=hotwords_file,
+        default="none"))
+    hotword_boost: float = field(default=HOTWORD_BOOST, metadata=_setting(
+        "with --hotwords: the score added per token of a hotword (its line's boost where it has "
+        "one); 0 changes nothing"))
+
+    def __post_init__(self) -> None:
+        # a list of hotwords (a library caller's) held as a tuple: the settings stay hashable
+        if isinstance(self.hotwords, list):
+            object.__setattr__(self, "hotwords", tuple(self.hotwords))
 
     @classmethod
     def of(cls, decoding: DecodingConfig | None = None, **overrides: Any) -> DecodingConfig:
@@ -137,9 +170,16 @@ class DecodingConfig:
             raise ConfigError(f"{flag_name('ctc_weight')} must be in [0, 1], got {self.ctc_weight}")
         self._check_fusion(lm_loaded)
         self._check_chunks(streams)
+        self._check_hotwords()
         method = self.method or self._default_method(streams, exported)
+        if exported and self.hotwords:
+            raise ConfigError("an ONNX export decodes without --hotwords (it holds no tokenizer "
+                              "to spell them with)")
         if method is None:
             return
+        if self.hotwords and method not in HOTWORD_METHODS:
+            raise ConfigError(f"--method {method} cannot be biased towards --hotwords; choose from "
+                              f"{', '.join(HOTWORD_METHODS)}")
         if method not in METHODS:
             raise ConfigError(f"--method {method}: unknown; choose from {', '.join(METHODS)}")
         fused = self.lm is not None or bool(self.lm_weight) or bool(self.length_bonus)
@@ -166,6 +206,19 @@ class DecodingConfig:
             raise ConfigError(f"--lm_weight must be >= 0, got {self.lm_weight}")
         if not math.isfinite(self.length_bonus):
             raise ConfigError(f"--length_bonus must be a number, got {self.length_bonus}")
+
+    def _check_hotwords(self) -> None:
+        if isinstance(self.hotwords, str) or not all(isinstance(h, str) for h in self.hotwords):
+            raise ConfigError(f"--hotwords: a list of words or phrases (strings), got "
+                              f"{self.hotwords!r:.60}")
+        for line in self.hotwords:
+            try:
+                parse_hotword(line)
+            except HotwordError as e:
+                raise ConfigError(f"--hotwords {line!r:.60}: {e}") from None
+        boost = self.hotword_boost
+        if not (isinstance(boost, (int, float)) and math.isfinite(boost) and boost >= 0):
+            raise ConfigError(f"--hotword_boost must be a number >= 0, got {boost!r}")
 
     def _check_chunks(self, streams: bool | None) -> None:
         if not isinstance(self.chunk_size, int) or self.chunk_size < 0:
@@ -228,7 +281,8 @@ def add_decoding_flags(parser: argparse.ArgumentParser, fields: Iterable[str]) -
         if f.name not in wanted:
             continue
         kind, meta = _flag_type(hints[f.name]), f.metadata
-        parser.add_argument(flag_name(f.name), dest=f.name, type=kind, default=None,
+        parser.add_argument(flag_name(f.name), dest=f.name, type=meta.get("read", kind),
+                            default=None,
                             choices=meta.get("choices"), metavar=meta.get("metavar"),
                             help=f"{meta['help']} (default: {default_text(f)})")
         if "old" in meta:

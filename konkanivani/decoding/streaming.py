@@ -44,6 +44,7 @@ from ..data.tokenizer import BLANK_ID, Tokenizer
 from ..model.asr import ASRModel
 from ..model.conformer import Conv2dSubsampling
 from .alignment import FRAME_SECONDS, WORD_START, Word, align_words
+from .hotwords import ContextGraph
 from .search import CTCPrefixBeam, Fusion, Hypothesis, attention_scores
 from .settings import LONG_INPUT_SECONDS, STREAM_METHODS, DecodingConfig
 
@@ -246,11 +247,12 @@ class Stream:
 
     ``chunks`` encodes the chunks: by default the model's own ``forward_chunk`` (``ModelChunks``);
     with another (an exported chunk graph) ``model`` may be None, and ``method`` not ``rescore``,
-    which needs the model's attention decoder."""
+    which needs the model's attention decoder. ``context``: the hotwords' (``Recognizer.context``),
+    which the search and the rescoring are biased towards."""
 
     def __init__(self, model: ASRModel | None, tokenizer: Tokenizer, log_mel: LogMel,
                  decoding: DecodingConfig, fusion: Fusion | None, sample_rate: int = SAMPLE_RATE,
-                 chunks: ModelChunks | None = None):
+                 chunks: ModelChunks | None = None, context: ContextGraph | None = None):
         d = decoding  # resolved: chunk_size, method and endpoint_ms written in
         if model is None and d.method == "rescore":
             raise ValueError("rescoring needs the model's attention decoder")
@@ -261,6 +263,7 @@ class Stream:
         self.chunk_size, self.method, self.ctc_weight = chunk_size, d.method, d.ctc_weight
         self.beam_size = 1 if d.method == "greedy" else d.beam_size
         self.fusion = fusion or Fusion()
+        self.hotwords = context
         # a run of blank frames longer than this ends a segment
         self.endpoint_frames = d.endpoint_ms / 1000 / FRAME_SECONDS
         self.max_segment_frames = round(MAX_SEGMENT_SECONDS / FRAME_SECONDS)
@@ -303,7 +306,8 @@ class Stream:
 
     def _new_segment(self) -> None:
         self.chunks.reset()
-        self.search = CTCPrefixBeam(self.beam_size, self.fusion if self.method == "beam" else None)
+        self.search = CTCPrefixBeam(self.beam_size, self.fusion if self.method == "beam" else None,
+                                    self.hotwords)
         self.segment_start = self.frames
         self.encoded: list[torch.Tensor] = []  # the segment's encoder frames, for rescoring
         # the segment's CTC log-probabilities, to align the final result's words to
@@ -336,7 +340,7 @@ class Stream:
             )
         endpoint = self.speech and self.endpoint_frames and self.blanks > self.endpoint_frames
         if not endpoint and self.frames - self.segment_start < self.max_segment_frames:
-            return [self._result(self.search.hypotheses()[0], is_final=False)]
+            return [self._result(self.search.hypotheses(final=False)[0], is_final=False)]
         final = self._final()
         self._new_segment()
         self.finals += bool(final.text)
@@ -395,8 +399,10 @@ def _rescore(
             fusion.lm_weight * fusion.lm.sentence_log_probs([h.tokens for h in nbest], enc.device)
         ).tolist()
     )
+    # a hypothesis keeps its hotwords' context bonus at full weight
     scores = [
-        ctc_weight * h.score + (1 - ctc_weight) * a + lm_score + fusion.length_bonus * len(h.tokens)
+        ctc_weight * (h.score - h.context) + (1 - ctc_weight) * a + lm_score
+        + fusion.length_bonus * len(h.tokens) + h.context
         for h, a, lm_score in zip(nbest, att, lm)
     ]
     return nbest[max(range(n), key=scores.__getitem__)]
