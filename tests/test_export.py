@@ -8,6 +8,7 @@ import doctest
 import json
 import random
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -222,7 +223,7 @@ def test_the_chunk_graph_example_holds():
     finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner()
     for test in finder.find(ChunkGraph, "ChunkGraph", globs={**vars(export_module), **globs}):
         runner.run(test)
-    assert runner.failures == 0 and runner.tries == 6
+    assert runner.failures == 0 and runner.tries == 7
 
 
 STREAMS = [
@@ -602,3 +603,208 @@ def test_the_streaming_snippet_transcribes_as_the_model_chunk_by_chunk_without_k
     assert len(set(ids)) >= 3 and partials[-1] == expected
     assert len(partials) == len(feature_windows(feats, 4))  # the text so far after each chunk
     assert all(later.startswith(earlier) for earlier, later in zip(partials, partials[1:]))
+
+
+# --- --quantize int8: the tiny streaming model's graphs in int8 ---------------------------------
+
+# The int8 graphs against the float export on the test corpus's speech, the tiny model of the
+# streaming fixture (2 steps, a random CTC head: a harder case than a trained model). A token's
+# probability on a frame: the export's own check allows INT8_TOLERANCE (0.1); observed 0.038 (0.018
+# on checkpoints/streaming_small).
+INT8_PROBABILITY_ATOL = 0.08
+# |log-prob| differences where either graph gives the token at least e^-5: observed 0.27.
+INT8_LOG_PROB_ATOL = 0.6
+# the frames whose best token is the float graph's: observed 94%
+INT8_AGREEMENT = 0.9
+
+
+@pytest.fixture(scope="module")
+def int8_exported(streaming_exported, tmp_path_factory):
+    """The streaming fixture's checkpoint through konkanivani-export --quantize int8 in its chunks,
+    into the default folder (the checkpoint's name plus _export_int8): (folder, stdout lines)."""
+    checkpoint = tmp_path_factory.mktemp("int8") / "model.pt"
+    checkpoint.write_bytes(streaming_exported[0].read_bytes())
+    result = subprocess.run(
+        [sys.executable, "-m", "konkanivani.cli.export", str(checkpoint), *STREAM_FLAGS,
+         "--quantize", "int8"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return checkpoint.with_name("model_export_int8"), result.stdout.splitlines()
+
+
+def weight_matmuls(model):
+    """The MatMul nodes of an ONNX model whose second input is a weight (an initializer)."""
+    weights = {t.name for t in model.graph.initializer}
+    return [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in weights]
+
+
+def test_quantize_int8_writes_int8_graphs_under_the_names_of_an_export(
+    int8_exported, streaming_exported
+):
+    import onnx
+    import onnxruntime as ort
+
+    out, lines = int8_exported
+    float_out = streaming_exported[1]
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in float_out.iterdir())
+    names = [FILES["onnx"], *STREAMING_FILES.values(), FILES["vocabulary"], FILES["features"]]
+    assert [line.split()[1] for line in lines] == [str(out / name) for name in names]
+    for line in lines[:2]:
+        assert "(int8, " in line and "smaller than float" in line and "tolerance 0.1)" in line
+    for name in (FILES["onnx"], STREAMING_FILES["onnx"]):
+        model = onnx.load(out / name)
+        onnx.checker.check_model(model)
+        assert {p.key: p.value for p in model.metadata_props} == export_module.INT8_METADATA
+        # observed 3.1x and 2.8x smaller: the tiny model has fewer weights for its graph (the
+        # small model's files are 3.7x and 3.6x smaller, benchmarks/results/int8)
+        assert (float_out / name).stat().st_size > 2.5 * (out / name).stat().st_size
+        float_session, session = (
+            ort.InferenceSession(str(folder / name), providers=["CPUExecutionProvider"])
+            for folder in (float_out, out)
+        )
+        assert [(i.name, i.shape) for i in session.get_inputs()] == [
+            (i.name, i.shape) for i in float_session.get_inputs()
+        ]
+        assert session.get_modelmeta().custom_metadata_map["quantization"] == "int8"
+    for name in ("streaming", "vocabulary", "features"):
+        file = FILES.get(name) or STREAMING_FILES["settings"]
+        assert (out / file).read_bytes() == (float_out / file).read_bytes()
+
+
+def test_int8_quantizes_every_weight_matmul_and_leaves_the_convolutions_float(
+    int8_exported, streaming_exported
+):
+    import onnx
+
+    for name in (FILES["onnx"], STREAMING_FILES["onnx"]):
+        float_model = onnx.load(streaming_exported[1] / name)
+        model = onnx.load(int8_exported[0] / name)
+        ops = [n.op_type for n in model.graph.node]
+        float_ops = [n.op_type for n in float_model.graph.node]
+        assert not {"ConvInteger", "QLinearConv"} & set(ops)
+        assert ops.count("Conv") == float_ops.count("Conv") == 4  # 2 subsampling, 2 depthwise
+        weights = {t.name: t for t in model.graph.initializer}
+        for conv in (n for n in model.graph.node if n.op_type == "Conv"):
+            assert weights[conv.input[1]].data_type == onnx.TensorProto.FLOAT
+        # each linear layer: 2 blocks x (4 feed-forward, 4 attention, 2 pointwise), the
+        # subsampling's output and the CTC head
+        assert ops.count("MatMulInteger") == len(weight_matmuls(float_model)) == 22
+        assert not weight_matmuls(model)  # the MatMuls left are attention's, of activations
+        assert ops.count("MatMul") == float_ops.count("MatMul") - 22 == 4
+
+
+def test_int8_log_probs_are_close_to_the_float_exports_offline_and_chunk_by_chunk(
+    int8_exported, streaming_exported, tiny_corpus
+):
+    out, float_out = int8_exported[0], streaming_exported[1]
+    recognizer = Recognizer.from_checkpoint(streaming_exported[0])
+    runners = [onnx_runner(folder / FILES["onnx"]) for folder in (out, float_out)]
+    probability, log_prob, agree, frames = 0.0, 0.0, 0, 0
+    # one file at a time, as a server decodes uploads: int8 quantizes a batch with one scale
+    for wav in corpus_wavs(tiny_corpus, 3):
+        feats, lens = features_of(recognizer, [wav])
+        (got, got_lens), (expected, expected_lens) = (run(feats, lens) for run in runners)
+        assert torch.equal(got_lens, expected_lens) and got.shape == expected.shape
+        probability = max(probability, float((got.exp() - expected.exp()).abs().max()))
+        likely = torch.maximum(got, expected) > -5
+        log_prob = max(log_prob, float((got - expected)[likely].abs().max()))
+        agree += int((got.argmax(-1) == expected.argmax(-1)).sum())
+        frames += got.shape[1]
+    assert probability < INT8_PROBABILITY_ATOL and log_prob < INT8_LOG_PROB_ATOL
+    assert agree >= INT8_AGREEMENT * frames, (agree, frames)
+
+    graph = ChunkGraph(recognizer.model, Streaming(4, 2))
+    int8_chunks, float_chunks = (
+        chunk_runner(folder / STREAMING_FILES["onnx"]) for folder in (out, float_out)
+    )
+    # a longer stream than the export checked, of another seed
+    assert export_module.stream_probability_difference(
+        int8_chunks, float_chunks, graph, chunks=8, seed=3
+    ) < INT8_PROBABILITY_ATOL
+
+
+def test_the_int8_checks_catch_a_graph_that_computes_something_else(streaming_exported):
+    recognizer = Recognizer.from_checkpoint(streaming_exported[0])
+    graph = CTCGraph(recognizer.model)
+    exact = lambda f, n: graph(f, n)  # noqa: E731
+    assert export_module.probability_difference(exact, exact, graph) == 0.0
+    # every token's log-prob lowered by 0.5: probabilities down by up to 40%
+    lowered = lambda f, n: (graph(f, n)[0] - 0.5, graph(f, n)[1])  # noqa: E731
+    with pytest.raises(ExportError, match=r"probabilities differ from the float graph's by up to"):
+        export_module.probability_difference(lowered, exact, graph)
+    chunk_graph = ChunkGraph(recognizer.model, Streaming(4, 2))
+    chunks = lambda **kw: chunk_graph(**kw)  # noqa: E731
+    forgetful = lambda **kw: chunk_graph(**{**kw, **chunk_graph.initial_caches()})  # noqa: E731
+    assert export_module.stream_probability_difference(chunks, chunks, chunk_graph) == 0.0
+    with pytest.raises(ExportError, match="chunk by chunk by up to"):
+        export_module.stream_probability_difference(forgetful, chunks, chunk_graph)
+
+
+def test_an_int8_export_is_recognized_and_served_as_any_export(
+    int8_exported, streaming_exported, tiny_corpus, tmp_path
+):
+    from konkanivani.decoding.onnx_recognizer import ExportedRecognizer
+
+    out, float_out = int8_exported[0], streaming_exported[1]
+    rec, float_rec = ExportedRecognizer(out), ExportedRecognizer(float_out)
+    assert (rec.quantization, float_rec.quantization) == ("int8", None)
+    wav = corpus_wavs(tiny_corpus, 1)[0]
+    [text] = rec.decode_waveforms([wav], method="greedy")
+    stream = rec.stream(method="greedy")
+    streamed = [r.text for r in stream.accept(wav) + stream.finish() if r.is_final]
+    assert text and streamed and all(streamed)
+
+    # a folder holding an int8 model.onnx and a float encoder_chunk.onnx: two exports mixed
+    mixed = tmp_path / "mixed"
+    shutil.copytree(out, mixed)
+    shutil.copy(float_out / STREAMING_FILES["onnx"], mixed / STREAMING_FILES["onnx"])
+    with pytest.raises(ExportError, match="model.onnx is int8 but encoder_chunk.onnx is float"):
+        ExportedRecognizer(mixed)
+
+    pytest.importorskip("uvicorn", reason="konkanivani-serve needs the serve extra")
+    from serve_helpers import http_json, served
+
+    clip = tmp_path / "clip.wav"
+    sf.write(clip, wav.numpy(), 16000)
+    with served(out, "--method", "greedy") as server:
+        assert "(ONNX, streaming, greedy)" in "".join(server.log)
+        status, result = http_json("POST", server.url + "transcribe", clip.read_bytes())
+        assert status == 200 and result["model_format"] == "onnx", result
+        assert " ".join(s["text"] for s in result["segments"]) == text
+        assert server.alive() and "Traceback" not in "".join(server.log)
+
+
+def test_the_onnx_snippet_transcribes_an_int8_export_without_konkanivani(
+    int8_exported, tiny_corpus, tmp_path
+):
+    from konkanivani.decoding.onnx_recognizer import ExportedRecognizer
+
+    out = int8_exported[0]
+    snippet = readme_snippet()
+    export_dir, wav_path = re.search(r'export_dir, wav_path = "(.+)", "(.+)"', snippet).groups()
+    (tmp_path / export_dir).symlink_to(out, target_is_directory=True)
+    wav = corpus_wavs(tiny_corpus, 1)[0]
+    sf.write(tmp_path / wav_path, wav.numpy(), 16000, subtype="FLOAT")
+    check = "\nimport sys\nassert not [m for m in sys.modules if m.startswith('konkanivani')]\n"
+    result = subprocess.run([sys.executable, "-c", snippet + check], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [expected] = ExportedRecognizer(out).decode_waveforms([load_audio(tmp_path / wav_path)],
+                                                          method="greedy")
+    assert expected and result.stdout == expected + "\n"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--quantize", "int8", "--format", "torchscript"],
+     "--quantize int8 quantizes the ONNX graphs: it goes with --format onnx (the default), not"
+     " --format torchscript"),
+    (["--quantize", "int8", "--format", "both"], "not --format both"),
+    (["--quantize", "int4"], "argument --quantize: invalid choice: 'int4'"),
+])
+def test_bad_quantize_flags_are_one_line_and_status_2(
+    untrained_checkpoint, flags, message, capsys
+):
+    assert status([str(untrained_checkpoint), *flags]) == 2
+    assert message in one_error_line(capsys)
+    assert not (untrained_checkpoint.parent / "model_export_int8").exists()

@@ -15,6 +15,13 @@ model. ONNX needs the ``export`` extra: pip install 'konkanivani[export]'.
 ``--streaming`` (a model trained with --causal_conv) also writes ``encoder_chunk.onnx``, which
 encodes a stream one chunk of ``--chunk_size`` encoder frames at a time with caches of
 ``--left_chunks`` chunks, and ``streaming.json``, how to feed it (docs/decoding.md).
+
+    konkanivani-export checkpoints/run/best.pt --streaming --quantize int8
+
+``--quantize int8`` writes int8 ONNX graphs under the same names (by default into the checkpoint's
+path without .pt plus _export_int8): onnxruntime's dynamic quantization of the linear layers'
+weights, the convolutions left float, each graph checked against the float one on the same input.
+The folder is served and loaded as any export (docs/decoding.md, "int8").
 """
 from __future__ import annotations
 
@@ -27,6 +34,8 @@ from ..config import ConfigError, Renamed
 from ..decoding.model_export import (
     FILES,
     FORMATS,
+    INT8_TOLERANCE,
+    QUANTIZATIONS,
     STREAMING_FILES,
     ExportError,
     Streaming,
@@ -72,8 +81,20 @@ def main(argv: list[str] | None = None) -> int:
             " streaming.json (a model trained with --causal_conv)"
         ),
     )
+    parser.add_argument(
+        "--quantize",
+        choices=QUANTIZATIONS,
+        help=(
+            "write int8 ONNX graphs (onnxruntime dynamic quantization of the linear layers; the"
+            " convolutions stay float): smaller and faster on CPUs; with --format onnx; default"
+            " folder: the checkpoint's path without .pt, plus _export_int8"
+        ),
+    )
     add_decoding_flags(parser, DECODING_FIELDS)
     args = parser.parse_args(argv)
+    if args.quantize and args.format != "onnx":
+        parser.error(f"--quantize {args.quantize} quantizes the ONNX graphs: it goes with --format "
+                     f"onnx (the default), not --format {args.format}")
     if not args.streaming and (args.chunk_size is not None or args.left_chunks is not None):
         parser.error("--chunk_size and --left_chunks go with --streaming")
     decoding = decoding_config_from_args(args)
@@ -92,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{e}")
     if not args.checkpoint.is_file():
         parser.error(f"checkpoint {args.checkpoint}: file not found")
-    output = args.output_dir or args.checkpoint.with_name(f"{args.checkpoint.stem}_export")
+    suffix = f"_export_{args.quantize}" if args.quantize else "_export"
+    output = args.output_dir or args.checkpoint.with_name(f"{args.checkpoint.stem}{suffix}")
     if output.exists() and not output.is_dir():
         parser.error(f"--output_dir {output}: exists and is not a folder")
     formats = FORMATS if args.format == "both" else (args.format,)
@@ -105,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     refuse_unsafe_outputs(parser, [(flag, output / name) for name in names], [args.checkpoint])
     setup_logging()
     try:
-        written = export_checkpoint(args.checkpoint, output, formats, streaming)
+        written = export_checkpoint(args.checkpoint, output, formats, streaming, args.quantize)
     except (CheckpointError, ExportError) as e:
         return fail(str(e))
     # the folder cannot be made or written to: under a file, read-only, a full disk
@@ -121,6 +143,14 @@ def main(argv: list[str] | None = None) -> int:
             check = (
                 f" (log-probs and encoder frames within {item.difference:.1e} of PyTorch's, chunk"
                 " by chunk)"
+            )
+        if item.quantization is not None:
+            size = item.path.stat().st_size
+            how = ", chunk by chunk" if item.path.name == STREAMING_FILES["onnx"] else ""
+            check = (
+                f" ({item.quantization}, {size / 1e6:.1f} MB, {item.float_bytes / size:.1f}x"
+                f" smaller than float; token probabilities within {item.difference:.3f} of the"
+                f" float graph's{how}, tolerance {INT8_TOLERANCE})"
             )
         print(f"wrote {item.path}{check}")
     return 0

@@ -28,6 +28,13 @@ writes::
                             out
     streaming.json          the chunk size, the window and its hop, the cache shapes, the CMVN mode
 
+With ``quantize="int8"`` (``konkanivani-export --quantize int8``) the ONNX files of the folder are
+int8 ones under the same names: each float graph is exported and checked as above, then quantized
+by ``quantize_onnx`` (onnxruntime's dynamic quantization of the MatMul weights; the convolutions
+stay float), checked against the float graph on the same input (``INT8_TOLERANCE``), and written in
+its place. The float graphs are not kept, so an int8 folder is served and loaded as any export is;
+each int8 file says so in its ONNX metadata (``quantization``: ``int8``, ``INT8_METADATA``).
+
 ``ChunkGraph`` says what it takes and gives. Its caches have a fixed size (``left_chunks`` chunks of
 attention keys and values): the offset says how many of them a stream has filled, so one graph runs
 every chunk, the first ones and a shorter last one included. It is checked like the others: a
@@ -40,6 +47,7 @@ import importlib.util
 import inspect
 import json
 import logging
+import os
 import shutil
 import tempfile
 import warnings
@@ -71,6 +79,9 @@ __all__ = [
     "ChunkGraph",
     "Streaming",
     "Exported",
+    "QUANTIZATIONS",
+    "INT8_OPS",
+    "INT8_TOLERANCE",
     "unavailable",
     "export_checkpoint",
     "export_onnx",
@@ -79,8 +90,11 @@ __all__ = [
     "onnx_runner",
     "torchscript_runner",
     "chunk_runner",
+    "quantize_onnx",
     "max_difference",
     "stream_difference",
+    "probability_difference",
+    "stream_probability_difference",
     "vocabulary",
     "feature_settings",
     "streaming_settings",
@@ -103,6 +117,26 @@ OPSET = 18  # onnxruntime 1.14 and later run it
 MIN_FRAMES = next(t for t in range(1, 64) if subsampled_lengths(t) >= 1)
 # the largest |log-prob difference| from PyTorch an export may show on its check batch
 TOLERANCE = 1e-3
+QUANTIZATIONS = ("int8",)  # --quantize
+# What int8 quantizes: the MatMul nodes with a weight, i.e. every linear layer (feed-forward,
+# attention projections, the convolution module's pointwise layers, the subsampling's output and
+# the CTC head), 97% of the weights of the small model. The Conv nodes (the subsampling and the
+# depthwise convolutions) stay float: onnxruntime's ConvInteger made the small model slower than
+# float on one thread, for 2% of its weights (benchmarks/results/int8).
+INT8_OPS = ("MatMul",)
+# An int8 graph's check against the float graph on the same input: the largest difference of a
+# token's probability on a frame (0.02 on checkpoints/streaming_small). Probabilities, not
+# log-probabilities: int8 moves the log-probability of a token the model all but rules out (e^-20)
+# by more than that of one it weighs, and those do not change a search.
+INT8_TOLERANCE = 0.1
+# What an int8 file's ONNX metadata (metadata_props) says of it; a float file has none of these.
+INT8_METADATA = {
+    "quantization": "int8",
+    "quantized_ops": ",".join(INT8_OPS),
+    "weights": "int8, symmetric, one scale per output channel, 7-bit range (reduce_range)",
+    "activations": "uint8, one scale per tensor, computed at run time (dynamic quantization)",
+    "float_ops": "Conv (subsampling and depthwise convolutions), attention's activation MatMuls",
+}
 
 Runner = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # features, offset, attention_cache, conv_cache[, feature_mean] -> log_probs, encoder_out, the next
@@ -260,8 +294,11 @@ class ChunkGraph(nn.Module):
 @dataclass
 class Exported:
     path: Path
-    # max |log-prob| difference from PyTorch on the check batch (models only)
+    # max |log-prob| difference from PyTorch on the check batch (models only); for an int8 model the
+    # max token probability difference from the float graph (probability_difference)
     difference: float | None = None
+    quantization: str | None = None  # "int8" for a quantized model
+    float_bytes: int | None = None  # the size of the float graph it was quantized from
 
 
 def unavailable(formats: Sequence[str]) -> str | None:
@@ -281,16 +318,25 @@ def unavailable(formats: Sequence[str]) -> str | None:
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, formats: Sequence[str] = FORMATS,
-                      streaming: Streaming | None = None) -> list[Exported]:
+                      streaming: Streaming | None = None, quantize: str | None = None
+                      ) -> list[Exported]:
     """Export ``checkpoint`` into ``out_dir`` (created) as ``formats`` plus vocabulary.json and
-    features.json, and with ``streaming`` encoder_chunk.onnx and streaming.json too. Files are
-    written to a temporary folder, checked, then moved into place, so a failed export leaves an
-    earlier one whole. Raises ``CheckpointError`` for a checkpoint that holds no usable model and
+    features.json, and with ``streaming`` encoder_chunk.onnx and streaming.json too; with
+    ``quantize`` ("int8", ONNX alone) its ONNX files are int8 (see the module). Files are written to
+    a temporary folder, checked, then moved into place, so a failed export leaves an earlier one
+    whole. Raises ``CheckpointError`` for a checkpoint that holds no usable model and
     ``ExportError`` when an export fails or its check does, or a streaming export of a model
     without ``causal_conv`` is asked for (before anything is written)."""
     for fmt in formats:
         if fmt not in FORMATS:
             raise ValueError(f"unknown export format {fmt!r}; choose from {', '.join(FORMATS)}")
+    if quantize is not None and quantize not in QUANTIZATIONS:
+        raise ValueError(
+            f"unknown quantization {quantize!r}; choose from {', '.join(QUANTIZATIONS)}"
+        )
+    if quantize is not None and tuple(formats) != ("onnx",):
+        raise ValueError(f"--quantize {quantize} quantizes the ONNX graphs: it goes with the onnx "
+                         "format alone")
     recognizer = Recognizer.from_checkpoint(checkpoint)  # CPU, eval mode
     if streaming is not None and not recognizer.model.cfg.causal_conv:
         raise ExportError(
@@ -312,6 +358,13 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, formats: Sequ
             path = Path(tmp) / FILES[fmt]
             export(graph, path)
             written.append(Exported(out_dir / FILES[fmt], max_difference(runner(path), graph)))
+            if quantize is not None:
+                written[-1] = _quantized(
+                    written[-1], path,
+                    lambda int8, floats: probability_difference(
+                        onnx_runner(int8), onnx_runner(floats), graph
+                    ),
+                )
         if streaming is not None:
             chunk_graph = ChunkGraph(recognizer.model, streaming)
             path = Path(tmp) / STREAMING_FILES["onnx"]
@@ -319,6 +372,13 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, formats: Sequ
             written.append(
                 Exported(out_dir / path.name, stream_difference(chunk_runner(path), chunk_graph))
             )
+            if quantize is not None:
+                written[-1] = _quantized(
+                    written[-1], path,
+                    lambda int8, floats: stream_probability_difference(
+                        chunk_runner(int8), chunk_runner(floats), chunk_graph
+                    ),
+                )
             _write_json(
                 Path(tmp) / STREAMING_FILES["settings"],
                 streaming_settings(chunk_graph, recognizer.log_mel),
@@ -330,6 +390,74 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, formats: Sequ
         for item in written:
             shutil.move(Path(tmp) / item.path.name, item.path)  # a rename within the folder
     return written
+
+
+def _quantized(item: Exported, path: Path, check: Callable[[Path, Path], float]) -> Exported:
+    """The float ONNX file at ``path`` (``item``, checked) replaced by its int8 graph
+    (``quantize_onnx``), once ``check(int8 file, float file)`` has passed."""
+    int8 = path.with_name(f"int8-{path.name}")
+    quantize_onnx(path, int8)
+    difference = check(int8, path)
+    float_bytes = path.stat().st_size
+    os.replace(int8, path)
+    return Exported(item.path, difference, "int8", float_bytes)
+
+
+def quantize_onnx(source: str | Path, target: str | Path,
+                  op_types: Sequence[str] = INT8_OPS) -> None:
+    """Write the int8 graph of the float ONNX file ``source`` to ``target``: onnxruntime's dynamic
+    quantization (``quantize_dynamic``) of the weights of the ``op_types`` nodes, int8 with one
+    scale per output channel in a 7-bit range, their inputs quantized to uint8 as they come; the
+    rest of the graph as it was. ``target`` carries ``INT8_METADATA`` (for other ``op_types``, they
+    are named) and none of the float exporter's per-node notes. ``ExportError`` in one line if
+    onnxruntime cannot quantize it.
+
+    7 bits (reduce_range): CPUs without VNNI (AVX2, AVX-512 before Cascade Lake) multiply uint8 by
+    int8 in pairs summed into int16, which 8-bit weights can overflow; onnxruntime's quantization
+    guide advises it there, and it cost nothing measurable in CER on this model (its README). No
+    pre-processing (``onnxruntime.quantization.preprocess``): its symbolic shape inference stops on
+    torch.export's graphs ("Incomplete symbolic shape inference"), and every MatMul with a weight is
+    quantized without it (tests/test_export.py counts them)."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    try:
+        with _quiet_quantizer():
+            quantize_dynamic(
+                str(source), str(target), weight_type=QuantType.QInt8, per_channel=True,
+                reduce_range=True, op_types_to_quantize=list(op_types),
+            )
+        model = onnx.load(str(target))
+        # torch.onnx's notes on the Python line and module that made each node (a fifth of the
+        # float file): the quantizer has replaced the nodes they describe.
+        for node in model.graph.node:
+            del node.metadata_props[:]
+        metadata = {**INT8_METADATA, "quantized_ops": ",".join(op_types)}
+        if tuple(op_types) != INT8_OPS:  # the benchmark's variants: float_ops is INT8_OPS's
+            del metadata["float_ops"]
+        onnx.helper.set_model_props(model, metadata)
+        onnx.save(model, str(target))
+    except Exception as e:
+        raise ExportError(
+            f"int8 quantization of {Path(source).name} failed "
+            f"({type(e).__name__}: {_first_line(e)})"
+        ) from e
+
+
+@contextlib.contextmanager
+def _quiet_quantizer() -> Iterator[None]:
+    """Silence what onnxruntime's quantizer logs on the root logger (its advice to pre-process, the
+    MatMuls it leaves float because neither input is a weight): the module says why."""
+
+    def not_quantizer(record: logging.LogRecord) -> bool:
+        return "onnxruntime" not in record.pathname
+
+    root = logging.getLogger()
+    root.addFilter(not_quantizer)
+    try:
+        yield
+    finally:
+        root.removeFilter(not_quantizer)
 
 
 def _example_inputs(
@@ -467,7 +595,8 @@ def export_torchscript(graph: CTCGraph, path: str | Path) -> None:
 
 
 def onnx_runner(path: str | Path) -> Runner:
-    """The ONNX file at ``path`` on onnxruntime's CPU provider, as a function of torch tensors."""
+    """The ONNX file at ``path`` on onnxruntime's CPU provider, as a function of torch tensors; its
+    ``metadata`` attribute holds the file's ONNX metadata (``INT8_METADATA`` for an int8 one)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -481,12 +610,14 @@ def onnx_runner(path: str | Path) -> Runner:
                                                 "feature_lengths": feature_lengths.numpy()})
         return torch.from_numpy(log_probs), torch.from_numpy(lengths)
 
+    run.metadata = dict(session.get_modelmeta().custom_metadata_map)
     return run
 
 
 def chunk_runner(path: str | Path) -> ChunkRunner:
     """The chunk graph at ``path`` (``export_chunk_onnx``) on onnxruntime's CPU provider, as a
-    function of torch tensors taking ``ChunkGraph``'s inputs by name."""
+    function of torch tensors taking ``ChunkGraph``'s inputs by name; ``metadata`` as
+    ``onnx_runner``'s."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -499,6 +630,7 @@ def chunk_runner(path: str | Path) -> ChunkRunner:
         outputs = session.run(None, {name: value.numpy() for name, value in inputs.items()})
         return tuple(torch.from_numpy(o) for o in outputs)
 
+    run.metadata = dict(session.get_modelmeta().custom_metadata_map)
     return run
 
 
@@ -550,32 +682,20 @@ def stream_difference(
 ) -> float:
     """The largest |difference| of log-probs and encoder frames between ``run`` driven as a stream
     (its own caches fed back, from ``initial_caches``) and ``ConformerEncoder.forward_chunk`` on the
-    same windows. The stream has ``chunks`` full chunks (default ``left_chunks + 2``: the first ones
-    with the attention cache not yet full, then full), then a shorter last one (of half a chunk, or
-    a whole one for chunks of 1). ``ExportError`` if a shape differs or the difference exceeds
+    same windows (``_stream_windows``). ``ExportError`` if a shape differs or the difference exceeds
     ``TOLERANCE``."""
-    model, chunk = graph.model, graph.streaming.chunk_size
-    chunks = graph.streaming.left_chunks + 2 if chunks is None else chunks
-    frames = chunks * graph.window_hop + _window_frames(max(chunk // 2, 1))
-    features = _chunk_example(graph, torch.Generator().manual_seed(seed), frames)["features"]
+    model = graph.model
     state, caches, difference = None, graph.initial_caches(), 0.0
-    for start in range(0, frames - MIN_FRAMES + 1, graph.window_hop):
-        window = features[:, start:start + graph.window_frames]
-        inputs = {
-            "features": window,
-            "offset": torch.tensor(0 if state is None else state.offset),
-            **caches,
-        }
-        mean = None
-        # the running mean of the stream's raw frames, as a client keeps it
-        if graph.utterance_cmvn:
-            inputs["feature_mean"] = mean = features[0, :start + window.shape[1]].mean(0)
+    for inputs in _stream_windows(graph, chunks, seed):
+        window, mean = inputs["features"], inputs.get("feature_mean")
+        # the offset the client keeps (the encoder frames so far), not the model's own count
+        inputs["offset"] = torch.tensor(0 if state is None else state.offset)
         with torch.no_grad():
             expected, state = model.encoder.forward_chunk(
                 model.normalize(window, mean), state, graph.cache_frames
             )
             expected_log_probs = model.ctc_log_probs(expected)
-            log_probs, enc, *next_caches = run(**inputs)
+            log_probs, enc, *next_caches = run(**inputs, **caches)
         if log_probs.shape != expected_log_probs.shape or enc.shape != expected.shape:
             raise ExportError(
                 f"the exported chunk graph gives log-probs {tuple(log_probs.shape)} for a window of"
@@ -590,6 +710,85 @@ def stream_difference(
             f"{difference:.3g} (tolerance {TOLERANCE})"
         )
     return difference
+
+
+def probability_difference(
+    run: Runner, reference: Runner, graph: CTCGraph,
+    lengths: Sequence[int] = (137, 61, MIN_FRAMES),
+) -> float:
+    """The largest difference of a token's probability on a real frame between ``run`` (an int8
+    graph) and ``reference`` (the float graph) on the batch ``max_difference`` checks with (drawn
+    from ``graph``'s CMVN statistics). ``ExportError`` if the shapes or lengths differ or the
+    difference exceeds ``INT8_TOLERANCE``."""
+    feats, lens = _example_inputs(graph, lengths, seed=1)
+    with torch.no_grad():
+        expected, expected_lens = reference(feats, lens)
+        got, got_lens = run(feats, lens)
+    if got.shape != expected.shape or not torch.equal(got_lens, expected_lens):
+        raise ExportError(
+            f"the int8 graph gives log-probs {tuple(got.shape)} with lengths {got_lens.tolist()}"
+            f" where the float graph gives {tuple(expected.shape)} with {expected_lens.tolist()}"
+        )
+    return _within_int8_tolerance(max(
+        float((got[b, :n].exp() - expected[b, :n].exp()).abs().max())
+        for b, n in enumerate(expected_lens.tolist())
+    ), "")
+
+
+def stream_probability_difference(
+    run: ChunkRunner, reference: ChunkRunner, graph: ChunkGraph, chunks: int | None = None,
+    seed: int = 1,
+) -> float:
+    """The largest difference of a token's probability on a frame between the chunk graphs ``run``
+    (int8) and ``reference`` (float), each driven as a stream with its own caches on the windows of
+    ``stream_difference``. ``ExportError`` if a shape differs or the difference exceeds
+    ``INT8_TOLERANCE``."""
+    caches = {name: graph.initial_caches() for name in ("int8", "float")}
+    difference = 0.0
+    for k, inputs in enumerate(_stream_windows(graph, chunks, seed)):
+        inputs["offset"] = torch.tensor(k * graph.streaming.chunk_size)
+        with torch.no_grad():
+            got, *next_caches = run(**inputs, **caches["int8"])
+            caches["int8"] = dict(zip(caches["int8"], next_caches[1:]))
+            expected, *next_caches = reference(**inputs, **caches["float"])
+            caches["float"] = dict(zip(caches["float"], next_caches[1:]))
+        if got.shape != expected.shape:
+            raise ExportError(
+                f"the int8 chunk graph gives log-probs {tuple(got.shape)} for a window of"
+                f" {inputs['features'].shape[1]} frames where the float one gives"
+                f" {tuple(expected.shape)}"
+            )
+        difference = max(difference, float((got.exp() - expected.exp()).abs().max()))
+    return _within_int8_tolerance(difference, " chunk by chunk")
+
+
+def _within_int8_tolerance(difference: float, how: str) -> float:
+    if not difference <= INT8_TOLERANCE:  # NaN fails too
+        raise ExportError(
+            f"the int8 graph's token probabilities differ from the float graph's{how} by up to "
+            f"{difference:.3g} (tolerance {INT8_TOLERANCE})"
+        )
+    return difference
+
+
+def _stream_windows(
+    graph: ChunkGraph, chunks: int | None, seed: int
+) -> Iterator[dict[str, torch.Tensor]]:
+    """The inputs but the offset and the caches of each window of a check stream: ``chunks`` full
+    chunks (default ``left_chunks + 2``: the first ones with the attention cache not yet full,
+    then full), then a shorter last one (of half a chunk, or a whole one for chunks of 1), of
+    frames drawn from the CMVN statistics; with cmvn "utterance" the running mean of the stream's
+    raw frames, as a client keeps it."""
+    chunk = graph.streaming.chunk_size
+    chunks = graph.streaming.left_chunks + 2 if chunks is None else chunks
+    frames = chunks * graph.window_hop + _window_frames(max(chunk // 2, 1))
+    features = _chunk_example(graph, torch.Generator().manual_seed(seed), frames)["features"]
+    for start in range(0, frames - MIN_FRAMES + 1, graph.window_hop):
+        window = features[:, start:start + graph.window_frames]
+        inputs = {"features": window}
+        if graph.utterance_cmvn:
+            inputs["feature_mean"] = features[0, :start + window.shape[1]].mean(0)
+        yield inputs
 
 
 def _window_frames(encoder_frames: int) -> int:

@@ -12,7 +12,8 @@ no attention rescoring and no language model.
 ``ExportedRecognizer.stream`` gives a ``streaming.Stream`` whose chunks go through
 ``encoder_chunk.onnx`` (``GraphChunks``) in the chunk size and left context the export was made for.
 The features are this package's ``LogMel``; an export whose ``features.json`` says otherwise is
-refused.
+refused. An int8 export (``--quantize int8``) holds int8 graphs under the same names and loads the
+same way; ``ExportedRecognizer.quantization`` says which it is, from the graphs' ONNX metadata.
 """
 from __future__ import annotations
 
@@ -117,7 +118,8 @@ class GraphChunks:
 class ExportedRecognizer:
     """The recognizer of an export folder (see the module); ``ExportError`` in one line for a folder
     that is not a whole export. ``streaming`` holds ``streaming.json`` when the folder has the chunk
-    graph, else None.
+    graph, else None. ``quantization`` is "int8" for an int8 export, None for a float one; a folder
+    whose two graphs differ in it (two exports into one folder) is refused.
 
     Its decoding methods take a ``DecodingConfig`` and keyword overrides of its fields, as
     ``Recognizer``'s do (``settings``).
@@ -163,6 +165,15 @@ class ExportedRecognizer:
             if not {"chunk_size", "left_chunks", "cmvn", "cache_shapes"} <= set(self.streaming):
                 raise ExportError(f"{settings}: not an export's streaming settings")
             self.chunk_run = _session(chunk_runner, chunk_graph)
+        self.quantization: str | None = self.run.metadata.get("quantization")
+        if self.streaming is not None:
+            chunk_quantization = self.chunk_run.metadata.get("quantization")
+            if chunk_quantization != self.quantization:
+                raise ExportError(
+                    f"{folder}: {FILES['onnx']} is {self.quantization or 'float'} but "
+                    f"{STREAMING_FILES['onnx']} is {chunk_quantization or 'float'} (two exports in"
+                    " one folder?): export the checkpoint again into an empty folder"
+                )
 
     def settings(self, decoding: DecodingConfig | None = None, *, streams: bool = False,
                  **overrides) -> DecodingConfig:
