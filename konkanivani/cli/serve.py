@@ -104,6 +104,10 @@ def _parser(limits_class) -> Parser:
             "'Authorization: Bearer TOKEN' or ?token=TOKEN; the page opened as /?token=TOKEN"
         ),
     )
+    parser.add_argument("--model_name", default=None, metavar="NAME",
+                        help="the model's name in /health and /v1/models, the one OpenAI's "
+                             "clients may give as model (default: its folder and file, "
+                             "e.g. streaming/best.pt)")
     add_decoding_flags(parser, DECODING_FIELDS)
     parser.add_argument(
         "--workers",
@@ -160,8 +164,8 @@ def _serve(args, decoding, limits) -> int:
         sock = _listen(args.host, args.port)
     except OSError as e:
         return fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
-    app = create_app(engine, limits, args.token, model_label(str(args.checkpoint)),
-                     args.allow_origin)
+    app = create_app(engine, limits, args.token,
+                     args.model_name or model_label(str(args.checkpoint)), args.allow_origin)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     if not args.token and not _loopback(args.host):

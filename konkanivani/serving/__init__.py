@@ -8,6 +8,11 @@ behind an ASGI app.
   server decodes with it, off the event loop;
 - ``app``: the Starlette app: ``POST /transcribe``, the WebSocket ``/stream``, the page at ``/``,
   ``/health`` and ``/metrics``, and the origin and token checks;
+- ``openai_api``: OpenAI's dialect on the same app: ``POST /v1/audio/transcriptions`` (json, text,
+  srt, vtt, verbose_json; the prompt and hotwords as hotwords) and ``GET /v1/models``, refusals in
+  OpenAI's error JSON, for OpenAI's clients with the token as their API key;
+- ``uploads``: what the upload endpoints share: an upload's body and form read within the limits,
+  and ``Refused``, the answer of a request refused;
 - ``static/``: the page's files, served from the package (no build step, nothing from elsewhere).
 
 The protocol, the limits and how to call it: docs/serving.md.

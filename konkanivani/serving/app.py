@@ -5,6 +5,7 @@
     GET  /             the page (static/): microphone, live results, a file drop
     GET  /health       {"status": "ok", ...}
     GET  /metrics      Prometheus text
+    /v1/...            OpenAI's dialect (openai_api): POST /v1/audio/transcriptions, GET /v1/models
 
 With a token, every request carries it: ``Authorization: Bearer TOKEN``, the query parameter
 ``token=TOKEN`` (what a WebSocket client without headers can send) or the cookie the page's
@@ -20,16 +21,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from importlib import resources
 from pathlib import PurePath
 from typing import Any
 
 import numpy as np
+import torch
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -39,17 +42,19 @@ from prometheus_client import (
     generate_latest,
 )
 from starlette.applications import Starlette
-from starlette.formparsers import MultiPartException, MultiPartParser
-from starlette.requests import ClientDisconnect, HTTPConnection, Request
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..data.audio import AudioError
 from ..data.frames import SAMPLE_RATE
-from ..decoding.streaming import MAX_RATE, MIN_RATE, Result, check_sample_rate
+from ..decoding.recognizer import MIN_SAMPLES
+from ..decoding.streaming import MAX_RATE, MIN_RATE, Result, check_sample_rate, quiet_windows
+from . import openai_api
 from .engine import Engine, UploadTooLong
 from .limits import Limits
+from .uploads import Refused, upload_bytes
 
 __all__ = ["FORMATS", "TOKEN_COOKIE", "DenialLogFilter", "create_app"]
 
@@ -126,19 +131,6 @@ class _Metrics:
             self.rtf.labels(endpoint).observe(decode_s / audio_s)
 
 
-class _Refused(Exception):
-    """A request answered with ``status`` and ``{"error": message}``."""
-
-    def __init__(self, status: int, reason: str, message: str, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.reason, self.message, self.headers = (
-            status,
-            reason,
-            message,
-            headers or {},
-        )
-
-
 class DenialLogFilter(logging.Filter):
     """For uvicorn's ``uvicorn.error`` log: drops its "ASGI callable returned without completing
     handshake" after a handshake this app refused with an HTTP answer. Its websockets-sansio
@@ -171,6 +163,8 @@ def create_app(engine: Engine, limits: Limits = Limits(), token: str | None = No
         Route("/metrics", guard("/metrics", server.metrics_page)),
         Route("/transcribe", guard("/transcribe", server.transcribe), methods=["POST"]),
         WebSocketRoute("/stream", guard("/stream", server.stream)),
+        # OpenAI's dialect, behind the same checks, answering refusals in OpenAI's error JSON
+        *openai_api.routes(server),
     ]
 
     @contextlib.asynccontextmanager
@@ -184,7 +178,7 @@ def create_app(engine: Engine, limits: Limits = Limits(), token: str | None = No
 
 
 class _Server:
-    """The handlers of one loaded model. Each does its own work and raises ``_Refused`` to refuse;
+    """The handlers of one loaded model. Each does its own work and raises ``Refused`` to refuse;
     ``guard`` puts the origin and token checks in front of each and answers every refusal,
     counted."""
 
@@ -198,23 +192,27 @@ class _Server:
         self.client_uploads: dict[str, int] = {}
         self.client_streams: dict[str, int] = {}
 
-    def guard(self, endpoint: str, handler: Callable[[Any], Awaitable[Response | None]]
+    def guard(self, endpoint: str, handler: Callable[[Any], Awaitable[Response | None]],
+              answer: Callable[[Refused], Response] | None = None
               ) -> Callable[[Any], Awaitable[Response | None]]:
-        """``handler`` behind the origin and token checks; a ``_Refused`` (theirs or the handler's
+        """``handler`` behind the origin and token checks; a ``Refused`` (theirs or the handler's
         own) answered with its status and ``{"error": ...}`` (for the WebSocket, the handshake's
-        HTTP answer), counted in ``endpoint``'s requests and errors."""
+        HTTP answer), or with what ``answer`` makes of it, counted in ``endpoint``'s requests and
+        errors."""
 
         async def guarded(conn: Request | WebSocket) -> Response | None:
             try:
                 self.check_origin(conn)
                 self.check_token(conn)
                 return await handler(conn)
-            except _Refused as e:
+            except Refused as e:
                 self.metrics.requests.labels(endpoint, str(e.status)).inc()
                 self.metrics.errors.labels(endpoint, e.reason).inc()
                 if isinstance(conn, WebSocket):
                     await _deny(conn, e)
                     return None
+                if answer is not None:
+                    return answer(e)
                 return JSONResponse({"error": e.message}, e.status, headers=e.headers)
 
         return guarded
@@ -230,8 +228,8 @@ class _Server:
         scheme = {"ws": "http", "wss": "https"}.get(scheme, scheme)
         own = f"{scheme}://{conn.headers.get('host', '')}"
         if normalize_origin(origin) not in (normalize_origin(own), *self.allow_origins):
-            raise _Refused(403, "origin", f"the page of another origin ({origin[:100]}) may not "
-                           "use this server: only its own page, and those of --allow_origin")
+            raise Refused(403, "origin", f"the page of another origin ({origin[:100]}) may not "
+                          "use this server: only its own page, and those of --allow_origin")
 
     def check_token(self, conn: HTTPConnection) -> None:
         if not self.token:
@@ -240,7 +238,7 @@ class _Server:
         given = given[7:] if given.lower().startswith("bearer ") else ""
         given = given or conn.query_params.get("token", "") or conn.cookies.get(TOKEN_COOKIE, "")
         if not hmac.compare_digest(given.encode(), self.token.encode()):
-            raise _Refused(
+            raise Refused(
                 401,
                 "token",
                 "this server needs its token: the header 'Authorization: Bearer TOKEN', "
@@ -248,8 +246,8 @@ class _Server:
                 {"WWW-Authenticate": "Bearer"},
             )
 
-    def busy(self, what: str, limit: int) -> _Refused:
-        return _Refused(
+    def busy(self, what: str, limit: int) -> Refused:
+        return Refused(
             503,
             "busy",
             f"{limit} {what} already: the most this server takes at once; try again in "
@@ -265,9 +263,9 @@ class _Server:
         client = conn.client.host if conn.client else ""
         if counts.get(client, 0) >= limit:
             retry = self.limits.retry_after_s
-            raise _Refused(429, "client_busy", f"this client ({client}) has {limit} {what} "
-                           "already: the most one address may have at once; try again in "
-                           f"{retry} s", {"Retry-After": str(retry)})
+            raise Refused(429, "client_busy", f"this client ({client}) has {limit} {what} "
+                          "already: the most one address may have at once; try again in "
+                          f"{retry} s", {"Retry-After": str(retry)})
         counts[client] = counts.get(client, 0) + 1
         try:
             yield
@@ -297,7 +295,7 @@ class _Server:
     async def page(self, request: Request) -> Response:
         name = request.path_params.get("name", "index.html")
         if name not in _STATIC:  # a name, looked up in a fixed table: never a path
-            raise _Refused(404, "not_found", "no such file")
+            raise Refused(404, "not_found", "no such file")
         response = Response(self.static[name], media_type=_STATIC[name], headers=_PAGE_HEADERS)
         if self.token and hmac.compare_digest(
             request.query_params.get("token", "").encode(), self.token.encode()
@@ -307,49 +305,65 @@ class _Server:
         return response
 
     async def transcribe(self, request: Request) -> Response:
-        with self.per_client(request, self.client_uploads, "uploads in progress",
-                             self.limits.max_client_uploads):
-            return await self._transcribe(request)
+        with self.upload_place(request):
+            data = await upload_bytes(request, self.limits)
+            results, seconds, elapsed = await self.decode_upload(data, "/transcribe")
+            self.metrics.requests.labels("/transcribe", "200").inc()
+            return JSONResponse({"text": " ".join(r.text for r in results if r.text), "segments": [
+                _result(r) for r in results], "duration": round(seconds, 3),
+                "decode_seconds": round(elapsed, 3),
+                "real_time_factor": round(elapsed / seconds, 4), **self.engine.description})
 
-    async def _transcribe(self, request: Request) -> Response:
-        data = await _upload_bytes(request, self.limits)
+    def upload_place(self, request: Request) -> contextlib.AbstractContextManager[None]:
+        """One of the client's places for uploads (``per_client``) while an upload is read and
+        decoded: every upload endpoint takes one."""
+        return self.per_client(request, self.client_uploads, "uploads in progress",
+                               self.limits.max_client_uploads)
+
+    async def decode_upload(self, data: bytes, endpoint: str, hotwords: tuple[str, ...] = ()
+                            ) -> tuple[list[Result], float, float]:
+        """The final results of an upload's bytes (``Engine.transcribe``; with a request's
+        ``hotwords``, ``transcribe_with_hotwords``), its seconds of audio and the seconds spent
+        decoding it, counted in ``endpoint``'s metrics. 503 when ``max_uploads`` uploads are
+        decoding, 413 and 400 for audio too long or unreadable, 500 if decoding fails."""
         # a decode place is taken only now, with the whole body in: a slow sender holds none
         if self.uploads >= self.limits.max_uploads:
             raise self.busy("uploads decoding", self.limits.max_uploads)
         self.uploads += 1
         try:
-            return await self._decode_upload(data)
+            return await self._decode_upload(data, endpoint, hotwords)
         finally:
             self.uploads -= 1
 
-    async def _decode_upload(self, data: bytes) -> Response:
+    async def _decode_upload(self, data: bytes, endpoint: str, hotwords: tuple[str, ...]
+                             ) -> tuple[list[Result], float, float]:
         start = time.perf_counter()
         try:
             wav = await self.engine.run(
                 self.engine.read_upload, data, self.limits.max_upload_seconds
             )
             del data
-            results = await self.engine.run(self.engine.transcribe, wav)
+            if hotwords:
+                results = await self.engine.run(transcribe_with_hotwords, self.engine, wav,
+                                                hotwords)
+            else:
+                results = await self.engine.run(self.engine.transcribe, wav)
         except UploadTooLong as e:
-            raise _Refused(413, "too_long", str(e)) from e
+            raise Refused(413, "too_long", str(e)) from e
         except AudioError as e:
-            raise _Refused(400, "audio", str(e)) from e
+            raise Refused(400, "audio", str(e)) from e
         # whatever the audio makes the model raise: this request fails alone
         except Exception as e:  # noqa: BLE001
             log.exception("decoding an upload failed")
-            raise _Refused(500, "decode", f"decoding failed ({type(e).__name__})") from e
+            raise Refused(500, "decode", f"decoding failed ({type(e).__name__})") from e
         elapsed, seconds = time.perf_counter() - start, len(wav) / SAMPLE_RATE
-        self.metrics.decoded("/transcribe", seconds, elapsed)
-        self.metrics.requests.labels("/transcribe", "200").inc()
-        return JSONResponse({"text": " ".join(r.text for r in results if r.text), "segments": [
-            _result(r) for r in results], "duration": round(seconds, 3),
-            "decode_seconds": round(elapsed, 3), "real_time_factor": round(elapsed / seconds, 4),
-            **self.engine.description})
+        self.metrics.decoded(endpoint, seconds, elapsed)
+        return results, seconds, elapsed
 
     async def stream(self, ws: WebSocket) -> None:
         sample_rate, dtype = _stream_params(ws)
         if not self.engine.streaming:
-            raise _Refused(
+            raise Refused(
                 409,
                 "not_streaming",
                 f"this model cannot stream ({self.engine.why_not_streaming}): "
@@ -371,90 +385,31 @@ class _Server:
         self.metrics.requests.labels("/stream", str(code)).inc()
 
 
+def transcribe_with_hotwords(engine: Engine, wav: torch.Tensor, hotwords: tuple[str, ...]
+                             ) -> list[Result]:
+    """``engine.transcribe(wav)`` biased towards a request's ``hotwords`` (checked lines, for a
+    checkpoint whose method takes them): the same stream, or the same windows, decoded with the
+    engine's settings and these hotwords besides its own. (The engine decodes with its settings
+    alone; a request's go in here, through the recognizer's own overrides.)"""
+    d = dataclasses.replace(engine.decoding, hotwords=(*engine.decoding.hotwords, *hotwords))
+    rec = engine.recognizer
+    if engine.streaming:
+        stream = rec.stream(d)
+        return [r for r in stream.accept(wav) + stream.finish() if r.is_final]
+    results = []
+    for first, window in quiet_windows([wav]):
+        if len(window) < MIN_SAMPLES:  # a last sliver of a window: too short to decode alone
+            continue
+        [text] = rec.decode_waveforms([window], d)
+        if text:
+            results.append(Result(text, True, round(first / SAMPLE_RATE, 3),
+                                  round((first + len(window)) / SAMPLE_RATE, 3)))
+    return results or [Result("", True, 0.0, round(len(wav) / SAMPLE_RATE, 3))]
+
+
 def normalize_origin(origin: str) -> str:
     """An origin as compared: lower case, without a trailing slash."""
     return origin.strip().rstrip("/").lower()
-
-
-async def _upload_bytes(request: Request, limits: Limits) -> bytes:
-    """The audio bytes of an upload: the body, or with a multipart form its first file; 413 past
-    ``limits.max_upload_bytes``, 400 when there is none, 408 when the body comes too slowly
-    (``_body``). Past the limit the rest of the body is read and dropped (up to ``_drain_limit``),
-    so that a client still sending it gets the 413 rather than a reset."""
-    limit = limits.max_upload_bytes
-    length = request.headers.get("content-length", "")
-    too_big = _Refused(
-        413, "too_large", f"the upload is larger than this server takes ({limit / 2 ** 20:g} MB)"
-    )
-    if length.isdigit() and int(length) > _drain_limit(limit):
-        raise too_big
-    body, seen = bytearray(), 0
-    async for piece in _body(request, limits):
-        seen += len(piece)
-        if seen > _drain_limit(limit):
-            raise too_big
-        if seen <= limit:
-            body += piece
-    if seen > limit:
-        raise too_big
-    if request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
-        body = await _form_file(request, bytes(body), limit)
-    if not body:
-        raise _Refused(
-            400,
-            "empty",
-            "no audio: send the file as the body, or as a file field of a multipart form",
-        )
-    return bytes(body)
-
-
-async def _body(request: Request, limits: Limits) -> AsyncIterator[bytes]:
-    """The pieces of a request's body as they come. 408 (and the connection closed) when the whole
-    has not come within ``upload_timeout``, or when after ``grace_seconds`` it has come at less than
-    ``min_upload_kb_s`` on average; 400 and one log line when the client leaves before the end."""
-    start, seen = time.monotonic(), 0
-    pieces = request.stream().__aiter__()
-    while True:
-        # the moment the body's mean rate would fall below the minimum, or its time run out
-        due = start + min(limits.upload_timeout,
-                          max(limits.grace_seconds, seen / limits.min_upload_bytes_per_s))
-        try:
-            piece = await asyncio.wait_for(anext(pieces), max(due - time.monotonic(), 0))
-        except StopAsyncIteration:
-            return
-        except asyncio.TimeoutError:
-            raise _Refused(408, "slow_upload", f"the upload came too slowly ({seen} bytes in "
-                           f"{time.monotonic() - start:.1f} s): this server takes a body within "
-                           f"{limits.upload_timeout:g} s, at {limits.min_upload_kb_s:g} KB/s or "
-                           f"more after the first {limits.grace_seconds:g} s",
-                           {"Connection": "close"}) from None
-        except ClientDisconnect:
-            log.info("an upload ended early: its client left after %d bytes", seen)
-            raise _Refused(400, "disconnect", "the client left before its upload was in") from None
-        seen += len(piece)
-        yield piece
-
-
-def _drain_limit(limit: int) -> int:
-    """The most of an oversize body read (and dropped) before answering 413."""
-    return max(4 * limit, 8 * 2 ** 20)
-
-
-async def _form_file(request: Request, body: bytes, limit: int) -> bytes:
-    async def once():
-        yield body
-
-    parser = MultiPartParser(request.headers, once(), max_files=1, max_fields=8)
-    parser.spool_max_size = limit + 1  # parts stay in memory: nothing an upload holds goes to disk
-    try:
-        form = await parser.parse()
-    except MultiPartException as e:
-        raise _Refused(400, "form", f"the multipart form is malformed ({e.message})") from e
-    files = [v for _, v in form.multi_items() if not isinstance(v, str)]
-    try:
-        return await files[0].read() if files else b""
-    finally:
-        await form.close()
 
 
 def _stream_params(ws: WebSocket) -> tuple[int, np.dtype]:
@@ -463,7 +418,7 @@ def _stream_params(ws: WebSocket) -> tuple[int, np.dtype]:
     rate = ws.query_params.get("sample_rate", str(SAMPLE_RATE))
     fmt = ws.query_params.get("format", "pcm16")
     if not rate.isdigit() or not MIN_RATE <= int(rate) <= MAX_RATE:
-        raise _Refused(
+        raise Refused(
             400,
             "params",
             f"sample_rate must be a whole number of Hz from {MIN_RATE} to {MAX_RATE}, "
@@ -472,15 +427,15 @@ def _stream_params(ws: WebSocket) -> tuple[int, np.dtype]:
     try:
         check_sample_rate(int(rate))
     except ValueError as e:
-        raise _Refused(400, "params", f"sample_rate: {e}") from e
+        raise Refused(400, "params", f"sample_rate: {e}") from e
     if fmt not in FORMATS:
-        raise _Refused(
+        raise Refused(
             400, "params", f"format must be one of {', '.join(FORMATS)}, got {fmt[:20]!r}"
         )
     return int(rate), FORMATS[fmt]
 
 
-async def _deny(ws: WebSocket, e: _Refused) -> None:
+async def _deny(ws: WebSocket, e: Refused) -> None:
     """Refuse a WebSocket handshake with the HTTP answer of ``e`` (where the server can send one:
     uvicorn
     does), else with close code 1008 (or 1013 for a 503) and its message as the reason."""
