@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -227,12 +227,31 @@ class ModelChunks:
 
     def encode(self, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A window of prepared frames ``(W, *)``: the chunk's CTC log-probabilities ``(C, V)`` and
-        its
-        encoder frames ``(C, D)``."""
+        its encoder frames ``(C, D)``."""
         enc, self.state = self.model.encoder.forward_chunk(
             window[None], self.state, self.left_frames
         )
         return self.model.ctc_log_probs(enc)[0], enc[0]
+
+    def batch_key(self, window: torch.Tensor) -> tuple:
+        """Streams whose windows have equal keys can be encoded together (``encode_together``):
+        one model, one ``left_frames``, windows of one length."""
+        return id(self.model), self.left_frames, tuple(window.shape)
+
+    @staticmethod
+    def encode_together(chunks: Sequence[ModelChunks], windows: Sequence[torch.Tensor]
+                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``encode`` of several streams' windows (of one ``batch_key``) in one batched forward,
+        ``ConformerEncoder.forward_chunks``: each stream's ``(C, V)`` and ``(C, D)``, what its own
+        ``encode`` gives (within float rounding), and its caches moved on."""
+        model, left_frames = chunks[0].model, chunks[0].left_frames
+        enc, states = model.encoder.forward_chunks(
+            torch.stack(list(windows)), [c.state for c in chunks], left_frames
+        )
+        log_probs = model.ctc_log_probs(enc)
+        for c, state in zip(chunks, states):
+            c.state = state
+        return list(zip(log_probs, enc))
 
 
 class Stream:
@@ -286,18 +305,54 @@ class Stream:
     def accept(self, samples: torch.Tensor | np.ndarray) -> list[Result]:
         """The results the piece ``samples`` brings: mono float samples ``(N,)`` at the stream's
         rate."""
-        if self.finished:
-            raise ValueError("the stream is finished: make a new one with Recognizer.stream")
-        return self._encode(self.features.accept(self.resampler(_samples(samples))), last=False)
+        self.take(samples)
+        return self._encode()
 
     @torch.inference_mode()
     def finish(self) -> list[Result]:
         """The results of the rest of the stream, ending with its final result (see the class)."""
+        self.take_end()
+        return self._encode() + self.last_results()
+
+    # accept and finish in steps, for a caller that encodes the windows of several streams
+    # together (the server's batched streams, serving.engine): take or take_end, then each window
+    # of next_window encoded (ModelChunks.encode_together) and given to chunk_encoded, in turn,
+    # until there is none; after take_end, last_results.
+
+    @torch.inference_mode()
+    def take(self, samples: torch.Tensor | np.ndarray) -> None:
+        """The piece ``samples`` (as ``accept``) made into features, not yet encoded."""
+        if self.finished:
+            raise ValueError("the stream is finished: make a new one with Recognizer.stream")
+        self._take(self.features.accept(self.resampler(_samples(samples))))
+
+    @torch.inference_mode()
+    def take_end(self) -> None:
+        """The end of the stream (as ``finish``): the last features, the last windows shorter."""
         if self.finished:
             raise ValueError("the stream is finished: make a new one with Recognizer.stream")
         self.finished = True
-        results = self._encode(self.features.accept(self.resampler.flush()), last=False)
-        results += self._encode(self.features.finish(), last=True)
+        self._take(self.features.accept(self.resampler.flush()))
+        self._take(self.features.finish())
+
+    def next_window(self) -> torch.Tensor | None:
+        """The window of prepared frames the stream's next chunk is encoded from, when its
+        features are in; else None."""
+        if len(self.feats) >= (self.context if self.finished else self.window):
+            return self.feats[:self.window]
+        return None
+
+    @torch.inference_mode()
+    def chunk_encoded(self, log_probs: torch.Tensor, enc: torch.Tensor) -> list[Result]:
+        """The results of ``next_window``'s chunk, encoded: its CTC log-probabilities ``(C, V)``
+        and encoder frames ``(C, D)``."""
+        self.feats = self.feats[self.step:]
+        return self._advance(log_probs, enc)
+
+    @torch.inference_mode()
+    def last_results(self) -> list[Result]:
+        """After ``take_end`` and the last window: the stream's final result (see the class)."""
+        results = []
         final = self._final()
         if final.text or not self.finals:
             self.finals += 1
@@ -315,14 +370,15 @@ class Stream:
         self.speech = False  # a frame whose likeliest output is a token, in this segment
         self.blanks = 0  # frames since the last such frame
 
-    def _encode(self, feats: torch.Tensor, last: bool) -> list[Result]:
-        """Encode every chunk the features so far complete (at the end, also a last shorter one)."""
+    def _take(self, feats: torch.Tensor) -> None:
+        """New raw log-mel frames, prepared, after those not yet encoded."""
         self.feats = torch.cat([self.feats, self.chunks.prepare(feats)])
+
+    def _encode(self) -> list[Result]:
+        """Encode every chunk the features so far complete (at the end, also a last shorter one)."""
         results = []
-        while len(self.feats) >= (self.context if last else self.window):
-            log_probs, enc = self.chunks.encode(self.feats[:self.window])
-            self.feats = self.feats[self.step:]
-            results += self._advance(log_probs, enc)
+        while (window := self.next_window()) is not None:
+            results += self.chunk_encoded(*self.chunks.encode(window))
         return results
 
     def _advance(self, log_probs: torch.Tensor, enc: torch.Tensor) -> list[Result]:
