@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config import PRESETS, model_config_from_preset
+from ..config import DEFAULT_VOCAB_SIZE, PRESETS, model_config_from_preset
 from ..data.frames import frames_of
 from ..training.memory import CUDA_CALIBRATED_ON, GIB, MemoryEstimator
 from . import Parser, setup_logging, tool
@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--utterances_per_update", type=int, default=8, help="effective batch to keep"
     )
-    parser.add_argument("--vocab_size", type=int, default=128)
+    parser.add_argument("--vocab_size", type=int, default=DEFAULT_VOCAB_SIZE)
     parser.add_argument(
         "--margin",
         type=float,

@@ -16,6 +16,8 @@ from typing import Iterable, Sequence
 
 import sentencepiece as spm
 
+from ..config import DEFAULT_VOCAB_SIZE
+
 __all__ = ["normalize_text", "Tokenizer", "train_tokenizer", "BLANK_ID", "UNK_ID", "SOS_EOS_ID"]
 
 BLANK_ID = 0
@@ -88,7 +90,7 @@ class Tokenizer:
 
 
 def train_tokenizer(
-    texts: Iterable[str], vocab_size: int = 128, model_type: str = "unigram"
+    texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, model_type: str = "unigram"
 ) -> Tokenizer:
     """Train SentencePiece on normalized transcripts, in memory.
 

@@ -40,6 +40,7 @@ import soundfile as sf
 import torch
 from tqdm import tqdm
 
+from ..config import DEFAULT_MAX_DURATION
 from ..data.audio import AUDIO_SUFFIXES, AudioError, load_audio
 from ..data.frames import SAMPLE_RATE
 from ..data.manifest import check_row
@@ -501,7 +502,7 @@ def prepare(
     out_dir: Path,
     *,
     tokenizer: Tokenizer | None = None,
-    max_duration: float = 30.0,
+    max_duration: float = DEFAULT_MAX_DURATION,
     valid_fraction: float = 0.0,
     split_name: str = "train",
     seed: int = 0,

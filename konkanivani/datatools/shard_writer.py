@@ -42,6 +42,7 @@ import soundfile as sf
 from tqdm import tqdm
 
 from ..checkpoint import atomic_file, write_file_atomic
+from ..config import DEFAULT_MAX_DURATION
 from ..data.audio import AudioError, load_audio
 from ..data.frames import SAMPLE_RATE
 from ..data.manifest import ManifestError, check_row, iter_manifest
@@ -233,7 +234,7 @@ def write_shards(
     shard_size: int = 0,
     shard_hours: float = 0.0,
     tokenizer: Tokenizer | None = None,
-    max_duration: float = 30.0,
+    max_duration: float = DEFAULT_MAX_DURATION,
     progress: bool = True,
 ) -> ShardReport:
     """Write ``manifest``'s usable utterances as shards in ``out_dir`` and list them (the module's

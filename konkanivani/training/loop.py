@@ -171,38 +171,25 @@ def train_epoch(
                 )
                 log.info("%s", _summary_line(run, stats, speed, memory))
                 speed.restart()
+                _settle_or_stop(run)  # (settled above: it stops a run that diverged)
             epoch_goes_on = run.batches_done < run.epoch_batches
-            validating = (
-                cfg.validate_every_steps
-                and run.step % cfg.validate_every_steps == 0
-                and epoch_goes_on
-            )
+            # (the epoch's end validates anyway)
+            validating = cfg.validate_every_steps and run.step % cfg.validate_every_steps == 0
+            if validating and epoch_goes_on:
+                _settle_or_stop(run)
+                validate_and_save(run)
+            # after the validation: on_step may read its metrics (a search prunes by them)
             stop = _stop_after_step(run, stop_request, on_step)
-            saving = (
-                cfg.save_every_steps
-                and run.step % cfg.save_every_steps == 0
-                and epoch_goes_on
-                and stop is None
-            )  # (the epoch's end and a stop save anyway)
-            if validating or saving or stop:
-                settle(run)
-            if run.skips.exceeded:  # too many non-finite updates in a row: save and stop
-                save(run)
-                raise TrainingDiverged(diverged_message(run.skips.in_a_row, run.step, run.out_dir,
-                                                        run.scaler.is_enabled()))
-            if validating:
-                validate_and_save(run)  # (the epoch's end validates anyway)
-            if saving and run.saved_step != run.step:  # (validating saved it)
+            # (the epoch's end and a stop save anyway; a validation has saved already)
+            if cfg.save_every_steps and run.step % cfg.save_every_steps == 0 and epoch_goes_on \
+                    and stop is None and run.saved_step != run.step:
+                _settle_or_stop(run)
                 save(run)
             if stop:
+                _settle_or_stop(run)
                 break
     bar.close()
-    settle(run)
-    if run.skips.exceeded:
-        save(run)
-        raise TrainingDiverged(
-            diverged_message(run.skips.in_a_row, run.step, run.out_dir, run.scaler.is_enabled())
-        )
+    _settle_or_stop(run)
     _log_epoch_end(run, unreadable, run.skips.total - skips_before, epoch_speed)
     if run.batches_done < run.epoch_batches:
         return stop, False
@@ -253,6 +240,16 @@ def train_step(run: Run, micro: list[Batch]) -> Optional[dict[str, Any]]:
         if settle(run):
             run.ema.update_parameters(run.model)
     return {**stats, "lr": lr, "grad_norm": grad_norm}
+
+
+def _settle_or_stop(run: Run) -> None:
+    """``settle``, then save and stop if too many updates in a row were skipped."""
+    settle(run)
+    if run.skips.exceeded:
+        save(run)
+        raise TrainingDiverged(
+            diverged_message(run.skips.in_a_row, run.step, run.out_dir, run.scaler.is_enabled())
+        )
 
 
 def settle(run: Run) -> bool:
