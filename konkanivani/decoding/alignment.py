@@ -121,17 +121,21 @@ def words_of_spans(tokenizer: Tokenizer, spans: Sequence[TokenSpan], offset: flo
         # shifted words that overlap meet half-way: the raw spans never overlap, so both keep time
         if ends[i - 1] > starts[i]:
             ends[i - 1] = starts[i] = (ends[i - 1] + starts[i]) / 2
-    if groups:
-        starts[0] = max(starts[0], offset)
-        if duration is not None:
-            ends[-1] = min(ends[-1], offset + duration)
+    # In whole milliseconds: each word within the audio, after the one before it, at least 1 ms
+    # long, whatever the shifts (the room it leaves for the words after it kept).
+    low = round(offset * 1000)
+    high = None if duration is None else round((offset + duration) * 1000)
     words = []
-    for group, start, end in zip(groups, starts, ends):
-        start, end = round(start, 3), round(end, 3)
-        # the clamps above cannot undo a word; this keeps every word some time, whatever shifts
-        end = max(end, round(start + 0.001, 3))
+    for i, (group, start, end) in enumerate(zip(groups, starts, ends)):
+        start_ms = max(round(start * 1000), low)
+        end_ms = max(round(end * 1000), start_ms + 1)
+        if high is not None:
+            end_ms = min(end_ms, high - (len(groups) - 1 - i))
+            start_ms = min(start_ms, end_ms - 1)
+        low = end_ms
         probability = round(word_probability([s.probability for s in group]), 3)
-        words.append(Word(tokenizer.decode([s.token for s in group]), start, end, probability))
+        words.append(Word(tokenizer.decode([s.token for s in group]), start_ms / 1000,
+                          end_ms / 1000, probability))
     return words
 
 
