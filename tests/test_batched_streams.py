@@ -93,3 +93,149 @@ def test_a_batched_forward_takes_one_state_a_window_and_a_streaming_model():
     full = ConformerEncoder(model_config_from_preset("tiny", vocab_size=V)).eval()
     with pytest.raises(ValueError, match="causal_conv"):
         full.forward_chunks(torch.randn(1, 15, 80), [None])
+
+
+# The engine: concurrent streams through its batcher, each with what it gives alone.
+
+
+@pytest.fixture(scope="module")
+def recognizer():
+    """A tiny streaming model that has learned the four tone sentences (120 steps)."""
+    from serve_helpers import train_model
+    from tone_speech import SENTENCES, speech
+
+    return train_model([speech(s, seed=i) for i, s in enumerate(SENTENCES)], SENTENCES, True)
+
+
+def _clips():
+    """Five streams of different audio and lengths (one or two tone sentences, 0.2-1.2 s of silence
+    between), sent in pieces of different sizes, one at 48 kHz; each joins once the first stream
+    has sent ``join`` pieces."""
+    from tone_speech import SENTENCES, speech
+
+    clips = []
+    for i, (gap, piece, join, rate) in enumerate(
+        [(19200, 1600, 0, 16000), (3200, 2400, 1, 16000), (0, 800, 1, 16000),
+         (12800, 4000, 4, 16000), (8000, 3 * 1600, 7, 48000)]
+    ):
+        wav = speech(SENTENCES[i % 4], seed=20 + i)
+        if gap:
+            wav = torch.cat([wav, torch.zeros(gap), speech(SENTENCES[(i + 1) % 4], seed=30 + i)])
+        if rate != 16000:  # the same sound at 48 kHz: the stream resamples it
+            wav = torch.nn.functional.interpolate(wav[None, None], scale_factor=3,
+                                                  mode="linear")[0, 0]
+        clips.append((list(wav.split(piece)), join, rate))
+    return clips
+
+
+async def _feed(engine, clips, bad_stream=None):
+    """Every clip through its own stream of ``engine`` at once, as the server's sessions call it
+    (``Engine.run(stream.accept, piece)``, then ``finish``): each stream's results (or the exception
+    its call raised); ``bad_stream``'s third piece is not mono audio."""
+    import asyncio
+
+    sent = [asyncio.Event() for _ in range(max(len(p) for p, _, _ in clips) + 1)]
+    sent[0].set()
+
+    async def client(i, pieces, join, rate):
+        await sent[join].wait()
+        stream, results = engine.open_stream(rate), []
+        try:
+            for n, piece in enumerate(pieces):
+                if i == bad_stream and n == 2:
+                    piece = piece[None]  # (1, N): refused in one line, the stream fails alone
+                results += await engine.run(stream.accept, piece)
+                if i == 0:
+                    sent[n + 1].set()
+            results += await engine.run(stream.finish)
+        except ValueError as e:
+            return e
+        finally:
+            if i == 0:
+                for event in sent:
+                    event.set()
+        return results
+
+    return await asyncio.gather(*(client(i, *clip) for i, clip in enumerate(clips)))
+
+
+def _alone(recognizer, engine, clips):
+    return [
+        list(recognizer.stream_results(pieces, engine.decoding, sample_rate=rate))
+        for pieces, _, rate in clips
+    ]
+
+
+@pytest.mark.parametrize("method, left_chunks", [("rescore", -1), ("beam", 1)])
+def test_concurrent_streams_through_the_batching_engine_give_what_each_gives_alone(
+    recognizer, method, left_chunks
+):
+    import asyncio
+
+    from konkanivani.decoding.settings import DecodingConfig
+    from konkanivani.serving.engine import BatchedStream, Engine
+
+    decoding = DecodingConfig(method=method, chunk_size=4, left_chunks=left_chunks, beam_size=4,
+                              endpoint_ms=400)
+    engine = Engine(recognizer, decoding)
+    clips = _clips()
+    try:
+        assert isinstance(engine.open_stream(), BatchedStream) and engine.description[
+            "batch_streams"
+        ]
+        together = asyncio.run(_feed(engine, clips))
+    finally:
+        engine.close()
+    alone = _alone(recognizer, engine, clips)
+    for mine, expected in zip(together, alone):
+        assert mine == expected  # partials and finals: text, times, words
+    finals = [[r.text for r in results if r.is_final] for results in alone]
+    assert sum(len(f) == 2 for f in finals) >= 3 and all(any(f) for f in finals)
+    assert sum(not r.is_final for results in alone for r in results) >= 40
+    batcher = engine.batcher
+    # every chunk of every stream went through the batcher, most of them with others'
+    assert batcher.chunks == sum(
+        len(feature_windows(torch.zeros(1, _frames(recognizer, pieces, rate), 80), 4))
+        for pieces, _, rate in clips
+    )
+    assert batcher.forwards <= 0.6 * batcher.chunks
+    # calls ran in ticks: fewer ticks than calls (a tick takes every stream's pending call)
+    calls = sum(len(pieces) + 1 for pieces, _, _ in clips)
+    assert batcher.ticks <= 0.6 * calls
+
+
+def _frames(recognizer, pieces, rate):
+    """The feature frames of a stream of ``pieces`` at ``rate``, as it computes them."""
+    stream = recognizer.stream(chunk_size=4, sample_rate=rate)
+    for piece in pieces:
+        stream.features.accept(stream.resampler(piece))
+    return stream.features.frames + len(stream.features.finish())
+
+
+def test_a_stream_that_fails_fails_alone_and_the_per_stream_path_stays(recognizer):
+    import asyncio
+
+    from konkanivani.decoding.settings import DecodingConfig
+    from konkanivani.decoding.streaming import Stream
+    from konkanivani.serving.engine import Engine
+
+    decoding = DecodingConfig(method="beam", chunk_size=4, beam_size=4)
+    clips = _clips()
+    engine = Engine(recognizer, decoding)
+    try:
+        together = asyncio.run(_feed(engine, clips, bad_stream=1))
+    finally:
+        engine.close()
+    alone = _alone(recognizer, engine, clips)
+    assert isinstance(together[1], ValueError) and "mono samples" in str(together[1])
+    assert [r for i, r in enumerate(together) if i != 1] == [
+        r for i, r in enumerate(alone) if i != 1
+    ]
+
+    solo = Engine(recognizer, decoding, batch_streams=False)
+    try:
+        assert solo.batcher is None and isinstance(solo.open_stream(), Stream)
+        assert solo.description["batch_streams"] is False
+        assert asyncio.run(_feed(solo, clips)) == alone
+    finally:
+        solo.close()

@@ -118,6 +118,15 @@ def _parser(limits_class) -> Parser:
     parser.add_argument(
         "--threads", type=int, default=None, help="PyTorch's threads (default: its own choice)"
     )
+    parser.add_argument(
+        "--batch_streams", action="store_true", default=True,
+        help="encode the chunks of concurrent streams together, one batched forward at a time "
+             "(default; an export's streams are encoded one by one)"
+    )
+    parser.add_argument(
+        "--no_batch_streams", dest="batch_streams", action="store_false",
+        help="encode each stream's chunks alone, one forward a chunk"
+    )
     group = parser.add_argument_group("limits")
     for f in fields(limits_class):
         group.add_argument(f"--{f.name}", type=type(f.default), default=f.default,
@@ -156,7 +165,7 @@ def _serve(args, decoding, limits) -> int:
             recognizer = ExportedRecognizer(args.checkpoint)
         else:
             recognizer = Recognizer.from_checkpoint(args.checkpoint, decoding.device)
-        engine = Engine(recognizer, decoding, args.workers)
+        engine = Engine(recognizer, decoding, args.workers, batch_streams=args.batch_streams)
     except (CheckpointError, RuntimeError, ValueError) as e:
         return fail(str(e))
     streaming, method = engine.streaming, engine.decoding.method

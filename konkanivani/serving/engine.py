@@ -13,6 +13,15 @@ cannot stream (``/stream`` says so).
 An export folder (``decoding.exported.ExportedRecognizer``, onnxruntime) decodes uploads in those
 windows through ``model.onnx`` with ``greedy`` or ``beam`` (no attention decoder: nothing rescored),
 and streams through ``encoder_chunk.onnx`` when it has it, in the chunks it was exported for.
+
+Batched streams (``batch_streams``, a checkpoint's): the chunk forwards of concurrent streams run
+together. The server calls a stream's ``accept`` and ``finish`` through ``Engine.run`` as ever; a
+``BatchedStream``'s go to the ``StreamBatcher`` instead, which takes what is pending each time the
+decode thread is free (one call a stream), makes each stream's new audio into features, and encodes
+the windows that are ready in one batched forward (``ModelChunks.encode_together``: the streams at
+their own offsets, their caches padded), again while any stream has one more; each stream's CTC
+prefix beam and endpointing go on alone with its own chunk (``Stream.chunk_encoded``), so a stream
+gives what it gives alone. The export's chunk graph takes one stream: it streams per stream.
 """
 from __future__ import annotations
 
@@ -20,7 +29,8 @@ import asyncio
 import dataclasses
 import io
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, TypeVar
+from dataclasses import dataclass
+from typing import Awaitable, Callable, TypeVar
 
 import soundfile as sf
 import torch
@@ -30,9 +40,16 @@ from ..data.frames import SAMPLE_RATE
 from ..decoding.onnx_recognizer import ExportedRecognizer
 from ..decoding.recognizer import MIN_SAMPLES, Recognizer
 from ..decoding.settings import DecodingConfig
-from ..decoding.streaming import FRAME_SECONDS, Result, Stream, check_sample_rate, quiet_windows
+from ..decoding.streaming import (
+    FRAME_SECONDS,
+    ModelChunks,
+    Result,
+    Stream,
+    check_sample_rate,
+    quiet_windows,
+)
 
-__all__ = ["Engine", "UploadTooLong"]
+__all__ = ["BatchedStream", "Engine", "StreamBatcher", "UploadTooLong"]
 
 T = TypeVar("T")
 UPLOAD = "the upload"  # how messages name an uploaded file: never by a name the client chose
@@ -46,10 +63,13 @@ class Engine:
     """A recognizer (a checkpoint's, or an export folder's) and its ``DecodingConfig``, checked and
     resolved once for it (``ValueError`` in one line): ``decoding`` holds the settings it decodes
     with. ``streaming`` says whether the model can stream; one that cannot decodes whole windows,
-    with no chunk (the chunk settings are a stream's)."""
+    with no chunk (the chunk settings are a stream's). ``batch_streams``: a streaming checkpoint's
+    streams are encoded together (see the module; ``batcher``); else each alone, as an export's
+    always are."""
 
     def __init__(self, recognizer: Recognizer | ExportedRecognizer,
-                 decoding: DecodingConfig | None = None, workers: int = 1):
+                 decoding: DecodingConfig | None = None, workers: int = 1,
+                 batch_streams: bool = True):
         self.recognizer = recognizer
         self.exported = isinstance(recognizer, ExportedRecognizer)
         if self.exported:
@@ -64,10 +84,12 @@ class Engine:
         self.decoding = recognizer.settings(decoding, streams=self.streaming)
         if self.streaming:
             # refuses settings the model cannot take; warns once of untrained chunks
-            self.open_stream()
+            self._stream()
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="konkanivani-decode")
+        batched = batch_streams and self.streaming and not self.exported
+        self.batcher = StreamBatcher(self._on_pool) if batched else None
 
     @property
     def description(self) -> dict:
@@ -77,7 +99,7 @@ class Engine:
         if self.streaming:
             chunk_ms = round(d.chunk_size * FRAME_SECONDS * 1000)
             info.update(chunk_size=d.chunk_size, chunk_ms=chunk_ms, left_chunks=d.left_chunks,
-                        endpoint_ms=d.endpoint_ms)
+                        endpoint_ms=d.endpoint_ms, batch_streams=self.batcher is not None)
         return info
 
     @property
@@ -96,13 +118,44 @@ class Engine:
         return "trained without --causal_conv"
 
     async def run(self, fn: Callable[..., T], *args) -> T:
-        """``fn(*args)`` on a decode thread."""
+        """``fn(*args)`` on a decode thread; a ``BatchedStream``'s ``accept(samples)`` or
+        ``finish()`` in the batcher's next tick, with the other streams' (``stream_accept``,
+        ``stream_finish``)."""
+        owner = getattr(fn, "__self__", None)
+        if isinstance(owner, BatchedStream) and self.batcher is not None:
+            if fn == owner.accept:
+                return await self.stream_accept(owner, *args)
+            if fn == owner.finish:
+                return await self.stream_finish(owner, *args)
+        return await self._on_pool(fn, *args)
+
+    async def stream_accept(self, stream: Stream | BatchedStream, samples) -> list[Result]:
+        """``stream.accept(samples)``: batched with the other streams' chunks when ``stream`` is a
+        ``BatchedStream``, else on a decode thread."""
+        if isinstance(stream, BatchedStream) and self.batcher is not None:
+            return await self.batcher.submit(stream.stream, samples)
+        return await self._on_pool(stream.accept, samples)
+
+    async def stream_finish(self, stream: Stream | BatchedStream) -> list[Result]:
+        """``stream.finish()``, as ``stream_accept``."""
+        if isinstance(stream, BatchedStream) and self.batcher is not None:
+            return await self.batcher.submit(stream.stream, None)
+        return await self._on_pool(stream.finish)
+
+    async def _on_pool(self, fn: Callable[..., T], *args) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     def close(self) -> None:
+        if self.batcher is not None:
+            self.batcher.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def open_stream(self, sample_rate: int = SAMPLE_RATE) -> Stream:
+    def open_stream(self, sample_rate: int = SAMPLE_RATE) -> Stream | BatchedStream:
+        """A client's stream: a ``BatchedStream`` when the engine batches streams."""
+        stream = self._stream(sample_rate)
+        return stream if self.batcher is None else BatchedStream(stream)
+
+    def _stream(self, sample_rate: int = SAMPLE_RATE) -> Stream:
         return self.recognizer.stream(self.decoding, sample_rate=sample_rate)
 
     @staticmethod
@@ -146,7 +199,7 @@ class Engine:
         """The final results of a 16 kHz waveform (see the module): segments in order, the empty one
         only when no segment has text."""
         if self.streaming and not self.exported:
-            stream = self.open_stream()
+            stream = self._stream()
             return [r for r in stream.accept(wav) + stream.finish() if r.is_final]
         results = []
         for first, window in quiet_windows([wav]):
@@ -157,3 +210,150 @@ class Engine:
                 results.append(Result(text, True, round(first / SAMPLE_RATE, 3),
                                       round((first + len(window)) / SAMPLE_RATE, 3)))
         return results or [Result("", True, 0.0, round(len(wav) / SAMPLE_RATE, 3))]
+
+
+class BatchedStream:
+    """A client's stream on an engine that batches streams: ``Engine.run(s.accept, samples)`` and
+    ``Engine.run(s.finish)``, as the server calls any stream's, go to the engine's
+    ``StreamBatcher``. Called directly, ``accept`` and ``finish`` are the stream's own
+    (``stream``)."""
+
+    def __init__(self, stream: Stream):
+        self.stream = stream
+
+    def accept(self, samples) -> list[Result]:
+        return self.stream.accept(samples)
+
+    def finish(self) -> list[Result]:
+        return self.stream.finish()
+
+
+@dataclass
+class _Call:
+    """One stream's ``accept(samples)`` (``finish()`` where ``samples`` is None) in a tick."""
+
+    stream: Stream
+    samples: object
+    future: asyncio.Future
+
+
+class StreamBatcher:
+    """Runs the calls of concurrent streams in ticks, their chunk forwards batched (see the module).
+    ``run`` runs a function on a decode thread (the engine's pool). Each tick takes the calls
+    pending when the decode thread is free, one a stream (a stream's next call waits for the next
+    tick); a stream whose call fails fails alone (its exception is its call's), the others go on.
+    ``forwards`` and ``chunks`` count the encoder forwards run and the chunks they encoded."""
+
+    def __init__(self, run: Callable[..., Awaitable]):
+        self.run = run
+        self.pending: list[_Call] = []
+        self.forwards = self.chunks = self.ticks = 0
+        self._task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def submit(self, stream: Stream, samples) -> list[Result]:
+        """The results of ``stream.accept(samples)`` (``stream.finish()`` when ``samples`` is
+        None), computed in the next tick."""
+        loop = asyncio.get_running_loop()
+        call = _Call(stream, samples, loop.create_future())
+        self.pending.append(call)
+        if self._task is None or self._task.done() or self._loop is not loop:
+            self._loop, self._wake = loop, asyncio.Event()
+            self._task = loop.create_task(self._ticks())
+        self._wake.set()
+        return await call.future
+
+    def close(self) -> None:
+        if self._task is not None and not self._task.done() and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._task.cancel)
+
+    async def _ticks(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            # the frames the event loop has read already join this tick
+            await asyncio.sleep(0)
+            calls, later, streams = [], [], set()
+            # a call whose client went away (its future cancelled) is dropped
+            for call in (c for c in self.pending if not c.future.done()):
+                (later if id(call.stream) in streams else calls).append(call)
+                streams.add(id(call.stream))
+            self.pending = later
+            if later:
+                self._wake.set()
+            if not calls:
+                continue
+            try:
+                outcomes = await self.run(self.tick, [(c.stream, c.samples) for c in calls])
+            except Exception as e:  # noqa: BLE001  the pool is gone (shutdown): every call fails
+                outcomes = [e] * len(calls)
+            for call, outcome in zip(calls, outcomes):
+                if call.future.done():  # its client went away meanwhile
+                    continue
+                if isinstance(outcome, BaseException):
+                    call.future.set_exception(outcome)
+                else:
+                    call.future.set_result(outcome)
+
+    @torch.inference_mode()
+    def tick(self, calls: list[tuple[Stream, object]]) -> list[list[Result] | Exception]:
+        """One tick on a decode thread: each call's results, or the exception it raised. ``calls``:
+        ``(stream, samples)``, one a stream; samples None: ``finish``."""
+        self.ticks += 1
+        outcomes: list[list[Result] | Exception] = [[] for _ in calls]
+        live = []
+        for i, (stream, samples) in enumerate(calls):
+            try:
+                stream.take_end() if samples is None else stream.take(samples)
+                live.append(i)
+            # what one stream's audio makes it raise fails its call alone
+            except Exception as e:  # noqa: BLE001
+                outcomes[i] = e
+        while live:
+            ready = [(i, w) for i in live if (w := calls[i][0].next_window()) is not None]
+            self._encode(calls, ready, outcomes)
+            live = [i for i, _ in ready if not isinstance(outcomes[i], Exception)]
+        for i, (stream, samples) in enumerate(calls):
+            if samples is None and not isinstance(outcomes[i], Exception):
+                try:
+                    outcomes[i] += stream.last_results()
+                except Exception as e:  # noqa: BLE001
+                    outcomes[i] = e
+        return outcomes
+
+    def _encode(self, calls: list[tuple[Stream, object]], ready: list[tuple[int, torch.Tensor]],
+                outcomes: list) -> None:
+        """Encode the ``ready`` windows, those of one ``batch_key`` in one forward, and give each
+        stream its chunk."""
+        groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+        for i, window in ready:
+            chunks = calls[i][0].chunks
+            key = chunks.batch_key(window) if isinstance(chunks, ModelChunks) else (id(chunks),)
+            groups.setdefault(key, []).append((i, window))
+        for rows in groups.values():
+            streams = [calls[i][0] for i, _ in rows]
+            try:
+                if len(rows) == 1:
+                    encoded = [streams[0].chunks.encode(rows[0][1])]
+                else:
+                    encoded = ModelChunks.encode_together(
+                        [s.chunks for s in streams], [w for _, w in rows]
+                    )
+                self.forwards, self.chunks = self.forwards + 1, self.chunks + len(rows)
+            except Exception:  # noqa: BLE001  each alone, so that only a failing stream fails
+                encoded = []
+                for stream, (i, window) in zip(streams, rows):
+                    try:
+                        encoded.append(stream.chunks.encode(window))
+                        self.forwards, self.chunks = self.forwards + 1, self.chunks + 1
+                    except Exception as e:  # noqa: BLE001
+                        encoded.append(e)
+            for stream, (i, _), chunk in zip(streams, rows, encoded):
+                if isinstance(chunk, Exception):
+                    outcomes[i] = chunk
+                    continue
+                try:
+                    outcomes[i] += stream.chunk_encoded(*chunk)
+                except Exception as e:  # noqa: BLE001
+                    outcomes[i] = e
