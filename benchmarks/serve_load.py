@@ -11,18 +11,27 @@ tones) as 100 ms 16-bit PCM frames, paced in real time, starts spread over one c
   it brought (each result says how much audio the stream had taken when it was made:
   ``audio_seconds``);
 - the real-time factor: the server's decode seconds over audio seconds (from its ``done`` messages,
-  waiting for the decode thread included), and its ``/metrics`` totals;
+  waiting for the decode thread included, and for a batched stream the whole tick it was part of),
+  and its ``/metrics`` totals;
+- the decode-thread real-time factor: the seconds the decode thread spent working over the audio
+  seconds, every stream's together (``/metrics``' ``konkanivani_decode_thread_seconds_total``): what
+  the load costs the CPU, the figure batching lowers;
 - the end lag: from sending the end to receiving ``done``;
 - errors: streams that did not end with ``done`` and close 1000, refused handshakes, lost finals.
 
-    python benchmarks/serve_load.py --checkpoint checkpoints/streaming/best.pt --streams 1,4,16
-    --seconds 20
+``--modes batched,per_stream`` runs the same load twice, side by side: a server that encodes the
+chunks of concurrent streams in one batched forward (the default) and one started with
+``--no_batch_streams`` (one forward a chunk). ``--csv`` writes the rows.
+
+    python benchmarks/serve_load.py --checkpoint checkpoints/streaming/best.pt --streams 1,4,16,64
+    --seconds 20 --modes batched,per_stream --csv benchmarks/results/serve_load/serve_load.csv
 
 Bounded: ``--seconds`` of audio a stream, and ``--timeout`` for any stream to finish.
 """
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import json
 import math
@@ -53,6 +62,8 @@ from konkanivani.training.curves import text_table
 from konkanivani.training.precision import cpu_description
 
 FRAME = SAMPLE_RATE // 10  # 100 ms
+# the server each --modes name starts: its flags
+MODES = {"batched": [], "per_stream": ["--no_batch_streams"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,27 +86,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--server_flags", default="", help="more flags for konkanivani-serve, in one string"
     )
+    parser.add_argument(
+        "--modes", default="batched",
+        help="batched (the default server), per_stream (--no_batch_streams), or both,"
+        " comma-separated: the same load on each, side by side (default: %(default)s)",
+    )
+    parser.add_argument("--csv", type=Path, help="write the rows here too")
     args = parser.parse_args(argv)
     counts = [int(c) for c in args.streams.split(",")]
+    modes = args.modes.split(",")
+    if not set(modes) <= set(MODES):
+        parser.error(f"--modes takes {', '.join(MODES)}, got {args.modes}")
     audio = _audio(args.corpus, args.seconds)
+    rows, metrics = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = args.checkpoint or _untrained(Path(tmp) / "untrained.pt", args.preset, audio)
-        server = _start(
-            checkpoint,
-            [
-                "--chunk_size",
-                str(args.chunk_size),
-                "--max_streams",
-                str(max(counts)),
-                *args.server_flags.split(),
-            ],
-        )
-        try:
-            rows = [_load(server["ws"], audio, n, args.chunk_size, args.timeout) for n in counts]
-            metrics = _metrics(server["http"])
-        finally:
-            server["proc"].terminate()
-            server["proc"].wait(30)
+        for mode in modes:
+            server = _start(
+                checkpoint,
+                [
+                    "--chunk_size",
+                    str(args.chunk_size),
+                    # every stream comes from this one client address
+                    "--max_streams",
+                    str(max(counts)),
+                    "--max_client_streams",
+                    str(max(counts)),
+                    *MODES[mode],
+                    *args.server_flags.split(),
+                ],
+            )
+            try:
+                for n in counts:
+                    before = _counters(server["http"])
+                    row = _load(server["ws"], audio, n, args.chunk_size, args.timeout)
+                    busy, audio_s = (a - b for a, b in zip(_counters(server["http"]), before))
+                    row["cpu_rtf"] = round(busy / audio_s, 4) if audio_s else "-"
+                    rows.append({"mode": mode, **row})
+                metrics[mode] = _metrics(server["http"])
+            finally:
+                server["proc"].terminate()
+                server["proc"].wait(30)
     print(
         f"\nCPU: {cpu_description()}, {os.cpu_count()} cores; torch {torch.__version__}; model:"
         f" {args.checkpoint or f'untrained {args.preset} (--causal_conv --dynamic_chunk)'}; chunks"
@@ -103,17 +134,26 @@ def main(argv: list[str] | None = None) -> int:
         " stream, in real time"
     )
     titles = {
+        "mode": "server",
         "streams": "streams",
         "partials": "partials",
         "p50_ms": "partial latency p50 ms",
         "p95_ms": "p95 ms",
         "max_ms": "max ms",
         "rtf": "real-time factor",
+        "cpu_rtf": "decode-thread RTF",
         "end_lag_ms": "end to done ms (max)",
         "errors": "errors",
     }
     print(text_table(rows, list(titles), list(titles.values())))
-    print(f"server /metrics: {metrics}")
+    for mode, line in metrics.items():
+        print(f"server /metrics ({mode}): {line}")
+    if args.csv:
+        args.csv.parent.mkdir(parents=True, exist_ok=True)
+        with args.csv.open("w", newline="") as f:
+            writer = csv.DictWriter(f, list(titles))
+            writer.writeheader()
+            writer.writerows(rows)
     return 0
 
 
@@ -263,6 +303,20 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _counters(http_url: str) -> tuple[float, float]:
+    """The server's decode-thread seconds and streamed audio seconds so far (``/metrics``)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(http_url + "metrics", timeout=30).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith(("konkanivani_decode_thread_seconds_total ",
+                            'konkanivani_audio_seconds_total{endpoint="/stream"}')):
+            values[line.split()[0]] = float(line.split()[-1])
+    return (values.get("konkanivani_decode_thread_seconds_total", 0.0),
+            values.get('konkanivani_audio_seconds_total{endpoint="/stream"}', 0.0))
+
+
 def _metrics(http_url: str) -> str:
     import urllib.request
 
@@ -273,7 +327,9 @@ def _metrics(http_url: str) -> str:
         "konkanivani_errors_total",
     )
     return "; ".join(
-        line for line in text.splitlines() if line.startswith(wanted) and "/stream" in line
+        line for line in text.splitlines()
+        if line.startswith(wanted) and "/stream" in line
+        or line.startswith("konkanivani_decode_thread_seconds_total ")
     )
 
 

@@ -41,6 +41,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
 from starlette.applications import Starlette
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
@@ -86,8 +87,10 @@ class _Metrics:
     """The server's Prometheus metrics, in a registry of its own (two apps in one process count
     apart)."""
 
-    def __init__(self):
+    def __init__(self, engine: Engine | None = None):
         self.registry = r = CollectorRegistry()
+        if engine is not None:
+            r.register(_BusyCollector(engine))
         self.requests = Counter(
             "konkanivani_requests",
             "Requests answered, by endpoint and status code",
@@ -129,6 +132,24 @@ class _Metrics:
         self.decode_seconds.labels(endpoint).inc(decode_s)
         if audio_s > 0:
             self.rtf.labels(endpoint).observe(decode_s / audio_s)
+
+
+class _BusyCollector:
+    """``konkanivani_decode_thread_seconds_total``: the seconds the decode threads spent working
+    (``Engine.busy_seconds``), every request's together. Over the audio seconds it is the server's
+    real-time factor as its CPU sees it; ``konkanivani_decode_seconds`` counts each request's wait
+    for a decode thread (and a batched stream's share of its tick) as well."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self):
+        family = CounterMetricFamily(
+            "konkanivani_decode_thread_seconds",
+            "Seconds the decode threads spent working, all requests together",
+        )
+        family.add_metric([], self.engine.busy_seconds)
+        yield family
 
 
 class DenialLogFilter(logging.Filter):
@@ -186,7 +207,8 @@ class _Server:
                  allow_origins: Iterable[str] = ()):
         self.engine, self.limits, self.token, self.model_name = engine, limits, token, model_name
         self.allow_origins = {normalize_origin(o) for o in allow_origins}
-        self.metrics, self.static, self.started = _Metrics(), _static_files(), time.monotonic()
+        self.metrics, self.static, self.started = (_Metrics(engine), _static_files(),
+                                                   time.monotonic())
         self.streams = self.uploads = 0  # open and decoding now
         # by client address: uploads being read or decoded, streams open
         self.client_uploads: dict[str, int] = {}

@@ -28,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Awaitable, Callable, TypeVar
@@ -88,6 +90,8 @@ class Engine:
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="konkanivani-decode")
+        # the seconds the decode threads spent working (the /metrics counter of that name)
+        self.busy_seconds, self._busy_lock = 0.0, threading.Lock()
         batched = batch_streams and self.streaming and not self.exported
         self.batcher = StreamBatcher(self._on_pool) if batched else None
 
@@ -143,7 +147,16 @@ class Engine:
         return await self._on_pool(stream.finish)
 
     async def _on_pool(self, fn: Callable[..., T], *args) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self._timed, fn, *args)
+
+    def _timed(self, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)`` on a decode thread, its time added to ``busy_seconds``."""
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            with self._busy_lock:
+                self.busy_seconds += time.perf_counter() - start
 
     def close(self) -> None:
         if self.batcher is not None:
