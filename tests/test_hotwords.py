@@ -26,7 +26,7 @@ from konkanivani.decoding.hotwords import (
     split_hotwords,
 )
 from konkanivani.decoding.search import CTCPrefixBeam, ctc_prefix_beam_search
-from konkanivani.decoding.settings import DecodingConfig
+from konkanivani.decoding.settings import HOTWORD_BOOST, JOINT_HOTWORD_BOOST, DecodingConfig
 
 KONKANI = ["हांव सकाळीं बाजारांत वता", "आमच्या गांवांत एक व्हड देवूळ आसा",
            "आयज खूब पावस पडलो", "राम आनी शाम शाळेंत गेले", "म्हजो आजो आराम करता"]
@@ -165,6 +165,11 @@ def test_the_settings_check_hotwords_once():
     assert DecodingConfig.of(None, hotwords=["a", "b"]).hotwords == ("a", "b")
     once = DecodingConfig(hotwords=("पणजी",), hotword_boost=2.0).resolved(streams=True)
     assert once.resolved(streams=True) == once and once.hotwords == ("पणजी",)
+    # the boost by default: the CTC prefix beam's, or joint decoding's, which is more easily swayed
+    assert DecodingConfig().resolved(streams=False).hotword_boost == JOINT_HOTWORD_BOOST
+    for method in ("beam", "rescore"):
+        assert DecodingConfig(method=method).resolved(False).hotword_boost == HOTWORD_BOOST
+    assert DecodingConfig().resolved(streams=True).hotword_boost == HOTWORD_BOOST
     for settings, message in [
         (dict(hotwords=("पणजी",), method="greedy"), "--method greedy cannot be biased"),
         (dict(hotwords=("पणजी",), method="attention"), "--method attention cannot be biased"),

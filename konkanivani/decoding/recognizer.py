@@ -151,9 +151,9 @@ class Recognizer:
         return Fusion(self.lm if d.lm_weight else None, d.lm_weight or 0.0, d.length_bonus)
 
     def context(self, d: DecodingConfig) -> ContextGraph | None:
-        """The hotwords' context of settings ``d`` (``hotwords.context_graph``, spelled with this
-        recognizer's tokenizer): None without hotwords. A request's own list goes in as an override:
-        ``rec.transcribe(paths, hotwords=["पणजी", "मांडवी :2.5"])``."""
+        """The hotwords' context of resolved settings ``d`` (``hotwords.context_graph``, spelled
+        with this recognizer's tokenizer): None without hotwords. A request's own list goes in as
+        an override: ``rec.transcribe(paths, hotwords=["पणजी", "मांडवी :2.5"])``."""
         return context_graph(d.hotwords, d.hotword_boost, self.tokenizer)
 
     @classmethod

@@ -17,14 +17,15 @@ outputs. With fusion, the attention and joint searches rank finished hypotheses 
 score, not divided by the length: the bonus takes that role. With ``W = B = 0`` each method returns
 what it returns without fusion, scores included.
 
-Hotwords (``context``, a ``hotwords.ContextGraph``) add to every method but greedy a context bonus:
-each token that spells a hotword earns its boost, taken back when the word is not completed (the
-module ``hotwords``). CTC prefix beam search prunes and ranks its prefixes by the score with the
-bonus, attention rescoring rescores that search's n-best and keeps each hypothesis's bonus
-(``Hypothesis.context``) at full weight, so that a hotword the CTC search found is not lost to the
-decoder, which never saw it; joint decoding adds the bonus to each extension, in its pre-beam too
-(the attention search alone is not biased: nothing holds it to the audio). Without a context, or with a boost of 0 (``ContextGraph.active`` False), each
-method returns what it returns without hotwords.
+Hotwords (``context``, a ``hotwords.ContextGraph``) add a context bonus to CTC prefix beam search,
+attention rescoring and joint decoding: each token that spells a hotword earns its boost, taken back
+when the word is not completed (the module ``hotwords``). CTC prefix beam search prunes and ranks
+its prefixes by the score with the bonus; attention rescoring rescores that search's n-best and
+keeps each hypothesis's bonus (``Hypothesis.context``) at full weight, so that a hotword the CTC
+search found is not lost to the decoder, which never saw it; joint decoding adds the bonus to each
+extension, in its pre-beam too. The attention search alone is not biased: nothing holds it to the
+audio. Without a context, or with a boost of 0 (``ContextGraph.active`` False), each method
+returns what it returns without hotwords.
 
 Long input: ``decode_batch``'s attention searches stop a hypothesis at a length the CTC head
 supports (``ctc_length_bound``, a margin over its greedy hypothesis), and it decodes an utterance
@@ -35,6 +36,7 @@ saw such input in training. CTC prefix beam search and greedy decoding grow abou
 """
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -222,7 +224,11 @@ class CTCPrefixBeam:
 
     With a ``context`` (hotwords), each prefix carries its node of the hotwords' automaton and its
     context bonus, in the score it is pruned and ranked by; the final n-best
-    (``hypotheses(final=True)``) takes back the bonus of a hotword a prefix has only begun.
+    (``hypotheses(final=True)``) takes back the bonus of a hotword a prefix has only begun. The beam
+    also keeps the ``beam_size // 2`` prefixes best by the score they would end with (the bonus of
+    the hotwords they hold, not of one they have only begun), so that a begun hotword does not
+    push the likeliest plain readings out: on the demo corpus's sentences without hotwords this
+    halved what a boost of 2 cost (benchmarks/results/hotwords/README.md).
 
     Examples:
         >>> lp = torch.log_softmax(torch.tensor([[0., 5, 0], [5, 0, 0], [0, 0, 5]]), -1)
@@ -238,6 +244,7 @@ class CTCPrefixBeam:
         self.beam_size, self.fusion = beam_size, fusion or Fusion()
         # a context that adds nothing (a boost of 0) is none: the search is the same
         self.context = context if context is not None and context.active else None
+        self.settled = max(1, beam_size // 2)  # see the class
         empty = _Prefix()
         # prefix -> (log P ending in blank, log P ending in its last token)
         self.beams: dict[_Prefix, tuple[float, float]] = {empty: (0.0, NEG_INF)}
@@ -297,6 +304,14 @@ class CTCPrefixBeam:
                 nxt.items(), key=lambda kv: _logaddexp(*kv[1]) + extra[kv[0]], reverse=True
             )
             beams = {prefix: (pb, pnb) for prefix, (pb, pnb) in ranked[:self.beam_size]}
+            if context is not None:
+                # and the best by the score they would end with: a hotword only begun cannot push
+                # the likeliest plain readings out of the beam
+                settled = heapq.nlargest(
+                    self.settled, nxt.items(),
+                    key=lambda kv: _logaddexp(*kv[1]) + extra[kv[0]] - states[kv[0]][0].pending)
+                for prefix, (pb, pnb) in settled:
+                    beams.setdefault(prefix, (pb, pnb))
             extra = {prefix: extra[prefix] for prefix in beams}
             nodes = {prefix: nodes[prefix] for prefix in beams}
             if context is not None:

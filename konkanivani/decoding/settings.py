@@ -29,10 +29,10 @@ from ..config import ConfigError, Renamed
 from .hotwords import HotwordError, parse_hotword, read_hotwords
 
 __all__ = ["CHUNK_SIZE", "ENDPOINT_MS", "EXPORTED_METHOD", "EXPORTED_METHODS", "EXPORT_LEFT_CHUNKS",
-           "FUSED_METHODS", "HOTWORD_BOOST", "HOTWORD_METHODS", "LM_WEIGHT", "LONG_INPUT_SECONDS",
-           "METHOD", "METHODS", "STREAMING_METHOD", "STREAM_METHODS", "DecodingConfig",
-           "add_decoding_flags", "decoding_config_from_args", "default_text", "flag_name",
-           "hotwords_file"]
+           "FUSED_METHODS", "HOTWORD_BOOST", "HOTWORD_METHODS", "JOINT_HOTWORD_BOOST", "LM_WEIGHT",
+           "LONG_INPUT_SECONDS", "METHOD", "METHODS", "STREAMING_METHOD", "STREAM_METHODS",
+           "DecodingConfig", "add_decoding_flags", "decoding_config_from_args", "default_text",
+           "flag_name", "hotwords_file"]
 
 METHODS = ("greedy", "beam", "attention", "joint", "rescore")
 # greedy has no hypotheses to weigh
@@ -55,9 +55,12 @@ EXPORT_LEFT_CHUNKS = 4
 # The shallow fusion weight with --lm: a common starting point, not a tuned value
 # (benchmarks/lm_fusion.py chooses one on a validation set).
 LM_WEIGHT = 0.3
-# The context bonus per token of a hotword (decoding.hotwords): chosen with benchmarks/hotwords.py
-# (benchmarks/results/hotwords/README.md).
+# The context bonus per token of a hotword (decoding.hotwords), chosen with benchmarks/hotwords.py
+# (benchmarks/results/hotwords/README.md): the largest boost that cost the demo corpus's sentences
+# without hotwords no CER, 1.5 for the CTC prefix beam (beam, rescore, a stream), 0.75 for joint
+# decoding, which writes a boosted name over an unclear word more readily.
 HOTWORD_BOOST = 1.5
+JOINT_HOTWORD_BOOST = 0.75
 ENDPOINT_MS = 800  # a streamed segment ends after this much of blank frames after speech
 # Above this many seconds an utterance asked of an attention-based method is decoded with
 # search.LONG_INPUT_METHOD instead: the training default --max_duration, so the decoder never saw
@@ -138,9 +141,9 @@ class DecodingConfig:
         f"Biases {', '.join(HOTWORD_METHODS)}: each token of a hotword a hypothesis spells earns "
         "the boost, taken back unless the word is completed", metavar="FILE", read=hotwords_file,
         default="none"))
-    hotword_boost: float = field(default=HOTWORD_BOOST, metadata=_setting(
+    hotword_boost: float | None = field(default=None, metadata=_setting(
         "with --hotwords: the score added per token of a hotword (its line's boost where it has "
-        "one); 0 changes nothing"))
+        "one); 0 changes nothing", default=f"{HOTWORD_BOOST}; {JOINT_HOTWORD_BOOST} with joint"))
 
     def __post_init__(self) -> None:
         # a list of hotwords (a library caller's) held as a tuple: the settings stay hashable
@@ -217,7 +220,8 @@ class DecodingConfig:
             except HotwordError as e:
                 raise ConfigError(f"--hotwords {line!r:.60}: {e}") from None
         boost = self.hotword_boost
-        if not (isinstance(boost, (int, float)) and math.isfinite(boost) and boost >= 0):
+        if boost is not None and not (isinstance(boost, (int, float)) and math.isfinite(boost)
+                                      and boost >= 0):
             raise ConfigError(f"--hotword_boost must be a number >= 0, got {boost!r}")
 
     def _check_chunks(self, streams: bool | None) -> None:
@@ -246,15 +250,20 @@ class DecodingConfig:
                  ) -> DecodingConfig:
         """These settings, checked (``check``), with each default that depends on how they decode
         written in: the method, the LM weight with ``lm`` (``LM_WEIGHT``; None, no fusion, without
-        one), and for a stream its chunk (``CHUNK_SIZE``) and endpoint (``ENDPOINT_MS``) unless
-        given. Resolving settings again in the same context gives them back unchanged."""
+        one), the hotwords' boost (``HOTWORD_BOOST``, ``JOINT_HOTWORD_BOOST`` with joint), and for a
+        stream its chunk (``CHUNK_SIZE``) and endpoint (``ENDPOINT_MS``) unless given. Resolving
+        settings again in the same context gives them back unchanged."""
         self.check(streams, exported, lm_loaded)
+        method = self.method or self._default_method(streams, exported)
         weight = LM_WEIGHT if self.lm_weight is None and self.lm is not None else self.lm_weight
         endpoint = ENDPOINT_MS if streams and self.endpoint_ms is None else self.endpoint_ms
+        boost = self.hotword_boost
+        if boost is None:
+            boost = JOINT_HOTWORD_BOOST if method == "joint" else HOTWORD_BOOST
         return dataclasses.replace(
-            self, method=self.method or self._default_method(streams, exported), lm_weight=weight,
+            self, method=method, lm_weight=weight,
             chunk_size=(self.chunk_size or CHUNK_SIZE) if streams else self.chunk_size,
-            endpoint_ms=endpoint)
+            endpoint_ms=endpoint, hotword_boost=boost)
 
 
 def flag_name(name: str) -> str:
