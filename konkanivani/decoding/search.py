@@ -227,8 +227,7 @@ class CTCPrefixBeam:
     (``hypotheses(final=True)``) takes back the bonus of a hotword a prefix has only begun. The beam
     also keeps the ``beam_size // 2`` prefixes best by the score they would end with (the bonus of
     the hotwords they hold, not of one they have only begun), so that a begun hotword does not
-    push the likeliest plain readings out: on the demo corpus's sentences without hotwords this
-    halved what a boost of 2 cost (benchmarks/results/hotwords/README.md).
+    push the likeliest plain readings out (benchmarks/results/hotwords/README.md).
 
     Examples:
         >>> lp = torch.log_softmax(torch.tensor([[0., 5, 0], [5, 0, 0], [0, 0, 5]]), -1)
