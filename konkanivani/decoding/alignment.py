@@ -52,7 +52,8 @@ WORD_START = "\u2581"  # SentencePiece's mark of a word's first piece
 # Seconds added to a word's aligned start and end (see the module): measured by
 # benchmarks/word_times.py --calibrate on the demo corpus's validation split, 1,221 known
 # boundaries: the median start error was -4 ms (left at 0), the median end error -20 ms, so a
-# word's last token frame ends 20 ms before its sound does (benchmarks/results/word_times/README.md).
+# word's last token frame ends 20 ms before its sound does
+# (benchmarks/results/word_times/README.md).
 START_SHIFT = 0.0
 END_SHIFT = 0.02
 
