@@ -45,6 +45,9 @@ def test_the_wheel_installs_and_trains_from_an_unrelated_directory(tmp_path):
             str(python),
             "install",
             "--no-deps",
+            # an installed konkanivani of the same version (the checkout's editable install, seen
+            # through the system site packages) would make pip skip the wheel
+            "--ignore-installed",
             "--quiet",
             str(wheel),
         ],
