@@ -11,7 +11,7 @@ tones) as 100 ms 16-bit PCM frames, paced in real time, starts spread over one c
   it brought (each result says how much audio the stream had taken when it was made:
   ``audio_seconds``);
 - the real-time factor: the server's decode seconds over audio seconds (from its ``done`` messages,
-  waiting for the decode thread included, and for a batched stream the whole tick it was part of),
+  waiting for the decode thread included, and for a batched stream its tick until its own results),
   and its ``/metrics`` totals;
 - the decode-thread real-time factor: the seconds the decode thread spent working over the audio
   seconds, every stream's together (``/metrics``' ``konkanivani_decode_thread_seconds_total``): what

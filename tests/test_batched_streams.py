@@ -239,3 +239,35 @@ def test_a_stream_that_fails_fails_alone_and_the_per_stream_path_stays(recognize
         assert asyncio.run(_feed(solo, clips)) == alone
     finally:
         solo.close()
+
+
+def test_a_streams_results_go_out_once_its_own_chunks_are_done(recognizer):
+    """Within a tick, a stream whose windows are all encoded is delivered then, not after the
+    others' chunks: the short stream's results leave while the long one still has windows."""
+    from tone_speech import SENTENCES, speech
+
+    from konkanivani.decoding.settings import DecodingConfig
+    from konkanivani.serving.engine import Engine
+
+    engine = Engine(recognizer, DecodingConfig(method="beam", chunk_size=4, beam_size=4))
+    try:
+        short, long = engine._stream(), engine._stream()
+        encoded = {id(short): 0, id(long): 0}
+        for stream in (short, long):
+            def counted(*chunk, stream=stream, inner=stream.chunk_encoded):
+                encoded[id(stream)] += 1
+                return inner(*chunk)
+            stream.chunk_encoded = counted
+        delivered = {}
+
+        def deliver(i, outcome):
+            delivered[i] = (dict(encoded), outcome)
+
+        wav = torch.cat([speech(s, seed=i) for i, s in enumerate(SENTENCES)])
+        outcomes = engine.batcher.tick([(short, wav[:8000]), (long, wav)], deliver)
+    finally:
+        engine.close()
+    assert set(delivered) == {0, 1} and [delivered[i][1] for i in (0, 1)] == outcomes
+    at_short = delivered[0][0]
+    assert at_short[id(short)] >= 1 and at_short[id(long)] < encoded[id(long)]
+    assert delivered[1][0] == encoded  # the long one when all was done

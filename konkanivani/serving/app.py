@@ -138,7 +138,7 @@ class _BusyCollector:
     """``konkanivani_decode_thread_seconds_total``: the seconds the decode threads spent working
     (``Engine.busy_seconds``), every request's together. Over the audio seconds it is the server's
     real-time factor as its CPU sees it; ``konkanivani_decode_seconds`` counts each request's wait
-    for a decode thread (and a batched stream's share of its tick) as well."""
+    for a decode thread (and a batched stream's tick until its results) as well."""
 
     def __init__(self, engine: Engine):
         self.engine = engine

@@ -241,6 +241,17 @@ class BatchedStream:
         return self.stream.finish()
 
 
+def _settle(future: asyncio.Future, outcome) -> None:
+    """``future``'s result, or exception, unless it has one (given already, or its client went
+    away)."""
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+
+
 @dataclass
 class _Call:
     """One stream's ``accept(samples)`` (``finish()`` where ``samples`` is None) in a tick."""
@@ -297,48 +308,65 @@ class StreamBatcher:
                 self._wake.set()
             if not calls:
                 continue
+            loop = asyncio.get_running_loop()
+
+            def deliver(i: int, outcome, calls=calls) -> None:
+                # on the decode thread: the call's results go out now, not at the tick's end
+                loop.call_soon_threadsafe(_settle, calls[i].future, outcome)
+
             try:
-                outcomes = await self.run(self.tick, [(c.stream, c.samples) for c in calls])
+                outcomes = await self.run(self.tick, [(c.stream, c.samples) for c in calls],
+                                          deliver)
             except Exception as e:  # noqa: BLE001  the pool is gone (shutdown): every call fails
                 outcomes = [e] * len(calls)
             for call, outcome in zip(calls, outcomes):
-                if call.future.done():  # its client went away meanwhile
-                    continue
-                if isinstance(outcome, BaseException):
-                    call.future.set_exception(outcome)
-                else:
-                    call.future.set_result(outcome)
+                _settle(call.future, outcome)
 
     @torch.inference_mode()
-    def tick(self, calls: list[tuple[Stream, object]]) -> list[list[Result] | Exception]:
+    def tick(self, calls: list[tuple[Stream, object]],
+             deliver: Callable[[int, object], None] | None = None
+             ) -> list[list[Result] | Exception]:
         """One tick on a decode thread: each call's results, or the exception it raised. ``calls``:
-        ``(stream, samples)``, one a stream; samples None: ``finish``."""
+        ``(stream, samples)``, one a stream; samples None: ``finish``. ``deliver(i, outcome)`` is
+        called as soon as call ``i``'s outcome is complete (its last window encoded, and for a
+        finish its last results), so a stream whose chunk is done need not wait for the others'."""
         self.ticks += 1
         outcomes: list[list[Result] | Exception] = [[] for _ in calls]
-        live = []
+        settled = [False] * len(calls)
+
+        def settle_if_done(i: int) -> bool:
+            """Deliver call ``i`` if nothing is left of it in this tick; whether it was."""
+            stream, samples = calls[i]
+            if not isinstance(outcomes[i], Exception):
+                if stream.next_window() is not None:
+                    return False
+                if samples is None:
+                    try:
+                        outcomes[i] += stream.last_results()
+                    except Exception as e:  # noqa: BLE001
+                        outcomes[i] = e
+            settled[i] = True
+            if deliver is not None:
+                deliver(i, outcomes[i])
+            return True
+
         for i, (stream, samples) in enumerate(calls):
             try:
                 stream.take_end() if samples is None else stream.take(samples)
-                live.append(i)
             # what one stream's audio makes it raise fails its call alone
             except Exception as e:  # noqa: BLE001
                 outcomes[i] = e
+        live = [i for i in range(len(calls)) if not settle_if_done(i)]
         while live:
-            ready = [(i, w) for i in live if (w := calls[i][0].next_window()) is not None]
-            self._encode(calls, ready, outcomes)
-            live = [i for i, _ in ready if not isinstance(outcomes[i], Exception)]
-        for i, (stream, samples) in enumerate(calls):
-            if samples is None and not isinstance(outcomes[i], Exception):
-                try:
-                    outcomes[i] += stream.last_results()
-                except Exception as e:  # noqa: BLE001
-                    outcomes[i] = e
+            ready = [(i, calls[i][0].next_window()) for i in live]
+            self._encode(calls, ready, outcomes, settle_if_done)
+            live = [i for i in live if not settled[i]]
         return outcomes
 
     def _encode(self, calls: list[tuple[Stream, object]], ready: list[tuple[int, torch.Tensor]],
-                outcomes: list) -> None:
+                outcomes: list, settle_if_done: Callable[[int], bool]) -> None:
         """Encode the ``ready`` windows, those of one ``batch_key`` in one forward, and give each
-        stream its chunk."""
+        stream its chunk; then ``settle_if_done`` of that stream."""
         groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
         for i, window in ready:
             chunks = calls[i][0].chunks
@@ -365,8 +393,9 @@ class StreamBatcher:
             for stream, (i, _), chunk in zip(streams, rows, encoded):
                 if isinstance(chunk, Exception):
                     outcomes[i] = chunk
-                    continue
-                try:
-                    outcomes[i] += stream.chunk_encoded(*chunk)
-                except Exception as e:  # noqa: BLE001
-                    outcomes[i] = e
+                else:
+                    try:
+                        outcomes[i] += stream.chunk_encoded(*chunk)
+                    except Exception as e:  # noqa: BLE001
+                        outcomes[i] = e
+                settle_if_done(i)
