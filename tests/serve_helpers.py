@@ -67,6 +67,17 @@ def train_model(wavs: list[torch.Tensor], texts: list[str], streaming: bool, ste
     return Recognizer(model.eval(), tokenizer, torch.device("cpu"))
 
 
+def two_segment_clip(path: Path) -> Path:
+    """Two tone sentences 1.2 s apart (two segments), written to ``path`` as a 16-bit wav."""
+    import soundfile as sf
+
+    wav = torch.cat(
+        [speech(SENTENCES[0], seed=7), torch.zeros(19200), speech(SENTENCES[1], seed=8)]
+    )
+    sf.write(path, wav.numpy(), 16000, subtype="PCM_16")
+    return path
+
+
 def tone_checkpoint(path: Path, streaming: bool) -> Path:
     rec = train_model([speech(s, seed=i) for i, s in enumerate(SENTENCES)], SENTENCES, streaming)
     return save_checkpoint(

@@ -21,14 +21,13 @@ for _module in ("starlette", "uvicorn", "multipart", "prometheus_client"):
 openai = pytest.importorskip("openai", reason="the dev extra is not installed: pip install openai")
 
 from serve_helpers import (  # noqa: E402
-    SENTENCES,
     SlowUpload,
     http,
     http_json,
     multipart,
     served,
-    speech,
     tone_checkpoint,
+    two_segment_clip,
 )
 from tone_speech import LETTERS  # noqa: E402
 
@@ -53,12 +52,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def clip(tmp_path_factory):
     """Two tone sentences 1.2 s apart (two segments), as a 16-bit wav."""
-    wav = torch.cat(
-        [speech(SENTENCES[0], seed=7), torch.zeros(19200), speech(SENTENCES[1], seed=8)]
-    )
-    path = tmp_path_factory.mktemp("openai_clip") / "two.wav"
-    sf.write(path, wav.numpy(), 16000, subtype="PCM_16")
-    return path
+    return two_segment_clip(tmp_path_factory.mktemp("openai_clip") / "two.wav")
 
 
 @pytest.fixture(scope="module")

@@ -24,14 +24,13 @@ for _module in ("starlette", "uvicorn", "websockets", "multipart", "prometheus_c
     )
 
 from serve_helpers import (  # noqa: E402
-    SENTENCES,
     SlowUpload,
     http,
     http_json,
     multipart,
     served,
-    speech,
     tone_checkpoint,
+    two_segment_clip,
     wait_until,
     ws_refusal,
     ws_session,
@@ -135,12 +134,7 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def clip(tmp_path_factory):
     """Two tone sentences 1.2 s apart (two segments), as a 16-bit wav."""
-    wav = torch.cat(
-        [speech(SENTENCES[0], seed=7), torch.zeros(19200), speech(SENTENCES[1], seed=8)]
-    )
-    path = tmp_path_factory.mktemp("serve_clip") / "two.wav"
-    sf.write(path, wav.numpy(), 16000, subtype="PCM_16")
-    return path
+    return two_segment_clip(tmp_path_factory.mktemp("serve_clip") / "two.wav")
 
 
 @pytest.fixture(scope="module")

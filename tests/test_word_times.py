@@ -16,11 +16,11 @@ import torch
 import webvtt
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from serve_helpers import train_model
 from tone_speech import SENTENCES, speech
 
 from konkanivani.checkpoint import save_checkpoint
 from konkanivani.cli import transcribe
-from konkanivani.config import model_config_from_preset
 from konkanivani.data.frames import SAMPLE_RATE
 from konkanivani.data.tokenizer import train_tokenizer
 from konkanivani.decoding import alignment
@@ -32,10 +32,8 @@ from konkanivani.decoding.alignment import (
     align_words,
     words_of_spans,
 )
-from konkanivani.decoding.recognizer import Recognizer
 from konkanivani.decoding.streaming import Result
 from konkanivani.decoding.subtitles import cues, segment_of, subtitles, to_srt, to_vtt, width
-from konkanivani.model.asr import ASRModel
 
 PIECE = SAMPLE_RATE // 10  # 100 ms
 
@@ -56,37 +54,19 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def rec(tokenizer):
+def rec():
     """A tiny streaming model that has learned SENTENCES, alone and in a row (150 steps, chunks of
     1-8 frames and full context, causal convolutions)."""
-    torch.manual_seed(0)
-    cfg = model_config_from_preset("tiny", vocab_size=tokenizer.vocab_size, dropout=0.0,
-                                   causal_conv=True, dynamic_chunk=True, max_chunk=8)
-    model = ASRModel(cfg)
-    log_mel = Recognizer(model, tokenizer, torch.device("cpu")).log_mel
     # each sentence alone, and all four one after another with pauses between, each first once
     # (as a long file's windows hold them)
     pause = torch.zeros(SAMPLE_RATE // 2)
     rows = [SENTENCES[k:] + SENTENCES[:k] for k in range(len(SENTENCES))]  # each after each
-    texts = [*SENTENCES, *(" ".join(row) for row in rows)]
     alone = [speech(s, seed=i) for i, s in enumerate(SENTENCES)]
-    wavs = alone + [torch.cat([x for i in range(len(alone)) for x in (alone[(k + i) % len(alone)],
-                                                                      pause)])
-                    for k in range(len(alone))]
-    feats = [log_mel(w) for w in wavs]
-    every = torch.cat(feats)
-    model.set_cmvn(every.mean(0), every.std(0))
-    x = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True)
-    lens = torch.tensor([len(f) for f in feats])
-    tokens = [torch.tensor(tokenizer.encode(s)) for s in texts]
-    y = torch.nn.utils.rnn.pad_sequence(tokens, batch_first=True, padding_value=-1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model.train()
-    for _ in range(150):
-        model(x, lens, y, torch.tensor([len(t) for t in tokens])).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return Recognizer(model.eval(), tokenizer, torch.device("cpu"))
+    joined = [torch.cat([x for i in range(len(alone)) for x in (alone[(k + i) % len(alone)],
+                                                                pause)])
+              for k in range(len(alone))]
+    return train_model(alone + joined, [*SENTENCES, *(" ".join(row) for row in rows)], True,
+                       steps=150)
 
 
 @pytest.fixture(scope="module")
