@@ -10,7 +10,7 @@ import pytest
 import soundfile as sf
 import torch
 from serve_helpers import train_model
-from tone_speech import LETTERS, SENTENCES, speech
+from tone_speech import SENTENCES, mixed_speech, speech
 
 from konkanivani.checkpoint import save_checkpoint
 from konkanivani.cli import evaluate, transcribe
@@ -210,23 +210,6 @@ def test_the_prefix_beam_prunes_and_ranks_by_the_biased_score():
 
 
 # The tone model: "b?d cafe" with the second letter's tone a mix of "a" and "e"
-def mixed_speech(e_share: float) -> torch.Tensor:
-    t = torch.arange(2400) / SAMPLE_RATE
-
-    def tone(letter):
-        return torch.sin(2 * math.pi * (300 + 250 * LETTERS.index(letter)) * t)
-
-    parts = [torch.zeros(4800)]
-    for i, word in enumerate(["bad", "cafe"]):
-        parts += [torch.zeros(1600)] * bool(i)
-        for j, letter in enumerate(word):
-            wave = (1 - e_share) * tone("a") + e_share * tone("e") if (i, j) == (0, 1) else (
-                tone(letter))
-            parts.append(0.3 * wave * torch.hann_window(2400))
-    wav = torch.cat([*parts, torch.zeros(4800)])
-    return wav + 0.003 * torch.randn(len(wav), generator=torch.Generator().manual_seed(5))
-
-
 @pytest.fixture(scope="module")
 def tone():
     """The streaming tone model and an utterance it does not hear as "bed cafe" for sure: "bed

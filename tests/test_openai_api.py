@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import soundfile as sf
 import srt
-import torch
 import webvtt
 
 for _module in ("starlette", "uvicorn", "multipart", "prometheus_client"):
@@ -29,7 +28,7 @@ from serve_helpers import (  # noqa: E402
     tone_checkpoint,
     two_segment_clip,
 )
-from tone_speech import LETTERS  # noqa: E402
+from tone_speech import mixed_speech  # noqa: E402
 
 from konkanivani.data.audio import load_audio  # noqa: E402
 from konkanivani.decoding.recognizer import Recognizer  # noqa: E402
@@ -254,25 +253,6 @@ def test_curl_s_form_and_the_token_in_the_query(server, clip, offline):
     assert status == 200 and json.loads(data)["object"] == "list"
 
 
-def _mixed_speech(e_share: float) -> torch.Tensor:
-    """ "bad cafe", its first "a" a mix of the tones of "a" and "e" (as tests/test_hotwords.py
-    makes it): a word the model hears as "bad" or "bed" by a little."""
-    t = torch.arange(2400) / 16000
-
-    def tone(letter):
-        return torch.sin(2 * math.pi * (300 + 250 * LETTERS.index(letter)) * t)
-
-    parts = [torch.zeros(4800)]
-    for i, word in enumerate(["bad", "cafe"]):
-        parts += [torch.zeros(1600)] * bool(i)
-        for j, letter in enumerate(word):
-            wave = ((1 - e_share) * tone("a") + e_share * tone("e") if (i, j) == (0, 1)
-                    else tone(letter))
-            parts.append(0.3 * wave * torch.hann_window(2400))
-    wav = torch.cat([*parts, torch.zeros(4800)])
-    return wav + 0.003 * torch.randn(len(wav), generator=torch.Generator().manual_seed(5))
-
-
 @pytest.mark.slow
 def test_the_prompt_keywords_and_hotwords_bias_the_search_as_the_recognizer_does(
         client, checkpoint, tmp_path):
@@ -285,7 +265,7 @@ def test_the_prompt_keywords_and_hotwords_bias_the_search_as_the_recognizer_does
     # a mix the model hears as "bad cafe", and as "bed cafe" with "bed" boosted
     for share in (0.7, 0.75, 0.8, 0.85, 0.9, 0.95):
         path = tmp_path / f"mixed_{share}.wav"
-        sf.write(path, _mixed_speech(share).numpy(), 16000, subtype="PCM_16")
+        sf.write(path, mixed_speech(share).numpy(), 16000, subtype="PCM_16")
         plain, boosted = offline(path), offline(path, hotwords=["bed"])
         if plain != boosted:
             break
