@@ -13,6 +13,7 @@ import torch
 
 from ..data.dataset import Batch, Utterance
 from ..data.features import LogMel
+from ..data.frames import SAMPLE_RATE
 from ..data.samplers import (
     split_batch,
 )
@@ -174,9 +175,8 @@ def _empty_batch(model: Any) -> Batch:
     """A one-utterance batch of silence that stands in, with its loss multiplied by 0, for a process
     whose whole accumulation group failed to load (``indices`` is empty: it counts for nothing).
     """
-    return Batch(
-        torch.zeros(1, 16000), torch.tensor([16000]), torch.full((1, 1), 3), torch.tensor([1]), []
-    )
+    return Batch(torch.zeros(1, SAMPLE_RATE), torch.tensor([SAMPLE_RATE]), torch.full((1, 1), 3),
+                 torch.tensor([1]), [])
 
 
 def optimizer_step(
