@@ -12,20 +12,18 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from serve_helpers import train_model
 from tone_speech import SENTENCES, speech
 
 from konkanivani.checkpoint import save_checkpoint
 from konkanivani.cli import transcribe
-from konkanivani.config import model_config_from_preset
 from konkanivani.data.audio import Resampler, load_audio, read_blocks, resample
 from konkanivani.data.features import LogMel
 from konkanivani.data.frames import SAMPLE_RATE
-from konkanivani.data.tokenizer import train_tokenizer
 from konkanivani.decoding import recognizer as recognizer_module
 from konkanivani.decoding.recognizer import Recognizer
 from konkanivani.decoding.search import attention_rescoring, ctc_prefix_beam_search
 from konkanivani.decoding.streaming import FRAME_SECONDS, StreamingLogMel, quiet_windows
-from konkanivani.model.asr import ASRModel
 
 PIECE = SAMPLE_RATE // 10  # 100 ms
 
@@ -39,35 +37,8 @@ def silence(seconds: float, seed: int = 1) -> torch.Tensor:
 
 def _trained(streaming: bool) -> Recognizer:
     """A tiny model that has learned SENTENCES (120 steps): with streaming, trained for chunks of
-    1-8
-    frames and full context, with causal convolutions."""
-    tokenizer = train_tokenizer(SENTENCES, vocab_size=16, model_type="char")
-    torch.manual_seed(0)
-    cfg = model_config_from_preset(
-        "tiny",
-        vocab_size=tokenizer.vocab_size,
-        dropout=0.0,
-        causal_conv=streaming,
-        dynamic_chunk=streaming,
-        max_chunk=8,
-    )
-    rec = Recognizer(ASRModel(cfg), tokenizer, torch.device("cpu"))
-    model = rec.model
-    feats = [rec.log_mel(speech(s, seed=i)) for i, s in enumerate(SENTENCES)]
-    every = torch.cat(feats)
-    model.set_cmvn(every.mean(0), every.std(0))
-    x, lens = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True), torch.tensor(
-        [len(f) for f in feats]
-    )
-    tokens = [torch.tensor(tokenizer.encode(s)) for s in SENTENCES]
-    y = torch.nn.utils.rnn.pad_sequence(tokens, batch_first=True, padding_value=-1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model.train()
-    for _ in range(120):
-        model(x, lens, y, torch.tensor([len(t) for t in tokens])).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return Recognizer(model.eval(), tokenizer, torch.device("cpu"))
+    1-8 frames and full context, with causal convolutions."""
+    return train_model([speech(s, seed=i) for i, s in enumerate(SENTENCES)], SENTENCES, streaming)
 
 
 @pytest.fixture(scope="module")
