@@ -130,8 +130,8 @@ def _clips():
 
 async def _feed(engine, clips, bad_stream=None):
     """Every clip through its own stream of ``engine`` at once, as the server's sessions call it
-    (``Engine.run(stream.accept, piece)``, then ``finish``): each stream's results (or the exception
-    its call raised); ``bad_stream``'s third piece is not mono audio."""
+    (``Engine.stream_accept(stream, piece)``, then ``stream_finish``): each stream's results (or
+    the exception its call raised); ``bad_stream``'s third piece is not mono audio."""
     import asyncio
 
     sent = [asyncio.Event() for _ in range(max(len(p) for p, _, _ in clips) + 1)]
@@ -144,10 +144,10 @@ async def _feed(engine, clips, bad_stream=None):
             for n, piece in enumerate(pieces):
                 if i == bad_stream and n == 2:
                     piece = piece[None]  # (1, N): refused in one line, the stream fails alone
-                results += await engine.run(stream.accept, piece)
+                results += await engine.stream_accept(stream, piece)
                 if i == 0:
                     sent[n + 1].set()
-            results += await engine.run(stream.finish)
+            results += await engine.stream_finish(stream)
         except ValueError as e:
             return e
         finally:
@@ -173,16 +173,15 @@ def test_concurrent_streams_through_the_batching_engine_give_what_each_gives_alo
     import asyncio
 
     from konkanivani.decoding.settings import DecodingConfig
-    from konkanivani.serving.engine import BatchedStream, Engine
+    from konkanivani.serving.engine import Engine
 
     decoding = DecodingConfig(method=method, chunk_size=4, left_chunks=left_chunks, beam_size=4,
                               endpoint_ms=400)
     engine = Engine(recognizer, decoding)
     clips = _clips()
     try:
-        assert isinstance(engine.open_stream(), BatchedStream) and engine.description[
-            "batch_streams"
-        ]
+        # a streaming checkpoint's engine batches its streams by default
+        assert engine.batcher is not None and engine.description["batch_streams"]
         together = asyncio.run(_feed(engine, clips))
     finally:
         engine.close()
@@ -251,7 +250,7 @@ def test_a_streams_results_go_out_once_its_own_chunks_are_done(recognizer):
 
     engine = Engine(recognizer, DecodingConfig(method="beam", chunk_size=4, beam_size=4))
     try:
-        short, long = engine._stream(), engine._stream()
+        short, long = engine.open_stream(), engine.open_stream()
         encoded = {id(short): 0, id(long): 0}
         for stream in (short, long):
             def counted(*chunk, stream=stream, inner=stream.chunk_encoded):

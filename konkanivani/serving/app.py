@@ -545,7 +545,7 @@ class _Session:
                 self.metrics.errors.labels("/stream", close.error).inc()
             try:
                 if close.finish:
-                    await self._decode(self.stream.finish)
+                    await self._decode(self.engine.stream_finish, self.stream)
                     await self._send({"type": "done", "audio_seconds": round(self._seconds, 3),
                                       "decode_seconds": round(self.decode_s, 3)})
                 await self.ws.close(close.code, _reason(close.reason))
@@ -598,7 +598,7 @@ class _Session:
         room = round(self.limits.max_stream_seconds * self.sample_rate) - self.samples
         self.samples += min(len(samples), room)
         if len(samples) >= room:
-            await self._decode(self.stream.accept, samples[:room])
+            await self._decode(self.engine.stream_accept, self.stream, samples[:room])
             raise _Close(
                 1008,
                 f"the stream reached {self.limits.max_stream_seconds:g} s, the most this server "
@@ -607,15 +607,15 @@ class _Session:
                 error="too_long",
             )
         arrived = time.perf_counter()
-        if await self._decode(self.stream.accept, samples):
+        if await self._decode(self.engine.stream_accept, self.stream, samples):
             self.metrics.partial_latency.observe(time.perf_counter() - arrived)
 
     async def _decode(self, fn, *args) -> int:
-        """Run a stream's ``accept`` or ``finish`` on a decode thread and send its results; how
-        many."""
+        """``await fn(*args)``, the engine's ``stream_accept`` or ``stream_finish`` of this stream,
+        and send its results; how many."""
         start = time.perf_counter()
         try:
-            results = await self.engine.run(fn, *args)
+            results = await fn(*args)
         except Exception as e:  # noqa: BLE001  this stream fails alone; the server goes on
             log.exception("decoding a stream failed")
             raise _Close(1011, f"decoding failed ({type(e).__name__})", error="decode") from e

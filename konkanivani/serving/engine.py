@@ -15,13 +15,14 @@ windows through ``model.onnx`` with ``greedy`` or ``beam`` (no attention decoder
 and streams through ``encoder_chunk.onnx`` when it has it, in the chunks it was exported for.
 
 Batched streams (``batch_streams``, a checkpoint's): the chunk forwards of concurrent streams run
-together. The server calls a stream's ``accept`` and ``finish`` through ``Engine.run`` as ever; a
-``BatchedStream``'s go to the ``StreamBatcher`` instead, which takes what is pending each time the
-decode thread is free (one call a stream), makes each stream's new audio into features, and encodes
-the windows that are ready in one batched forward (``ModelChunks.encode_together``: the streams at
-their own offsets, their caches padded), again while any stream has one more; each stream's CTC
-prefix beam and endpointing go on alone with its own chunk (``Stream.chunk_encoded``), so a stream
-gives what it gives alone. The export's chunk graph takes one stream: it streams per stream.
+together. The server calls a stream's ``accept`` and ``finish`` through ``Engine.stream_accept``
+and ``Engine.stream_finish``, which hand them to the ``StreamBatcher``: it takes what is pending
+each time the decode thread is free (one call a stream), makes each stream's new audio into
+features, and encodes the windows that are ready in one batched forward
+(``ModelChunks.encode_together``: the streams at their own offsets, their caches padded), again
+while any stream has one more; each stream's CTC prefix beam and endpointing go on alone with its
+own chunk (``Stream.chunk_encoded``), so a stream gives what it gives alone. The export's chunk
+graph takes one stream: it streams per stream.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ from ..decoding.streaming import (
     quiet_windows,
 )
 
-__all__ = ["BatchedStream", "Engine", "StreamBatcher", "UploadTooLong"]
+__all__ = ["Engine", "StreamBatcher", "UploadTooLong"]
 
 T = TypeVar("T")
 UPLOAD = "the upload"  # how messages name an uploaded file: never by a name the client chose
@@ -86,7 +87,7 @@ class Engine:
         self.decoding = recognizer.settings(decoding, streams=self.streaming)
         if self.streaming:
             # refuses settings the model cannot take; warns once of untrained chunks
-            self._stream()
+            self.open_stream()
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="konkanivani-decode")
@@ -122,28 +123,20 @@ class Engine:
         return "trained without --causal_conv"
 
     async def run(self, fn: Callable[..., T], *args) -> T:
-        """``fn(*args)`` on a decode thread; a ``BatchedStream``'s ``accept(samples)`` or
-        ``finish()`` in the batcher's next tick, with the other streams' (``stream_accept``,
-        ``stream_finish``)."""
-        owner = getattr(fn, "__self__", None)
-        if isinstance(owner, BatchedStream) and self.batcher is not None:
-            if fn == owner.accept:
-                return await self.stream_accept(owner, *args)
-            if fn == owner.finish:
-                return await self.stream_finish(owner, *args)
+        """``fn(*args)`` on a decode thread."""
         return await self._on_pool(fn, *args)
 
-    async def stream_accept(self, stream: Stream | BatchedStream, samples) -> list[Result]:
-        """``stream.accept(samples)``: batched with the other streams' chunks when ``stream`` is a
-        ``BatchedStream``, else on a decode thread."""
-        if isinstance(stream, BatchedStream) and self.batcher is not None:
-            return await self.batcher.submit(stream.stream, samples)
+    async def stream_accept(self, stream: Stream, samples) -> list[Result]:
+        """``stream.accept(samples)``: in the batcher's next tick, its chunks encoded with the other
+        streams', when the engine batches streams; else on a decode thread."""
+        if self.batcher is not None:
+            return await self.batcher.submit(stream, samples)
         return await self._on_pool(stream.accept, samples)
 
-    async def stream_finish(self, stream: Stream | BatchedStream) -> list[Result]:
+    async def stream_finish(self, stream: Stream) -> list[Result]:
         """``stream.finish()``, as ``stream_accept``."""
-        if isinstance(stream, BatchedStream) and self.batcher is not None:
-            return await self.batcher.submit(stream.stream, None)
+        if self.batcher is not None:
+            return await self.batcher.submit(stream, None)
         return await self._on_pool(stream.finish)
 
     async def _on_pool(self, fn: Callable[..., T], *args) -> T:
@@ -163,12 +156,8 @@ class Engine:
             self.batcher.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def open_stream(self, sample_rate: int = SAMPLE_RATE) -> Stream | BatchedStream:
-        """A client's stream: a ``BatchedStream`` when the engine batches streams."""
-        stream = self._stream(sample_rate)
-        return stream if self.batcher is None else BatchedStream(stream)
-
-    def _stream(self, sample_rate: int = SAMPLE_RATE) -> Stream:
+    def open_stream(self, sample_rate: int = SAMPLE_RATE) -> Stream:
+        """A client's stream, fed through ``stream_accept`` and ``stream_finish``."""
         return self.recognizer.stream(self.decoding, sample_rate=sample_rate)
 
     @staticmethod
@@ -212,7 +201,7 @@ class Engine:
         """The final results of a 16 kHz waveform (see the module): segments in order, the empty one
         only when no segment has text."""
         if self.streaming and not self.exported:
-            stream = self._stream()
+            stream = self.open_stream()
             return [r for r in stream.accept(wav) + stream.finish() if r.is_final]
         results = []
         for first, window in quiet_windows([wav]):
@@ -223,22 +212,6 @@ class Engine:
                 results.append(Result(text, True, round(first / SAMPLE_RATE, 3),
                                       round((first + len(window)) / SAMPLE_RATE, 3)))
         return results or [Result("", True, 0.0, round(len(wav) / SAMPLE_RATE, 3))]
-
-
-class BatchedStream:
-    """A client's stream on an engine that batches streams: ``Engine.run(s.accept, samples)`` and
-    ``Engine.run(s.finish)``, as the server calls any stream's, go to the engine's
-    ``StreamBatcher``. Called directly, ``accept`` and ``finish`` are the stream's own
-    (``stream``)."""
-
-    def __init__(self, stream: Stream):
-        self.stream = stream
-
-    def accept(self, samples) -> list[Result]:
-        return self.stream.accept(samples)
-
-    def finish(self) -> list[Result]:
-        return self.stream.finish()
 
 
 def _settle(future: asyncio.Future, outcome) -> None:
