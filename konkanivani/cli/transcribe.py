@@ -41,6 +41,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -75,17 +76,7 @@ FORMATS = ("text", "json", *SUBTITLE_FORMATS)
 
 @tool
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(description=__doc__.split("\n\n")[0])
-    add_decoding_args(parser, DECODING_FIELDS)
-    parser.add_argument("--stream", action="store_true",
-                        help="with --chunk_size: print partial results on stderr as they change")
-    parser.add_argument("inputs", nargs="+", help="audio files, folders or JSONL manifests")
-    parser.add_argument("--output", help="write here instead of printing: a file, or with --format"
-                        " srt/vtt and several inputs a folder of one file per input")
-    parser.add_argument("--format", choices=FORMATS,
-                        help="text (path and text), json (a row per file or segment, with word"
-                        " times and probabilities), srt or vtt (subtitles); default: text printed,"
-                        " json with --output")
+    parser = _parser()
     args = parser.parse_args(argv)
     streams = bool(args.chunk_size)
     if args.stream and not streams:
@@ -98,16 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     except ManifestError as e:
         return fail(str(e))
     files = [path for _, path in found]
-    # Every file the run reads, the folders and manifests expanded as find_audio expands them for
-    # decoding; checked before anything is decoded.
-    reads = [*decoding_inputs(args.checkpoint, decoding), *args.inputs, *files]
-    subtitle_files = _subtitle_files(parser, output_format, args.output, found)
-    if subtitle_files is not None:
-        outputs = [(f"--output (the {output_format} of {audio})", out)
-                   for audio, out in subtitle_files.items()]
-        refuse_unsafe_outputs(parser, outputs, reads)
-    else:
-        refuse_unsafe_outputs(parser, {"--output": args.output}, reads)
+    subtitle_files = _checked_outputs(parser, args, decoding, output_format, found)
     try:
         recognizer = load_recognizer(args.checkpoint, decoding)
     except (CheckpointError, RuntimeError) as e:
@@ -120,51 +102,103 @@ def main(argv: list[str] | None = None) -> int:
     if not files:
         return fail("no audio files found in " + " ".join(args.inputs))
 
-    failed, long_inputs, in_segments, audio_s, start = [], 0, 0, 0.0, time.perf_counter()
+    tally, start = _Tally(), time.perf_counter()
     one_output = args.output if subtitle_files is None else None
     try:
         with output_file(one_output) if one_output else nullcontext() as out:
             sink = _Sink(output_format, out, subtitle_files)
-            for paths, segmented in _runs(files, decoding.chunk_size):
-                if segmented:
-                    error = _transcribe_in_segments(recognizer, paths[0], decoding, args.stream,
-                                                    sink)
-                    if error is not None:
-                        failed.append(error)
-                        sink.discard()
-                        continue
-                    sink.done(paths[0])
-                    in_segments += 1
-                    audio_s += _seconds(paths[0])
-                    continue
-                for tr in recognizer.transcribe(paths, decoding):
-                    if tr.error is not None:
-                        failed.append(tr.error)
-                        continue
-                    audio_s += tr.duration
-                    long_inputs += tr.method != resolved.method
-                    sink.whole(tr)
-                    sink.done(Path(tr.audio_filepath))
+            _transcribe_all(recognizer, files, decoding, resolved, args.stream, sink, tally)
     except OutputError as e:  # a full disk, say: the old file is left whole
         return fail(str(e))
-    elapsed = time.perf_counter() - start
-    done = len(files) - len(failed)
+    print(_summary(tally, len(files), time.perf_counter() - start, resolved, streams)
+          + _wrote(args.output, sink), file=sys.stderr)
+    if tally.failed:
+        print(f"{len(tally.failed)} files could not be transcribed:", *tally.failed, sep="\n  ",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _parser() -> Parser:
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    add_decoding_args(parser, DECODING_FIELDS)
+    parser.add_argument("--stream", action="store_true",
+                        help="with --chunk_size: print partial results on stderr as they change")
+    parser.add_argument("inputs", nargs="+", help="audio files, folders or JSONL manifests")
+    parser.add_argument("--output", help="write here instead of printing: a file, or with --format"
+                        " srt/vtt and several inputs a folder of one file per input")
+    parser.add_argument("--format", choices=FORMATS,
+                        help="text (path and text), json (a row per file or segment, with word"
+                        " times and probabilities), srt or vtt (subtitles); default: text printed,"
+                        " json with --output")
+    return parser
+
+
+def _checked_outputs(parser: Parser, args, decoding: DecodingConfig, output_format: str,
+                     found: Sequence[tuple[str, Path]]) -> dict[Path, Path] | None:
+    """The subtitle file of each input (``_subtitle_files``), every output checked against every
+    file the run reads (the folders and manifests expanded as find_audio expands them for
+    decoding) before anything is decoded: a refusal is one line of ``parser``."""
+    reads = [*decoding_inputs(args.checkpoint, decoding), *args.inputs, *(p for _, p in found)]
+    subtitle_files = _subtitle_files(parser, output_format, args.output, found)
+    if subtitle_files is not None:
+        outputs = [(f"--output (the {output_format} of {audio})", out)
+                   for audio, out in subtitle_files.items()]
+        refuse_unsafe_outputs(parser, outputs, reads)
+    else:
+        refuse_unsafe_outputs(parser, {"--output": args.output}, reads)
+    return subtitle_files
+
+
+@dataclass
+class _Tally:
+    """What a run did: the files that failed (their reasons), the long inputs decoded with another
+    method, the files decoded in segments, the seconds of audio transcribed."""
+
+    failed: list[str] = field(default_factory=list)
+    long_inputs: int = 0
+    in_segments: int = 0
+    audio_s: float = 0.0
+
+
+def _transcribe_all(recognizer: Recognizer, files: list[Path], decoding: DecodingConfig,
+                    resolved: DecodingConfig, partials: bool, sink: _Sink, tally: _Tally) -> None:
+    """Every file to ``sink``: in segments (``_runs`` says which) or whole and batched."""
+    for paths, segmented in _runs(files, decoding.chunk_size):
+        if segmented:
+            error = _transcribe_in_segments(recognizer, paths[0], decoding, partials, sink)
+            if error is not None:
+                tally.failed.append(error)
+                sink.discard()
+                continue
+            sink.done(paths[0])
+            tally.in_segments += 1
+            tally.audio_s += _seconds(paths[0])
+            continue
+        for tr in recognizer.transcribe(paths, decoding):
+            if tr.error is not None:
+                tally.failed.append(tr.error)
+                continue
+            tally.audio_s += tr.duration
+            tally.long_inputs += tr.method != resolved.method
+            sink.whole(tr)
+            sink.done(Path(tr.audio_filepath))
+
+
+def _summary(tally: _Tally, files: int, elapsed: float, resolved: DecodingConfig,
+             streams: bool) -> str:
+    """The run's summary line (stderr)."""
+    audio_s = tally.audio_s
     speed = f" in {elapsed:.1f} s: real-time factor {elapsed / audio_s:.3f}" if audio_s else ""
     if streams:
         chunk, left = resolved.chunk_size, resolved.left_chunks
         how = (f", streamed in chunks of {chunk} frames ({chunk * FRAME_SECONDS * 1000:g} ms"
                + (f", {left} to the left" if left >= 0 else "") + ")")
     else:
-        how = f" ({in_segments} over {LONG_INPUT_SECONDS:g} s in windows)" if in_segments else ""
-    print(f"{done} of {len(files)} files ({audio_s:.1f} s of audio) transcribed with "
-          f"{decoding_name(resolved, long_inputs)}{how}{speed}" + _wrote(args.output, sink),
-          file=sys.stderr)
-    if failed:
-        print(
-            f"{len(failed)} files could not be transcribed:", *failed, sep="\n  ", file=sys.stderr
-        )
-        return 1
-    return 0
+        how = (f" ({tally.in_segments} over {LONG_INPUT_SECONDS:g} s in windows)"
+               if tally.in_segments else "")
+    return (f"{files - len(tally.failed)} of {files} files ({audio_s:.1f} s of audio) transcribed"
+            f" with {decoding_name(resolved, tally.long_inputs)}{how}{speed}")
 
 
 def _runs(files: list[Path], chunk_size: int) -> Iterator[tuple[list[Path], bool]]:
