@@ -52,6 +52,47 @@ DECODING_FIELDS = ("chunk_size", "left_chunks")
 
 @tool
 def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.quantize and args.format != "onnx":
+        parser.error(f"--quantize {args.quantize} quantizes the ONNX graphs: it goes with --format "
+                     f"onnx (the default), not --format {args.format}")
+    if not args.streaming and (args.chunk_size is not None or args.left_chunks is not None):
+        parser.error("--chunk_size and --left_chunks go with --streaming")
+    decoding = decoding_config_from_args(args)
+    try:
+        decoding.check(streams=True)
+    except ConfigError as e:
+        parser.error(str(e))
+    streaming = _streaming(parser, args, decoding)
+    if not args.checkpoint.is_file():
+        parser.error(f"checkpoint {args.checkpoint}: file not found")
+    suffix = f"_export_{args.quantize}" if args.quantize else "_export"
+    output = args.output_dir or args.checkpoint.with_name(f"{args.checkpoint.stem}{suffix}")
+    if output.exists() and not output.is_dir():
+        parser.error(f"--output_dir {output}: exists and is not a folder")
+    formats = FORMATS if args.format == "both" else (args.format,)
+    if reason := unavailable((*formats, "onnx") if streaming else formats):
+        return fail(reason)
+    # Each file the export replaces, none of which may be the checkpoint it reads.
+    names = [FILES[f] for f in formats] + [FILES["vocabulary"], FILES["features"]]
+    names += list(STREAMING_FILES.values()) if streaming else []
+    flag = "--output_dir" if args.output_dir else "the export"
+    refuse_unsafe_outputs(parser, [(flag, output / name) for name in names], [args.checkpoint])
+    setup_logging()
+    try:
+        written = export_checkpoint(args.checkpoint, output, formats, streaming, args.quantize)
+    except (CheckpointError, ExportError) as e:
+        return fail(str(e))
+    # the folder cannot be made or written to: under a file, read-only, a full disk
+    except OSError as e:
+        return fail(f"cannot write the export to {output}: {e.strerror or e}")
+    for item in written:
+        print(f"wrote {item.path}{_checked(item)}")
+    return 0
+
+
+def _parser() -> Parser:
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "checkpoint", type=Path, help="a step checkpoint, latest.pt, best.pt or an average"
@@ -91,69 +132,38 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     add_decoding_flags(parser, DECODING_FIELDS)
-    args = parser.parse_args(argv)
-    if args.quantize and args.format != "onnx":
-        parser.error(f"--quantize {args.quantize} quantizes the ONNX graphs: it goes with --format "
-                     f"onnx (the default), not --format {args.format}")
-    if not args.streaming and (args.chunk_size is not None or args.left_chunks is not None):
-        parser.error("--chunk_size and --left_chunks go with --streaming")
-    decoding = decoding_config_from_args(args)
+    return parser
+
+
+def _streaming(parser: Parser, args, decoding) -> Streaming | None:
+    """With --streaming, the chunk graph's settings; a bad one is one line of ``parser``."""
+    if not args.streaming:
+        return None
+    # Unless given: a stream's chunk, and the left context of an export's caches.
+    left = decoding.left_chunks
     try:
-        decoding.check(streams=True)
-    except ConfigError as e:
-        parser.error(str(e))
-    streaming = None
-    if args.streaming:
-        # Unless given: a stream's chunk, and the left context of an export's caches.
-        left = decoding.left_chunks
-        try:
-            streaming = Streaming(decoding.chunk_size or Streaming.chunk_size,
-                                  Streaming.left_chunks if left == -1 else left)
-        except ValueError as e:  # the caches hold at least one chunk
-            parser.error(f"--{e}")
-    if not args.checkpoint.is_file():
-        parser.error(f"checkpoint {args.checkpoint}: file not found")
-    suffix = f"_export_{args.quantize}" if args.quantize else "_export"
-    output = args.output_dir or args.checkpoint.with_name(f"{args.checkpoint.stem}{suffix}")
-    if output.exists() and not output.is_dir():
-        parser.error(f"--output_dir {output}: exists and is not a folder")
-    formats = FORMATS if args.format == "both" else (args.format,)
-    if reason := unavailable((*formats, "onnx") if streaming else formats):
-        return fail(reason)
-    # Each file the export replaces, none of which may be the checkpoint it reads.
-    names = [FILES[f] for f in formats] + [FILES["vocabulary"], FILES["features"]]
-    names += list(STREAMING_FILES.values()) if streaming else []
-    flag = "--output_dir" if args.output_dir else "the export"
-    refuse_unsafe_outputs(parser, [(flag, output / name) for name in names], [args.checkpoint])
-    setup_logging()
-    try:
-        written = export_checkpoint(args.checkpoint, output, formats, streaming, args.quantize)
-    except (CheckpointError, ExportError) as e:
-        return fail(str(e))
-    # the folder cannot be made or written to: under a file, read-only, a full disk
-    except OSError as e:
-        return fail(f"cannot write the export to {output}: {e.strerror or e}")
-    for item in written:
-        check = (
-            ""
-            if item.difference is None
-            else f" (log-probs within {item.difference:.1e} of PyTorch's)"
-        )
-        if item.difference is not None and item.path.name == STREAMING_FILES["onnx"]:
-            check = (
-                f" (log-probs and encoder frames within {item.difference:.1e} of PyTorch's, chunk"
-                " by chunk)"
-            )
-        if item.quantization is not None:
-            size = item.path.stat().st_size
-            how = ", chunk by chunk" if item.path.name == STREAMING_FILES["onnx"] else ""
-            check = (
-                f" ({item.quantization}, {size / 1e6:.1f} MB, {item.float_bytes / size:.1f}x"
+        return Streaming(decoding.chunk_size or Streaming.chunk_size,
+                         Streaming.left_chunks if left == -1 else left)
+    except ValueError as e:  # the caches hold at least one chunk
+        parser.error(f"--{e}")
+
+
+def _checked(item) -> str:
+    """What the export checked of a written file, for its line: its difference from PyTorch, or
+    from the float graph for an int8 graph (with its size)."""
+    chunked = item.path.name == STREAMING_FILES["onnx"]
+    if item.quantization is not None:
+        size = item.path.stat().st_size
+        return (f" ({item.quantization}, {size / 1e6:.1f} MB, {item.float_bytes / size:.1f}x"
                 f" smaller than float; token probabilities within {item.difference:.3f} of the"
-                f" float graph's{how}, tolerance {INT8_TOLERANCE})"
-            )
-        print(f"wrote {item.path}{check}")
-    return 0
+                f" float graph's{', chunk by chunk' if chunked else ''}, tolerance"
+                f" {INT8_TOLERANCE})")
+    if item.difference is None:
+        return ""
+    if chunked:
+        return (f" (log-probs and encoder frames within {item.difference:.1e} of PyTorch's,"
+                " chunk by chunk)")
+    return f" (log-probs within {item.difference:.1e} of PyTorch's)"
 
 
 if __name__ == "__main__":
