@@ -155,36 +155,9 @@ def train_epoch(
                 continue
             speed.add(stats["utterances"])
             epoch_speed.add(stats.pop("utterances"))
-            # the step's figures read from the device: it waits here
             if run.step % cfg.log_every == 0:
-                settle(run)
-                stats = _floats(stats)
-                bar.set_postfix_str(f"loss {stats['loss']:.3g}, {speed.rate():.1f} utt/s, data "
-                                    f"{speed.wait_percent():.0f}%", refresh=False)
-                memory = {name: round(gib, 4) for name, gib in memory_status(run.device).items()}
-                run.record(
-                    "train",
-                    **stats,
-                    utt_per_s=speed.rate(),
-                    data_wait=round(speed.wait_percent() / 100, 4),
-                    **memory,
-                )
-                log.info("%s", _summary_line(run, stats, speed, memory))
-                speed.restart()
-                _settle_or_stop(run)  # (settled above: it stops a run that diverged)
-            epoch_goes_on = run.batches_done < run.epoch_batches
-            # (the epoch's end validates anyway)
-            validating = cfg.validate_every_steps and run.step % cfg.validate_every_steps == 0
-            if validating and epoch_goes_on:
-                _settle_or_stop(run)
-                validate_and_save(run)
-            # after the validation: on_step may read its metrics (a search prunes by them)
-            stop = _stop_after_step(run, stop_request, on_step)
-            # (the epoch's end and a stop save anyway; a validation has saved already)
-            if cfg.save_every_steps and run.step % cfg.save_every_steps == 0 and epoch_goes_on \
-                    and stop is None and run.saved_step != run.step:
-                _settle_or_stop(run)
-                save(run)
+                _log_step(run, stats, speed, bar)
+            stop = _after_step(run, stop_request, on_step)
             if stop:
                 _settle_or_stop(run)
                 break
@@ -195,6 +168,48 @@ def train_epoch(
         return stop, False
     run.epoch, run.batches_done = run.epoch + 1, 0
     return stop, True
+
+
+def _log_step(run: Run, stats: dict[str, Any], speed: _Speed, bar) -> None:
+    """The step's summary: the bar's postfix, a train row of metrics.jsonl and the log line; then
+    the speed counts again from here."""
+    # the step's figures read from the device: it waits here
+    settle(run)
+    stats = _floats(stats)
+    bar.set_postfix_str(f"loss {stats['loss']:.3g}, {speed.rate():.1f} utt/s, data "
+                        f"{speed.wait_percent():.0f}%", refresh=False)
+    memory = {name: round(gib, 4) for name, gib in memory_status(run.device).items()}
+    run.record(
+        "train",
+        **stats,
+        utt_per_s=speed.rate(),
+        data_wait=round(speed.wait_percent() / 100, 4),
+        **memory,
+    )
+    log.info("%s", _summary_line(run, stats, speed, memory))
+    speed.restart()
+    _settle_or_stop(run)  # (settled above: it stops a run that diverged)
+
+
+def _after_step(run: Run, stop_request: StopRequest,
+                on_step: Optional[Callable[[int, int, ASRModel], bool]]) -> Optional[str]:
+    """After an optimizer step: a validation or a save when one is due within the epoch, and what
+    asks the run to stop (``_stop_after_step``), if anything."""
+    cfg = run.cfg
+    epoch_goes_on = run.batches_done < run.epoch_batches
+    # (the epoch's end validates anyway)
+    validating = cfg.validate_every_steps and run.step % cfg.validate_every_steps == 0
+    if validating and epoch_goes_on:
+        _settle_or_stop(run)
+        validate_and_save(run)
+    # after the validation: on_step may read its metrics (a search prunes by them)
+    stop = _stop_after_step(run, stop_request, on_step)
+    # (the epoch's end and a stop save anyway; a validation has saved already)
+    if cfg.save_every_steps and run.step % cfg.save_every_steps == 0 and epoch_goes_on \
+            and stop is None and run.saved_step != run.step:
+        _settle_or_stop(run)
+        save(run)
+    return stop
 
 
 def train_step(run: Run, micro: list[Batch]) -> Optional[dict[str, Any]]:
