@@ -258,6 +258,34 @@ def run_search(
     return trials, stop
 
 
+def _flags_text(settings: dict[str, Any]) -> str:
+    """A trial's settings as the flags they are (floats to four digits)."""
+    return ", ".join(f"--{k} {v:.4g}" if isinstance(v, float) else f"--{k} {v}"
+                     for k, v in settings.items())
+
+
+def _pruner(trial, trial_dir: Path, every: int) -> Callable[[int, int, Any], bool]:
+    """The training's ``on_step`` for ``trial``: at each validation (every ``every`` steps) it
+    reports the step's CER to the study and says whether to prune."""
+
+    def on_step(step: int, epoch: int, model: Any) -> bool:
+        if not every or step % every:
+            return False
+        valid = (
+            read_metrics(trial_dir / "metrics.jsonl").get("valid", [])
+            if (trial_dir / "metrics.jsonl").is_file()
+            else []
+        )
+        if valid and valid[-1]["step"] == step and valid[-1].get("cer") is not None:
+            trial.report(100 * valid[-1]["cer"], step)
+            # The first validation comes before a model has learned to align (every trial's CER is
+            # near 100% then): ranking by it would prune on noise. Pruning starts at the second.
+            return step > every and trial.should_prune()
+        return False
+
+    return on_step
+
+
 def _objective(
     out: Path,
     space: dict[str, tuple[str, list[Any]]],
@@ -287,35 +315,11 @@ def _objective(
                 )
             check_same_settings(record, recorded, resolved, trial_dir)
         record_trial(trial_dir, record, resolved)
-        log.info(
-            "search trial %s (%s): %s",
-            name,
-            "resuming" if resume else "starting",
-            ", ".join(
-                f"--{k} {v:.4g}" if isinstance(v, float) else f"--{k} {v}"
-                for k, v in settings.items()
-            ),
-        )
-        every = cfg.validate_every_steps
-
-        def on_step(step: int, epoch: int, model: Any) -> bool:
-            if not every or step % every:
-                return False
-            valid = (
-                read_metrics(trial_dir / "metrics.jsonl").get("valid", [])
-                if (trial_dir / "metrics.jsonl").is_file()
-                else []
-            )
-            if valid and valid[-1]["step"] == step and valid[-1].get("cer") is not None:
-                trial.report(100 * valid[-1]["cer"], step)
-                # The first validation comes before a model has learned to align (every trial's CER
-                # is near 100% then): ranking by it would prune on noise. Pruning starts at the
-                # second.
-                return step > every and trial.should_prune()
-            return False
-
+        log.info("search trial %s (%s): %s", name, "resuming" if resume else "starting",
+                 _flags_text(settings))
         try:
-            record.summary = train(cfg, model_flags, on_step=on_step)
+            record.summary = train(cfg, model_flags,
+                                   on_step=_pruner(trial, trial_dir, cfg.validate_every_steps))
         # a second Ctrl-C: the trial's last checkpoint stands; give it again next time
         except KeyboardInterrupt:
             record.status = "stopped"
