@@ -67,67 +67,7 @@ def parse_args(argv: list[str] | None = None):
         ),
     }
     for name, text in helps.items():
-        s = sources.add_parser(name, help=text, description=text)
-        s.add_argument("source_dir", type=Path, metavar=metavars[name])
-        add_output_dir(s, "where the manifests (and any audio written) go", old_positional=True)
-        s.add_argument(
-            "--convert",
-            choices=CONVERT_FORMATS,
-            help="decode the audio to 16 kHz mono files of this format under OUT_DIR"
-            + (
-                " (always done here; default: wav)"
-                if name == "hf"
-                else (
-                    " (Kaldi segments are always cut to files; default: wav)"
-                    if name == "kaldi"
-                    else ""
-                )
-            ),
-        )
-        _add_row_check_flags(s)
-        # old spelling
-        s.add_argument(
-            "--no-progress", dest="progress", action="store_false", help=argparse.SUPPRESS
-        )
-        if name != "commonvoice":
-            s.add_argument(
-                "--split_name",
-                default="train",
-                help="the manifest's name (default: train)"
-                + (
-                    "; a dataset with splits keeps their names, validation/dev as valid"
-                    if name == "hf"
-                    else ""
-                ),
-            )
-            s.add_argument(
-                "--valid_fraction",
-                type=float,
-                default=0.0,
-                help="move this share of the rows, drawn at random, to valid.jsonl (default: 0)",
-            )
-            s.add_argument(
-                "--seed",
-                type=int,
-                default=DEFAULT_SEED,
-                help="seed of that draw (default: %(default)s)",
-            )
-        if name == "kaldi":
-            s.add_argument(
-                "--audio_root",
-                type=Path,
-                default=Path("."),
-                help=(
-                    "folder relative wav.scp paths start from (default: the current one, as in"
-                    " Kaldi)"
-                ),
-            )
-        if name == "hf":
-            s.add_argument(
-                "--text_column",
-                help="default: sentence, text or transcription, the first that exists",
-            )
-            s.add_argument("--audio_column", help="default: the dataset's Audio column")
+        _importer_parser(sources, name, text, metavars[name])
     _shards_parser(sources)
     args = p.parse_args(argv)
     sub = sources.choices[args.source]
@@ -146,6 +86,71 @@ def parse_args(argv: list[str] | None = None):
     except OutputError as e:
         sub.error(str(e))
     return args
+
+
+def _importer_parser(sources, name: str, text: str, metavar: str) -> None:
+    """The subcommand of importer ``name`` (its ``--help`` is ``text``)."""
+    s = sources.add_parser(name, help=text, description=text)
+    s.add_argument("source_dir", type=Path, metavar=metavar)
+    add_output_dir(s, "where the manifests (and any audio written) go", old_positional=True)
+    s.add_argument(
+        "--convert",
+        choices=CONVERT_FORMATS,
+        help="decode the audio to 16 kHz mono files of this format under OUT_DIR"
+        + (
+            " (always done here; default: wav)"
+            if name == "hf"
+            else (
+                " (Kaldi segments are always cut to files; default: wav)"
+                if name == "kaldi"
+                else ""
+            )
+        ),
+    )
+    _add_row_check_flags(s)
+    # old spelling
+    s.add_argument(
+        "--no-progress", dest="progress", action="store_false", help=argparse.SUPPRESS
+    )
+    if name != "commonvoice":
+        s.add_argument(
+            "--split_name",
+            default="train",
+            help="the manifest's name (default: train)"
+            + (
+                "; a dataset with splits keeps their names, validation/dev as valid"
+                if name == "hf"
+                else ""
+            ),
+        )
+        s.add_argument(
+            "--valid_fraction",
+            type=float,
+            default=0.0,
+            help="move this share of the rows, drawn at random, to valid.jsonl (default: 0)",
+        )
+        s.add_argument(
+            "--seed",
+            type=int,
+            default=DEFAULT_SEED,
+            help="seed of that draw (default: %(default)s)",
+        )
+    if name == "kaldi":
+        s.add_argument(
+            "--audio_root",
+            type=Path,
+            default=Path("."),
+            help=(
+                "folder relative wav.scp paths start from (default: the current one, as in"
+                " Kaldi)"
+            ),
+        )
+    if name == "hf":
+        s.add_argument(
+            "--text_column",
+            help="default: sentence, text or transcription, the first that exists",
+        )
+        s.add_argument("--audio_column", help="default: the dataset's Audio column")
 
 
 def _add_row_check_flags(s) -> None:
