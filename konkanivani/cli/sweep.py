@@ -45,6 +45,41 @@ from . import train as train_cli
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """The sweep's own flags, and the rest: the flags every trial's trainer gets."""
+    p = _parser()
+    args, rest = p.parse_known_args(argv)
+    config = _config_path(rest)
+    section = load_sweep_section(config) if config else {}
+    args.grid = [
+        f"{k}={','.join(map(str, v))}" for k, v in section.get("grid", {}).items()
+    ] + args.grid
+    args.space = section.get("search")
+    if args.search and args.grid:
+        p.error(
+            "--search samples the recipe's sweep: search: space; give no --grid (nor sweep: grid:)"
+            " with it"
+        )
+    if args.search and not args.space:
+        p.error(
+            "--search optuna needs a sweep: search: section in the --config recipe (see"
+            " docs/training.md)"
+        )
+    if args.trials < 1:
+        p.error(f"--trials must be a positive integer, got {args.trials}")
+    args.gpu_gb = section.get("gpu_gb", 0.0) if args.gpu_gb is None else args.gpu_gb
+    args.target_cer = section.get("target_cer") if args.target_cer is None else args.target_cer
+    if args.target_cer is not None and not 0 < args.target_cer <= 100:
+        p.error(f"--target_cer must be in (0, 100] (a CER in percent), got {args.target_cer:g}")
+    args.target_cer = args.target_cer or 0.0  # 0: no target
+    if args.gpu_gb < 0:
+        p.error(f"--gpu_gb must be positive, got {args.gpu_gb:g}")
+    for flag in ("--output_dir", "--resume", "--overwrite"):
+        if any(a == flag or a.startswith(flag + "=") for a in rest):
+            p.error(f"{flag} is the sweep's to set for each trial")
+    return args, rest
+
+
+def _parser() -> Parser:
+    """The sweep's own flags; the rest go to the trainer."""
     p = Parser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -104,36 +139,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument(
         "--study_name", default="konkanivani-sweep", help="with --search: the study in --storage"
     )
-    args, rest = p.parse_known_args(argv)
-    config = _config_path(rest)
-    section = load_sweep_section(config) if config else {}
-    args.grid = [
-        f"{k}={','.join(map(str, v))}" for k, v in section.get("grid", {}).items()
-    ] + args.grid
-    args.space = section.get("search")
-    if args.search and args.grid:
-        p.error(
-            "--search samples the recipe's sweep: search: space; give no --grid (nor sweep: grid:)"
-            " with it"
-        )
-    if args.search and not args.space:
-        p.error(
-            "--search optuna needs a sweep: search: section in the --config recipe (see"
-            " docs/training.md)"
-        )
-    if args.trials < 1:
-        p.error(f"--trials must be a positive integer, got {args.trials}")
-    args.gpu_gb = section.get("gpu_gb", 0.0) if args.gpu_gb is None else args.gpu_gb
-    args.target_cer = section.get("target_cer") if args.target_cer is None else args.target_cer
-    if args.target_cer is not None and not 0 < args.target_cer <= 100:
-        p.error(f"--target_cer must be in (0, 100] (a CER in percent), got {args.target_cer:g}")
-    args.target_cer = args.target_cer or 0.0  # 0: no target
-    if args.gpu_gb < 0:
-        p.error(f"--gpu_gb must be positive, got {args.gpu_gb:g}")
-    for flag in ("--output_dir", "--resume", "--overwrite"):
-        if any(a == flag or a.startswith(flag + "=") for a in rest):
-            p.error(f"{flag} is the sweep's to set for each trial")
-    return args, rest
+    return p
 
 
 def _config_path(rest: list[str]) -> str | None:
