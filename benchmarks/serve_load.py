@@ -303,13 +303,16 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _counters(http_url: str) -> tuple[float, float]:
-    """The server's decode-thread seconds and streamed audio seconds so far (``/metrics``)."""
+def _metrics_text(http_url: str) -> str:
     import urllib.request
 
-    text = urllib.request.urlopen(http_url + "metrics", timeout=30).read().decode()
+    return urllib.request.urlopen(http_url + "metrics", timeout=30).read().decode()
+
+
+def _counters(http_url: str) -> tuple[float, float]:
+    """The server's decode-thread seconds and streamed audio seconds so far (``/metrics``)."""
     values = {}
-    for line in text.splitlines():
+    for line in _metrics_text(http_url).splitlines():
         if line.startswith(("konkanivani_decode_thread_seconds_total ",
                             'konkanivani_audio_seconds_total{endpoint="/stream"}')):
             values[line.split()[0]] = float(line.split()[-1])
@@ -318,9 +321,7 @@ def _counters(http_url: str) -> tuple[float, float]:
 
 
 def _metrics(http_url: str) -> str:
-    import urllib.request
-
-    text = urllib.request.urlopen(http_url + "metrics", timeout=30).read().decode()
+    text = _metrics_text(http_url)
     wanted = (
         "konkanivani_audio_seconds_total",
         "konkanivani_decode_seconds_total",
