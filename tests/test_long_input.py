@@ -148,14 +148,14 @@ def test_a_too_short_file_is_its_own_error(recognizer, tmp_path, batch_size):
 def test_a_file_that_fails_to_decode_takes_no_other_with_it(recognizer, tmp_path, monkeypatch):
     paths = [write_wav(tmp_path / f"{i}.wav", 1.0 + 0.1 * i, seed=i) for i in range(3)]
     poison = frames_of(1.1)  # the feature frames of 1.wav
-    real = inference.decode_batch
+    real = inference.decode_encoded
 
-    def failing(model, feats, lens, *args, **kwargs):
+    def failing(model, enc, enc_lens, lens, *args, **kwargs):
         if poison in lens.tolist():
             raise RuntimeError("boom\nsecond line")
-        return real(model, feats, lens, *args, **kwargs)
+        return real(model, enc, enc_lens, lens, *args, **kwargs)
 
-    monkeypatch.setattr(inference, "decode_batch", failing)
+    monkeypatch.setattr(inference, "decode_encoded", failing)
     out = list(recognizer.transcribe(paths, method="greedy", batch_size=8))
     assert [tr.error for tr in out] == [
         None,

@@ -11,16 +11,14 @@ search, said once per call and recorded in ``Transcript.method``.
 
 Each transcript and result has its words with their times and probabilities: the hypothesis aligned
 to the CTC log-probabilities of the forward pass that decoded it (``alignment.align_words``), which
-the recognizer keeps from the encoder's output of the batch (a forward hook on the encoder, so the
-search itself is untouched and nothing is encoded twice).
+the recognizer encodes the batch itself and hands the encoder's output to the search
+(``search.decode_encoded``), so nothing is encoded twice.
 """
 from __future__ import annotations
 
 import itertools
 import logging
-import threading
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +42,7 @@ from .search import (
     LONG_INPUT_METHOD,
     LONG_INPUT_SECONDS,
     Fusion,
-    decode_batch,
+    decode_encoded,
     method_for,
 )
 from .settings import DecodingConfig
@@ -191,6 +189,7 @@ class Recognizer:
         _say_long_inputs(d.method, long_inputs)
         return results
 
+    @torch.inference_mode()
     def _decode_waveforms(self, wavs: Sequence[torch.Tensor], d: DecodingConfig,
                           offset: float = 0.0) -> list[Result]:
         """The final results of waveforms decoded as one batch, their words aligned and timed from
@@ -199,13 +198,11 @@ class Recognizer:
         feats = [self.log_mel(w) for w in wavs]
         lens = torch.tensor([len(f) for f in feats], device=self.device)
         padded = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True).to(self.device)
-        with _encoder_output(self.model) as encoded:
-            ids = decode_batch(self.model, padded, lens, d.method, d.beam_size, d.ctc_weight,
-                               fusion=fusion, chunk_size=d.chunk_size, left_chunks=d.left_chunks,
-                               context=self.context(d))
-        enc, enc_lens = encoded[-1]
-        with torch.inference_mode():
-            log_probs = self.model.ctc_log_probs(enc).cpu()
+        enc, enc_lens = self.model.encode(padded, lens, chunk_size=d.chunk_size,
+                                          left_chunks=d.left_chunks)
+        ids = decode_encoded(self.model, enc, enc_lens, lens, d.method, d.beam_size, d.ctc_weight,
+                             fusion=fusion, context=self.context(d))
+        log_probs = self.model.ctc_log_probs(enc).cpu()
         results = []
         for b, (tokens, wav) in enumerate(zip(ids, wavs)):
             seconds = len(wav) / SAMPLE_RATE
@@ -350,25 +347,6 @@ class Recognizer:
                 errors[chunk[0]] = (
                     f"{paths[chunk[0]]}: decoding failed ({type(e).__name__}: {reason})"
                 )
-
-
-@contextmanager
-def _encoder_output(model: ASRModel) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The outputs ``(enc, enc_lens)`` of ``model.encoder`` in this thread while the block runs, in
-    order: the forward pass a search decodes from, whose CTC log-probabilities the words are aligned
-    to. Only this thread's: a server's decode threads share the model."""
-    outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
-    thread = threading.get_ident()
-
-    def keep(_module, _args, output) -> None:
-        if threading.get_ident() == thread:
-            outputs.append(output)
-
-    handle = model.encoder.register_forward_hook(keep)
-    try:
-        yield outputs
-    finally:
-        handle.remove()
 
 
 def _read(path: str | Path) -> tuple[torch.Tensor | None, str | None]:

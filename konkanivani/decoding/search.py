@@ -73,6 +73,7 @@ __all__ = [
     "ctc_length_bound",
     "ctc_prefix_beam_search",
     "decode_batch",
+    "decode_encoded",
     "method_for",
 ]
 
@@ -720,6 +721,20 @@ def decode_batch(model, feats: torch.Tensor, feat_lens: torch.Tensor, method: st
     under the chunk mask (``left_chunks`` back, -1 all): the encoder frames a stream in chunks of
     that size computes, so a streaming model is scored as it streams.
     """
+    enc, enc_lens = model.encode(feats, feat_lens, chunk_size=chunk_size, left_chunks=left_chunks)
+    return decode_encoded(model, enc, enc_lens, feat_lens, method, beam_size, ctc_weight,
+                          length_norm, fusion, long_input_seconds, context)
+
+
+@torch.inference_mode()
+def decode_encoded(model, enc: torch.Tensor, enc_lens: torch.Tensor, feat_lens: torch.Tensor,
+                   method: str, beam_size: int = DecodingConfig.beam_size,
+                   ctc_weight: float = DecodingConfig.ctc_weight, length_norm: bool = True,
+                   fusion: Fusion | None = None, long_input_seconds: float = LONG_INPUT_SECONDS,
+                   context: ContextGraph | None = None) -> list[list[int]]:
+    """``decode_batch`` from the encoder's output ``(enc, enc_lens)`` of the features of lengths
+    ``feat_lens`` on: for a caller that keeps the encoder's output (the recognizer aligns words to
+    its CTC log-probabilities)."""
     if method not in METHODS:
         raise ValueError(f"unknown decoding method {method!r}; choose from {', '.join(METHODS)}")
     if (
@@ -732,7 +747,6 @@ def decode_batch(model, feats: torch.Tensor, feat_lens: torch.Tensor, method: st
     if method not in HOTWORD_METHODS and context is not None:
         raise ValueError(f"{method} decoding cannot be biased towards hotwords; choose from "
                          f"{', '.join(HOTWORD_METHODS)}")
-    enc, enc_lens = model.encode(feats, feat_lens, chunk_size=chunk_size, left_chunks=left_chunks)
     methods = [method_for(method, n, long_input_seconds) for n in feat_lens.tolist()]
     if len(set(methods)) == 1:
         return _decode_encoded(
