@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import dataclasses
 import hmac
 import json
 import logging
@@ -32,7 +31,6 @@ from pathlib import PurePath
 from typing import Any
 
 import numpy as np
-import torch
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -50,8 +48,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..data.audio import AudioError
 from ..data.frames import SAMPLE_RATE
-from ..decoding.recognizer import MIN_SAMPLES
-from ..decoding.streaming import MAX_RATE, MIN_RATE, Result, check_sample_rate, quiet_windows
+from ..decoding.streaming import MAX_RATE, MIN_RATE, Result, check_sample_rate
 from . import openai_api
 from .engine import Engine, UploadTooLong
 from .limits import Limits
@@ -344,8 +341,8 @@ class _Server:
 
     async def decode_upload(self, data: bytes, endpoint: str, hotwords: tuple[str, ...] = ()
                             ) -> tuple[list[Result], float, float]:
-        """The final results of an upload's bytes (``Engine.transcribe``; with a request's
-        ``hotwords``, ``transcribe_with_hotwords``), its seconds of audio and the seconds spent
+        """The final results of an upload's bytes (``Engine.transcribe``, with a request's
+        ``hotwords``), its seconds of audio and the seconds spent
         decoding it, counted in ``endpoint``'s metrics. 503 when ``max_uploads`` uploads are
         decoding, 413 and 400 for audio too long or unreadable, 500 if decoding fails."""
         # a decode place is taken only now, with the whole body in: a slow sender holds none
@@ -365,11 +362,7 @@ class _Server:
                 self.engine.read_upload, data, self.limits.max_upload_seconds
             )
             del data
-            if hotwords:
-                results = await self.engine.run(transcribe_with_hotwords, self.engine, wav,
-                                                hotwords)
-            else:
-                results = await self.engine.run(self.engine.transcribe, wav)
+            results = await self.engine.run(self.engine.transcribe, wav, hotwords)
         except UploadTooLong as e:
             raise Refused(413, "too_long", str(e)) from e
         except AudioError as e:
@@ -405,28 +398,6 @@ class _Server:
                 self.streams -= 1
                 self.metrics.active_streams.dec()
         self.metrics.requests.labels("/stream", str(code)).inc()
-
-
-def transcribe_with_hotwords(engine: Engine, wav: torch.Tensor, hotwords: tuple[str, ...]
-                             ) -> list[Result]:
-    """``engine.transcribe(wav)`` biased towards a request's ``hotwords`` (checked lines, for a
-    checkpoint whose method takes them): the same stream, or the same windows, decoded with the
-    engine's settings and these hotwords besides its own. (The engine decodes with its settings
-    alone; a request's go in here, through the recognizer's own overrides.)"""
-    d = dataclasses.replace(engine.decoding, hotwords=(*engine.decoding.hotwords, *hotwords))
-    rec = engine.recognizer
-    if engine.streaming:
-        stream = rec.stream(d)
-        return [r for r in stream.accept(wav) + stream.finish() if r.is_final]
-    results = []
-    for first, window in quiet_windows([wav]):
-        if len(window) < MIN_SAMPLES:  # a last sliver of a window: too short to decode alone
-            continue
-        [text] = rec.decode_waveforms([window], d)
-        if text:
-            results.append(Result(text, True, round(first / SAMPLE_RATE, 3),
-                                  round((first + len(window)) / SAMPLE_RATE, 3)))
-    return results or [Result("", True, 0.0, round(len(wav) / SAMPLE_RATE, 3))]
 
 
 def normalize_origin(origin: str) -> str:

@@ -197,17 +197,21 @@ class Engine:
             )
         return wav
 
-    def transcribe(self, wav: torch.Tensor) -> list[Result]:
+    def transcribe(self, wav: torch.Tensor, hotwords: tuple[str, ...] = ()) -> list[Result]:
         """The final results of a 16 kHz waveform (see the module): segments in order, the empty one
-        only when no segment has text."""
+        only when no segment has text. ``hotwords``: a request's checked lines, for a checkpoint
+        whose method takes them, decoded besides the engine's own."""
+        d = self.decoding
+        if hotwords:
+            d = dataclasses.replace(d, hotwords=(*d.hotwords, *hotwords))
         if self.streaming and not self.exported:
-            stream = self.open_stream()
+            stream = self.recognizer.stream(d)
             return [r for r in stream.accept(wav) + stream.finish() if r.is_final]
         results = []
         for first, window in quiet_windows([wav]):
             if len(window) < MIN_SAMPLES:  # a last sliver of a window: too short to decode alone
                 continue
-            [text] = self.recognizer.decode_waveforms([window], self.decoding)
+            [text] = self.recognizer.decode_waveforms([window], d)
             if text:
                 results.append(Result(text, True, round(first / SAMPLE_RATE, 3),
                                       round((first + len(window)) / SAMPLE_RATE, 3)))
