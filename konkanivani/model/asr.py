@@ -166,7 +166,8 @@ class ASRModel(nn.Module):
         dec_in = torch.cat([sos, tokens.clamp_min(0)], dim=1)  # (B, U+1): <sos> y1 .. yU
         target = torch.cat([tokens, tokens.new_full((B, 1), IGNORE_ID)], dim=1)  # (B, U+1)
         # y1 .. yU <eos>, then ignored
-        target[torch.arange(B, device=tokens.device), token_lens] = SOS_EOS_ID
+        # scatter_, not an indexed assignment: on CUDA that waits for the device (seen on an H200)
+        target.scatter_(1, token_lens.long().unsqueeze(1), SOS_EOS_ID)
         logits = self.decoder(dec_in, token_lens + 1, enc, enc_lens)  # (B, U+1, V)
         attention = F.cross_entropy(
             logits.float().flatten(0, 1),

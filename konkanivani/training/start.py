@@ -524,6 +524,8 @@ def _fill_gpu(cfg: TrainConfig, device: torch.device, estimator: MemoryEstimator
         log.info("--gpu_memory_gb %g: no effect on %s (batches as --batch_size says)",
                  cfg.gpu_memory_gb, device.type)
         return cfg, None
+    if device.index is None:  # set_per_process_memory_fraction wants the card's index
+        device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     cap = min(cfg.gpu_memory_gb * GIB, total)
     torch.cuda.set_per_process_memory_fraction(cap / total, device)
