@@ -74,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         default="test",
         help="corpus manifests the final weights are scored on, e.g. test,heldout,test_noisy",
     )
+    parser.add_argument("--weights", default="final,training,average",
+                        help="which weights the final scoring decodes: final (the EMA where the "
+                             "run keeps one), training (the training weights beside an EMA), "
+                             "average (of the last epoch checkpoints)")
     parser.add_argument("--beam_size", type=int, default=DecodingConfig.beam_size)
     parser.add_argument(
         "--decode_ctc_weight",
@@ -189,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         finals.append(
             (f"average of last {min(args.average_last, len(epoch_ends))} epochs", averaged)
         )
+    kinds = {"final": "final", "final (EMA)": "final", "final (training weights)": "training"}
+    wanted = set(args.weights.split(","))
+    finals = [(name, path) for name, path in finals
+              if kinds.get(name, "average") in wanted]
     rows = []
     for name, path in finals:
         rec = Recognizer.from_checkpoint(path, lm=args.lm)

@@ -312,6 +312,9 @@ class AugmentConfig(Seeded):
             ),
         ),
     )
+    augment_ramp_epochs: int = field(default=0, metadata=flag_help(section="data", text=
+        "a curriculum: --noise_prob, --reverb_prob and --vtlp_prob grow by a share of 1/N an epoch"
+        " to their full value in epoch N (0: full from the start)"))
 
     @property
     def noise_snr_db(self) -> tuple[float, float]:
@@ -406,6 +409,12 @@ class TrainConfig(AugmentConfig, RunConfig):
         "loss = w * CTC + (1 - w) * attention"))
     label_smoothing: float = field(default=DEFAULT_LABEL_SMOOTHING, metadata=flag_help(
         "label smoothing of the attention loss"))
+    inter_ctc_weight: float = field(default=0.0, metadata=flag_help(
+        "intermediate CTC: the CTC loss becomes (1 - w) * CTC + w * the same CTC head's loss on the"
+        " states after --inter_ctc_layer (0: off; training only, the model is unchanged)"))
+    inter_ctc_layer: int = field(default=0, metadata=flag_help(
+        "the encoder block whose output --inter_ctc_weight scores, counted from 1 (0: the middle"
+        " one)"))
     spec_augment: bool = field(
         default=True, metadata=flag_help("time and frequency masks on training batches")
     )
@@ -653,6 +662,7 @@ _CHECKS: dict[str, Check] = {
             "max_samples",
             "max_consecutive_skips",
             "freeze_encoder_steps",
+            "augment_ramp_epochs",
         )
     },
     **{
@@ -661,6 +671,8 @@ _CHECKS: dict[str, Check] = {
     },
     "max_duration": (lambda v: v > 0, "a positive number of seconds"),
     "ctc_weight": (_fraction, "in [0, 1]"),
+    "inter_ctc_weight": BELOW_ONE,
+    "inter_ctc_layer": (lambda v: v >= 0, "a block number from 1 (0: the middle one)"),
     **{name: (_fraction, "in [0, 1]") for name in ("noise_prob", "reverb_prob", "vtlp_prob")},
     **{
         name: (math.isfinite, "a number of dB")

@@ -264,6 +264,8 @@ class Augmenter:
             )
         if cfg.vtlp_prob:
             parts.append(f"VTLP p={cfg.vtlp_prob:g}, alpha {VTLP_RANGE[0]:g}-{VTLP_RANGE[1]:g}")
+        if cfg.augment_ramp_epochs and (cfg.reverb_prob or cfg.noise_prob or cfg.vtlp_prob):
+            parts.append(f"their probabilities ramped up over {cfg.augment_ramp_epochs} epochs")
         return "; ".join(parts) if parts else "none"
 
     def speed_factor(self, epoch: int, index: int) -> float:
@@ -277,7 +279,15 @@ class Augmenter:
         if not self.cfg.vtlp_prob:
             return None
         gen = utterance_generator(self.cfg.seed, epoch, index, "vtlp")
-        return _uniform(gen, *VTLP_RANGE) if _chance(gen, self.cfg.vtlp_prob) else None
+        chance = _chance(gen, self.ramped(self.cfg.vtlp_prob, epoch))
+        return _uniform(gen, *VTLP_RANGE) if chance else None
+
+    def ramped(self, prob: float, epoch: int) -> float:
+        """``prob`` in epoch ``epoch`` (from 0): with ``augment_ramp_epochs`` N it grows by p/N an
+        epoch, to the full p from epoch N - 1 on, so the first epochs see mostly clean audio (a
+        curriculum); without, p throughout."""
+        ramp = self.cfg.augment_ramp_epochs
+        return prob * min(1.0, (epoch + 1) / ramp) if ramp else prob
 
     def waveform(
         self, wav: torch.Tensor, epoch: int, index: int, min_encoder_frames: int = 0
@@ -295,11 +305,11 @@ class Augmenter:
         wav = speed_perturb(wav, factor)
         if self.cfg.reverb_prob:
             gen = utterance_generator(self.cfg.seed, epoch, index, "reverb")
-            if _chance(gen, self.cfg.reverb_prob):
+            if _chance(gen, self.ramped(self.cfg.reverb_prob, epoch)):
                 wav = self._reverb(wav, gen)
         if self.cfg.noise_prob:
             gen = utterance_generator(self.cfg.seed, epoch, index, "noise")
-            if _chance(gen, self.cfg.noise_prob):
+            if _chance(gen, self.ramped(self.cfg.noise_prob, epoch)):
                 wav = self._noise(wav, gen)[0]
         return wav
 

@@ -68,13 +68,22 @@ class ASRModel(nn.Module):
     )
 
     def __init__(self, cfg: ModelConfig, ctc_weight: float = DEFAULT_CTC_WEIGHT,
-                 label_smoothing: float = DEFAULT_LABEL_SMOOTHING):
+                 label_smoothing: float = DEFAULT_LABEL_SMOOTHING, inter_ctc_weight: float = 0.0,
+                 inter_ctc_layer: int = 0):
         super().__init__()
         if cfg.vocab_size <= SOS_EOS_ID:
             raise ValueError(f"vocab_size must exceed {SOS_EOS_ID}, got {cfg.vocab_size}")
+        if not 0 <= inter_ctc_layer < cfg.encoder_layers:
+            raise ValueError(f"--inter_ctc_layer {inter_ctc_layer}: the encoder's blocks are 1 to "
+                             f"{cfg.encoder_layers}, and the last one is the CTC head's own")
         self.cfg = cfg
         self.ctc_weight = ctc_weight
         self.label_smoothing = label_smoothing
+        # Intermediate CTC (ESPnet's InterCTC): the CTC head also scores the states after a middle
+        # block, in training only. A loss term, no parameters: the model decodes as without it.
+        self.inter_ctc_weight = inter_ctc_weight
+        self.inter_ctc_layer = (inter_ctc_layer or max(cfg.encoder_layers // 2, 1)
+                                if inter_ctc_weight else 0)
         # CMVN statistics from the training set, saved with the weights (cmvn "utterance" uses the
         # std only).
         self.register_buffer("feat_mean", torch.zeros(cfg.n_mels))
@@ -148,8 +157,24 @@ class ASRModel(nn.Module):
         Returns:
             ``LossOutput`` of scalar sums over the batch.
         """
-        enc, enc_lens = self.encode(feats, feat_lens, spec_augment)
-        return self.losses(enc, enc_lens, tokens, token_lens)
+        if not (self.inter_ctc_layer and self.training):
+            enc, enc_lens = self.encode(feats, feat_lens, spec_augment)
+            return self.losses(enc, enc_lens, tokens, token_lens)
+        x = (feats - self._mean(feats, feat_lens)) / self.feat_std
+        if spec_augment:
+            x = self.spec_augment(x)
+        enc, enc_lens, inter = self.encoder.forward_tapped(x, feat_lens, tap=self.inter_ctc_layer)
+        out = self.losses(enc, enc_lens, tokens, token_lens)
+        inter_ctc = self._ctc(inter, enc_lens, tokens, token_lens)
+        w = self.inter_ctc_weight
+        loss = out.loss + self.ctc_weight * w * (inter_ctc - out.ctc)
+        return LossOutput(loss, out.ctc, out.attention)
+
+    def _ctc(self, enc: torch.Tensor, enc_lens: torch.Tensor, tokens: torch.Tensor,
+             token_lens: torch.Tensor) -> torch.Tensor:
+        log_probs = self.ctc_log_probs(enc).transpose(0, 1)  # (T', B, V)
+        return F.ctc_loss(log_probs, tokens.clamp_min(0), enc_lens, token_lens, blank=BLANK_ID,
+                          reduction="sum", zero_infinity=True)
 
     def losses(self, enc: torch.Tensor, enc_lens: torch.Tensor, tokens: torch.Tensor,
                token_lens: torch.Tensor) -> LossOutput:
@@ -157,9 +182,7 @@ class ASRModel(nn.Module):
         # CTC in float32 (its recursions underflow in half precision); sum, then mean by the caller.
         # On CUDA it is the one wait for the device in a step: torch's CTC copies the lengths to the
         # CPU to plan its kernels (and back), wherever the caller keeps them.
-        log_probs = self.ctc_log_probs(enc).transpose(0, 1)  # (T', B, V)
-        ctc = F.ctc_loss(log_probs, tokens.clamp_min(0), enc_lens, token_lens, blank=BLANK_ID,
-                         reduction="sum", zero_infinity=True)
+        ctc = self._ctc(enc, enc_lens, tokens, token_lens)
 
         B, U = tokens.shape
         sos = tokens.new_full((B, 1), SOS_EOS_ID)

@@ -558,6 +558,19 @@ class ConformerEncoder(nn.Module):
             ``(B, T', D)`` encoder states and ``(B,)`` their lengths (on CUDA T' is padded to a
             multiple of ``ALIGN``: read the states by their lengths).
         """
+        x, lengths, _ = self.forward_tapped(feats, feat_lens, chunk_size, left_chunks)
+        return x, lengths
+
+    def forward_tapped(
+        self,
+        feats: torch.Tensor,
+        feat_lens: torch.Tensor,
+        chunk_size: Optional[int] = None,
+        left_chunks: int = -1,
+        tap: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """``forward``, and the states after block ``tap`` (counted from 1; 0: None), which
+        intermediate CTC scores."""
         x, lengths = self.subsampling(feats, feat_lens)
         # (B, T', D), see ALIGN
         x = F.pad(x, (0, 0, 0, aligned_length(x.shape[1], x.device) - x.shape[1]))
@@ -566,15 +579,13 @@ class ConformerEncoder(nn.Module):
         if chunk_size is None and self.training and self.cfg.dynamic_chunk:
             chunk_size, left_chunks = self.draw_chunk(x.shape[1])
         allowed = _chunk_allowed(pad, chunk_size, left_chunks) if chunk_size else None
-        x = run_layers(
-            self.blocks,
-            x,
-            pad,
-            rope,
-            allowed,
-            checkpointed=self.gradient_checkpointing and self.training,
-        )
-        return x, lengths
+        checkpointed = self.gradient_checkpointing and self.training
+        tapped = None
+        if tap:
+            x = tapped = run_layers(self.blocks[:tap], x, pad, rope, allowed,
+                                    checkpointed=checkpointed)
+        x = run_layers(self.blocks[tap:], x, pad, rope, allowed, checkpointed=checkpointed)
+        return x, lengths, tapped
 
     def draw_chunk(self, frames: int) -> tuple[int, int]:
         """A training batch's ``(chunk_size, left_chunks)`` under ``dynamic_chunk``, for ``frames``

@@ -375,7 +375,11 @@ def _build_model(cfg: TrainConfig, model_cfg: ModelConfig, data: _Data, origin: 
                  tokenizer: Tokenizer, device: torch.device) -> ASRModel:
     """The model: a resumed run's weights; or fresh, with the CMVN statistics of the training data
     and, from an --init_from checkpoint, the weights that fit."""
-    model = ASRModel(model_cfg, cfg.ctc_weight, cfg.label_smoothing)
+    try:
+        model = ASRModel(model_cfg, cfg.ctc_weight, cfg.label_smoothing, cfg.inter_ctc_weight,
+                         cfg.inter_ctc_layer)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if origin.state is not None:
         model.load_state_dict(origin.state.model)
     elif data.shards is not None:

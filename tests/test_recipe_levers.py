@@ -1,0 +1,122 @@
+"""The recipe levers of the learning benchmark (intermediate CTC, the augmentation curriculum):
+each trains for real on tiny speech, learns and resumes exactly; benchmarks/recipe_levers.py's
+table and flags."""
+import json
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_args import tiny_args
+
+from konkanivani.cli import train as cli
+from konkanivani.config import AugmentConfig, model_config_from_preset
+from konkanivani.data.augment import Augmenter
+from konkanivani.model.asr import ASRModel
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import recipe_levers  # noqa: E402
+
+
+def _batch():
+    torch.manual_seed(1)
+    return (torch.randn(2, 160, 80), torch.tensor([160, 120]),
+            torch.tensor([[5, 6, 7, 8], [9, 10, 11, -1]]), torch.tensor([4, 3]))
+
+
+def test_intermediate_ctc_off_is_the_model_as_before_and_on_adds_the_middle_blocks_ctc():
+    cfg = model_config_from_preset("tiny", vocab_size=40)
+    torch.manual_seed(0)
+    plain = ASRModel(cfg).train()
+    inter = ASRModel(cfg, inter_ctc_weight=0.5).train()
+    inter.load_state_dict(plain.state_dict())  # no parameters of its own
+    assert inter.inter_ctc_layer == cfg.encoder_layers // 2
+    torch.manual_seed(2)
+    a = plain(*_batch())
+    torch.manual_seed(2)
+    b = inter(*_batch())
+    # the final CTC and attention losses are the same; the total mixes in the middle block's CTC
+    assert torch.equal(a.ctc, b.ctc) and torch.equal(a.attention, b.attention)
+    assert not torch.equal(a.loss, b.loss)
+    b.loss.backward()
+    first_block = inter.encoder.blocks[0]
+    assert all(p.grad is not None for p in first_block.parameters() if p.requires_grad)
+    # evaluation decodes as without it: the same encoder output
+    plain.eval(), inter.eval()
+    feats, lens = _batch()[:2]
+    assert torch.equal(plain.encode(feats, lens)[0], inter.encode(feats, lens)[0])
+    with pytest.raises(ValueError, match="--inter_ctc_layer 2: the encoder's blocks are 1 to 2"):
+        ASRModel(cfg, inter_ctc_weight=0.5, inter_ctc_layer=2)
+
+
+def test_the_augmentation_curriculum_ramps_each_probability_over_its_epochs():
+    ramped = Augmenter(AugmentConfig(noise_prob=0.6, vtlp_prob=0.3, augment_ramp_epochs=3))
+    assert [round(ramped.ramped(0.6, e), 6) for e in range(5)] == [0.2, 0.4, 0.6, 0.6, 0.6]
+    assert Augmenter(AugmentConfig(noise_prob=0.6)).ramped(0.6, 0) == 0.6
+    assert "ramped up over 3 epochs" in ramped.describe()
+    # the first epoch warps about a third as many utterances as the third
+    warped = [sum(ramped.vtlp_alpha(e, i) is not None for i in range(600)) for e in (0, 2)]
+    assert 0.2 < warped[0] / warped[1] < 0.5
+
+
+def _train_rows(out):
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["kind"] == "train"]
+
+
+@pytest.mark.slow
+def test_intermediate_ctc_with_a_ramped_augmentation_learns_and_resumes_exactly(
+    tiny_corpus, tmp_path, caplog
+):
+    """Both levers on: the loss falls over 30 steps, and a run stopped at step 12 (mid-ramp) and
+    resumed gives the unbroken run's losses."""
+    levers = ["--inter_ctc_weight", "0.3", "--noise_prob", "0.5", "--vtlp_prob", "0.5",
+              "--augment_ramp_epochs", "3", "--max_batch_frames", "2400"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    with caplog.at_level(logging.INFO, logger="konkanivani"):
+        assert cli.main(tiny_args(tiny_corpus, whole, *levers, "--max_steps", "30")) == 0
+    assert "their probabilities ramped up over 3 epochs" in caplog.text
+    rows = _train_rows(whole)
+    assert rows[-1]["epoch"] >= 2  # the ramp's epochs were crossed
+    first, last = rows[:5], rows[-5:]
+    assert sum(r["loss"] for r in last) < 0.8 * sum(r["loss"] for r in first)
+    assert cli.main(tiny_args(tiny_corpus, split, *levers, "--max_steps", "12")) == 0
+    assert cli.main(tiny_args(tiny_corpus, split, *levers, "--max_steps", "30", "--resume",
+                              "latest")) == 0
+    resumed = _train_rows(split)
+    assert [r["step"] for r in resumed] == [r["step"] for r in rows] == list(range(1, 31))
+    for a, b in zip(resumed, rows, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a, b)
+
+
+def test_a_bad_intermediate_layer_is_one_line_and_exit_2(tiny_corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    code = cli.main(tiny_args(tiny_corpus, out, "--inter_ctc_weight", "0.3", "--inter_ctc_layer",
+                              "9", "--max_steps", "1"))
+    assert code == 2
+    assert "--inter_ctc_layer 9: the encoder's blocks are 1 to 2" in capsys.readouterr().err
+
+
+def test_the_levers_table_gives_each_variants_mean_seeds_and_speed(tmp_path):
+    rows = [
+        {"variant": "today", "seed": 1, "s_per_step": 0.5, "test_joint": 8.0, "test_greedy": 9.0},
+        {"variant": "today", "seed": 2, "s_per_step": 0.5, "test_joint": 9.0, "test_greedy": 10.0},
+        {"variant": "inter", "seed": 1, "s_per_step": 0.55, "test_joint": 6.0,
+         "test_greedy": 7.0},
+    ]
+    text = recipe_levers.table(rows, ["test"], ["greedy", "joint"])
+    lines = text.splitlines()
+    assert lines[0] == ("| variant | seeds | s/step | speed vs first | test_joint CER % | "
+                        "test_greedy CER % |")
+    assert lines[2] == "| today | 1,2 | 0.500 | 1.00x | **8.50** (8.00 / 9.00) | **9.50** " \
+                       "(9.00 / 10.00) |"
+    assert lines[3].startswith("| inter | 1 | 0.550 | 1.10x | **6.00** (6.00) |")
+    args = recipe_levers.parse_args(["--variant", "today=", "--variant",
+                                     "inter=--inter_ctc_weight 0.3", "--budget_steps", "10",
+                                     "--seeds", "1,2", "--out", str(tmp_path)])
+    assert args.variants == [("today", []), ("inter", ["--inter_ctc_weight", "0.3"])]
+    assert args.seed_list == [1, 2]
+    with pytest.raises(SystemExit):
+        recipe_levers.parse_args(["--variant", "x", "--budget_steps", "1", "--out", "o"])
