@@ -210,14 +210,18 @@ def read_shard_list(path: str | Path, check_files: bool = True) -> ShardSet:
                 )
             if not all(isinstance(key, str) for key in keys):
                 raise ValueError("a key that is not a string")
+            seconds = tuple(float(d) for d in durations)
+            # json reads NaN, Infinity and 1e999: no number of seconds a batch can be planned by
+            bad = next((i for i, d in enumerate(seconds) if not 0 <= d < math.inf), None)
+            if bad is not None:
+                raise ValueError(f"key {keys[bad]} has the duration {durations[bad]!r}, not a "
+                                 "finite number of seconds")
         except (KeyError, TypeError, ValueError) as e:
             raise ShardError(f"{path}: shard entry {n} is malformed ({e})") from e
         shard_path = path.parent / name
         if check_files:
             _check_file(shard_path, size, path)
-        shards.append(
-            Shard(shard_path, name, size, tuple(keys), tuple(float(d) for d in durations))
-        )
+        shards.append(Shard(shard_path, name, size, tuple(keys), seconds))
     if not shards:
         raise ShardError(f"{path}: the list holds no shard")
     _check_unique(shards, path)
@@ -377,6 +381,8 @@ def scan_shard(path: Path) -> tuple[list[str], list[float], list[str]]:
     for key, files in iter_shard(path):
         try:
             duration = float(json.loads(files[META_MEMBER]).get("duration"))
+            if not 0 <= duration < math.inf:  # NaN, Infinity: no duration
+                raise ValueError(duration)
         except (KeyError, TypeError, ValueError, AttributeError):
             try:
                 import soundfile as sf
