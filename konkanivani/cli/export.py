@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 from ..checkpoint import CheckpointError
-from ..config import ConfigError, Renamed
+from ..config import ConfigError, Renamed, checkpoint_file_error
 from ..decoding.model_export import (
     FILES,
     FORMATS,
@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         parser.error(str(e))
     streaming = _streaming(parser, args, decoding)
-    if not args.checkpoint.is_file():
-        parser.error(f"checkpoint {args.checkpoint}: file not found")
+    if why := checkpoint_file_error(args.checkpoint):
+        parser.error(why)
     suffix = f"_export_{args.quantize}" if args.quantize else "_export"
     output = args.output_dir or args.checkpoint.with_name(f"{args.checkpoint.stem}{suffix}")
     if output.exists() and not output.is_dir():
