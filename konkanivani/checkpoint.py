@@ -14,6 +14,8 @@ from typing import Any, BinaryIO
 
 import torch
 
+from .config import checkpoint_file_error
+
 __all__ = [
     "CheckpointError",
     "FORMAT_VERSION",
@@ -133,6 +135,8 @@ def write_file_atomic(path: str | Path, data: bytes) -> Path:
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Load a konkanivani checkpoint; ``CheckpointError`` with a plain reason if it is not one."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(checkpoint_file_error(path))
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:

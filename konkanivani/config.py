@@ -17,7 +17,8 @@ from typing import Any, Callable, Union, get_args, get_origin, get_type_hints
 
 __all__ = ["DEFAULT_SEED", "DEFAULT_MAX_DURATION", "DEFAULT_DURATION_TOLERANCE",
            "DEFAULT_VOCAB_SIZE", "DEFAULT_CTC_WEIGHT", "DEFAULT_LABEL_SMOOTHING", "Seeded",
-           "RunConfig", "check_run_config", "check_values", "Check", "POSITIVE_INTEGER", "COUNT",
+           "RunConfig", "check_run_config", "check_values", "checkpoint_file_error", "Check",
+           "POSITIVE_INTEGER", "COUNT",
            "AMOUNT", "POSITIVE_NUMBER", "BELOW_ONE", "Renamed", "FROM_TOKENIZER", "flag_fields",
            "AugmentConfig", "OPTIMIZERS", "PRECISIONS", "STRATEGIES", "kept_settings",
            "ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "INIT_MODULES",
@@ -700,11 +701,28 @@ def check_values(cfg: Any, checks: dict[str, Check]) -> None:
             raise ConfigError(f"--{name} must be {wanted}, got {value!r}")
 
 
+def checkpoint_file_error(path: str | Path, what: str = "checkpoint") -> str | None:
+    """Why ``path`` is no checkpoint file to read, in one line naming it as ``what`` (a flag, say),
+    or None: it is missing, or it is a folder (a run's, an export's), said as a folder, with a
+    checkpoint in it to give instead where it holds one."""
+    path = Path(path)
+    if path.is_dir():
+        held = sorted((p.name for p in path.glob("*.pt")
+                       if p.is_file() and not p.name.endswith(".torchscript.pt")),
+                      key=lambda name: (name != "best.pt", name != "latest.pt", name))
+        instead = (f"give a checkpoint file in it, such as {path / held[0]}" if held
+                   else "it holds no checkpoint (*.pt) file")
+        return f"{what} {path} is a folder, not a checkpoint file: {instead}"
+    if not path.is_file():
+        return f"{what} {path}: file not found"
+    return None
+
+
 def check_run_config(cfg: RunConfig) -> None:
     """The checks of every run's fields (``RunConfig``), the same for both trainers."""
     check_values(cfg, _RUN_CHECKS)
     if cfg.resume and cfg.resume != "latest" and not Path(cfg.resume).is_file():
-        raise ConfigError(f"--resume {cfg.resume}: file not found (or give 'latest')")
+        raise ConfigError(f"{checkpoint_file_error(cfg.resume, '--resume')} (or give 'latest')")
     if cfg.resume and cfg.overwrite:
         raise ConfigError("give --resume or --overwrite, not both")
 
@@ -719,11 +737,14 @@ def check_config(cfg: TrainConfig) -> None:
     if not cfg.valid_manifest:
         raise ConfigError("--valid_manifest is required")
     files = (() if cfg.train_shards else ("train_manifest",)) + ("valid_manifest", "tokenizer")
-    # A resumed run does not read --init_from: its own checkpoint started from it.
-    for name in files + (() if cfg.resume else ("init_from",)):
+    for name in files:
         path = getattr(cfg, name)
         if path and not Path(path).is_file():
             raise ConfigError(f"--{name} {path}: file not found")
+    # A resumed run does not read --init_from: its own checkpoint started from it.
+    if cfg.init_from and not cfg.resume and (why := checkpoint_file_error(cfg.init_from,
+                                                                          "--init_from")):
+        raise ConfigError(why)
     for name in ("noise_dir", "rir_dir"):
         path = getattr(cfg, name)
         if path and not Path(path).is_dir():

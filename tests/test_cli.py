@@ -401,6 +401,55 @@ def test_every_tool_says_a_bad_value_in_one_line_with_exit_2(tool, argv, message
     assert len(err) == 1 and message in err[0] and err[0].endswith("(see --help)"), err
 
 
+MODEL_FOLDER_TOOLS = [
+    ("transcribe", ["{run}", "a.wav"], "checkpoint {run}"),
+    ("evaluate", ["{run}", "{manifest}"], "checkpoint {run}"),
+    ("average", ["--inputs", "{run}", "{run}/best.pt"], "--inputs {run}"),
+    ("export", ["{run}"], "checkpoint {run}"),
+    ("train", ["--init_from", "{run}"], "--init_from {run}"),
+    ("train", ["--resume", "{run}"], "--resume {run}"),
+]
+
+
+@pytest.mark.parametrize("tool,argv,named", MODEL_FOLDER_TOOLS,
+                         ids=[f"{t} {a[0]}" for t, a, _ in MODEL_FOLDER_TOOLS])
+def test_a_model_folder_given_for_a_checkpoint_is_named_as_a_folder(tool, argv, named, tmp_path,
+                                                                    capsys, caplog):
+    """It said "file not found" of a folder that exists: now one line saying it is a folder and
+    which checkpoint in it to give, exit 2, and nothing in it changed."""
+    import hashlib
+
+    from konkanivani.checkpoint import CheckpointError, save_checkpoint
+    from konkanivani.cli import export
+
+    run = tmp_path / "run"
+    for name in ("latest.pt", "best.pt", "step_0000002.pt"):
+        save_checkpoint({"step": 2}, run / name)
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("")
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in run.iterdir()}
+    argv = [a.format(run=run, manifest=manifest) for a in argv]
+    tools = {**_other_tools(), "export": export}
+    if tool == "train":
+        argv = ["--train_manifest", str(manifest), "--valid_manifest", str(manifest),
+                "--output_dir", str(tmp_path / "out"), *argv]
+        with caplog.at_level(logging.ERROR, logger="konkanivani"):
+            assert cli.main(argv) == 2
+        err = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    else:
+        with pytest.raises(SystemExit) as exit_:
+            tools[tool].main(argv)
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert (f"{named.format(run=run)} is a folder, not a checkpoint file: give a checkpoint file "
+            f"in it, such as {run / 'best.pt'}") in err[0]
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in run.iterdir()} == before
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(CheckpointError, match=f"checkpoint {run} is a folder, not a checkpoint"):
+        load_checkpoint(run)
+
+
 def test_validate_on_a_csv_says_what_a_manifest_is_once(tmp_path, capsys):
     from konkanivani.cli import validate
     from konkanivani.data.tokenizer import train_tokenizer

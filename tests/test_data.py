@@ -182,6 +182,9 @@ def test_row_checks_duration_unknown_characters_and_strict_audio(tmp_path, token
     assert check(duration=1.6).error[0] == "duration mismatch"
     assert check(duration=1.6, duration_tolerance=-1).error is None
     assert check(duration="1.0").error == ("duration not a number", "'1.0'")
+    # json reads NaN and Infinity: the row is skipped and counted as the others
+    for bad in (float("nan"), float("inf")):
+        assert check(duration=bad).error == ("duration not a number", repr(bad))
     assert check(text="हांव ø घरा").error == (
         "characters the tokenizer cannot encode",
         "'ø' U+00F8",

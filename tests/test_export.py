@@ -333,6 +333,116 @@ def test_bad_streaming_flags_are_one_line_and_status_2(
     assert message in one_error_line(capsys)
 
 
+# --- an export folder holds one model ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def causal_checkpoint(tmp_path_factory):
+    """An untrained tiny model with causal convolutions and its own tokenizer: one that streams."""
+    tokenizer = train_tokenizer(TEXTS[:2], vocab_size=30, model_type="char")
+    model = causal_model()
+    cfg = dataclasses.replace(model.cfg, vocab_size=tokenizer.vocab_size)
+    path = tmp_path_factory.mktemp("causal") / "causal.pt"
+    save_checkpoint({"model_config": dataclasses.asdict(cfg), "model": ASRModel(cfg).state_dict(),
+                     "tokenizer": tokenizer.model_proto}, path)
+    return path
+
+
+def _hashes(folder):
+    import hashlib
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def test_an_export_replaces_the_previous_one_whole(causal_checkpoint, untrained_checkpoint,
+                                                   tmp_path, capsys):
+    """A streaming export, then another model's plain one into the same folder: the folder holds
+    the second export alone (no encoder_chunk.onnx nor streaming.json of the first), nothing is
+    left beside it, and a symbolic link to the folder still points at it."""
+    out = tmp_path / "exported"
+    assert status([str(causal_checkpoint), "--streaming", "--output_dir", str(out)]) == 0
+    assert set(STREAMING_FILES.values()) <= {p.name for p in out.iterdir()}
+    (tmp_path / "link").symlink_to(out)
+    capsys.readouterr()
+    assert status([str(untrained_checkpoint), "--output_dir", str(tmp_path / "link")]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [FILES["onnx"], FILES["vocabulary"], FILES["features"]])
+    vocabulary = json.loads((out / FILES["vocabulary"]).read_text())
+    assert len(vocabulary["pieces"]) == load_checkpoint(untrained_checkpoint)["model_config"][
+        "vocab_size"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exported", "link"]
+    assert (tmp_path / "link").is_symlink()
+
+
+def test_a_folder_holding_other_files_is_not_replaced(untrained_checkpoint, tmp_path, capsys):
+    """An export replaces its folder whole: a folder holding a user's file (or the checkpoint it
+    reads) is refused in one line, exit 2, before any work, and every byte stays."""
+    out = tmp_path / "exported"
+    assert status([str(untrained_checkpoint), "--format", "torchscript", "--output_dir",
+                   str(out)]) == 0
+    (out / "notes.txt").write_text("mine")
+    before, checkpoint = _hashes(out), _hashes(untrained_checkpoint.parent)
+    capsys.readouterr()
+    assert status([str(untrained_checkpoint), "--format", "torchscript", "--output_dir",
+                   str(out)]) == 2
+    assert one_error_line(capsys).endswith(
+        f"--output_dir {out} holds notes.txt, which no export writes: an export replaces the whole "
+        "folder; move it away or choose another folder (see --help)")
+    assert _hashes(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["exported"]
+    with pytest.raises(export_module.ExportError, match="holds notes.txt, which no export writes"):
+        export_checkpoint(untrained_checkpoint, out, ["torchscript"])
+    assert _hashes(out) == before
+    folder = untrained_checkpoint.parent
+    assert status([str(untrained_checkpoint), "--format", "torchscript", "--output_dir",
+                   str(folder)]) == 2
+    assert f"--output_dir {folder} holds {untrained_checkpoint}, which this command reads" in \
+        one_error_line(capsys)
+    assert _hashes(folder) == checkpoint
+
+
+KILLED_EXPORT = """
+import os, signal, sys
+from konkanivani.cli import export
+from konkanivani.decoding import model_export
+real = model_export._write_json
+def write_then_die(path, value):
+    real(path, value)
+    if path.name == "features.json":  # the last file of the new export, before it is swapped in
+        os.kill(os.getpid(), signal.SIGKILL)
+model_export._write_json = write_then_die
+export.main(sys.argv[1:])
+"""
+
+
+def test_a_killed_or_failed_export_leaves_the_old_folder_whole(causal_checkpoint,
+                                                               untrained_checkpoint, tmp_path,
+                                                               monkeypatch, capsys):
+    out = tmp_path / "exported"
+    assert status([str(causal_checkpoint), "--streaming", "--output_dir", str(out)]) == 0
+    before = _hashes(out)
+    flags = [str(untrained_checkpoint), "--format", "torchscript", "--output_dir", str(out)]
+    killed = subprocess.run([sys.executable, "-c", KILLED_EXPORT, *flags], capture_output=True,
+                            text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert _hashes(out) == before
+    # what the killed one built stays hidden beside it
+    [left] = [p.name for p in tmp_path.iterdir() if p.name != "exported"]
+    assert left.startswith(".exported.export-")
+
+    def fail(*args):
+        raise export_module.ExportError("the check failed")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(export_module, "torchscript_runner", fail)
+        capsys.readouterr()
+        assert status(flags) == 2
+        assert one_error_line(capsys) == "error: the check failed"
+    assert _hashes(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["exported", left])
+    # and neither stops the next export
+    assert status(flags) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [FILES["torchscript"], FILES["vocabulary"], FILES["features"]])
+
+
 # --- a tiny trained model, exported in both formats ----------------------------------------------
 
 def redraw_ctc_head(checkpoint, path):

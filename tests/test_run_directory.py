@@ -1,4 +1,5 @@
 """A run's directory is never lost: re-runs, two runs at once, a broken latest.pt."""
+import hashlib
 import json
 import logging
 import os
@@ -299,6 +300,47 @@ def test_overwrite_moves_a_lone_checkpoint_aside(tmp_path):
     aside = claim_output_dir(out, "", overwrite=True)
     assert aside is not None and load_checkpoint(aside / "best.pt")["step"] == 7
     assert list(out.iterdir()) == []
+
+
+def _hashes(root):
+    """Every file under ``root`` (its .lock aside) with the SHA-256 of its bytes."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+@pytest.mark.parametrize("held", ["manifests", "audio", "init_from"])
+def test_overwrite_never_moves_a_folder_holding_the_runs_own_inputs(held, tmp_path, caplog):
+    """--overwrite moves everything in --output_dir aside: where that folder holds the manifests,
+    only the audio they name, or the --init_from checkpoint (the old run's own best.pt), the run is
+    refused in one line naming the input and the folder, exit 2, and nothing is moved or changed."""
+    data = _manifests(tmp_path, usable={"train", "valid"})
+    out, extra = data, ()  # the data folder, holding an earlier run's checkpoint too
+    save_checkpoint(_state(7), data / "best.pt")
+    if held == "audio":  # the manifests elsewhere, naming the audio in the run folder
+        out = tmp_path / "run"
+        out.mkdir()
+        os.replace(data / "a.wav", out / "a.wav")
+        os.replace(data / "best.pt", out / "best.pt")
+        for name in ("train", "valid"):
+            manifest = data / f"{name}.jsonl"
+            manifest.write_text(manifest.read_text().replace('"a.wav"', json.dumps(
+                str(out / "a.wav"))), encoding="utf-8")
+    if held == "init_from":
+        out = tmp_path / "run"
+        save_checkpoint(_state(7), out / "best.pt")
+        extra = ("--init_from", str(out / "best.pt"))
+    read = {"manifests": data / "train.jsonl", "audio": out / "a.wav",
+            "init_from": out / "best.pt"}[held]
+    before = _hashes(tmp_path)
+    with caplog.at_level(logging.INFO, logger="konkanivani"):
+        assert cli.main(_flags(data, out, "--overwrite", *extra)) == 2
+    [error] = _errors(caplog)
+    assert len(error.splitlines()) == 1
+    assert f"--overwrite would move {read}, which this run reads, out of --output_dir {out}" \
+        in error
+    assert "nothing was moved" in error
+    assert _hashes(tmp_path) == before  # every byte where it was, nothing moved aside or added
+    assert not list(tmp_path.glob("*.replaced-*"))
 
 
 @pytest.mark.parametrize("unusable", ["train", "valid"])

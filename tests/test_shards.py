@@ -4,6 +4,7 @@ bad shards, and training on them (learns, resumes exactly; 2 torchrun processes 
 test_shards_distributed.py)."""
 import io
 import json
+import math
 import os
 import re
 import subprocess
@@ -33,6 +34,7 @@ from konkanivani.data.shards import (
     ShardStream,
     interleave,
     open_shards,
+    shard_files,
 )
 from konkanivani.data.tokenizer import train_tokenizer
 from konkanivani.datatools import shard_writer as shard_tools
@@ -463,6 +465,48 @@ def test_a_duplicated_key_stops_konkanivani_train_in_one_line(tiny_corpus, shard
     assert "Traceback" not in result.stderr and sum("error" in line.lower() for line in lines) == 1
     assert not (tmp_path / "run").exists()
     assert _files(out) == before and _files(tiny_corpus) == corpus
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nan_or_infinite_duration_in_the_list_stops_konkanivani_train_in_one_line(
+    tiny_corpus, shard_dir, tmp_path, bad
+):
+    """json reads NaN and Infinity; they reached frames_of as a traceback."""
+    out = _copy_shards(shard_dir, tmp_path)
+    _edit_list(out, lambda shards: shards[2]["durations"].__setitem__(4, bad))
+    assert ("NaN" if bad != bad else "Infinity") in (out / LIST_NAME).read_text()
+    before, corpus = _files(out), _files(tiny_corpus)
+    result = _train(tiny_args(tiny_corpus, tmp_path / "run", "--train_shards", str(out)))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1] == f"error: {out / LIST_NAME}: shard entry 3 is malformed (key " \
+        f"train-00000025 has the duration {bad!r}, not a finite number of seconds)"
+    assert "Traceback" not in result.stderr and sum("error" in line.lower() for line in lines) == 1
+    assert not (tmp_path / "run").exists()
+    assert _files(out) == before and _files(tiny_corpus) == corpus
+
+
+def test_a_nan_duration_in_a_members_json_is_read_from_its_audio(shard_dir, tmp_path):
+    """A brace pattern lists a shard's utterances from their JSON members: a NaN or infinite
+    duration there is no duration, and the audio's header gives it, as for a missing one."""
+    out = _copy_shards(shard_dir, tmp_path)
+    listed = open_shards(str(out / LIST_NAME))
+    _with_json(out / "shard-000001.tar", "train-00000012", lambda m: {**m, "duration": math.nan})
+    _with_json(out / "shard-000001.tar", "train-00000013", lambda m: {**m, "duration": math.inf})
+    scanned = open_shards(str(out / "shard-{000000..000005}.tar"))
+    assert [s.keys for s in scanned.shards] == [s.keys for s in listed.shards]
+    assert scanned.durations() == pytest.approx(listed.durations(), abs=1e-5)
+
+
+def test_shard_files_names_every_file_a_run_reads_without_opening_a_shard(shard_dir, tmp_path):
+    """What konkanivani-train --overwrite must not move: the list, its shards, text.txt."""
+    tars = sorted(shard_dir.glob("*.tar"))
+    texts = shard_dir / "text.txt"
+    assert shard_files(str(shard_dir)) == [shard_dir / LIST_NAME, *tars, texts]
+    assert shard_files(str(shard_dir / LIST_NAME)) == [shard_dir / LIST_NAME, *tars, texts]
+    assert shard_files(str(shard_dir / "shard-{000000..000005}.tar")) == [*tars, texts]
+    (tmp_path / "list.txt").write_text("".join(f"{p}\n" for p in tars))
+    assert shard_files(str(tmp_path / "list.txt")) == [tmp_path / "list.txt", *tars, texts]
 
 
 def _with_json(path, key, change):

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from ..checkpoint import CheckpointError, average_checkpoints, save_checkpoint
+from ..config import checkpoint_file_error
 from ..datatools.outputs import OutputError, check_outputs
 from ..training.run_files import select_checkpoints
 from . import Parser, fail, setup_logging, tool
@@ -60,8 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("last", "best"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if missing := [p for p in args.inputs or [] if not p.is_file()]:
-        parser.error(f"--inputs {missing[0]}: file not found")
+    if why := next(filter(None, (checkpoint_file_error(p, "--inputs") for p in args.inputs or [])),
+                   None):
+        parser.error(why)
     try:
         if args.inputs:
             paths = args.inputs

@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..config import ConfigError
+from ..config import ConfigError, checkpoint_file_error
 from ..decoding.recognizer import Recognizer
 from ..decoding.search import LONG_INPUT_METHOD, LONG_INPUT_SECONDS
 from ..decoding.settings import DecodingConfig, add_decoding_flags, decoding_config_from_args
@@ -33,8 +33,8 @@ def checked_decoding(parser: Parser, args: argparse.Namespace, streams: bool | N
                      ) -> DecodingConfig:
     """The flags' ``DecodingConfig``, checked before the model is loaded (one line, exit 2):
     ``DecodingConfig.check`` with ``streams`` as it says, and the checkpoint is a file."""
-    if not args.checkpoint.is_file():
-        parser.error(f"checkpoint {args.checkpoint}: file not found")
+    if why := checkpoint_file_error(args.checkpoint):
+        parser.error(why)
     decoding = decoding_config_from_args(args)
     try:
         decoding.check(streams)

@@ -5,9 +5,11 @@ feature settings, for decoding without konkanivani (``konkanivani-export``).
 
 Writes into the output folder ``model.onnx`` and/or ``model.torchscript.pt`` (``features`` (B, T,
 n_mels) float32 log-mel and ``feature_lengths`` (B,) int64 in; ``log_probs`` (B, T', V) and
-``log_prob_lengths`` (B,) out), ``vocabulary.json`` and ``features.json``; files of the same names
-already there are replaced. Each model file is run once written and compared with the checkpoint's
-model. ONNX needs the ``export`` extra: pip install 'konkanivani[export]'.
+``log_prob_lengths`` (B,) out), ``vocabulary.json`` and ``features.json``. The folder is made
+whole beside it and swapped in, so it holds this export alone: an earlier export there is replaced
+(its streaming files too), and a folder holding files no export writes is refused. Each model
+file is run once written and compared with the checkpoint's model. ONNX needs the ``export``
+extra: pip install 'konkanivani[export]'.
 
     konkanivani-export checkpoints/run/best.pt --output_dir exported/ --streaming --chunk_size 16
     --left_chunks 4
@@ -30,7 +32,7 @@ import sys
 from pathlib import Path
 
 from ..checkpoint import CheckpointError
-from ..config import ConfigError, Renamed
+from ..config import ConfigError, Renamed, checkpoint_file_error
 from ..decoding.model_export import (
     FILES,
     FORMATS,
@@ -40,6 +42,7 @@ from ..decoding.model_export import (
     ExportError,
     Streaming,
     export_checkpoint,
+    foreign_files,
     unavailable,
 )
 from ..decoding.settings import add_decoding_flags, decoding_config_from_args
@@ -65,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         parser.error(str(e))
     streaming = _streaming(parser, args, decoding)
-    if not args.checkpoint.is_file():
-        parser.error(f"checkpoint {args.checkpoint}: file not found")
+    if why := checkpoint_file_error(args.checkpoint):
+        parser.error(why)
     suffix = f"_export_{args.quantize}" if args.quantize else "_export"
     output = args.output_dir or args.checkpoint.with_name(f"{args.checkpoint.stem}{suffix}")
     if output.exists() and not output.is_dir():
@@ -78,7 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     names = [FILES[f] for f in formats] + [FILES["vocabulary"], FILES["features"]]
     names += list(STREAMING_FILES.values()) if streaming else []
     flag = "--output_dir" if args.output_dir else "the export"
-    refuse_unsafe_outputs(parser, [(flag, output / name) for name in names], [args.checkpoint])
+    refuse_unsafe_outputs(parser, [(flag, output / name) for name in names], [args.checkpoint],
+                          folders={flag: output})
+    # the folder is replaced whole: one holding anything else is refused
+    if foreign := foreign_files(output):
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        parser.error(f"{flag} {output} holds {foreign[0]}{more}, which no export writes: an export "
+                     "replaces the whole folder; move it away or choose another folder")
     setup_logging()
     try:
         written = export_checkpoint(args.checkpoint, output, formats, streaming, args.quantize)

@@ -75,6 +75,7 @@ __all__ = [
     "ShardSet",
     "open_shards",
     "read_shard_list",
+    "shard_files",
     "texts_of",
     "iter_shard",
     "scan_shard",
@@ -209,14 +210,18 @@ def read_shard_list(path: str | Path, check_files: bool = True) -> ShardSet:
                 )
             if not all(isinstance(key, str) for key in keys):
                 raise ValueError("a key that is not a string")
+            seconds = tuple(float(d) for d in durations)
+            # json reads NaN, Infinity and 1e999: no number of seconds a batch can be planned by
+            bad = next((i for i, d in enumerate(seconds) if not 0 <= d < math.inf), None)
+            if bad is not None:
+                raise ValueError(f"key {keys[bad]} has the duration {durations[bad]!r}, not a "
+                                 "finite number of seconds")
         except (KeyError, TypeError, ValueError) as e:
             raise ShardError(f"{path}: shard entry {n} is malformed ({e})") from e
         shard_path = path.parent / name
         if check_files:
             _check_file(shard_path, size, path)
-        shards.append(
-            Shard(shard_path, name, size, tuple(keys), tuple(float(d) for d in durations))
-        )
+        shards.append(Shard(shard_path, name, size, tuple(keys), seconds))
     if not shards:
         raise ShardError(f"{path}: the list holds no shard")
     _check_unique(shards, path)
@@ -275,22 +280,49 @@ def texts_of(spec: str) -> Optional[Path]:
     return texts if texts.is_file() else None
 
 
-def open_shards(spec: str, check_files: bool = True) -> ShardSet:
-    """``--train_shards``: a ``shards.json``; or a brace pattern or a text file of shard paths (a
-    line each, relative to that file), whose shards are read once here to list their utterances."""
+def _listed_list(spec: str) -> Optional[Path]:
+    """The ``shards.json`` ``--train_shards spec`` names (the file, or the one in a folder), or
+    None where it names shards otherwise."""
     path = Path(spec)
     if path.suffix == ".json" or path.is_dir():
-        return read_shard_list(path / LIST_NAME if path.is_dir() else path, check_files)
+        return path / LIST_NAME if path.is_dir() else path
+    return None
+
+
+def _named_shards(spec: str) -> list[Path]:
+    """The shards a brace pattern or a text file of shard paths (a line each, relative to that
+    file) names, unopened."""
+    path = Path(spec)
     if path.is_file() and path.suffix != ".tar":
         lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
-        paths = [
+        return [
             Path(p) if Path(p).is_absolute() else path.parent / p
             for p in lines
             if p and not p.startswith("#")
         ]
-    else:
-        from braceexpand import braceexpand
-        paths = [Path(p) for p in braceexpand(spec)]
+    from braceexpand import braceexpand
+    return [Path(p) for p in braceexpand(spec)]
+
+
+def shard_files(spec: str) -> list[Path]:
+    """Every file ``--train_shards spec`` has a run read: the list (a ``shards.json`` or a text file
+    of paths), the shards it names and the ``text.txt`` beside them; no shard is opened.
+    ``ShardError`` for a ``shards.json`` that is no shard list."""
+    if (listing := _listed_list(spec)) is not None:
+        shards = [s.path for s in read_shard_list(listing, check_files=False).shards]
+        return [listing, *shards, *filter(None, [texts_of(spec)])]
+    shards = _named_shards(spec)
+    texts = shards[0].parent / TEXTS_NAME if shards else None
+    return [*([Path(spec)] if Path(spec).is_file() else []), *shards,
+            *([texts] if texts is not None and texts.is_file() else [])]
+
+
+def open_shards(spec: str, check_files: bool = True) -> ShardSet:
+    """``--train_shards``: a ``shards.json``; or a brace pattern or a text file of shard paths (a
+    line each, relative to that file), whose shards are read once here to list their utterances."""
+    if (listing := _listed_list(spec)) is not None:
+        return read_shard_list(listing, check_files)
+    paths = _named_shards(spec)
     if not paths:
         raise ShardError(f"--train_shards {spec}: names no shard")
     shards = []
@@ -349,6 +381,8 @@ def scan_shard(path: Path) -> tuple[list[str], list[float], list[str]]:
     for key, files in iter_shard(path):
         try:
             duration = float(json.loads(files[META_MEMBER]).get("duration"))
+            if not 0 <= duration < math.inf:  # NaN, Infinity: no duration
+                raise ValueError(duration)
         except (KeyError, TypeError, ValueError, AttributeError):
             try:
                 import soundfile as sf

@@ -6,6 +6,8 @@ that appear whole or not at all.
   checkpoint, manifest and audio file, as the run expands its inputs) or another of its outputs,
   compared with symlinks followed, and each must have a folder it can be written in. Every tool
   asks it before it reads or decodes anything, so a refusal loses no work.
+- ``input_inside``: the input a folder holds, which replacing or moving the folder would take with
+  it (``konkanivani-train --overwrite``, an export folder).
 - ``manifest_audio``: the audio files a manifest names, for ``check_outputs``.
 - ``write_output`` and ``output_file``: an output written through a temporary file beside it and
   renamed at the end, so a failed or interrupted run leaves the old file whole.
@@ -36,8 +38,8 @@ from typing import Any, TextIO
 from ..checkpoint import atomic_file, fsync_dir, write_file_atomic
 from ..data.manifest import iter_manifest, resolve_audio_path
 
-__all__ = ["OutputError", "Staging", "check_outputs", "child", "manifest_audio", "output_file",
-           "refuse_overlap", "safe_name", "write_output"]
+__all__ = ["OutputError", "Staging", "check_outputs", "child", "input_inside", "manifest_audio",
+           "output_file", "refuse_overlap", "safe_name", "write_output"]
 
 # letters (any script), digits, _ . - ; not starting with a dot
 _PLAIN = re.compile(r"[\w][\w.\-]*")
@@ -149,23 +151,29 @@ def check_outputs(outputs: Outputs, reads: Iterable[PathLike] = (),
             raise OutputError(f"{other_flag} {other} and {flag} {path} are the same file: each "
                               "output needs a file of its own")
         seen[key] = (flag, path)
-    given_folders = {flag: folder for flag, folder in (folders or {}).items() if folder is not None}
-    inside = {flag: Path(os.path.realpath(folder)) for flag, folder in given_folders.items()}
-    for read in reads:
-        if seen and (hit := seen.get(_identity(read))) is not None:
+    reads = list(reads)
+    for read in reads if seen else ():
+        if (hit := seen.get(_identity(read))) is not None:
             flag, path = hit
             same = ("also an input of this command" if str(path) == str(read)
                     else f"{read}, which this command reads")
             raise OutputError(f"{flag} {path} is {same}: a tool never rewrites its own input; "
                               "write to another file")
-        if inside:
-            real = Path(os.path.realpath(read))
-            for flag, folder in inside.items():
-                if real == folder or folder in real.parents:
-                    shown = given_folders[flag]
-                    raise OutputError(f"{flag} {shown} holds {read}, which this command reads: a "
-                                      "tool never writes where its own input lies; choose another "
-                                      "folder")
+    for flag, folder in (folders or {}).items():
+        if folder is not None and (read := input_inside(folder, reads)) is not None:
+            raise OutputError(f"{flag} {folder} holds {read}, which this command reads: a tool "
+                              "never writes where its own input lies; choose another folder")
+
+
+def input_inside(folder: PathLike, reads: Iterable[PathLike]) -> Path | None:
+    """The first of ``reads`` that ``folder`` is or holds, symlinks followed (None: none is): a
+    tool that replaced or moved ``folder`` would take that input with it."""
+    folder = Path(os.path.realpath(folder))
+    for read in reads:
+        real = Path(os.path.realpath(read))
+        if real == folder or folder in real.parents:
+            return Path(read)
+    return None
 
 
 def manifest_audio(manifest: PathLike) -> list[Path]:

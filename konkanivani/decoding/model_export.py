@@ -49,7 +49,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -59,6 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..checkpoint import fsync_dir
 from ..data.features import LOG_OFFSET, LogMel
 from ..data.frames import subsampled_lengths
 from ..data.tokenizer import BLANK_ID, SOS_EOS_ID, UNK_ID, Tokenizer
@@ -83,6 +83,7 @@ __all__ = [
     "INT8_OPS",
     "INT8_TOLERANCE",
     "unavailable",
+    "foreign_files",
     "export_checkpoint",
     "export_onnx",
     "export_torchscript",
@@ -109,6 +110,9 @@ FILES = {
 }
 # written with streaming=
 STREAMING_FILES = {"onnx": "encoder_chunk.onnx", "settings": "streaming.json"}
+# what an export folder may hold: its files, and the temporary folders older versions built in it
+EXPORT_NAMES = frozenset([*FILES.values(), *STREAMING_FILES.values()])
+_OLD_TEMPORARY = ".export-"
 # encoder_chunk.onnx's
 CHUNK_OUTPUTS = ("log_probs", "encoder_out", "next_attention_cache", "next_conv_cache")
 ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")  # the `export` extra
@@ -317,16 +321,37 @@ def unavailable(formats: Sequence[str]) -> str | None:
     return None
 
 
+def foreign_files(out_dir: str | Path) -> list[str]:
+    """The names in the folder ``out_dir`` that no export writes (a user's notes, a checkpoint),
+    which replacing the folder with a new export would delete; [] where it does not exist."""
+    try:
+        names = os.listdir(out_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(n for n in names if n not in EXPORT_NAMES and not n.startswith(_OLD_TEMPORARY))
+
+
+def _refuse_foreign(out_dir: Path) -> None:
+    if foreign := foreign_files(out_dir):
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        raise ExportError(
+            f"{out_dir} holds {foreign[0]}{more}, which no export writes: a new export replaces "
+            "the whole folder, so it would be lost; move it away or choose another folder"
+        )
+
+
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, formats: Sequence[str] = FORMATS,
                       streaming: Streaming | None = None, quantize: str | None = None
                       ) -> list[Exported]:
     """Export ``checkpoint`` into ``out_dir`` (created) as ``formats`` plus vocabulary.json and
     features.json, and with ``streaming`` encoder_chunk.onnx and streaming.json too; with
-    ``quantize`` ("int8", ONNX alone) its ONNX files are int8 (see the module). Files are written to
-    a temporary folder, checked, then moved into place, so a failed export leaves an earlier one
-    whole. Raises ``CheckpointError`` for a checkpoint that holds no usable model and
-    ``ExportError`` when an export fails or its check does, or a streaming export of a model
-    without ``causal_conv`` is asked for (before anything is written)."""
+    ``quantize`` ("int8", ONNX alone) its ONNX files are int8 (see the module). The folder is made
+    whole in a temporary folder beside it, checked, then swapped in (``_swap_in``), so it holds
+    this export's files and no other's, and a failed or killed export leaves an earlier one whole.
+    Raises ``CheckpointError`` for a checkpoint that holds no usable model and ``ExportError`` when
+    an export fails or its check does, when ``out_dir`` holds files no export writes
+    (``foreign_files``), or a streaming export of a model without ``causal_conv`` is asked for
+    (before anything is written)."""
     for fmt in formats:
         if fmt not in FORMATS:
             raise ValueError(f"unknown export format {fmt!r}; choose from {', '.join(FORMATS)}")
@@ -337,6 +362,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, formats: Sequ
     if quantize is not None and tuple(formats) != ("onnx",):
         raise ValueError(f"--quantize {quantize} quantizes the ONNX graphs: it goes with the onnx "
                          "format alone")
+    out_dir = Path(os.path.realpath(out_dir))  # a symbolic link keeps pointing at the export
+    _refuse_foreign(out_dir)
     recognizer = Recognizer.from_checkpoint(checkpoint)  # CPU, eval mode
     if streaming is not None and not recognizer.model.cfg.causal_conv:
         raise ExportError(
@@ -345,14 +372,12 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, formats: Sequ
             " streaming model"
         )
     graph = CTCGraph(recognizer.model)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     exporters = {
         "onnx": (export_onnx, onnx_runner),
         "torchscript": (export_torchscript, torchscript_runner),
     }
     written = []
-    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".export-") as tmp:
+    with _building(out_dir) as tmp:
         for fmt in formats:
             export, runner = exporters[fmt]
             path = Path(tmp) / FILES[fmt]
@@ -387,9 +412,48 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, formats: Sequ
         _write_json(Path(tmp) / FILES["vocabulary"], vocabulary(recognizer.tokenizer))
         _write_json(Path(tmp) / FILES["features"], feature_settings(recognizer.log_mel))
         written += [Exported(out_dir / FILES["vocabulary"]), Exported(out_dir / FILES["features"])]
-        for item in written:
-            shutil.move(Path(tmp) / item.path.name, item.path)  # a rename within the folder
+        _swap_in(tmp, out_dir)
     return written
+
+
+@contextlib.contextmanager
+def _building(out_dir: Path) -> Iterator[Path]:
+    """A new folder beside ``out_dir`` (``.NAME.export-PID``, made as ``mkdir`` makes one) to build
+    the export in; removed if the block raises (a kill leaves it, hidden, for the user to
+    delete)."""
+    tmp = out_dir.with_name(f".{out_dir.name}.export-{os.getpid()}")
+    if tmp.exists():  # left by a killed process of the same id
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _swap_in(new: Path, out_dir: Path) -> None:
+    """The finished export folder ``new`` put at ``out_dir`` by renames: a folder there (an earlier
+    export, checked again to hold nothing else) is first renamed aside, and deleted once the new one
+    is in place; if the new one cannot be put there, the old one is renamed back."""
+    _refuse_foreign(out_dir)  # files put there while this export ran
+    for path in new.iterdir():  # the bytes on disk before the names point at them
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}") if out_dir.exists() else None
+    if old is not None:
+        if old.exists():
+            shutil.rmtree(old)
+        os.rename(out_dir, old)
+    try:
+        os.rename(new, out_dir)
+    except OSError:
+        if old is not None:
+            os.rename(old, out_dir)
+        raise
+    fsync_dir(out_dir.parent)
+    if old is not None:
+        shutil.rmtree(old)
 
 
 def _quantized(item: Exported, path: Path, check: Callable[[Path, Path], float]) -> Exported:
