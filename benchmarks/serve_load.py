@@ -19,6 +19,11 @@ tones) as 100 ms 16-bit PCM frames, paced in real time, starts spread over one c
 - the end lag: from sending the end to receiving ``done``;
 - errors: streams that did not end with ``done`` and close 1000, refused handshakes, lost finals.
 
+``--field_mb 24`` adds a row a server: ``/health`` latency p50/p99/max while forms of that many MB
+of comma-separated hotwords (fields of 500 KB, each under the server's field bound) arrive one after
+another for ``--field_seconds``, and the status they were answered with (400: refused before a
+hotword is split).
+
 ``--modes batched,per_stream`` runs the same load twice, side by side: a server that encodes the
 chunks of concurrent streams in one batched forward (the default) and one started with
 ``--no_batch_streams`` (one forward a chunk). ``--csv`` writes the rows.
@@ -92,13 +97,16 @@ def main(argv: list[str] | None = None) -> int:
         " comma-separated: the same load on each, side by side (default: %(default)s)",
     )
     parser.add_argument("--csv", type=Path, help="write the rows here too")
+    parser.add_argument("--field_mb", type=float, default=0.0,
+                        help="/health while forms of this many MB of hotwords arrive (0: not run)")
+    parser.add_argument("--field_seconds", type=float, default=10.0)
     args = parser.parse_args(argv)
     counts = [int(c) for c in args.streams.split(",")]
     modes = args.modes.split(",")
     if not set(modes) <= set(MODES):
         parser.error(f"--modes takes {', '.join(MODES)}, got {args.modes}")
     audio = _audio(args.corpus, args.seconds)
-    rows, metrics = [], {}
+    rows, metrics, fields = [], {}, []
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = args.checkpoint or _untrained(Path(tmp) / "untrained.pt", args.preset, audio)
         for mode in modes:
@@ -124,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
                     row["cpu_rtf"] = round(busy / audio_s, 4) if audio_s else "-"
                     rows.append({"mode": mode, **row})
                 metrics[mode] = _metrics(server["http"])
+                if args.field_mb:
+                    fields.append({"mode": mode, **_field_load(server["http"], args.field_mb,
+                                                               args.field_seconds)})
             finally:
                 server["proc"].terminate()
                 server["proc"].wait(30)
@@ -148,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     print(text_table(rows, list(titles), list(titles.values())))
     for mode, line in metrics.items():
         print(f"server /metrics ({mode}): {line}")
+    if fields:
+        print(f"\n/health while forms of {args.field_mb:g} MB of hotwords arrive:")
+        names = ["mode", "forms", "status", "health", "p50_ms", "p99_ms", "max_ms"]
+        print(text_table(fields, names, ["server", "forms sent", "answered", "/health asked",
+                                         "p50 ms", "p99 ms", "max ms"]))
     if args.csv:
         args.csv.parent.mkdir(parents=True, exist_ok=True)
         with args.csv.open("w", newline="") as f:
@@ -296,6 +312,43 @@ def _client(url: str, frames: list[bytes], delay: float, timeout: float, out: di
     # a refused handshake, a reset: counted as this stream's error
     except Exception as e:  # noqa: BLE001
         out["error"] = f"{type(e).__name__}: {e}"
+
+
+def _field_load(http_url: str, mb: float, seconds: float) -> dict:
+    """``/health``'s latency while forms of ``mb`` MB of hotwords (and no audio) are posted one
+    after another for ``seconds``: the forms sent, the statuses they got, and p50/p99/max."""
+    import urllib.error
+    import urllib.request
+
+    field = b"bed," * 125_000  # 500 KB
+    body = b"".join(b'--b\r\nContent-Disposition: form-data; name="hotwords[]"\r\n\r\n'
+                    + field + b"\r\n" for _ in range(max(1, round(mb * 2 ** 20 / len(field)))))
+    body += b"--b--\r\n"
+    statuses, done = [], threading.Event()
+
+    def send():
+        while not done.is_set():
+            request = urllib.request.Request(
+                http_url + "v1/audio/transcriptions", body, method="POST",
+                headers={"Content-Type": "multipart/form-data; boundary=b"})
+            try:
+                statuses.append(urllib.request.urlopen(request, timeout=120).status)
+            except urllib.error.HTTPError as e:
+                statuses.append(e.code)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    times, end = [], time.monotonic() + seconds
+    while time.monotonic() < end:
+        start = time.monotonic()
+        urllib.request.urlopen(http_url + "health", timeout=120).read()
+        times.append((time.monotonic() - start) * 1000)
+        time.sleep(0.01)
+    done.set()
+    sender.join(150)
+    return {"forms": len(statuses), "status": ",".join(map(str, sorted(set(statuses)))),
+            "health": len(times), "p50_ms": round(_quantile(times, 0.5), 1),
+            "p99_ms": round(_quantile(times, 0.99), 1), "max_ms": round(max(times), 1)}
 
 
 def _quantile(values: list[float], q: float) -> float:

@@ -78,8 +78,10 @@ def two_segment_clip(path: Path) -> Path:
     return path
 
 
-def tone_checkpoint(path: Path, streaming: bool) -> Path:
-    rec = train_model([speech(s, seed=i) for i, s in enumerate(SENTENCES)], SENTENCES, streaming)
+def tone_checkpoint(path: Path, streaming: bool, steps: int = 120) -> Path:
+    """The tone model (``steps``: 1 for a server whose words do not matter) saved to ``path``."""
+    rec = train_model([speech(s, seed=i) for i, s in enumerate(SENTENCES)], SENTENCES, streaming,
+                      steps)
     return save_checkpoint(
         {
             "model_config": dataclasses.asdict(rec.model.cfg),

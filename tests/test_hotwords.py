@@ -18,9 +18,15 @@ from konkanivani.config import ConfigError
 from konkanivani.data.frames import SAMPLE_RATE
 from konkanivani.data.tokenizer import train_tokenizer
 from konkanivani.decoding.hotwords import (
+    GRAPH_CACHE,
+    MAX_BOOST,
+    MAX_HOTWORD_CHARS,
+    MAX_MOVES,
     ContextGraph,
+    GraphCache,
     HotwordError,
     context_graph,
+    hotword_tokens,
     parse_hotword,
     read_hotwords,
     split_hotwords,
@@ -137,10 +143,51 @@ def test_hotword_lines_with_their_boosts():
     assert parse_hotword("पणजी:0").boost == 0.0
     for line, why in [("पणजी :x", "boost 'x' is not a number"), ("पणजी :", "no boost"),
                       ("पणजी :-1", "must be a number >= 0"), ("पणजी :inf", ">= 0"),
-                      ("।। :2", "no word in it")]:
+                      ("।। :2", "no word in it"), ("पणजी :1e300", "is above 100"),
+                      ("x" * 2 ** 20, f"1048576 characters: .* at most {MAX_HOTWORD_CHARS}")]:
         with pytest.raises(HotwordError, match=why):
             parse_hotword(line)
     assert split_hotwords("पणजी, मांडवी :2\nम्हादय,,") == ["पणजी", "मांडवी :2", "म्हादय"]
+    assert parse_hotword(f"{'क' * MAX_HOTWORD_CHARS} :{MAX_BOOST:g}").boost == MAX_BOOST
+
+
+def test_the_graph_cache_never_holds_more_than_its_bytes():
+    """Graphs of lists seen again come from the cache; the least recently used go first, so the
+    bytes it holds (each graph's bound, its nodes and the moves it may remember) stay within its
+    own; a graph larger than the whole is built and not kept."""
+    tok = train_tokenizer(KONKANI, model_type="char")
+    rng = random.Random(0)
+    words = sorted({w for s in KONKANI for w in s.split()})
+    cache = GraphCache(max_bytes=3 * ContextGraph([]).nbytes + 200_000)
+    for i in range(40):
+        lines = tuple(" ".join(rng.sample(words, 2)) for _ in range(rng.randint(1, 60)))
+        graph = ContextGraph([(tok.encode(p), [1.0] * len(tok.encode(p))) for p in lines])
+        for state in list(graph.root.children.values())[:3]:
+            graph.row(state, tok.vocab_size, 0)  # what joint decoding asks: moves remembered
+        assert graph.moves <= MAX_MOVES and graph.nbytes >= graph.nodes * 380 + graph.moves * 130
+        assert cache.put(("list", i), graph) is graph
+        assert cache.nbytes == sum(g.nbytes for g in cache._graphs.values()) <= cache.max_bytes
+        assert cache.get(("list", i)) is graph or graph.nbytes > cache.max_bytes
+    assert 1 <= len(cache) <= 3 and cache.get(("list", 0)) is None  # the first went long ago
+    small = GraphCache(max_bytes=ContextGraph([]).nbytes)  # room for no node but the root
+    huge = ContextGraph([([1, 2], [1.0, 1.0])])
+    assert small.put("huge", huge) is huge and small.get("huge") is None and small.nbytes == 0
+    # the module's cache: the same lines give the same graph; its bound is GRAPH_CACHE_BYTES
+    GRAPH_CACHE.clear()
+    assert context_graph(["राम"], 2.0, tok) is context_graph(["राम"], 2.0, tok)
+    assert len(GRAPH_CACHE) == 1 and GRAPH_CACHE.nbytes <= GRAPH_CACHE.max_bytes
+    assert hotword_tokens(["राम :2", "आमच्या गांवांत"], tok) == sum(
+        len(tok.encode(p)) for p in ("राम", "आमच्या गांवांत"))
+
+
+def test_a_graph_remembers_at_most_max_moves(monkeypatch):
+    """Past ``MAX_MOVES`` a move is found again each time, with the same answer."""
+    monkeypatch.setattr("konkanivani.decoding.hotwords.MAX_MOVES", 10)
+    g, fresh = graph("abc", "bcd"), graph("abc", "bcd")
+    rows = [g.row(s, 6, 0) for s in (g.root, *g.root.children.values())]
+    assert g.moves == 10 and sum(len(s.moves) for s in (g.root, *g.root.children.values())) == 10
+    assert rows == [fresh.row(s, 6, 0) for s in (fresh.root, *fresh.root.children.values())]
+    assert g.score(ids("xabcdx")) == occurrences("xabcdx", ["abc", "bcd"])
 
 
 def test_a_hotwords_file_and_its_errors_name_the_file_and_line(tmp_path):
@@ -177,6 +224,7 @@ def test_the_settings_check_hotwords_once():
         (dict(hotwords=("पणजी :x",)), "--hotwords 'पणजी :x': boost 'x' is not a number"),
         (dict(hotword_boost=-1.0), "--hotword_boost must be a number >= 0"),
         (dict(hotword_boost=math.nan), "--hotword_boost"),
+        (dict(hotword_boost=1e300), "--hotword_boost must be at most 100, got 1e"),
     ]:
         with pytest.raises(ConfigError, match=message):
             DecodingConfig(**settings).check()
@@ -242,6 +290,18 @@ def test_a_boosted_word_pulls_the_search_to_it(tone, method):
         "bed cafe"]
     # the word the audio holds more of, boosted, stays
     assert rec.decode_waveforms([wav], method=method, hotwords=["bad :2"])[0] == "bad cafe"
+
+
+def test_the_largest_boost_keeps_joint_decoding_s_scores_finite(tone):
+    """At ``MAX_BOOST`` joint decoding still ranks its hypotheses (1e300 overflowed float32 to
+    inf, then NaN, and gave empty text; parse_hotword and the settings refuse it now). So large
+    a boost writes the word wherever it can ("bed bed bed bed" with joint), as asked."""
+    rec, wav, _ = tone
+    for method in ("joint", "rescore", "beam"):
+        [text] = rec.decode_waveforms([wav], method=method, hotwords=[f"bed :{MAX_BOOST:g}"])
+        assert text.startswith("bed "), method
+        assert rec.decode_waveforms([wav], method=method, hotwords=["bed"],
+                                    hotword_boost=MAX_BOOST) == [text]
 
 
 def test_a_boosted_word_pulls_the_stream_to_it(tone):

@@ -137,19 +137,22 @@ class Resampler:
         ]
 
 
-def read_blocks(source: str | Path, seconds: float = 1.0, sample_rate: int = SAMPLE_RATE,
-                label: str | None = None) -> Iterator[torch.Tensor]:
+def read_blocks(source: str | Path | io.BytesIO, seconds: float = 1.0,
+                sample_rate: int = SAMPLE_RATE, label: str | None = None
+                ) -> Iterator[torch.Tensor]:
     """The waveform of a file as ``load_audio`` gives it (mono float32 at ``sample_rate``), in
     blocks of about ``seconds``, read one at a time (``soundfile``'s ``blocks``) and resampled piece
-    by piece (``Resampler``): a recording of any length in the memory of a block. Put together, the
+    by piece (``Resampler``): a recording of any length in the memory of a block, each channel
+    mixed down as its block is read. ``source``: a path, or a file's bytes. Put together, the
     blocks are ``load_audio(source)`` to float rounding. Raises ``AudioError`` as ``load_audio``
     does, for
     a file that turns out to be unreadable or non-finite part way too."""
     label = label or str(source)
-    if not Path(source).is_file():
+    in_memory = isinstance(source, io.BytesIO)  # an upload's bytes
+    if not in_memory and not Path(source).is_file():
         raise AudioError("audio file missing", label)
     try:
-        f = sf.SoundFile(str(source))
+        f = sf.SoundFile(source if in_memory else str(source))
     # soundfile raises LibsndfileError, RuntimeError, TypeError...
     except Exception as e:  # noqa: BLE001
         raise AudioError("audio unreadable", label, str(getattr(e, "error_string", e))) from e

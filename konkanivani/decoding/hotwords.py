@@ -37,10 +37,10 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections import deque
+import threading
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,14 +49,30 @@ from ..data.tokenizer import UNK_ID, normalize_text
 if TYPE_CHECKING:
     from ..data.tokenizer import Tokenizer
 
-__all__ = ["ContextGraph", "ContextState", "Hotword", "HotwordError", "context_graph",
-           "parse_hotword", "read_hotwords", "split_hotwords"]
+__all__ = ["MAX_BOOST", "MAX_HOTWORD_CHARS", "ContextGraph", "ContextState", "GraphCache",
+           "Hotword", "HotwordError", "context_graph", "hotword_tokens", "parse_hotword",
+           "read_hotwords", "split_hotwords"]
 
 log = logging.getLogger("konkanivani")
 
 WORD_START = "\u2581"  # SentencePiece's mark of a word's first piece
 BOOST_MARK = ":"  # "phrase :BOOST"
 COMMENT = "#"  # a line of a hotwords file starting with it is a comment
+# A hotword is a name or a short phrase: a longer line is a mistake (or a request's attack: six
+# 1 MB keywords held the server's decode thread 11.7 s and 1 GB while their graph was built).
+MAX_HOTWORD_CHARS = 100
+# The largest boost per token. A token's log-probability is rarely below -30, so a larger boost
+# changes nothing more; a huge one (1e300) overflows float32 to inf, inf - inf is NaN, and joint
+# decoding ranked every hypothesis as NaN and gave empty text.
+MAX_BOOST = 100.0
+# The graphs kept for lists seen again (``GraphCache``), in bytes as ``ContextGraph.nbytes``
+# counts them, and the remembered moves of one graph (``ContextGraph.step``): joint decoding asks a
+# whole vocabulary's moves from each node it visits.
+GRAPH_CACHE_BYTES = 64 * 2 ** 20
+MAX_MOVES = 2 ** 16
+# What one node and one remembered move hold, in bytes (measured with tracemalloc: about 380 and
+# 130), rounded up: ``nbytes`` bounds a graph's memory rather than guessing it low.
+NODE_BYTES, MOVE_BYTES = 512, 192
 
 
 class HotwordError(ValueError):
@@ -71,7 +87,8 @@ class Hotword:
 
 def parse_hotword(line: str) -> Hotword:
     """The hotword of one line, ``phrase`` or ``phrase :BOOST``; ``HotwordError`` saying why it is
-    not one (no words in it, a boost that is not a number >= 0)."""
+    not one (no words in it, longer than ``MAX_HOTWORD_CHARS``, a boost that is not a number from
+    0 to ``MAX_BOOST``)."""
     phrase, boost = line, None
     if BOOST_MARK in line:
         phrase, _, text = line.rpartition(BOOST_MARK)
@@ -84,6 +101,12 @@ def parse_hotword(line: str) -> Hotword:
             raise HotwordError(f"boost {text!r} is not a number") from None
         if not (math.isfinite(boost) and boost >= 0):
             raise HotwordError(f"boost {text} must be a number >= 0")
+        if boost > MAX_BOOST:
+            raise HotwordError(f"boost {text} is above {MAX_BOOST:g}, the most a token earns")
+    # checked before it is normalized: a long line costs nothing more
+    if len(phrase.strip()) > MAX_HOTWORD_CHARS:
+        raise HotwordError(f"{len(phrase.strip())} characters: a hotword is a word or a phrase of "
+                           f"at most {MAX_HOTWORD_CHARS}")
     normalized = normalize_text(phrase)
     if not normalized:
         raise HotwordError("no word in it")
@@ -162,6 +185,8 @@ class ContextGraph:
                  skipped: Sequence[str] = ()):
         self.root = ContextState()
         self.phrases = 0
+        self.nodes = 1  # the root's too
+        self.moves = 0  # remembered by ``step``: at most ``MAX_MOVES``
         self.skipped = list(skipped)  # the hotwords left out (``context_graph`` says why)
         for tokens, bonuses in phrases:
             self._insert(list(tokens), list(bonuses))
@@ -178,6 +203,7 @@ class ContextGraph:
             if child is None:
                 child = node.children[token] = ContextState(token, node.depth + 1,
                                                             node.pending + bonus)
+                self.nodes += 1
             elif node.pending + bonus > child.pending:
                 # a prefix two phrases share earns the larger boost
                 self._raise(child, node.pending + bonus - child.pending)
@@ -231,8 +257,17 @@ class ContextGraph:
             while node is not self.root and token not in node.children:
                 node = node.fail
             nxt = node.children.get(token, self.root)
-            move = state.moves[token] = (nxt, nxt.pending - state.pending + nxt.output)
+            move = (nxt, nxt.pending - state.pending + nxt.output)
+            if self.moves < MAX_MOVES:  # past it, found again each time
+                state.moves[token] = move
+                self.moves += 1
         return move
+
+    @property
+    def nbytes(self) -> int:
+        """The most memory the graph holds, in bytes: its nodes, and the moves ``step`` may
+        remember (``MAX_MOVES``), whether it has found them yet or not."""
+        return self.nodes * NODE_BYTES + MAX_MOVES * MOVE_BYTES
 
     @staticmethod
     def final(state: ContextState) -> float:
@@ -260,13 +295,63 @@ def context_graph(hotwords: Sequence[str], boost: float, tokenizer: Tokenizer
     """The ``ContextGraph`` of hotword lines (checked ones: ``parse_hotword``) for ``tokenizer``,
     each token of a phrase earning its line's boost or ``boost``; None when there are none. A
     hotword the tokenizer cannot spell (a character it does not know) is left out, and one warning
-    names those left out. The same lines give the same graph (cached)."""
+    names those left out. The same lines give the same graph while ``GRAPH_CACHE`` keeps it."""
     if not hotwords:
         return None
-    return _graph(tuple(hotwords), float(boost), tokenizer)
+    key = (tuple(hotwords), float(boost), tokenizer)
+    graph = GRAPH_CACHE.get(key)
+    if graph is None:
+        graph = GRAPH_CACHE.put(key, _graph(*key))
+    return graph
 
 
-@lru_cache(maxsize=16)
+def hotword_tokens(hotwords: Iterable[str], tokenizer: Tokenizer) -> int:
+    """The tokens of hotword lines (checked ones) as ``tokenizer`` spells them: the size of their
+    graph, which a request's limit is counted in."""
+    return sum(len(tokenizer.encode(parse_hotword(line).phrase)) for line in hotwords)
+
+
+class GraphCache:
+    """The graphs of the hotword lists used last, kept while their ``nbytes`` sum to at most
+    ``max_bytes``: the least recently used go first, and a graph larger than the whole is used and
+    not kept. A list the server's requests send again (its own ``--hotwords``, a client's fixed
+    list) is built once, and no request's graph stays after others have come."""
+
+    def __init__(self, max_bytes: int = GRAPH_CACHE_BYTES):
+        self.max_bytes, self.nbytes = max_bytes, 0
+        self._graphs: OrderedDict[tuple, ContextGraph] = OrderedDict()
+        self._lock = threading.Lock()  # the server decodes on threads
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def get(self, key: tuple) -> ContextGraph | None:
+        with self._lock:
+            graph = self._graphs.get(key)
+            if graph is not None:
+                self._graphs.move_to_end(key)
+            return graph
+
+    def put(self, key: tuple, graph: ContextGraph) -> ContextGraph:
+        """``graph``, kept under ``key`` if it fits, the least recently used dropped for it."""
+        with self._lock:
+            if key in self._graphs or graph.nbytes > self.max_bytes:
+                return graph
+            self._graphs[key] = graph
+            self.nbytes += graph.nbytes
+            while self.nbytes > self.max_bytes:
+                self.nbytes -= self._graphs.popitem(last=False)[1].nbytes
+            return graph
+
+    def clear(self) -> None:
+        with self._lock:
+            self._graphs.clear()
+            self.nbytes = 0
+
+
+GRAPH_CACHE = GraphCache()
+
+
 def _graph(hotwords: tuple[str, ...], boost: float, tokenizer: Tokenizer) -> ContextGraph:
     phrases, skipped = [], []
     for line in hotwords:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from ..config import ConfigError, Renamed
-from .hotwords import HotwordError, parse_hotword, read_hotwords
+from .hotwords import MAX_BOOST, HotwordError, parse_hotword, read_hotwords
 
 __all__ = ["CHUNK_SIZE", "ENDPOINT_MS", "EXPORTED_METHOD", "EXPORTED_METHODS", "EXPORT_LEFT_CHUNKS",
            "FUSED_METHODS", "HOTWORD_BOOST", "HOTWORD_METHODS", "JOINT_HOTWORD_BOOST", "LM_WEIGHT",
@@ -223,6 +223,8 @@ class DecodingConfig:
         if boost is not None and not (isinstance(boost, (int, float)) and math.isfinite(boost)
                                       and boost >= 0):
             raise ConfigError(f"--hotword_boost must be a number >= 0, got {boost!r}")
+        if boost is not None and boost > MAX_BOOST:  # float32 scores overflow to NaN
+            raise ConfigError(f"--hotword_boost must be at most {MAX_BOOST:g}, got {boost!r}")
 
     def _check_chunks(self, streams: bool | None) -> None:
         if not isinstance(self.chunk_size, int) or self.chunk_size < 0:

@@ -38,7 +38,7 @@ from typing import Awaitable, Callable, TypeVar
 import soundfile as sf
 import torch
 
-from ..data.audio import AudioError, load_audio
+from ..data.audio import AudioError, read_blocks
 from ..data.frames import SAMPLE_RATE
 from ..decoding.onnx_recognizer import ExportedRecognizer
 from ..decoding.recognizer import MIN_SAMPLES, Recognizer
@@ -56,6 +56,12 @@ __all__ = ["Engine", "StreamBatcher", "UploadTooLong"]
 
 T = TypeVar("T")
 UPLOAD = "the upload"  # how messages name an uploaded file: never by a name the client chose
+# The samples a second of an upload may hold, its channels together (48 kHz stereo), over its
+# seconds: a file of more is refused by its header. 590 s of 8 channels at 192 kHz is a 938 KB
+# FLAC of silence, and was decoded whole to float32 (3.6 GB) before it was mixed down.
+MAX_SOURCE_RATE = 2 * 48_000
+# The samples of all channels an upload's block holds as it is decoded (1 MB of float32)
+BLOCK_SAMPLES = 2 ** 18
 
 
 class UploadTooLong(ValueError):
@@ -162,10 +168,11 @@ class Engine:
 
     @staticmethod
     def read_upload(data: bytes, max_seconds: float) -> torch.Tensor:
-        """The 16 kHz mono waveform of an uploaded file's bytes, read in memory. ``AudioError`` when
-        it cannot be read or is too short for the model; ``UploadTooLong`` beyond ``max_seconds``
-        (by its
-        header, before decoding it, and as decoded)."""
+        """The 16 kHz mono waveform of an uploaded file's bytes, read in memory block by block
+        (``read_blocks``: each block mixed down and resampled as it is decoded, never the whole file
+        at its own rate and channels). ``AudioError`` when it cannot be read or is too short for the
+        model; ``UploadTooLong`` beyond ``max_seconds`` or ``MAX_SOURCE_RATE`` samples a second of
+        them by its header, before decoding it, and beyond ``max_seconds`` as decoded."""
         try:
             info = sf.info(io.BytesIO(data))
         # soundfile raises LibsndfileError, RuntimeError, TypeError...
@@ -177,17 +184,29 @@ class Engine:
             check_sample_rate(info.samplerate)
         except ValueError as e:
             raise AudioError("sample rate unsupported", UPLOAD, str(e)) from e
-        if info.frames / info.samplerate > max_seconds:
+        seconds = info.frames / info.samplerate
+        if seconds > max_seconds:
             raise UploadTooLong(
-                f"{info.frames / info.samplerate:.1f} s of audio: the server takes at most "
-                f"{max_seconds:g} s in one upload"
+                f"{seconds:.1f} s of audio: the server takes at most {max_seconds:g} s in one "
+                "upload"
             )
-        wav = load_audio(io.BytesIO(data), label=UPLOAD)
-        if len(wav) > max_seconds * SAMPLE_RATE:
+        if info.frames * info.channels > max_seconds * MAX_SOURCE_RATE:
             raise UploadTooLong(
-                f"{len(wav) / SAMPLE_RATE:.1f} s of audio: the server takes at most "
-                f"{max_seconds:g} s in one upload"
+                f"{seconds:.1f} s of {info.channels} channels at {info.samplerate} Hz: the server "
+                f"decodes at most {max_seconds:g} s of 48 kHz stereo "
+                f"({max_seconds * MAX_SOURCE_RATE / 1e6:g} M samples) in one upload"
             )
+        blocks, decoded = [], 0
+        block_seconds = max(BLOCK_SAMPLES // info.channels, 1) / info.samplerate
+        for block in read_blocks(io.BytesIO(data), block_seconds, label=UPLOAD):
+            blocks.append(block)
+            decoded += len(block)
+            if decoded > max_seconds * SAMPLE_RATE:  # a header can promise less than it holds
+                raise UploadTooLong(
+                    f"more than {max_seconds:g} s of audio: the server takes at most "
+                    f"{max_seconds:g} s in one upload"
+                )
+        wav = torch.cat(blocks) if blocks else torch.zeros(0)
         if len(wav) < MIN_SAMPLES:
             raise AudioError(
                 "audio too short",

@@ -21,6 +21,7 @@ language and decodes without sampling); ``prompt``, ``keywords[]`` and this serv
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import time
@@ -34,7 +35,13 @@ from starlette.routing import Route
 
 from ..data.tokenizer import normalize_text
 from ..decoding.alignment import Word
-from ..decoding.hotwords import HotwordError, parse_hotword, split_hotwords
+from ..decoding.hotwords import (
+    MAX_HOTWORD_CHARS,
+    HotwordError,
+    hotword_tokens,
+    parse_hotword,
+    split_hotwords,
+)
 from ..decoding.settings import HOTWORD_METHODS
 from ..decoding.streaming import Result
 from ..decoding.subtitles import subtitles
@@ -66,6 +73,12 @@ OWNER = "konkanivani"
 # what a transcription ignored of its request (language, a prompt the model cannot take)
 NOTE_HEADER = "X-Konkanivani-Note"
 MAX_HOTWORDS = 1000  # a request's, with its prompt's words
+# ... and their tokens, as the model's tokenizer spells them (the nodes of their graph)
+MAX_HOTWORD_TOKENS = 10_000
+# The characters of a request's hotwords, keywords and prompt together, counted before they are
+# split (24 MB of them split on the event loop held /health 17.6 s): MAX_HOTWORDS lines of
+# MAX_HOTWORD_CHARS, a boost and a separator each.
+MAX_HOTWORDS_TEXT = MAX_HOTWORDS * (MAX_HOTWORD_CHARS + 10)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,29 +101,34 @@ class Ask:
     def hotword_lines(self, engine) -> tuple[tuple[str, ...], list[str]]:
         """The hotword lines the request asks ``engine`` (``serving.engine.Engine``) to decode
         with, and notes of what it ignored: the lines of ``hotwords`` and ``keywords`` (400 for
-        one that is no hotword, for more than ``MAX_HOTWORDS``, or for a model whose search takes
-        none), and each word of ``prompt`` at the default boost where the model's search takes
-        hotwords (else ignored, noted)."""
+        one that is no hotword, for more than ``MAX_HOTWORDS`` or ``MAX_HOTWORD_TOKENS``, or for a
+        model whose search takes none), and each word of ``prompt`` at the default boost where the
+        model's search takes hotwords (else ignored, noted)."""
         why_not = _no_hotwords(engine)
         notes = []
         lines = list(self.hotwords)
         if lines and why_not:
             raise Refused(400, "hotwords", f"hotwords: {why_not}", param="hotwords")
-        for line in lines:
-            try:
-                parse_hotword(line)
-            except HotwordError as e:
-                raise Refused(400, "hotwords", f"hotwords {line[:60]!r}: {e}",
-                              param="hotwords") from None
         if self.prompt and why_not:
             notes.append(f"prompt ignored: {why_not}")
         elif self.prompt:
             # a prompt's words are no hotword lines: normalized, no boost mark is left in them
             lines += normalize_text(self.prompt).split()
         lines = list(dict.fromkeys(lines))
-        if len(lines) > MAX_HOTWORDS:
+        if len(lines) > MAX_HOTWORDS:  # counted before any is parsed
             raise Refused(400, "hotwords", f"{len(lines)} hotwords (with the prompt's words): at "
                           f"most {MAX_HOTWORDS} a request", param="hotwords")
+        for line in lines:
+            try:
+                parse_hotword(line)
+            except HotwordError as e:
+                raise Refused(400, "hotwords", f"hotwords {line[:60]!r}: {e}",
+                              param="hotwords") from None
+        tokens = hotword_tokens(lines, engine.recognizer.tokenizer) if lines else 0
+        if tokens > MAX_HOTWORD_TOKENS:
+            raise Refused(400, "hotwords", f"the hotwords (with the prompt's words) spell "
+                          f"{tokens} tokens: at most {MAX_HOTWORD_TOKENS} a request",
+                          param="hotwords")
         return tuple(lines), notes
 
 
@@ -176,7 +194,8 @@ class _Dialect:
         server = self.server
         with server.upload_place(request):
             ask, data = await self._read(request)
-            hotwords, notes = ask.hotword_lines(server.engine)
+            # parsing and tokenizing up to MAX_HOTWORDS lines: on a thread, the event loop free
+            hotwords, notes = await asyncio.to_thread(ask.hotword_lines, server.engine)
             if ask.other_language:
                 notes.insert(0, f"language {ask.language[:20]!r} ignored: the model transcribes "
                              f"{LANGUAGE}")
@@ -196,7 +215,7 @@ class _Dialect:
         body = await read_body(request, limits)
         form = await read_form(request, body, limits, max_fields=_MAX_FIELDS)
         try:
-            ask = parse_fields(form)
+            ask = await asyncio.to_thread(parse_fields, form)
             upload = form.get("file")
             if upload is None or isinstance(upload, str):
                 raise Refused(400, "empty", "no audio: the form needs the file in its field "
@@ -228,6 +247,14 @@ def parse_fields(form: FormData) -> Ask:
         if any(not isinstance(v, str) for v in values):
             raise Refused(400, "params", f"'{name}' must be text fields, not files", param=name)
         return [v.strip() for v in values if v.strip()]
+
+    # counted before any is split or parsed
+    size = sum(len(v) for name in ("hotwords", "keywords", "prompt")
+               for v in (*form.getlist(name), *form.getlist(f"{name}[]")) if isinstance(v, str))
+    if size > MAX_HOTWORDS_TEXT:
+        raise Refused(400, "hotwords", f"hotwords, keywords and prompt hold {size} characters: at "
+                      f"most {MAX_HOTWORDS_TEXT} in a request ({MAX_HOTWORDS} hotwords of "
+                      f"{MAX_HOTWORD_CHARS})", param="hotwords")
 
     response_format = text("response_format") or "json"
     if response_format not in RESPONSE_FORMATS:

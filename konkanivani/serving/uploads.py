@@ -15,9 +15,12 @@ from starlette.requests import ClientDisconnect, Request
 
 from .limits import Limits
 
-__all__ = ["Refused", "read_body", "read_form", "upload_bytes"]
+__all__ = ["MAX_FIELD_BYTES", "Refused", "read_body", "read_form", "upload_bytes"]
 
 log = logging.getLogger("konkanivani")
+# A form's text field, in bytes: the largest a request needs is its hotwords (openai_api's
+# MAX_HOTWORDS of MAX_HOTWORD_CHARS, in UTF-8); a larger one is refused as the parser reaches it.
+MAX_FIELD_BYTES = 512 * 2 ** 10
 
 
 class Refused(Exception):
@@ -78,18 +81,23 @@ async def read_body(request: Request, limits: Limits) -> bytes:
 async def read_form(request: Request, body: bytes, limits: Limits, max_files: int = 1,
                     max_fields: int = 8) -> FormData:
     """The multipart form of a ``body`` read whole, its parts in memory; 400 when it is malformed
-    (or holds more than ``max_files`` files or ``max_fields`` fields). Close it when done."""
+    (or holds more than ``max_files`` files or ``max_fields`` fields, or a text field of more than
+    ``MAX_FIELD_BYTES``: Starlette's parser counts them as it reads). Close it when done."""
 
     async def once():
         yield body
 
-    parser = MultiPartParser(request.headers, once(), max_files=max_files, max_fields=max_fields)
+    parser = MultiPartParser(request.headers, once(), max_files=max_files, max_fields=max_fields,
+                             max_part_size=MAX_FIELD_BYTES)
     # parts stay in memory: nothing an upload holds goes to disk
     parser.spool_max_size = limits.max_upload_bytes + 1
     try:
         return await parser.parse()
     except MultiPartException as e:
-        raise Refused(400, "form", f"the multipart form is malformed ({e.message})") from e
+        # the parser's limits ("Too many fields ...") are said as they are; its other errors are
+        # of a form that is malformed
+        what = "over this server's limits" if "max" in e.message.lower() else "malformed"
+        raise Refused(400, "form", f"the multipart form is {what} ({e.message})") from e
 
 
 async def _body(request: Request, limits: Limits) -> AsyncIterator[bytes]:
