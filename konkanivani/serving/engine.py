@@ -11,9 +11,11 @@ event loop stays free to answer ``/health`` and to read the next frames while a 
 
 A streaming checkpoint (trained with ``--causal_conv``) decodes an upload as
 ``konkanivani-transcribe --chunk_size`` does a file: through a stream, in segments that end at
-pauses, with word times. Any other checkpoint decodes it as that tool does a long file: in windows
-of at most 20 s cut at quiet moments (``quiet_windows``), each decoded whole with ``method``; it
-cannot stream (``/stream`` says so).
+pauses, with word times. Any other checkpoint decodes it as that tool does a file
+(``Recognizer.waveform_results``): up to 30 s whole, longer in windows of at most 20 s cut at quiet
+moments (``quiet_windows``), each decoded whole with ``method``, with the same words, times and
+probabilities as ``konkanivani-transcribe --format json`` gives; it cannot stream (``/stream`` says
+so).
 
 An export folder (``decoding.exported.ExportedRecognizer``, onnxruntime) decodes uploads in those
 windows through ``model.onnx`` with ``greedy`` or ``beam`` (no attention decoder: nothing rescored),
@@ -248,7 +250,9 @@ class Engine:
         d = self.decoding
         if hotwords:
             d = dataclasses.replace(d, hotwords=(*d.hotwords, *hotwords))
-        if self.streaming and not self.exported:
+        if not self.exported:
+            if not self.streaming:  # as konkanivani-transcribe gives it, words and all
+                return self.recognizer.waveform_results(wav, d)
             stream = self.recognizer.stream(d)
             return [r for r in stream.accept(wav) + stream.finish() if r.is_final]
         results = []
