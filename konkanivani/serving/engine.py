@@ -19,6 +19,7 @@ so).
 
 An export folder (``decoding.exported.ExportedRecognizer``, onnxruntime) decodes uploads in those
 windows through ``model.onnx`` with ``greedy`` or ``beam`` (no attention decoder: nothing rescored),
+their words aligned to the graph's CTC output as a checkpoint's are to its own,
 and streams through ``encoder_chunk.onnx`` when it has it, in the chunks it was exported for.
 
 Batched streams (``batch_streams``, a checkpoint's): the chunk forwards of concurrent streams run
@@ -259,10 +260,10 @@ class Engine:
         for first, window in quiet_windows([wav]):
             if len(window) < MIN_SAMPLES:  # a last sliver of a window: too short to decode alone
                 continue
-            [text] = self.recognizer.decode_waveforms([window], d)
-            if text:
-                results.append(Result(text, True, round(first / SAMPLE_RATE, 3),
-                                      round((first + len(window)) / SAMPLE_RATE, 3)))
+            [r] = self.recognizer.decode_results([window], d, offset=first / SAMPLE_RATE)
+            if r.text:
+                results.append(Result(r.text, True, round(first / SAMPLE_RATE, 3),
+                                      round((first + len(window)) / SAMPLE_RATE, 3), r.words))
         return results or [Result("", True, 0.0, round(len(wav) / SAMPLE_RATE, 3))]
 
 
