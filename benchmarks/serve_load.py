@@ -26,7 +26,13 @@ hotword is split).
 
 ``--modes batched,per_stream`` runs the same load twice, side by side: a server that encodes the
 chunks of concurrent streams in one batched forward (the default) and one started with
-``--no_batch_streams`` (one forward a chunk). ``--csv`` writes the rows.
+``--no_batch_streams`` (one forward a chunk). ``--upload_seconds S`` runs each load twice more
+alike: alone, then while one upload of ``S`` seconds (``POST /transcribe``) decodes on the server's
+upload lane, its row giving the streams' partial p95 over their p95 alone and whether the upload was
+still decoding when the streams ended (else the row measured less than it says). ``--csv`` writes
+the rows.
+
+    python benchmarks/serve_load.py --streams 4 --seconds 20 --upload_seconds 600
 
     python benchmarks/serve_load.py --checkpoint checkpoints/streaming/best.pt --streams 1,4,16,64
     --seconds 20 --modes batched,per_stream --csv benchmarks/results/serve_load/serve_load.csv
@@ -36,6 +42,7 @@ Bounded: ``--seconds`` of audio a stream, and ``--timeout`` for any stream to fi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import json
@@ -96,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         help="batched (the default server), per_stream (--no_batch_streams), or both,"
         " comma-separated: the same load on each, side by side (default: %(default)s)",
     )
+    parser.add_argument(
+        "--upload_seconds", type=float, default=0.0,
+        help="also run each load while an upload of this many seconds decodes (default: off)",
+    )
     parser.add_argument("--csv", type=Path, help="write the rows here too")
     parser.add_argument("--field_mb", type=float, default=0.0,
                         help="/health while forms of this many MB of hotwords arrive (0: not run)")
@@ -106,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     if not set(modes) <= set(MODES):
         parser.error(f"--modes takes {', '.join(MODES)}, got {args.modes}")
     audio = _audio(args.corpus, args.seconds)
+    upload = _wav_bytes(_audio(args.corpus, args.upload_seconds)) if args.upload_seconds else None
+    upload_flags = ["--max_upload_seconds", str(args.upload_seconds + 1), "--max_upload_mb",
+                    str(len(upload or b"") / 2 ** 20 + 1)] if upload else []
     rows, metrics, fields = [], {}, []
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = args.checkpoint or _untrained(Path(tmp) / "untrained.pt", args.preset, audio)
@@ -121,16 +135,31 @@ def main(argv: list[str] | None = None) -> int:
                     "--max_client_streams",
                     str(max(counts)),
                     *MODES[mode],
+                    *upload_flags,
                     *args.server_flags.split(),
                 ],
             )
             try:
                 for n in counts:
-                    before = _counters(server["http"])
-                    row = _load(server["ws"], audio, n, args.chunk_size, args.timeout)
-                    busy, audio_s = (a - b for a, b in zip(_counters(server["http"]), before))
-                    row["cpu_rtf"] = round(busy / audio_s, 4) if audio_s else "-"
-                    rows.append({"mode": mode, **row})
+                    alone = None
+                    for body in (None, upload) if upload else (None,):
+                        with _uploading(server["http"], body, args.timeout) as upload_state:
+                            before = _counters(server["http"])
+                            row = _load(server["ws"], audio, n, args.chunk_size, args.timeout)
+                            busy, audio_s = (a - b for a, b in
+                                             zip(_counters(server["http"]), before))
+                        # an upload that ended before the streams did: not beside all of them
+                        row["upload"] = "-" if body is None else (
+                            f"{args.upload_seconds:g} s"
+                            + ("" if upload_state["busy"] else " (ended first)"))
+                        row["cpu_rtf"] = round(busy / audio_s, 4) if audio_s else "-"
+                        if body is None:
+                            alone, row["p95_vs_alone"] = row, "-"
+                        elif isinstance(row["p95_ms"], int) and alone["p95_ms"] not in ("-", 0):
+                            row["p95_vs_alone"] = round(row["p95_ms"] / alone["p95_ms"], 2)
+                        else:
+                            row["p95_vs_alone"] = "-"
+                        rows.append({"mode": mode, **row})
                 metrics[mode] = _metrics(server["http"])
                 if args.field_mb:
                     fields.append({"mode": mode, **_field_load(server["http"], args.field_mb,
@@ -147,10 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     titles = {
         "mode": "server",
         "streams": "streams",
+        "upload": "upload beside",
         "partials": "partials",
         "p50_ms": "partial latency p50 ms",
         "p95_ms": "p95 ms",
         "max_ms": "max ms",
+        "p95_vs_alone": "p95 / alone",
         "rtf": "real-time factor",
         "cpu_rtf": "decode-thread RTF",
         "end_lag_ms": "end to done ms (max)",
@@ -193,6 +224,49 @@ def _audio(corpus: Path, seconds: float) -> np.ndarray:
         )
     wav = np.concatenate(pieces)[:target]
     return (np.clip(wav, -1, 1) * 32767).astype("<i2")
+
+
+def _wav_bytes(audio: np.ndarray) -> bytes:
+    import io
+
+    import soundfile as sf
+
+    buffer = io.BytesIO()
+    sf.write(buffer, audio, SAMPLE_RATE, format="WAV", subtype="PCM_16")
+    return buffer.getvalue()
+
+
+@contextlib.contextmanager
+def _uploading(http_url: str, body: bytes | None, timeout: float):
+    """While the block runs, one upload of ``body`` decoding (none for None), posted a second
+    before it so that its bytes are in and its decoding begun; the dict given says whether it was
+    still going when the block ended (``busy``) and how it ended."""
+    import urllib.request
+
+    state: dict = {}
+    if body is None:
+        yield state
+        return
+
+    def post():
+        request = urllib.request.Request(http_url + "transcribe", data=body,
+                                         headers={"Content-Type": "audio/wav"})
+        try:
+            with urllib.request.urlopen(request, timeout=len(body) / 32000 + timeout) as answer:
+                state["status"] = answer.status
+        except Exception as e:  # noqa: BLE001  reported with the row
+            state["status"] = f"{type(e).__name__}: {e}"
+        state["ended"] = time.perf_counter()
+
+    thread = threading.Thread(target=post, daemon=True)
+    thread.start()
+    time.sleep(1.0)
+    try:
+        yield state
+    finally:
+        state["busy"] = "ended" not in state
+        thread.join(len(body) / 32000 + timeout)
+        print(f"upload: {state.get('status')}", file=sys.stderr, flush=True)
 
 
 def _untrained(path: Path, preset: str, audio: np.ndarray) -> Path:

@@ -270,3 +270,119 @@ def test_a_streams_results_go_out_once_its_own_chunks_are_done(recognizer):
     at_short = delivered[0][0]
     assert at_short[id(short)] >= 1 and at_short[id(long)] < encoded[id(long)]
     assert delivered[1][0] == encoded  # the long one when all was done
+
+
+# Lanes: a stream never waits behind an upload; a batcher that fails fails its calls with why.
+
+
+@pytest.mark.parametrize("batch_streams", [True, False])
+def test_a_stream_gets_its_results_while_an_upload_holds_the_upload_lane(recognizer,
+                                                                          batch_streams):
+    """An upload in flight (its lane held on an event, as a 600-second upload holds it: no timing)
+    holds back no live stream: every chunk of the stream gives its partial results, the results it
+    gives alone, while the upload still waits; the upload then decodes on its own lane, with half
+    of PyTorch's threads."""
+    import asyncio
+    import threading
+
+    from tone_speech import SENTENCES, speech
+
+    from konkanivani.decoding.settings import DecodingConfig
+    from konkanivani.serving.engine import Engine, lane_threads
+
+    engine = Engine(recognizer, DecodingConfig(method="beam", chunk_size=4, beam_size=4),
+                    batch_streams=batch_streams)
+    total = torch.get_num_threads()
+    gate, started, seen = threading.Event(), threading.Event(), {}
+    wav = torch.cat([speech(SENTENCES[0], seed=3), torch.zeros(16000),
+                     speech(SENTENCES[1], seed=4)])
+    pieces = list(wav.split(1600))
+
+    def long_upload(upload):
+        seen.update(thread=threading.current_thread().name, threads=torch.get_num_threads())
+        started.set()
+        if not gate.wait(60):
+            raise TimeoutError("the test never let the upload go")
+        return engine.transcribe(upload)
+
+    async def scenario():
+        upload = asyncio.ensure_future(engine.run(long_upload, wav))
+        assert await asyncio.to_thread(started.wait, 30)
+        stream, results = engine.open_stream(), []
+        try:
+            for piece in pieces:
+                results += await asyncio.wait_for(engine.stream_accept(stream, piece), 30)
+            results += await asyncio.wait_for(engine.stream_finish(stream), 30)
+            assert not upload.done()  # every result came while the upload held its lane
+        finally:
+            gate.set()
+        return results, await asyncio.wait_for(upload, 60)
+
+    try:
+        streamed, uploaded = asyncio.run(scenario())
+    finally:
+        engine.close()
+    assert streamed == list(recognizer.stream_results(pieces, engine.decoding))
+    assert sum(not r.is_final for r in streamed) >= 5 and any(r.is_final for r in streamed)
+    assert uploaded == [r for r in streamed if r.is_final]
+    assert seen == {"thread": seen["thread"], "threads": lane_threads(total)[1]}
+    assert seen["thread"].startswith("konkanivani-upload")
+    assert lane_threads(1) == (1, 1) and lane_threads(2) == (1, 1) and lane_threads(8) == (4, 4)
+
+
+def test_a_batcher_that_fails_fails_its_calls_with_the_reason_and_starts_again(recognizer,
+                                                                                caplog):
+    """A fault in the loop of ticks itself (outside any stream's decoding) fails every call it
+    holds with the reason, within a bound, and is logged; the next call is decoded by a new loop.
+    Closed with a call waiting, that call fails saying so."""
+    import asyncio
+    import threading
+
+    from tone_speech import SENTENCES, speech
+
+    from konkanivani.decoding.settings import DecodingConfig
+    from konkanivani.serving.engine import BatcherStopped, Engine
+
+    decoding = DecodingConfig(method="beam", chunk_size=4, beam_size=4)
+    engine = Engine(recognizer, decoding)
+    batcher, piece = engine.batcher, speech(SENTENCES[2], seed=5)[:8000]
+    take = batcher._take
+
+    def broken():
+        batcher._take = take  # once
+        raise RuntimeError("the tick's bookkeeping broke")
+
+    batcher._take = broken
+    gate = threading.Event()
+
+    async def scenario():
+        calls = [engine.stream_accept(engine.open_stream(), piece) for _ in range(2)]
+        failed = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 30)
+        after = await asyncio.wait_for(engine.stream_accept(engine.open_stream(), piece), 30)
+        # the stream lane held, a call waits in the batcher when the engine closes
+        held = asyncio.ensure_future(engine._on_streams(gate.wait, 30))
+        waiting = asyncio.ensure_future(engine.stream_accept(engine.open_stream(), piece))
+        for _ in range(100):  # until its tick has taken it (and waits on the lane)
+            if not batcher.pending:
+                break
+            await asyncio.sleep(0)
+        engine.close()
+        try:
+            closing = await asyncio.wait_for(asyncio.gather(waiting, return_exceptions=True), 30)
+        finally:
+            gate.set()
+        held.cancel()
+        return failed, after, closing
+
+    try:
+        failed, after, closing = asyncio.run(scenario())
+    finally:
+        gate.set()
+        engine.close()
+    assert all(isinstance(e, BatcherStopped) for e in failed), failed
+    assert {str(e) for e in failed} == {
+        "stream decoding stopped: RuntimeError: the tick's bookkeeping broke"}
+    assert "the stream batcher failed" in caplog.text
+    assert after == recognizer.stream(decoding).accept(piece)
+    [closed] = closing
+    assert isinstance(closed, BatcherStopped) and "closing" in str(closed)

@@ -306,3 +306,67 @@ def test_a_search_without_hotwords_ignores_the_prompt_and_refuses_hotwords(check
         name = f"{checkpoint.parent.name}/{checkpoint.name}"
         assert [m.id for m in client.models.list()] == [name]
         assert client.models.retrieve(name).id == name  # a slash in it: the id is a path
+
+
+@pytest.fixture(scope="module")
+def full_checkpoint(tmp_path_factory):
+    """A tiny full-context (not streaming) model of the tone sentences."""
+    return tone_checkpoint(tmp_path_factory.mktemp("openai_full") / "full.pt", False)
+
+
+def _tool_rows(checkpoint, path, method, capsys):
+    """What ``konkanivani-transcribe --format json`` prints for ``path``: its JSON rows."""
+    from konkanivani.cli.transcribe import main
+
+    capsys.readouterr()
+    assert main([str(checkpoint), str(path), "--format", "json", "--method", method]) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+def _rows_of(results):
+    """Results with text as the tool's rows have them: text and words (a whole file's row has no
+    start and end; a segment's is its window's, compared apart)."""
+    return [(r.text, [{"word": w.text, "start": w.start, "end": w.end,
+                       "probability": w.probability} for w in r.words])
+            for r in results if r.text]
+
+
+@pytest.mark.slow
+def test_a_full_context_checkpoint_s_words_are_those_konkanivani_transcribe_gives(
+        full_checkpoint, clip, tmp_path, capsys):
+    """Served with a full-context checkpoint, verbose_json's words (through OpenAI's client) are
+    the tool's word for word: text, start, end and probability. The engine gives them for every
+    method, of a file the tool decodes whole and of one over 30 s it decodes in windows."""
+    from konkanivani.decoding.settings import DecodingConfig
+    from konkanivani.serving.engine import Engine
+
+    [row] = _tool_rows(full_checkpoint, clip, "rescore", capsys)
+    assert row["text"] and row["words"] and all(w["probability"] > 0 for w in row["words"])
+    with served(full_checkpoint, "--method", "rescore") as server:
+        client = openai.OpenAI(base_url=server.url + "v1", api_key="none", max_retries=0,
+                               timeout=60)
+        answer = _transcribe(client, clip, response_format="verbose_json",
+                             timestamp_granularities=["word", "segment"])
+    assert answer.text == row["text"]
+    assert [{"word": w.word, "start": w.start, "end": w.end,
+             "probability": w.model_extra["probability"]} for w in answer.words] == row["words"]
+    assert [(s.start, s.end) for s in answer.segments] == [(0.0, row["duration"])]
+
+    # over the tool's 30 s, the clip again and again 3 s apart: in windows cut at its pauses
+    piece = np.concatenate([load_audio(clip).numpy(), np.zeros(3 * 16000, np.float32)])
+    long = tmp_path / "long.wav"
+    sf.write(long, np.tile(piece, math.ceil(31 * 16000 / len(piece))), 16000, subtype="PCM_16")
+    rec = Recognizer.from_checkpoint(full_checkpoint)
+    for method in ("greedy", "beam", "attention", "joint", "rescore"):
+        engine = Engine(rec, DecodingConfig(method=method))
+        try:
+            for path in (clip, long):
+                rows = [r for r in _tool_rows(full_checkpoint, path, method, capsys) if r["text"]]
+                results = engine.transcribe(load_audio(path))
+                assert _rows_of(results) == [(r["text"], r["words"]) for r in rows], (method, path)
+                if path == long:
+                    assert len(rows) >= 2
+                    assert [(r.start, r.end) for r in results if r.text] == [
+                        (r["start"], r["end"]) for r in rows]
+        finally:
+            engine.close()

@@ -643,11 +643,16 @@ def test_an_export_without_the_chunk_graph_transcribes_and_refuses_to_stream(
 ):
     rec = Recognizer.from_checkpoint(checkpoints["full"])
     offline = _finals(rec.transcribe_long(clip, method="greedy"))
-    assert offline[0]["text"]
+    words = [(w.text, w.start, w.end) for r in rec.transcribe_long(clip, method="greedy")
+             for w in r.words]
+    assert offline[0]["text"] and words
     with served(exports["full"], "--method", "greedy") as server:
         status, result = http_json("POST", server.url + "transcribe", clip.read_bytes())
         assert status == 200 and result["streaming"] is False and result["model_format"] == "onnx"
         assert [{k: s[k] for k in ("text", "start", "end")} for s in result["segments"]] == offline
+        # the words aligned to model.onnx's CTC output: the checkpoint's times
+        assert [(w["word"], w["start"], w["end"]) for s in result["segments"]
+                for w in s["words"]] == words
         status, _, answer = ws_refusal(server.ws_url + "stream")
         assert (
             status == 409

@@ -27,6 +27,7 @@ import torch
 
 from ..data.features import LogMel
 from ..data.frames import SAMPLE_RATE
+from .alignment import align_words
 from .model_export import (
     FILES,
     STREAMING_FILES,
@@ -38,7 +39,7 @@ from .model_export import (
 )
 from .search import ctc_greedy, ctc_prefix_beam_search
 from .settings import EXPORTED_METHODS, DecodingConfig
-from .streaming import Stream, check_sample_rate
+from .streaming import Result, Stream, check_sample_rate
 
 __all__ = ["EXPORTED_METHODS", "ExportedRecognizer", "GraphChunks", "Pieces"]
 
@@ -191,11 +192,18 @@ class ExportedRecognizer:
             d = dataclasses.replace(d, chunk_size=own[0], left_chunks=own[1])
         return d.resolved(streams, exported=True)
 
-    @torch.inference_mode()
     def decode_waveforms(self, wavs: Sequence[torch.Tensor], decoding: DecodingConfig | None = None,
                          **overrides) -> list[str]:
         """Texts of 16 kHz mono waveforms, as one batch through ``model.onnx``: ``greedy`` or
         ``beam``."""
+        return [r.text for r in self.decode_results(wavs, decoding, **overrides)]
+
+    @torch.inference_mode()
+    def decode_results(self, wavs: Sequence[torch.Tensor], decoding: DecodingConfig | None = None,
+                       offset: float = 0.0, **overrides) -> list[Result]:
+        """``decode_waveforms`` with the words, as ``Recognizer.decode_results`` gives them: a
+        final ``Result`` per waveform, its words aligned to the graph's CTC log-probabilities
+        (``alignment.align_words``) and timed from ``offset`` seconds."""
         d = self.settings(decoding, **overrides)
         feats = [self.log_mel(w) for w in wavs]
         lens = torch.tensor([len(f) for f in feats], dtype=torch.int64)
@@ -207,7 +215,15 @@ class ExportedRecognizer:
         else:
             ids = [ctc_prefix_beam_search(log_probs[b], int(n), d.beam_size)[0].tokens
                    for b, n in enumerate(log_prob_lens.tolist())]
-        return [self.tokenizer.decode(h) for h in ids]
+        results = []
+        for b, (tokens, wav) in enumerate(zip(ids, wavs)):
+            seconds = len(wav) / SAMPLE_RATE
+            words = align_words(self.tokenizer, tokens, log_probs[b, :int(log_prob_lens[b])],
+                                offset, seconds)
+            start, end = (words[0].start, words[-1].end) if words else (offset, offset + seconds)
+            results.append(Result(self.tokenizer.decode(tokens), True, round(start, 3),
+                                  round(end, 3), words))
+        return results
 
     def stream(self, decoding: DecodingConfig | None = None, *, sample_rate: int = SAMPLE_RATE,
                **overrides) -> Stream:

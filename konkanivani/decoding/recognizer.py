@@ -267,22 +267,41 @@ class Recognizer:
             return
         self.fusion(d)
         given = False
-        for first, wav in quiet_windows(blocks()):
-            if _too_short(path, len(wav)):
-                continue
-            [result] = self._decode_waveforms([wav], d, first / SAMPLE_RATE)
-            if result.text:
-                given = True
-                yield Result(
-                    result.text,
-                    True,
-                    round(first / SAMPLE_RATE, 3),
-                    round((first + len(wav)) / SAMPLE_RATE, 3),
-                    result.words,
-                )
+        for result in self._window_results(quiet_windows(blocks()), d, path):
+            given = True
+            yield result
         _check_length(path, seen)
         if not given:
             yield Result("", True, 0.0, round(seen / SAMPLE_RATE, 3))
+
+    def waveform_results(self, wav: torch.Tensor, decoding: DecodingConfig | None = None,
+                         **overrides) -> list[Result]:
+        """The final results of one 16 kHz waveform, as ``konkanivani-transcribe`` gives a file of
+        it, so that a server answers with the same words, times and probabilities as the tool:
+        up to ``LONG_INPUT_SECONDS`` decoded whole (``transcribe``'s ``Transcript``, one result from
+        0 to its end), longer in windows cut at quiet moments (``transcribe_long``'s). The empty
+        result only when none has text."""
+        d = self.settings(decoding, **overrides)
+        seconds = round(len(wav) / SAMPLE_RATE, 3)
+        if len(wav) <= LONG_INPUT_SECONDS * SAMPLE_RATE:
+            [result] = self._decode_waveforms([wav], d)
+            results = [Result(result.text, True, 0.0, seconds, result.words)] if result.text else []
+        else:
+            results = list(self._window_results(quiet_windows([wav]), d, "the waveform"))
+        return results or [Result("", True, 0.0, seconds)]
+
+    def _window_results(self, windows: Iterable[tuple[int, torch.Tensor]], d: DecodingConfig,
+                        label: str | Path) -> Iterator[Result]:
+        """The final result of each window with text (``quiet_windows``' ``(first sample,
+        waveform)``), decoded whole: its start and end the window's, its words timed from the start
+        of the recording; a last sliver too short for the model is left out."""
+        for first, wav in windows:
+            if _too_short(label, len(wav)):
+                continue
+            [result] = self._decode_waveforms([wav], d, first / SAMPLE_RATE)
+            if result.text:
+                yield Result(result.text, True, round(first / SAMPLE_RATE, 3),
+                             round((first + len(wav)) / SAMPLE_RATE, 3), result.words)
 
     def transcribe(self, paths: Iterable[str | Path], decoding: DecodingConfig | None = None,
                    **overrides) -> Iterator[Transcript]:

@@ -1,17 +1,25 @@
 """The recognizer a server holds, loaded once and only read, and how the server decodes with it.
 
-Decoding is CPU-bound, so none of it runs on the event loop: ``Engine.run`` hands a call to a pool
-of ``workers`` decode threads (one by default: PyTorch's own threads already use every core), and
-the loop stays free to answer ``/health`` and to read the next frames while a chunk decodes.
+Decoding is CPU-bound, so none of it runs on the event loop, and it runs in two lanes, so that a
+live stream never waits behind an upload: streams' calls (``Engine.stream_accept``,
+``stream_finish``) go to the stream lane, uploads' (``Engine.run``) to the upload lane, each a pool
+of ``workers`` decode threads (one by default). A 600-second upload takes its lane for seconds;
+a stream's chunk takes tens of milliseconds, and would wait that long behind it in one queue. The
+two lanes share PyTorch's intra-op threads between them (``lane_threads``: uploads half, streams the
+rest, as many in all as PyTorch had), so that both lanes busy do not ask for twice the cores. The
+event loop stays free to answer ``/health`` and to read the next frames while a chunk decodes.
 
 A streaming checkpoint (trained with ``--causal_conv``) decodes an upload as
 ``konkanivani-transcribe --chunk_size`` does a file: through a stream, in segments that end at
-pauses, with word times. Any other checkpoint decodes it as that tool does a long file: in windows
-of at most 20 s cut at quiet moments (``quiet_windows``), each decoded whole with ``method``; it
-cannot stream (``/stream`` says so).
+pauses, with word times. Any other checkpoint decodes it as that tool does a file
+(``Recognizer.waveform_results``): up to 30 s whole, longer in windows of at most 20 s cut at quiet
+moments (``quiet_windows``), each decoded whole with ``method``, with the same words, times and
+probabilities as ``konkanivani-transcribe --format json`` gives; it cannot stream (``/stream`` says
+so).
 
 An export folder (``decoding.exported.ExportedRecognizer``, onnxruntime) decodes uploads in those
 windows through ``model.onnx`` with ``greedy`` or ``beam`` (no attention decoder: nothing rescored),
+their words aligned to the graph's CTC output as a checkpoint's are to its own,
 and streams through ``encoder_chunk.onnx`` when it has it, in the chunks it was exported for.
 
 Batched streams (``batch_streams``, a checkpoint's): the chunk forwards of concurrent streams run
@@ -22,13 +30,16 @@ features, and encodes the windows that are ready in one batched forward
 (``ModelChunks.encode_together``: the streams at their own offsets, their caches padded), again
 while any stream has one more; each stream's CTC prefix beam and endpointing go on alone with its
 own chunk (``Stream.chunk_encoded``), so a stream gives what it gives alone. The export's chunk
-graph takes one stream: it streams per stream.
+graph takes one stream: it streams per stream. A batcher whose loop fails (a bug outside a call's
+own decoding) fails every call it holds with the reason, logged once, and the next call starts it
+again: no client waits on a loop that is gone.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import io
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -52,9 +63,11 @@ from ..decoding.streaming import (
     quiet_windows,
 )
 
-__all__ = ["Engine", "StreamBatcher", "UploadTooLong"]
+__all__ = ["BatcherStopped", "Engine", "StreamBatcher", "UploadTooLong", "lane_threads"]
 
+log = logging.getLogger("konkanivani")
 T = TypeVar("T")
+_STOPPED = "stream decoding stopped: "  # how a BatcherStopped's message starts
 UPLOAD = "the upload"  # how messages name an uploaded file: never by a name the client chose
 # The samples a second of an upload may hold, its channels together (48 kHz stereo), over its
 # seconds: a file of more is refused by its header. 590 s of 8 channels at 192 kHz is a 938 KB
@@ -64,8 +77,31 @@ MAX_SOURCE_RATE = 2 * 48_000
 BLOCK_SAMPLES = 2 ** 18
 
 
+class BatcherStopped(RuntimeError):
+    """A stream's call that its ``StreamBatcher`` could not run: it was closed, or its loop failed
+    (the message says which, and why)."""
+
+
 class UploadTooLong(ValueError):
     """An upload holds more audio than the server takes (``Limits.max_upload_seconds``)."""
+
+
+def lane_threads(total: int) -> tuple[int, int]:
+    """The intra-op threads of a stream lane's and an upload lane's decode thread, of ``total``
+    (PyTorch's own count): uploads half, streams the rest, each at least one. A stream's chunk is
+    small and gains little from more threads; an upload alone is slower on half of them, which is
+    the price of streams that keep their pace beside it."""
+    uploads = max(1, total // 2)
+    return max(1, total - uploads), uploads
+
+
+def _use_threads(n: int) -> None:
+    """A lane thread's initializer: this thread's PyTorch ops use ``n`` threads. PyTorch sets a new
+    thread's count from the process's at its first op, so that is done first and then changed,
+    for this thread alone (OpenMP's count is a thread's own; the process's default, which threads
+    started later take, becomes ``n`` too)."""
+    torch.get_num_threads()
+    torch.set_num_threads(n)
 
 
 class Engine:
@@ -96,11 +132,18 @@ class Engine:
             self.open_stream()
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="konkanivani-decode")
+        stream_threads, upload_threads = lane_threads(torch.get_num_threads())
+        # the two lanes (see the module): a stream's chunk never queues behind an upload
+        self.stream_lane = ThreadPoolExecutor(workers, thread_name_prefix="konkanivani-stream",
+                                              initializer=_use_threads,
+                                              initargs=(stream_threads,))
+        self.upload_lane = ThreadPoolExecutor(workers, thread_name_prefix="konkanivani-upload",
+                                              initializer=_use_threads,
+                                              initargs=(upload_threads,))
         # the seconds the decode threads spent working (the /metrics counter of that name)
         self.busy_seconds, self._busy_lock = 0.0, threading.Lock()
         batched = batch_streams and self.streaming and not self.exported
-        self.batcher = StreamBatcher(self._on_pool) if batched else None
+        self.batcher = StreamBatcher(self._on_streams) if batched else None
 
     @property
     def description(self) -> dict:
@@ -129,24 +172,27 @@ class Engine:
         return "trained without --causal_conv"
 
     async def run(self, fn: Callable[..., T], *args) -> T:
-        """``fn(*args)`` on a decode thread."""
-        return await self._on_pool(fn, *args)
+        """``fn(*args)`` on the upload lane: an upload's reading and decoding."""
+        return await self._on(self.upload_lane, fn, *args)
 
     async def stream_accept(self, stream: Stream, samples) -> list[Result]:
         """``stream.accept(samples)``: in the batcher's next tick, its chunks encoded with the other
         streams', when the engine batches streams; else on a decode thread."""
         if self.batcher is not None:
             return await self.batcher.submit(stream, samples)
-        return await self._on_pool(stream.accept, samples)
+        return await self._on_streams(stream.accept, samples)
 
     async def stream_finish(self, stream: Stream) -> list[Result]:
         """``stream.finish()``, as ``stream_accept``."""
         if self.batcher is not None:
             return await self.batcher.submit(stream, None)
-        return await self._on_pool(stream.finish)
+        return await self._on_streams(stream.finish)
 
-    async def _on_pool(self, fn: Callable[..., T], *args) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, self._timed, fn, *args)
+    async def _on_streams(self, fn: Callable[..., T], *args) -> T:
+        return await self._on(self.stream_lane, fn, *args)
+
+    async def _on(self, lane: ThreadPoolExecutor, fn: Callable[..., T], *args) -> T:
+        return await asyncio.get_running_loop().run_in_executor(lane, self._timed, fn, *args)
 
     def _timed(self, fn: Callable[..., T], *args) -> T:
         """``fn(*args)`` on a decode thread, its time added to ``busy_seconds``."""
@@ -160,7 +206,8 @@ class Engine:
     def close(self) -> None:
         if self.batcher is not None:
             self.batcher.close()
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        for lane in (self.stream_lane, self.upload_lane):
+            lane.shutdown(wait=False, cancel_futures=True)
 
     def open_stream(self, sample_rate: int = SAMPLE_RATE) -> Stream:
         """A client's stream, fed through ``stream_accept`` and ``stream_finish``."""
@@ -223,17 +270,19 @@ class Engine:
         d = self.decoding
         if hotwords:
             d = dataclasses.replace(d, hotwords=(*d.hotwords, *hotwords))
-        if self.streaming and not self.exported:
+        if not self.exported:
+            if not self.streaming:  # as konkanivani-transcribe gives it, words and all
+                return self.recognizer.waveform_results(wav, d)
             stream = self.recognizer.stream(d)
             return [r for r in stream.accept(wav) + stream.finish() if r.is_final]
         results = []
         for first, window in quiet_windows([wav]):
             if len(window) < MIN_SAMPLES:  # a last sliver of a window: too short to decode alone
                 continue
-            [text] = self.recognizer.decode_waveforms([window], d)
-            if text:
-                results.append(Result(text, True, round(first / SAMPLE_RATE, 3),
-                                      round((first + len(window)) / SAMPLE_RATE, 3)))
+            [r] = self.recognizer.decode_results([window], d, offset=first / SAMPLE_RATE)
+            if r.text:
+                results.append(Result(r.text, True, round(first / SAMPLE_RATE, 3),
+                                      round((first + len(window)) / SAMPLE_RATE, 3), r.words))
         return results or [Result("", True, 0.0, round(len(wav) / SAMPLE_RATE, 3))]
 
 
@@ -259,9 +308,11 @@ class _Call:
 
 class StreamBatcher:
     """Runs the calls of concurrent streams in ticks, their chunk forwards batched (see the module).
-    ``run`` runs a function on a decode thread (the engine's pool). Each tick takes the calls
+    ``run`` runs a function on a decode thread (the engine's stream lane). Each tick takes the calls
     pending when the decode thread is free, one a stream (a stream's next call waits for the next
     tick); a stream whose call fails fails alone (its exception is its call's), the others go on.
+    Should the loop of ticks itself fail, or be closed, every call it holds fails with the reason
+    (``BatcherStopped``) instead of waiting on a loop that is gone; the next call starts a new one.
     ``forwards`` and ``chunks`` count the encoder forwards run and the chunks they encoded."""
 
     def __init__(self, run: Callable[..., Awaitable]):
@@ -286,37 +337,66 @@ class StreamBatcher:
 
     def close(self) -> None:
         if self._task is not None and not self._task.done() and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._task.cancel)
+            self._loop.call_soon_threadsafe(self._stop, self._task)
+
+    def _stop(self, task: asyncio.Task) -> None:
+        """Cancel the loop of ticks; the calls it has not taken yet fail here (a loop cancelled
+        before it ever ran fails none), those of its tick where it ends."""
+        task.cancel()
+        self._fail(BatcherStopped(_STOPPED + "the server is closing"))
+
+    def _fail(self, stopped: BatcherStopped, calls: tuple[_Call, ...] = ()) -> None:
+        for call in (*calls, *self.pending):
+            _settle(call.future, stopped)
+        self.pending = []
 
     async def _ticks(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            # the frames the event loop has read already join this tick
-            await asyncio.sleep(0)
-            calls, later, streams = [], [], set()
-            # a call whose client went away (its future cancelled) is dropped
-            for call in (c for c in self.pending if not c.future.done()):
-                (later if id(call.stream) in streams else calls).append(call)
-                streams.add(id(call.stream))
-            self.pending = later
-            if later:
-                self._wake.set()
-            if not calls:
-                continue
-            loop = asyncio.get_running_loop()
+        calls: list[_Call] = []
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                # the frames the event loop has read already join this tick
+                await asyncio.sleep(0)
+                calls = self._take()
+                if calls:
+                    await self._run_tick(calls)
+                calls = []
+        except BaseException as e:  # noqa: BLE001  closed (cancelled), or a fault of the loop's own
+            closed = isinstance(e, asyncio.CancelledError)
+            self._fail(BatcherStopped(_STOPPED + ("the server is closing" if closed
+                                                  else f"{type(e).__name__}: {e}")), tuple(calls))
+            if closed:
+                raise
+            log.error("the stream batcher failed; its calls were failed with the reason",
+                      exc_info=e)
 
-            def deliver(i: int, outcome, calls=calls) -> None:
-                # on the decode thread: the call's results go out now, not at the tick's end
-                loop.call_soon_threadsafe(_settle, calls[i].future, outcome)
+    def _take(self) -> list[_Call]:
+        """The calls of the next tick: each stream's first pending call whose client still waits
+        (a call whose client went away, its future cancelled, is dropped); the others stay pending,
+        for the tick after."""
+        calls, later, streams = [], [], set()
+        for call in (c for c in self.pending if not c.future.done()):
+            (later if id(call.stream) in streams else calls).append(call)
+            streams.add(id(call.stream))
+        self.pending = later
+        if later:
+            self._wake.set()
+        return calls
 
-            try:
-                outcomes = await self.run(self.tick, [(c.stream, c.samples) for c in calls],
-                                          deliver)
-            except Exception as e:  # noqa: BLE001  the pool is gone (shutdown): every call fails
-                outcomes = [e] * len(calls)
-            for call, outcome in zip(calls, outcomes):
-                _settle(call.future, outcome)
+    async def _run_tick(self, calls: list[_Call]) -> None:
+        loop = asyncio.get_running_loop()
+
+        def deliver(i: int, outcome) -> None:
+            # on the decode thread: the call's results go out now, not at the tick's end
+            loop.call_soon_threadsafe(_settle, calls[i].future, outcome)
+
+        try:
+            outcomes = await self.run(self.tick, [(c.stream, c.samples) for c in calls], deliver)
+        except Exception as e:  # noqa: BLE001  the lane is gone (shutdown): every call fails
+            outcomes = [e] * len(calls)
+        for call, outcome in zip(calls, outcomes):
+            _settle(call.future, outcome)
 
     @torch.inference_mode()
     def tick(self, calls: list[tuple[Stream, object]],
