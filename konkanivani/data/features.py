@@ -183,8 +183,9 @@ class KaldiFbank(torch.nn.Module):
         return min_samples(self)
 
 
-def min_samples(frontend: LogMel | KaldiFbank) -> int:
-    """The fewest samples the encoder decodes with ``frontend``'s features: its subsampling
+def min_samples(frontend: LogMel | KaldiFbank | type) -> int:
+    """The fewest samples the encoder decodes with ``frontend``'s features (a front-end or its
+    class: ``frames`` is all it asks): its subsampling
     (``frames.subsampled_lengths``) needs 7 frames for one encoder frame; fewer make its
     convolutions fail."""
     samples = 0

@@ -27,7 +27,7 @@ import torch
 from ..checkpoint import CheckpointError, inference_state_dict, load_checkpoint
 from ..config import ModelConfig
 from ..data.audio import AUDIO_SUFFIXES, AudioError, load_audio, read_blocks
-from ..data.features import LogMel, make_frontend
+from ..data.features import LogMel, make_frontend, min_samples
 from ..data.frames import SAMPLE_RATE, frames_of_samples
 from ..data.manifest import read_manifest, resolve_audio_path
 from ..data.tokenizer import Tokenizer
@@ -59,7 +59,7 @@ log = logging.getLogger("konkanivani")
 
 # The fewest samples a model of the default front-end decodes (LogMel.min_samples); a model's own
 # is its front-end's (Recognizer.log_mel.min_samples).
-MIN_SAMPLES = LogMel(1).min_samples
+MIN_SAMPLES = min_samples(LogMel)
 _MAX_NAMED = 5  # files named in the long-input note; the rest counted
 
 
