@@ -107,6 +107,17 @@ class ModelConfig:
     subsampling_channels: int = field(default=0, metadata=flag_help(
         "channels of conv2d's first convolution (0: d_model, as WeNet and ESPnet; fewer make the "
         "second convolution, the front-end's costliest part, that much cheaper)"))
+    frontend: str = field(
+        default="log_mel",
+        metadata={
+            "help": (
+                "the features: log_mel (torchaudio's mel spectrogram, centred windows) or"
+                " kaldi_fbank (Kaldi filterbanks, as sherpa-onnx computes them for WeNet models:"
+                " what konkanivani-export --format sherpa-onnx needs)"
+            ),
+            "choices": ("log_mel", "kaldi_fbank"),
+        },
+    )
     cmvn: str = field(
         default="global",
         metadata={
@@ -150,9 +161,10 @@ class ModelConfig:
     def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
         """The config stored in a checkpoint; those written before ``attention_dropout`` existed
         used ``dropout`` on attention weights (and conv2d at full width, before ``subsampling`` and
-        ``subsampling_channels`` existed, with global CMVN, before ``cmvn``, and full context with a
-        centered convolution, before the streaming fields)."""
+        ``subsampling_channels`` existed, with global CMVN, before ``cmvn``, log-mels before
+        ``frontend``, and full context with a centered convolution, before the streaming fields)."""
         return cls(**{"subsampling": "conv2d", "subsampling_channels": 0, "cmvn": "global",
+                      "frontend": "log_mel",
                       "dynamic_chunk": False, "dynamic_left_chunks": False, "causal_conv": False,
                       "attention_dropout": values.get("dropout", 0.1), **values})
 

@@ -34,9 +34,10 @@ START_SECONDS = 120  # a server that has not said where it listens by then has f
 
 
 def train_model(wavs: list[torch.Tensor], texts: list[str], streaming: bool, steps: int = 120,
-                vocab_size: int = 16) -> Recognizer:
-    """A tiny model that has learned ``texts`` (a char tokenizer of them) from ``wavs``: with
-    ``streaming``, for chunks of 1-8 frames and full context, with causal convolutions."""
+                vocab_size: int = 16, frontend: str = "log_mel") -> Recognizer:
+    """A tiny model that has learned ``texts`` (a char tokenizer of them) from ``wavs`` on the
+    features of ``frontend``: with ``streaming``, for chunks of 1-8 frames and full context, with
+    causal convolutions."""
     tokenizer = train_tokenizer(texts, vocab_size=vocab_size, model_type="char")
     torch.manual_seed(0)
     cfg = model_config_from_preset(
@@ -46,6 +47,7 @@ def train_model(wavs: list[torch.Tensor], texts: list[str], streaming: bool, ste
         causal_conv=streaming,
         dynamic_chunk=streaming,
         max_chunk=8,
+        frontend=frontend,
     )
     rec = Recognizer(ASRModel(cfg), tokenizer, torch.device("cpu"))
     model = rec.model
@@ -78,10 +80,11 @@ def two_segment_clip(path: Path) -> Path:
     return path
 
 
-def tone_checkpoint(path: Path, streaming: bool, steps: int = 120) -> Path:
+def tone_checkpoint(path: Path, streaming: bool, steps: int = 120,
+                    frontend: str = "log_mel") -> Path:
     """The tone model (``steps``: 1 for a server whose words do not matter) saved to ``path``."""
     rec = train_model([speech(s, seed=i) for i, s in enumerate(SENTENCES)], SENTENCES, streaming,
-                      steps)
+                      steps, frontend=frontend)
     return save_checkpoint(
         {
             "model_config": dataclasses.asdict(rec.model.cfg),

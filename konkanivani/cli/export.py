@@ -24,6 +24,12 @@ encodes a stream one chunk of ``--chunk_size`` encoder frames at a time with cac
 path without .pt plus _export_int8): onnxruntime's dynamic quantization of the linear layers'
 weights, the convolutions left float, each graph checked against the float one on the same input.
 The folder is served and loaded as any export (docs/decoding.md, "int8").
+
+    konkanivani-export checkpoints/run/best.pt --format sherpa-onnx --output_dir sherpa/
+
+``--format sherpa-onnx`` writes a folder for sherpa-onnx's WeNet CTC recognizer instead: model.onnx
+with the metadata it reads, tokens.txt and a README (docs/deployment.md). It needs a model trained
+with --frontend kaldi_fbank, the features sherpa-onnx computes; another is refused in one line.
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ from ..decoding.model_export import (
     FORMATS,
     INT8_TOLERANCE,
     QUANTIZATIONS,
+    SHERPA_FILES,
     STREAMING_FILES,
     ExportError,
     Streaming,
@@ -46,6 +53,7 @@ from ..decoding.model_export import (
     unavailable,
 )
 from ..decoding.settings import add_decoding_flags, decoding_config_from_args
+from ..decoding.sherpa_export import SHERPA_FORMAT, export_sherpa_onnx
 from . import Parser, fail, refuse_unsafe_outputs, setup_logging, tool
 
 # The DecodingConfig fields konkanivani-export takes as flags (docs/generate_flags.py reads them):
@@ -60,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quantize and args.format != "onnx":
         parser.error(f"--quantize {args.quantize} quantizes the ONNX graphs: it goes with --format "
                      f"onnx (the default), not --format {args.format}")
+    if args.format == SHERPA_FORMAT and args.streaming:
+        parser.error(f"--streaming: --format {SHERPA_FORMAT} writes the offline model alone")
     if not args.streaming and (args.chunk_size is not None or args.left_chunks is not None):
         parser.error("--chunk_size and --left_chunks go with --streaming")
     decoding = decoding_config_from_args(args)
@@ -74,12 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     output = args.output_dir or args.checkpoint.with_name(f"{args.checkpoint.stem}{suffix}")
     if output.exists() and not output.is_dir():
         parser.error(f"--output_dir {output}: exists and is not a folder")
-    formats = FORMATS if args.format == "both" else (args.format,)
+    sherpa = args.format == SHERPA_FORMAT
+    formats = FORMATS if args.format == "both" else ("onnx",) if sherpa else (args.format,)
     if reason := unavailable((*formats, "onnx") if streaming else formats):
         return fail(reason)
     # Each file the export replaces, none of which may be the checkpoint it reads.
     names = [FILES[f] for f in formats] + [FILES["vocabulary"], FILES["features"]]
     names += list(STREAMING_FILES.values()) if streaming else []
+    names = list(SHERPA_FILES.values()) if sherpa else names
     flag = "--output_dir" if args.output_dir else "the export"
     refuse_unsafe_outputs(parser, [(flag, output / name) for name in names], [args.checkpoint],
                           folders={flag: output})
@@ -90,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
                      "replaces the whole folder; move it away or choose another folder")
     setup_logging()
     try:
-        written = export_checkpoint(args.checkpoint, output, formats, streaming, args.quantize)
+        if sherpa:
+            written = export_sherpa_onnx(args.checkpoint, output)
+        else:
+            written = export_checkpoint(args.checkpoint, output, formats, streaming,
+                                        args.quantize)
     except (CheckpointError, ExportError) as e:
         return fail(str(e))
     # the folder cannot be made or written to: under a file, read-only, a full disk
@@ -121,7 +137,9 @@ def _parser() -> Parser:
         help=argparse.SUPPRESS,
     )
     parser.add_argument(
-        "--format", choices=(*FORMATS, "both"), default="onnx", help="default: %(default)s"
+        "--format", choices=(*FORMATS, "both", "sherpa-onnx"), default="onnx",
+        help=("default: %(default)s; sherpa-onnx: a folder for sherpa-onnx's WeNet CTC recognizer"
+              " (a model trained with --frontend kaldi_fbank)")
     )
     parser.add_argument(
         "--streaming",

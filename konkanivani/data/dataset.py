@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 
 from .audio import load_audio
 from .augment import Augmenter
-from .features import LogMel
+from .features import LogMel, make_frontend
 from .frames import HOP_LENGTH
 from .manifest import DEFAULT_DURATION_TOLERANCE, check_row, read_manifest
 from .tokenizer import Tokenizer
@@ -98,9 +98,9 @@ def log_skipped(name: str, path: str | Path, kept: int, skipped: Counter) -> Non
 
 
 def compute_cmvn(utterances: Sequence[Utterance], n_mels: int, max_utterances: int = 500,
-                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global mean and standard deviation of log-mel features over (a seeded sample of) the training
-    set."""
+                 seed: int = 0, frontend: str = "log_mel") -> tuple[torch.Tensor, torch.Tensor]:
+    """Global mean and standard deviation of the ``frontend``'s features over (a seeded sample of)
+    the training set."""
     sample = random.Random(seed).sample(list(utterances), min(max_utterances, len(utterances)))
 
     def waveforms() -> Iterator[torch.Tensor]:
@@ -110,12 +110,14 @@ def compute_cmvn(utterances: Sequence[Utterance], n_mels: int, max_utterances: i
             except RuntimeError as e:
                 log.warning("%s: %s; left out of CMVN", utt.where, e)
 
-    return cmvn_of(waveforms(), n_mels)
+    return cmvn_of(waveforms(), n_mels, frontend)
 
 
-def cmvn_of(waveforms: Iterable[torch.Tensor], n_mels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and standard deviation per mel bin of the log-mel features of ``waveforms``."""
-    log_mel = LogMel(n_mels)
+def cmvn_of(waveforms: Iterable[torch.Tensor], n_mels: int, frontend: str = "log_mel"
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and standard deviation per mel bin of the features of ``waveforms`` (the front-end
+    ``frontend``'s, ``ModelConfig.frontend``)."""
+    log_mel = make_frontend(frontend, n_mels)
     total, total_sq, frames = (
         torch.zeros(n_mels, dtype=torch.float64),
         torch.zeros(n_mels, dtype=torch.float64),

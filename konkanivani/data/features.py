@@ -1,4 +1,5 @@
-"""Log-mel features: 80 bins, 25 ms windows every 10 ms, of 16 kHz audio.
+"""Features of 16 kHz audio: 80 bins, 25 ms windows every 10 ms, by one of two front-ends
+(``ModelConfig.frontend``, ``make_frontend``): ``LogMel`` (the default) or ``KaldiFbank``.
 
 ``LogMel`` computes them for one waveform (decoding, streaming, CMVN) or for a padded batch of
 waveforms (``LogMel.batch``: training, inside the step on the training device, where a GPU makes
@@ -7,20 +8,51 @@ spectrogram and mel filterbank) with the same window and filters, and give the s
 float rounding: each waveform of a batch is reflected at its own ends, as the one-waveform path
 reflects its waveform, so no frame sees another utterance's padding. VTLP warps a batch's spectra
 together (``alphas``). Normalization (CMVN) and SpecAugment live in the model.
+
+``KaldiFbank`` is Kaldi's filterbank (``torchaudio.compliance.kaldi.fbank``) with the options
+sherpa-onnx gives kaldi-native-fbank for a WeNet CTC model, so a deployment runtime computes the
+features the model was trained on (``KALDI_FBANK``).
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 import torchaudio
 
 from .augment import vtlp_warp_matrices
-from .frames import HOP_LENGTH, SAMPLE_RATE
+from .frames import HOP_LENGTH, SAMPLE_RATE, frames_of_samples, subsampled_lengths
 
-__all__ = ["LOG_OFFSET", "LogMel"]
+__all__ = ["LOG_OFFSET", "FRONTENDS", "KALDI_FBANK", "INT16_SCALE", "LogMel", "KaldiFbank",
+           "make_frontend", "min_samples"]
 
 LOG_OFFSET = 1e-6  # added to the mel power before the log, so that digital silence stays finite
+
+
+FRONTENDS = ("log_mel", "kaldi_fbank")  # ModelConfig.frontend
+# sherpa-onnx's FeatureExtractorConfig defaults (sherpa-onnx/csrc/features.h), which its offline
+# and online WeNet CTC recognizers keep but for the sample scale (INT16_SCALE) and, offline only,
+# dither (1, in int16 units: a draw below any recording's noise floor, but not digital silence's).
+# kaldi.fbank's own defaults differ in high_freq (0: Nyquist), snip_edges, the bins and energy.
+KALDI_FBANK = {
+    "sample_frequency": SAMPLE_RATE,
+    "frame_length": 25.0,  # ms
+    "frame_shift": 10.0,  # ms
+    "dither": 0.0,
+    "window_type": "povey",
+    "snip_edges": False,
+    "low_freq": 20.0,
+    "high_freq": -400.0,  # 400 Hz below Nyquist, as lhotse's and icefall's
+    "remove_dc_offset": True,
+    "preemphasis_coefficient": 0.97,
+    "round_to_power_of_two": True,
+    "use_energy": False,
+    "use_log_fbank": True,
+    "use_power": True,
+}
+# sherpa-onnx feeds WeNet models samples in the range of 16-bit integers (normalize_samples false)
+INT16_SCALE = 32768.0
 
 
 class LogMel(torch.nn.Module):
@@ -31,8 +63,11 @@ class LogMel(torch.nn.Module):
     without one the features are computed exactly as always.
     """
 
+    name = "log_mel"
+
     def __init__(self, n_mels: int = 80):
         super().__init__()
+        self.n_mels = n_mels
         self.mel = torchaudio.transforms.MelSpectrogram(
             sample_rate=SAMPLE_RATE, n_fft=400, win_length=400, hop_length=HOP_LENGTH, n_mels=n_mels
         )
@@ -90,6 +125,80 @@ class LogMel(torch.nn.Module):
     def n_freqs(self) -> int:
         """Frequency bins of the power spectrum (n_fft // 2 + 1)."""
         return self.mel.n_fft // 2 + 1
+
+    @staticmethod
+    def frames(samples: int) -> int:
+        """Frames of ``samples`` samples: 1 + samples // 160 (``frames.frames_of_samples``)."""
+        return frames_of_samples(samples)
+
+    @property
+    def min_samples(self) -> int:
+        """The fewest samples whose frames make an encoder frame (``min_samples``): 960."""
+        return min_samples(self)
+
+
+class KaldiFbank(torch.nn.Module):
+    """Waveform ``(N,)`` at 16 kHz -> Kaldi log filterbanks ``(T, n_mels)`` of the waveform scaled
+    to 16-bit integers, T = (N + 80) // 160 (frame t covers samples 160t - 120 .. 160t + 279, the
+    ends reflected: ``snip_edges`` false). The same interface as ``LogMel``; VTLP goes through
+    Kaldi's own VTLN warp of the filterbank (``vtln_warp``) instead of a warp of the spectrum, so
+    ``forward`` takes none (decoding never warps)."""
+
+    name = "kaldi_fbank"
+
+    def __init__(self, n_mels: int = 80):
+        super().__init__()
+        self.n_mels = n_mels
+
+    @torch.no_grad()
+    def forward(self, wav: torch.Tensor, alpha: float = 1.0, snip_edges: bool = False
+                ) -> torch.Tensor:
+        """``snip_edges``: frames of ``wav``'s own samples alone, no reflection (a stream's
+        frames, ``streaming.StreamingKaldiFbank``): 1 + (N - 400) // 160 of them."""
+        options = {**KALDI_FBANK, "snip_edges": snip_edges}
+        return torchaudio.compliance.kaldi.fbank(
+            wav.float()[None] * INT16_SCALE, num_mel_bins=self.n_mels, vtln_warp=alpha, **options
+        )
+
+    @torch.no_grad()
+    def batch(self, wavs: torch.Tensor, lengths: torch.Tensor,
+              alphas: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``LogMel.batch``'s, utterance by utterance (kaldi.fbank takes one waveform), each warped
+        by its VTLN factor (NaN: none)."""
+        alphas = [math.nan] * len(wavs) if alphas is None else alphas.tolist()
+        with torch.autocast(wavs.device.type, enabled=False):
+            feats = [self(w[:n], a if math.isfinite(a) else 1.0)
+                     for w, n, a in zip(wavs, lengths.tolist(), alphas)]
+        frames = torch.tensor([len(f) for f in feats], device=wavs.device)
+        return torch.nn.utils.rnn.pad_sequence(feats, batch_first=True), frames
+
+    @staticmethod
+    def frames(samples: int) -> int:
+        """Frames of ``samples`` samples: (samples + 80) // 160 (Kaldi's, without snip_edges)."""
+        return (samples + HOP_LENGTH // 2) // HOP_LENGTH
+
+    @property
+    def min_samples(self) -> int:
+        """The fewest samples whose frames make an encoder frame (``min_samples``): 1040."""
+        return min_samples(self)
+
+
+def min_samples(frontend: LogMel | KaldiFbank | type) -> int:
+    """The fewest samples the encoder decodes with ``frontend``'s features (a front-end or its
+    class: ``frames`` is all it asks): its subsampling
+    (``frames.subsampled_lengths``) needs 7 frames for one encoder frame; fewer make its
+    convolutions fail."""
+    samples = 0
+    while subsampled_lengths(frontend.frames(samples)) < 1:
+        samples += 1
+    return samples
+
+
+def make_frontend(name: str, n_mels: int) -> LogMel | KaldiFbank:
+    """The front-end ``ModelConfig.frontend`` names."""
+    if name not in FRONTENDS:
+        raise ValueError(f"unknown front-end {name!r}; choose from {', '.join(FRONTENDS)}")
+    return KaldiFbank(n_mels) if name == "kaldi_fbank" else LogMel(n_mels)
 
 
 def _reflected(wavs: torch.Tensor, lengths: torch.Tensor, half: int) -> torch.Tensor:

@@ -59,8 +59,8 @@ import torch
 from torch import nn
 
 from ..checkpoint import fsync_dir
-from ..data.features import LOG_OFFSET, LogMel
-from ..data.frames import subsampled_lengths
+from ..data.features import INT16_SCALE, KALDI_FBANK, LOG_OFFSET, KaldiFbank, LogMel
+from ..data.frames import HOP_LENGTH, SAMPLE_RATE, subsampled_lengths
 from ..data.tokenizer import BLANK_ID, SOS_EOS_ID, UNK_ID, Tokenizer
 from ..model.asr import ASRModel
 from ..model.conformer import Conv2dSubsampling
@@ -72,6 +72,7 @@ __all__ = [
     "FORMATS",
     "FILES",
     "STREAMING_FILES",
+    "SHERPA_FILES",
     "CHUNK_OUTPUTS",
     "MIN_FRAMES",
     "ONNX_PACKAGES",
@@ -110,8 +111,10 @@ FILES = {
 }
 # written with streaming=
 STREAMING_FILES = {"onnx": "encoder_chunk.onnx", "settings": "streaming.json"}
+# a sherpa-onnx folder's (sherpa_export)
+SHERPA_FILES = {"onnx": "model.onnx", "tokens": "tokens.txt", "readme": "README.md"}
 # what an export folder may hold: its files, and the temporary folders older versions built in it
-EXPORT_NAMES = frozenset([*FILES.values(), *STREAMING_FILES.values()])
+EXPORT_NAMES = frozenset([*FILES.values(), *STREAMING_FILES.values(), *SHERPA_FILES.values()])
 _OLD_TEMPORARY = ".export-"
 # encoder_chunk.onnx's
 CHUNK_OUTPUTS = ("log_probs", "encoder_out", "next_attention_cache", "next_conv_cache")
@@ -879,10 +882,26 @@ def vocabulary(tokenizer: Tokenizer) -> dict[str, Any]:
     }
 
 
-def feature_settings(log_mel: LogMel) -> dict[str, Any]:
+def feature_settings(log_mel: LogMel | KaldiFbank) -> dict[str, Any]:
     """How ``log_mel`` turns audio into features, as JSON. ``mel_spectrogram`` holds the arguments
     of ``torchaudio.transforms.MelSpectrogram`` that make the same filterbank (its window is
-    ``torch.hann_window``, periodic)."""
+    ``torch.hann_window``, periodic); for ``KaldiFbank``, ``kaldi_fbank`` those of
+    ``torchaudio.compliance.kaldi.fbank`` (kaldi-native-fbank's, named as Kaldi names them)."""
+    if isinstance(log_mel, KaldiFbank):
+        return {
+            "sample_rate": SAMPLE_RATE,
+            "frontend": log_mel.name,
+            "n_mels": log_mel.n_mels,
+            "kaldi_fbank": {**KALDI_FBANK, "num_mel_bins": log_mel.n_mels},
+            "sample_scale": INT16_SCALE,
+            "features": (
+                "kaldi_fbank(waveform * sample_scale), (T, n_mels); T = (samples + 80) // 160;"
+                " not normalized: the model holds the CMVN"
+            ),
+            "min_frames": MIN_FRAMES,
+            "output_lengths": "T' = ((T - 1) // 2 - 1) // 2",
+            "output_frame_seconds": 4 * HOP_LENGTH / SAMPLE_RATE,
+        }
     mel = log_mel.mel
     stft, filterbank = mel.spectrogram, mel.mel_scale
     sample_rate = filterbank.sample_rate

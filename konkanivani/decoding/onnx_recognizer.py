@@ -11,9 +11,10 @@ no attention rescoring and no language model.
 ``ExportedRecognizer.decode_waveforms`` decodes whole waveforms through ``model.onnx``;
 ``ExportedRecognizer.stream`` gives a ``streaming.Stream`` whose chunks go through
 ``encoder_chunk.onnx`` (``GraphChunks``) in the chunk size and left context the export was made for.
-The features are this package's ``LogMel``; an export whose ``features.json`` says otherwise is
-refused. An int8 export (``--quantize int8``) holds int8 graphs under the same names and loads the
-same way; ``ExportedRecognizer.quantization`` says which it is, from the graphs' ONNX metadata.
+The features are this package's (``LogMel`` or ``KaldiFbank``, as ``features.json`` says; other
+settings are refused). An int8 export (``--quantize int8``) holds int8 graphs under the same
+names and loads the same way; ``ExportedRecognizer.quantization`` says which it is, from the
+graphs' ONNX metadata.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..data.features import LogMel
+from ..data.features import make_frontend
 from ..data.frames import SAMPLE_RATE
 from .alignment import align_words
 from .model_export import (
@@ -144,7 +145,8 @@ class ExportedRecognizer:
         )
         try:
             self.tokenizer = Pieces(vocabulary)
-            self.log_mel = LogMel(int(features["n_mels"]))
+            self.log_mel = make_frontend(features.get("frontend", "log_mel"),
+                                         int(features["n_mels"]))
         except (KeyError, TypeError, ValueError) as e:
             raise ExportError(
                 f"{folder}: {FILES['vocabulary']} or {FILES['features']} is not an export's "
@@ -237,7 +239,7 @@ class ExportedRecognizer:
             )
         d = self.settings(decoding, streams=True, **overrides)
         check_sample_rate(sample_rate)
-        chunks = GraphChunks(self.chunk_run, self.streaming, self.log_mel.mel.n_mels)
+        chunks = GraphChunks(self.chunk_run, self.streaming, self.log_mel.n_mels)
         return Stream(None, self.tokenizer, self.log_mel, d, None, sample_rate, chunks=chunks)
 
 

@@ -16,7 +16,6 @@ the recognizer encodes the batch itself and hands the encoder's output to the se
 """
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -28,8 +27,8 @@ import torch
 from ..checkpoint import CheckpointError, inference_state_dict, load_checkpoint
 from ..config import ModelConfig
 from ..data.audio import AUDIO_SUFFIXES, AudioError, load_audio, read_blocks
-from ..data.features import LogMel
-from ..data.frames import HOP_LENGTH, SAMPLE_RATE, frames_of_samples, subsampled_lengths
+from ..data.features import LogMel, make_frontend, min_samples
+from ..data.frames import SAMPLE_RATE, frames_of_samples
 from ..data.manifest import read_manifest, resolve_audio_path
 from ..data.tokenizer import Tokenizer
 from ..device import resolve_device
@@ -58,10 +57,9 @@ __all__ = ["MIN_SAMPLES", "Recognizer", "Transcript", "Word", "find_audio"]
 
 log = logging.getLogger("konkanivani")
 
-# The fewest samples the model decodes: LogMel makes 1 + N // HOP_LENGTH feature frames, and the
-# encoder's subsampling (frames.subsampled_lengths, the lengths it computes) needs enough of them
-# for one encoder frame; fewer make its convolutions fail.
-MIN_SAMPLES = (next(t for t in itertools.count(1) if subsampled_lengths(t) >= 1) - 1) * HOP_LENGTH
+# The fewest samples a model of the default front-end decodes (LogMel.min_samples); a model's own
+# is its front-end's (Recognizer.log_mel.min_samples).
+MIN_SAMPLES = min_samples(LogMel)
 _MAX_NAMED = 5  # files named in the long-input note; the rest counted
 
 
@@ -97,7 +95,7 @@ class Recognizer:
         self.model = model.to(device).eval()
         self.tokenizer = tokenizer
         self.device = device
-        self.log_mel = LogMel(model.cfg.n_mels)
+        self.log_mel = make_frontend(model.cfg.frontend, model.cfg.n_mels)
         self.lm = None if lm is None else lm.to(device).eval()
         self._said: set[str] = set()  # the warnings given: each once
 
@@ -262,7 +260,7 @@ class Recognizer:
             stream = self.stream(d)
             for block in blocks():
                 yield from (r for r in stream.accept(block) if partials or r.is_final)
-            _check_length(path, seen)
+            _check_length(path, seen, self.log_mel.min_samples)
             yield from (r for r in stream.finish() if partials or r.is_final)
             return
         self.fusion(d)
@@ -270,7 +268,7 @@ class Recognizer:
         for result in self._window_results(quiet_windows(blocks()), d, path):
             given = True
             yield result
-        _check_length(path, seen)
+        _check_length(path, seen, self.log_mel.min_samples)
         if not given:
             yield Result("", True, 0.0, round(seen / SAMPLE_RATE, 3))
 
@@ -296,7 +294,7 @@ class Recognizer:
         waveform)``), decoded whole: its start and end the window's, its words timed from the start
         of the recording; a last sliver too short for the model is left out."""
         for first, wav in windows:
-            if _too_short(label, len(wav)):
+            if _too_short(label, len(wav), self.log_mel.min_samples):
                 continue
             [result] = self._decode_waveforms([wav], d, first / SAMPLE_RATE)
             if result.text:
@@ -327,7 +325,7 @@ class Recognizer:
 
     def _transcribe_window(self, paths: list[str | Path], d: DecodingConfig
                            ) -> Iterator[Transcript]:
-        read = [_read(p) for p in paths]
+        read = [_read(p, self.log_mel.min_samples) for p in paths]
         wavs, errors = [w for w, _ in read], [e for _, e in read]
         results: dict[int, Result] = {}
         decodable = sorted(
@@ -368,7 +366,7 @@ class Recognizer:
                 )
 
 
-def _read(path: str | Path) -> tuple[torch.Tensor | None, str | None]:
+def _read(path: str | Path, min_samples: int) -> tuple[torch.Tensor | None, str | None]:
     """The waveform of ``path`` and why it cannot be decoded (None if it can): unreadable or of a
     sample rate not resampled from (no waveform), or too short for the encoder's subsampling,
     decided
@@ -378,7 +376,7 @@ def _read(path: str | Path) -> tuple[torch.Tensor | None, str | None]:
         wav = load_audio(path)
     except RuntimeError as e:  # the caller names it (Transcript.error), once
         return None, str(e)
-    too_short = _too_short(path, len(wav))
+    too_short = _too_short(path, len(wav), min_samples)
     return wav, None if too_short is None else str(too_short)
 
 
@@ -403,21 +401,21 @@ def _stream_results(stream: Stream, pieces: Iterable[torch.Tensor]) -> Iterator[
     yield from stream.finish()
 
 
-def _too_short(path: str | Path, samples: int) -> AudioError | None:
+def _too_short(path: str | Path, samples: int, min_samples: int) -> AudioError | None:
     """Why ``samples`` samples of ``path`` are too few for the encoder, if they are: its subsampling
-    needs enough feature frames for one encoder frame."""
-    if subsampled_lengths(frames_of_samples(samples)) >= 1:
+    needs enough feature frames for one encoder frame (``min_samples`` samples, the front-end's)."""
+    if samples >= min_samples:
         return None
     return AudioError(
         "audio too short",
         str(path),
         f"{samples / SAMPLE_RATE:.3f} s; the model needs at least "
-        f"{MIN_SAMPLES / SAMPLE_RATE:.3f} s",
+        f"{min_samples / SAMPLE_RATE:.3f} s",
     )
 
 
-def _check_length(path: str | Path, samples: int) -> None:
-    too_short = _too_short(path, samples)
+def _check_length(path: str | Path, samples: int, min_samples: int) -> None:
+    too_short = _too_short(path, samples, min_samples)
     if too_short is not None:
         raise too_short
 

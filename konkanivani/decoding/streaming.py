@@ -2,11 +2,11 @@
 
 A ``Stream`` (``Recognizer.stream``) takes mono audio in pieces of any size (resampled to 16 kHz as
 it comes, ``data.audio.Resampler``) and gives results as it goes. Its features are the frames the
-whole-file path computes (``StreamingLogMel``), normalized frame by frame (``ASRModel.normalize``;
-with cmvn "utterance" by the running mean of the stream's frames so far), encoded one chunk at a
-time with the encoder's caches (``ConformerEncoder.forward_chunk``: the frames
-``ASRModel.encode(..., chunk_size=C)`` gives; ``ModelChunks``, or an export's ONNX chunk graph,
-``decoding.onnx_recognizer``), and each chunk's CTC output advances a prefix beam search
+whole-file path computes (``StreamingLogMel``, ``StreamingKaldiFbank``), normalized frame by frame
+(``ASRModel.normalize``; with cmvn "utterance" by the running mean of the stream's frames so far),
+encoded one chunk at a time with the encoder's caches (``ConformerEncoder.forward_chunk``: the
+frames ``ASRModel.encode(..., chunk_size=C)`` gives; ``ModelChunks``, or an export's ONNX chunk
+graph, ``decoding.onnx_recognizer``), and each chunk's CTC output advances a prefix beam search
 (``CTCPrefixBeam``):
 
 - after each chunk, a partial result: the beam's best so far in the current segment;
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..data.audio import Resampler
-from ..data.features import LOG_OFFSET, LogMel
+from ..data.features import LOG_OFFSET, KaldiFbank, LogMel
 from ..data.frames import HOP_LENGTH, SAMPLE_RATE
 from ..data.tokenizer import BLANK_ID, Tokenizer
 from ..model.asr import ASRModel
@@ -59,6 +59,8 @@ __all__ = [
     "Result",
     "Stream",
     "StreamingLogMel",
+    "StreamingKaldiFbank",
+    "streaming_features",
     "Word",
     "check_sample_rate",
     "check_streaming",
@@ -151,6 +153,7 @@ class StreamingLogMel:
 
     def __init__(self, log_mel: LogMel):
         self.mel = copy.deepcopy(log_mel.mel)
+        self.n_mels = log_mel.n_mels
         self.mel.spectrogram.center = False  # the centring's padding is done here
         self.n_fft, self.hop, self.half = self.mel.n_fft, self.mel.hop_length, self.mel.n_fft // 2
         self.buffer = torch.zeros(0)  # the samples frames still need, from sample `buffer_start`
@@ -193,6 +196,66 @@ class StreamingLogMel:
 
     def _empty(self) -> torch.Tensor:
         return torch.zeros(0, self.mel.n_mels)
+
+
+class StreamingKaldiFbank:
+    """``KaldiFbank`` of a waveform that comes in pieces, as ``StreamingLogMel`` is ``LogMel``'s.
+    Frame t covers samples 160t - 120 .. 160t + 279 (sample -k being sample k - 1, the start's
+    reflection) and is computed from those alone (its own DC offset, pre-emphasis and window), so
+    it is out once they are in; the last ones, which reach into the end's reflection (sample N + k
+    being sample N - 1 - k), come from ``finish``."""
+
+    WINDOW, SHIFT = 400, HOP_LENGTH
+    PAD = WINDOW // 2 - SHIFT // 2  # 120: the samples of the first frame before the start
+
+    def __init__(self, fbank: KaldiFbank):
+        self.fbank, self.n_mels = fbank, fbank.n_mels
+        self.buffer = torch.zeros(0)  # the samples frames still need, from sample `buffer_start`
+        self.buffer_start = 0  # -PAD once the start's reflection is in front
+        self.seen = 0  # samples taken
+        self.frames = 0  # frames given
+
+    def accept(self, wav: torch.Tensor) -> torch.Tensor:
+        """The frames ``(T, n_mels)`` that the samples so far complete."""
+        self.buffer = torch.cat([self.buffer, wav])
+        self.seen += len(wav)
+        if self.buffer_start == 0:
+            if self.seen < self.PAD:
+                return self._empty()
+            self.buffer = torch.cat([self.buffer[:self.PAD].flip(0), self.buffer])
+            self.buffer_start = -self.PAD
+        return self._frames((self.seen + self.PAD - self.WINDOW) // self.SHIFT + 1)
+
+    def finish(self) -> torch.Tensor:
+        """The last frames, up to the ``(N + 80) // 160`` of ``KaldiFbank`` (none for fewer than
+        120 samples, too few to decode in any case)."""
+        if self.buffer_start == 0:
+            return self._empty()
+        self.buffer = torch.cat([self.buffer, self.buffer.flip(0)])
+        return self._frames(self.fbank.frames(self.seen))
+
+    def _frames(self, upto: int) -> torch.Tensor:
+        """Frames ``self.frames`` .. ``upto - 1``, and the samples before the next one dropped."""
+        count = upto - self.frames
+        if count <= 0:
+            return self._empty()
+        first = self.frames * self.SHIFT - self.PAD - self.buffer_start
+        out = self.fbank(self.buffer[first:first + (count - 1) * self.SHIFT + self.WINDOW],
+                         snip_edges=True)
+        self.frames = upto
+        drop = self.frames * self.SHIFT - self.PAD - self.buffer_start
+        self.buffer, self.buffer_start = self.buffer[drop:], self.buffer_start + drop
+        return out
+
+    def _empty(self) -> torch.Tensor:
+        return torch.zeros(0, self.n_mels)
+
+
+def streaming_features(frontend: LogMel | KaldiFbank) -> StreamingLogMel | StreamingKaldiFbank:
+    """The streaming form of a front-end (``features.make_frontend``)."""
+    if isinstance(frontend, KaldiFbank):
+        return StreamingKaldiFbank(frontend)
+    return StreamingLogMel(frontend)
 
 
 class ModelChunks:
@@ -293,9 +356,9 @@ class Stream:
             context,
         )
         self.resampler = Resampler(sample_rate)
-        self.features = StreamingLogMel(log_mel)
+        self.features = streaming_features(log_mel)
         # prepared, not yet encoded
-        self.feats = self.chunks.prepare(torch.zeros(0, self.features.mel.n_mels))
+        self.feats = self.chunks.prepare(torch.zeros(0, self.features.n_mels))
         self.frames = 0  # encoder frames of the stream so far
         self.finals = 0  # final results given
         self.finished = False

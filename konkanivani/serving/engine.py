@@ -277,7 +277,8 @@ class Engine:
             return [r for r in stream.accept(wav) + stream.finish() if r.is_final]
         results = []
         for first, window in quiet_windows([wav]):
-            if len(window) < MIN_SAMPLES:  # a last sliver of a window: too short to decode alone
+            # a last sliver of a window: too short to decode alone (the front-end's least)
+            if len(window) < self.recognizer.log_mel.min_samples:
                 continue
             [r] = self.recognizer.decode_results([window], d, offset=first / SAMPLE_RATE)
             if r.text:

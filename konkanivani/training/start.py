@@ -31,7 +31,7 @@ from ..data.dataset import (
     load_utterances,
     log_skipped,
 )
-from ..data.features import LogMel
+from ..data.features import KaldiFbank, LogMel, make_frontend
 from ..data.frames import budget_frames, frames_of, subsampled_lengths
 from ..data.manifest import ManifestError, read_manifest
 from ..data.samplers import (
@@ -105,7 +105,7 @@ class Run:
     valid_loader: DataLoader
     metrics: MetricsLog
     skips: NonFiniteSkips
-    log_mel: LogMel  # the batches' features, computed in the step on the device
+    log_mel: LogMel | KaldiFbank  # the batches' features, computed in the step on the device
     step: int = 0
     epoch: int = 0  # epochs finished
     batches_done: int = 0  # batches of the epoch in progress, per process
@@ -214,7 +214,7 @@ def setup_run(cfg: TrainConfig, model_cfg: ModelConfig, origin: Origin, dist: Di
               train_loader=train_loader, valid_loader=valid_loader,
               metrics=MetricsLog(out_dir / "metrics.jsonl"),
               skips=NonFiniteSkips(cfg.max_consecutive_skips),
-              log_mel=LogMel(model_cfg.n_mels).to(device),
+              log_mel=make_frontend(model_cfg.frontend, model_cfg.n_mels).to(device),
               # of the unwrapped model: the DDP or compiled forward shares its parameters
               ema=make_ema(model, cfg.ema_decay) if cfg.ema_decay else None)
     _begin(run, origin, estimator, model_cfg, samples_grew)
@@ -383,9 +383,11 @@ def _build_model(cfg: TrainConfig, model_cfg: ModelConfig, data: _Data, origin: 
     if origin.state is not None:
         model.load_state_dict(origin.state.model)
     elif data.shards is not None:
-        model.set_cmvn(*cmvn_of(shard_waveforms(data.shards, seed=cfg.seed), model_cfg.n_mels))
+        model.set_cmvn(*cmvn_of(shard_waveforms(data.shards, seed=cfg.seed), model_cfg.n_mels,
+                                 model_cfg.frontend))
     else:
-        model.set_cmvn(*compute_cmvn(data.train, model_cfg.n_mels, seed=cfg.seed))
+        model.set_cmvn(*compute_cmvn(data.train, model_cfg.n_mels, seed=cfg.seed,
+                                     frontend=model_cfg.frontend))
     if origin.init is not None:
         _load_init(model, cfg, origin.init, tokenizer)
     model.to(device)

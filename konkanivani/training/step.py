@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from ..data.dataset import Batch, Utterance
-from ..data.features import LogMel
+from ..data.features import KaldiFbank, LogMel, make_frontend
 from ..data.frames import SAMPLE_RATE
 from ..data.samplers import (
     split_batch,
@@ -49,7 +49,8 @@ def maybe_empty_cache(device: torch.device, batches_done: int, every: int) -> bo
 def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], device: torch.device,
                      precision: Precision, scaler: torch.amp.GradScaler, spec_augment: bool,
                      name_of: Optional[Callable[[int], str]] = None, dist: Dist = Dist(),
-                     offload_activations: bool = False, log_mel: Optional[LogMel] = None
+                     offload_activations: bool = False,
+                     log_mel: Optional[LogMel | KaldiFbank] = None
                      ) -> Optional[dict[str, Any]]:
     """Accumulate gradients over ``micro_batches``, normalized by their total utterance count (over
     every process of a data-parallel run), so that the update equals the one from a single batch
@@ -66,7 +67,7 @@ def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], devi
     in (pinned, on CUDA) CPU memory until then.
 
     The batches hold waveforms: their log-mel features are computed here, on ``device``
-    (``log_mel``, by default a ``LogMel`` of the model's bins), outside autocast and the graph.
+    (``log_mel``, by default the model's front-end), outside autocast and the graph.
     The losses stay on the device (summed there): reading them is the caller's choice (every
     ``--log_every`` steps in training), so a step waits for the GPU only where it must.
     """
@@ -78,7 +79,8 @@ def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], devi
     if not pending:
         pending = [_empty_batch(model)]
     per_process = n_utts / dist.world  # data parallelism averages the processes' gradients
-    log_mel = log_mel or LogMel(getattr(model, "module", model).cfg.n_mels).to(device)
+    cfg = getattr(model, "module", model).cfg
+    log_mel = log_mel or make_frontend(cfg.frontend, cfg.n_mels).to(device)
     done: list[Batch] = []
     sums = _zero_sums(device)
     while pending:
@@ -239,12 +241,12 @@ def validate(
     device: torch.device,
     precision: Precision,
     dist: Dist = Dist(),
-    log_mel: Optional[LogMel] = None,
+    log_mel: Optional[LogMel | KaldiFbank] = None,
 ) -> dict[str, float]:
     """Loss per utterance, and CER/WER of greedy CTC, in eval mode; over the shares of every
     process."""
     model.eval()
-    log_mel = log_mel or LogMel(model.cfg.n_mels).to(device)
+    log_mel = log_mel or make_frontend(model.cfg.frontend, model.cfg.n_mels).to(device)
     loss_sum, n, refs, hyps = 0.0, 0, [], []
     for batch in loader:
         if not len(batch):

@@ -1,0 +1,139 @@
+"""konkanivani-export --format sherpa-onnx, run by the real runtime: the sherpa-onnx wheel's
+offline WeNet CTC recognizer computes the features of ``--frontend kaldi_fbank`` and decodes an
+exported tone model to the text our own greedy CTC search gives."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import soundfile as sf
+import torch
+from serve_helpers import tone_checkpoint
+from tone_speech import SENTENCES, speech
+
+from konkanivani.checkpoint import save_checkpoint
+from konkanivani.cli import export as export_cli
+from konkanivani.config import model_config_from_preset
+from konkanivani.data.features import KaldiFbank, LogMel
+from konkanivani.data.tokenizer import train_tokenizer
+from konkanivani.decoding.recognizer import Recognizer
+from konkanivani.decoding.streaming import StreamingKaldiFbank
+from konkanivani.model.asr import ASRModel
+
+sherpa_onnx = pytest.importorskip("sherpa_onnx")
+
+
+def _checkpoint(path, frontend):
+    tokenizer = train_tokenizer(SENTENCES, vocab_size=16, model_type="char")
+    cfg = model_config_from_preset("tiny", vocab_size=tokenizer.vocab_size, frontend=frontend)
+    return save_checkpoint({"model_config": dataclasses.asdict(cfg),
+                            "model": ASRModel(cfg).state_dict(),
+                            "tokenizer": tokenizer.model_proto}, path)
+
+
+def _status(argv):
+    try:
+        return export_cli.main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def _sherpa_text(recognizer, path):
+    samples, rate = sf.read(path, dtype="float32")
+    stream = recognizer.create_stream()
+    stream.accept_waveform(rate, samples)
+    recognizer.decode_stream(stream)
+    return stream.result.text
+
+
+def test_sherpa_onnx_computes_the_kaldi_fbank_features(tmp_path):
+    """A graph that hands its input features on as "log-probabilities": sherpa-onnx's greedy search
+    over them is the argmax of each frame, the same as over ours on every frame. A noise floor far
+    above the offline recognizer's dither (1 in 16-bit units) keeps that out of the comparison."""
+    import onnx
+
+    class Identity(torch.nn.Module):
+        def forward(self, x, x_lens):
+            return x * 1.0, x_lens * 1
+
+    path = tmp_path / "identity.onnx"
+    torch.onnx.export(Identity(), (torch.randn(1, 50, 80), torch.tensor([50])), str(path),
+                      input_names=["x", "x_lens"], output_names=["y", "y_lens"],
+                      dynamic_axes={"x": {1: "T"}}, dynamo=False)
+    model = onnx.load(str(path))
+    onnx.helper.set_model_props(
+        model, {"model_type": "wenet_ctc", "vocab_size": "80", "subsampling_factor": "1"}
+    )
+    onnx.save(model, str(path))
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text("<blank> 0\n" + "".join(f"t{i} {i}\n" for i in range(1, 80)))
+    recognizer = sherpa_onnx.OfflineRecognizer.from_wenet_ctc(model=str(path), tokens=str(tokens))
+    fbank = KaldiFbank(80)
+    for seed in range(3):
+        wav = speech(SENTENCES[seed], seed=seed)
+        wav = wav + 0.05 * torch.randn(len(wav), generator=torch.Generator().manual_seed(seed))
+        wav = (wav * 32768).round().clamp(-32768, 32767) / 32768  # what a 16-bit file holds
+        audio = tmp_path / f"{seed}.wav"
+        sf.write(audio, wav.numpy(), 16000, subtype="PCM_16")
+        ids = torch.unique_consecutive(fbank(wav).argmax(-1)).tolist()
+        expected = " ".join(f"t{i}" for i in ids if i)
+        stream = recognizer.create_stream()
+        stream.accept_waveform(16000, sf.read(audio, dtype="float32")[0])
+        recognizer.decode_stream(stream)
+        assert " ".join(stream.result.tokens) == expected
+        assert len(stream.result.timestamps) == len(ids) - ids.count(0)
+
+
+def test_kaldi_fbank_frames_and_their_stream():
+    """(N + 80) // 160 frames, 7 (one encoder frame) from 1040 samples; the stream's frames, in
+    pieces of any size, are the whole waveform's."""
+    fbank = KaldiFbank(80)
+    assert (fbank.min_samples, LogMel(80).min_samples) == (1040, 960)
+    generator = torch.Generator().manual_seed(0)
+    for n in (1040, 1039, 16079, 16080, 23456):
+        wav = 0.1 * torch.randn(n, generator=generator)
+        whole = fbank(wav)
+        assert len(whole) == fbank.frames(n) == (n + 80) // 160
+        stream, parts, start = StreamingKaldiFbank(fbank), [], 0
+        while start < n:
+            size = int(torch.randint(1, 700, (1,), generator=generator))
+            parts.append(stream.accept(wav[start:start + size]))
+            start += size
+        streamed = torch.cat([*parts, stream.finish()])
+        assert streamed.shape == whole.shape and torch.allclose(streamed, whole, atol=1e-4)
+
+
+def test_a_log_mel_model_is_refused_in_one_line(tmp_path, capsys):
+    checkpoint = _checkpoint(tmp_path / "log_mel.pt", "log_mel")
+    out = tmp_path / "sherpa"
+    assert _status([str(checkpoint), "--format", "sherpa-onnx", "--output_dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "train with --frontend kaldi_fbank" in err
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_sherpa_onnx_decodes_an_export_as_we_do(tmp_path, capsys):
+    """A tone model trained on kaldi_fbank features, exported: sherpa-onnx's offline recognizer and
+    our greedy CTC search give the same text for each file, and it is the sentence."""
+    checkpoint = tone_checkpoint(tmp_path / "tone.pt", streaming=False, frontend="kaldi_fbank")
+    out = tmp_path / "sherpa"
+    assert _status([str(checkpoint), "--format", "sherpa-onnx", "--output_dir", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "model.onnx", "tokens.txt"]
+    lines = (out / "tokens.txt").read_text(encoding="utf-8").splitlines()
+    assert lines[0] == "<blank> 0" and lines[-1].split()[-1] == str(len(lines) - 1)
+    import onnx
+
+    metadata = {p.key: p.value for p in onnx.load(str(out / "model.onnx")).metadata_props}
+    assert metadata["model_type"] == "wenet_ctc" and metadata["subsampling_factor"] == "4"
+    assert metadata["vocab_size"] == str(len(lines))
+    ours = Recognizer.from_checkpoint(checkpoint)
+    theirs = sherpa_onnx.OfflineRecognizer.from_wenet_ctc(
+        model=str(out / "model.onnx"), tokens=str(out / "tokens.txt"), num_threads=1
+    )
+    paths = []
+    for i, sentence in enumerate(SENTENCES):
+        paths.append(tmp_path / f"{i}.wav")
+        sf.write(paths[-1], speech(sentence, seed=i).numpy(), 16000, subtype="PCM_16")
+    texts = [t.text for t in ours.transcribe(paths, method="greedy")]
+    assert [_sherpa_text(theirs, p) for p in paths] == texts == SENTENCES
