@@ -7,6 +7,10 @@
     GET  /metrics      Prometheus text
     /v1/...            OpenAI's dialect (openai_api): POST /v1/audio/transcriptions, GET /v1/models
 
+A request whose ``Host`` is none of the names the server is reached by on purpose (``LOCAL_HOSTS``,
+its bound address, ``--allow_host``) is 400 before any endpoint, token or not: a foreign name that
+resolves to this machine (DNS rebinding) would otherwise be the page's own origin.
+
 With a token, every request carries it: ``Authorization: Bearer TOKEN``, the query parameter
 ``token=TOKEN`` (what a WebSocket client without headers can send) or the cookie the page's
 ``/?token=TOKEN`` sets; else 401 (for ``/stream``, the handshake's answer). A request that carries
