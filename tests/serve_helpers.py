@@ -97,14 +97,20 @@ def tone_checkpoint(path: Path, streaming: bool, steps: int = 120,
 
 class Server:
     """A ``konkanivani-serve`` process; ``url`` is where it listens, ``log`` what it wrote to
-    stderr."""
+    stderr. ``files``: the most files it may open (``ulimit -n``)."""
 
-    def __init__(self, checkpoint: Path, *flags: str):
+    def __init__(self, checkpoint: Path, *flags: str, files: int | None = None):
+        def limit_files():
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
+
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "konkanivani.cli.serve", str(checkpoint), "--port", "0", *flags],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=limit_files if files else None,
         )
         self.log: list[str] = []
         self.ready = threading.Event()
@@ -141,8 +147,8 @@ class Server:
 
 
 @contextmanager
-def served(checkpoint: Path, *flags: str):
-    server = Server(checkpoint, *flags)
+def served(checkpoint: Path, *flags: str, files: int | None = None):
+    server = Server(checkpoint, *flags, files=files)
     try:
         yield server
     finally:

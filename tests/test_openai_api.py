@@ -27,6 +27,7 @@ from serve_helpers import (  # noqa: E402
     served,
     tone_checkpoint,
     two_segment_clip,
+    wait_until,
 )
 from tone_speech import mixed_speech  # noqa: E402
 
@@ -370,3 +371,25 @@ def test_a_full_context_checkpoint_s_words_are_those_konkanivani_transcribe_give
                         (r["start"], r["end"]) for r in rows]
         finally:
             engine.close()
+
+
+@pytest.mark.slow
+def test_a_keyword_s_control_characters_are_escaped_in_the_log(server, clip):
+    """A keywords[] field the model cannot spell is named in the log's warning: its control
+    characters (an escape sequence that clears a terminal, a bell, a C1 CSI) written as escapes,
+    none raw; the request itself is answered."""
+    first = len(server.log)
+    boundary = "b0undary"
+    fields = [("model", NAME), ("keywords[]", "zq\x1b[2J\x07 \x9b1m")]
+    body = b"".join(f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'
+                    .encode() for k, v in fields)
+    body += (f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="c.wav"\r\n'
+             "Content-Type: audio/wav\r\n\r\n").encode() + clip.read_bytes()
+    body += f"\r\n--{boundary}--\r\n".encode()
+    headers = {**AUTH, "Content-Type": f"multipart/form-data; boundary={boundary}"}
+    status, answer = http_json("POST", server.url + "v1/audio/transcriptions", body, headers)
+    assert status == 200 and answer["text"], answer
+    assert wait_until(lambda: any("hotwords left out" in line for line in server.log[first:]), 30)
+    logged = "".join(server.log[first:])
+    assert "zq\\x1b 2j\\x07 \\x9b1m" in logged, logged
+    assert not any(c in logged for c in "\x1b\x07\x9b")

@@ -2,6 +2,7 @@
 trained model, its upload and its WebSocket giving what the offline Recognizer gives on the same
 audio, its token, its limits and its refusals; a fuzz of malformed uploads and frames after which it
 still answers /health. Counted, never timed (every wait bounded)."""
+import contextlib
 import io
 import json
 import random
@@ -42,6 +43,7 @@ from konkanivani.data.audio import load_audio  # noqa: E402
 from konkanivani.decoding.model_export import Streaming, export_checkpoint  # noqa: E402
 from konkanivani.decoding.recognizer import Recognizer  # noqa: E402
 from konkanivani.serving.app import _Close, _samples  # noqa: E402
+from konkanivani.serving.connections import LOG_EVERY_S  # noqa: E402
 from konkanivani.serving.engine import check_sample_rate  # noqa: E402
 from konkanivani.serving.limits import Limits  # noqa: E402
 
@@ -62,6 +64,8 @@ LIMITS = [
 ]
 FRIEND = "http://friend.example:3000"  # a page origin the module's server allows (--allow_origin)
 EVIL = "http://evil.example"
+NAMED = "asr.example"  # a host name the module's server answers besides its own (--allow_host)
+PROXY = "127.0.0.5"  # the one address whose X-Forwarded-For the module's server believes
 
 
 # Without a server: frames, limits and flags.
@@ -112,6 +116,16 @@ def test_limits_must_be_positive():
     (["{ckpt}", "--min_stream_rate", "2"],
      "--min_stream_rate must be at most 1 (real time), got 2.0"),
     (["{ckpt}", "--upload_timeout", "0"], "--upload_timeout must be positive, got 0.0"),
+    (["{ckpt}", "--allow_origin", "http://*.example.com"],
+     "--allow_origin 'http://*.example.com': an origin is scheme://host[:port]"),
+    (["{ckpt}", "--allow_origin", "http://friend.example:99999"],
+     "a port from 1 to 65535"),
+    (["{ckpt}", "--allow_host", "asr.example:8000"], "--allow_host 'asr.example:8000': a host"),
+    (["{ckpt}", "--allow_host", "*.example"], "--allow_host '*.example': a host"),
+    (["{ckpt}", "--trust_proxy", "127.0.0.1,proxy.lan"],
+     "--trust_proxy 'proxy.lan': an IP address or network"),
+    (["{ckpt}", "--token", "s\u00e9cret"], "--token (or $KONKANIVANI_TOKEN) must be visible ASCII"),
+    (["{ckpt}", "--token", "two words"], "must be visible ASCII characters (! to ~, no spaces)"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(tmp_path, capsys, flags, message):
     (tmp_path / "m.pt").write_bytes(b"")
@@ -140,7 +154,7 @@ def clip(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(checkpoints):
     with served(checkpoints["streaming"], "--token", TOKEN, *CHUNK, *LIMITS,
-                "--allow_origin", FRIEND) as s:
+                "--allow_origin", FRIEND, "--allow_host", NAMED, "--trust_proxy", PROXY) as s:
         yield s
 
 
@@ -261,6 +275,9 @@ def test_the_limits_answer_with_their_codes(server, clip):
         ("sample_rate=44", "sample_rate must be"),
         ("format=mp3", "format must be one of"),
         ("sample_rate=44101", "too odd a ratio"),
+        ("sample_rate=16000\u00b2", "sample_rate must be"),  # "²".isdigit(), which int refuses
+        ("sample_rate=\u0967\u096c\u0966\u0966\u0966", "sample_rate must be"),  # Devanagari
+        ("sample_rate=" + "1" * 5000, "sample_rate must be"),  # more digits than int reads
     ):
         status, _, answer = ws_refusal(server.ws_url + f"stream?{query}", AUTH)
         assert status == 400 and words in answer["error"]
@@ -365,6 +382,168 @@ def test_a_page_of_another_origin_is_refused_even_with_the_cookie(server):
     # the Origin is checked before the token: a foreign page without it is refused the same
     assert http("GET", server.url + "health", headers={"Origin": EVIL})[0] == 403
     assert _metric(server, '_errors_total{endpoint="/stream",reason="origin"}') == refused + 5
+
+
+@pytest.mark.slow
+def test_a_foreign_host_is_400_before_any_endpoint(server):
+    """DNS rebinding: a page of http://evil.example:PORT whose name resolves to 127.0.0.1 sends
+    its requests with that Host (and its own origin, which the Origin check would take for the
+    server's). Every endpoint and the WebSocket answer 400 for a Host of another name, with or
+    without the token; the names this machine reaches the server by, and --allow_host's, pass."""
+    port = server.url.rstrip("/").rsplit(":", 1)[1]
+    answered = _metric(server, '_requests_total{code="200",endpoint="/health"}')
+    for host in (f"evil.example:{port}", "evil.example", f"{NAMED}.evil.example:{port}",
+                 f"127.0.0.1.evil.example:{port}"):
+        for method, path in (("GET", ""), ("GET", "static/app.js"), ("GET", "health"),
+                             ("GET", "metrics"), ("POST", "transcribe"), ("GET", "v1/models"),
+                             ("POST", "v1/audio/transcriptions")):
+            body = b"x" if method == "POST" else None
+            for headers in ({}, AUTH, {**AUTH, "Origin": f"http://{host}"}):
+                status, _, answer = http(method, server.url + path, body,
+                                         {**headers, "Host": host})
+                assert (status, answer) == (400, b"Invalid host header"), (host, path, status)
+        assert _raw_handshake(server, host) == 400
+    assert _metric(server, '_requests_total{code="200",endpoint="/health"}') == answered
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", f"LOCALHOST:{port}",
+                 f"{NAMED}:{port}", NAMED):
+        status, _, _ = http("GET", server.url + "health", None, {**AUTH, "Host": host})
+        assert status == 200, host
+        # the server's own origin is the name it was reached by
+        status, _, _ = http("GET", server.url + "health", None,
+                            {**AUTH, "Host": host, "Origin": f"http://{host}"})
+        assert status == 200, host
+        assert _raw_handshake(server, host) == 101
+    assert "Traceback" not in "".join(server.log) and "ERROR" not in "".join(server.log)
+
+
+def _raw_handshake(server, host: str) -> int:
+    """The status that answers a WebSocket handshake to ``/stream`` sent with ``Host: host`` (the
+    token in the query), read from the socket."""
+    port = int(server.url.rstrip("/").rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), 30) as sock:
+        sock.settimeout(30)
+        sock.sendall(f"GET /stream?token={TOKEN} HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket"
+                     "\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                     "Sec-WebSocket-Version: 13\r\n\r\n".encode())
+        head = b""
+        while b"\r\n" not in head:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            head += chunk
+    return int(head.split()[1])
+
+
+@pytest.mark.slow
+def test_x_forwarded_for_counts_only_from_a_trusted_proxy(server):
+    """The per-client caps count the connection's address: a client that claims other addresses
+    in X-Forwarded-For holds no more than --max_client_uploads (2) places; only --trust_proxy's
+    address is believed, each client behind it counted apart."""
+    def held(source, *claimed):
+        return [SlowUpload(server.url + "transcribe", {**AUTH, "X-Forwarded-For": c},
+                           source=source) for c in claimed]
+
+    def third(source, claimed):
+        return http("POST", server.url + "transcribe", b"x",
+                    {**AUTH, "X-Forwarded-For": claimed}, source=source)
+
+    uploads = held("127.0.0.2", "10.0.0.1", "10.0.0.2") + held(PROXY, "10.0.0.1", "10.0.0.1")
+    status, _, answer = third("127.0.0.2", "10.0.0.3")
+    assert status == 429 and "this client (127.0.0.2) has 2 uploads" in json.loads(answer)["error"]
+    status, _, answer = third(PROXY, "10.0.0.3")  # another client behind the proxy: let in
+    assert status == 400 and "audio unreadable" in json.loads(answer)["error"], answer
+    status, _, answer = third(PROXY, "10.0.0.1")  # its client's third
+    assert status == 429 and "this client (10.0.0.1)" in json.loads(answer)["error"], answer
+    status, _, answer = third("127.0.0.3", "10.0.0.1")  # another client: served
+    assert status == 400 and "audio unreadable" in json.loads(answer)["error"], answer
+    for upload in uploads:  # 408 after the grace
+        assert upload.answer()[0] == 408
+
+
+def _lines(server, words: str) -> int:
+    return sum(words in line for line in server.log)
+
+
+@pytest.mark.slow
+def test_slow_headers_and_sockets_beyond_the_cap_are_closed_and_logged_once(checkpoints, clip):
+    """Sockets that send nothing, or a header line now and then, are closed once --header_timeout
+    passes without a whole request head; those beyond --max_connections are answered 503 at once.
+    Each is one line in the log, however many sockets; then other clients are served."""
+    with served(checkpoints["streaming"], *CHUNK, "--header_timeout", "2",
+                "--max_connections", "12") as server:
+        port = int(server.url.rstrip("/").rsplit(":", 1)[1])
+        started, first = time.monotonic(), len(server.log)
+        held = [socket.create_connection(("127.0.0.1", port), 30) for _ in range(12)]
+        for sock in held[:6]:
+            sock.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n".encode())
+        for _ in range(8):  # accepted after the twelve (the backlog's order): the thirteenth
+            assert _refused(port)
+        stop = threading.Event()
+
+        def trickle():  # a header line every 0.5 s on the first six
+            while not stop.wait(0.5):
+                for sock in held[:6]:
+                    with contextlib.suppress(OSError):
+                        sock.sendall(b"X-Slow: yes\r\n")
+
+        threading.Thread(target=trickle, daemon=True).start()
+        try:
+            assert all(_closed(sock) for sock in held)
+        finally:
+            stop.set()
+            for sock in held:
+                sock.close()
+        status, result = http_json("POST", server.url + "transcribe", clip.read_bytes())
+        assert status == 200 and result["text"], result
+        messages, closed = ws_session(server.ws_url + "stream", _pcm16_frames(clip)[:5])
+        assert messages[0]["type"] == "ready" and closed["code"] == 1000
+        time.sleep(0.5)  # for the thread that reads the pipe
+        once = 1 + int((time.monotonic() - started) // LOG_EVERY_S)
+        assert 1 <= _lines(server, "connections refused (503): 12 open") <= once, server.log
+        assert 1 <= _lines(server, "request head did not come within 2 s") <= once, server.log
+        assert len(server.log[first:]) <= 2 * once, server.log
+        assert "Traceback" not in "".join(server.log)
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the server closes ``sock`` without an answer (within 60 s): the end of its stream,
+    or a reset where it closed with a header line unread."""
+    sock.settimeout(60)
+    try:
+        return sock.recv(4096) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _refused(port: int) -> bool:
+    """Whether a new connection is answered 503 before it sends anything."""
+    with socket.create_connection(("127.0.0.1", port), 30) as sock:
+        sock.settimeout(30)
+        return sock.recv(4096).startswith(b"HTTP/1.1 503 ")
+
+
+@pytest.mark.slow
+def test_accepts_that_fail_for_want_of_files_are_logged_once(checkpoints):
+    """A process that may open few files (ulimit -n 150) with 300 sockets connecting: accept fails
+    (EMFILE) again and again, logged once a minute, not once a try; the sockets wait in the
+    backlog, are closed by --header_timeout as they come in, and then /health is answered."""
+    with served(checkpoints["streaming"], *CHUNK, "--header_timeout", "2", files=150) as server:
+        assert "warning: this process may open 150 files (ulimit -n)" in "".join(server.log)
+        port = int(server.url.rstrip("/").rsplit(":", 1)[1])
+        started = time.monotonic()
+        socks = [socket.create_connection(("127.0.0.1", port), 30) for _ in range(300)]
+        try:
+            assert wait_until(lambda: "Too many open files" in "".join(server.log), 30)
+            # each closed by the deadline once accepted: the last of them within a bound
+            assert all(_closed(sock) for sock in socks)
+        finally:
+            for sock in socks:
+                sock.close()
+        assert http_json("GET", server.url + "health", timeout=30)[0] == 200
+        once = 1 + int((time.monotonic() - started) // LOG_EVERY_S)
+        assert 1 <= _lines(server, "socket.accept() out of system resource") <= once, server.log
+        assert _lines(server, "Too many open files") <= once
+        assert _lines(server, "request head did not come within 2 s") <= once
 
 
 def _metric(server, name: str) -> float:

@@ -8,6 +8,7 @@ another local port, in the same browser after it has the token's cookie, gets no
 from the server: its WebSocket no ready, its POST 403."""
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 import soundfile as sf
 import torch
-from serve_helpers import http, served, train_model, wait_until
+from serve_helpers import http, served, tone_checkpoint, train_model, wait_until
 
 from konkanivani.checkpoint import save_checkpoint
 from konkanivani.data.audio import load_audio
@@ -31,6 +32,7 @@ CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver"
 TOKEN = "page-token"
 CHUNK = 8  # the model below is trained for chunks of 1-8 frames
 CLIPS, STEPS = 2, 400  # learned well enough that the page's resampled audio reads the same
+EVIL_HOST = "evil.example"  # a foreign name the browser resolves to 127.0.0.1
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +71,10 @@ def konkani(tiny_corpus, tmp_path_factory):
     return checkpoint, out / "speech.wav"
 
 
-@pytest.fixture
-def browser(konkani, monkeypatch):
+@contextmanager
+def _chromium(*args: str):
+    """Headless chromium through its chromedriver, with ``args``; ``EVIL_HOST`` resolves to
+    127.0.0.1 in it (a host-resolver rule: what DNS rebinding makes of a name)."""
     if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
         pytest.skip(
             f"needs Debian's chromium and chromium-driver ({CHROMIUM}, {CHROMEDRIVER}): "
@@ -79,30 +83,32 @@ def browser(konkani, monkeypatch):
     webdriver = pytest.importorskip("selenium.webdriver")
     from selenium.webdriver.chrome.service import Service
 
-    monkeypatch.setenv("SE_OFFLINE", "true")  # Selenium Manager may not fetch anything
     options = webdriver.ChromeOptions()
     options.binary_location = str(CHROMIUM)
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-dev-shm-usage",
-        "--disable-gpu",
-        "--window-size=900,820",
-        "--use-fake-ui-for-media-stream",
-        "--use-fake-device-for-media-stream",
-        f"--use-file-for-fake-audio-capture={konkani[1]}%noloop",
-        "--autoplay-policy=no-user-gesture-required",
-    ):
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=900,820", f"--host-resolver-rules=MAP {EVIL_HOST} 127.0.0.1",
+                *args):
         options.add_argument(arg)
     # the browser's own record of its requests: the status of one its page may not read (CORS)
     options.set_capability("goog:loggingPrefs", {"performance": "ALL"})
-    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SE_OFFLINE", "true")  # Selenium Manager may not fetch anything
+        driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)),
+                                  options=options)
     driver.set_page_load_timeout(60)
     driver.set_script_timeout(60)
     try:
         yield driver
     finally:
         driver.quit()
+
+
+@pytest.fixture
+def browser(konkani):
+    with _chromium("--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
+                   f"--use-file-for-fake-audio-capture={konkani[1]}%noloop",
+                   "--autoplay-policy=no-user-gesture-required") as driver:
+        yield driver
 
 
 def _state(driver) -> str:
@@ -281,4 +287,51 @@ def test_a_page_of_another_port_cannot_use_the_server(konkani, browser):
         assert 'konkanivani_errors_total{endpoint="/transcribe",reason="origin"} 1.0' in metrics
         assert 'konkanivani_requests_total{code="200",endpoint="/transcribe"}' not in metrics
         assert 'konkanivani_requests_total{code="1000",endpoint="/stream"} 1.0' in metrics  # own
+        assert "Traceback" not in "".join(server.log) and "ERROR" not in "".join(server.log)
+
+
+# What a page of the server's port on another name tries, run in it: fetch each endpoint (the page,
+# its files, health, metrics, both uploads, the models), open the WebSocket; the statuses it reads
+# (same origin: it may read them) and the stream's first message and close code.
+TRY_EVERY_ENDPOINT = """const done = arguments[0], out = {};
+const form = new FormData();
+form.append("file", new Blob([new Uint8Array(64)]), "a.wav");
+form.append("model", "any");
+const asks = [["GET", "/"], ["GET", "/static/app.js"], ["GET", "/health"], ["GET", "/metrics"],
+              ["POST", "/transcribe", new Uint8Array(64)], ["GET", "/v1/models"],
+              ["POST", "/v1/audio/transcriptions", form]];
+Promise.all(asks.map(([method, path, body]) => fetch(path, {method, body}).then(
+    (r) => { out[method + " " + path] = r.status; }, (e) => { out[method + " " + path] = "failed"; }
+))).then(() => {
+  const ws = new WebSocket(location.origin.replace(/^http/, "ws") + "/stream");
+  ws.onmessage = (e) => {  // the first message; then the end of the stream
+    if (!out.ws) ws.send(JSON.stringify({type: "end"}));
+    out.ws = out.ws || JSON.parse(e.data).type;
+  };
+  ws.onclose = (e) => { out.closed = e.code; done(out); };
+});"""
+
+
+def test_a_page_on_a_rebound_name_gets_nothing_from_the_server(tmp_path):
+    """DNS rebinding, as a browser does it: a server started without --token (the default), and a
+    page of http://evil.example:PORT, a name the browser resolves to 127.0.0.1 (a host-resolver
+    rule), is the same origin as the server. Every endpoint it fetches answers 400 and its
+    WebSocket gets no ready; the server's own page, on 127.0.0.1, is served meanwhile."""
+    with served(tone_checkpoint(tmp_path / "tones.pt", streaming=True), "--chunk_size",
+                str(CHUNK)) as server, _chromium() as browser:
+        port = server.url.rstrip("/").rsplit(":", 1)[1]
+        browser.get(f"http://{EVIL_HOST}:{port}/")
+        assert browser.execute_script("return document.body.innerText") == "Invalid host header"
+        outcome = browser.execute_async_script(TRY_EVERY_ENDPOINT)
+        refused = {k: 400 for k in outcome if k not in ("ws", "closed")}
+        assert len(refused) == 7 and outcome == {**refused, "closed": 1006}, outcome
+        # none of them reached an endpoint: the one request counted is this one for /metrics
+        metrics = http("GET", server.url + "metrics")[2].decode()
+        counted = re.findall(r"^konkanivani_requests_total({.*}) ", metrics, re.MULTILINE)
+        assert counted == ['{code="200",endpoint="/metrics"}'], counted
+        browser.get(server.url)
+        own = browser.execute_async_script(TRY_EVERY_ENDPOINT)
+        assert own["GET /"] == own["GET /health"] == own["GET /v1/models"] == 200, own
+        assert own["POST /transcribe"] == own["POST /v1/audio/transcriptions"] == 400  # not audio
+        assert own["ws"] == "ready" and own["closed"] == 1000, own
         assert "Traceback" not in "".join(server.log) and "ERROR" not in "".join(server.log)

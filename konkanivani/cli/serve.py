@@ -33,7 +33,12 @@ from ..decoding.settings import add_decoding_flags, decoding_config_from_args
 from . import Parser, fail, setup_logging, tool
 
 TOKEN_ENV = "KONKANIVANI_TOKEN"
-_ORIGIN = re.compile(r"https?://[^/?#\s]+/?", re.IGNORECASE)
+# a host name or address as a browser writes it in Host and Origin: ASCII (an IDN as punycode), no
+# wildcard; an IPv6 address in brackets
+_HOST = r"(?:[a-z0-9](?:[a-z0-9-]*[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]*[a-z0-9])?)*|\[[0-9a-f:.]+\])"
+_ORIGIN = re.compile(rf"https?://{_HOST}(?::(?P<port>[0-9]{{1,5}}))?/?", re.IGNORECASE)
+# the open files the server keeps besides its connections' (the model's, threads', the log's)
+FILES_BESIDES = 256
 # The DecodingConfig fields konkanivani-serve takes as flags (docs/generate_flags.py reads them):
 # a streaming checkpoint streams in --chunk_size chunks, an export in its own.
 DECODING_FIELDS = ("method", "beam_size", "ctc_weight", "chunk_size", "left_chunks", "endpoint_ms",
@@ -63,9 +68,25 @@ def main(argv: list[str] | None = None) -> int:
         if value < least:
             parser.error(f"{name} must be at least {least}, got {value}")
     for origin in args.allow_origin:
-        if not _ORIGIN.fullmatch(origin):
+        found = _ORIGIN.fullmatch(origin)
+        if not found or not 0 < int(found["port"] or 80) <= 65535:
             parser.error(f"--allow_origin {origin!r}: an origin is scheme://host[:port] (http or "
-                         "https, no path), as a browser sends it")
+                         "https, no path, no wildcard, a port from 1 to 65535), as a browser sends "
+                         "it")
+    for host in args.allow_host:
+        if not re.fullmatch(_HOST, host, re.IGNORECASE):
+            parser.error(f"--allow_host {host!r}: a host name or address as clients write it in "
+                         "Host, without a port or a wildcard (an IPv6 address in brackets)")
+    args.trust_proxy = [a.strip() for value in args.trust_proxy for a in value.split(",")]
+    for address in args.trust_proxy:
+        try:
+            ipaddress.ip_network(address, strict=False)
+        except ValueError:
+            parser.error(f"--trust_proxy {address!r}: an IP address or network (10.0.0.0/8)")
+    # an HTTP header carries visible ASCII alone: another token could never be sent
+    if args.token and not re.fullmatch(r"[!-~]+", args.token):
+        parser.error(f"--token (or ${TOKEN_ENV}) must be visible ASCII characters (! to ~, no "
+                     "spaces): a header cannot carry others")
     setup_logging()
     return _serve(args, decoding, limits)
 
@@ -92,6 +113,14 @@ def _parser(limits_class) -> Parser:
     parser.add_argument(
         "--port", type=int, default=8000, help="default: %(default)s; 0: a free one, printed"
     )
+    parser.add_argument("--allow_host", action="append", default=[], metavar="NAME",
+                        help="a host name (or address) clients reach the server by, besides "
+                             "--host, localhost, 127.0.0.1 and [::1]; repeatable. A request "
+                             "whose Host header names another is 400 (DNS rebinding)")
+    parser.add_argument("--trust_proxy", action="append", default=[], metavar="ADDR",
+                        help="a proxy's address (or network) whose X-Forwarded-For and "
+                             "X-Forwarded-Proto are believed; repeatable, or a comma list. By "
+                             "default none: a client is its connection's address")
     parser.add_argument("--allow_origin", action="append", default=[], metavar="ORIGIN",
                         help="a page of this origin (scheme://host[:port]) may use the server "
                              "besides its own page; repeatable. Requests without Origin (curl, "
@@ -148,7 +177,8 @@ def _serve(args, decoding, limits) -> int:
 
     from ..decoding.onnx_recognizer import ExportedRecognizer
     from ..decoding.recognizer import Recognizer
-    from ..serving.app import DenialLogFilter, create_app, model_label
+    from ..serving.app import DenialLogFilter, EscapeFields, create_app, model_label
+    from ..serving.connections import OncePerInterval, protocol
     from ..serving.engine import Engine
 
     if args.threads:
@@ -173,10 +203,13 @@ def _serve(args, decoding, limits) -> int:
         sock = _listen(args.host, args.port)
     except OSError as e:
         return fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
+    bound = f"[{args.host}]" if ":" in args.host else args.host
     app = create_app(engine, limits, args.token,
-                     args.model_name or model_label(str(args.checkpoint)), args.allow_origin)
+                     args.model_name or model_label(str(args.checkpoint)), args.allow_origin,
+                     [bound, *args.allow_host])
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
+    _open_files(limits.max_connections)
     if not args.token and not _loopback(args.host):
         print(
             f"warning: listening on {args.host} without --token: anyone who can reach this machine"
@@ -188,15 +221,25 @@ def _serve(args, decoding, limits) -> int:
           + (" (token required)" if args.token else ""), file=sys.stderr, flush=True)
     config = uvicorn.Config(
         app,
+        http=protocol(limits.header_timeout, limits.max_connections, limits.retry_after_s),
         log_level="warning",
         access_log=False,
         ws_max_size=4 * limits.max_frame_bytes,
         ws_ping_interval=20.0,
         ws_ping_timeout=20.0,
         timeout_graceful_shutdown=5,
+        # the client's address is its connection's unless a trusted proxy's header says otherwise
+        proxy_headers=bool(args.trust_proxy),
+        forwarded_allow_ips=args.trust_proxy or None,
     )
     # after Config, which sets up uvicorn's loggers
     logging.getLogger("uvicorn.error").addFilter(DenialLogFilter())
+    # what comes once per socket (asyncio's failed accepts, uvicorn's bad requests, the
+    # connections' refusals): once a minute
+    for name in ("asyncio", "uvicorn.error", "konkanivani.connections"):
+        logging.getLogger(name).addFilter(OncePerInterval())
+    for handler in logging.getLogger("konkanivani").handlers:
+        handler.addFilter(EscapeFields())
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 
@@ -213,6 +256,26 @@ def _listen(host: str, port: int) -> socket.socket:
     sock.listen(2048)  # connections wait in the backlog from now on, before the app has started
     sock.set_inheritable(True)
     return sock
+
+
+def _open_files(connections: int) -> None:
+    """The soft limit of open files raised to what ``connections`` and the server's own files need,
+    where the hard limit allows (Go's runtime raises it at start too): each connection is one. A
+    warning line where it cannot be."""
+    try:
+        import resource
+    except ImportError:  # not a Unix: no such limit to raise
+        return
+    wanted = connections + FILES_BESIDES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return
+    new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    if new < wanted:
+        print(f"warning: this process may open {new} files (ulimit -n), fewer than the {wanted} "
+              f"--max_connections {connections} and the server's own files need: beyond, "
+              "connections wait unaccepted (logged once a minute)", file=sys.stderr)
 
 
 def _loopback(host: str) -> bool:

@@ -7,6 +7,10 @@
     GET  /metrics      Prometheus text
     /v1/...            OpenAI's dialect (openai_api): POST /v1/audio/transcriptions, GET /v1/models
 
+A request whose ``Host`` is none of the names the server is reached by on purpose (``LOCAL_HOSTS``,
+its bound address, ``--allow_host``) is 400 before any endpoint, token or not: a foreign name that
+resolves to this machine (DNS rebinding) would otherwise be the page's own origin.
+
 With a token, every request carries it: ``Authorization: Bearer TOKEN``, the query parameter
 ``token=TOKEN`` (what a WebSocket client without headers can send) or the cookie the page's
 ``/?token=TOKEN`` sets; else 401 (for ``/stream``, the handshake's answer). A request that carries
@@ -24,6 +28,7 @@ import contextvars
 import hmac
 import json
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from importlib import resources
@@ -41,6 +46,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
@@ -54,11 +61,14 @@ from .engine import Engine, UploadTooLong
 from .limits import Limits
 from .uploads import Refused, upload_bytes
 
-__all__ = ["FORMATS", "TOKEN_COOKIE", "DenialLogFilter", "create_app"]
+__all__ = ["FORMATS", "LOCAL_HOSTS", "TOKEN_COOKIE", "DenialLogFilter", "EscapeFields",
+           "create_app"]
 
 log = logging.getLogger("konkanivani")
 
 TOKEN_COOKIE = "konkanivani_token"
+# the names this machine reaches the server by, whatever it is bound to (any port)
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 # a stream's sample formats, little-endian
 FORMATS = {"pcm16": np.dtype("<i2"), "float32": np.dtype("<f4")}
 _STATIC = {
@@ -162,6 +172,21 @@ class DenialLogFilter(logging.Filter):
         return not (_denied.get() and uvicorns)
 
 
+class EscapeFields(logging.Filter):
+    """For a handler of konkanivani's log: control characters in a record's fields (its args: what
+    a client sent, a hotword say) written as escapes (``\\x1b``, ``\\n``), so that no client
+    forges a log line or moves a terminal's cursor. The message's own text is the code's."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(_escape(a) if isinstance(a, str) else a for a in record.args)
+        return True
+
+
+def _escape(text: str) -> str:
+    return re.sub(r"[\x00-\x1f\x7f-\x9f]", lambda m: m[0].encode("unicode_escape").decode(), text)
+
+
 def _static_files() -> dict[str, bytes]:
     """The page's files, read from the package once: the only files the server serves."""
     folder = resources.files(__package__) / "static"
@@ -169,9 +194,11 @@ def _static_files() -> dict[str, bytes]:
 
 
 def create_app(engine: Engine, limits: Limits = Limits(), token: str | None = None,
-               model_name: str = "", allow_origins: Iterable[str] = ()) -> Starlette:
+               model_name: str = "", allow_origins: Iterable[str] = (),
+               hosts: Iterable[str] = ()) -> Starlette:
     """The app of one loaded model: see the module. ``token`` None or empty: no token asked;
-    ``allow_origins``: origins besides its own whose pages may use it (``scheme://host[:port]``)."""
+    ``allow_origins``: origins besides its own whose pages may use it (``scheme://host[:port]``);
+    ``hosts``: the names (or addresses) it answers besides ``LOCAL_HOSTS``."""
     server = _Server(engine, limits, token, model_name, allow_origins)
     guard = server.guard
     routes = [
@@ -190,9 +217,26 @@ def create_app(engine: Engine, limits: Limits = Limits(), token: str | None = No
         yield
         engine.close()
 
-    app = Starlette(routes=routes, lifespan=lifespan)
+    # Before any endpoint, with or without a token: a request whose Host names another (a foreign
+    # name the page's DNS points at 127.0.0.1: DNS rebinding) is 400. Its own origin, which the
+    # Origin check derives from Host, is then one of these names too.
+    trusted = Middleware(_TrustedHosts, allowed_hosts=[*LOCAL_HOSTS, *hosts], www_redirect=False)
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[trusted])
     app.state.metrics = server.metrics
     return app
+
+
+class _TrustedHosts(TrustedHostMiddleware):
+    """Starlette's, its 400 to a WebSocket handshake marked as this app's refusal
+    (``DenialLogFilter``)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def marked(message) -> None:
+            if message["type"] == "websocket.http.response.start":
+                _denied.set(True)
+            await send(message)
+
+        await super().__call__(scope, receive, marked if scope["type"] == "websocket" else send)
 
 
 class _Server:
@@ -410,7 +454,8 @@ def _stream_params(ws: WebSocket) -> tuple[int, np.dtype]:
     default, or ``float32``)."""
     rate = ws.query_params.get("sample_rate", str(SAMPLE_RATE))
     fmt = ws.query_params.get("format", "pcm16")
-    if not rate.isdigit() or not MIN_RATE <= int(rate) <= MAX_RATE:
+    # ASCII digits alone: str.isdigit takes others too ("²", which int refuses: a 500)
+    if not re.fullmatch(r"[0-9]{1,7}", rate) or not MIN_RATE <= int(rate) <= MAX_RATE:
         raise Refused(
             400,
             "params",

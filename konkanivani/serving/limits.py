@@ -47,6 +47,11 @@ class Limits:
     max_frame_kb: float = _limit(256.0, "the largest WebSocket message, in KB (256: 1.3 s of 48 "
                                  "kHz float32): close 1009 beyond")
     retry_after_s: int = _limit(5, "the Retry-After of a 503 or a 429, in seconds")
+    header_timeout: float = _limit(10.0, "seconds a request's head (its request line and headers) "
+                                   "may take to arrive, on a new connection or a kept-alive one: "
+                                   "beyond, the connection closed")
+    max_connections: int = _limit(2000, "connections open at once, streams included: one beyond "
+                                  "is answered 503 at once and closed")
 
     def __post_init__(self):
         for f in fields(self):
