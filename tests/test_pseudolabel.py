@@ -266,3 +266,29 @@ def test_shards_are_labelled_their_audio_copied_for_the_manifest(split, teacher,
         assert Path(row["audio_filepath"]).parent == (out / "audio").resolve()
         assert abs(info.frames / info.samplerate - row["duration"]) < 0.01
     assert _hashes(shards) == before
+
+
+def test_rounds_train_a_student_make_it_the_teacher_and_keep_a_table(tiny_corpus, split, teacher,
+                                                                     tmp_path, monkeypatch):
+    out = tmp_path / "rounds"
+    argv = [str(teacher / "latest.pt"), str(split / "audio_only.jsonl"), "--rounds", "2",
+            "--train_manifest", str(split / "labelled.jsonl"),
+            "--valid_manifest", str(tiny_corpus / "valid.jsonl"), "--threshold", "0",
+            "--min_chars_per_second", "0", "--method", "greedy", "--output_dir", str(out),
+            "--train_flags", f"--tokenizer {teacher / 'tokenizer.model'} --preset tiny "
+            "--batch_size 4 --lr 2e-3 --warmup_steps 8 --max_steps 12 --epochs 100 --num_workers 0 "
+            "--no_progress --seed 5"]
+    assert pseudolabel.main(argv) == 0
+    table = json.loads((out / "rounds.json").read_text(encoding="utf-8"))
+    assert [r["round"] for r in table] == [0, 1, 2]
+    assert all(0 <= r["valid_cer"] for r in table)
+    assert table[1]["teacher"] == str(teacher / "latest.pt")
+    assert table[2]["teacher"] == str(out / "round_1" / "student" / "best.pt")
+    assert table[2]["kept"] == len(_rows(out / "round_2" / "pseudo.jsonl"))
+    assert (out / "round_2" / "student" / "best.pt").is_file()
+    assert "| 2 |" in (out / "rounds.md").read_text(encoding="utf-8")
+    # started again: every round is done, nothing is decoded or trained again
+    calls = []
+    monkeypatch.setattr(pseudolabel.train_cli, "main", lambda argv: calls.append(argv) or 0)
+    monkeypatch.setattr(Recognizer, "decode_with_greedy", lambda *a, **k: calls.append(a))
+    assert pseudolabel.main(argv) == 0 and not calls

@@ -28,8 +28,14 @@ In ``--output_dir`` OUT:
   "pseudo_label": {"teacher", "confidence"}}`` (a manifest's other keys kept); training refuses it
   as a validation set, as ``konkanivani-evaluate`` does;
 - ``report.json`` and ``report.md``: how many utterances (and hours) each threshold keeps, and on
-  the validation set their label CER; what was dropped and why (no text, too short for its text,
-  characters per second out of bounds, below the threshold, unreadable).
+  the validation set their label CER; what was dropped and why (no text, more tokens than the audio
+  has frames, a label too short or too long for its duration, below the threshold, unreadable).
+
+``--rounds N`` repeats it: each round labels into ``OUT/round_R``, trains a student on
+``--train_manifest`` and the kept labels (``OUT/round_R/student``, with ``--train_flags``, validated
+on ``--valid_manifest`` or else ``--choose_threshold_on``), and makes the student's best.pt the
+next teacher; ``OUT/rounds.md`` and ``rounds.json`` hold each round's threshold, labels kept and
+validation CER. Started again, it goes on where it stopped.
 
 Outputs are written through temporary files renamed at the end, and never over an input: OUT may
 not hold a file the run reads. Exit status 1 when some files could not be decoded (named on stderr,
@@ -38,9 +44,13 @@ counted in the report); the others are labelled.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
+import io
+import itertools
 import json
 import os
+import shlex
 import sys
 import time
 from collections import Counter
@@ -50,11 +60,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint import CheckpointError, write_file_atomic
-from ..data.audio import AudioError, load_audio
+from ..data.audio import load_audio
 from ..data.frames import SAMPLE_RATE
 from ..data.manifest import PSEUDO_LABEL, ManifestError, check_text, refuse_pseudo_labels
-from ..data.shards import AUDIO_MEMBER, decode_member, iter_shard, open_shards
-from ..datatools.outputs import OutputError, safe_name, write_output
+from ..data.shards import AUDIO_MEMBER, META_MEMBER, iter_shard, open_shards
+from ..datatools.outputs import OutputError, manifest_audio, safe_name, write_output
 from ..decoding.confidence import (
     MAX_CHARS_PER_SECOND,
     MIN_CHARS_PER_SECOND,
@@ -64,9 +74,12 @@ from ..decoding.confidence import (
     confidence_of,
     kept_cer,
 )
+from ..decoding.evaluation import evaluate_manifest
 from ..decoding.metrics import score
 from ..decoding.recognizer import MIN_SAMPLES, Recognizer, find_audio
+from ..decoding.settings import DecodingConfig
 from . import Parser, fail, refuse_unsafe_outputs, setup_logging, tool
+from . import train as train_cli
 from .decoding_flags import (
     add_decoding_args,
     checked_decoding,
@@ -81,6 +94,7 @@ DECODING_FIELDS = ("method", "beam_size", "ctc_weight", "lm", "lm_weight", "leng
                    "batch_size", "device", "hotwords", "hotword_boost")
 LABELS, VALID_LABELS, KEPT = "labels.jsonl", "valid_labels.jsonl", "pseudo.jsonl"
 SETTINGS, REPORT_JSON, REPORT_MD, AUDIO = "labelling.json", "report.json", "report.md", "audio"
+ROUNDS_MD, ROUNDS_JSON = "rounds.md", "rounds.json"
 
 
 @tool
@@ -101,6 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.min_chars_per_second <= args.max_chars_per_second:
         parser.error("--min_chars_per_second must be >= 0 and at most --max_chars_per_second")
     setup_logging()
+    if args.rounds:
+        return _rounds(parser, args, decoding)
+    return _label(parser, args, decoding)
+
+
+def _label(parser: Parser, args: argparse.Namespace, decoding: DecodingConfig) -> int:
+    """One labelling of the inputs by ``args.checkpoint`` into ``args.output_dir``: the tool
+    without ``--rounds``, and each round of it."""
     try:
         if args.choose_threshold_on is not None:
             refuse_pseudo_labels(args.choose_threshold_on, "--choose_threshold_on")
@@ -122,17 +144,20 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, RuntimeError, ValueError) as e:
         return fail(str(e))
     teacher = args.teacher or str(args.checkpoint)
-    settings = {"teacher": teacher, "checkpoint": _digest(args.checkpoint),
-                "decoding": decoding_name(resolved)}
+    # what makes a label what it is: the model and every setting of its search (not the device)
+    searched = {name: getattr(resolved, name) for name in DECODING_FIELDS
+                if name not in ("batch_size", "device")}
+    settings = json.loads(json.dumps({"teacher": teacher, "checkpoint": _digest(args.checkpoint),
+                                      "decoding": searched}, default=str))
     try:
         _claim(out, settings)
         labeller = _Labeller(recognizer, resolved, args.jobs)
         start = time.perf_counter()
         valid_rows = labeller.run(out / VALID_LABELS, iter(valid)) if valid else []
         items = _shard_items(shards, Path(os.path.abspath(out / AUDIO))) if shards else iter(())
-        rows = labeller.run(out / LABELS, _chain(iter(files), items))
-        elapsed = time.perf_counter() - start
-        report = _Report(args, teacher, rows, valid_rows, recognizer, elapsed)
+        rows = labeller.run(out / LABELS, itertools.chain(files, items))
+        speed = labeller.decoded_s / (time.perf_counter() - start)
+        report = _Report(args, teacher, rows, valid_rows, recognizer, speed)
         if report.threshold is None:
             return fail(report.unreached())
         write_output(out / KEPT, "".join(json.dumps(r, ensure_ascii=False) + "\n"
@@ -177,7 +202,89 @@ def _parser() -> Parser:
                         help="threads decoding batches side by side (default: 1)")
     parser.add_argument("--teacher", help="the teacher's name in each row's pseudo_label "
                         "(default: the checkpoint's path)")
+    rounds = parser.add_argument_group("rounds: label, train a student on both, repeat with it")
+    rounds.add_argument("--rounds", type=int, default=0,
+                        help="N rounds into OUT/round_1 ... (each labelling, its student in "
+                        "student/): needs --train_manifest, and --choose_threshold_on or "
+                        "--valid_manifest (default: 0, label once into OUT)")
+    rounds.add_argument("--train_manifest", type=Path,
+                        help="with --rounds: the transcribed manifest each student trains on")
+    rounds.add_argument("--valid_manifest", type=Path,
+                        help="with --rounds: the students' validation set, and the table's "
+                        "(default: --choose_threshold_on)")
+    rounds.add_argument("--train_flags", default="",
+                        help="with --rounds: more konkanivani-train flags for each student, one "
+                        "string ('--preset small --max_steps 3000 --pseudo_noise_prob 0.5')")
     return parser
+
+
+# ---- rounds -------------------------------------------------------------------------------------
+
+def _rounds(parser: Parser, args: argparse.Namespace, decoding: DecodingConfig) -> int:
+    """``--rounds N``: label with the teacher, train a student on the transcribed and kept labels,
+    make its best.pt the next teacher; OUT/rounds.md holds each round's threshold, labels kept and
+    validation CER (round 0: the first teacher's). Started again, a round whose student finished is
+    taken as it is, a labelling or a training cut short goes on where it stopped."""
+    valid = args.valid_manifest or args.choose_threshold_on
+    if args.rounds < 0 or args.train_manifest is None or valid is None:
+        parser.error("--rounds N (N >= 1) needs --train_manifest (the transcribed part) and "
+                     "--choose_threshold_on or --valid_manifest (the students' validation set)")
+    try:
+        flags = shlex.split(args.train_flags)
+        refuse_pseudo_labels(valid, "--valid_manifest")
+        reads = [args.train_manifest, valid,
+                 *manifest_audio(args.train_manifest), *manifest_audio(valid)]
+    except (ValueError, ManifestError) as e:
+        return fail(str(e))
+    refuse_unsafe_outputs(parser, {}, reads, {"--output_dir": args.output_dir})
+    teacher, table = args.checkpoint, [{"round": 0, "teacher": str(args.checkpoint)}]
+    table[0]["valid_cer"] = _valid_cer(teacher, valid, decoding)
+    for r in range(1, args.rounds + 1):
+        folder = args.output_dir / f"round_{r}"
+        labelled = argparse.Namespace(**{**vars(args), "checkpoint": teacher,
+                                         "output_dir": folder, "teacher": None})
+        if (code := _label(parser, labelled, decoding)) == 2:
+            return code
+        student, done = folder / "student", folder / "student.done"
+        if not done.is_file():
+            run = ["--train_manifest", str(args.train_manifest), "--valid_manifest", str(valid),
+                   "--pseudo_manifest", str(folder / KEPT),
+                   "--output_dir", str(student), *flags]
+            if (student / "latest.pt").is_file():
+                run += ["--resume", "latest"]
+            if (code := train_cli.main(run)) != 0:
+                return code
+            write_output(done, "")
+        teacher = student / "best.pt"
+        report = json.loads((folder / REPORT_JSON).read_text(encoding="utf-8"))
+        table.append({"round": r, "teacher": str(labelled.checkpoint),
+                      "threshold": report["threshold"], "kept": report["kept"],
+                      "kept_hours": next(t["kept_hours"] for t in report["thresholds"]
+                                         if t["threshold"] == report["threshold"]),
+                      "valid_cer": _valid_cer(teacher, valid, decoding)})
+        _write_rounds(args.output_dir, table)
+    print(f"{args.rounds} rounds; the table is {args.output_dir / ROUNDS_MD}", file=sys.stderr)
+    return 0
+
+
+def _valid_cer(checkpoint: Path, manifest: Path, decoding: DecodingConfig) -> float:
+    """The CER in percent of ``checkpoint`` on ``manifest``, decoded as the labels are."""
+    result = evaluate_manifest(load_recognizer(checkpoint, decoding), manifest, decoding)
+    return round(100 * result.chars.rate, 2)
+
+
+def _write_rounds(out: Path, table: list[dict]) -> None:
+    lines = ["# Rounds of pseudo-labelling", "",
+             "| round | teacher | threshold | labels kept | hours | student's valid CER % |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for row in table:
+        if row["round"] == 0:
+            lines.append(f"| 0 | | | | | {row['valid_cer']:.2f} (the first teacher) |")
+        else:
+            lines.append(f"| {row['round']} | {row['teacher']} | {row['threshold']:g} | "
+                         f"{row['kept']} | {row['kept_hours']:.3f} | {row['valid_cer']:.2f} |")
+    write_output(out / ROUNDS_MD, "\n".join(lines) + "\n")
+    write_output(out / ROUNDS_JSON, json.dumps(table, indent=2, ensure_ascii=False) + "\n")
 
 
 # ---- what is labelled ---------------------------------------------------------------------------
@@ -185,15 +292,14 @@ def _parser() -> Parser:
 @dataclass
 class _Item:
     """An utterance to label: its key (the audio's absolute path, or shard:key), the file it is
-    written as in the manifest, its manifest row (or {}), and for a shard's its waveform (or why it
-    has none)."""
+    as the manifest names it, its manifest row (or {}), and for a shard's its encoded audio (decoded
+    where it is labelled, written to ``path`` once it is) or why it has none."""
 
     key: str
     path: Path
     row: dict = field(default_factory=dict)
-    wav: object = None
+    data: bytes | None = None
     error: str | None = None
-    data: bytes | None = None  # a shard's audio, written to ``path`` once labelled
 
 
 def _files(inputs: Sequence[str | Path]) -> list[_Item]:
@@ -214,17 +320,14 @@ def _shard_items(shards, audio_dir: Path) -> Iterator[_Item]:
             where = f"{shard.name}:{key}"
             target = audio_dir / (safe_name(where) + "." + AUDIO_MEMBER)
             try:
-                wav, meta = decode_member(files, where)
-            except AudioError as e:
-                yield _Item(where, target, error=str(e))
+                meta = json.loads(files[META_MEMBER].decode("utf-8"))
+                row = {k: v for k, v in meta.items() if k not in ("text", "duration")}
+            except (KeyError, UnicodeDecodeError, ValueError, AttributeError):
+                row = {}  # its metadata is not needed to label it
+            if AUDIO_MEMBER not in files:
+                yield _Item(where, target, error=f"{where}: no audio member")
                 continue
-            row = {k: v for k, v in meta.items() if k not in ("text", "duration")}
-            yield _Item(where, target, row, wav, data=files[AUDIO_MEMBER])
-
-
-def _chain(*iterators: Iterator[_Item]) -> Iterator[_Item]:
-    for it in iterators:
-        yield from it
+            yield _Item(where, target, row, data=files[AUDIO_MEMBER])
 
 
 def _digest(path: Path) -> str:
@@ -270,13 +373,14 @@ def _done_rows(path: Path) -> list[dict]:
 
 class _Labeller:
     """Decodes items in windows (``--jobs`` of them at once) and appends a row per utterance to a
-    labels file, skipping the keys it already holds. ``decode`` is the one call that decodes: a
-    window's waveforms as batches of ``batch_size``."""
+    labels file, skipping the keys it already holds. ``label`` reads and decodes a window (in a
+    thread with ``--jobs``), its utterances sorted by length into batches of ``batch_size``."""
 
     WINDOW_BATCHES = 4  # batches per window: its utterances sorted by length, little padding
 
     def __init__(self, recognizer: Recognizer, resolved, jobs: int):
         self.recognizer, self.resolved, self.jobs = recognizer, resolved, jobs
+        self.decoded_s = 0.0  # seconds of audio decoded by this run (not those resumed after)
 
     def run(self, path: Path, items: Iterator[_Item]) -> list[dict]:
         rows = _done_rows(path)
@@ -290,6 +394,7 @@ class _Labeller:
                 out.flush()
                 os.fsync(out.fileno())
                 rows.extend(new)
+                self.decoded_s += sum(r.get("duration", 0.0) for r in new)
 
             if self.jobs == 1:
                 for window in _windows(todo, size):
@@ -303,10 +408,11 @@ class _Labeller:
         rows: dict[str, dict] = {}
         ready = []
         for item in window:
-            wav, error = item.wav, item.error
-            if wav is None and error is None:
+            wav, error = None, item.error
+            if error is None:
                 try:
-                    wav = load_audio(item.path)
+                    wav = load_audio(item.path if item.data is None else io.BytesIO(item.data),
+                                     label=item.key)
                 except RuntimeError as e:
                     error = str(e)
             if error is None and len(wav) < MIN_SAMPLES:
@@ -341,7 +447,7 @@ class _Labeller:
         if item.data is not None:  # a shard's: its audio becomes a file the manifest names
             write_file_atomic(item.path, item.data)
         row = {"key": item.key, "audio_filepath": str(item.path), "duration": duration,
-               "text": result.text, "greedy_text": greedy, **scores.__dict__,
+               "text": result.text, "greedy_text": greedy, **dataclasses.asdict(scores),
                "confidence": scores.value}
         if "text" in item.row and isinstance(item.row["text"], str):
             row["reference"] = item.row["text"]
@@ -382,8 +488,10 @@ class _Report:
     validation labels), how many each threshold keeps."""
 
     def __init__(self, args: argparse.Namespace, teacher: str, rows: list[dict],
-                 valid_rows: list[dict], recognizer: Recognizer, elapsed: float):
-        self.args, self.teacher, self.elapsed = args, teacher, elapsed
+                 valid_rows: list[dict], recognizer: Recognizer, speed: float):
+        """``speed``: the seconds of audio this run decoded a second (the real-time factor's
+        inverse)."""
+        self.args, self.teacher, self.speed, self.total = args, teacher, speed, len(rows)
         self.tokenizer = recognizer.tokenizer
         self.failed = [r for r in rows if "error" in r]
         self.dropped: Counter = Counter()
@@ -405,12 +513,14 @@ class _Report:
         error, _ = check_text(row["text"], row["duration"], self.tokenizer)
         if error is not None:
             dropped["no text" if error[0] in ("empty text", "no token after normalization")
-                    else "too short for its text" if error[0] == "too short for CTC"
+                    else "more tokens than its audio has frames" if error[0] == "too short for CTC"
                     else error[0]] += 1
             return False
-        if not (self.args.min_chars_per_second <= row["chars_per_second"]
-                <= self.args.max_chars_per_second):
-            dropped["characters per second out of bounds"] += 1
+        if row["chars_per_second"] < self.args.min_chars_per_second:
+            dropped["label too short for its duration"] += 1
+            return False
+        if row["chars_per_second"] > self.args.max_chars_per_second:
+            dropped["label too long for its duration"] += 1
             return False
         return True
 
@@ -443,8 +553,7 @@ class _Report:
         return {"teacher": self.teacher, "checkpoint": str(self.args.checkpoint),
                 "inputs": [*map(str, self.args.inputs)] + ([self.args.shards]
                                                           if self.args.shards else []),
-                "utterances": len(self.usable) + sum(self.dropped.values())
-                - self.dropped["below the threshold"],
+                "utterances": self.total,
                 "audio_hours": round(self.audio_s / 3600, 4),
                 "threshold": self.threshold,
                 "threshold_chosen_on": (str(self.args.choose_threshold_on)
@@ -453,7 +562,7 @@ class _Report:
                                      if self.args.choose_threshold_on else None),
                 "valid_utterances": len(self.valid),
                 "kept": len(self.kept_rows()), "dropped": dict(self.dropped),
-                "seconds": round(self.elapsed, 1), "thresholds": self.table()}
+                "times_real_time": round(self.speed, 1), "thresholds": self.table()}
 
     def markdown(self) -> str:
         report = self.as_json()
@@ -486,9 +595,8 @@ class _Report:
                 f"in {self.args.output_dir}: run again with a higher target or --threshold")
 
     def summary(self, resolved) -> str:
-        speed = (f", {self.audio_s / self.elapsed:.1f}x real time" if self.elapsed > 0
-                 and self.audio_s else "")
-        return (f"{self.as_json()['utterances']} utterances labelled with "
+        speed = f", {self.speed:.1f}x real time" if self.speed else ""
+        return (f"{self.total} utterances labelled with "
                 f"{decoding_name(resolved)}{speed}; threshold {self.threshold:g} keeps "
                 f"{len(self.kept_rows())}; wrote {self.args.output_dir / KEPT} and "
                 f"{self.args.output_dir / REPORT_MD}")

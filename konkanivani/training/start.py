@@ -326,8 +326,9 @@ def _pseudo_augmenter(cfg: TrainConfig) -> Optional[Augmenter]:
 def _pseudo_utterances(cfg: TrainConfig, tokenizer: Tokenizer) -> list[Utterance]:
     """The usable rows of --pseudo_manifest, marked pseudo-labelled, as often as --pseudo_weight
     says: each whole time, then a seeded choice of the fraction left (the same every epoch, so the
-    batches of a resumed epoch are the unbroken one's). A row whose label is empty or too short
-    for its audio is dropped and counted, as any manifest's."""
+    batches of a resumed epoch are the unbroken one's). A row whose label is empty or has more
+    tokens than its audio has frames is dropped and counted, as any manifest's; a label too short
+    for its duration is konkanivani-pseudolabel's to drop (--min_chars_per_second)."""
     utts, skipped = load_utterances(cfg.pseudo_manifest, tokenizer, cfg.max_duration,
                                     cfg.duration_tolerance)
     log_skipped("pseudo-labelled", cfg.pseudo_manifest, len(utts), skipped)
