@@ -380,6 +380,18 @@ class TrainConfig(AugmentConfig, RunConfig):
         default="",
         metadata={"section": "data", "help": "JSONL manifest for validation", "required": True},
     )
+    pseudo_manifest: str = field(default="", metadata=flag_help(section="data", text=
+        "a konkanivani-pseudolabel manifest to train on beside --train_manifest (its labels the "
+        "teacher's; rows with an empty label, or more tokens than their audio has frames, are "
+        "dropped and counted)"))
+    pseudo_weight: float = field(default=1.0, metadata=flag_help(
+        kept_on_resume=True, section="data", text=
+        "with --pseudo_manifest: how often an epoch each pseudo-labelled utterance is seen against "
+        "once for a transcribed one (2: twice; 0.5: a seeded half of them, the same each epoch)"))
+    pseudo_noise_prob: float = field(default=0.0, metadata=flag_help(section="data", text=
+        "noisy student: the share of pseudo-labelled utterances that get additive noise at "
+        "--noise_snr_low_db to --noise_snr_high_db (from --noise_dir, or generated), drawn apart "
+        "from and on top of the other augmentations"))
     output_dir: str = field(
         default="checkpoints/run", metadata=flag_help("where checkpoints and logs go")
     )
@@ -685,6 +697,8 @@ _CHECKS: dict[str, Check] = {
     "max_duration": (lambda v: v > 0, "a positive number of seconds"),
     "ctc_weight": (_fraction, "in [0, 1]"),
     "inter_ctc_weight": BELOW_ONE,
+    "pseudo_weight": POSITIVE_NUMBER,
+    "pseudo_noise_prob": (_fraction, "in [0, 1]"),
     "inter_ctc_layer": (lambda v: v >= 0, "a block number from 1 (0: the middle one)"),
     **{name: (_fraction, "in [0, 1]") for name in ("noise_prob", "reverb_prob", "vtlp_prob")},
     **{
@@ -748,7 +762,11 @@ def check_config(cfg: TrainConfig) -> None:
         raise ConfigError("--train_manifest (or --train_shards) is required")
     if not cfg.valid_manifest:
         raise ConfigError("--valid_manifest is required")
-    files = (() if cfg.train_shards else ("train_manifest",)) + ("valid_manifest", "tokenizer")
+    if cfg.train_shards and cfg.pseudo_manifest:
+        raise ConfigError("--pseudo_manifest goes with --train_manifest; to train on shards, write "
+                          "shards of both manifests together (konkanivani-prepare shards)")
+    files = ((() if cfg.train_shards else ("train_manifest",))
+             + ("valid_manifest", "tokenizer", "pseudo_manifest"))
     for name in files:
         path = getattr(cfg, name)
         if path and not Path(path).is_file():

@@ -106,5 +106,6 @@ def test_the_wheel_installs_and_trains_from_an_unrelated_directory(tmp_path):
         "plot",
         "export",
         "serve",
+        "pseudolabel",
     ):
         assert "usage:" in run(str(bin_dir / f"konkanivani-{tool}"), "--help").stdout

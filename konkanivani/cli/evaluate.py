@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from ..checkpoint import CheckpointError
-from ..data.manifest import ManifestError
+from ..data.manifest import ManifestError, refuse_pseudo_labels
 from ..datatools.outputs import OutputError, manifest_audio, write_output
 from ..decoding.evaluation import evaluate_manifest, markdown_report
 from . import Parser, fail, refuse_unsafe_outputs, setup_logging, tool
@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     decoding = checked_decoding(parser, args)
     if not args.manifest.is_file():
         parser.error(f"manifest {args.manifest}: file not found")
+    try:  # a teacher's guesses scored as the truth measure nothing
+        refuse_pseudo_labels(args.manifest, "manifest")
+    except ManifestError as e:
+        return fail(str(e))
     setup_logging()
     # The audio files evaluate_manifest decodes, as it resolves them: checked before any is decoded.
     refuse_unsafe_outputs(parser, {"--output": args.output, "--report": args.report},

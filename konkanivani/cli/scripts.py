@@ -88,3 +88,7 @@ def sweep() -> int:
 
 def serve() -> int:
     return _run("serve")
+
+
+def pseudolabel() -> int:
+    return _run("pseudolabel")

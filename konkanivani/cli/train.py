@@ -110,12 +110,12 @@ def run_inputs(cfg: TrainConfig) -> Iterator[Path]:
     """Every file and folder a training run reads: its manifests and the audio they name, its
     shards, tokenizer, --init_from checkpoint and augmentation folders."""
     for name in ("tokenizer", "init_from", "noise_dir", "rir_dir", "train_manifest",
-                 "valid_manifest"):
+                 "valid_manifest", "pseudo_manifest"):
         if path := getattr(cfg, name):
             yield Path(path)
     if cfg.train_shards:
         yield from shard_files(cfg.train_shards)
-    for manifest in (cfg.train_manifest, cfg.valid_manifest):
+    for manifest in (cfg.train_manifest, cfg.valid_manifest, cfg.pseudo_manifest):
         if manifest:
             yield from manifest_audio(manifest)
 

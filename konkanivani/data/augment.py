@@ -231,8 +231,10 @@ class Augmenter:
     then reverberation, then noise: the noise is not in the room) and ``vtlp_alpha`` (for
     ``LogMel``). Folders are listed once, here, so a bad one stops the run before any work."""
 
-    def __init__(self, cfg: AugmentConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: AugmentConfig, streams: str = ""):
+        # ``streams`` prefixes the name of each draw's stream: a second augmenter of the same
+        # utterances (the noisy student's, "pseudo/") draws apart from the first.
+        self.cfg, self.streams = cfg, streams
         self.noise_files = (
             list_audio_files(cfg.noise_dir, "noise_dir") if cfg.noise_dir and cfg.noise_prob else []
         )
@@ -271,14 +273,14 @@ class Augmenter:
     def speed_factor(self, epoch: int, index: int) -> float:
         if not self.cfg.speed_perturb:
             return 1.0
-        gen = utterance_generator(self.cfg.seed, epoch, index, "speed")
+        gen = utterance_generator(self.cfg.seed, epoch, index, self.streams + "speed")
         return SPEED_FACTORS[_randint(gen, len(SPEED_FACTORS))]
 
     def vtlp_alpha(self, epoch: int, index: int) -> Optional[float]:
         """The warp factor of this utterance, or None for no warp."""
         if not self.cfg.vtlp_prob:
             return None
-        gen = utterance_generator(self.cfg.seed, epoch, index, "vtlp")
+        gen = utterance_generator(self.cfg.seed, epoch, index, self.streams + "vtlp")
         chance = _chance(gen, self.ramped(self.cfg.vtlp_prob, epoch))
         return _uniform(gen, *VTLP_RANGE) if chance else None
 
@@ -304,11 +306,11 @@ class Augmenter:
             factor = 1.0
         wav = speed_perturb(wav, factor)
         if self.cfg.reverb_prob:
-            gen = utterance_generator(self.cfg.seed, epoch, index, "reverb")
+            gen = utterance_generator(self.cfg.seed, epoch, index, self.streams + "reverb")
             if _chance(gen, self.ramped(self.cfg.reverb_prob, epoch)):
                 wav = self._reverb(wav, gen)
         if self.cfg.noise_prob:
-            gen = utterance_generator(self.cfg.seed, epoch, index, "noise")
+            gen = utterance_generator(self.cfg.seed, epoch, index, self.streams + "noise")
             if _chance(gen, self.ramped(self.cfg.noise_prob, epoch)):
                 wav = self._noise(wav, gen)[0]
         return wav

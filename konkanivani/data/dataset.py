@@ -46,6 +46,7 @@ class Utterance:
     text: str
     tokens: list[int]
     where: str  # "manifest.jsonl:LINE", for messages
+    pseudo: bool = False  # its text is a teacher's (--pseudo_manifest): the noisy student's noise
 
 
 def load_utterances(
@@ -156,11 +157,20 @@ class ASRDataset(Dataset):
 
     With an ``augment``er (training only) the key is ``(epoch, index)``, as ``EpochKeyed`` yields
     them: the augmentation draws depend on both, and on nothing else. A plain index is epoch 0.
+    ``pseudo_augment`` further augments the pseudo-labelled utterances (``Utterance.pseudo``): the
+    noisy student's stronger augmentation, keyed alike.
     """
 
-    def __init__(self, utterances: Sequence[Utterance], augment: Augmenter | None = None):
+    def __init__(self, utterances: Sequence[Utterance], augment: Augmenter | None = None,
+                 pseudo_augment: Augmenter | None = None):
         self.utterances = list(utterances)
         self.augment = augment
+        self.pseudo_augment = pseudo_augment
+
+    @property
+    def augments(self) -> bool:
+        """Whether any utterance is augmented: its key then carries the epoch."""
+        return self.augment is not None or self.pseudo_augment is not None
 
     def __len__(self) -> int:
         return len(self.utterances)
@@ -173,16 +183,19 @@ class ASRDataset(Dataset):
         except RuntimeError as e:
             log.warning("%s: %s; skipped in this batch", utt.where, e)
             return Unreadable(index)
-        return self.example(wav, utt.tokens, epoch, index)
+        return self.example(wav, utt.tokens, epoch, index, utt.pseudo)
 
-    def example(self, wav: torch.Tensor, tokens: Sequence[int], epoch: int, index: int) -> Example:
-        """Utterance ``index``'s waveform, augmented (training) as its epoch and index draw, with
-        the
-        VTLP factor its features are to be warped by."""
+    def example(self, wav: torch.Tensor, tokens: Sequence[int], epoch: int, index: int,
+                pseudo: bool = False) -> Example:
+        """Utterance ``index``'s waveform, augmented (training) as its epoch and index draw (a
+        pseudo-labelled one's also by ``pseudo_augment``), with the VTLP factor its features are to
+        be warped by."""
         alpha = None
         if self.augment is not None:
             wav = self.augment.waveform(wav, epoch, index, min_encoder_frames=len(tokens))
             alpha = self.augment.vtlp_alpha(epoch, index)
+        if pseudo and self.pseudo_augment is not None:
+            wav = self.pseudo_augment.waveform(wav, epoch, index, min_encoder_frames=len(tokens))
         return Example(
             wav, torch.tensor(tokens, dtype=torch.long), index, math.nan if alpha is None else alpha
         )

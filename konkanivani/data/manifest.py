@@ -27,14 +27,19 @@ from .tokenizer import UNK_ID, Tokenizer, normalize_text
 
 __all__ = [
     "DEFAULT_DURATION_TOLERANCE",
+    "PSEUDO_LABEL",
     "ManifestError",
     "RowCheck",
     "check_row",
     "check_text",
     "iter_manifest",
     "read_manifest",
+    "refuse_pseudo_labels",
     "resolve_audio_path",
 ]
+
+# The key konkanivani-pseudolabel marks its rows with: {"teacher": ..., "confidence": ...}.
+PSEUDO_LABEL = "pseudo_label"
 
 
 @dataclass
@@ -202,3 +207,15 @@ def read_manifest(path: str | Path) -> list[tuple[int, dict]]:
             )
         rows.append((line_no, row))
     return rows
+
+
+def refuse_pseudo_labels(path: str | Path, what: str) -> None:
+    """``ManifestError`` in one line when the manifest ``path`` (given as ``what``, a flag) holds a
+    row marked ``pseudo_label``: a model's own guesses scored as the truth would measure the
+    teacher, not the student. Lines that are no JSON object are left to the reading, which names
+    them."""
+    for line_no, row in iter_manifest(path):
+        if isinstance(row, dict) and PSEUDO_LABEL in row:
+            raise ManifestError(
+                f"{what} {path}:{line_no} is pseudo-labelled (konkanivani-pseudolabel's output): "
+                "validate and test on transcribed speech only")

@@ -41,6 +41,7 @@ from .search import (
     LONG_INPUT_METHOD,
     LONG_INPUT_SECONDS,
     Fusion,
+    ctc_greedy,
     decode_encoded,
     method_for,
 )
@@ -187,11 +188,23 @@ class Recognizer:
         _say_long_inputs(d.method, long_inputs)
         return results
 
+    def decode_with_greedy(self, wavs: Sequence[torch.Tensor],
+                           decoding: DecodingConfig | None = None, **overrides
+                           ) -> list[tuple[Result, str]]:
+        """``decode_results`` with each waveform's greedy CTC text beside its result, both from the
+        same forward pass: how far the chosen method and the CTC head alone agree is a confidence
+        of the text (``decoding.confidence``) that costs no second encoding."""
+        d = self.settings(decoding, **overrides)
+        greedy: list[list[int]] = []
+        results = self._decode_waveforms(wavs, d, greedy=greedy)
+        return [(r, self.tokenizer.decode(g)) for r, g in zip(results, greedy)]
+
     @torch.inference_mode()
     def _decode_waveforms(self, wavs: Sequence[torch.Tensor], d: DecodingConfig,
-                          offset: float = 0.0) -> list[Result]:
+                          offset: float = 0.0, greedy: list[list[int]] | None = None
+                          ) -> list[Result]:
         """The final results of waveforms decoded as one batch, their words aligned and timed from
-        ``offset`` seconds."""
+        ``offset`` seconds; ``greedy``, when given, is filled with each one's greedy CTC tokens."""
         fusion = self.fusion(d)
         feats = [self.log_mel(w) for w in wavs]
         lens = torch.tensor([len(f) for f in feats], device=self.device)
@@ -201,6 +214,8 @@ class Recognizer:
         ids = decode_encoded(self.model, enc, enc_lens, lens, d.method, d.beam_size, d.ctc_weight,
                              fusion=fusion, context=self.context(d))
         log_probs = self.model.ctc_log_probs(enc).cpu()
+        if greedy is not None:
+            greedy.extend(ctc_greedy(log_probs, enc_lens.cpu()))
         results = []
         for b, (tokens, wav) in enumerate(zip(ids, wavs)):
             seconds = len(wav) / SAMPLE_RATE

@@ -19,7 +19,7 @@ from torch.optim.swa_utils import AveragedModel
 from torch.utils.data import DataLoader
 
 from ..checkpoint import write_file_atomic
-from ..config import ConfigError, ModelConfig, TrainConfig, kept_settings
+from ..config import AugmentConfig, ConfigError, ModelConfig, TrainConfig, kept_settings
 from ..config_file import write_config_file
 from ..data.augment import Augmenter, batching_duration
 from ..data.dataset import (
@@ -33,7 +33,7 @@ from ..data.dataset import (
 )
 from ..data.features import KaldiFbank, LogMel, make_frontend
 from ..data.frames import budget_frames, frames_of, subsampled_lengths
-from ..data.manifest import ManifestError, read_manifest
+from ..data.manifest import ManifestError, read_manifest, refuse_pseudo_labels
 from ..data.samplers import (
     EpochKeyed,
     LengthGroupedBatchSampler,
@@ -296,6 +296,7 @@ class _Data:
     shards: Optional[ShardSet]
     augmenter: Optional[Augmenter]
     durations: list[float]  # each training utterance's, as long as speed perturbation may make it
+    pseudo_augmenter: Optional[Augmenter] = None  # the noisy student's, of pseudo-labelled ones
 
 
 def _data(cfg: TrainConfig, tokenizer: Tokenizer) -> _Data:
@@ -306,7 +307,39 @@ def _data(cfg: TrainConfig, tokenizer: Tokenizer) -> _Data:
     train_utts, valid_utts, shards = _load_data(cfg, tokenizer)
     durations = [batching_duration(d, cfg.speed_perturb)  # as long as they may get
                  for d in (shards.durations() if shards else (u.duration for u in train_utts))]
-    return _Data(train_utts, valid_utts, shards, augmenter, durations)
+    return _Data(train_utts, valid_utts, shards, augmenter, durations, _pseudo_augmenter(cfg))
+
+
+def _pseudo_augmenter(cfg: TrainConfig) -> Optional[Augmenter]:
+    """The noisy student's noise on pseudo-labelled utterances (--pseudo_noise_prob), drawn in
+    streams of its own (``pseudo/...``): the other augmentations draw as they would without it."""
+    if not (cfg.pseudo_manifest and cfg.pseudo_noise_prob):
+        return None
+    augmenter = Augmenter(AugmentConfig(
+        seed=cfg.seed, noise_prob=cfg.pseudo_noise_prob, noise_snr_low_db=cfg.noise_snr_low_db,
+        noise_snr_high_db=cfg.noise_snr_high_db, noise_dir=cfg.noise_dir), streams="pseudo/")
+    log.info("augmentation of pseudo-labelled utterances (noisy student): %s",
+             augmenter.describe())
+    return augmenter
+
+
+def _pseudo_utterances(cfg: TrainConfig, tokenizer: Tokenizer) -> list[Utterance]:
+    """The usable rows of --pseudo_manifest, marked pseudo-labelled, as often as --pseudo_weight
+    says: each whole time, then a seeded choice of the fraction left (the same every epoch, so the
+    batches of a resumed epoch are the unbroken one's). A row whose label is empty or has more
+    tokens than its audio has frames is dropped and counted, as any manifest's; a label too short
+    for its duration is konkanivani-pseudolabel's to drop (--min_chars_per_second)."""
+    utts, skipped = load_utterances(cfg.pseudo_manifest, tokenizer, cfg.max_duration,
+                                    cfg.duration_tolerance)
+    log_skipped("pseudo-labelled", cfg.pseudo_manifest, len(utts), skipped)
+    utts = [dataclasses.replace(u, pseudo=True) for u in utts]
+    whole, fraction = divmod(cfg.pseudo_weight, 1.0)
+    share = round(fraction * len(utts))
+    chosen = select_samples(len(utts), share, cfg.seed) if share else []
+    weighted = utts * int(whole) + [utts[i] for i in chosen]
+    log.info("--pseudo_manifest: %d pseudo-labelled utterances an epoch (--pseudo_weight %g of "
+             "%d) beside the transcribed ones", len(weighted), cfg.pseudo_weight, len(utts))
+    return weighted
 
 
 def _augmenter(cfg: TrainConfig) -> Optional[Augmenter]:
@@ -322,6 +355,7 @@ def _load_data(cfg: TrainConfig, tokenizer: Tokenizer
                ) -> tuple[Sequence[Utterance], list[Utterance], Optional[ShardSet]]:
     """The training utterances (of a manifest, or of the shards), the validation ones, and the
     shard set."""
+    refuse_pseudo_labels(cfg.valid_manifest, "--valid_manifest")  # before any work
     shards = None
     if cfg.train_shards:
         if cfg.train_manifest:
@@ -346,6 +380,8 @@ def _load_data(cfg: TrainConfig, tokenizer: Tokenizer
         train_utts = [train_utts[i] for i in chosen]
         log.info("--max_samples %d: training on %d of the utterances (a seeded choice)",
                  cfg.max_samples, len(train_utts))
+    if cfg.pseudo_manifest:
+        train_utts = [*train_utts, *_pseudo_utterances(cfg, tokenizer)]
     valid_utts, skipped = load_utterances(cfg.valid_manifest, tokenizer, cfg.max_duration,
                                           cfg.duration_tolerance)
     log_skipped("valid", cfg.valid_manifest, len(valid_utts), skipped)
@@ -576,7 +612,8 @@ def _loaders(cfg: TrainConfig, data: _Data, samplers: Samplers, tokenizer: Token
                              cfg.duration_tolerance)
         train_loader = _shard_loader(stream, cfg, device)
     else:
-        train_loader = _loader(ASRDataset(data.train, data.augmenter), sampler, cfg, device)
+        train_loader = _loader(ASRDataset(data.train, data.augmenter, data.pseudo_augmenter),
+                               sampler, cfg, device)
     return train_loader, _loader(ASRDataset(data.valid), valid_sampler, cfg, device, workers=0)
 
 
@@ -594,7 +631,7 @@ def _shard_loader(stream: ShardStream, cfg: TrainConfig, device: torch.device) -
 def _loader(dataset: ASRDataset, sampler: ResumableBatchSampler | EpochKeyed, cfg: TrainConfig,
             device: torch.device, workers: Optional[int] = None) -> DataLoader:
     workers = cfg.num_workers if workers is None else workers
-    if dataset.augment is not None:  # the augmentation draws need the epoch with each index
+    if dataset.augments:  # the augmentation draws need the epoch with each index
         sampler = EpochKeyed(sampler)
     # A generator of its own, so that starting an epoch's iterator (which draws the workers' seed)
     # leaves the global RNG, and with it dropout and SpecAugment, as a resumed run finds it.
