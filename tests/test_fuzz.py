@@ -12,7 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from konkanivani.data.manifest import ManifestError, check_row, iter_manifest, read_manifest
-from konkanivani.data.tokenizer import normalize_text, train_tokenizer
+from konkanivani.data.tokenizer import (
+    BLANK_ID,
+    SOS_EOS_ID,
+    normalize_text,
+    train_tokenizer,
+)
 
 SETTINGS = settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -81,4 +86,6 @@ def test_normalized_text_is_canonical(tokenizer, text):
     assert not any(
         unicodedata.category(ch)[0] in "PS" or unicodedata.category(ch) == "Cf" for ch in norm
     )
-    assert all(i >= 0 for i in tokenizer.encode(text))
+    # text becomes pieces of the vocabulary (<unk> for what it lacks), never the blank or <sos/eos>
+    ids = tokenizer.encode(text)
+    assert all(0 <= i < tokenizer.vocab_size and i not in (BLANK_ID, SOS_EOS_ID) for i in ids)
