@@ -22,7 +22,8 @@ tones) as 100 ms 16-bit PCM frames, paced in real time, starts spread over one c
 ``--field_mb 24`` adds a row a server: ``/health`` latency p50/p99/max while forms of that many MB
 of comma-separated hotwords (fields of 500 KB, each under the server's field bound) arrive one after
 another for ``--field_seconds``, and the status they were answered with (400: refused before a
-hotword is split).
+hotword is split); ``--slow_sockets 1000`` holds that many connections sending their headers a line
+every 2 s meanwhile.
 
 ``--modes batched,per_stream`` runs the same load twice, side by side: a server that encodes the
 chunks of concurrent streams in one batched forward (the default) and one started with
@@ -111,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--field_mb", type=float, default=0.0,
                         help="/health while forms of this many MB of hotwords arrive (0: not run)")
     parser.add_argument("--field_seconds", type=float, default=10.0)
+    parser.add_argument("--slow_sockets", type=int, default=0,
+                        help="with --field_mb: also hold this many connections that send their "
+                             "headers a line every 2 s (reopened when the server closes them)")
     args = parser.parse_args(argv)
     counts = [int(c) for c in args.streams.split(",")]
     modes = args.modes.split(",")
@@ -163,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                 metrics[mode] = _metrics(server["http"])
                 if args.field_mb:
                     fields.append({"mode": mode, **_field_load(server["http"], args.field_mb,
-                                                               args.field_seconds)})
+                                                               args.field_seconds,
+                                                               args.slow_sockets)})
             finally:
                 server["proc"].terminate()
                 server["proc"].wait(30)
@@ -191,10 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     for mode, line in metrics.items():
         print(f"server /metrics ({mode}): {line}")
     if fields:
-        print(f"\n/health while forms of {args.field_mb:g} MB of hotwords arrive:")
-        names = ["mode", "forms", "status", "health", "p50_ms", "p99_ms", "max_ms"]
-        print(text_table(fields, names, ["server", "forms sent", "answered", "/health asked",
-                                         "p50 ms", "p99 ms", "max ms"]))
+        print(f"\n/health while forms of {args.field_mb:g} MB of hotwords arrive"
+              + (f" and {args.slow_sockets} connections send their headers slowly:"
+                 if args.slow_sockets else ":"))
+        names = ["mode", "forms", "status", "slow", "health", "p50_ms", "p99_ms", "max_ms"]
+        print(text_table(fields, names, ["server", "forms sent", "answered",
+                                         "slow connections opened", "/health asked", "p50 ms",
+                                         "p99 ms", "max ms"]))
     if args.csv:
         args.csv.parent.mkdir(parents=True, exist_ok=True)
         with args.csv.open("w", newline="") as f:
@@ -388,9 +396,10 @@ def _client(url: str, frames: list[bytes], delay: float, timeout: float, out: di
         out["error"] = f"{type(e).__name__}: {e}"
 
 
-def _field_load(http_url: str, mb: float, seconds: float) -> dict:
+def _field_load(http_url: str, mb: float, seconds: float, slow_sockets: int = 0) -> dict:
     """``/health``'s latency while forms of ``mb`` MB of hotwords (and no audio) are posted one
-    after another for ``seconds``: the forms sent, the statuses they got, and p50/p99/max."""
+    after another for ``seconds``, and ``slow_sockets`` connections send a request's headers a line
+    every 2 s: the forms sent, the statuses they got, the slow connections opened, p50/p99/max."""
     import urllib.error
     import urllib.request
 
@@ -410,8 +419,43 @@ def _field_load(http_url: str, mb: float, seconds: float) -> dict:
             except urllib.error.HTTPError as e:
                 statuses.append(e.code)
 
-    sender = threading.Thread(target=send, daemon=True)
-    sender.start()
+    opened = [0]
+
+    def slow():
+        """``slow_sockets`` connections, each sending a header line every 2 s, reopened when the
+        server closes one (its deadline for headers)."""
+        import resource
+        import socket
+        import urllib.parse
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, slow_sockets + 256)),
+                                                    hard))
+        address = urllib.parse.urlsplit(http_url)
+        conns: list = [None] * slow_sockets
+        while not done.is_set():
+            for i in range(slow_sockets):
+                try:
+                    if conns[i] is None:
+                        conns[i] = socket.create_connection((address.hostname, address.port), 5)
+                        conns[i].sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+                        opened[0] += 1
+                    else:
+                        conns[i].sendall(b"X-Slow: 1\r\n")
+                except OSError:  # closed by the server, or refused over its cap: open again
+                    if conns[i] is not None:
+                        conns[i].close()
+                    conns[i] = None
+            done.wait(2.0)
+        for conn in conns:
+            if conn is not None:
+                conn.close()
+
+    threads = [threading.Thread(target=send, daemon=True)]
+    if slow_sockets:
+        threads.append(threading.Thread(target=slow, daemon=True))
+    for thread in threads:
+        thread.start()
     times, end = [], time.monotonic() + seconds
     while time.monotonic() < end:
         start = time.monotonic()
@@ -419,9 +463,10 @@ def _field_load(http_url: str, mb: float, seconds: float) -> dict:
         times.append((time.monotonic() - start) * 1000)
         time.sleep(0.01)
     done.set()
-    sender.join(150)
+    for thread in threads:
+        thread.join(150)
     return {"forms": len(statuses), "status": ",".join(map(str, sorted(set(statuses)))),
-            "health": len(times), "p50_ms": round(_quantile(times, 0.5), 1),
+            "slow": opened[0], "health": len(times), "p50_ms": round(_quantile(times, 0.5), 1),
             "p99_ms": round(_quantile(times, 0.99), 1), "max_ms": round(max(times), 1)}
 
 
