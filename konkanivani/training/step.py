@@ -79,8 +79,9 @@ def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], devi
     if not pending:
         pending = [_empty_batch(model)]
     per_process = n_utts / dist.world  # data parallelism averages the processes' gradients
-    cfg = getattr(model, "module", model).cfg
-    log_mel = log_mel or make_frontend(cfg.frontend, cfg.n_mels).to(device)
+    if log_mel is None:  # a compiled model is a function: the caller then gives the front-end
+        cfg = getattr(model, "module", model).cfg
+        log_mel = make_frontend(cfg.frontend, cfg.n_mels).to(device)
     done: list[Batch] = []
     sums = _zero_sums(device)
     while pending:
