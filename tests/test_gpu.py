@@ -501,7 +501,10 @@ def test_a_training_step_waits_for_the_gpu_only_in_ctc(precision, monkeypatch):
         norms = [step() for _ in range(3)]
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert all(n.is_cuda for n in norms) and all(math.isfinite(float(n)) for n in norms)
+    assert all(n.is_cuda for n in norms)
+    finite = all(math.isfinite(float(n)) for n in norms)
+    # fp16's first steps overflow at the GradScaler's initial scale: skipped, and the scale lowered
+    assert finite or (prec.use_scaler and scaler.get_scale() < 2.0 ** 16)
 
 
 # ---- FSDP2 with CPU offload, 8-bit AdamW --------------------------------------------------------
