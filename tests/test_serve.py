@@ -229,11 +229,12 @@ def test_upload_and_stream_give_what_the_recognizer_gives_offline(server, checkp
         "konkanivani_real_time_factor_count" in metrics
         and "konkanivani_audio_seconds_total" in metrics
     )
-    # the decode thread's working seconds: some, and no more than the requests waited for it
+    # the decode threads' working seconds: some, and no more than the requests waited for them,
+    # but for the end of a batched tick after it delivered a stream's results (a few ms each)
     busy = _metric(server, "_decode_thread_seconds_total")
     waited = sum(_metric(server, f'_decode_seconds_total{{endpoint="{e}"}}')
                  for e in ("/transcribe", "/stream"))
-    assert 0 < busy <= waited
+    assert 0 < busy <= 1.1 * waited
 
 
 @pytest.mark.slow
