@@ -152,6 +152,9 @@ def test_t4_config_is_the_recipe_the_script_passed_as_flags():
         # since: batches that fill a GPU's 15 GB (no effect on a CPU)
         "--gpu_memory_gb",
         "15",
+        # since: intermediate CTC (benchmarks/results/recipe_levers)
+        "--inter_ctc_weight",
+        "0.3",
     ]
     given = ["--train_manifest", "t.jsonl", "--valid_manifest", "v.jsonl", "--output_dir", "out"]
     assert _resolve([*given, *script_flags]) == _resolve(
@@ -197,6 +200,9 @@ def test_cpu_small_config_is_the_learning_curve_recipe():
         "utterance",
         "--seed",
         "1234",
+        # since: intermediate CTC (benchmarks/results/recipe_levers)
+        "--inter_ctc_weight",
+        "0.3",
     ]
     given = ["--train_manifest", "t.jsonl", "--valid_manifest", "v.jsonl", "--output_dir", "out"]
     assert _resolve([*given, *recipe]) == _resolve([*given, *load("learning_curve").RECIPE])
