@@ -28,7 +28,6 @@ import torch
 
 from ..data.features import make_frontend
 from ..data.frames import SAMPLE_RATE
-from .alignment import align_words
 from .model_export import (
     FILES,
     STREAMING_FILES,
@@ -40,7 +39,7 @@ from .model_export import (
 )
 from .search import ctc_greedy, ctc_prefix_beam_search
 from .settings import EXPORTED_METHODS, DecodingConfig
-from .streaming import Result, Stream, check_sample_rate
+from .streaming import Result, Stream, aligned_results, check_sample_rate
 
 __all__ = ["EXPORTED_METHODS", "ExportedRecognizer", "GraphChunks", "Pieces"]
 
@@ -217,15 +216,7 @@ class ExportedRecognizer:
         else:
             ids = [ctc_prefix_beam_search(log_probs[b], int(n), d.beam_size)[0].tokens
                    for b, n in enumerate(log_prob_lens.tolist())]
-        results = []
-        for b, (tokens, wav) in enumerate(zip(ids, wavs)):
-            seconds = len(wav) / SAMPLE_RATE
-            words = align_words(self.tokenizer, tokens, log_probs[b, :int(log_prob_lens[b])],
-                                offset, seconds)
-            start, end = (words[0].start, words[-1].end) if words else (offset, offset + seconds)
-            results.append(Result(self.tokenizer.decode(tokens), True, round(start, 3),
-                                  round(end, 3), words))
-        return results
+        return aligned_results(self.tokenizer, ids, wavs, log_probs, log_prob_lens, offset)
 
     def stream(self, decoding: DecodingConfig | None = None, *, sample_rate: int = SAMPLE_RATE,
                **overrides) -> Stream:

@@ -34,7 +34,7 @@ from ..data.tokenizer import Tokenizer
 from ..device import resolve_device
 from ..model.asr import ASRModel
 from ..model.lm import TransformerLM, check_same_vocabulary, load_lm
-from .alignment import Word, align_words
+from .alignment import Word
 from .hotwords import ContextGraph, context_graph
 from .search import (
     FUSED_METHODS,
@@ -49,6 +49,7 @@ from .settings import DecodingConfig
 from .streaming import (
     Result,
     Stream,
+    aligned_results,
     check_sample_rate,
     check_streaming,
     quiet_windows,
@@ -216,15 +217,7 @@ class Recognizer:
         log_probs = self.model.ctc_log_probs(enc).cpu()
         if greedy is not None:
             greedy.extend(ctc_greedy(log_probs, enc_lens.cpu()))
-        results = []
-        for b, (tokens, wav) in enumerate(zip(ids, wavs)):
-            seconds = len(wav) / SAMPLE_RATE
-            words = align_words(self.tokenizer, tokens, log_probs[b, :int(enc_lens[b])], offset,
-                                seconds)
-            start, end = (words[0].start, words[-1].end) if words else (offset, offset + seconds)
-            results.append(Result(self.tokenizer.decode(tokens), True, round(start, 3),
-                                  round(end, 3), words))
-        return results
+        return aligned_results(self.tokenizer, ids, wavs, log_probs, enc_lens, offset)
 
     def stream(self, decoding: DecodingConfig | None = None, *, sample_rate: int = SAMPLE_RATE,
                **overrides) -> Stream:

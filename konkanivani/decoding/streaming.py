@@ -57,6 +57,7 @@ __all__ = [
     "WINDOW_SECONDS",
     "ModelChunks",
     "Result",
+    "aligned_results",
     "Stream",
     "StreamingLogMel",
     "StreamingKaldiFbank",
@@ -87,6 +88,22 @@ class Result:
     start: float
     end: float
     words: list[Word] = field(default_factory=list)
+
+
+def aligned_results(tokenizer: Tokenizer, hypotheses: Sequence[Sequence[int]],
+                    wavs: Sequence[torch.Tensor], log_probs: torch.Tensor, lengths: torch.Tensor,
+                    offset: float = 0.0) -> list[Result]:
+    """The final ``Result`` of each waveform of a batch decoded whole: its hypothesis's text and
+    words, aligned to its CTC log-probabilities (``log_probs[b, :lengths[b]]``) and timed from
+    ``offset`` seconds; its start and end its words' (the waveform's when it has none)."""
+    results = []
+    for b, (tokens, wav) in enumerate(zip(hypotheses, wavs)):
+        seconds = len(wav) / SAMPLE_RATE
+        words = align_words(tokenizer, tokens, log_probs[b, :int(lengths[b])], offset, seconds)
+        start, end = (words[0].start, words[-1].end) if words else (offset, offset + seconds)
+        results.append(Result(tokenizer.decode(tokens), True, round(start, 3), round(end, 3),
+                              words))
+    return results
 
 
 def check_streaming(cfg, chunk_size: int, left_chunks: int) -> list[str]:
