@@ -116,10 +116,14 @@ class ASRModel(nn.Module):
         (``ConformerEncoder.forward``; 0 full context, None the model's own: full context, drawn per
         batch in training with ``dynamic_chunk``).
         """
+        return self.encoder(self._normalized(feats, feat_lens, spec_augment), feat_lens,
+                            chunk_size, left_chunks)
+
+    def _normalized(self, feats: torch.Tensor, feat_lens: torch.Tensor,
+                    spec_augment: bool) -> torch.Tensor:
+        """The encoder's input: CMVN, then SpecAugment when asked for in training."""
         x = (feats - self._mean(feats, feat_lens)) / self.feat_std
-        if spec_augment and self.training:
-            x = self.spec_augment(x)
-        return self.encoder(x, feat_lens, chunk_size, left_chunks)
+        return self.spec_augment(x) if spec_augment and self.training else x
 
     def normalize(self, feats: torch.Tensor, mean: Optional[torch.Tensor] = None) -> torch.Tensor:
         """CMVN of raw log-mel frames ``(B, T, F)`` for a stream
@@ -160,10 +164,8 @@ class ASRModel(nn.Module):
         if not (self.inter_ctc_layer and self.training):
             enc, enc_lens = self.encode(feats, feat_lens, spec_augment)
             return self.losses(enc, enc_lens, tokens, token_lens)
-        x = (feats - self._mean(feats, feat_lens)) / self.feat_std
-        if spec_augment:
-            x = self.spec_augment(x)
-        enc, enc_lens, inter = self.encoder.forward_tapped(x, feat_lens, tap=self.inter_ctc_layer)
+        enc, enc_lens, inter = self.encoder.forward_tapped(
+            self._normalized(feats, feat_lens, spec_augment), feat_lens, tap=self.inter_ctc_layer)
         out = self.losses(enc, enc_lens, tokens, token_lens)
         inter_ctc = self._ctc(inter, enc_lens, tokens, token_lens)
         w = self.inter_ctc_weight
