@@ -26,7 +26,7 @@ from konkanivani.decoding.settings import HOTWORD_METHODS, METHODS, STREAM_METHO
 
 def _results(results) -> list[dict]:
     return [{"text": r.text, "final": r.is_final, "start": r.start, "end": r.end,
-             "words": [[w.word, w.start, w.end, w.probability] for w in r.words]} for r in results]
+             "words": [[w.text, w.start, w.end, w.probability] for w in r.words]} for r in results]
 
 
 def fingerprint(checkpoint: str, manifest: str, lm: str | None, hotwords: str | None,
