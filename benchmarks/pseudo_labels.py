@@ -1,0 +1,294 @@
+#!/usr/bin/env python3
+"""Learning from audio without transcripts, measured: a share of the demo corpus's training set
+transcribed and the rest given as audio alone, pseudo-labelled in rounds, against the same recipe
+trained on the transcribed share alone and on all of it with its real transcripts.
+
+    python benchmarks/pseudo_labels.py --budget_steps 1500 --seed 1234 --rounds 2 \\
+        --full benchmarks/runs/full/seed-1234 --out /tmp/pseudo_labels
+
+Every training run is one run of ``benchmarks/learning_curve.py`` (through
+``recipe_levers.run_one``: the recipe, ``configs/cpu_small.yaml``, at ``--budget_steps``, its final
+weights scored on test, the held-out voice and the noisy test split, greedy and joint), into
+``OUT/NAME/seed-S/``; a run whose ``final.csv`` exists is not run again, nor a labelling whose
+``pseudo.jsonl`` exists, so a killed benchmark goes on where it stopped.
+
+1. ``OUT/split/``: a seeded ``--labelled_share`` of ``train.jsonl`` kept with its text
+   (``labelled.jsonl``), the rest without (``audio_only.jsonl``).
+2. ``teacher``: the recipe on the labelled share alone.
+3. Each round R: ``konkanivani-pseudolabel`` labels the audio-only share with the last model (the
+   threshold chosen on ``valid.jsonl`` for ``--target_label_cer``), timed for its real-time
+   factor; ``round_R`` trains the recipe from scratch on the labelled share and those labels
+   (``--pseudo_noise_prob``: the noisy student).
+4. ``full``: the recipe on all of ``train.jsonl`` with its transcripts (``--full DIR`` reuses a
+   ``recipe_levers`` run of the recipe with the same seed and budget).
+5. With ``--adapt N``: N sentences of the corpus's text-only set read by the held-out voice
+   (festival's Marathi voice; none of them a test sentence) are labelled by the full model, which is
+   then fine-tuned ``--adapt_steps`` on the training set with (``adapt``) and without
+   (``adapt_control``) those labels: what the voice's audio alone is worth on its test split.
+
+``OUT/table.md`` (each stage's CER on every split, the labels kept and their threshold, the share
+of the test-CER gap between teacher and full model each round recovers) and ``OUT/pseudo.png`` are
+written and the table printed.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for path in (ROOT, ROOT / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import recipe_levers  # noqa: E402
+
+from konkanivani.training.precision import cpu_description  # noqa: E402
+
+SPLITS = ("test", "heldout", "test_noisy")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--corpus", type=Path, default=ROOT / "data" / "demo")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--seed", type=int, default=1234, help="training seed of every run")
+    p.add_argument("--split_seed", type=int, default=0)
+    p.add_argument("--labelled_share", type=float, default=0.1)
+    p.add_argument("--budget_steps", type=int, default=1500)
+    p.add_argument("--eval_every_steps", type=int, default=250)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--target_label_cer", type=float, default=10.0)
+    p.add_argument("--label_flags", default="--jobs 2",
+                   help="more konkanivani-pseudolabel flags, one string")
+    p.add_argument("--student_flags", default="--pseudo_noise_prob 0.5",
+                   help="more trainer flags for each student, one string")
+    p.add_argument("--full", type=Path,
+                   help="a recipe_levers run dir (with final.csv and run/latest.pt) of the recipe "
+                        "on all of train.jsonl at the same seed and budget, instead of training it")
+    p.add_argument("--adapt", type=int, default=0,
+                   help="held-out-voice sentences to synthesize as audio alone (0: no adaptation)")
+    p.add_argument("--adapt_steps", type=int, default=500)
+    p.add_argument("--table_only", action="store_true")
+    return p.parse_args(argv)
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+
+
+def _write_rows(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
+                   encoding="utf-8")
+    tmp.replace(path)
+
+
+def split_corpus(corpus: Path, out: Path, share: float, seed: int) -> tuple[Path, Path]:
+    """The labelled share (with text) and the rest (audio alone), audio paths made absolute."""
+    labelled, audio_only = out / "labelled.jsonl", out / "audio_only.jsonl"
+    if labelled.is_file() and audio_only.is_file():
+        return labelled, audio_only
+    rows = _rows(corpus / "train.jsonl")
+    for r in rows:
+        r["audio_filepath"] = str((corpus / r["audio_filepath"]).resolve())
+    chosen = set(random.Random(seed).sample(range(len(rows)), round(share * len(rows))))
+    _write_rows(labelled, [r for i, r in enumerate(rows) if i in chosen])
+    _write_rows(audio_only, [{k: v for k, v in r.items() if k != "text"}
+                             for i, r in enumerate(rows) if i not in chosen])
+    return labelled, audio_only
+
+
+def label(args: argparse.Namespace, teacher: Path, audio: Path, out: Path) -> dict:
+    """Pseudo-label ``audio`` with ``teacher`` into ``out``, timed once (a rerun keeps the time)."""
+    timing = out / "timing.json"
+    if (out / "pseudo.jsonl").is_file() and timing.is_file():
+        return json.loads(timing.read_text())
+    cmd = [sys.executable, "-m", "konkanivani.cli.pseudolabel", str(teacher), str(audio),
+           "--choose_threshold_on", str(args.corpus / "valid.jsonl"),
+           "--target_label_cer", f"{args.target_label_cer:g}", "--output_dir", str(out),
+           "--teacher", teacher.parent.parent.name, *args.label_flags.split()]
+    print(" ".join(cmd[2:]), flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with open(out.parent / f"{out.name}.log", "w", encoding="utf-8") as log:
+        code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
+    seconds = time.perf_counter() - start
+    if code != 0:
+        raise SystemExit(f"labelling {out}: exit status {code}")
+    audio_s = sum(r.get("duration", 0.0) for r in _rows(audio))
+    info = {"seconds": round(seconds, 1), "audio_seconds": round(audio_s, 1),
+            "real_time": round(audio_s / seconds, 1)}
+    timing.write_text(json.dumps(info) + "\n")
+    return info
+
+
+def synthesize_adapt(corpus: Path, out: Path, n: int, seed: int) -> Path:
+    """``n`` text-only sentences read by the held-out voice, as a manifest without text."""
+    from konkanivani.datatools import corpus as c
+
+    manifest = out / "audio_only.jsonl"
+    if manifest.is_file():
+        return manifest
+    rng = random.Random(seed)
+    texts = c.load_sentences(corpus / "text.txt")
+    texts = rng.sample(texts, min(n, len(texts)))
+    (out / "wavs").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, text in enumerate(texts):
+        snr = rng.uniform(*c.SNR_RANGE_DB) if rng.random() < c.NOISE_PROB else None
+        utt = c.PlannedUtterance(
+            split="adapt", index=i, text=text, speaker=c.FESTIVAL_SPEAKER,
+            speed=round(100 * rng.uniform(*c.FESTIVAL_STRETCH_RANGE)),
+            pitch=rng.randint(*c.FESTIVAL_F0_RANGE), peak=round(rng.uniform(*c.PEAK_RANGE), 4),
+            snr_db=None if snr is None else round(snr, 2), noise_seed=rng.randrange(2**31))
+        _, _, duration = c.synthesize(utt, str(out))
+        rows.append({"audio_filepath": str((out / utt.rel_path).resolve()), "duration": duration})
+    _write_rows(manifest, rows)
+    return manifest
+
+
+def levers_args(args: argparse.Namespace, steps: int) -> argparse.Namespace:
+    return recipe_levers.parse_args(
+        ["--variant", "x=", "--budget_steps", str(steps), "--eval_every_steps",
+         str(args.eval_every_steps), "--corpus", str(args.corpus), "--out", str(args.out),
+         "--splits", ",".join(SPLITS)])
+
+
+def final_cers(run: Path) -> dict[str, float]:
+    with open(run / "final.csv", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    return {f"{r['split']}_{r['method']}": float(r["cer"]) for r in rows
+            if r["weights"].startswith("final")}
+
+
+def kept(out: Path, truth: dict[str, str]) -> dict:
+    """How many labels the threshold kept, and their CER against the real transcripts (which the
+    benchmark has and a user would not)."""
+    import jiwer
+
+    report = json.loads((out / "report.json").read_text())
+    rows = [r for r in _rows(out / "pseudo.jsonl") if r["audio_filepath"] in truth]
+    cer = (100 * jiwer.cer([truth[r["audio_filepath"]] for r in rows], [r["text"] for r in rows])
+           if rows else None)
+    return {"kept": report["kept"], "of": report["utterances"], "threshold": report["threshold"],
+            "label_cer": cer}
+
+
+def run_all(args: argparse.Namespace) -> list[dict]:
+    labelled, audio_only = split_corpus(args.corpus, args.out / "split", args.labelled_share,
+                                        args.split_seed)
+    la = levers_args(args, args.budget_steps)
+    stages = []
+    teacher = recipe_levers.run_one(la, "teacher", ["--train_manifest", str(labelled)], args.seed)
+    stages.append({"stage": "teacher", "dir": teacher})
+    model = teacher / "run" / "latest.pt"
+    for r in range(1, args.rounds + 1):
+        labels = args.out / f"labels_{r}"
+        timing = label(args, model, audio_only, labels)
+        student = recipe_levers.run_one(
+            la, f"round_{r}", ["--train_manifest", str(labelled), "--pseudo_manifest",
+                               str(labels / "pseudo.jsonl"), *args.student_flags.split()],
+            args.seed)
+        stages.append({"stage": f"round_{r}", "dir": student, "labels": labels, **timing})
+        model = student / "run" / "latest.pt"
+    if args.full is None:
+        args.full = recipe_levers.run_one(la, "full", [], args.seed)
+    stages.append({"stage": "full", "dir": args.full})
+    if args.adapt:
+        adapt_audio = synthesize_adapt(args.corpus, args.out / "adapt_audio", args.adapt,
+                                       args.split_seed)
+        labels = args.out / "labels_adapt"
+        timing = label(args, args.full / "run" / "latest.pt", adapt_audio, labels)
+        short = levers_args(args, args.adapt_steps)
+        init = ["--init_from", str(args.full / "run" / "latest.pt"), "--keep_init_cmvn"]
+        control = recipe_levers.run_one(short, "adapt_control", init, args.seed)
+        adapted = recipe_levers.run_one(
+            short, "adapt", [*init, "--pseudo_manifest", str(labels / "pseudo.jsonl"),
+                             *args.student_flags.split()], args.seed)
+        stages.append({"stage": "adapt_control", "dir": control})
+        stages.append({"stage": "adapt", "dir": adapted, "labels": labels, **timing})
+    return stages
+
+
+def table(args: argparse.Namespace, stages: list[dict]) -> str:
+    truth = {str((args.corpus / r["audio_filepath"]).resolve()): r["text"]
+             for r in _rows(args.corpus / "train.jsonl")}
+    for s in stages:
+        s.update(final_cers(Path(s["dir"])))
+        if "labels" in s:
+            s.update(kept(Path(s["labels"]), truth))
+    by = {s["stage"]: s for s in stages}
+    gap = by["teacher"]["test_joint"] - by["full"]["test_joint"]
+    head = ["stage", "test", "heldout", "test_noisy", "test greedy", "gap recovered",
+            "labels kept", "threshold", "labels' CER", "labelling x real time"]
+    lines = [f"{args.budget_steps} steps a run (adaptation: {args.adapt_steps}), seed {args.seed}, "
+             f"final weights (EMA), joint decoding unless said; CPU: {cpu_description()}", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in stages:
+        rec = ""
+        if s["stage"].startswith("round_") and gap > 0:
+            rec = f"{100 * (by['teacher']['test_joint'] - s['test_joint']) / gap:.0f}%"
+        lines.append("| " + " | ".join([
+            s["stage"], *(f"{s[f'{k}_joint']:.2f}" for k in SPLITS), f"{s['test_greedy']:.2f}",
+            rec, f"{s['kept']} of {s['of']}" if "kept" in s else "",
+            f"{s['threshold']:.3f}" if s.get("threshold") is not None else "",
+            f"{s['label_cer']:.2f}" if s.get("label_cer") is not None else "",
+            f"{s['real_time']}x" if "real_time" in s else ""]) + " |")
+    if "adapt" in by:
+        a, c = by["adapt"]["heldout_joint"], by["adapt_control"]["heldout_joint"]
+        lines += ["", f"Held-out voice: {c:.2f}% fine-tuned on the training set alone, {a:.2f}% "
+                      f"with its own audio pseudo-labelled: {100 * (c - a) / c:.1f}% relative."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(stages: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for s in stages:
+        curve = Path(s["dir"]) / "curve.csv"
+        if curve.is_file() and not s["stage"].startswith("adapt"):
+            with open(curve, encoding="utf-8") as f:
+                rows = list(csv.DictReader(f))
+            left.plot([int(r["step"]) for r in rows], [float(r["cer"]) for r in rows],
+                      marker="o", label=s["stage"])
+    left.set(xlabel="step", ylabel="test CER % (greedy)", title="learning curves")
+    left.legend()
+    names = [s["stage"] for s in stages]
+    width = 0.27
+    for i, split in enumerate(SPLITS):
+        right.bar([x + (i - 1) * width for x in range(len(names))],
+                  [s[f"{split}_joint"] for s in stages], width, label=split)
+    right.set_xticks(range(len(names)), names, rotation=20)
+    right.set(ylabel="CER % (joint, final weights)", title="each stage")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stages = run_all(args)
+    text = table(args, stages)
+    (args.out / "table.md").write_text(text, encoding="utf-8")
+    plot(stages, args.out / "pseudo.png")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    if shutil.which("konkanivani-pseudolabel") is None:
+        print("note: konkanivani is not installed; running its modules from the tree")
+    sys.exit(main())
