@@ -56,7 +56,7 @@ def fingerprint(checkpoint: str, manifest: str, lm: str | None, hotwords: str | 
         for method in METHODS:
             if method != "greedy":
                 run(f"{method}+lm", method=method, lm_weight=0.3)
-    if rec.model.config.causal_conv:
+    if rec.model.cfg.causal_conv:
         for method in STREAM_METHODS:
             cases[f"stream:{method}"] = [
                 _results(rec.stream_results(w.split(3200), method=method, chunk_size=8))
