@@ -1,31 +1,61 @@
-"""Checkpoint files that survive a crash: written to a temporary file, fsynced, renamed into
-place; read back with ``weights_only`` (no pickled code runs) and refused in one line when they are
-not konkanivani checkpoints. The run directory around them (step files, ``latest.pt``, the lock)
-is ``training.run_files``; what a training checkpoint holds is ``training.state.TrainState``.
+"""The checkpoint format, in one place: the names of a run's checkpoint files, what each kind of
+checkpoint holds, and writing and reading them.
+
+A checkpoint is a dict saved by ``torch.save``. Nothing outside this module reads its keys: each
+reader takes the view it needs, which any checkpoint of that kind gives, older ones included:
+
+- ``TrainState``: an ASR training run, to resume it (the dict *is* its fields);
+- ``InferenceModel``: an ASR model to decode with or start another run from (``--init_from``);
+  every ASR checkpoint has one (a step file, ``latest.pt``, ``best.pt``, an average, format 1);
+- ``LMTrainState``: a ``konkanivani-train-lm`` run, to resume it; ``LanguageModel``: its model, for
+  shallow fusion.
+
+Files survive a crash: written to a temporary file, fsynced, renamed into place; read back with
+``weights_only`` (no pickled code runs) and refused in one line when they are not konkanivani
+checkpoints. The run directory around them (the lock, latest.pt and best.pt as links, pruning,
+resume) is ``training.run_files``.
+
+torch is imported by the two functions that save and load, not with the module: ``config``
+checks the checkpoint files flags name (``checkpoint_file_error``) and stays light.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
+import re
 from collections.abc import Iterator
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-import torch
-
-from .config import checkpoint_file_error
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
+    "BEST_FILE",
     "CheckpointError",
     "FORMAT_VERSION",
+    "InferenceModel",
+    "LATEST_FILE",
+    "LMTrainState",
+    "LanguageModel",
+    "STEP_FILES",
+    "TrainState",
     "atomic_file",
     "average_checkpoints",
+    "checkpoint_file_error",
     "fsync_dir",
-    "inference_state_dict",
     "load_checkpoint",
     "save_checkpoint",
+    "step_checkpoint_name",
+    "step_of",
+    "TEMPORARY_CHECKPOINTS",
     "temporary_path",
+    "temporary_writer",
+    "tokenizer_of",
+    "validated_wer",
     "write_file_atomic",
 ]
 
@@ -41,14 +71,232 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or read; the message says which file and why."""
 
 
-def inference_state_dict(checkpoint: dict[str, Any], ema: bool = True) -> dict[str, Any]:
-    """The weights to decode (or fine-tune) with: the EMA weights where the run kept them (``ema``),
-    else the training weights. ``model`` stays the raw training weights, as resuming needs them."""
-    return (checkpoint.get("ema_model") or checkpoint["model"]) if ema else checkpoint["model"]
+# ---- the files of a run ------------------------------------------------------------------------
 
+LATEST_FILE = "latest.pt"  # the run's newest complete save
+BEST_FILE = "best.pt"  # its save with the best validation score (WER; an LM's: perplexity)
+STEP_FILES = "step_*.pt"  # one per save, named by step_checkpoint_name: their glob
+_STEP_FILE = re.compile(r"step_(\d+)\.pt")
+
+
+def step_checkpoint_name(step: int) -> str:
+    """The name of the save at optimizer step ``step``: ``step_0000160.pt``."""
+    return f"step_{step:07d}.pt"
+
+
+def step_of(name: str) -> int | None:
+    """The step of a step file's name (``step_checkpoint_name``); None for any other name."""
+    m = _STEP_FILE.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def checkpoint_file_error(path: str | Path, what: str = "checkpoint") -> str | None:
+    """Why ``path`` is no checkpoint file to read, in one line naming it as ``what`` (a flag, say),
+    or None: it is missing, or it is a folder (a run's, an export's), said as a folder, with a
+    checkpoint in it to give instead where it holds one (best.pt first, then latest.pt)."""
+    path = Path(path)
+    if path.is_dir():
+        held = sorted((p.name for p in path.glob("*.pt")
+                       if p.is_file() and not p.name.endswith(".torchscript.pt")),
+                      key=lambda name: (name != BEST_FILE, name != LATEST_FILE, name))
+        instead = (f"give a checkpoint file in it, such as {path / held[0]}" if held
+                   else "it holds no checkpoint (*.pt) file")
+        return f"{what} {path} is a folder, not a checkpoint file: {instead}"
+    if not path.is_file():
+        return f"{what} {path}: file not found"
+    return None
+
+
+# ---- what a checkpoint holds -------------------------------------------------------------------
+
+def _as_dict(view: Any) -> dict[str, Any]:
+    """A view's fields as the checkpoint's dict, in their order (the order they are saved in)."""
+    return {f.name: getattr(view, f.name) for f in fields(view)}
+
+
+def _missing(cls: type, checkpoint: dict[str, Any]) -> list[str]:
+    """The fields of ``cls`` without a default that ``checkpoint`` lacks."""
+    return [f.name for f in fields(cls) if f.default is MISSING
+            and f.default_factory is MISSING and f.name not in checkpoint]
+
+
+@dataclass
+class TrainState:
+    """Everything a run needs to go on exactly where it stopped; the checkpoint *is* this, as a dict
+    of its fields (``save``/``load``). ``model``, ``optimizer`` and ``scaler`` are state dicts;
+    ``rng`` holds the random states of each process of the run (``training.state.capture_rng``)."""
+
+    model_config: dict[str, Any]
+    train_config: dict[str, Any]
+    tokenizer: bytes  # the SentencePiece model
+    model: dict[str, Any]
+    optimizer: dict[str, Any] = field(default_factory=dict)
+    scaler: dict[str, Any] = field(default_factory=dict)  # empty unless fp16
+    step: int = 0  # optimizer steps done
+    epoch: int = 0  # epochs finished
+    batches_done: int = 0  # batches of the epoch in progress already trained on, by each process
+    processes: int = 1  # of the run that wrote it (torchrun's world size)
+    rng: list[dict[str, Any]] = field(default_factory=list)  # one per process (rank)
+    best_wer: float = math.inf
+    best_cer: float = math.inf
+    valid_metrics: dict[str, float] = field(default_factory=dict)
+    valid_step: int = -1  # the step valid_metrics were measured at
+    # the EMA weights (--ema_decay); empty when off
+    ema_model: dict[str, Any] = field(default_factory=dict)
+    ema_updates: int = 0  # optimizer steps averaged into ema_model (AveragedModel.n_averaged)
+    # seconds of training up to this step (Run.elapsed); 0 in older checkpoints
+    train_seconds: float = 0.0
+    # per process, beyond batches_done: a
+    data_position: list[dict[str, Any]] = field(default_factory=list)
+    # shard plan's inputs and each reader's next shard and key (ShardPlan.position); empty for a
+    # manifest
+
+    def save(self, path: str | Path) -> Path:
+        return save_checkpoint(_as_dict(self), path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrainState:
+        return cls.from_checkpoint(load_checkpoint(path), path)
+
+    @classmethod
+    def from_checkpoint(cls, state: dict[str, Any], path: str | Path) -> TrainState:
+        """The training state of a loaded checkpoint; ``CheckpointError`` in one line for one that
+        cannot be resumed (an older format, averaged weights)."""
+        if state["format_version"] != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{path} has checkpoint format {state['format_version']} (an older konkanivani); "
+                f"training resumes format {FORMAT_VERSION} only. Its weights still serve "
+                "transcribe, evaluate and average"
+            )
+        if "optimizer" not in state:
+            raise CheckpointError(
+                f"{path} holds model weights only (an averaged model?); resume from a step "
+                "checkpoint or latest"
+            )
+        if missing := _missing(cls, state):
+            raise CheckpointError(
+                f"{path} is not a speech recognition training checkpoint (no {', '.join(missing)}; "
+                "a language model's?)"
+            )
+        # A field added after the format (ema_model, say) is absent from older files: its default.
+        return cls(**{f.name: state[f.name] for f in fields(cls) if f.name in state})
+
+
+@dataclass(frozen=True)
+class InferenceModel:
+    """The speech recognition model of a checkpoint, to decode with or to start another run from:
+    the model's shape (``ModelConfig`` as a dict), its weights and its tokenizer. ``weights`` are
+    the moving average where the run kept one (--ema_decay; ``ema``), else the training weights;
+    either holds the CMVN statistics (``cmvn``)."""
+
+    model_config: dict[str, Any]
+    weights: dict[str, Any]  # a state dict of ASRModel
+    tokenizer: bytes  # the SentencePiece model
+    ema: bool  # whether ``weights`` are the EMA weights
+
+    @classmethod
+    def of(cls, checkpoint: dict[str, Any]) -> InferenceModel:
+        """The model of a loaded checkpoint; ``KeyError`` for the first part it lacks (its
+        ``model_config``, ``model`` or ``tokenizer``: ``missing`` names them all)."""
+        config = checkpoint["model_config"]
+        # "model" stays the raw training weights in the file, as resuming needs them
+        weights = checkpoint.get("ema_model") or checkpoint["model"]
+        return cls(config, weights, checkpoint["tokenizer"], weights is not checkpoint["model"])
+
+    @staticmethod
+    def missing(checkpoint: dict[str, Any]) -> list[str]:
+        """The parts of a model that ``checkpoint`` lacks; none for any ASR checkpoint."""
+        return [k for k in ("model_config", "model", "tokenizer") if k not in checkpoint]
+
+    @property
+    def cmvn(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The feature mean and standard deviation the model normalizes its input with."""
+        return self.weights["feat_mean"], self.weights["feat_std"]
+
+
+@dataclass
+class LMTrainState:
+    """Everything a ``konkanivani-train-lm`` run needs to go on where it stopped; the checkpoint is
+    this, as a dict of its fields. ``model`` and ``optimizer`` are state dicts; ``rng`` is the
+    process's random states (``training.state.capture_rng``)."""
+
+    lm_config: dict[str, Any]
+    train_config: dict[str, Any]
+    tokenizer: bytes  # the SentencePiece model, the ASR model's
+    model: dict[str, Any]
+    optimizer: dict[str, Any]
+    step: int  # optimizer steps done
+    epoch: int  # epochs finished
+    batches_done: int  # batches of the epoch in progress already trained on
+    rng: dict[str, Any]
+    valid_ppl: float  # the validation perplexity at this step
+    best_valid_ppl: float
+
+    def save(self, path: str | Path) -> Path:
+        return save_checkpoint(_as_dict(self), path)
+
+    @classmethod
+    def from_checkpoint(cls, state: dict[str, Any], path: str | Path) -> LMTrainState:
+        """The training state of a loaded LM checkpoint; ``CheckpointError`` in one line for a
+        checkpoint of another kind."""
+        if missing := _missing(cls, state):
+            raise CheckpointError(
+                f"{path} is not a language model training checkpoint (no {', '.join(missing)})"
+            )
+        return cls(**{f.name: state[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class LanguageModel:
+    """The language model of a ``konkanivani-train-lm`` checkpoint, for shallow fusion: its shape
+    (``LMConfig`` as a dict), weights and tokenizer."""
+
+    lm_config: dict[str, Any]
+    weights: dict[str, Any]  # a state dict of TransformerLM
+    tokenizer: bytes  # the SentencePiece model
+
+    @classmethod
+    def of(cls, checkpoint: dict[str, Any], path: str | Path) -> LanguageModel:
+        """The LM of a loaded checkpoint: ``CheckpointError`` for a checkpoint of another kind,
+        ``KeyError`` for the first part an LM checkpoint lacks."""
+        if "lm_config" not in checkpoint:
+            raise CheckpointError(
+                f"{path} is not a language model checkpoint (made by konkanivani-train-lm)"
+            )
+        return cls(checkpoint["lm_config"], checkpoint["model"], checkpoint["tokenizer"])
+
+
+def tokenizer_of(checkpoint: dict[str, Any]) -> bytes:
+    """The SentencePiece model a checkpoint holds, an ASR model's or an LM's; ``KeyError`` when it
+    holds none."""
+    return checkpoint["tokenizer"]
+
+
+def validated_wer(checkpoint: dict[str, Any], step: int) -> float | None:
+    """The validation WER of the save at ``step`` (its file's step) when it was measured at that
+    very step (an end-of-epoch save, or one at a validation); None otherwise, and for checkpoints
+    that keep no metrics (an LM's, an average)."""
+    if checkpoint.get("valid_step") == step and checkpoint["valid_metrics"]:
+        return checkpoint["valid_metrics"]["wer"]
+    return None
+
+
+# ---- writing and reading -----------------------------------------------------------------------
 
 def temporary_path(path: Path) -> Path:
+    """Where ``path`` is written before it is renamed into place: ``.NAME.tmpPID`` beside it."""
     return path.with_name(f".{path.name}.tmp{os.getpid()}")
+
+
+TEMPORARY_CHECKPOINTS = ".*.pt.tmp*"  # the temporary_path of checkpoints: their glob
+_TEMPORARY_CHECKPOINT = re.compile(r"\..+\.pt\.tmp(\d+)")
+
+
+def temporary_writer(name: str) -> int | None:
+    """The process id that writes the checkpoint temporary named ``name`` (``temporary_path``);
+    None for any other name."""
+    m = _TEMPORARY_CHECKPOINT.fullmatch(name)
+    return int(m.group(1)) if m else None
 
 
 def fsync_dir(directory: Path) -> None:
@@ -106,6 +354,8 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
     """Write ``state`` to ``path`` atomically: a reader sees the old file or the new one, never
     half.
     ``CheckpointError`` when it cannot be written, with the system's reason (a full disk, say)."""
+    import torch
+
     path = Path(path)
     f = None
     try:
@@ -134,6 +384,8 @@ def write_file_atomic(path: str | Path, data: bytes) -> Path:
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Load a konkanivani checkpoint; ``CheckpointError`` with a plain reason if it is not one."""
+    import torch
+
     path = Path(path)
     if path.is_dir():
         raise CheckpointError(checkpoint_file_error(path))

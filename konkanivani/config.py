@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Union, get_args, get_origin, get_type_hints
 
+from .checkpoint import checkpoint_file_error
+
 __all__ = ["DEFAULT_SEED", "DEFAULT_MAX_DURATION", "DEFAULT_DURATION_TOLERANCE",
            "DEFAULT_VOCAB_SIZE", "DEFAULT_CTC_WEIGHT", "DEFAULT_LABEL_SMOOTHING", "Seeded",
-           "RunConfig", "check_run_config", "check_values", "checkpoint_file_error", "Check",
+           "RunConfig", "check_run_config", "check_values", "Check",
            "POSITIVE_INTEGER", "COUNT",
            "AMOUNT", "POSITIVE_NUMBER", "BELOW_ONE", "Renamed", "FROM_TOKENIZER", "flag_fields",
            "AugmentConfig", "OPTIMIZERS", "PRECISIONS", "STRATEGIES", "kept_settings",
@@ -725,23 +727,6 @@ def check_values(cfg: Any, checks: dict[str, Check]) -> None:
         value = getattr(cfg, name)
         if not ok(value):
             raise ConfigError(f"--{name} must be {wanted}, got {value!r}")
-
-
-def checkpoint_file_error(path: str | Path, what: str = "checkpoint") -> str | None:
-    """Why ``path`` is no checkpoint file to read, in one line naming it as ``what`` (a flag, say),
-    or None: it is missing, or it is a folder (a run's, an export's), said as a folder, with a
-    checkpoint in it to give instead where it holds one."""
-    path = Path(path)
-    if path.is_dir():
-        held = sorted((p.name for p in path.glob("*.pt")
-                       if p.is_file() and not p.name.endswith(".torchscript.pt")),
-                      key=lambda name: (name != "best.pt", name != "latest.pt", name))
-        instead = (f"give a checkpoint file in it, such as {path / held[0]}" if held
-                   else "it holds no checkpoint (*.pt) file")
-        return f"{what} {path} is a folder, not a checkpoint file: {instead}"
-    if not path.is_file():
-        return f"{what} {path}: file not found"
-    return None
 
 
 def check_run_config(cfg: RunConfig) -> None:

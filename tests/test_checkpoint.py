@@ -5,13 +5,17 @@ import os
 import pytest
 import torch
 
-from konkanivani.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from konkanivani.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    save_checkpoint,
+    step_checkpoint_name,
+)
 from konkanivani.training.run_files import (
     point_to,
     prune_checkpoints,
     remove_stale_temporaries,
     resolve_resume,
-    step_checkpoint_name,
 )
 
 
@@ -107,7 +111,7 @@ def test_stale_temporaries_of_a_killed_process_are_removed(tmp_path):
 
 
 def test_train_state_round_trip_and_older_formats(tmp_path):
-    from konkanivani.training.state import TrainState
+    from konkanivani.checkpoint import TrainState
 
     state = TrainState(
         model_config={"d_model": 8},

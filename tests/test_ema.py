@@ -7,7 +7,12 @@ import torch
 from tiny_args import tiny_args
 from torch.utils.data import DataLoader
 
-from konkanivani.checkpoint import average_checkpoints, inference_state_dict, load_checkpoint
+from konkanivani.checkpoint import (
+    InferenceModel,
+    TrainState,
+    average_checkpoints,
+    load_checkpoint,
+)
 from konkanivani.cli import train as cli
 from konkanivani.config import ModelConfig
 from konkanivani.data.dataset import ASRDataset, collate, load_utterances
@@ -16,7 +21,6 @@ from konkanivani.decoding.recognizer import Recognizer
 from konkanivani.model.asr import ASRModel
 from konkanivani.training.ema import ema_state, load_ema_state, make_ema
 from konkanivani.training.precision import resolve_precision
-from konkanivani.training.state import TrainState
 from konkanivani.training.step import validate
 
 
@@ -67,10 +71,12 @@ def test_the_average_is_its_closed_form_from_a_copy_of_the_first_step():
 
 def test_decoding_reads_the_ema_weights_averaging_the_training_ones_and_old_files_load(tmp_path):
     raw, averaged = {"w": torch.zeros(2)}, {"w": torch.ones(2)}
-    assert inference_state_dict({"model": raw, "ema_model": averaged}) is averaged
-    assert inference_state_dict({"model": raw, "ema_model": averaged}, ema=False) is raw
-    assert inference_state_dict({"model": raw, "ema_model": {}}) is raw  # a run without EMA
-    assert inference_state_dict({"model": raw}) is raw  # written before EMA existed
+    parts = {"model_config": {}, "tokenizer": b"sp", "model": raw}
+    with_ema = InferenceModel.of({**parts, "ema_model": averaged})
+    assert with_ema.weights is averaged and with_ema.ema
+    without = InferenceModel.of({**parts, "ema_model": {}})  # a run without EMA
+    assert without.weights is raw and not without.ema
+    assert InferenceModel.of(parts).weights is raw  # written before EMA existed
 
     state = TrainState(
         model_config={},

@@ -356,15 +356,15 @@ def test_training_skips_bad_rows_and_counts_a_file_that_fails_mid_epoch(
 
 def _checkpoint_writes(monkeypatch):
     """The names of the checkpoint files written from now on, in order, one entry a write."""
-    from konkanivani.training import state
+    from konkanivani import checkpoint
 
-    real, written = state.save_checkpoint, []
+    real, written = checkpoint.save_checkpoint, []
 
     def counted(state, path):
         written.append(Path(path).name)
         return real(state, path)
 
-    monkeypatch.setattr(state, "save_checkpoint", counted)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", counted)
     return written
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_args import tiny_args
 
-from konkanivani.checkpoint import load_checkpoint, save_checkpoint
+from konkanivani.checkpoint import InferenceModel, load_checkpoint, save_checkpoint
 from konkanivani.cli import train as cli
 from konkanivani.config import (
     INIT_MODULES,
@@ -33,9 +33,9 @@ TEXTS = [
 SPECIALS = 3  # blank, unk, sos/eos
 
 
-def _checkpoint(model: ASRModel, tokenizer: Tokenizer) -> dict:
-    return {"model_config": dataclasses.asdict(model.cfg), "model": model.state_dict(),
-            "tokenizer": tokenizer.model_proto}
+def _checkpoint(model: ASRModel, tokenizer: Tokenizer) -> InferenceModel:
+    return InferenceModel.of({"model_config": dataclasses.asdict(model.cfg),
+                              "model": model.state_dict(), "tokenizer": tokenizer.model_proto})
 
 
 def _shared_pieces(old: Tokenizer, new: Tokenizer) -> dict[int, int]:

@@ -17,14 +17,18 @@ import soundfile as sf
 import torch
 from tiny_args import tiny_args  # noqa: E402
 
-from konkanivani.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from konkanivani.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    save_checkpoint,
+    step_checkpoint_name,
+)
 from konkanivani.cli import train as cli  # noqa: E402
 from konkanivani.training.run_files import (
     claim_output_dir,
     hold_run_directory,
     load_resume_checkpoint,
     point_to,
-    step_checkpoint_name,
 )
 
 

@@ -12,12 +12,19 @@ optimizer: it cannot be resumed.
 """
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
-from ..checkpoint import CheckpointError, average_checkpoints, save_checkpoint
-from ..config import checkpoint_file_error
+from ..checkpoint import (
+    BEST_FILE,
+    LATEST_FILE,
+    STEP_FILES,
+    CheckpointError,
+    average_checkpoints,
+    checkpoint_file_error,
+    save_checkpoint,
+    step_of,
+)
 from ..datatools.outputs import OutputError, check_outputs
 from ..training.run_files import select_checkpoints
 from . import Parser, fail, setup_logging, tool
@@ -26,11 +33,9 @@ from . import Parser, fail, setup_logging, tool
 def _refuse_overwriting_inputs(output: Path, inputs: list[Path]) -> None:
     """The average never replaces a checkpoint it reads (``check_outputs``), nor the latest.pt,
     best.pt or a step file of the run in its folder."""
-    in_a_run = output.parent.is_dir() and (any(output.parent.glob("step_*.pt")) or
-                                           (output.parent / "latest.pt").exists())
-    if in_a_run and (
-        output.name in ("latest.pt", "best.pt") or re.fullmatch(r"step_\d+\.pt", output.name)
-    ):
+    in_a_run = output.parent.is_dir() and (any(output.parent.glob(STEP_FILES)) or
+                                           (output.parent / LATEST_FILE).exists())
+    if in_a_run and (output.name in (LATEST_FILE, BEST_FILE) or step_of(output.name) is not None):
         raise CheckpointError(
             f"--output {output}: that name belongs to a training run's own checkpoints; "
             "choose another (average_*.pt)"

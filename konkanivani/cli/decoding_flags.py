@@ -12,7 +12,8 @@ import argparse
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..config import ConfigError, checkpoint_file_error
+from ..checkpoint import checkpoint_file_error
+from ..config import ConfigError
 from ..decoding.recognizer import Recognizer
 from ..decoding.search import LONG_INPUT_METHOD, LONG_INPUT_SECONDS
 from ..decoding.settings import DecodingConfig, add_decoding_flags, decoding_config_from_args

@@ -37,8 +37,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..checkpoint import CheckpointError
-from ..config import ConfigError, Renamed, checkpoint_file_error
+from ..checkpoint import CheckpointError, checkpoint_file_error
+from ..config import ConfigError, Renamed
 from ..decoding.model_export import (
     FILES,
     FORMATS,

@@ -59,7 +59,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint import CheckpointError, write_file_atomic
+from ..checkpoint import BEST_FILE, LATEST_FILE, CheckpointError, write_file_atomic
 from ..data.audio import load_audio
 from ..data.frames import SAMPLE_RATE
 from ..data.manifest import PSEUDO_LABEL, ManifestError, check_text, refuse_pseudo_labels
@@ -250,12 +250,12 @@ def _rounds(parser: Parser, args: argparse.Namespace, decoding: DecodingConfig) 
             run = ["--train_manifest", str(args.train_manifest), "--valid_manifest", str(valid),
                    "--pseudo_manifest", str(folder / KEPT),
                    "--output_dir", str(student), *flags]
-            if (student / "latest.pt").is_file():
+            if (student / LATEST_FILE).is_file():
                 run += ["--resume", "latest"]
             if (code := train_cli.main(run)) != 0:
                 return code
             write_output(done, "")
-        teacher = student / "best.pt"
+        teacher = student / BEST_FILE
         report = json.loads((folder / REPORT_JSON).read_text(encoding="utf-8"))
         table.append({"round": r, "teacher": str(labelled.checkpoint),
                       "threshold": report["threshold"], "kept": report["kept"],

@@ -2,7 +2,7 @@
 
 A checkpoint carries everything needed (model shape, weights with CMVN statistics, tokenizer),
 so ``Recognizer.from_checkpoint(path)`` is all a user needs. A run trained with ``--ema_decay``
-decodes with its moving average of the weights (``inference_state_dict``).
+decodes with its moving average of the weights (``checkpoint.InferenceModel``).
 
 ``Recognizer.transcribe`` loses no file to another: a file that cannot be read, is too short for
 the encoder, or fails to decode yields a ``Transcript`` with ``error`` set, and a file longer than
@@ -24,7 +24,7 @@ from pathlib import Path
 import soundfile as sf
 import torch
 
-from ..checkpoint import CheckpointError, inference_state_dict, load_checkpoint
+from ..checkpoint import CheckpointError, InferenceModel, load_checkpoint
 from ..config import ModelConfig
 from ..data.audio import AUDIO_SUFFIXES, AudioError, load_audio, read_blocks
 from ..data.features import LogMel, make_frontend, min_samples
@@ -158,10 +158,10 @@ class Recognizer:
     def _from_checkpoint(cls, path: str | Path, device: torch.device) -> Recognizer:
         state = load_checkpoint(path)
         try:
-            cfg = ModelConfig.from_dict(state["model_config"])
-            model = ASRModel(cfg)
-            model.load_state_dict(inference_state_dict(state))
-            tokenizer = Tokenizer(state["tokenizer"])
+            saved = InferenceModel.of(state)
+            model = ASRModel(ModelConfig.from_dict(saved.model_config))
+            model.load_state_dict(saved.weights)
+            tokenizer = Tokenizer(saved.tokenizer)
         except (KeyError, TypeError, RuntimeError, ValueError) as e:
             raise CheckpointError(
                 f"{path}: the checkpoint does not hold a usable model ({type(e).__name__}: "

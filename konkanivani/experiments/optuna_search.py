@@ -29,7 +29,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..checkpoint import write_file_atomic
+from ..checkpoint import LATEST_FILE, write_file_atomic
 from ..config import ConfigError
 from ..training.loop import train
 from ..training.metrics_log import read_metrics
@@ -302,7 +302,7 @@ def _objective(
         trial_dir = out / name
         record = Trial(settings, status="running", label=name)
         ran[name] = record
-        resume = "latest" if (trial_dir / "latest.pt").exists() else ""
+        resume = "latest" if (trial_dir / LATEST_FILE).exists() else ""
         cfg, model_flags = make_trial(settings, trial_dir, resume)
         set_aside_unsaved_run(trial_dir, resume, f"search trial {name}")
         resolved = resolved_settings(cfg, model_flags)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, get_type_hints
 
-from ..checkpoint import atomic_file, write_file_atomic
+from ..checkpoint import LATEST_FILE, atomic_file, write_file_atomic
 from ..config import (
     DEFAULT_VOCAB_SIZE,
     ConfigError,
@@ -280,7 +280,7 @@ def _run_trial(
     out: Path, trial: Trial, make_trial: MakeTrial, budget_gb: float, label: str
 ) -> Optional[str]:
     trial_dir = out / trial.name
-    resume = "latest" if (trial_dir / "latest.pt").exists() else ""
+    resume = "latest" if (trial_dir / LATEST_FILE).exists() else ""
     cfg, model_flags = make_trial(trial.settings, trial_dir, resume)
     resolved = resolved_settings(cfg, model_flags)  # (resuming is no setting: the same either way)
     recorded = recorded_trial(trial_dir)

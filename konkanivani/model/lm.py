@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint import CheckpointError, load_checkpoint
+from ..checkpoint import CheckpointError, LanguageModel, load_checkpoint
 from ..config import FROM_TOKENIZER, flag_help
 from ..data.tokenizer import SOS_EOS_ID, Tokenizer
 from .conformer import Dropout, FeedForward, KVCache, LayerNorm, MultiHeadAttention, RotaryEmbedding
@@ -171,14 +171,13 @@ def load_lm(
     """The LM of a ``konkanivani-train-lm`` checkpoint, in eval mode, and its tokenizer;
     ``CheckpointError`` in one line for any other file."""
     state = load_checkpoint(path)
-    if "lm_config" not in state:
-        raise CheckpointError(
-            f"{path} is not a language model checkpoint (made by konkanivani-train-lm)"
-        )
     try:
-        lm = TransformerLM(LMConfig(**state["lm_config"]))
-        lm.load_state_dict(state["model"])
-        tokenizer = Tokenizer(state["tokenizer"])
+        saved = LanguageModel.of(state, path)
+        lm = TransformerLM(LMConfig(**saved.lm_config))
+        lm.load_state_dict(saved.weights)
+        tokenizer = Tokenizer(saved.tokenizer)
+    except CheckpointError:  # not a language model's: said as it is
+        raise
     except (KeyError, TypeError, RuntimeError, ValueError) as e:
         raise CheckpointError(
             f"{path}: the checkpoint does not hold a usable language model "

@@ -11,11 +11,10 @@ say), and the report says which.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from ..checkpoint import CheckpointError, inference_state_dict, load_checkpoint
+from ..checkpoint import CheckpointError, InferenceModel, load_checkpoint
 from ..config import ConfigError
 from ..data.tokenizer import BLANK_ID, SOS_EOS_ID, UNK_ID, Tokenizer
 from ..model.asr import ASRModel
@@ -73,18 +72,16 @@ def token_row_map(old: Tokenizer, new: Tokenizer) -> dict[int, int]:
 def load_init_weights(
     model: ASRModel,
     tokenizer: Tokenizer,
-    checkpoint: dict[str, Any],
+    init: InferenceModel,
     modules: tuple[str, ...],
     source: str = "the checkpoint",
 ) -> InitReport:
     """Load into ``model`` (whose vocabulary is ``tokenizer``'s) the tensors of ``modules`` from
-    ``checkpoint`` (its EMA weights where it has them) that fit; see the module's docstring. The
-    CMVN statistics are not among them (``keep_init_cmvn``)."""
-    weights = inference_state_dict(checkpoint)
-    report = InitReport(
-        source, modules, "EMA" if weights is not checkpoint["model"] else "training"
-    )
-    old_tokenizer = Tokenizer(checkpoint["tokenizer"])
+    the checkpoint's model ``init`` (its EMA weights where it has them) that fit; see the module's
+    docstring. The CMVN statistics are not among them (``keep_init_cmvn``)."""
+    weights = init.weights
+    report = InitReport(source, modules, "EMA" if init.ema else "training")
+    old_tokenizer = Tokenizer(init.tokenizer)
     same_vocabulary = old_tokenizer.model_proto == tokenizer.model_proto
     rows = token_row_map(old_tokenizer, tokenizer)
     new_ids, old_ids = list(rows), list(rows.values())
@@ -114,11 +111,10 @@ def load_init_weights(
 
 
 @torch.no_grad()
-def keep_init_cmvn(model: ASRModel, checkpoint: dict[str, Any]) -> None:
-    """The checkpoint's CMVN statistics in place of those of the new training data
-    (``--keep_init_cmvn``)."""
-    weights = inference_state_dict(checkpoint)
-    mean, std = weights["feat_mean"], weights["feat_std"]
+def keep_init_cmvn(model: ASRModel, init: InferenceModel) -> None:
+    """The CMVN statistics of the checkpoint's model ``init`` in place of those of the new training
+    data (``--keep_init_cmvn``)."""
+    mean, std = init.cmvn
     if mean.shape != model.feat_mean.shape:
         raise ValueError(
             f"--keep_init_cmvn: the checkpoint's features have {mean.numel()} mel bins, this model "
@@ -144,14 +140,13 @@ def hold_encoder(model: torch.nn.Module, step: int, freeze_steps: int) -> bool:
     return True
 
 
-def load_init_checkpoint(path: str) -> dict[str, Any]:
-    """The checkpoint --init_from names, loaded; ``ConfigError`` naming the file when it cannot be
-    read or holds no model."""
+def load_init_checkpoint(path: str) -> InferenceModel:
+    """The model of the checkpoint --init_from names; ``ConfigError`` naming the file when it cannot
+    be read or holds no model."""
     try:
         state = load_checkpoint(path)
     except CheckpointError as e:
         raise ConfigError(f"--init_from: {e}") from e
-    missing = [k for k in ("model_config", "model", "tokenizer") if k not in state]
-    if missing:
+    if missing := InferenceModel.missing(state):
         raise ConfigError(f"--init_from {path}: not a model checkpoint (no {', '.join(missing)})")
-    return state
+    return InferenceModel.of(state)

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from ..checkpoint import CheckpointError, LMTrainState, load_checkpoint, tokenizer_of
 from ..config import (
     BELOW_ONE,
     COUNT,
@@ -110,7 +110,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     try:
         if path.suffix == ".model":
             return Tokenizer.load(path)
-        return Tokenizer(load_checkpoint(path)["tokenizer"])
+        return Tokenizer(tokenizer_of(load_checkpoint(path)))
     except KeyError:
         raise TextError(f"--tokenizer {path}: the checkpoint carries no tokenizer") from None
     except (RuntimeError, ValueError, OSError) as e:
@@ -219,16 +219,16 @@ def _read_text(cfg: LMTrainConfig, tokenizer: Tokenizer) -> tuple[list, list, li
 
 
 def _resumed_settings(
-    cfg: LMTrainConfig, state: dict[str, Any], tokenizer: Tokenizer
+    cfg: LMTrainConfig, state: LMTrainState, tokenizer: Tokenizer
 ) -> LMTrainConfig:
     """A resumed run's tokenizer must be the checkpoint's, and it keeps the settings that decide its
     batches (``config.kept_settings``, as the ASR trainer)."""
-    if bytes(state["tokenizer"]) != tokenizer.model_proto:
+    if bytes(state.tokenizer) != tokenizer.model_proto:
         raise CheckpointError(
             f"--resume {cfg.resume}: the checkpoint's tokenizer differs from --tokenizer "
             f"{cfg.tokenizer}"
         )
-    changed = kept_settings(cfg, state["train_config"])
+    changed = kept_settings(cfg, state.train_config)
     if changed:
         log.warning("on resume, %s as in the checkpoint (they decide the batches)",
                     ", ".join(f"--{k} {v}" for k, v in changed.items()))
@@ -254,25 +254,21 @@ def _save(run: LMRun, valid_ppl: float) -> None:
     is_best = valid_ppl < run.best
     run.best = min(run.best, valid_ppl)
     train_config = {k: v for k, v in dataclasses.asdict(run.cfg).items() if k != "text"}
-    state = {
-        "lm_config": run.lm_cfg.to_dict(),
-        "train_config": train_config,
-        "tokenizer": run.tokenizer.model_proto,
-        "model": run.model.state_dict(),
-        "optimizer": run.optimizer.state_dict(),
-        "step": run.step,
-        "epoch": run.epoch,
-        "batches_done": run.batches_done,
-        "rng": capture_rng(),
-        "valid_ppl": valid_ppl,
-        "best_valid_ppl": run.best,
-    }
+    state = LMTrainState(
+        lm_config=run.lm_cfg.to_dict(),
+        train_config=train_config,
+        tokenizer=run.tokenizer.model_proto,
+        model=run.model.state_dict(),
+        optimizer=run.optimizer.state_dict(),
+        step=run.step,
+        epoch=run.epoch,
+        batches_done=run.batches_done,
+        rng=capture_rng(),
+        valid_ppl=valid_ppl,
+        best_valid_ppl=run.best,
+    )
     path = save_step(
-        Path(run.cfg.output_dir),
-        run.step,
-        lambda p: save_checkpoint(state, p),
-        is_best,
-        run.cfg.keep_checkpoints,
+        Path(run.cfg.output_dir), run.step, state.save, is_best, run.cfg.keep_checkpoints
     )
     run.metrics.write("valid", run.step, run.epoch, ppl=valid_ppl)
     log.info(
@@ -287,14 +283,14 @@ def _save(run: LMRun, valid_ppl: float) -> None:
 def _setup(
     cfg: LMTrainConfig,
     lm_cfg: LMConfig,
-    state: Optional[dict[str, Any]],
+    state: Optional[LMTrainState],
     tokenizer: Tokenizer,
     train_set: list,
     valid_set: list,
 ) -> LMRun:
     device = resolve_device(cfg.device)
     lm_cfg = (
-        LMConfig(**state["lm_config"])
+        LMConfig(**state.lm_config)
         if state
         else dataclasses.replace(lm_cfg, vocab_size=tokenizer.vocab_size)
     )
@@ -315,11 +311,11 @@ def _setup(
         valid_set,
     )
     if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        restore_rng(state["rng"])
-        run.step, run.epoch, run.batches_done = state["step"], state["epoch"], state["batches_done"]
-        run.best = state["best_valid_ppl"]
+        model.load_state_dict(state.model)
+        optimizer.load_state_dict(state.optimizer)
+        restore_rng(state.rng)
+        run.step, run.epoch, run.batches_done = state.step, state.epoch, state.batches_done
+        run.best = state.best_valid_ppl
         log.info(
             "resumed at step %d (epoch %d, batch %d)", run.step, run.epoch + 1, run.batches_done
         )
@@ -377,7 +373,8 @@ def train_lm(cfg: LMTrainConfig, lm_cfg: LMConfig) -> dict[str, Any]:
         run_directory(out, cfg.resume, cfg.overwrite) as start,
         StopRequest(cfg.max_time) as stop_request,
     ):
-        state = load_resume_checkpoint(cfg.resume, out)[0] if cfg.resume else None
+        state = (LMTrainState.from_checkpoint(*load_resume_checkpoint(cfg.resume, out))
+                 if cfg.resume else None)
         if state is not None:
             cfg = _resumed_settings(cfg, state, tokenizer)
             if not cfg.valid_text:

@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from ..checkpoint import LATEST_FILE, TrainState, step_checkpoint_name
 from ..config import ConfigError, TrainConfig, check_config, resolve_model_config
 from ..data.dataset import Batch
 from ..data.frames import frames_of
@@ -44,10 +45,10 @@ from .memory import (
     memory_status,
 )
 from .optim import lr_factor
-from .run_files import run_directory, save_step, step_checkpoint_name
+from .run_files import run_directory, save_step
 from .signals import StopRequest, TrainingDiverged, diverged_message
 from .start import Run, setup_run, starting_point
-from .state import TrainState, capture_rng
+from .state import capture_rng
 from .step import forward_backward, maybe_empty_cache, optimizer_step, validate
 
 __all__ = ["train", "train_epoch", "train_step", "end_epoch", "validate_and_save", "save", "finish"]
@@ -387,7 +388,7 @@ def finish(run: Run, stop: Optional[str]) -> dict[str, Any]:
             run.step,
             run.epoch + 1,
             run.batches_done,
-            run.out_dir / "latest.pt",
+            run.out_dir / LATEST_FILE,
         )
     return {
         "step": run.step,

@@ -2,10 +2,14 @@
 
 Layout of an output directory::
 
-    step_0000160.pt   one per save (each epoch and every --save_every_steps), last N kept latest.pt
-    the newest complete save best.pt           the save with the lowest validation WER config.yaml
-    every setting the run uses, for --config (``config_file.py``; rewritten on resume) .lock
-    held by the run that writes here (``hold_run_directory``)
+    step_0000160.pt   one per save (each epoch and every --save_every_steps), last N kept
+    latest.pt         the newest complete save
+    best.pt           the save with the lowest validation WER
+    config.yaml       every setting the run uses, for --config (``config_file.py``; rewritten on
+                      resume)
+    .lock             held by the run that writes here (``hold_run_directory``)
+
+The names, and what each checkpoint holds, are ``checkpoint``'s.
 
 ``latest.pt`` and ``best.pt`` are hard links to a step file where the file system allows it (no
 extra disk), copies otherwise; either way they are replaced by an atomic rename.
@@ -22,14 +26,26 @@ import contextlib
 import logging
 import logging.handlers
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import CheckpointError, fsync_dir, load_checkpoint, temporary_path
+from ..checkpoint import (
+    BEST_FILE,
+    LATEST_FILE,
+    STEP_FILES,
+    TEMPORARY_CHECKPOINTS,
+    CheckpointError,
+    fsync_dir,
+    load_checkpoint,
+    step_checkpoint_name,
+    step_of,
+    temporary_path,
+    temporary_writer,
+    validated_wer,
+)
 from .distributed import Dist
 
 try:
@@ -52,7 +68,6 @@ __all__ = [
     "remove_stale_temporaries",
     "resolve_resume",
     "select_checkpoints",
-    "step_checkpoint_name",
     "step_checkpoints",
 ]
 
@@ -60,16 +75,6 @@ log = logging.getLogger("konkanivani")
 
 
 LOCK_FILE = ".lock"
-
-
-_STEP_FILE = re.compile(r"step_(\d+)\.pt$")
-
-
-_TEMPORARY = re.compile(r"^\..+\.pt\.tmp(\d+)$")  # ".NAME.pt.tmpPID", see _temporary
-
-
-def step_checkpoint_name(step: int) -> str:
-    return f"step_{step:07d}.pt"
 
 
 def point_to(target: str | Path, link: str | Path) -> None:
@@ -109,18 +114,18 @@ def _by_write_time(directory: Path) -> list[Path]:
     """The step files in ``directory``, oldest write first (ties by step); files that vanish while
     being listed are left out."""
     found = []
-    for p in directory.glob("step_*.pt"):
-        if m := _STEP_FILE.search(p.name):
+    for p in directory.glob(STEP_FILES):
+        if (step := step_of(p.name)) is not None:
             with contextlib.suppress(FileNotFoundError):
-                found.append((p.stat().st_mtime_ns, int(m.group(1)), p))
+                found.append((p.stat().st_mtime_ns, step, p))
     return [p for _, _, p in sorted(found)]
 
 
 def remove_stale_temporaries(directory: str | Path) -> list[Path]:
     """Delete the half-written temporaries of an earlier process killed while saving (kill -9, power
     loss); they were never renamed into place, so no checkpoint refers to them."""
-    stale = [p for p in Path(directory).glob(".*.pt.tmp*")
-             if (m := _TEMPORARY.match(p.name)) and int(m.group(1)) != os.getpid()]
+    stale = [p for p in Path(directory).glob(TEMPORARY_CHECKPOINTS)
+             if (pid := temporary_writer(p.name)) is not None and pid != os.getpid()]
     for p in stale:
         p.unlink(missing_ok=True)
     return stale
@@ -128,7 +133,7 @@ def remove_stale_temporaries(directory: str | Path) -> list[Path]:
 
 def resolve_resume(resume: str, output_dir: str | Path) -> Path:
     """``latest`` means ``OUTPUT_DIR/latest.pt``; anything else is a path."""
-    path = Path(output_dir) / "latest.pt" if resume == "latest" else Path(resume)
+    path = Path(output_dir) / LATEST_FILE if resume == "latest" else Path(resume)
     if not path.is_file():
         raise CheckpointError(f"--resume {resume}: {path} does not exist")
     return path
@@ -145,7 +150,7 @@ def load_resume_checkpoint(resume: str, output_dir: str | Path) -> tuple[dict[st
     if resume != "latest":
         path = resolve_resume(resume, output_dir)
         return load_checkpoint(path), path
-    latest = Path(output_dir) / "latest.pt"
+    latest = Path(output_dir) / LATEST_FILE
     broken: list[str] = []
     try:
         return load_checkpoint(latest), latest
@@ -319,10 +324,10 @@ def _how_to_continue(directory: Path) -> str:
     """The ``--resume`` that continues the run in ``directory``, as advice: ``latest`` where there
     is a latest.pt or a step file (it falls back to those), else the path of a lone checkpoint
     (best.pt first), which ``latest`` would not find; nothing where no checkpoint was saved."""
-    if (directory / "latest.pt").exists() or step_checkpoints(directory):
+    if (directory / LATEST_FILE).exists() or step_checkpoints(directory):
         return "continue it with --resume latest, or "
     lone = sorted((p.name for p in directory.glob("*.pt") if p.is_file()),
-                  key=lambda name: (name != "best.pt", name))
+                  key=lambda name: (name != BEST_FILE, name))
     if lone:
         return f"continue from its checkpoint with --resume {directory / lone[0]}, or "
     return "no checkpoint to resume from; "
@@ -342,9 +347,9 @@ def existing_run(directory: str | Path) -> str | None:
     if not directory.is_dir():
         return None
     steps = step_checkpoints(directory)
-    counted = {"latest.pt", *(p.name for _, p in steps)}
+    counted = {LATEST_FILE, *(p.name for _, p in steps)}
     others = sorted(p.name for p in directory.glob("*.pt") if p.is_file() and p.name not in counted)
-    found = ["latest.pt"] if (directory / "latest.pt").exists() else []
+    found = [LATEST_FILE] if (directory / LATEST_FILE).exists() else []
     if steps:
         found.append(
             f"{len(steps)} step checkpoint{'s' if len(steps) > 1 else ''} (up to"
@@ -388,9 +393,7 @@ def move_run_aside(directory: str | Path) -> Path:
 def step_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
     """``(step, path)`` of the step files in ``directory``, by step."""
     return sorted(
-        (int(m.group(1)), p)
-        for p in Path(directory).glob("step_*.pt")
-        if (m := _STEP_FILE.search(p.name))
+        (step, p) for p in Path(directory).glob(STEP_FILES) if (step := step_of(p.name)) is not None
     )
 
 
@@ -402,9 +405,8 @@ def select_checkpoints(directory: str | Path, last: int = 0, best: int = 0) -> l
         return [p for _, p in found[-last:]]
     scored = []
     for step, p in found:
-        state = load_checkpoint(p)
-        if state.get("valid_step") == step and state["valid_metrics"]:
-            scored.append((state["valid_metrics"]["wer"], -step, p))
+        if (wer := validated_wer(load_checkpoint(p), step)) is not None:
+            scored.append((wer, -step, p))
     return [p for _, _, p in sorted(scored)[:best]]
 
 
@@ -468,8 +470,8 @@ def save_step(
     pointed at it and all but the newest ``keep`` step files removed; both trainers save this way.
     """
     path = write(out_dir / step_checkpoint_name(step))
-    point_to(path, out_dir / "latest.pt")
+    point_to(path, out_dir / LATEST_FILE)
     if is_best:
-        point_to(path, out_dir / "best.pt")
+        point_to(path, out_dir / BEST_FILE)
     prune_checkpoints(out_dir, keep)
     return path

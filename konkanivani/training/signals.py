@@ -17,6 +17,8 @@ from types import FrameType
 
 from torch.utils.data import DataLoader
 
+from ..checkpoint import LATEST_FILE
+
 __all__ = [
     "NonFiniteSkips",
     "StopRequest",
@@ -109,7 +111,7 @@ def diverged_message(in_a_row: int, step: int, out_dir: Path, fp16: bool) -> str
     return (
         f"{in_a_row} updates in a row were skipped for a non-finite loss or gradients (steps"
         f" {step - in_a_row + 1} to {step}), so training stopped. The weights are those of step"
-        f" {step - in_a_row}, saved in {out_dir / 'latest.pt'}; {advice}, then resume with --resume"
+        f" {step - in_a_row}, saved in {out_dir / LATEST_FILE}; {advice}, then resume with --resume"
         " latest."
     )
 

@@ -18,7 +18,7 @@ import torch
 from torch.optim.swa_utils import AveragedModel
 from torch.utils.data import DataLoader
 
-from ..checkpoint import write_file_atomic
+from ..checkpoint import LATEST_FILE, InferenceModel, TrainState, write_file_atomic
 from ..config import AugmentConfig, ConfigError, ModelConfig, TrainConfig, kept_settings
 from ..config_file import write_config_file
 from ..data.augment import Augmenter, batching_duration
@@ -75,7 +75,7 @@ from .optim import build_optimizer, canonical_optimizer, lr_factor
 from .precision import Precision, resolve_precision
 from .run_files import load_resume_checkpoint, remove_stale_temporaries
 from .signals import NonFiniteSkips, ignore_stop_signals, stop_workers
-from .state import TrainState, restore_rng
+from .state import restore_rng
 from .tensorboard_log import TensorBoardLog, open_tensorboard
 
 __all__ = ["FILL_FRACTION", "Origin", "Run", "gpu_batches", "setup_run", "starting_point"]
@@ -157,14 +157,14 @@ class Origin:
 
     state: Optional[TrainState] = None
     source: str = ""
-    init: Optional[dict[str, Any]] = None
+    init: Optional[InferenceModel] = None
 
     @property
     def model_config(self) -> Optional[dict[str, Any]]:
         """The stored model config the run's model starts from (None: --preset's)."""
         if self.state is not None:
             return self.state.model_config
-        return None if self.init is None else self.init["model_config"]
+        return None if self.init is None else self.init.model_config
 
 
 def starting_point(cfg: TrainConfig) -> Origin:
@@ -176,7 +176,7 @@ def starting_point(cfg: TrainConfig) -> Origin:
     if cfg.init_from:  # the run's own checkpoint already started from it
         log.info("--init_from %s not applied: the run resumes from its own checkpoint",
                  cfg.init_from)
-    named = cfg.resume if cfg.resume != "latest" or path.name == "latest.pt" else str(path)
+    named = cfg.resume if cfg.resume != "latest" or path.name == LATEST_FILE else str(path)
     return Origin(TrainState.from_checkpoint(checkpoint, path), named)
 
 
@@ -439,7 +439,7 @@ def _build_model(cfg: TrainConfig, model_cfg: ModelConfig, data: _Data, origin: 
     return model
 
 
-def _load_init(model: ASRModel, cfg: TrainConfig, init: dict[str, Any],
+def _load_init(model: ASRModel, cfg: TrainConfig, init: InferenceModel,
                tokenizer: Tokenizer) -> None:
     """The weights of the --init_from checkpoint ``init`` that fit, and its CMVN statistics with
     --keep_init_cmvn."""
