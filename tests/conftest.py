@@ -4,11 +4,16 @@ import pytest
 
 from konkanivani.datatools.corpus import make_corpus
 
+# The fixtures that synthesize a corpus or train a model: a test that uses one, itself or through
+# another fixture, is slow. tone_words_model is test_word_times.py's (150 steps on long clips).
+SLOW_FIXTURES = frozenset({"tiny_corpus", "tone_model", "tone_full_model", "tone_words_model"})
+
 
 def pytest_collection_modifyitems(config, items):
-    """Every test that needs the synthesized corpus (to train on it, or to decode it) is slow."""
+    """Every test that needs the synthesized corpus (to train on it, or to decode it) or a model a
+    fixture trains is slow."""
     for item in items:
-        if "tiny_corpus" in getattr(item, "fixturenames", ()):
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
     _skip_gpu_tests_without_gpus(items)
 
@@ -34,7 +39,6 @@ def _skip_gpu_tests_without_gpus(items):
             item.add_marker(
                 pytest.mark.skip(reason=f"needs {needed} CUDA GPUs, this machine has {count}")
             )
-
 
 
 @pytest.fixture(scope="session")
@@ -73,3 +77,44 @@ def tiny_run(tiny_corpus, tmp_path_factory):
     )
     train(cfg)
     return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """A unigram tokenizer of 40 pieces of konkani_texts.TEXTS, for tests of rows and batches."""
+    from konkani_texts import TEXTS
+
+    from konkanivani.data.tokenizer import train_tokenizer
+
+    return train_tokenizer(TEXTS, vocab_size=40)
+
+
+def _tone_model(streaming: bool):
+    from serve_helpers import train_model
+    from tone_speech import SENTENCES, speech
+
+    return train_model([speech(s, seed=i) for i, s in enumerate(SENTENCES)], SENTENCES, streaming)
+
+
+@pytest.fixture(scope="session")
+def tone_model():
+    """The Recognizer of a tiny model that has learned the four tone sentences (tone_speech.py, 120
+    steps) for chunks of 1-8 frames and full context, with causal convolutions: trained once for
+    every file that decodes with it (none changes it)."""
+    return _tone_model(streaming=True)
+
+
+@pytest.fixture(scope="session")
+def tone_full_model():
+    """The full-context (not streaming) tone model, as ``tone_model`` trained once."""
+    return _tone_model(streaming=False)
+
+
+@pytest.fixture(scope="session")
+def tone_checkpoints(tone_model, tone_full_model, tmp_path_factory):
+    """The two tone models saved as checkpoints: ``{"streaming": path, "full": path}``."""
+    from serve_helpers import save_recognizer
+
+    out = tmp_path_factory.mktemp("tone_models")
+    return {"streaming": save_recognizer(tone_model, out / "streaming.pt"),
+            "full": save_recognizer(tone_full_model, out / "full.pt")}

@@ -82,9 +82,15 @@ def two_segment_clip(path: Path) -> Path:
 
 def tone_checkpoint(path: Path, streaming: bool, steps: int = 120,
                     frontend: str = "log_mel") -> Path:
-    """The tone model (``steps``: 1 for a server whose words do not matter) saved to ``path``."""
+    """A tone model trained ``steps`` (1 for a server whose words do not matter) saved to ``path``;
+    the 120-step ones of log-mel features are conftest's ``tone_checkpoints``, trained once."""
     rec = train_model([speech(s, seed=i) for i, s in enumerate(SENTENCES)], SENTENCES, streaming,
                       steps, frontend=frontend)
+    return save_recognizer(rec, path)
+
+
+def save_recognizer(rec: Recognizer, path: Path) -> Path:
+    """``rec``'s model and tokenizer saved to ``path`` as a checkpoint the tools load."""
     return save_checkpoint(
         {
             "model_config": dataclasses.asdict(rec.model.cfg),

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from konkani_texts import TEXTS
 from torch.utils.data import DataLoader
 
 from konkanivani.config import AugmentConfig, ConfigError
@@ -25,10 +26,7 @@ from konkanivani.data.dataset import ASRDataset, collate, load_utterances
 from konkanivani.data.features import LogMel
 from konkanivani.data.frames import frames_of
 from konkanivani.data.samplers import DurationBucketSampler, EpochKeyed, LengthGroupedBatchSampler
-from konkanivani.data.tokenizer import train_tokenizer
 from konkanivani.datatools.corrupt import corrupt_manifest
-
-TEXTS = ["हांव घरा वता", "तूं कितें करता", "आमी पणजेक गेलें", "ताणें जेवण केलें"]
 
 ALL_ON = dict(speed_perturb=True, noise_prob=0.5, reverb_prob=0.5, vtlp_prob=0.5)
 EACH = {
@@ -37,11 +35,6 @@ EACH = {
     "reverb": dict(reverb_prob=1.0),
     "vtlp": dict(vtlp_prob=1.0),
 }
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return train_tokenizer(TEXTS, vocab_size=40)
 
 
 def _wav(path, seconds, sr=16000, freq=220.0, seed=0):

@@ -99,12 +99,9 @@ def test_a_batched_forward_takes_one_state_a_window_and_a_streaming_model():
 
 
 @pytest.fixture(scope="module")
-def recognizer():
-    """A tiny streaming model that has learned the four tone sentences (120 steps)."""
-    from serve_helpers import train_model
-    from tone_speech import SENTENCES, speech
-
-    return train_model([speech(s, seed=i) for i, s in enumerate(SENTENCES)], SENTENCES, True)
+def recognizer(tone_model):
+    """conftest's tiny streaming model that has learned the four tone sentences (120 steps)."""
+    return tone_model
 
 
 def _clips():

@@ -6,19 +6,12 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from konkani_texts import TEXTS
 
 from konkanivani.data.dataset import ASRDataset, Unreadable, collate, load_utterances
 from konkanivani.data.features import LogMel
 from konkanivani.data.manifest import ManifestError, check_row, read_manifest
 from konkanivani.data.samplers import LengthGroupedBatchSampler, ShardedSampler
-from konkanivani.data.tokenizer import train_tokenizer
-
-TEXTS = ["हांव घरा वता", "तूं कितें करता", "आमी पणजेक गेलें", "ताणें जेवण केलें"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return train_tokenizer(TEXTS, vocab_size=40)
 
 
 def _wav(path, seconds=1.0, sr=16000):

@@ -14,6 +14,7 @@ from tiny_args import tiny_args
 from konkanivani.checkpoint import load_checkpoint
 from konkanivani.data.manifest import read_manifest
 from konkanivani.data.tokenizer import train_tokenizer
+from konkanivani.training.metrics_log import read_metrics
 
 SCRIPT = Path(__file__).resolve().parents[1] / "training_scripts" / "train_konkanivani_asr.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # two processes on two cores
@@ -40,6 +41,9 @@ def _torchrun(args, **kwargs):
 
 
 def _rows(out, kind="train"):
+    """Every row of ``kind`` in OUT/metrics.jsonl as written, not merged by step as
+    ``read_metrics`` merges them: a step written twice (by both processes, or left by a resume that
+    did not drop it) is seen here."""
     return [
         r
         for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
@@ -156,7 +160,9 @@ def test_sigterm_to_torchrun_saves_once_and_both_processes_resume_exactly(
     proc = _torchrun(_args(tiny_corpus, split, tokenizer_path, "--gradient_accumulation_steps", "1",
                            "--max_steps", "1000"))
     deadline = time.monotonic() + 600
-    while not (split / "metrics.jsonl").is_file() or len(_rows(split)) < 3:
+    # read_metrics: the line being written may be cut short
+    while (not (split / "metrics.jsonl").is_file()
+           or len(read_metrics(split / "metrics.jsonl").get("train", [])) < 3):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)  # as a scheduler or a closing notebook would

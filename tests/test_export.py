@@ -18,6 +18,7 @@ import pytest
 import soundfile as sf
 import torch
 import torchaudio
+from konkani_texts import TEXTS
 from scipy.signal import resample_poly
 from tiny_args import tiny_args
 
@@ -56,7 +57,6 @@ from konkanivani.model.asr import ASRModel
 from konkanivani.model.conformer import feature_windows
 
 ROOT = Path(__file__).resolve().parents[1]
-TEXTS = ["हांव घरा वता", "तूं कितें करता", "आमी पणजेक गेलें", "ताणें जेवण केलें"]
 RUNNERS = {"onnx": onnx_runner, "torchscript": torchscript_runner}
 # |log-prob| difference allowed from PyTorch; observed: ONNX up to 1.5e-5, TorchScript 0
 ATOL = 1e-4

@@ -1,6 +1,5 @@
 """--init_from: a fresh run from another run's weights; --freeze_encoder_steps."""
 import dataclasses
-import json
 import logging
 import math
 import re
@@ -22,6 +21,7 @@ from konkanivani.config import (
 from konkanivani.data.tokenizer import Tokenizer, train_tokenizer
 from konkanivani.model.asr import ASRModel
 from konkanivani.training.finetune import load_init_weights
+from konkanivani.training.metrics_log import read_metrics
 
 TEXTS = [
     "मुजें नांव राम",
@@ -170,14 +170,6 @@ def test_an_unusable_init_checkpoint_is_one_line_naming_it_before_any_work(
 
 # ---- end to end: a run that starts from another -----------------------------------------------
 
-def _rows(out, kind):
-    return [
-        r
-        for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-        if r["kind"] == kind
-    ]
-
-
 def _part(state, prefix):
     return {n: t for n, t in state.items() if n.startswith(prefix)}
 
@@ -226,7 +218,7 @@ def test_a_fine_tune_loads_what_fits_holds_the_encoder_then_trains_it(
     )
     assert "step 3: the encoder trains from now on (--freeze_encoder_steps 2)" in caplog.text
 
-    train_rows = _rows(out, "train")
+    train_rows = read_metrics(out / "metrics.jsonl")["train"]
     assert [r["step"] for r in train_rows] == [1, 2, 3] and all(
         math.isfinite(r["loss"]) for r in train_rows
     )

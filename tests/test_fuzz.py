@@ -10,24 +10,18 @@ import pytest
 import soundfile as sf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from konkani_texts import TEXTS
 
 from konkanivani.data.manifest import ManifestError, check_row, iter_manifest, read_manifest
 from konkanivani.data.tokenizer import (
     BLANK_ID,
     SOS_EOS_ID,
     normalize_text,
-    train_tokenizer,
 )
 
 SETTINGS = settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-TEXTS = ["हांव घरा वता", "तूं कितें करता", "आमी पणजेक गेलें", "ताणें जेवण केलें"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return train_tokenizer(TEXTS, vocab_size=40)
 
 
 @pytest.fixture(scope="module")

@@ -88,6 +88,9 @@ def _train(corpus, out, caplog, on_step=None, **overrides):
 
 
 def _rows(out, kind="train"):
+    """Every row of ``kind`` in OUT/metrics.jsonl as written, not merged by step as
+    ``read_metrics`` merges them: a step written twice (by both processes, or left by a resume that
+    did not drop it) is seen here."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if r["kind"] == kind]
 

@@ -9,8 +9,7 @@ import random
 import pytest
 import soundfile as sf
 import torch
-from serve_helpers import train_model
-from tone_speech import SENTENCES, mixed_speech, speech
+from tone_speech import mixed_speech, speech
 
 from konkanivani.checkpoint import save_checkpoint
 from konkanivani.cli import evaluate, transcribe
@@ -259,10 +258,10 @@ def test_the_prefix_beam_prunes_and_ranks_by_the_biased_score():
 
 # The tone model: "b?d cafe" with the second letter's tone a mix of "a" and "e"
 @pytest.fixture(scope="module")
-def tone():
+def tone(tone_model):
     """The streaming tone model and an utterance it does not hear as "bed cafe" for sure: "bed
     cafe" is in the beam's n-best but not first."""
-    rec = train_model([speech(s, seed=i) for i, s in enumerate(SENTENCES)], SENTENCES, True)
+    rec = tone_model
     for share in (0.8, 0.85, 0.9, 0.95):
         wav = mixed_speech(share)
         with torch.inference_mode():

@@ -158,7 +158,6 @@ def test_greedy_refuses_fusion(models):
 
 # ---- training on text ---------------------------------------------------------------------------
 
-import json  # noqa: E402
 import logging  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -169,6 +168,7 @@ from konkanivani.cli import train_lm  # noqa: E402
 from konkanivani.data.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 from konkanivani.model.lm import check_same_vocabulary, load_lm  # noqa: E402
 from konkanivani.training import lm_training  # noqa: E402
+from konkanivani.training.metrics_log import read_metrics  # noqa: E402
 
 SENTENCES = (
     Path(__file__).resolve().parents[1] / "konkanivani" / "resources" / "demo_sentences_kok.txt"
@@ -223,11 +223,6 @@ def _train(d: Path, out: str, *flags: str) -> dict:
         return lm_training.train_lm(*train_lm.configs(args))
 
 
-def _rows(d: Path, out: str, kind: str) -> list[dict]:
-    rows = [json.loads(line) for line in (d / out / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["kind"] == kind]
-
-
 def test_read_sentences_counts_blank_lines_and_names_bad_text(text_setup, tmp_path):
     tok = Tokenizer.load(text_setup / "tok.model")
     sentences, blank = lm_training.read_sentences([text_setup / "text.txt"], tok)
@@ -247,7 +242,7 @@ def test_lm_learns_and_resume_is_exact(text_setup, caplog):
     caplog.set_level(logging.INFO, logger="konkanivani")
     whole = _train(d, "whole", "--max_steps", "24")
     split_line = next(r.getMessage() for r in caplog.records if "for validation" in r.getMessage())
-    ppl = [r["ppl"] for r in _rows(d, "whole", "valid")]
+    ppl = [r["ppl"] for r in read_metrics(d / "whole" / "metrics.jsonl")["valid"]]
     assert whole["step"] == 24 and ppl[-1] < 0.7 * ppl[0]
     assert _train(d, "broken", "--max_steps", "10")["stopped_by"] == "max_steps"
     caplog.clear()
@@ -255,8 +250,8 @@ def test_lm_learns_and_resume_is_exact(text_setup, caplog):
     assert [r.getMessage() for r in caplog.records if "for validation" in r.getMessage()] == [
         split_line
     ]
-    assert [r["loss"] for r in _rows(d, "broken", "train")] == [
-        r["loss"] for r in _rows(d, "whole", "train")
+    assert [r["loss"] for r in read_metrics(d / "broken" / "metrics.jsonl")["train"]] == [
+        r["loss"] for r in read_metrics(d / "whole" / "metrics.jsonl")["train"]
     ]
     a, b = load_lm(d / "whole" / "latest.pt")[0], load_lm(d / "broken" / "latest.pt")[0]
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):

@@ -25,7 +25,6 @@ from serve_helpers import (  # noqa: E402
     http_json,
     multipart,
     served,
-    tone_checkpoint,
     two_segment_clip,
     wait_until,
 )
@@ -45,8 +44,8 @@ FLAGS = ["--token", TOKEN, "--chunk_size", "8", "--model_name", NAME, "--max_upl
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return tone_checkpoint(tmp_path_factory.mktemp("openai_model") / "streaming.pt", True)
+def checkpoint(tone_checkpoints):
+    return tone_checkpoints["streaming"]
 
 
 @pytest.fixture(scope="module")
@@ -310,9 +309,9 @@ def test_a_search_without_hotwords_ignores_the_prompt_and_refuses_hotwords(check
 
 
 @pytest.fixture(scope="module")
-def full_checkpoint(tmp_path_factory):
+def full_checkpoint(tone_checkpoints):
     """A tiny full-context (not streaming) model of the tone sentences."""
-    return tone_checkpoint(tmp_path_factory.mktemp("openai_full") / "full.pt", False)
+    return tone_checkpoints["full"]
 
 
 def _tool_rows(checkpoint, path, method, capsys):

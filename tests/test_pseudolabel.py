@@ -25,6 +25,7 @@ from konkanivani.decoding.alignment import Word
 from konkanivani.decoding.confidence import Scored, choose_threshold, confidence_of, kept_cer
 from konkanivani.decoding.metrics import ErrorCounts
 from konkanivani.decoding.recognizer import Recognizer
+from konkanivani.training.metrics_log import read_metrics
 
 STEPS = "30"  # teacher and student alike: a few dozen steps of the tiny preset
 
@@ -203,8 +204,7 @@ def test_a_teacher_labels_audio_and_a_student_trains_on_both(tiny_corpus, split,
         assert train_cli.main(args) == 0
     assert f"{len(kept)} pseudo-labelled utterances an epoch" in caplog.text
     assert "augmentation of pseudo-labelled utterances (noisy student)" in caplog.text
-    steps = [r for r in _rows(student / "metrics.jsonl") if r.get("kind") == "train"]
-    losses = [r["loss"] for r in steps]
+    losses = [r["loss"] for r in read_metrics(student / "metrics.jsonl")["train"]]
     assert len(losses) >= 20 and sum(losses[-5:]) < 0.8 * sum(losses[:5]), losses
     # Whether the student's validation CER beats the teacher's is not asserted: after a few dozen
     # steps the tiny teacher's labels (and both models' CER) are still near 100%.

@@ -33,6 +33,8 @@ def _is_png(path):
 
 
 def _rows(run_dir, kind):
+    """Every row of ``kind`` in RUN_DIR/metrics.jsonl as written, not merged by step as
+    ``read_metrics`` merges them: a step a resume failed to drop is seen here."""
     return [
         r
         for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())

@@ -30,7 +30,6 @@ from serve_helpers import (  # noqa: E402
     http_json,
     multipart,
     served,
-    tone_checkpoint,
     two_segment_clip,
     wait_until,
     ws_refusal,
@@ -139,21 +138,14 @@ def test_bad_flags_are_one_line_and_exit_2(tmp_path, capsys, flags, message):
 # Against a running server.
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    out = tmp_path_factory.mktemp("serve_models")
-    return {"streaming": tone_checkpoint(out / "streaming.pt", streaming=True),
-            "full": tone_checkpoint(out / "full.pt", streaming=False)}
-
-
-@pytest.fixture(scope="module")
 def clip(tmp_path_factory):
     """Two tone sentences 1.2 s apart (two segments), as a 16-bit wav."""
     return two_segment_clip(tmp_path_factory.mktemp("serve_clip") / "two.wav")
 
 
 @pytest.fixture(scope="module")
-def server(checkpoints):
-    with served(checkpoints["streaming"], "--token", TOKEN, *CHUNK, *LIMITS,
+def server(tone_checkpoints):
+    with served(tone_checkpoints["streaming"], "--token", TOKEN, *CHUNK, *LIMITS,
                 "--allow_origin", FRIEND, "--allow_host", NAMED, "--trust_proxy", PROXY) as s:
         yield s
 
@@ -170,8 +162,8 @@ def _pcm16_frames(path, samples=1600):
 
 
 @pytest.mark.slow
-def test_upload_and_stream_give_what_the_recognizer_gives_offline(server, checkpoints, clip):
-    rec = Recognizer.from_checkpoint(checkpoints["streaming"])
+def test_upload_and_stream_give_what_the_recognizer_gives_offline(server, tone_checkpoints, clip):
+    rec = Recognizer.from_checkpoint(tone_checkpoints["streaming"])
     offline = _finals(rec.transcribe_long(clip, method="rescore", chunk_size=8))
     assert len(offline) == 2 and all(r["text"] for r in offline)  # compared on two segments of text
     data = clip.read_bytes()
@@ -321,9 +313,10 @@ def test_the_limits_answer_with_their_codes(server, clip):
 
 
 @pytest.mark.slow
-def test_the_longest_stream_and_upload(checkpoints, clip):
+def test_the_longest_stream_and_upload(tone_checkpoints, clip):
     with served(
-        checkpoints["streaming"], *CHUNK, "--max_stream_seconds", "2", "--max_upload_seconds", "3"
+        tone_checkpoints["streaming"], *CHUNK, "--max_stream_seconds", "2",
+        "--max_upload_seconds", "3"
     ) as server:
         status, result = http_json("POST", server.url + "transcribe", clip.read_bytes())
         assert status == 413 and "4.2 s of audio: the server takes at most 3 s" in result["error"]
@@ -342,11 +335,11 @@ def test_the_longest_stream_and_upload(checkpoints, clip):
 
 
 @pytest.mark.slow
-def test_a_full_context_model_transcribes_in_windows_and_refuses_to_stream(checkpoints, clip):
-    rec = Recognizer.from_checkpoint(checkpoints["full"])
+def test_a_full_context_model_transcribes_in_windows_and_refuses_to_stream(tone_checkpoints, clip):
+    rec = Recognizer.from_checkpoint(tone_checkpoints["full"])
     offline = _finals(rec.transcribe_long(clip, method="joint"))
     assert offline[0]["text"]
-    with served(checkpoints["full"]) as server:
+    with served(tone_checkpoints["full"]) as server:
         status, result = http_json("POST", server.url + "transcribe", clip.read_bytes())
         assert status == 200 and result["streaming"] is False and result["method"] == "joint"
         assert [{k: s[k] for k in ("text", "start", "end")} for s in result["segments"]] == offline
@@ -466,11 +459,11 @@ def _lines(server, words: str) -> int:
 
 
 @pytest.mark.slow
-def test_slow_headers_and_sockets_beyond_the_cap_are_closed_and_logged_once(checkpoints, clip):
+def test_slow_headers_and_sockets_beyond_the_cap_are_closed_and_logged_once(tone_checkpoints, clip):
     """Sockets that send nothing, or a header line now and then, are closed once --header_timeout
     passes without a whole request head; those beyond --max_connections are answered 503 at once.
     Each is one line in the log, however many sockets; then other clients are served."""
-    with served(checkpoints["streaming"], *CHUNK, "--header_timeout", "2",
+    with served(tone_checkpoints["streaming"], *CHUNK, "--header_timeout", "2",
                 "--max_connections", "12") as server:
         port = int(server.url.rstrip("/").rsplit(":", 1)[1])
         started, first = time.monotonic(), len(server.log)
@@ -524,11 +517,12 @@ def _refused(port: int) -> bool:
 
 
 @pytest.mark.slow
-def test_accepts_that_fail_for_want_of_files_are_logged_once(checkpoints):
+def test_accepts_that_fail_for_want_of_files_are_logged_once(tone_checkpoints):
     """A process that may open few files (ulimit -n 150) with 300 sockets connecting: accept fails
     (EMFILE) again and again, logged once a minute, not once a try; the sockets wait in the
     backlog, are closed by --header_timeout as they come in, and then /health is answered."""
-    with served(checkpoints["streaming"], *CHUNK, "--header_timeout", "2", files=150) as server:
+    with served(tone_checkpoints["streaming"], *CHUNK, "--header_timeout", "2",
+                files=150) as server:
         assert "warning: this process may open 150 files (ulimit -n)" in "".join(server.log)
         port = int(server.url.rstrip("/").rsplit(":", 1)[1])
         started = time.monotonic()
@@ -559,7 +553,7 @@ def _close_reasons(results) -> list[tuple]:
 
 
 @pytest.mark.slow
-def test_slow_clients_hold_no_place(checkpoints, clip):
+def test_slow_clients_hold_no_place(tone_checkpoints, clip):
     """Uploads whose bodies trickle are answered 408 once their rate or time runs out, and take no
     decode place meanwhile: a real upload is decoded beside two; streams that fall below half of
     real time are closed 1008 with the reason, and a real stream then has their place; one client
@@ -568,7 +562,7 @@ def test_slow_clients_hold_no_place(checkpoints, clip):
     flags = ["--grace_seconds", str(grace), "--min_upload_kb_s", "1", "--upload_timeout", "8",
              "--max_uploads", "2", "--max_client_uploads", "2", "--max_streams", "3",
              "--max_client_streams", "2", "--min_stream_rate", "0.5"]
-    with served(checkpoints["streaming"], *CHUNK, *flags) as server:
+    with served(tone_checkpoints["streaming"], *CHUNK, *flags) as server:
         # two uploads from one client send a byte every 0.5 s of the 100000 they announce
         slow = [SlowUpload(server.url + "transcribe", {}, source="127.0.0.2") for _ in range(2)]
         status, headers, answer = http("POST", server.url + "transcribe", b"x",  # its third: 429
@@ -750,25 +744,25 @@ EXPORT_STREAMING = Streaming(chunk_size=8, left_chunks=2)
 
 
 @pytest.fixture(scope="module")
-def exports(checkpoints, tmp_path_factory):
+def exports(tone_checkpoints, tmp_path_factory):
     """The tone checkpoints through konkanivani-export: the streaming one with --streaming, chunks
     of 8
     seeing 2 back (encoder_chunk.onnx), the full-context one without (model.onnx alone)."""
     out = tmp_path_factory.mktemp("serve_exports")
-    export_checkpoint(checkpoints["streaming"], out / "streaming", ["onnx"], EXPORT_STREAMING)
-    export_checkpoint(checkpoints["full"], out / "full", ["onnx"])
+    export_checkpoint(tone_checkpoints["streaming"], out / "streaming", ["onnx"], EXPORT_STREAMING)
+    export_checkpoint(tone_checkpoints["full"], out / "full", ["onnx"])
     return {"streaming": out / "streaming", "full": out / "full"}
 
 
 @pytest.mark.slow
 def test_a_streaming_export_transcribes_and_streams_as_its_checkpoint_does(
-    exports, checkpoints, clip, capsys
+    exports, tone_checkpoints, clip, capsys
 ):
     """Uploads through model.onnx in windows, with CTC prefix beam search, give the checkpoint's
     beam search in the same windows; /stream through encoder_chunk.onnx gives the checkpoint's
     stream in the
     same chunks (its partials too); settings an export cannot take are one line and exit 2."""
-    rec = Recognizer.from_checkpoint(checkpoints["streaming"])
+    rec = Recognizer.from_checkpoint(tone_checkpoints["streaming"])
     offline = _finals(rec.transcribe_long(clip, method="beam"))
     streamed = list(
         rec.stream_results(load_audio(clip).split(1600), chunk_size=8, left_chunks=2, method="beam")
@@ -819,9 +813,9 @@ def test_a_streaming_export_transcribes_and_streams_as_its_checkpoint_does(
 
 @pytest.mark.slow
 def test_an_export_without_the_chunk_graph_transcribes_and_refuses_to_stream(
-    exports, checkpoints, clip
+    exports, tone_checkpoints, clip
 ):
-    rec = Recognizer.from_checkpoint(checkpoints["full"])
+    rec = Recognizer.from_checkpoint(tone_checkpoints["full"])
     offline = _finals(rec.transcribe_long(clip, method="greedy"))
     words = [(w.text, w.start, w.end) for r in rec.transcribe_long(clip, method="greedy")
              for w in r.words]

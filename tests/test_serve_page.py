@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import soundfile as sf
 import torch
-from serve_helpers import http, served, tone_checkpoint, train_model, wait_until
+from serve_helpers import http, served, train_model, wait_until
 
 from konkanivani.checkpoint import save_checkpoint
 from konkanivani.data.audio import load_audio
@@ -312,12 +312,12 @@ Promise.all(asks.map(([method, path, body]) => fetch(path, {method, body}).then(
 });"""
 
 
-def test_a_page_on_a_rebound_name_gets_nothing_from_the_server(tmp_path):
+def test_a_page_on_a_rebound_name_gets_nothing_from_the_server(tone_checkpoints):
     """DNS rebinding, as a browser does it: a server started without --token (the default), and a
     page of http://evil.example:PORT, a name the browser resolves to 127.0.0.1 (a host-resolver
     rule), is the same origin as the server. Every endpoint it fetches answers 400 and its
     WebSocket gets no ready; the server's own page, on 127.0.0.1, is served meanwhile."""
-    with served(tone_checkpoint(tmp_path / "tones.pt", streaming=True), "--chunk_size",
+    with served(tone_checkpoints["streaming"], "--chunk_size",
                 str(CHUNK)) as server, _chromium() as browser:
         port = server.url.rstrip("/").rsplit(":", 1)[1]
         browser.get(f"http://{EVIL_HOST}:{port}/")

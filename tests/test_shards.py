@@ -39,6 +39,7 @@ from konkanivani.data.shards import (
 from konkanivani.data.tokenizer import train_tokenizer
 from konkanivani.datatools import shard_writer as shard_tools
 from konkanivani.datatools.shard_writer import write_shards
+from konkanivani.training.metrics_log import read_metrics
 
 SCRIPT = Path(__file__).resolve().parents[1] / "training_scripts" / "train_konkanivani_asr.py"
 
@@ -636,10 +637,6 @@ def _train(args):
     return result
 
 
-def _rows(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_a_missing_shard_stops_training_before_it_starts(tiny_corpus, shard_dir, tmp_path):
     out = _copy_shards(shard_dir, tmp_path)
     (out / "shard-000004.tar").unlink()
@@ -677,7 +674,8 @@ def test_training_on_shards_learns_and_a_resume_mid_epoch_goes_on_with_the_same_
         " utterances"
         in result.stderr
     )
-    train, valid = ([r for r in _rows(whole) if r["kind"] == kind] for kind in ("train", "valid"))
+    rows = read_metrics(whole / "metrics.jsonl")
+    train, valid = rows["train"], rows["valid"]
     # it learns
     assert sum(r["loss"] for r in train[-10:]) < 0.85 * sum(r["loss"] for r in train[:10])
     # an epoch is 4 steps: 10 epochs
@@ -695,7 +693,7 @@ def test_training_on_shards_learns_and_a_resume_mid_epoch_goes_on_with_the_same_
         tiny_args(tiny_corpus, split, *common, "--max_steps", "40", "--resume", "latest")
     )
     assert second.returncode == 0, second.stderr[-3000:]
-    a, b = [r for r in _rows(split) if r["kind"] == "train"], train
+    a, b = read_metrics(split / "metrics.jsonl")["train"], train
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b, strict=True):
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5), (ra, rb)

@@ -3,7 +3,6 @@ comes equal the whole file's, a stream's final text equals offline decoding unde
 mask, partial results follow the search, endpoints split segments, and a long file is read block by
 block through either kind of checkpoint. On tiny models that learn four synthetic "sentences" (a
 tone per letter) in a few seconds; counted, never timed."""
-import dataclasses
 import json
 import logging
 import math
@@ -12,10 +11,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
-from serve_helpers import train_model
 from tone_speech import SENTENCES, speech
 
-from konkanivani.checkpoint import save_checkpoint
 from konkanivani.cli import transcribe
 from konkanivani.data.audio import Resampler, load_audio, read_blocks, resample
 from konkanivani.data.features import LogMel
@@ -35,31 +32,15 @@ def silence(seconds: float, seed: int = 1) -> torch.Tensor:
     )
 
 
-def _trained(streaming: bool) -> Recognizer:
-    """A tiny model that has learned SENTENCES (120 steps): with streaming, trained for chunks of
-    1-8 frames and full context, with causal convolutions."""
-    return train_model([speech(s, seed=i) for i, s in enumerate(SENTENCES)], SENTENCES, streaming)
+@pytest.fixture(scope="module")
+def rec(tone_model):
+    """conftest's streaming tone model (120 steps, chunks of 1-8 frames and full context)."""
+    return tone_model
 
 
 @pytest.fixture(scope="module")
-def rec():
-    return _trained(streaming=True)
-
-
-@pytest.fixture(scope="module")
-def full_rec():
-    return _trained(streaming=False)
-
-
-def _save(rec: Recognizer, path):
-    return save_checkpoint(
-        {
-            "model_config": dataclasses.asdict(rec.model.cfg),
-            "model": rec.model.state_dict(),
-            "tokenizer": rec.tokenizer.model_proto,
-        },
-        path,
-    )
+def full_rec(tone_full_model):
+    return tone_full_model
 
 
 def _finals(results):
@@ -263,9 +244,8 @@ def test_bad_streams_and_settings_are_refused_in_one_line(rec, full_rec, caplog)
 # The command line, and long recordings.
 
 @pytest.fixture(scope="module")
-def checkpoints(rec, full_rec, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("checkpoints")
-    return _save(rec, folder / "streaming.pt"), _save(full_rec, folder / "full.pt")
+def checkpoints(tone_checkpoints):
+    return tone_checkpoints["streaming"], tone_checkpoints["full"]
 
 
 def test_transcribe_streams_a_file_with_partials_on_stderr(checkpoints, tmp_path, capsys):

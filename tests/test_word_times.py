@@ -3,7 +3,6 @@ konkanivani-transcribe --format. The alignment on made-up CTC output and on a ti
 tone "speech" in the test (tests/tone_speech.py: every word's start and end is known to the sample),
 offline, in a stream and in the windows of a long file; the subtitles parsed back by the libraries
 that wrote them; each --format and the checks of its outputs. Counted, never timed."""
-import dataclasses
 import hashlib
 import json
 import statistics
@@ -16,10 +15,9 @@ import torch
 import webvtt
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from serve_helpers import train_model
+from serve_helpers import save_recognizer, train_model
 from tone_speech import SENTENCES, speech
 
-from konkanivani.checkpoint import save_checkpoint
 from konkanivani.cli import transcribe
 from konkanivani.data.frames import SAMPLE_RATE
 from konkanivani.data.tokenizer import train_tokenizer
@@ -54,7 +52,7 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def rec():
+def tone_words_model():
     """A tiny streaming model that has learned SENTENCES, alone and in a row (150 steps, chunks of
     1-8 frames and full context, causal convolutions)."""
     # each sentence alone, and all four one after another with pauses between, each first once
@@ -70,11 +68,13 @@ def rec():
 
 
 @pytest.fixture(scope="module")
+def rec(tone_words_model):
+    return tone_words_model
+
+
+@pytest.fixture(scope="module")
 def checkpoint(rec, tmp_path_factory):
-    path = tmp_path_factory.mktemp("model") / "tone.pt"
-    return save_checkpoint({"model_config": dataclasses.asdict(rec.model.cfg),
-                            "model": rec.model.state_dict(),
-                            "tokenizer": rec.tokenizer.model_proto}, path)
+    return save_recognizer(rec, tmp_path_factory.mktemp("model") / "tone.pt")
 
 
 def check_words(words: list[Word], text: str, seconds: float) -> None:
