@@ -62,7 +62,8 @@ FROM_TOKENIZER = {"from_tokenizer": True}
 DEFAULT_SEED = 0  # every tool's --seed (training, the LM, prepare's valid split, the demo corpus)
 # Defaults that training, konkanivani-validate, konkanivani-prepare and the model share, each
 # written here once.
-# The longest utterance used, in seconds.
+# The longest utterance used, in seconds (and the longest decoded whole by an attention-based
+# method: decoding.settings.LONG_INPUT_SECONDS).
 DEFAULT_MAX_DURATION = 30.0
 # Seconds a row's "duration" may differ from its audio file's: rounding passes, a truncated or
 # mismatched file does not.

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from ..config import ConfigError, Renamed
+from ..config import DEFAULT_MAX_DURATION, ConfigError, Renamed
 from .hotwords import MAX_BOOST, HotwordError, parse_hotword, read_hotwords
 
 __all__ = ["CHUNK_SIZE", "ENDPOINT_MS", "EXPORTED_METHOD", "EXPORTED_METHODS", "EXPORT_LEFT_CHUNKS",
@@ -67,7 +67,7 @@ ENDPOINT_MS = 800  # a streamed segment ends after this much of blank frames aft
 # longer input, and where joint decoding's square-law cost starts to dominate. Tiny model, one
 # thread of a 2-core AMD EPYC: joint 0.7 s for 10 s of audio, 5.6 s for 30 s, 22 s for 60 s, 873 s
 # for 5 min; beam 0.13 / 0.25 / 1.5 s at 30 s / 60 s / 5 min, 10.5 s for 20 min.
-LONG_INPUT_SECONDS = 30.0
+LONG_INPUT_SECONDS = DEFAULT_MAX_DURATION
 
 
 def _setting(help: str, **more: Any) -> dict[str, Any]:
