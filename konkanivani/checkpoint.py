@@ -33,8 +33,6 @@ log = logging.getLogger("konkanivani")
 
 
 FORMAT_VERSION = 2  # 2: TrainState (no LR scheduler state: the LR is a function of the step)
-# format 1 still serves decoding and averaging: its model fields are the same
-_READABLE_FORMATS = (1, 2)
 
 
 class CheckpointError(RuntimeError):
@@ -148,10 +146,10 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         ) from e
     if not isinstance(state, dict) or "format_version" not in state:
         raise CheckpointError(f"{path} is not a konkanivani checkpoint")
-    if state["format_version"] not in _READABLE_FORMATS:
+    if state["format_version"] != FORMAT_VERSION:
         raise CheckpointError(
             f"{path} has checkpoint format {state['format_version']}; this konkanivani "
-            f"reads formats {', '.join(map(str, _READABLE_FORMATS))}"
+            f"reads format {FORMAT_VERSION} only (CHANGELOG.md)"
         )
     return state
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint, save_checkpoint
+from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 __all__ = ["TrainState", "capture_rng", "restore_rng"]
 
@@ -58,13 +58,7 @@ class TrainState:
     @classmethod
     def from_checkpoint(cls, state: dict[str, Any], path: str | Path) -> TrainState:
         """The training state of a loaded checkpoint; ``CheckpointError`` in one line for one that
-        cannot be resumed (an older format, averaged weights)."""
-        if state["format_version"] != FORMAT_VERSION:
-            raise CheckpointError(
-                f"{path} has checkpoint format {state['format_version']} (an older konkanivani); "
-                f"training resumes format {FORMAT_VERSION} only. Its weights still serve "
-                "transcribe, evaluate and average"
-            )
+        cannot be resumed (averaged weights)."""
         if "optimizer" not in state:
             raise CheckpointError(
                 f"{path} holds model weights only (an averaged model?); resume from a step "
