@@ -241,9 +241,9 @@ class Seeded:
 @dataclass
 class RunConfig(Seeded):
     """What both trainers' runs share (``TrainConfig``'s and the language model's,
-    ``training.lm.LMTrainConfig``): how long they train, the optimizer's peak LR and weight decay,
-    the device, resuming and replacing a run, which checkpoints stay, and the seed. Each field is
-    defined here once and checked once, by ``check_run_config``."""
+    ``training.lm_training.LMTrainConfig``): how long they train, the optimizer's peak LR and weight
+    decay, the device, resuming and replacing a run, which checkpoints stay, and the seed. Each
+    field is defined here once and checked once, by ``check_run_config``."""
 
     epochs: int = field(default=20, metadata=flag_help("passes over the training data"))
     max_steps: int = field(default=0, metadata=flag_help(

@@ -132,7 +132,7 @@ def tool(main: Main) -> Main:
     """A tool's ``main``, with Ctrl-C (``KeyboardInterrupt``) ending it in one line on stderr and
     exit status 130, as a shell reports a process ended by SIGINT. Whatever the tool was writing
     is left as its own code leaves it on an exception (the data tools: the previous result)."""
-    spec = main.__globals__.get("__spec__")  # python -m konkanivani.cli.NAME runs it as __main__
+    spec = main.__globals__.get("__spec__")  # python -m konkanivani.cli.<name> runs it as __main__
     module = spec.name if spec is not None else main.__module__
     name = "konkanivani-" + module.rsplit(".", 1)[-1].replace("_", "-")
 
