@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lm_weights", type=_floats, default=_floats("0,0.1,0.2,0.3,0.4,0.5,0.6"))
     parser.add_argument("--length_bonuses", type=_floats, default=_floats("0,0.5,1.0"))
     parser.add_argument("--beam_size", type=int, default=DecodingConfig.beam_size)
-    parser.add_argument("--ctc_weight", type=float, default=DecodingConfig.ctc_weight,
-                        help="of joint and rescore")
+    parser.add_argument("--decode_ctc_weight", type=float, default=DecodingConfig.ctc_weight,
+                        help="CTC weight of joint and rescore (as konkanivani-evaluate's)")
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "lm_fusion")
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def score(manifest: Path, method: str, weight: float, bonus: float) -> dict:
         r = evaluate_manifest(rec, manifest, method=method, beam_size=args.beam_size,
-                              ctc_weight=args.ctc_weight, batch_size=args.batch_size,
+                              ctc_weight=args.decode_ctc_weight, batch_size=args.batch_size,
                               lm_weight=weight, length_bonus=bonus)
         row = {
             "method": method,
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     write_csv(args.out / "sweep.csv", sweep)
     write_csv(args.out / "test.csv", test)
     print(f"\nTest split {args.test}; LM weight and length bonus chosen on {args.valid} by WER "
-          f"(beam {args.beam_size}, CTC weight {args.ctc_weight} in joint/rescore)")
+          f"(beam {args.beam_size}, CTC weight {args.decode_ctc_weight} in joint/rescore)")
     print("| decoding | setting | LM weight | length bonus | WER % | CER % | RTF |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in test:

@@ -67,7 +67,7 @@ def _flag_rows(
     """Each field of ``cls`` with the parser action ``add_dataclass_args`` makes for it."""
     parser = argparse.ArgumentParser(add_help=False)
     add_dataclass_args(parser, cls, defaults=defaults, skip=skip)
-    # not an old spelling
+    # not a removed spelling (config.Removed)
     actions = {a.dest: a for a in parser._actions if a.help != argparse.SUPPRESS}
     return [(f, actions[f.name]) for f in flag_fields(cls) if f.name in actions]
 
@@ -111,7 +111,6 @@ def _decoding_section() -> list[str]:
     parser = argparse.ArgumentParser(add_help=False)
     add_decoding_flags(parser, fields)
     actions = {a.dest: a for a in parser._actions if a.help != argparse.SUPPRESS}
-    old = {a.dest: a for a in parser._actions if a.help == argparse.SUPPRESS}
     taken = {tool: _source_constant("DECODING_FIELDS", tool) for tool in DECODING_TOOLS}
     lines = [
         "## Decoding: `DecodingConfig`",
@@ -131,11 +130,10 @@ def _decoding_section() -> list[str]:
     ]
     for f in dataclasses.fields(DecodingConfig):
         action = actions[f.name]
-        flag = _flag(action) + (f" (old: {_flag(old[f.name])})" if f.name in old else "")
         tools = ", ".join(tool for tool in DECODING_TOOLS if f.name in taken[tool])
         # a value as the other tables show one; a default that depends on how it decodes, in words
         default = _cell(default_text(f)) if f.default is None else f"`{f.default!r}`"
-        lines.append(f"| {flag} | {default} | {_type(action)} | {tools} | "
+        lines.append(f"| {_flag(action)} | {default} | {_type(action)} | {tools} | "
                      f"{_cell(f.metadata['help'])} |")
     return lines
 

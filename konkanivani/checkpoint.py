@@ -6,7 +6,7 @@ reader takes the view it needs, which any checkpoint of that kind gives, older o
 
 - ``TrainState``: an ASR training run, to resume it (the dict *is* its fields);
 - ``InferenceModel``: an ASR model to decode with or start another run from (``--init_from``);
-  every ASR checkpoint has one (a step file, ``latest.pt``, ``best.pt``, an average, format 1);
+  every ASR checkpoint has one (a step file, ``latest.pt``, ``best.pt``, an average);
 - ``LMTrainState``: a ``konkanivani-train-lm`` run, to resume it; ``LanguageModel``: its model, for
   shallow fusion.
 
@@ -63,8 +63,6 @@ log = logging.getLogger("konkanivani")
 
 
 FORMAT_VERSION = 2  # 2: TrainState (no LR scheduler state: the LR is a function of the step)
-# format 1 still serves decoding and averaging: its model fields are the same
-_READABLE_FORMATS = (1, 2)
 
 
 class CheckpointError(RuntimeError):
@@ -161,13 +159,7 @@ class TrainState:
     @classmethod
     def from_checkpoint(cls, state: dict[str, Any], path: str | Path) -> TrainState:
         """The training state of a loaded checkpoint; ``CheckpointError`` in one line for one that
-        cannot be resumed (an older format, averaged weights)."""
-        if state["format_version"] != FORMAT_VERSION:
-            raise CheckpointError(
-                f"{path} has checkpoint format {state['format_version']} (an older konkanivani); "
-                f"training resumes format {FORMAT_VERSION} only. Its weights still serve "
-                "transcribe, evaluate and average"
-            )
+        cannot be resumed (averaged weights; ``load_checkpoint`` refuses other formats)."""
         if "optimizer" not in state:
             raise CheckpointError(
                 f"{path} holds model weights only (an averaged model?); resume from a step "
@@ -400,10 +392,10 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         ) from e
     if not isinstance(state, dict) or "format_version" not in state:
         raise CheckpointError(f"{path} is not a konkanivani checkpoint")
-    if state["format_version"] not in _READABLE_FORMATS:
+    if state["format_version"] != FORMAT_VERSION:
         raise CheckpointError(
             f"{path} has checkpoint format {state['format_version']}; this konkanivani "
-            f"reads formats {', '.join(map(str, _READABLE_FORMATS))}"
+            f"reads format {FORMAT_VERSION} only (CHANGELOG.md)"
         )
     return state
 

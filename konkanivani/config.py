@@ -10,7 +10,6 @@ import dataclasses
 import logging
 import math
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Union, get_args, get_origin, get_type_hints
@@ -21,7 +20,7 @@ __all__ = ["DEFAULT_SEED", "DEFAULT_MAX_DURATION", "DEFAULT_DURATION_TOLERANCE",
            "DEFAULT_VOCAB_SIZE", "DEFAULT_CTC_WEIGHT", "DEFAULT_LABEL_SMOOTHING", "Seeded",
            "RunConfig", "check_run_config", "check_values", "Check",
            "POSITIVE_INTEGER", "COUNT",
-           "AMOUNT", "POSITIVE_NUMBER", "BELOW_ONE", "Renamed", "FROM_TOKENIZER", "flag_fields",
+           "AMOUNT", "POSITIVE_NUMBER", "BELOW_ONE", "Removed", "FROM_TOKENIZER", "flag_fields",
            "AugmentConfig", "OPTIMIZERS", "PRECISIONS", "STRATEGIES", "kept_settings",
            "ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "INIT_MODULES",
            "model_config_from_preset", "model_config_from", "check_config", "resolve_model_config",
@@ -64,7 +63,8 @@ FROM_TOKENIZER = {"from_tokenizer": True}
 DEFAULT_SEED = 0  # every tool's --seed (training, the LM, prepare's valid split, the demo corpus)
 # Defaults that training, konkanivani-validate, konkanivani-prepare and the model share, each
 # written here once.
-# The longest utterance used, in seconds.
+# The longest utterance used, in seconds (and the longest decoded whole by an attention-based
+# method: decoding.settings.LONG_INPUT_SECONDS).
 DEFAULT_MAX_DURATION = 30.0
 # Seconds a row's "duration" may differ from its audio file's: rounding passes, a truncated or
 # mismatched file does not.
@@ -161,14 +161,19 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
-        """The config stored in a checkpoint; those written before ``attention_dropout`` existed
-        used ``dropout`` on attention weights (and conv2d at full width, before ``subsampling`` and
-        ``subsampling_channels`` existed, with global CMVN, before ``cmvn``, log-mels before
-        ``frontend``, and full context with a centered convolution, before the streaming fields)."""
-        return cls(**{"subsampling": "conv2d", "subsampling_channels": 0, "cmvn": "global",
-                      "frontend": "log_mel",
-                      "dynamic_chunk": False, "dynamic_left_chunks": False, "causal_conv": False,
-                      "attention_dropout": values.get("dropout", 0.1), **values})
+        """The config stored in a checkpoint, which names every field: ``ConfigError`` in one line
+        for one that lacks a field (written before it existed, CHANGELOG.md) or has one unknown here
+        (written by a newer konkanivani), rather than a default that would build another model."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        if missing := sorted(names - set(values)):
+            raise ConfigError(
+                f"the checkpoint's model config has no {', '.join(missing)}: it was written by an "
+                "earlier konkanivani, whose checkpoints this one does not read (CHANGELOG.md)")
+        if unknown := sorted(set(values) - names):
+            raise ConfigError(
+                f"the checkpoint's model config has {', '.join(unknown)}, unknown to this "
+                "konkanivani: it was written by a newer one")
+        return cls(**values)
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -238,9 +243,9 @@ class Seeded:
 @dataclass
 class RunConfig(Seeded):
     """What both trainers' runs share (``TrainConfig``'s and the language model's,
-    ``training.lm.LMTrainConfig``): how long they train, the optimizer's peak LR and weight decay,
-    the device, resuming and replacing a run, which checkpoints stay, and the seed. Each field is
-    defined here once and checked once, by ``check_run_config``."""
+    ``training.lm_training.LMTrainConfig``): how long they train, the optimizer's peak LR and weight
+    decay, the device, resuming and replacing a run, which checkpoints stay, and the seed. Each
+    field is defined here once and checked once, by ``check_run_config``."""
 
     epochs: int = field(default=20, metadata=flag_help("passes over the training data"))
     max_steps: int = field(default=0, metadata=flag_help(
@@ -433,7 +438,8 @@ class TrainConfig(AugmentConfig, RunConfig):
         default=5.0, metadata=flag_help("clip the gradient norm to this (0: off)")
     )
     ctc_weight: float = field(default=DEFAULT_CTC_WEIGHT, metadata=flag_help(
-        "loss = w * CTC + (1 - w) * attention"))
+        "weight w of the CTC loss in training: loss = w * CTC + (1 - w) * attention (decoding's "
+        "CTC weight is another flag, --decode_ctc_weight)"))
     label_smoothing: float = field(default=DEFAULT_LABEL_SMOOTHING, metadata=flag_help(
         "label smoothing of the attention loss"))
     inter_ctc_weight: float = field(default=0.0, metadata=flag_help(
@@ -824,22 +830,18 @@ def _flag_type(tp: Any) -> Any:
     return tp
 
 
-class Renamed(argparse.Action):
-    """An old spelling of a flag: sets the new flag's value and says once, on stderr, what it is
-    now called (``parser.add_argument("--old", dest="new", action=Renamed, new="--new", ...)``; with
-    ``nargs=0`` it sets ``const``, as the old spelling of a switch)."""
+class Removed(argparse.Action):
+    """A removed spelling of a flag (CHANGELOG.md): giving it, with or without a value, stops the
+    parser with one line naming the flag to use, where argparse would only call it unrecognized
+    (``parser.add_argument("--old", action=Removed, new="--new")``)."""
 
     def __init__(self, option_strings: list[str], dest: str, new: str, **kwargs: Any):
-        super().__init__(option_strings, dest, **kwargs)
-        self.new, self.said = new, False
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS,
+                         help=argparse.SUPPRESS, **kwargs)
+        self.new = new
 
     def __call__(self, parser, namespace, values, option_string: str | None = None) -> None:
-        if not self.said:
-            print(
-                f"{parser.prog}: note: {option_string} is now spelled {self.new}", file=sys.stderr
-            )
-            self.said = True
-        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+        parser.error(f"{option_string} is now spelled {self.new}")
 
 
 class _Switch(argparse.Action):
@@ -865,7 +867,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, *, defaults: 
 
     With ``defaults=False`` every flag defaults to None, meaning "not given" (used for model
     dimensions, which fall back to the chosen preset). Booleans take ``--flag`` / ``--no_flag``
-    (``--no-flag``, the old spelling, still works and says so once: ``Renamed``).
+    (``--no-flag``, argparse's spelling, is refused in one line naming ``--no_flag``:
+    ``Removed``).
     """
     hints = get_type_hints(cls)
     for f in flag_fields(cls):
@@ -883,16 +886,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, *, defaults: 
             parser.add_argument(
                 f"--{f.name}", f"--no_{f.name}", action=_Switch, default=default, help=help_text
             )
-            parser.add_argument(
-                f"--no-{f.name}",
-                dest=f.name,
-                action=Renamed,
-                new=f"--no_{f.name}",
-                nargs=0,
-                # argparse's spelling, this project's before
-                const=False,
-                help=argparse.SUPPRESS,
-            )
+            # argparse's spelling, this project's before
+            parser.add_argument(f"--no-{f.name}", action=Removed, new=f"--no_{f.name}")
         else:
             parser.add_argument(
                 f"--{f.name}",

@@ -47,10 +47,10 @@ SECTIONS = ("model", "init", "data", "training")
 SWEEP_SECTION = "sweep"
 
 # The section of every key, from the fields' own metadata (config.flag_help): the model section
-# holds --preset and the ModelConfig fields (but vocab_size, which the tokenizer decides;
-# data.vocab_size is the size of one trained), the init section --init_from and its options, the
-# data section the fields marked "data" (augmentation included), the training section every other
-# TrainConfig field.
+# holds --preset and the ModelConfig fields (but vocab_size, which the tokenizer decides; the
+# data section's vocab_size is the size of one trained), the init section --init_from and its
+# options, the data section the fields marked "data" (augmentation included), the training section
+# every other TrainConfig field.
 SECTION_OF: dict[str, str] = {
     **{f.name: f.metadata.get("section", "training") for f in flag_fields(TrainConfig)},
     **{

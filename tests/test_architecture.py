@@ -166,6 +166,23 @@ def test_subpackages_are_one_level_deep_and_named_in_the_docs():
         assert f"`{layer}/`" in doc
 
 
+def test_every_module_is_named_in_its_layers_row():
+    """docs/architecture.md draws the layers as they are: a subpackage's row names each of its
+    modules as `name`, so that a module added (or renamed) is described where it lives."""
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    rows = {}
+    for line in doc.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) == 3 and (m := re.fullmatch(r"`(\w+)/`", cells[0])):
+            rows[m.group(1)] = cells[1]
+    missing = [
+        module for module in _modules()
+        if "." in module and not module.endswith("__init__")
+        and f"`{module.split('.')[-1]}`" not in rows.get(module.split(".")[0], "")
+    ]
+    assert not missing, f"docs/architecture.md's rows do not name: {', '.join(missing)}"
+
+
 @pytest.mark.parametrize("bad,importer", [
     ("from ..training.loop import train\n", "data.audio"),
     ("def f():\n    from ..cli import tool\n", "data.audio"),

@@ -1,6 +1,6 @@
 """Batched streams: the chunk forwards of concurrent streams run together, one batched forward
-(``ConformerEncoder.forward_chunks``), and each stream gets what its own ``forward_chunk`` gives it.
-Counted, never timed."""
+(``ConformerEncoder.forward_chunk_of_streams``), and each stream gets what its own
+``forward_chunk`` gives it. Counted, never timed."""
 import functools
 
 import pytest
@@ -31,7 +31,8 @@ def test_a_batched_forward_gives_each_stream_what_its_own_forward_chunk_gives(
     """Five streams of different lengths join at different ticks (so they stand at different
     offsets with caches of different lengths, some cut to left_frames, some at their first chunk),
     the first two encoded alone for their first chunks (forward_chunk's states into
-    forward_chunks); each tick batches the windows of one length (the last windows are shorter)."""
+    forward_chunk_of_streams); each tick batches the windows of one length (the last windows are
+    shorter)."""
     encoder = _encoder(subsampling)
     left_frames = left * chunk if left >= 0 else -1
     torch.manual_seed(2)
@@ -44,7 +45,7 @@ def test_a_batched_forward_gives_each_stream_what_its_own_forward_chunk_gives(
         for tick in range(80):
             due = [b for b in range(5) if 0 <= tick - joins[b] < len(windows[b])]
             for b in [b for b in due if b < 2 and tick - joins[b] < 2]:
-                # encoded alone: the state forward_chunk gives goes on into forward_chunks
+                # encoded alone: the state forward_chunk gives goes on into forward_chunk_of_streams
                 window = windows[b][tick - joins[b]]
                 _, solo[b] = encoder.forward_chunk(window, solo[b], left_frames)
                 batched[b] = solo[b]
@@ -55,7 +56,9 @@ def test_a_batched_forward_gives_each_stream_what_its_own_forward_chunk_gives(
                 cached = {encoder_cached(batched[b]) for b in rows}
                 mixed_lengths += len(cached) > 1
                 first_chunks += sum(batched[b] is None for b in rows)
-                out, states = encoder.forward_chunks(feats, [batched[b] for b in rows], left_frames)
+                out, states = encoder.forward_chunk_of_streams(
+                    feats, [batched[b] for b in rows], left_frames
+                )
                 batches, rows_seen = batches + 1, rows_seen + len(rows)
                 for i, b in enumerate(rows):
                     alone, solo[b] = encoder.forward_chunk(feats[i:i + 1], solo[b], left_frames)
@@ -89,10 +92,10 @@ def encoder_cached(state) -> int:
 def test_a_batched_forward_takes_one_state_a_window_and_a_streaming_model():
     encoder = _encoder("conv2d")
     with pytest.raises(ValueError, match="2 windows and 1 states"):
-        encoder.forward_chunks(torch.randn(2, 15, 80), [None])
+        encoder.forward_chunk_of_streams(torch.randn(2, 15, 80), [None])
     full = ConformerEncoder(model_config_from_preset("tiny", vocab_size=V)).eval()
     with pytest.raises(ValueError, match="causal_conv"):
-        full.forward_chunks(torch.randn(1, 15, 80), [None])
+        full.forward_chunk_of_streams(torch.randn(1, 15, 80), [None])
 
 
 # The engine: concurrent streams through its batcher, each with what it gives alone.

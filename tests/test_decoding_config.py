@@ -103,14 +103,18 @@ def test_keyword_overrides_replace_fields():
         DecodingConfig.of(base, beam_width=5)
 
 
-def test_flags_left_out_take_the_dataclass_defaults_and_the_old_spelling_says_so(capsys):
+def test_flags_left_out_take_the_dataclass_defaults_and_the_removed_spelling_is_refused(capsys):
     parser = argparse.ArgumentParser()
     add_decoding_flags(parser, [f.name for f in dataclasses.fields(DecodingConfig)])
     assert decoding_config_from_args(parser.parse_args([])) == DecodingConfig()
-    args = parser.parse_args(["--ctc_weight", "0.5", "--chunk_size", "8", "--lm_weight", "0.2"])
+    args = parser.parse_args(
+        ["--decode_ctc_weight", "0.5", "--chunk_size", "8", "--lm_weight", "0.2"]
+    )
     assert decoding_config_from_args(args) == \
         DecodingConfig(ctc_weight=0.5, chunk_size=8, lm_weight=0.2)
-    assert capsys.readouterr().err.count("--ctc_weight is now spelled --decode_ctc_weight") == 1
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--ctc_weight", "0.5"])
+    assert "--ctc_weight is now spelled --decode_ctc_weight" in capsys.readouterr().err
     with pytest.raises(ValueError, match="no decoding setting beam_width"):
         add_decoding_flags(argparse.ArgumentParser(), ["beam_width"])
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from konkanivani.data.augment import vtlp_warp_matrices, vtlp_warp_matrix
+from konkanivani.data.augment import vtlp_warp_matrices
 from konkanivani.data.features import LogMel
 
 
@@ -45,7 +45,8 @@ def test_vtlp_warps_each_utterance_of_a_batch_by_its_own_factor():
     alphas = torch.tensor([0.9, float("nan"), 1.07, 1.0])  # NaN and 1: not warped
     feats, _ = log_mel.batch(*_padded(wavs), alphas)
     for i, (wav, alpha) in enumerate(zip(wavs, alphas.tolist())):
-        warp = None if math.isnan(alpha) else vtlp_warp_matrix(alpha, log_mel.n_freqs)
+        warp = None if math.isnan(alpha) else vtlp_warp_matrices(torch.tensor([alpha]),
+                                                                 log_mel.n_freqs)[0]
         alone = log_mel(wav, warp)
         torch.testing.assert_close(feats[i, :len(alone)], alone, atol=2e-4, rtol=1e-4)
 
@@ -53,8 +54,8 @@ def test_vtlp_warps_each_utterance_of_a_batch_by_its_own_factor():
 def test_the_warp_matrices_of_a_batch_are_the_single_ones():
     alphas = torch.tensor([0.9, 0.95, 1.02, 1.1])
     batch = vtlp_warp_matrices(alphas, 201)
-    for alpha, matrix in zip(alphas.tolist(), batch):
-        assert torch.equal(matrix, vtlp_warp_matrix(alpha, 201))
+    for alpha, matrix in zip(alphas, batch):
+        assert torch.equal(matrix, vtlp_warp_matrices(alpha[None], 201)[0])
         # each output bin reads one interpolated input
         assert torch.allclose(matrix.sum(1), torch.ones(201))
 

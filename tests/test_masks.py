@@ -5,7 +5,7 @@ import torch
 
 from konkanivani.data.frames import subsampled_lengths
 from konkanivani.model import masks
-from konkanivani.model.masks import causal_mask, chunk_mask, pad_mask, valid_mask
+from konkanivani.model.masks import causal_mask, chunk_mask, pad_mask
 
 
 def test_the_doctests_hold():
@@ -19,11 +19,10 @@ def test_pad_mask_marks_padding():
                              [False, False, False, False]]
 
 
-def test_valid_mask_is_negation_and_max_len_defaults_to_longest():
+def test_pad_mask_max_len_defaults_to_the_longest():
     lengths = torch.tensor([2, 5])
-    assert valid_mask(lengths).shape == (2, 5)
-    assert torch.equal(valid_mask(lengths), ~pad_mask(lengths))
-    assert valid_mask(lengths).sum(1).tolist() == [2, 5]
+    assert pad_mask(lengths).shape == (2, 5)
+    assert (~pad_mask(lengths)).sum(1).tolist() == [2, 5]
 
 
 def test_causal_mask_lower_triangular():

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from konkanivani.config import PRESETS, ModelConfig, model_config_from_preset
+from konkanivani.config import PRESETS, ConfigError, ModelConfig, model_config_from_preset
 from konkanivani.model.asr import ASRModel, count_parameters
 from konkanivani.model.conformer import ConformerBlock
 from konkanivani.model.decoder import DecoderLayer
@@ -72,7 +72,7 @@ def test_layer_flags_add_exactly_one_block():
     assert model_config_from_preset("small", d_model=96).d_model == 96
 
 
-def test_both_front_ends_give_the_same_shapes_and_old_configs_mean_conv2d():
+def test_both_front_ends_give_the_same_shapes():
     feats, lens = torch.randn(2, 157, 80), torch.tensor([157, 33])
     models = {kind: _model("small", subsampling=kind) for kind in ("dw_striding", "conv2d")}
     outs = {kind: m.encode(feats, lens) for kind, m in models.items()}
@@ -80,15 +80,12 @@ def test_both_front_ends_give_the_same_shapes_and_old_configs_mean_conv2d():
     assert outs["dw_striding"][1].tolist() == outs["conv2d"][1].tolist() == [38, 7]
     front = {kind: count_parameters(m.encoder.subsampling.conv) for kind, m in models.items()}
     assert front["dw_striding"] < front["conv2d"] / 4
-    stored = dict(vars(models["conv2d"].cfg))
-    del stored["subsampling"]  # a checkpoint written before the choice existed
-    assert ModelConfig.from_dict(stored).subsampling == "conv2d"
     assert ModelConfig.from_dict(vars(models["dw_striding"].cfg)).subsampling == "dw_striding"
     with pytest.raises(ValueError, match="--subsampling conv3d: unknown"):
         model_config_from_preset("tiny", subsampling="conv3d")
 
 
-def test_a_narrow_first_convolution_keeps_the_shapes_and_old_configs_mean_full_width():
+def test_a_narrow_first_convolution_keeps_the_shapes():
     feats, lens = torch.randn(2, 157, 80), torch.tensor([157, 33])
     full, narrow = _model("small"), _model("small", subsampling_channels=32)
     for model in (full, narrow):
@@ -100,10 +97,7 @@ def test_a_narrow_first_convolution_keeps_the_shapes_and_old_configs_mean_full_w
         count_parameters(full) - count_parameters(narrow)
         == (128 - 32) * (1 * 9 + 1) + (128 - 32) * 128 * 9
     )
-    stored = dict(vars(full.cfg))
-    del stored["subsampling_channels"]  # a checkpoint written before the flag existed
-    assert ModelConfig.from_dict(stored).subsampling_channels == 0
-    assert ASRModel(ModelConfig.from_dict(stored)).encoder.subsampling.conv[0].out_channels == 128
+    assert full.encoder.subsampling.conv[0].out_channels == 128  # 0: d_model
     for bad in (
         dict(subsampling_channels=-1),
         dict(subsampling_channels=32, subsampling="dw_striding"),
@@ -112,7 +106,7 @@ def test_a_narrow_first_convolution_keeps_the_shapes_and_old_configs_mean_full_w
             model_config_from_preset("tiny", **bad)
 
 
-def test_utterance_cmvn_ignores_a_constant_gain_and_the_batch_padding_and_old_configs_mean_global():
+def test_utterance_cmvn_ignores_a_constant_gain_and_the_batch_padding():
     torch.manual_seed(1)
     feats, lens = torch.randn(2, 157, 80) * 2 + 1, torch.tensor([157, 60])
     feats[1, 60:] = 0.0  # zero padding, as collate and the Recognizer make it
@@ -130,10 +124,7 @@ def test_utterance_cmvn_ignores_a_constant_gain_and_the_batch_padding_and_old_co
     assert not torch.allclose(moved["global"], enc["global"], atol=1e-2)
     # the same without padding
     assert torch.allclose(alone[0], moved["utterance"][1, :alone.shape[1]], atol=1e-4)
-    stored = dict(vars(models["utterance"].cfg))
-    assert ModelConfig.from_dict(stored).cmvn == "utterance"
-    del stored["cmvn"]  # a checkpoint written before the flag existed
-    assert ModelConfig.from_dict(stored).cmvn == "global"
+    assert ModelConfig.from_dict(dict(vars(models["utterance"].cfg))).cmvn == "utterance"
     with pytest.raises(ValueError, match="--cmvn speaker: unknown"):
         model_config_from_preset("tiny", cmvn="speaker")
 
@@ -217,8 +208,15 @@ def test_cpu_dropout_trains_through_torch_compile():
     assert torch.equal(x.grad == 0, y == 0)
 
 
-def test_checkpoints_from_before_attention_dropout_keep_theirs():
+def test_a_stored_config_missing_a_field_or_with_an_unknown_one_is_refused_in_one_line():
+    """A checkpoint's config names every field: one written before a field existed is refused
+    (CHANGELOG.md), not built with today's default, which would make another model."""
     stored = dict(vars(model_config_from_preset("tiny", vocab_size=V, dropout=0.2)))
-    del stored["attention_dropout"], stored["subsampling"]
-    assert ModelConfig.from_dict(stored).attention_dropout == 0.2
+    assert ModelConfig.from_dict(stored) == ModelConfig(**stored)
+    old = {k: v for k, v in stored.items() if k not in ("attention_dropout", "subsampling")}
+    with pytest.raises(ConfigError, match=r"^the checkpoint's model config has no "
+                       r"attention_dropout, subsampling: it was written by an earlier konkanivani"):
+        ModelConfig.from_dict(old)
+    with pytest.raises(ConfigError, match="has rope_base, unknown to this konkanivani"):
+        ModelConfig.from_dict({**stored, "rope_base": 10000})
     assert model_config_from_preset("tiny").attention_dropout == 0.0

@@ -25,9 +25,10 @@ from konkanivani.checkpoint import (
 )
 from konkanivani.cli import train as cli  # noqa: E402
 from konkanivani.training.run_files import (
-    claim_output_dir,
+    check_output_dir,
     hold_run_directory,
     load_resume_checkpoint,
+    move_run_aside,
     point_to,
 )
 
@@ -301,7 +302,8 @@ def test_a_folder_holding_only_metrics_advises_no_resume(tmp_path, caplog):
 def test_overwrite_moves_a_lone_checkpoint_aside(tmp_path):
     out = tmp_path / "run"
     save_checkpoint(_state(7), out / "best.pt")
-    aside = claim_output_dir(out, "", overwrite=True)
+    assert check_output_dir(out, "", overwrite=True)  # it must be moved aside first
+    aside = move_run_aside(out)
     assert aside is not None and load_checkpoint(aside / "best.pt")["step"] == 7
     assert list(out.iterdir()) == []
 

@@ -137,11 +137,8 @@ def test_default_flags_take_no_chunk_path(monkeypatch):
         assert torch.equal(model.encode(feats, lens)[0], model.encode(feats, lens, chunk_size=0)[0])
 
 
-def test_old_checkpoint_configs_load_as_full_context_models():
-    stored = dict(vars(model_config_from_preset("tiny", vocab_size=V)))
-    for key in ("dynamic_chunk", "max_chunk", "dynamic_left_chunks", "causal_conv"):
-        del stored[key]  # a checkpoint written before the streaming flags existed
-    cfg = ModelConfig.from_dict(stored)
+def test_a_full_context_config_and_a_streaming_one_load_as_stored():
+    cfg = ModelConfig.from_dict(dict(vars(model_config_from_preset("tiny", vocab_size=V))))
     assert (cfg.dynamic_chunk, cfg.dynamic_left_chunks, cfg.causal_conv) == (False, False, False)
     assert not any(b.conv_module.causal for b in ASRModel(cfg).encoder.blocks)
     streaming = vars(

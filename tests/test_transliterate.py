@@ -16,7 +16,6 @@ from konkanivani.datatools.transliterate import (
     VOWEL_LETTERS,
     VOWEL_SIGNS,
     VOWELS,
-    english_phones,
     english_segments,
     phrases,
     spell,
@@ -49,6 +48,12 @@ def test_a_character_it_cannot_read_is_an_error_not_silence(word):
         word_phones(word)
 
 
+def _english_phones(text: str) -> str:
+    """The phones of ``text``'s festival Segments (``english_segments``), in order."""
+    import re
+    return " ".join(re.findall(r"\(([a-z]+) ", english_segments(text)))
+
+
 def test_spelled_in_each_orthography():
     text = "तुमकां मेळून म्हाका खूब खोस जाली।"
     assert spell(text, "cs") == "tumkán mélún mháká khúb khos džálí."
@@ -58,7 +63,7 @@ def test_spelled_in_each_orthography():
     # not before ai and ri, which are spelled a.., r..
     assert spell("जैत कृपा", "it") == "giait cripa."
     assert spell(text, "ca") == "tumcan melun maca cub coss tjali."
-    assert english_phones("हांव, बरो") == "pau hh aa n v pau b ah r ow pau"
+    assert _english_phones("हांव, बरो") == "pau hh aa n v pau b ah r ow pau"
 
 
 def test_phrases_split_at_punctuation():
@@ -80,7 +85,7 @@ def test_every_letter_of_the_demo_sentences_is_known_and_every_voice_can_read_th
     for voice in FESTIVAL_TRAIN_VOICES.values():
         for s in sentences:
             if voice.language == "en":
-                assert set(english_phones(s).split()) <= phones
+                assert set(_english_phones(s).split()) <= phones
             else:
                 spelled = spell(s, voice.language)
                 spelled.encode(voice.encoding)
@@ -88,15 +93,17 @@ def test_every_letter_of_the_demo_sentences_is_known_and_every_voice_can_read_th
 
 
 def test_english_segments_scale_with_the_stretch_and_fall_in_pitch_through_a_phrase():
-    """Festival Segments: (phone duration [(position f0)]); the phones are english_phones' and the
-    durations scale with the stretch; the vowels' F0 falls from 1.15 to 0.85 times the mean in a
-    phrase.
+    """Festival Segments: (phone duration [(position f0)]); the phones are ENGLISH_PHONES' of the
+    words' phones with a pause between phrases, and the durations scale with the stretch; the
+    vowels' F0 falls from 1.15 to 0.85 times the mean in a phrase.
     """
     import re
     text = "तुमकां मेळून, म्हाका खूब खोस जाली।"
     segment = re.compile(r"\((\S+) ([\d.]+)(?: \(([\d.]+) ([\d.]+)\))?\)")
     segs = segment.findall(english_segments(text, 1.0, 100))
-    assert [name for name, *_ in segs] == english_phones(text).split()
+    spoken = (" ".join(ENGLISH_PHONES[p] for word in phrase for p in word)
+              for phrase in phrases(text))
+    assert [name for name, *_ in segs] == ("pau " + " pau ".join(spoken) + " pau").split()
     slow = segment.findall(english_segments(text, 1.5, 100))
     assert [float(d) for _, d, *_ in slow] == pytest.approx(
         [1.5 * float(d) for _, d, *_ in segs], abs=2e-3

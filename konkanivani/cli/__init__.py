@@ -12,7 +12,8 @@ The conventions every tool keeps, all here:
 - an output folder is ``--output_dir``, an output file ``--output``; no tool writes over its own
   input, however it names it (``refuse_unsafe_outputs``), and an output appears whole or not at all
   (``datatools.outputs``); ``--seed`` defaults to ``config.DEFAULT_SEED``;
-- an old spelling of a flag still works and says once what it is now called (``config.Renamed``).
+- a removed spelling of a flag is refused in one line that names the flag to use
+  (``config.Removed``; CHANGELOG.md lists them).
 """
 from __future__ import annotations
 
@@ -84,8 +85,9 @@ def setup_logging() -> None:
 def add_output_dir(
     parser: argparse.ArgumentParser, help: str, old_positional: bool = False
 ) -> None:
-    """``--output_dir``, the one name of an output folder; with ``old_positional`` the folder may
-    still be given as the positional OUT_DIR it used to be (``output_dir`` says so once)."""
+    """``--output_dir``, the one name of an output folder; with ``old_positional`` a positional
+    OUT_DIR, the removed spelling, is refused in one line naming ``--output_dir`` (``output_dir``).
+    """
     parser.add_argument("--output_dir", type=Path, help=help)
     if old_positional:
         parser.add_argument(
@@ -97,13 +99,7 @@ def output_dir(parser: Parser, args: argparse.Namespace) -> Path:
     """The output folder of ``add_output_dir``'s flags, required; stored in ``args.output_dir``."""
     old = getattr(args, "old_output_dir", None)
     if old is not None:
-        if args.output_dir is not None:
-            parser.error(f"two output folders: {old} and --output_dir {args.output_dir}")
-        print(
-            f"{parser.prog}: note: the output folder is now given as --output_dir {old}",
-            file=sys.stderr,
-        )
-        args.output_dir = old
+        parser.error(f"the output folder is now given as --output_dir {old}")
     if args.output_dir is None:
         parser.error("the following arguments are required: --output_dir")
     return args.output_dir
@@ -136,7 +132,7 @@ def tool(main: Main) -> Main:
     """A tool's ``main``, with Ctrl-C (``KeyboardInterrupt``) ending it in one line on stderr and
     exit status 130, as a shell reports a process ended by SIGINT. Whatever the tool was writing
     is left as its own code leaves it on an exception (the data tools: the previous result)."""
-    spec = main.__globals__.get("__spec__")  # python -m konkanivani.cli.NAME runs it as __main__
+    spec = main.__globals__.get("__spec__")  # python -m konkanivani.cli.<name> runs it as __main__
     module = spec.name if spec is not None else main.__module__
     name = "konkanivani-" + module.rsplit(".", 1)[-1].replace("_", "-")
 

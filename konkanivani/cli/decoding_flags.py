@@ -1,10 +1,10 @@
 """What the decoding tools share: the checkpoint argument, the ``DecodingConfig`` their flags make
-(``decoding.config``: each tool names the fields it takes, and every flag's help, default and check
-is written there once), loading the recognizer, and the method's name for the summary line.
+(``decoding.settings``: each tool names the fields it takes, and every flag's help, default and
+check is written there once), loading the recognizer, and the method's name for the summary line.
 
 The CTC weight of decoding is ``--decode_ctc_weight`` in every tool, apart from training's
-``--ctc_weight``, the weight of the CTC loss; ``--ctc_weight`` stays here as an old spelling that
-says so once.
+``--ctc_weight``, the weight of the CTC loss; ``--ctc_weight`` here, its removed spelling, is
+refused in one line naming ``--decode_ctc_weight``.
 """
 from __future__ import annotations
 

@@ -33,12 +33,11 @@ with --frontend kaldi_fbank, the features sherpa-onnx computes; another is refus
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from ..checkpoint import CheckpointError, checkpoint_file_error
-from ..config import ConfigError, Renamed
+from ..config import ConfigError, Removed
 from ..decoding.model_export import (
     FILES,
     FORMATS,
@@ -127,15 +126,7 @@ def _parser() -> Parser:
         type=Path,
         help="output folder (default: the checkpoint's path without .pt, plus _export)",
     )
-    parser.add_argument(
-        "-o",
-        "--output",
-        dest="output_dir",
-        type=Path,
-        action=Renamed,
-        new="--output_dir",
-        help=argparse.SUPPRESS,
-    )
+    parser.add_argument("-o", "--output", action=Removed, new="--output_dir")
     parser.add_argument(
         "--format", choices=(*FORMATS, "both", "sherpa-onnx"), default="onnx",
         help=("default: %(default)s; sherpa-onnx: a folder for sherpa-onnx's WeNet CTC recognizer"

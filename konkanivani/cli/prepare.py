@@ -20,12 +20,11 @@ contains it, 130 on Ctrl-C (the previous manifests and audio stay as they were).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from ..checkpoint import CheckpointError
-from ..config import DEFAULT_MAX_DURATION, DEFAULT_SEED
+from ..config import DEFAULT_MAX_DURATION, DEFAULT_SEED, Removed
 from ..data.manifest import ManifestError
 from ..data.tokenizer import Tokenizer
 from ..datatools.importers import (
@@ -108,10 +107,7 @@ def _importer_parser(sources, name: str, text: str, metavar: str) -> None:
         ),
     )
     _add_row_check_flags(s)
-    # old spelling
-    s.add_argument(
-        "--no-progress", dest="progress", action="store_false", help=argparse.SUPPRESS
-    )
+    s.add_argument("--no-progress", action=Removed, new="--no_progress")
     if name != "commonvoice":
         s.add_argument(
             "--split_name",

@@ -39,7 +39,6 @@ __all__ = [
     "add_noise",
     "synthetic_rir",
     "reverberate",
-    "vtlp_warp_matrix",
     "batching_duration",
 ]
 
@@ -189,20 +188,13 @@ def _load_rir(path: Path) -> torch.Tensor:
 
 # ---- VTLP ---------------------------------------------------------------------------------------
 
-def vtlp_warp_matrix(alpha: float, n_freqs: int) -> torch.Tensor:
-    """``(n_freqs, n_freqs)`` matrix W that warps a power spectrum's frequency axis: ``W @ spec``
-    moves what was at f to f' = alpha * f below the boundary (``VTLP_HIGH_HZ * min(alpha, 1)``) and
-    maps the rest linearly onto the band up to Nyquist (Jaitly & Hinton 2013, eq. 1). Each output
-    bin reads the input at the inverse warp, interpolating linearly between bins; alpha = 1 gives
-    the identity."""
-    if alpha == 1.0:
-        return torch.eye(n_freqs)
-    return vtlp_warp_matrices(torch.tensor([alpha]), n_freqs)[0]
-
-
 def vtlp_warp_matrices(alphas: torch.Tensor, n_freqs: int) -> torch.Tensor:
-    """``(K,)`` warp factors -> ``(K, n_freqs, n_freqs)`` float32 matrices of ``vtlp_warp_matrix``,
-    built together on the factors' device (the training step warps a batch's spectra there)."""
+    """``(K,)`` warp factors -> ``(K, n_freqs, n_freqs)`` float32 matrices, built together on the
+    factors' device (the training step warps a batch's spectra there). Matrix W of factor alpha
+    warps a power spectrum's frequency axis: ``W @ spec`` moves what was at f to f' = alpha * f
+    below the boundary (``VTLP_HIGH_HZ * min(alpha, 1)``) and maps the rest linearly onto the band
+    up to Nyquist (Jaitly & Hinton 2013, eq. 1). Each output bin reads the input at the inverse
+    warp, interpolating linearly between bins; alpha = 1 gives the identity (within rounding)."""
     nyquist = SAMPLE_RATE / 2
     alphas = alphas.double()[:, None]  # (K, 1)
     out_freqs = torch.linspace(0, nyquist, n_freqs, dtype=torch.float64, device=alphas.device)

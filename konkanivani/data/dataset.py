@@ -58,7 +58,7 @@ def load_utterances(
     """Read and check a manifest; return the usable utterances and a count of skipped rows by
     reason.
 
-    Each row goes through ``checks.check_row`` (audio missing, unreadable or empty, duration
+    Each row goes through ``manifest.check_row`` (audio missing, unreadable or empty, duration
     mismatch, longer than ``max_duration``, empty text or no token, characters the tokenizer
     cannot encode, too short for CTC); a failing row is skipped with a warning naming the
     manifest and line. Rows that will be resampled or mixed down are counted in one note.

@@ -59,7 +59,7 @@ class LogMel(torch.nn.Module):
     """Waveform ``(N,)`` at 16 kHz -> log-mel features ``(T, n_mels)``, T = 1 + N // 160.
 
     ``warp``, an ``(F, F)`` matrix over the power spectrum's frequency bins (VTLP in training,
-    ``augment.vtlp_warp_matrix``), is applied between the spectrogram and the mel filterbank;
+    ``augment.vtlp_warp_matrices``), is applied between the spectrogram and the mel filterbank;
     without one the features are computed exactly as always.
     """
 

@@ -9,7 +9,7 @@ recorded from one real speaker), through a transliteration (``transliterate.py``
 hears more than one synthesizer. The ``heldout`` split reads the test sentences with a voice
 *source* that never occurs in training at all: festival's Marathi NSK diphone voice, recorded from
 another real speaker (made when festival and its Marathi voice are installed); ``test_noisy`` is the
-test split in a noisy, reverberant room (synthetic, ``augment.corrupt_manifest``). ``text.txt`` is a
+test split in a noisy, reverberant room (synthetic, ``corrupt.corrupt_manifest``). ``text.txt`` is a
 text-only set (``resources/demo_text_kok.txt``): sentences in no speech split, for a language model.
 Output
 (relocatable, paths relative to OUT_DIR)::

@@ -12,7 +12,7 @@ audio file the manifest will name and, when that file must first be written, how
   ``OUT_DIR/wavs/``.
 
 Then one pass writes the files that must be written (16 kHz mono 16-bit PCM), checks every row
-with ``checks.check_row`` (the validator's check, which also measures the duration from the
+with ``manifest.check_row`` (the validator's check, which also measures the duration from the
 file's header), and writes ``OUT_DIR/<split>.jsonl``. A row that cannot be used is counted by
 reason and never stops the others. Audio paths are relative to the manifest's folder when the file
 lies under it, absolute otherwise. Text is kept as written but for surrounding whitespace:

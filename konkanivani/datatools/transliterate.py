@@ -337,14 +337,6 @@ def spell(text: str, language: str) -> str:
     )
 
 
-def english_phones(text: str) -> str:
-    """`text` as festival's US English phones, with a pause between phrases."""
-    spoken = (
-        " ".join(ENGLISH_PHONES[p] for word in phrase for p in word) for phrase in phrases(text)
-    )
-    return "pau " + " pau ".join(spoken) + " pau"
-
-
 # Seconds per phone before the stretch (a rough reading pace); long vowels and diphthongs are
 # longer.
 SHORT_VOWELS = {"a", "i", "u"}

@@ -8,7 +8,7 @@ An export folder holds::
     token id -> SentencePiece piece, the blank id, how to join pieces into text features.json
     how the log-mel features are made (sample rate, window, hop, mel bins, log)
 
-Both graphs take ``features`` ``(B, T, F)`` float32, log-mel frames exactly as ``audio.LogMel``
+Both graphs take ``features`` ``(B, T, F)`` float32, log-mel frames exactly as ``features.LogMel``
 makes them (CMVN lives in the model, global or per utterance, so it is inside the graph), and
 ``feature_lengths`` ``(B,)`` int64; they return ``log_probs`` ``(B, T', V)`` float32 CTC
 log-probabilities and ``log_prob_lengths`` ``(B,)`` int64. B and T are free (T >= ``MIN_FRAMES``).
@@ -212,9 +212,10 @@ class ChunkGraph(nn.Module):
 
     Args:
         features: ``(1, W, F)`` raw log-mel frames (``LogMel``; the CMVN is in the graph), a window
-            of ``feature_windows``: W = ``window_frames`` = (C - 1) * 4 + 7; the next starts
-            ``window_hop`` = 4C frames later; the stream's last window may be shorter (7 frames or
-            more) and make fewer than C frames. offset: int64 scalar, the encoder frames made so far
+            of ``feature_windows``: W = ``window_frames`` = (C - 1) * 4 + 7
+            (``Conv2dSubsampling.window_frames``); the next starts ``window_hop`` = 4C frames
+            later; the stream's last window may be shorter (7 frames or more) and make fewer
+            than C frames. offset: int64 scalar, the encoder frames made so far
             (0 for the first chunk, then + C). attention_cache: ``(N, 2, H, L, d)``, each block's
             keys (rotated) and values of the last L frames; zeros at the start (``initial_caches``),
             then the last chunk's ``next_attention_cache``. conv_cache: ``(N, K, D)``, each block's
@@ -243,7 +244,7 @@ class ChunkGraph(nn.Module):
             raise ValueError("a streaming graph needs a model with causal_conv")
         self.model = model
         self.streaming = streaming
-        self.window_frames = _window_frames(streaming.chunk_size)
+        self.window_frames = Conv2dSubsampling.window_frames(streaming.chunk_size)
         self.window_hop = Conv2dSubsampling.STRIDE * streaming.chunk_size
         self.cache_frames = streaming.left_chunks * streaming.chunk_size
         self.eval()  # for inference: no dropout, no SpecAugment
@@ -848,7 +849,7 @@ def _stream_windows(
     raw frames, as a client keeps it."""
     chunk = graph.streaming.chunk_size
     chunks = graph.streaming.left_chunks + 2 if chunks is None else chunks
-    frames = chunks * graph.window_hop + _window_frames(max(chunk // 2, 1))
+    frames = chunks * graph.window_hop + Conv2dSubsampling.window_frames(max(chunk // 2, 1))
     features = _chunk_example(graph, torch.Generator().manual_seed(seed), frames)["features"]
     for start in range(0, frames - MIN_FRAMES + 1, graph.window_hop):
         window = features[:, start:start + graph.window_frames]
@@ -856,12 +857,6 @@ def _stream_windows(
         if graph.utterance_cmvn:
             inputs["feature_mean"] = features[0, :start + window.shape[1]].mean(0)
         yield inputs
-
-
-def _window_frames(encoder_frames: int) -> int:
-    """The fewest feature frames that make ``encoder_frames`` (>= 1) encoder frames: (n - 1) * 4 +
-    7."""
-    return (encoder_frames - 1) * Conv2dSubsampling.STRIDE + Conv2dSubsampling.CONTEXT
 
 
 def vocabulary(tokenizer: Tokenizer) -> dict[str, Any]:

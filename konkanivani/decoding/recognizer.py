@@ -6,7 +6,7 @@ decodes with its moving average of the weights (``checkpoint.InferenceModel``).
 
 ``Recognizer.transcribe`` loses no file to another: a file that cannot be read, is too short for
 the encoder, or fails to decode yields a ``Transcript`` with ``error`` set, and a file longer than
-``decode.LONG_INPUT_SECONDS`` asked of an attention-based method is decoded with CTC prefix beam
+``settings.LONG_INPUT_SECONDS`` asked of an attention-based method is decoded with CTC prefix beam
 search, said once per call and recorded in ``Transcript.method``.
 
 Each transcript and result has its words with their times and probabilities: the hypothesis aligned
@@ -172,7 +172,7 @@ class Recognizer:
     def decode_waveforms(self, wavs: Sequence[torch.Tensor], decoding: DecodingConfig | None = None,
                          **overrides) -> list[str]:
         """Texts of 16 kHz mono waveforms, decoded as one batch; those too long for the method
-        (``decode.method_for``) with ``LONG_INPUT_METHOD``, said in one warning. With
+        (``search.method_for``) with ``LONG_INPUT_METHOD``, said in one warning. With
         ``chunk_size``, each is encoded under the chunk mask of a stream in chunks of that size:
         the text such a stream gives it."""
         return [r.text for r in self.decode_results(wavs, decoding, **overrides)]

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from ..config import ConfigError, Renamed
+from ..config import DEFAULT_MAX_DURATION, ConfigError, Removed
 from .hotwords import MAX_BOOST, HotwordError, parse_hotword, read_hotwords
 
 __all__ = ["CHUNK_SIZE", "ENDPOINT_MS", "EXPORTED_METHOD", "EXPORTED_METHODS", "EXPORT_LEFT_CHUNKS",
@@ -67,12 +67,12 @@ ENDPOINT_MS = 800  # a streamed segment ends after this much of blank frames aft
 # longer input, and where joint decoding's square-law cost starts to dominate. Tiny model, one
 # thread of a 2-core AMD EPYC: joint 0.7 s for 10 s of audio, 5.6 s for 30 s, 22 s for 60 s, 873 s
 # for 5 min; beam 0.13 / 0.25 / 1.5 s at 30 s / 60 s / 5 min, 10.5 s for 20 min.
-LONG_INPUT_SECONDS = 30.0
+LONG_INPUT_SECONDS = DEFAULT_MAX_DURATION
 
 
 def _setting(help: str, **more: Any) -> dict[str, Any]:
     """A field's metadata: its flag's help, and where they apply ``flag`` (the flag's name when
-    it is not the field's), ``old`` (an old spelling that still works and says so once),
+    it is not the field's), ``old`` (a removed spelling, refused in one line naming the flag),
     ``choices``, ``metavar`` and ``default`` (how the default reads where the field's is None)."""
     return {"help": help, **more}
 
@@ -105,8 +105,9 @@ class DecodingConfig:
     # head generalizes to new sentences better than the attention decoder, which has learned the
     # training sentences as a language model.
     ctc_weight: float = field(default=0.7, metadata=_setting(
-        "weight of the CTC score in joint decoding and rescoring (training's --ctc_weight is the "
-        "loss's)", flag="decode_ctc_weight", old="ctc_weight", metavar="DECODE_CTC_WEIGHT"))
+        "weight of the CTC score in joint decoding and rescoring (training's --ctc_weight is "
+        "another weight, the CTC loss's)", flag="decode_ctc_weight", old="ctc_weight",
+        metavar="DECODE_CTC_WEIGHT"))
     lm: Path | None = field(default=None, metadata=_setting(
         "a konkanivani-train-lm checkpoint of the same tokenizer, for shallow fusion "
         f"({', '.join(FUSED_METHODS)})", metavar="CHECKPOINT", default="none"))
@@ -297,8 +298,7 @@ def add_decoding_flags(parser: argparse.ArgumentParser, fields: Iterable[str]) -
                             choices=meta.get("choices"), metavar=meta.get("metavar"),
                             help=f"{meta['help']} (default: {default_text(f)})")
         if "old" in meta:
-            parser.add_argument(f"--{meta['old']}", dest=f.name, type=kind, action=Renamed,
-                                new=flag_name(f.name), help=argparse.SUPPRESS)
+            parser.add_argument(f"--{meta['old']}", action=Removed, new=flag_name(f.name))
 
 
 def decoding_config_from_args(args: argparse.Namespace) -> DecodingConfig:

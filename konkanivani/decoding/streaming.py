@@ -322,10 +322,10 @@ class ModelChunks:
     def encode_together(chunks: Sequence[ModelChunks], windows: Sequence[torch.Tensor]
                         ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``encode`` of several streams' windows (of one ``batch_key``) in one batched forward,
-        ``ConformerEncoder.forward_chunks``: each stream's ``(C, V)`` and ``(C, D)``, what its own
-        ``encode`` gives (within float rounding), and its caches moved on."""
+        ``ConformerEncoder.forward_chunk_of_streams``: each stream's ``(C, V)`` and ``(C, D)``,
+        what its own ``encode`` gives (within float rounding), and its caches moved on."""
         model, left_frames = chunks[0].model, chunks[0].left_frames
-        enc, states = model.encoder.forward_chunks(
+        enc, states = model.encoder.forward_chunk_of_streams(
             torch.stack(list(windows)), [c.state for c in chunks], left_frames
         )
         log_probs = model.ctc_log_probs(enc)
@@ -368,7 +368,7 @@ class Stream:
         self.max_segment_frames = round(MAX_SEGMENT_SECONDS / FRAME_SECONDS)
         stride, context = Conv2dSubsampling.STRIDE, Conv2dSubsampling.CONTEXT
         self.window, self.step, self.context = (
-            (chunk_size - 1) * stride + context,
+            Conv2dSubsampling.window_frames(chunk_size),
             stride * chunk_size,
             context,
         )

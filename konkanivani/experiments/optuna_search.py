@@ -236,7 +236,7 @@ def run_search(
             _requeue(study, (TrialState.RUNNING,))
         _requeue(study, (TrialState.FAIL,), only=lambda t: _interrupted(out, study, t))
         ran: dict[str, Trial] = {}
-        objective = _objective(out, space, make_trial, ran, target_cer)
+        objective = _objective(out, space, make_trial, ran)
         stop: Optional[str] = None
         finished = (TrialState.COMPLETE, TrialState.PRUNED)
         remaining = n_trials - len(study.get_trials(deepcopy=False, states=finished))
@@ -291,7 +291,6 @@ def _objective(
     space: dict[str, tuple[str, list[Any]]],
     make_trial: MakeTrial,
     ran: dict[str, Trial],
-    target_cer: float,
 ):
     import optuna
 
@@ -313,7 +312,7 @@ def _objective(
                     f"{trial_dir} holds another trial (settings {recorded.get('settings')}); a new "
                     "study needs its own --output_dir"
                 )
-            check_same_settings(record, recorded, resolved, trial_dir)
+            check_same_settings(recorded, resolved, trial_dir)
         record_trial(trial_dir, record, resolved)
         log.info("search trial %s (%s): %s", name, "resuming" if resume else "starting",
                  _flags_text(settings))

@@ -165,9 +165,8 @@ def recorded_trial(trial_dir: Path) -> Optional[dict[str, Any]]:
         return None
 
 
-def check_same_settings(
-    trial: Trial, recorded: dict[str, Any], resolved: dict[str, Any], trial_dir: Path
-) -> None:
+def check_same_settings(recorded: dict[str, Any], resolved: dict[str, Any], trial_dir: Path
+                        ) -> None:
     """A trial's settings may not change under its name: that would mix two runs in one folder."""
     before = json.loads(json.dumps(recorded.get("resolved", {}), default=str))
     now = json.loads(json.dumps(resolved, default=str))
@@ -285,7 +284,7 @@ def _run_trial(
     resolved = resolved_settings(cfg, model_flags)  # (resuming is no setting: the same either way)
     recorded = recorded_trial(trial_dir)
     if recorded is not None:
-        check_same_settings(trial, recorded, resolved, trial_dir)
+        check_same_settings(recorded, resolved, trial_dir)
         if recorded["status"] in ("done", "failed"):
             trial.status, trial.reason, trial.summary = (
                 recorded["status"],

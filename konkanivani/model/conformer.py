@@ -231,7 +231,8 @@ class MultiHeadAttention(nn.Module):
         keys_values: torch.Tensor,
         allowed: Optional[torch.Tensor],
     ) -> torch.Tensor:
-        """Self-attention of B streams' chunks, each row at its own position (``forward_chunks``).
+        """Self-attention of B streams' chunks, each row at its own position
+        (``forward_chunk_of_streams``).
 
         Args:
             query: ``(B, C, D)``. rope_rows: ``(cos, sin)`` of shape ``(B, 1, C, D/H)``, each row's
@@ -378,7 +379,7 @@ class ConformerBlock(nn.Module):
         x = x + 0.5 * self.ffn2(x)
         return self.final_norm(x), (k, v), conv_inputs
 
-    def forward_chunks(
+    def forward_chunk_of_streams(
         self,
         x: torch.Tensor,
         rope_rows: tuple[torch.Tensor, torch.Tensor],
@@ -419,6 +420,12 @@ class Conv2dSubsampling(nn.Module):
     """
 
     STRIDE, CONTEXT = 4, 7
+
+    @classmethod
+    def window_frames(cls, frames: int) -> int:
+        """The feature frames that make ``frames`` (>= 1) output frames, the subsampling's
+        receptive field over them: ``(frames - 1) * 4 + 7``."""
+        return (frames - 1) * cls.STRIDE + cls.CONTEXT
 
     def __init__(self, n_mels: int, d_model: int, dropout: float, depthwise_separable: bool = False,
                  channels: int = 0):
@@ -464,10 +471,10 @@ class Conv2dSubsampling(nn.Module):
 
 class StreamState(NamedTuple):
     """What chunk-by-chunk encoding carries from one chunk to the next
-    (``ConformerEncoder.forward_chunk``, ``forward_chunks``). Per block: ``forward_chunk`` gives
-    lists; ``forward_chunks`` gives each a tensor with the blocks first, keys_values ``(N, 2, 1,
-    H, P, D/H)`` and conv_inputs ``(N, 1, kernel - 1, D)``, which read per block the same way (and
-    either one takes the other's)."""
+    (``ConformerEncoder.forward_chunk``, ``forward_chunk_of_streams``). Per block:
+    ``forward_chunk`` gives lists; ``forward_chunk_of_streams`` gives each a tensor with the blocks
+    first, keys_values ``(N, 2, 1, H, P, D/H)`` and conv_inputs ``(N, 1, kernel - 1, D)``, which
+    read per block the same way (and either one takes the other's)."""
 
     offset: int  # encoder frames made so far: the position of the next chunk's first frame
     # per block: the visible past's keys (rotated), values
@@ -478,16 +485,16 @@ class StreamState(NamedTuple):
 
 def feature_windows(feats: torch.Tensor, chunk_size: int) -> list[torch.Tensor]:
     """``(B, T, F)`` -> the feature windows that ``ConformerEncoder.forward_chunk`` turns into
-    chunks of ``chunk_size`` encoder frames: ``(chunk_size - 1) * 4 + 7`` frames each, the next ``4
-    * chunk_size`` frames later (they overlap by 3); the last may be shorter and make fewer encoder
-    frames. Together they make the ``subsampled_lengths(T)`` frames of the whole.
+    chunks of ``chunk_size`` encoder frames: ``Conv2dSubsampling.window_frames(chunk_size)`` frames
+    each, the next ``4 * chunk_size`` frames later (they overlap by 3); the last may be shorter and
+    make fewer encoder frames. Together they make the ``subsampled_lengths(T)`` frames of the whole.
 
     >>> # 4 + 4 + 3 = 11 encoder frames
     >>> [w.shape[1] for w in feature_windows(torch.zeros(1, 50, 80), 4)]
     [19, 19, 18]
     """
     stride, context = Conv2dSubsampling.STRIDE, Conv2dSubsampling.CONTEXT
-    size = (chunk_size - 1) * stride + context
+    size = Conv2dSubsampling.window_frames(chunk_size)
     return [
         feats[:, start : start + size]
         for start in range(0, feats.shape[1] - context + 1, stride * chunk_size)
@@ -606,8 +613,8 @@ class ConformerEncoder(nn.Module):
 
         Args:
             feats: ``(B, W, F)`` normalized features, a window of ``feature_windows``: W =
-                ``(C - 1) * 4 + 7`` frames make C encoder frames; the next window starts ``4 * C``
-                frames later (B streams in step).
+                ``Conv2dSubsampling.window_frames(C)`` frames make C encoder frames; the next
+                window starts ``4 * C`` frames later (B streams in step).
             state: what the chunks before left (None for the first chunk).
             left_frames: encoder frames of the past that later chunks may attend to, ``left_chunks *
                 chunk_size`` (< 0: all of them); the attention caches keep no more.
@@ -635,7 +642,7 @@ class ConformerEncoder(nn.Module):
             conv_inputs.append(conv)
         return x, StreamState(offset + x.shape[1], keys_values, conv_inputs)
 
-    def forward_chunks(
+    def forward_chunk_of_streams(
         self, feats: torch.Tensor, states: Sequence[Optional[StreamState]], left_frames: int = -1
     ) -> tuple[torch.Tensor, list[StreamState]]:
         """Encode one chunk of each of B streams in one batched forward: what ``forward_chunk``
@@ -647,8 +654,8 @@ class ConformerEncoder(nn.Module):
         Args:
             feats: ``(B, W, F)`` normalized features, one window of ``feature_windows`` a stream,
                 all of one length.
-            states: each row's state, from ``forward_chunk`` or ``forward_chunks`` (None: its first
-                chunk).
+            states: each row's state, from ``forward_chunk`` or ``forward_chunk_of_streams``
+                (None: its first chunk).
             left_frames: as ``forward_chunk``, for every row.
         Returns:
             ``(B, C, D)`` encoder states and each row's state for its next chunk (its caches as
@@ -695,7 +702,7 @@ class ConformerEncoder(nn.Module):
             allowed = seen[:, None, None, :].to(device)
         convs = []
         for n, block in enumerate(self.blocks):
-            x, c = block.forward_chunks(x, rope_rows, keys_values[n], allowed, conv[n])
+            x, c = block.forward_chunk_of_streams(x, rope_rows, keys_values[n], allowed, conv[n])
             convs.append(c)
         conv = torch.stack(convs)  # (N, B, K, D)
         out = []

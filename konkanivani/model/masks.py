@@ -1,6 +1,5 @@
 """Masks from lengths, as pure functions. The polarity is in the name: ``pad_mask`` is True at
-padding, ``valid_mask`` is True at real frames, ``causal_mask`` and ``chunk_mask`` are True where
-attention is allowed.
+padding, ``causal_mask`` and ``chunk_mask`` are True where attention is allowed.
 """
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["pad_mask", "valid_mask", "causal_mask", "chunk_mask"]
+__all__ = ["pad_mask", "causal_mask", "chunk_mask"]
 
 
 def pad_mask(lengths: torch.Tensor, max_len: Optional[int] = None) -> torch.Tensor:
@@ -21,11 +20,6 @@ def pad_mask(lengths: torch.Tensor, max_len: Optional[int] = None) -> torch.Tens
     max_len = int(lengths.max()) if max_len is None else max_len
     steps = torch.arange(max_len, device=lengths.device)
     return steps.unsqueeze(0) >= lengths.unsqueeze(1)  # (B, T)
-
-
-def valid_mask(lengths: torch.Tensor, max_len: Optional[int] = None) -> torch.Tensor:
-    """``(B,)`` lengths -> ``(B, T)`` bool, True at real frames."""
-    return ~pad_mask(lengths, max_len)
 
 
 def causal_mask(size: int, device: Optional[torch.device] = None) -> torch.Tensor:

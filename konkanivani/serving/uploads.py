@@ -56,7 +56,7 @@ async def upload_bytes(request: Request, limits: Limits) -> bytes:
 
 
 async def read_body(request: Request, limits: Limits) -> bytes:
-    """A request's whole body: 413 past ``limits.max_upload_bytes``, 408 when it comes too slowly
+    """A request's whole body: 413 past ``Limits.max_upload_bytes``, 408 when it comes too slowly
     (``_body``). Past the limit the rest of the body is read and dropped (up to ``_drain_limit``),
     so that a client still sending it gets the 413 rather than a reset."""
     limit = limits.max_upload_bytes

@@ -58,7 +58,6 @@ __all__ = [
     "run_directory",
     "save_step",
     "check_output_dir",
-    "claim_output_dir",
     "existing_run",
     "hold_run_directory",
     "load_resume_checkpoint",
@@ -331,12 +330,6 @@ def _how_to_continue(directory: Path) -> str:
     if lone:
         return f"continue from its checkpoint with --resume {directory / lone[0]}, or "
     return "no checkpoint to resume from; "
-
-
-def claim_output_dir(directory: str | Path, resume: str, overwrite: bool) -> Path | None:
-    """``check_output_dir``, then the earlier run moved aside where it must be: the folder it went
-    to is returned (None when nothing was moved)."""
-    return move_run_aside(directory) if check_output_dir(directory, resume, overwrite) else None
 
 
 def existing_run(directory: str | Path) -> str | None:

@@ -77,7 +77,7 @@ def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], devi
         return None
     # this process has nothing, the others have: join their gradient sync with zeros
     if not pending:
-        pending = [_empty_batch(model)]
+        pending = [_empty_batch()]
     per_process = n_utts / dist.world  # data parallelism averages the processes' gradients
     if log_mel is None:  # a compiled model is a function: the caller then gives the front-end
         cfg = getattr(model, "module", model).cfg
@@ -174,7 +174,7 @@ def _saved_on_cpu(offload: bool, device: torch.device) -> Any:
     return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
 
 
-def _empty_batch(model: Any) -> Batch:
+def _empty_batch() -> Batch:
     """A one-utterance batch of silence that stands in, with its loss multiplied by 0, for a process
     whose whole accumulation group failed to load (``indices`` is empty: it counts for nothing).
     """
