@@ -66,7 +66,7 @@ class EvalResult:
     @property
     def long_inputs(self) -> int:
         """Utterances decoded with another method than ``method``: too long for it
-        (``decode.LONG_INPUT_SECONDS``)."""
+        (``settings.LONG_INPUT_SECONDS``)."""
         return sum(bool(u.method) and u.method != self.method for u in self.utterances)
 
     def worst(self, n: int = 10) -> list[UtteranceResult]:

@@ -8,7 +8,7 @@ An export folder holds::
     token id -> SentencePiece piece, the blank id, how to join pieces into text features.json
     how the log-mel features are made (sample rate, window, hop, mel bins, log)
 
-Both graphs take ``features`` ``(B, T, F)`` float32, log-mel frames exactly as ``audio.LogMel``
+Both graphs take ``features`` ``(B, T, F)`` float32, log-mel frames exactly as ``features.LogMel``
 makes them (CMVN lives in the model, global or per utterance, so it is inside the graph), and
 ``feature_lengths`` ``(B,)`` int64; they return ``log_probs`` ``(B, T', V)`` float32 CTC
 log-probabilities and ``log_prob_lengths`` ``(B,)`` int64. B and T are free (T >= ``MIN_FRAMES``).

@@ -3,10 +3,10 @@ loads.
 
 The folder holds the encoder and CTC head (``model.onnx``), the pieces of the vocabulary
 (``vocabulary.json``), how the features are made (``features.json``) and, from ``--streaming``, the
-chunk graph (``encoder_chunk.onnx``, ``streaming.json``); see ``decoding.export``. The attention
-decoder is not exported, so an export decodes with CTC alone: ``greedy`` (the best path) or ``beam``
-(CTC prefix beam search, ``search.ctc_prefix_beam_search``) over the graph's log-probabilities, with
-no attention rescoring and no language model.
+chunk graph (``encoder_chunk.onnx``, ``streaming.json``); see ``decoding.model_export``. The
+attention decoder is not exported, so an export decodes with CTC alone: ``greedy`` (the best path)
+or ``beam`` (CTC prefix beam search, ``search.ctc_prefix_beam_search``) over the graph's
+log-probabilities, with no attention rescoring and no language model.
 
 ``ExportedRecognizer.decode_waveforms`` decodes whole waveforms through ``model.onnx``;
 ``ExportedRecognizer.stream`` gives a ``streaming.Stream`` whose chunks go through

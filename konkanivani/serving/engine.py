@@ -17,9 +17,9 @@ moments (``quiet_windows``), each decoded whole with ``method``, with the same w
 probabilities as ``konkanivani-transcribe --format json`` gives; it cannot stream (``/stream`` says
 so).
 
-An export folder (``decoding.exported.ExportedRecognizer``, onnxruntime) decodes uploads in those
-windows through ``model.onnx`` with ``greedy`` or ``beam`` (no attention decoder: nothing rescored),
-their words aligned to the graph's CTC output as a checkpoint's are to its own,
+An export folder (``decoding.onnx_recognizer.ExportedRecognizer``, onnxruntime) decodes uploads in
+those windows through ``model.onnx`` with ``greedy`` or ``beam`` (no attention decoder: nothing
+rescored), their words aligned to the graph's CTC output as a checkpoint's are to its own,
 and streams through ``encoder_chunk.onnx`` when it has it, in the chunks it was exported for.
 
 Batched streams (``batch_streams``, a checkpoint's): the chunk forwards of concurrent streams run
