@@ -239,18 +239,18 @@ def test_the_prefix_beam_prunes_and_ranks_by_the_biased_score():
                           [0.1, 0.0, 0.9, 0.0, 0.0]]) + 1e-4
     lp = (probs / probs.sum(-1, keepdim=True)).log()
     plain = ctc_prefix_beam_search(lp, 3, beam_size=50)
-    assert plain[0].tokens == [1, 2] and plain[0].context == 0.0
+    assert plain[0].tokens == [1, 2] and plain[0].hotword_bonus == 0.0
     # "cb" is half as likely (log 2 = 0.69 less); its two tokens earn 0.5 each
-    boosted = ctc_prefix_beam_search(lp, 3, 50, context=ContextGraph([([3, 2], [0.5, 0.5])]))
-    assert boosted[0].tokens == [3, 2] and boosted[0].context == 1.0
+    boosted = ctc_prefix_beam_search(lp, 3, 50, hotword_graph=ContextGraph([([3, 2], [0.5, 0.5])]))
+    assert boosted[0].tokens == [3, 2] and boosted[0].hotword_bonus == 1.0
     cb = next(h for h in plain if h.tokens == [3, 2])
     assert boosted[0].score == pytest.approx(cb.score + 1.0)
-    begun = ctc_prefix_beam_search(lp, 3, 50, context=ContextGraph([([3, 4], [2.0, 2.0])]))
+    begun = ctc_prefix_beam_search(lp, 3, 50, hotword_graph=ContextGraph([([3, 4], [2.0, 2.0])]))
     # "c" begins the hotword "cd", which no hypothesis completes: nothing kept in the end
     assert begun[0].tokens == [1, 2]
-    assert all(h.context == (4.0 if (3, 4) in zip(h.tokens, h.tokens[1:]) else 0.0)
+    assert all(h.hotword_bonus == (4.0 if (3, 4) in zip(h.tokens, h.tokens[1:]) else 0.0)
                for h in begun)
-    search = CTCPrefixBeam(4, context=ContextGraph([([3, 4], [2.0, 2.0])]))
+    search = CTCPrefixBeam(4, hotword_graph=ContextGraph([([3, 4], [2.0, 2.0])]))
     search.advance(lp[:1])
     assert search.hypotheses(final=False)[0].tokens == [3]  # a partial result keeps it
     assert search.hypotheses()[0].tokens == [1]
@@ -320,10 +320,10 @@ def test_a_boost_of_zero_changes_nothing(tone):
         feats = rec.log_mel(wav)[None]
         enc, lens = rec.model.encode(feats, torch.tensor([feats.shape[1]]))
         lp = rec.model.ctc_log_probs(enc)[0]
-    context = context_graph(("bed", "cafe"), 0.0, rec.tokenizer)
-    assert not context.active
+    graph = context_graph(("bed", "cafe"), 0.0, rec.tokenizer)
+    assert not graph.active
     plain = ctc_prefix_beam_search(lp, int(lens[0]), 10)
-    assert ctc_prefix_beam_search(lp, int(lens[0]), 10, context=context) == plain
+    assert ctc_prefix_beam_search(lp, int(lens[0]), 10, hotword_graph=graph) == plain
     for settings in ({}, {"method": "beam"}):
         assert _stream_texts(rec, wav, **settings, **zero) == _stream_texts(rec, wav, **settings)
 

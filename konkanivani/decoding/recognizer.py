@@ -148,8 +148,8 @@ class Recognizer:
         # weight 0: the LM need not run
         return Fusion(self.lm if d.lm_weight else None, d.lm_weight or 0.0, d.length_bonus)
 
-    def context(self, d: DecodingConfig) -> ContextGraph | None:
-        """The hotwords' context of resolved settings ``d`` (``hotwords.context_graph``, spelled
+    def hotword_graph(self, d: DecodingConfig) -> ContextGraph | None:
+        """The hotwords' graph of resolved settings ``d`` (``hotwords.context_graph``, spelled
         with this recognizer's tokenizer): None without hotwords. A request's own list goes in as
         an override: ``rec.transcribe(paths, hotwords=["पणजी", "मांडवी :2.5"])``."""
         return context_graph(d.hotwords, d.hotword_boost, self.tokenizer)
@@ -212,8 +212,7 @@ class Recognizer:
         padded = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True).to(self.device)
         enc, enc_lens = self.model.encode(padded, lens, chunk_size=d.chunk_size,
                                           left_chunks=d.left_chunks)
-        ids = decode_encoded(self.model, enc, enc_lens, lens, d.method, d.beam_size, d.ctc_weight,
-                             fusion=fusion, context=self.context(d))
+        ids = decode_encoded(self.model, enc, enc_lens, lens, d, fusion, self.hotword_graph(d))
         log_probs = self.model.ctc_log_probs(enc).cpu()
         if greedy is not None:
             greedy.extend(ctc_greedy(log_probs, enc_lens.cpu()))
@@ -231,7 +230,7 @@ class Recognizer:
         d = self.settings(decoding, streams=True, **overrides)
         check_sample_rate(sample_rate)
         return Stream(self.model, self.tokenizer, self.log_mel, d, self.fusion(d), sample_rate,
-                      context=self.context(d))
+                      hotword_graph=self.hotword_graph(d))
 
     def stream_results(self, pieces: Iterable[torch.Tensor], decoding: DecodingConfig | None = None,
                        *, sample_rate: int = SAMPLE_RATE, **overrides) -> Iterator[Result]:
@@ -429,7 +428,7 @@ def _check_length(path: str | Path, samples: int, min_samples: int) -> None:
 
 
 def _method_of(method: str, wav: torch.Tensor) -> str:
-    """The method ``decode_batch`` decodes ``wav`` with when asked for ``method``."""
+    """The method ``decode_encoded`` decodes ``wav`` with when asked for ``method``."""
     return method_for(method, frames_of_samples(len(wav)))
 
 

@@ -2,9 +2,10 @@
 search and attention rescoring of the CTC n-best.
 
 The attention and joint searches run all utterances of a batch and all their hypotheses as one
-decoder batch. Joint decoding adds, for each extension of a hypothesis, the change in its CTC
-prefix score (the probability that the CTC head's output starts with that prefix), computed with
-the prefix recursion of hybrid CTC/attention decoding over the candidate tokens only.
+decoder batch (``beam.Beam``). Joint decoding adds, for each extension of a hypothesis, the change
+in its CTC prefix score (the probability that the CTC head's output starts with that prefix),
+computed with the prefix recursion of hybrid CTC/attention decoding over the candidate tokens only
+(``beam.CTCPrefixScorer``).
 
 Scores are natural-log probabilities. With ``ctc_weight`` λ a hypothesis scores
 ``λ * log P_ctc(prefix) + (1 - λ) * log P_att(prefix)``; finished hypotheses are ranked by
@@ -12,25 +13,25 @@ that score divided by their length (tokens + end symbol) when ``length_norm`` is
 
 Shallow fusion (``Fusion``) adds to every method but greedy an external language model over the
 same token ids: ``W * log P_LM(token | prefix)`` per token, ``W * log P_LM(end | prefix)`` when a
-hypothesis ends, and a bonus ``B`` per emitted token, which offsets the LM's pull towards short
-outputs. With fusion, the attention and joint searches rank finished hypotheses by their fused
-score, not divided by the length: the bonus takes that role. With ``W = B = 0`` each method returns
-what it returns without fusion, scores included.
+hypothesis ends (``beam.LMScorer``), and a bonus ``B`` per emitted token, which offsets the LM's
+pull towards short outputs. With fusion, the attention and joint searches rank finished hypotheses
+by their fused score, not divided by the length: the bonus takes that role. With ``W = B = 0`` each
+method returns what it returns without fusion, scores included.
 
-Hotwords (``context``, a ``hotwords.ContextGraph``) add a context bonus to CTC prefix beam search,
-attention rescoring and joint decoding: each token that spells a hotword earns its boost, taken back
-when the word is not completed (the module ``hotwords``). CTC prefix beam search prunes and ranks
-its prefixes by the score with the bonus; attention rescoring rescores that search's n-best and
-keeps each hypothesis's bonus (``Hypothesis.context``) at full weight, so that a hotword the CTC
-search found is not lost to the decoder, which never saw it; joint decoding adds the bonus to each
-extension, in its pre-beam too. The attention search alone is not biased: nothing holds it to the
-audio. Without a context, or with a boost of 0 (``ContextGraph.active`` False), each method
-returns what it returns without hotwords.
+Hotwords (``hotword_graph``, a ``hotwords.ContextGraph``) add a context bonus to CTC prefix beam
+search, attention rescoring and joint decoding: each token that spells a hotword earns its boost,
+taken back when the word is not completed (the module ``hotwords``). CTC prefix beam search prunes
+and ranks its prefixes by the score with the bonus; attention rescoring rescores that search's
+n-best and keeps each hypothesis's bonus (``Hypothesis.hotword_bonus``) at full weight, so that a
+hotword the CTC search found is not lost to the decoder, which never saw it; joint decoding adds
+the bonus to each extension, in its pre-beam too (``beam.HotwordScorer``). The attention search
+alone is not biased: nothing holds it to the audio. Without a graph, or with a boost of 0
+(``ContextGraph.active`` False), each method returns what it returns without hotwords.
 
-Long input: ``decode_batch``'s attention searches stop a hypothesis at a length the CTC head
+Long input: ``decode_encoded``'s attention searches stop a hypothesis at a length the CTC head
 supports (``ctc_length_bound``, a margin over its greedy hypothesis), and it decodes an utterance
-longer than ``LONG_INPUT_SECONDS`` with CTC prefix beam search (``LONG_INPUT_METHOD``) when an
-attention-based method is asked for: their cost grows with the square of the length (each of the
+longer than ``settings.LONG_INPUT_SECONDS`` with CTC prefix beam search (``LONG_INPUT_METHOD``) when
+an attention-based method is asked for: their cost grows with the square of the length (each of the
 U steps of joint decoding runs the CTC prefix recursion over all T' frames), and the decoder never
 saw such input in training. CTC prefix beam search and greedy decoding grow about linearly.
 """
@@ -38,8 +39,8 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,7 @@ from ..data.frames import frames_of
 from ..data.tokenizer import BLANK_ID, SOS_EOS_ID
 from ..model.lm import TransformerLM
 from ..model.masks import pad_mask
+from .beam import NEG_INF, Beam, CTCPrefixScorer, HotwordScorer, LMScorer
 from .hotwords import ContextGraph, ContextState
 from .settings import (
     FUSED_METHODS,
@@ -67,6 +69,7 @@ __all__ = [
     "Hypothesis",
     "attention_beam_search",
     "attention_rescoring",
+    "rescore_nbest",
     "attention_scores",
     "CTCPrefixBeam",
     "ctc_greedy",
@@ -78,7 +81,7 @@ __all__ = [
 ]
 
 ATTENTION_METHODS = ("attention", "joint", "rescore")  # those that run the attention decoder
-# An utterance over config.LONG_INPUT_SECONDS asked of an ATTENTION_METHODS method is decoded
+# An utterance over settings.LONG_INPUT_SECONDS asked of an ATTENTION_METHODS method is decoded
 # with this.
 LONG_INPUT_METHOD = "beam"  # CTC prefix beam search: linear in the length, takes the same fusion
 # The attention searches stop a hypothesis at MAX_LEN_RATIO * (tokens of the greedy CTC hypothesis)
@@ -86,7 +89,6 @@ LONG_INPUT_METHOD = "beam"  # CTC prefix beam search: linear in the length, take
 # encoder length.
 MAX_LEN_RATIO = 1.5
 MAX_LEN_EXTRA = 10
-NEG_INF = float("-inf")
 
 
 @dataclass
@@ -96,7 +98,7 @@ class Hypothesis:
     # CTC prefix beam search: the encoder frame where each token peaked
     frames: list[int] | None = None
     # CTC prefix beam search: the hotwords' context bonus that ``score`` includes
-    context: float = 0.0
+    hotword_bonus: float = 0.0
 
 
 @dataclass
@@ -114,6 +116,10 @@ class Fusion:
     def active(self) -> bool:
         """Whether it changes any score."""
         return (self.lm is not None and self.lm_weight != 0) or self.length_bonus != 0
+
+    def scorer(self) -> LMScorer | None:
+        """The LM's term (``W * log P_LM``) as a scorer; None without an LM."""
+        return None if self.lm is None else LMScorer(self.lm, self.lm_weight)
 
     def token_bonus(self, vocab_size: int, device: torch.device) -> torch.Tensor:
         """``B`` for every token but the end symbol, ``(V,)``."""
@@ -199,15 +205,38 @@ class _Prefix:
         return out[::-1]
 
 
+class _PrefixState:
+    """A prefix in a CTC prefix beam and all the search keeps of it, so that pruning the beam is
+    keeping these: its node (the one ``_Prefix`` of its tokens, holding the frame where its last
+    token peaked), log P(prefix) over the frames so far ending in a blank and in its last token
+    (``blank``, ``nonblank``; ``next``: the same, summed over the frame being searched), the
+    fusion terms and hotword bonus its score adds (``fused``), its node of the hotwords'
+    automaton and its context bonus so far (``hotword``, ``earned``), and with an LM
+    ``W * log P_LM(token | prefix)`` per token (``lm_next``, once it is in the beam)."""
+
+    __slots__ = ("node", "blank", "nonblank", "next", "fused", "hotword", "earned", "lm_next")
+
+    def __init__(self, node: _Prefix, fused: float, hotword: ContextState | None = None,
+                 earned: float = 0.0, blank: float = NEG_INF):
+        self.node, self.fused, self.hotword, self.earned = node, fused, hotword, earned
+        self.blank, self.nonblank = blank, NEG_INF
+        self.next = [NEG_INF, NEG_INF]
+        self.lm_next: list[float] | None = None
+
+    def score(self, probs: Sequence[float]) -> float:
+        """The score it is pruned and ranked by, with log-probabilities ``probs``."""
+        return _logaddexp(*probs) + self.fused
+
+
 @torch.inference_mode()
 def ctc_prefix_beam_search(log_probs: torch.Tensor, length: int, beam_size: int,
                            fusion: Fusion | None = None,
-                           context: ContextGraph | None = None) -> list[Hypothesis]:
+                           hotword_graph: ContextGraph | None = None) -> list[Hypothesis]:
     """Prefix beam search over one utterance's CTC output ``(T', V)``; returns up to ``beam_size``
     prefixes, best first, scored by log P(prefix) summed over all alignments (plus, with
-    ``fusion``, ``W * log P_LM(prefix + end) + B * len(prefix)``, and with ``context`` the
+    ``fusion``, ``W * log P_LM(prefix + end) + B * len(prefix)``, and with ``hotword_graph`` the
     hotwords' bonus). ``CTCPrefixBeam`` over all the frames at once."""
-    search = CTCPrefixBeam(beam_size, fusion, context)
+    search = CTCPrefixBeam(beam_size, fusion, hotword_graph)
     search.advance(log_probs[:length])
     return search.hypotheses()
 
@@ -219,11 +248,12 @@ class CTCPrefixBeam:
 
     Each frame considers only its ``beam_size`` most likely tokens. With fusion, prefixes are pruned
     by CTC + ``W * log P_LM(prefix) + B * len(prefix)``, and the end symbol's LM term ranks the
-    final list; the LM scores each surviving prefix from its start once. Without an LM, the cost is
-    linear in the length (``_Prefix``). Each hypothesis carries, for timestamps, the frame at which
-    each of its tokens was likeliest (counted from the stream's first frame).
+    final list; the LM scores each surviving prefix from its start once (``LMScorer.next_rows``).
+    Without an LM, the cost is linear in the length (``_Prefix``). Each hypothesis carries, for
+    timestamps, the frame at which each of its tokens was likeliest (counted from the stream's first
+    frame).
 
-    With a ``context`` (hotwords), each prefix carries its node of the hotwords' automaton and its
+    With a ``hotword_graph``, each prefix carries its node of the hotwords' automaton and its
     context bonus, in the score it is pruned and ranked by; the final n-best
     (``hypotheses(final=True)``) takes back the bonus of a hotword a prefix has only begun. The beam
     also keeps the ``beam_size // 2`` prefixes best by the score they would end with (the bonus of
@@ -240,23 +270,17 @@ class CTCPrefixBeam:
     """
 
     def __init__(self, beam_size: int, fusion: Fusion | None = None,
-                 context: ContextGraph | None = None):
+                 hotword_graph: ContextGraph | None = None):
         self.beam_size, self.fusion = beam_size, fusion or Fusion()
-        # a context that adds nothing (a boost of 0) is none: the search is the same
-        self.context = context if context is not None and context.active else None
-        self.settled = max(1, beam_size // 2)  # see the class
-        empty = _Prefix()
-        # prefix -> (log P ending in blank, log P ending in its last token)
-        self.beams: dict[_Prefix, tuple[float, float]] = {empty: (0.0, NEG_INF)}
-        self.extra: dict[_Prefix, float] = {empty: 0.0}  # prefix -> its fusion terms so far
-        # prefix -> W * log P_LM(token | prefix) per token
-        self.lm_next: dict[_Prefix, list[float]] = {}
-        # the one node of each prefix, holding its peak
-        self.nodes: dict[_Prefix, _Prefix] = {empty: empty}
-        # prefix -> (its node in the hotwords' automaton, its context bonus so far)
-        self.states: dict[_Prefix, tuple[ContextState, float]] = (
-            {} if self.context is None else {empty: (self.context.root, 0.0)}
+        self.lm = self.fusion.scorer()
+        # a graph that adds nothing (a boost of 0) is none: the search is the same
+        self.hotword_graph = (
+            hotword_graph if hotword_graph is not None and hotword_graph.active else None
         )
+        self.settled = max(1, beam_size // 2)  # see the class
+        root = None if self.hotword_graph is None else self.hotword_graph.root
+        empty = _PrefixState(_Prefix(), 0.0, root, blank=0.0)
+        self.beam: dict[_Prefix, _PrefixState] = {empty.node: empty}  # each key its state's node
         self.frames = 0  # frames seen so far
 
     def advance(self, log_probs: torch.Tensor) -> None:
@@ -266,72 +290,83 @@ class CTCPrefixBeam:
             return
         top_vals, top_ids = lp.topk(min(self.beam_size, lp.shape[-1]), dim=-1)
         blank_lp = lp[:, BLANK_ID].tolist()
-        beams, extra, nodes, fusion = self.beams, self.extra, self.nodes, self.fusion
-        context, states = self.context, self.states
         for t in range(lp.shape[0]):
-            self.lm_next = lm_next = _weighted_lm_next(fusion, beams, self.lm_next)
-            nxt: dict[_Prefix, list[float]] = {}
-            for prefix, (pb, pnb) in beams.items():
-                total = _logaddexp(pb, pnb)
-                _accumulate(nxt, prefix, 0, total + blank_lp[t])
+            self._score_lm()
+            frame = self.frames + t
+            nxt: dict[_Prefix, _PrefixState] = {}  # the prefixes after this frame
+            for prefix, state in self.beam.items():
+                total = _logaddexp(state.blank, state.nonblank)
+                _accumulate(nxt, state, 0, total + blank_lp[t])
                 for value, tok in zip(top_vals[t].tolist(), top_ids[t].tolist()):
                     if tok == BLANK_ID:
                         continue
-                    longer = _Prefix(prefix, tok, self.frames + t, value)
-                    if longer in nodes:
-                        longer = nodes[longer]
-                        _peak(longer, self.frames + t, value)
-                    else:
-                        nodes[longer] = longer
-                        extra[longer] = (
-                            extra[prefix]
-                            + (lm_next[prefix][tok] if lm_next else 0.0)
-                            + fusion.length_bonus
-                        )
-                        if context is not None:
-                            state, earned = states[prefix]
-                            state, bonus = context.step(state, tok)
-                            states[longer] = (state, earned + bonus)
-                            extra[longer] += bonus
+                    longer = self._extended(state, tok, frame, value, nxt)
                     if tok == prefix.token:
-                        _peak(prefix, self.frames + t, value)
+                        _peak(prefix, frame, value)
                         # repeat merged into the same token
-                        _accumulate(nxt, prefix, 1, pnb + value)
-                        _accumulate(nxt, longer, 1, pb + value)  # a new token, after a blank
+                        _accumulate(nxt, state, 1, state.nonblank + value)
+                        # a new token, after a blank
+                        _accumulate(nxt, longer, 1, state.blank + value)
                     else:
                         _accumulate(nxt, longer, 1, total + value)
-            ranked = sorted(
-                nxt.items(), key=lambda kv: _logaddexp(*kv[1]) + extra[kv[0]], reverse=True
-            )
-            beams = {prefix: (pb, pnb) for prefix, (pb, pnb) in ranked[:self.beam_size]}
-            if context is not None:
-                # and the best by the score they would end with: a hotword only begun cannot push
-                # the likeliest plain readings out of the beam
-                settled = heapq.nlargest(
-                    self.settled, nxt.items(),
-                    key=lambda kv: _logaddexp(*kv[1]) + extra[kv[0]] - states[kv[0]][0].pending)
-                for prefix, (pb, pnb) in settled:
-                    beams.setdefault(prefix, (pb, pnb))
-            extra = {prefix: extra[prefix] for prefix in beams}
-            nodes = {prefix: nodes[prefix] for prefix in beams}
-            if context is not None:
-                states = {prefix: states[prefix] for prefix in beams}
-        self.beams, self.extra, self.nodes, self.states = beams, extra, nodes, states
+            self.beam = self._pruned(nxt)
         self.frames += lp.shape[0]
+
+    def _extended(self, state: _PrefixState, tok: int, frame: int, value: float,
+                  nxt: dict[_Prefix, _PrefixState]) -> _PrefixState:
+        """The state of ``state``'s prefix extended by ``tok`` (log-prob ``value`` at ``frame``):
+        the one this frame or the beam holds, its peak updated, else a new one."""
+        node = _Prefix(state.node, tok, frame, value)
+        known = nxt.get(node) or self.beam.get(node)
+        if known is not None:
+            _peak(known.node, frame, value)
+            return known
+        longer = _PrefixState(
+            node, state.fused + (state.lm_next[tok] if self.lm is not None else 0.0)
+            + self.fusion.length_bonus
+        )
+        if self.hotword_graph is not None:
+            longer.hotword, bonus = self.hotword_graph.step(state.hotword, tok)
+            longer.earned = state.earned + bonus
+            longer.fused += bonus
+        return longer
+
+    def _pruned(self, nxt: dict[_Prefix, _PrefixState]) -> dict[_Prefix, _PrefixState]:
+        """The beam after a frame: the ``beam_size`` best prefixes of ``nxt`` (with hotwords, and
+        the ``settled`` best by the score they would end with), their log-probabilities this
+        frame's."""
+        ranked = sorted(nxt.values(), key=lambda s: s.score(s.next), reverse=True)
+        beam = {s.node: s for s in ranked[:self.beam_size]}
+        if self.hotword_graph is not None:
+            # and the best by the score they would end with: a hotword only begun cannot push
+            # the likeliest plain readings out of the beam
+            for s in heapq.nlargest(self.settled, nxt.values(),
+                                    key=lambda s: s.score(s.next) - s.hotword.pending):
+                beam.setdefault(s.node, s)
+        for s in beam.values():
+            s.blank, s.nonblank = s.next
+        return beam
+
+    def _score_lm(self) -> None:
+        """``lm_next`` of each prefix of the beam that has none yet, in one LM call."""
+        new = [s for s in self.beam.values() if s.lm_next is None] if self.lm is not None else []
+        if new:
+            for s, row in zip(new, self.lm.next_rows([s.node.tokens() for s in new])):
+                s.lm_next = row
 
     def hypotheses(self, final: bool = True) -> list[Hypothesis]:
         """The n-best so far, best first; with fusion each ends with the LM's end symbol. With
         hotwords, ``final`` takes back the bonus of a hotword a prefix has only begun (the n-best
         of a whole input or segment); a partial result (``final`` False) keeps it."""
-        self.lm_next = lm_next = _weighted_lm_next(self.fusion, self.beams, self.lm_next)
-        hyps = [Hypothesis(prefix.tokens(), _logaddexp(pb, pnb) + self.extra[prefix]
-                           + (lm_next[prefix][SOS_EOS_ID] if lm_next else 0.0), prefix.frames())
-                for prefix, (pb, pnb) in self.beams.items()]
-        if self.context is not None:
-            for h, prefix in zip(hyps, self.beams):
-                state, earned = self.states[prefix]
-                taken = self.context.final(state) if final else 0.0
-                h.score, h.context = h.score + taken, earned + taken
+        self._score_lm()
+        hyps = [Hypothesis(prefix.tokens(), s.score((s.blank, s.nonblank))
+                           + (s.lm_next[SOS_EOS_ID] if self.lm is not None else 0.0),
+                           prefix.frames())
+                for prefix, s in self.beam.items()]
+        if self.hotword_graph is not None:
+            for h, s in zip(hyps, self.beam.values()):
+                taken = self.hotword_graph.final(s.hotword) if final else 0.0
+                h.score, h.hotword_bonus = h.score + taken, s.earned + taken
         # stable: unchanged order without fusion
         return sorted(hyps, key=lambda h: h.score, reverse=True)
 
@@ -341,24 +376,14 @@ def _peak(node: _Prefix, frame: int, value: float) -> None:
         node.frame, node.peak = frame, value
 
 
-def _weighted_lm_next(fusion: Fusion, beams: dict[_Prefix, Any],
-                      known: dict[_Prefix, list[float]]) -> dict[_Prefix, list[float]]:
-    """``W * log P_LM(token | prefix)`` for each prefix of ``beams``: those of ``known`` reused, the
-    others in one LM call. Empty without an LM."""
-    if fusion.lm is None:
-        return {}
-    new = [p for p in beams if p not in known]
-    out = {p: known[p] for p in beams if p in known}
-    if new:
-        rows = (fusion.lm_weight * fusion.lm.next_log_probs([p.tokens() for p in new])).tolist()
-        out.update(zip(new, rows))
-    return out
-
-
-def _accumulate(beams: dict[_Prefix, list[float]], prefix: _Prefix, which: int,
+def _accumulate(nxt: dict[_Prefix, _PrefixState], state: _PrefixState, which: int,
                 value: float) -> None:
-    entry = beams.setdefault(prefix, [NEG_INF, NEG_INF])
-    entry[which] = _logaddexp(entry[which], value)
+    """Add ``value`` to ``state``'s log-probability this frame ending in a blank (``which`` 0) or in
+    its last token (1), and ``state`` to ``nxt``."""
+    if state.node not in nxt:
+        nxt[state.node] = state
+        state.next = [NEG_INF, NEG_INF]
+    state.next[which] = _logaddexp(state.next[which], value)
 
 
 def _logaddexp(a: float, b: float) -> float:
@@ -368,53 +393,6 @@ def _logaddexp(a: float, b: float) -> float:
         return a
     hi, lo = (a, b) if a > b else (b, a)
     return hi + math.log1p(math.exp(lo - hi))
-
-
-class _CTCPrefixScorer:
-    """Batched CTC prefix scores for N running hypotheses and K candidate tokens each.
-
-    ``x``: ``(N, T, V)`` CTC log-probabilities, padded past each length with blank = 0 and every
-    other token = -inf, so that a prefix's probability stays constant beyond its utterance's end.
-    """
-
-    def __init__(self, log_probs: torch.Tensor, lengths: torch.Tensor):
-        x = log_probs.float().clone()
-        past_end = pad_mask(lengths, x.shape[1])  # (N, T)
-        x.masked_fill_(past_end[..., None], NEG_INF)
-        x[..., BLANK_ID].masked_fill_(past_end, 0.0)
-        self.x = x.transpose(0, 1).contiguous()  # (T, N, V)
-
-    def initial_state(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """State of the empty prefix: ``r`` ``(T, N, 2)`` = log P(prefix ends at t in a token / a
-        blank)
-        and ``psi`` ``(N,)`` = log P(prefix)."""
-        T, N, _ = self.x.shape
-        r = self.x.new_full((T, N, 2), NEG_INF)
-        r[:, :, 1] = self.x[:, :, BLANK_ID].cumsum(0)
-        return r, self.x.new_zeros(N)
-
-    def score(self, r_prev: torch.Tensor, last: torch.Tensor, candidates: torch.Tensor,
-              empty_prefix: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefix log-probabilities ``(N, K)`` of each hypothesis extended by each candidate, and
-        the
-        states ``(T, N, K, 2)`` of those extensions. The end symbol scores the whole sequence."""
-        T, N, _ = self.x.shape
-        xs = self.x.gather(2, candidates[None].expand(T, N, -1))  # (T, N, K)
-        r_sum = torch.logaddexp(r_prev[..., 0], r_prev[..., 1])  # (T, N)
-        # A repeated token needs a blank between: from the prefix ending in blank only.
-        phi = torch.where(
-            candidates[None] == last[None, :, None], r_prev[..., 1, None], r_sum[..., None]
-        )
-        r = xs.new_full((T, N, candidates.shape[1], 2), NEG_INF)
-        if empty_prefix:
-            r[0, :, :, 0] = xs[0]
-        blank = self.x[:, :, BLANK_ID, None]  # (T, N, 1)
-        for t in range(1, T):
-            r[t, ..., 0] = torch.logaddexp(r[t - 1, ..., 0], phi[t - 1]) + xs[t]
-            r[t, ..., 1] = torch.logaddexp(r[t - 1, ..., 0], r[t - 1, ..., 1]) + blank[t]
-        psi = torch.logsumexp(torch.cat([r[:1, ..., 0], phi[:-1] + xs[1:]], dim=0), dim=0)  # (N, K)
-        psi = torch.where(candidates == SOS_EOS_ID, r_sum[-1, :, None], psi)
-        return psi, r
 
 
 @torch.inference_mode()
@@ -427,136 +405,85 @@ def attention_beam_search(
     length_norm: bool = True,
     max_len: int | torch.Tensor | None = None,
     fusion: Fusion | None = None,
-    context: ContextGraph | None = None,
+    hotword_graph: ContextGraph | None = None,
 ) -> list[Hypothesis]:
     """Beam search of the attention decoder, batched over utterances and hypotheses; with
     ``ctc_weight`` > 0 it is joint CTC/attention decoding; with ``fusion`` an LM (stepped along
     with the decoder, its rows reordered with the decoder's) and a length bonus add to each
-    extension, and with ``context`` the hotwords' bonus (ending a hypothesis takes back a hotword
-    it has only begun). Returns the best hypothesis per utterance.
+    extension, and with ``hotword_graph`` the hotwords' bonus (ending a hypothesis takes back a
+    hotword it has only begun). Returns the best hypothesis per utterance.
 
     Each step takes the top ``2 * beam_size`` extensions per utterance; those that end go to the
     finished list, the best ``beam_size`` others continue. An utterance stops once it has
     ``beam_size`` finished hypotheses, or at ``max_len`` tokens: one number, one per utterance
-    (``decode_batch`` gives ``ctc_length_bound``), or by default its encoder length, the most CTC
+    (``decode_encoded`` gives ``ctc_length_bound``), or by default its encoder length, the most CTC
     can align.
     """
-    B = enc.shape[0]
-    K = beam_size
-    N = B * K
-    device = enc.device
-    limit = _limit(max_len, enc_lens)
-    ys = torch.full((N, 1), SOS_EOS_ID, dtype=torch.long, device=device)
-    scores = torch.full((B, K), NEG_INF, device=device)
-    scores[:, 0] = 0.0  # one live hypothesis per utterance at the start
-    scores = scores.view(N)
-    use_ctc = ctc_weight > 0
-    if use_ctc:
-        # One row per hypothesis: each utterance's CTC output, repeated for its K hypotheses.
-        scorer = _CTCPrefixScorer(
-            model.ctc_log_probs(enc).repeat_interleave(K, dim=0), enc_lens.repeat_interleave(K)
-        )
-        ctc_r, ctc_psi = scorer.initial_state()
-    dec_state = model.decoder.init_state(enc, enc_lens)
+    B, K, vocab_size = enc.shape[0], beam_size, model.cfg.vocab_size
     fusion = fusion or Fusion()
-    lm_state = fusion.lm.init_state() if fusion.lm is not None else None
-    # zeros without a bonus: nothing changes
-    bonus = fusion.token_bonus(model.cfg.vocab_size, device)
-    hotwords = (
-        None
-        if context is None or not context.active
-        else _ContextRows(context, N, model.cfg.vocab_size, device)
-    )
+    limit = _limit(max_len, enc_lens).repeat_interleave(K)  # per hypothesis
+    # the scorers of every token, in the order their terms add: the LM's, the hotwords'
+    scorers = [s for s in (fusion.scorer(), _hotword_scorer(hotword_graph, vocab_size, enc.device))
+               if s is not None]
+    ctc = CTCPrefixScorer(model.ctc_log_probs(enc), enc_lens) if ctc_weight > 0 else None
+    beam = Beam(B, K, model.decoder.init_state(enc, enc_lens), scorers, ctc, enc.device)
+    bonus = fusion.token_bonus(vocab_size, enc.device)  # zeros without a bonus: nothing changes
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
     done = torch.zeros(B, dtype=torch.bool)
-    n_cand = min(K * 2, model.cfg.vocab_size - 1)
-
+    n_cand = min(K * 2, vocab_size - 1)
     for step in range(int(limit.max()) + 1):
-        logits, dec_state = model.decoder.step(ys[:, -1], dec_state)
-        att = _attention_log_probs(logits, at_limit=step >= limit.repeat_interleave(K))  # (N, V)
-        fused = bonus.expand_as(att)  # (N, V): the fusion terms of each extension
-        if lm_state is not None:
-            lm_lp, lm_state = fusion.lm.step(ys[:, -1], lm_state)
-            fused = fused + fusion.lm_weight * lm_lp
-        if hotwords is not None:
-            fused = fused + hotwords.rows()
-        if use_ctc:
-            # Pre-beam on the attention (+ weighted LM, + context bonus) scores, then CTC prefix
-            # scores for those candidates only.
-            pre = (
-                att if lm_state is None or fusion.lm_weight == 0 else att + fusion.lm_weight * lm_lp
-            )
-            if hotwords is not None:
-                pre = pre + hotwords.rows()
-            cand = pre.topk(n_cand, dim=-1).indices  # (N, C)
-            psi, r_new = scorer.score(ctc_r, ys[:, -1], cand, empty_prefix=step == 0)
-            ext = ((1 - ctc_weight) * att.gather(1, cand) + ctc_weight * (psi - ctc_psi[:, None])
-                   + fused.gather(1, cand))
-        else:
-            ext, cand = (att + fused).topk(n_cand, dim=-1)
+        ext, cand = _extensions(model, beam, ctc_weight, bonus, step >= limit, n_cand)
         # A prefix CTC cannot produce scores -inf; its extensions give -inf - -inf = nan.
-        total = scores[:, None] + ext
+        total = beam.scores[:, None] + ext
         total = total.masked_fill(total.isnan(), NEG_INF).view(B, K * n_cand)
         top_scores, top_idx = total.topk(min(2 * K, total.shape[1]), dim=-1)  # (B, 2K)
         # row in the N hypotheses
-        src = top_idx // n_cand + torch.arange(B, device=device)[:, None] * K
+        src = top_idx // n_cand + torch.arange(B, device=enc.device)[:, None] * K
         tok = cand.view(B, K * n_cand).gather(1, top_idx)
-
-        new_rows, new_scores, new_tok, new_col = _next_hypotheses(
-            top_scores, top_idx, src, tok, ys, K, finished, done
-        )
+        ends, kept = _looked_at(top_scores, tok, K)
+        _finish(finished, beam.ys, top_scores, src, ends & ~done[:, None].to(ends.device))
+        rows, tokens, scores = _continuing(top_scores, src, tok, kept, K, finished, done)
         if bool(done.all()):
             break
-        rows = torch.tensor(new_rows, device=device)
-        if hotwords is not None:
-            hotwords.advance(new_rows, new_tok, new_scores)
-        ys = torch.cat([ys[rows], torch.tensor(new_tok, device=device)[:, None]], dim=1)
-        dec_state = dec_state.select(rows)
-        if lm_state is not None:
-            lm_state = lm_state.select(rows)
-        scores = torch.tensor(new_scores, device=device)
-        scores.view(B, K)[done.to(device)] = NEG_INF
-        if use_ctc:
-            col = torch.tensor(new_col, device=device) % n_cand
-            ctc_psi = psi[rows, col]
-            ctc_r = r_new[:, rows, col]
+        beam.select(rows, tokens, scores)
 
     # With fusion the length bonus does length normalization's work (dividing by the length would
     # all but cancel it): finished hypotheses are ranked by their fused score.
     return _best_finished(finished, normalize=length_norm and not fusion.active)
 
 
-class _ContextRows:
-    """The context bonus of every extension of the attention searches' N running hypotheses: each
-    row's node of the hotwords' automaton and its bonus for every token (``ContextGraph.row``, one
-    tensor per node, made once)."""
+def _extensions(model, beam: Beam, ctc_weight: float, bonus: torch.Tensor, at_limit: torch.Tensor,
+                n_cand: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder stepped, and the ``n_cand`` best extensions of each running hypothesis
+    ``(N, C)``: their scores (the decoder's log-probability, or in joint decoding it and the change
+    in the CTC prefix score weighted by ``ctc_weight``; plus the scorers' terms and the length
+    ``bonus``) and their tokens. Hypotheses ``at_limit`` can only end."""
+    logits, beam.decoder = model.decoder.step(beam.ys[:, -1], beam.decoder)
+    att = _attention_log_probs(logits, at_limit)  # (N, V)
+    terms = [s.score(beam.ys) for s in beam.scorers]  # (N, V) each
+    fused = _plus(bonus.expand_as(att), terms)  # the fusion terms of each extension
+    if beam.ctc is None:
+        return (att + fused).topk(n_cand, dim=-1)
+    # Pre-beam on the attention (+ weighted LM, + context bonus) scores, then CTC prefix scores for
+    # those candidates only.
+    cand = _plus(att, terms).topk(n_cand, dim=-1).indices  # (N, C)
+    ext = ((1 - ctc_weight) * att.gather(1, cand) + ctc_weight * beam.ctc.score(beam.ys, cand)
+           + fused.gather(1, cand))
+    return ext, cand
 
-    def __init__(self, context: ContextGraph, n: int, vocab_size: int, device: torch.device):
-        self.context, self.vocab_size, self.device = context, vocab_size, device
-        self.states = [context.root] * n
-        self.cache: dict[ContextState, torch.Tensor] = {}
-        self._rows: torch.Tensor | None = None
 
-    def rows(self) -> torch.Tensor:
-        """``(N, V)``: the bonus of each token after each hypothesis (the end symbol's:
-        ``ContextGraph.final``)."""
-        if self._rows is None:
-            for state in self.states:
-                if state not in self.cache:
-                    self.cache[state] = torch.tensor(
-                        self.context.row(state, self.vocab_size, SOS_EOS_ID), device=self.device
-                    )
-            self._rows = torch.stack([self.cache[state] for state in self.states])
-        return self._rows
+def _hotword_scorer(graph: ContextGraph | None, vocab_size: int, device: torch.device
+                    ) -> HotwordScorer | None:
+    """The attention searches' hotword scorer; None without a graph or with one that adds nothing
+    (a boost of 0)."""
+    return None if graph is None or not graph.active else HotwordScorer(graph, vocab_size, device)
 
-    def advance(self, rows: list[int], tokens: list[int], scores: list[float]) -> None:
-        """The hypotheses of the next step: row ``rows[i]`` extended by ``tokens[i]`` (none, a dead
-        one, where ``scores[i]`` is -inf)."""
-        self.states = [
-            self.context.root if score == NEG_INF else self.context.step(self.states[row], tok)[0]
-            for row, tok, score in zip(rows, tokens, scores)
-        ]
-        self._rows = None
+
+def _plus(base: torch.Tensor, terms: list[torch.Tensor]) -> torch.Tensor:
+    """``base`` plus each of ``terms``, in turn."""
+    for term in terms:
+        base = base + term
+    return base
 
 
 def _limit(max_len: int | torch.Tensor | None, enc_lens: torch.Tensor) -> torch.Tensor:
@@ -570,8 +497,7 @@ def _limit(max_len: int | torch.Tensor | None, enc_lens: torch.Tensor) -> torch.
 
 def _attention_log_probs(logits: torch.Tensor, at_limit: torch.Tensor) -> torch.Tensor:
     """The decoder's log-probabilities of the next token: never blank, and only the end symbol in
-    the
-    rows `at_limit` (hypotheses at their length limit)."""
+    the rows ``at_limit`` (hypotheses at their length limit)."""
     att = F.log_softmax(logits.float(), dim=-1)
     att[:, BLANK_ID] = NEG_INF
     only_end = torch.arange(att.shape[1], device=att.device) == SOS_EOS_ID
@@ -581,56 +507,53 @@ def _attention_log_probs(logits: torch.Tensor, at_limit: torch.Tensor) -> torch.
 
 def _best_finished(finished: list[list[Hypothesis]], normalize: bool) -> list[Hypothesis]:
     """The best finished hypothesis of each utterance, by score per token (counting the end symbol)
-    with `normalize`, else by score; an utterance with none gets an empty one scored -inf."""
+    with ``normalize``, else by score; an utterance with none gets an empty one scored -inf."""
     norm = (lambda h: h.score / (len(h.tokens) + 1)) if normalize else (lambda h: h.score)
     return [max(pool or [Hypothesis([], NEG_INF)], key=norm) for pool in finished]
 
 
-def _next_hypotheses(
-    top_scores: torch.Tensor,
-    top_idx: torch.Tensor,
-    src: torch.Tensor,
-    tok: torch.Tensor,
-    ys: torch.Tensor,
-    K: int,
-    finished: list[list[Hypothesis]],
-    done: torch.Tensor,
-) -> tuple[list[int], list[float], list[int], list[int]]:
-    """One beam step's bookkeeping, per utterance: extensions by the end symbol go to ``finished``,
-    the best ``K`` others continue (padded with dead hypotheses); an utterance with ``K`` finished
-    hypotheses, or none left alive, is ``done``. Returns the continuing hypotheses' source rows,
-    scores, new tokens and candidate columns."""
-    new_rows, new_scores, new_tok, new_col = [], [], [], []
-    top_scores_l, top_idx_l, src_l, tok_l = (
-        top_scores.tolist(),
-        top_idx.tolist(),
-        src.tolist(),
-        tok.tolist(),
-    )
-    for b in range(len(finished)):
-        kept = 0
-        for j in range(len(top_idx_l[b])):
-            s = top_scores_l[b][j]
-            if s == NEG_INF or kept == K:
-                break
-            row, t = src_l[b][j], tok_l[b][j]
-            if t == SOS_EOS_ID:
-                if not done[b]:
-                    finished[b].append(Hypothesis(ys[row, 1:].tolist(), s))
-                continue
-            new_rows.append(row)
-            new_scores.append(s)
-            new_tok.append(t)
-            new_col.append(top_idx_l[b][j])
-            kept += 1
-        for _ in range(K - kept):  # pad with dead hypotheses
-            new_rows.append(b * K)
-            new_scores.append(NEG_INF)
-            new_tok.append(SOS_EOS_ID)
-            new_col.append(0)
-        if len(finished[b]) >= K or kept == 0:
-            done[b] = True
-    return new_rows, new_scores, new_tok, new_col
+def _looked_at(top_scores: torch.Tensor, tok: torch.Tensor, K: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of each utterance's best extensions ``(B, 2K)``, best first, those a step looks at: each
+    live one (scored above -inf) until ``K`` have continued. Returns which of them end (extended
+    by the end symbol) and which continue, ``(B, 2K)`` each."""
+    live = top_scores != NEG_INF
+    ends = tok == SOS_EOS_ID
+    goes_on = live & ~ends
+    before = goes_on.cumsum(1) - goes_on.long()  # the continuing ones better than each
+    seen = live & (before < K)
+    return seen & ends, seen & ~ends
+
+
+def _finish(finished: list[list[Hypothesis]], ys: torch.Tensor, top_scores: torch.Tensor,
+            src: torch.Tensor, ends: torch.Tensor) -> None:
+    """The extensions ``ends`` ``(B, 2K)`` marks (each hypothesis of rows ``src`` and tokens ``ys``
+    extended by the end symbol, scoring ``top_scores``) to their utterances' ``finished``
+    hypotheses, best first."""
+    b, j = ends.nonzero(as_tuple=True)
+    if len(b):
+        for utt, tokens, score in zip(b.tolist(), ys[src[b, j], 1:].tolist(),
+                                      top_scores[b, j].tolist()):
+            finished[utt].append(Hypothesis(tokens, score))
+
+
+def _continuing(top_scores: torch.Tensor, src: torch.Tensor, tok: torch.Tensor,
+                kept: torch.Tensor, K: int, finished: list[list[Hypothesis]],
+                done: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The next step's hypotheses ``(N,)`` each (rows, tokens, scores): the extensions ``kept``
+    marks, best first, K for each utterance, padded with dead ones (the utterance's first row, the
+    end symbol, -inf); and ``done`` updated: an utterance with K finished hypotheses, or none
+    continuing, is done, and its hypotheses score -inf."""
+    B = len(finished)
+    order = torch.sort((~kept).int(), dim=1, stable=True).indices[:, :K]  # those kept first
+    live = kept.gather(1, order)
+    first_rows = torch.arange(B, device=src.device)[:, None] * K
+    rows = torch.where(live, src.gather(1, order), first_rows)
+    tokens = torch.where(live, tok.gather(1, order), SOS_EOS_ID)
+    scores = torch.where(live, top_scores.gather(1, order), NEG_INF)
+    done |= torch.tensor([len(pool) >= K for pool in finished]) | ~live[:, 0].cpu()
+    scores = scores.masked_fill(done[:, None].to(scores.device), NEG_INF)
+    return rows.view(-1), tokens.view(-1), scores.view(-1)
 
 
 @torch.inference_mode()
@@ -652,42 +575,61 @@ def attention_scores(model, enc: torch.Tensor, enc_lens: torch.Tensor,
     return picked.masked_fill(pad_mask(lens, U), 0.0).sum(1)
 
 
+def _rescored(model, enc: torch.Tensor, enc_lens: torch.Tensor, nbest: list[Hypothesis],
+              ctc_weight: float, fusion: Fusion) -> list[Hypothesis]:
+    """Each hypothesis of CTC prefix beam search n-bests (``nbest``, each over its own encoder rows
+    ``enc[i]``, ``enc_lens[i]``) rescored: ``λ * log P_ctc + (1 - λ) * log P_att`` plus the LM's
+    weighted sentence score and the length bonus, and its hotwords' bonus at full weight."""
+    tokens = [h.tokens for h in nbest]
+    att = attention_scores(model, enc, enc_lens, tokens).tolist()
+    lm = fusion.scorer()
+    lm_scores = [0.0] * len(nbest) if lm is None else lm.sentences(tokens, enc.device)
+    return [Hypothesis(h.tokens, ctc_weight * (h.score - h.hotword_bonus) + (1 - ctc_weight) * a
+                       + lm_score + fusion.length_bonus * len(h.tokens) + h.hotword_bonus,
+                       hotword_bonus=h.hotword_bonus)
+            for h, a, lm_score in zip(nbest, att, lm_scores)]
+
+
 @torch.inference_mode()
 def attention_rescoring(model, enc: torch.Tensor, enc_lens: torch.Tensor,
                         beam_size: int = DecodingConfig.beam_size,
                         ctc_weight: float = DecodingConfig.ctc_weight,
                         fusion: Fusion | None = None,
-                        context: ContextGraph | None = None) -> list[Hypothesis]:
+                        hotword_graph: ContextGraph | None = None) -> list[Hypothesis]:
     """CTC prefix beam search, then each n-best hypothesis rescored with the attention decoder:
     ``λ * log P_ctc + (1 - λ) * log P_att`` (+ ``W * log P_LM(hyp + end) + B * len(hyp)`` with
-    ``fusion``; the n-best itself comes from the CTC search without the LM). With ``context`` the
-    n-best comes from the search biased towards the hotwords, and each hypothesis keeps its context
-    bonus at full weight. Returns the best per utterance.
+    ``fusion``; the n-best itself comes from the CTC search without the LM). With
+    ``hotword_graph`` the n-best comes from the search biased towards the hotwords, and each
+    hypothesis keeps its context bonus at full weight. Returns the best per utterance (the first
+    of equals), in one decoder call.
     """
-    fusion = fusion or Fusion()
     log_probs = model.ctc_log_probs(enc)
     nbests = [
-        ctc_prefix_beam_search(log_probs[b], int(enc_lens[b]), beam_size, context=context)
+        ctc_prefix_beam_search(log_probs[b], int(enc_lens[b]), beam_size,
+                               hotword_graph=hotword_graph)
         for b in range(enc.shape[0])
     ]
     rows = torch.tensor([b for b, nbest in enumerate(nbests) for _ in nbest], device=enc.device)
     flat = [h for nbest in nbests for h in nbest]
-    att = attention_scores(model, enc[rows], enc_lens[rows], [h.tokens for h in flat]).tolist()
-    lm = (
-        [0.0] * len(flat)
-        if fusion.lm is None
-        else (
-            fusion.lm_weight * fusion.lm.sentence_log_probs([h.tokens for h in flat], enc.device)
-        ).tolist()
-    )
     best: list[Hypothesis | None] = [None] * len(nbests)
-    for b, h, a, lm_score in zip(rows.tolist(), flat, att, lm):
-        cand = Hypothesis(h.tokens, ctc_weight * (h.score - h.context) + (1 - ctc_weight) * a
-                          + lm_score + fusion.length_bonus * len(h.tokens) + h.context,
-                          context=h.context)
+    for b, cand in zip(rows.tolist(), _rescored(model, enc[rows], enc_lens[rows], flat,
+                                                ctc_weight, fusion or Fusion())):
         if best[b] is None or cand.score > best[b].score:
             best[b] = cand
     return best
+
+
+@torch.inference_mode()
+def rescore_nbest(model, enc: torch.Tensor, nbest: list[Hypothesis], ctc_weight: float,
+                  fusion: Fusion | None = None) -> Hypothesis:
+    """The hypothesis of one utterance's n-best (a CTC prefix beam search's, best first) that
+    attention rescoring chooses over its encoder frames ``enc`` ``(T, D)``, rescored as
+    ``attention_rescoring`` rescores: a stream's segment, at its end."""
+    n = len(nbest)
+    return max(_rescored(model, enc[None].expand(n, -1, -1),
+                         torch.full((n,), len(enc), device=enc.device), nbest, ctc_weight,
+                         fusion or Fusion()),
+               key=lambda h: h.score)
 
 
 def method_for(method: str, frames: int, long_input_seconds: float = LONG_INPUT_SECONDS) -> str:
@@ -702,12 +644,11 @@ def method_for(method: str, frames: int, long_input_seconds: float = LONG_INPUT_
 @torch.inference_mode()
 def decode_batch(model, feats: torch.Tensor, feat_lens: torch.Tensor, method: str,
                  beam_size: int = DecodingConfig.beam_size,
-                 ctc_weight: float = DecodingConfig.ctc_weight,
-                 length_norm: bool = True, fusion: Fusion | None = None,
-                 long_input_seconds: float = LONG_INPUT_SECONDS, chunk_size: int = 0,
-                 left_chunks: int = -1, context: ContextGraph | None = None) -> list[list[int]]:
+                 ctc_weight: float = DecodingConfig.ctc_weight, fusion: Fusion | None = None,
+                 chunk_size: int = 0, left_chunks: int = -1,
+                 hotword_graph: ContextGraph | None = None) -> list[list[int]]:
     """Token ids per utterance of a feature batch ``(B, T, F)`` with one of ``METHODS``, each but
-    greedy with optional shallow ``fusion`` and hotwords' ``context``:
+    greedy with optional shallow ``fusion`` and a ``hotword_graph``:
 
     - ``greedy``: best CTC path;
     - ``beam``: CTC prefix beam search;
@@ -715,26 +656,12 @@ def decode_batch(model, feats: torch.Tensor, feat_lens: torch.Tensor, method: st
     - ``joint``: attention beam search with CTC prefix scores weighted by ``ctc_weight``;
     - ``rescore``: the CTC n-best rescored by the attention decoder.
 
-    An utterance longer than ``long_input_seconds`` asked of an attention-based method is decoded
-    with ``LONG_INPUT_METHOD`` (``method_for``); the caller says so, as it knows the files. The
-    attention searches stop a hypothesis at ``ctc_length_bound`` tokens. ``chunk_size`` > 0 encodes
-    under the chunk mask (``left_chunks`` back, -1 all): the encoder frames a stream in chunks of
-    that size computes, so a streaming model is scored as it streams.
+    ``chunk_size`` > 0 encodes under the chunk mask (``left_chunks`` back, -1 all): the encoder
+    frames a stream in chunks of that size computes, so a streaming model is scored as it streams.
+    Then ``decode_encoded``. Its settings are loose values, not a checked ``DecodingConfig``, so it
+    checks them itself: ``ValueError`` for an unknown method, or fusion or hotwords that the method
+    does not take.
     """
-    enc, enc_lens = model.encode(feats, feat_lens, chunk_size=chunk_size, left_chunks=left_chunks)
-    return decode_encoded(model, enc, enc_lens, feat_lens, method, beam_size, ctc_weight,
-                          length_norm, fusion, long_input_seconds, context)
-
-
-@torch.inference_mode()
-def decode_encoded(model, enc: torch.Tensor, enc_lens: torch.Tensor, feat_lens: torch.Tensor,
-                   method: str, beam_size: int = DecodingConfig.beam_size,
-                   ctc_weight: float = DecodingConfig.ctc_weight, length_norm: bool = True,
-                   fusion: Fusion | None = None, long_input_seconds: float = LONG_INPUT_SECONDS,
-                   context: ContextGraph | None = None) -> list[list[int]]:
-    """``decode_batch`` from the encoder's output ``(enc, enc_lens)`` of the features of lengths
-    ``feat_lens`` on: for a caller that keeps the encoder's output (the recognizer aligns words to
-    its CTC log-probabilities)."""
     if method not in METHODS:
         raise ValueError(f"unknown decoding method {method!r}; choose from {', '.join(METHODS)}")
     if (
@@ -744,58 +671,63 @@ def decode_encoded(model, enc: torch.Tensor, enc_lens: torch.Tensor, feat_lens: 
     ):
         raise ValueError(f"{method} decoding takes no language model or length bonus; choose from "
                          f"{', '.join(FUSED_METHODS)}")
-    if method not in HOTWORD_METHODS and context is not None:
+    if method not in HOTWORD_METHODS and hotword_graph is not None:
         raise ValueError(f"{method} decoding cannot be biased towards hotwords; choose from "
                          f"{', '.join(HOTWORD_METHODS)}")
-    methods = [method_for(method, n, long_input_seconds) for n in feat_lens.tolist()]
+    enc, enc_lens = model.encode(feats, feat_lens, chunk_size=chunk_size, left_chunks=left_chunks)
+    decoding = DecodingConfig(method=method, beam_size=beam_size, ctc_weight=ctc_weight)
+    return decode_encoded(model, enc, enc_lens, feat_lens, decoding, fusion, hotword_graph)
+
+
+@torch.inference_mode()
+def decode_encoded(model, enc: torch.Tensor, enc_lens: torch.Tensor, feat_lens: torch.Tensor,
+                   decoding: DecodingConfig, fusion: Fusion | None = None,
+                   hotword_graph: ContextGraph | None = None) -> list[list[int]]:
+    """Token ids per utterance from the encoder's output ``(enc, enc_lens)`` of features of lengths
+    ``feat_lens``, with the ``method``, ``beam_size`` and ``ctc_weight`` of resolved settings
+    ``decoding`` (``DecodingConfig.resolved``, whose ``check`` refuses a method that does not take
+    the fusion or the hotwords asked for), and the recognizer's ``fusion`` and ``hotword_graph``
+    made from them: for a caller that keeps the encoder's output (the recognizer aligns words to
+    its CTC log-probabilities).
+
+    An utterance longer than ``LONG_INPUT_SECONDS`` asked of an attention-based method is decoded
+    with ``LONG_INPUT_METHOD`` (``method_for``); the caller says so, as it knows the files. The
+    attention searches stop a hypothesis at ``ctc_length_bound`` tokens."""
+    methods = [method_for(decoding.method, n) for n in feat_lens.tolist()]
     if len(set(methods)) == 1:
-        return _decode_encoded(
-            model, enc, enc_lens, methods[0], beam_size, ctc_weight, length_norm, fusion, context
-        )
+        return _decode_encoded(model, enc, enc_lens, methods[0], decoding, fusion, hotword_graph)
     out: list[list[int]] = [[] for _ in methods]
     for each in dict.fromkeys(methods):  # each group cut to its own longest utterance
         rows = [b for b, m in enumerate(methods) if m == each]
         lens = enc_lens[rows]
-        ids = _decode_encoded(
-            model,
-            enc[rows, : int(lens.max())],
-            lens,
-            each,
-            beam_size,
-            ctc_weight,
-            length_norm,
-            fusion,
-            context,
-        )
+        ids = _decode_encoded(model, enc[rows, : int(lens.max())], lens, each, decoding, fusion,
+                              hotword_graph)
         for b, h in zip(rows, ids):
             out[b] = h
     return out
 
 
-def _decode_encoded(model, enc: torch.Tensor, enc_lens: torch.Tensor, method: str, beam_size: int,
-                    ctc_weight: float, length_norm: bool, fusion: Fusion | None,
-                    context: ContextGraph | None = None) -> list[list[int]]:
-    """``decode_batch`` from the encoder states on, every utterance with ``method``."""
+def _decode_encoded(model, enc: torch.Tensor, enc_lens: torch.Tensor, method: str,
+                    decoding: DecodingConfig, fusion: Fusion | None,
+                    hotword_graph: ContextGraph | None) -> list[list[int]]:
+    """``decode_encoded`` of utterances that all decode with ``method``."""
+    beam_size, ctc_weight = decoding.beam_size, decoding.ctc_weight
     if method == "greedy":
         return ctc_greedy(model.ctc_log_probs(enc), enc_lens)
     if method == "beam":
         log_probs = model.ctc_log_probs(enc)
         return [ctc_prefix_beam_search(log_probs[b], int(enc_lens[b]), beam_size, fusion,
-                                       context)[0].tokens
+                                       hotword_graph)[0].tokens
                 for b in range(enc.shape[0])]
     if method == "rescore":
-        return [
-            h.tokens
-            for h in attention_rescoring(
-                model, enc, enc_lens, beam_size, ctc_weight, fusion, context
-            )
-        ]
+        return [h.tokens for h in attention_rescoring(model, enc, enc_lens, beam_size, ctc_weight,
+                                                      fusion, hotword_graph)]
     weight = ctc_weight if method == "joint" else 0.0
     bound = ctc_length_bound(model.ctc_log_probs(enc), enc_lens)
     return [
         h.tokens
         for h in attention_beam_search(
-            model, enc, enc_lens, beam_size, weight, length_norm, max_len=bound, fusion=fusion,
-            context=context,
+            model, enc, enc_lens, beam_size, weight, max_len=bound, fusion=fusion,
+            hotword_graph=hotword_graph,
         )
     ]

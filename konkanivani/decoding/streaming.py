@@ -16,7 +16,7 @@ graph, ``decoding.onnx_recognizer``), and each chunk's CTC output advances a pre
 
 A segment ends at an endpoint: more than ``endpoint_ms`` of frames whose likeliest CTC output is
 blank after speech (a frame whose likeliest output is a token); or after ``MAX_SEGMENT_SECONDS``
-(the longest input the attention decoder is meant for, ``search.LONG_INPUT_SECONDS``), and at the
+(the longest input the attention decoder is meant for, ``settings.LONG_INPUT_SECONDS``), and at the
 end of the stream. Then the search and the encoder's caches start again, so memory stays bounded
 however long the stream. Times count from the stream's start, 40 ms per encoder frame: in a partial
 result a token's time is that of the frame where it was likeliest; a final result's words are
@@ -45,7 +45,7 @@ from ..model.asr import ASRModel
 from ..model.conformer import Conv2dSubsampling
 from .alignment import FRAME_SECONDS, WORD_START, Word, align_words
 from .hotwords import ContextGraph
-from .search import CTCPrefixBeam, Fusion, Hypothesis, attention_scores
+from .search import CTCPrefixBeam, Fusion, Hypothesis, rescore_nbest
 from .settings import LONG_INPUT_SECONDS, STREAM_METHODS, DecodingConfig
 
 __all__ = [
@@ -346,12 +346,13 @@ class Stream:
 
     ``chunks`` encodes the chunks: by default the model's own ``forward_chunk`` (``ModelChunks``);
     with another (an exported chunk graph) ``model`` may be None, and ``method`` not ``rescore``,
-    which needs the model's attention decoder. ``context``: the hotwords' (``Recognizer.context``),
-    which the search and the rescoring are biased towards."""
+    which needs the model's attention decoder. ``hotword_graph``: the hotwords'
+    (``Recognizer.hotword_graph``), which the search and the rescoring are biased towards."""
 
     def __init__(self, model: ASRModel | None, tokenizer: Tokenizer, log_mel: LogMel,
                  decoding: DecodingConfig, fusion: Fusion | None, sample_rate: int = SAMPLE_RATE,
-                 chunks: ModelChunks | None = None, context: ContextGraph | None = None):
+                 chunks: ModelChunks | None = None,
+                 hotword_graph: ContextGraph | None = None):
         d = decoding  # resolved: chunk_size, method and endpoint_ms written in
         if model is None and d.method == "rescore":
             raise ValueError("rescoring needs the model's attention decoder")
@@ -362,16 +363,15 @@ class Stream:
         self.chunk_size, self.method, self.ctc_weight = chunk_size, d.method, d.ctc_weight
         self.beam_size = 1 if d.method == "greedy" else d.beam_size
         self.fusion = fusion or Fusion()
-        self.hotwords = context
+        self.hotword_graph = hotword_graph
         # a run of blank frames longer than this ends a segment
         self.endpoint_frames = d.endpoint_ms / 1000 / FRAME_SECONDS
         self.max_segment_frames = round(MAX_SEGMENT_SECONDS / FRAME_SECONDS)
-        stride, context = Conv2dSubsampling.STRIDE, Conv2dSubsampling.CONTEXT
-        self.window, self.step, self.context = (
-            Conv2dSubsampling.window_frames(chunk_size),
-            stride * chunk_size,
-            context,
-        )
+        # encoder frame t sees feature frames stride * t .. stride * t + receptive_field - 1, so a
+        # chunk of C frames is encoded from a window of these; the next one starts C strides later
+        self.window = Conv2dSubsampling.window_frames(chunk_size)
+        self.step = Conv2dSubsampling.STRIDE * chunk_size
+        self.receptive_field = Conv2dSubsampling.CONTEXT
         self.resampler = Resampler(sample_rate)
         self.features = streaming_features(log_mel)
         # prepared, not yet encoded
@@ -418,7 +418,7 @@ class Stream:
     def next_window(self) -> torch.Tensor | None:
         """The window of prepared frames the stream's next chunk is encoded from, when its
         features are in; else None."""
-        if len(self.feats) >= (self.context if self.finished else self.window):
+        if len(self.feats) >= (self.receptive_field if self.finished else self.window):
             return self.feats[:self.window]
         return None
 
@@ -442,7 +442,7 @@ class Stream:
     def _new_segment(self) -> None:
         self.chunks.reset()
         self.search = CTCPrefixBeam(self.beam_size, self.fusion if self.method == "beam" else None,
-                                    self.hotwords)
+                                    self.hotword_graph)
         self.segment_start = self.frames
         self.encoded: list[torch.Tensor] = []  # the segment's encoder frames, for rescoring
         # the segment's CTC log-probabilities, to align the final result's words to
@@ -486,9 +486,8 @@ class Stream:
         """The current segment's final result."""
         nbest = self.search.hypotheses()
         if self.method == "rescore" and self.encoded and any(h.tokens for h in nbest):
-            best = _rescore(
-                self.model, torch.cat(self.encoded), nbest, self.ctc_weight, self.fusion
-            )
+            best = rescore_nbest(self.model, torch.cat(self.encoded), nbest, self.ctc_weight,
+                                 self.fusion)
         else:
             best = nbest[0]
         return self._result(best, is_final=True)
@@ -512,36 +511,6 @@ class Stream:
                 self.frames * FRAME_SECONDS, 3
             )
         return Result(self.tokenizer.decode(hyp.tokens), is_final, start, end, words)
-
-
-def _rescore(
-    model: ASRModel, enc: torch.Tensor, nbest: list[Hypothesis], ctc_weight: float, fusion: Fusion
-) -> Hypothesis:
-    """The hypothesis of ``nbest`` (a CTC prefix beam search's, best first) that
-    ``attention_rescoring`` chooses over the encoder frames ``enc`` ``(T, D)``: ``λ * log P_ctc + (1
-    - λ) * log P_att`` plus the
-    LM's weighted sentence score and the length bonus; the first of equals."""
-    n = len(nbest)
-    att = attention_scores(
-        model,
-        enc[None].expand(n, -1, -1),
-        torch.full((n,), len(enc), device=enc.device),
-        [h.tokens for h in nbest],
-    ).tolist()
-    lm = (
-        [0.0] * n
-        if fusion.lm is None
-        else (
-            fusion.lm_weight * fusion.lm.sentence_log_probs([h.tokens for h in nbest], enc.device)
-        ).tolist()
-    )
-    # a hypothesis keeps its hotwords' context bonus at full weight
-    scores = [
-        ctc_weight * (h.score - h.context) + (1 - ctc_weight) * a + lm_score
-        + fusion.length_bonus * len(h.tokens) + h.context
-        for h, a, lm_score in zip(nbest, att, lm)
-    ]
-    return nbest[max(range(n), key=scores.__getitem__)]
 
 
 def _words(tokenizer: Tokenizer, tokens: list[int], frames: list[int]) -> list[Word]:
