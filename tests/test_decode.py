@@ -4,7 +4,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from decode_helpers import decode_features  # noqa: E402
 
+from konkanivani.config import ConfigError
 from konkanivani.data.dataset import ASRDataset, collate, load_utterances
 from konkanivani.data.tokenizer import BLANK_ID, SOS_EOS_ID
 from konkanivani.decoding.recognizer import Recognizer
@@ -16,8 +18,8 @@ from konkanivani.decoding.search import (
     attention_scores,
     ctc_greedy,
     ctc_prefix_beam_search,
-    decode_batch,
 )
+from konkanivani.decoding.settings import DecodingConfig
 
 
 @pytest.fixture(scope="module")
@@ -191,15 +193,15 @@ def test_rescoring(trained):
         assert h.score == pytest.approx(max(combined), abs=1e-4)
 
 
-def test_decode_batch_runs_every_method_and_refuses_unknown(trained):
+def test_every_method_decodes_a_batch_and_an_unknown_one_is_refused(trained):
     model, batch, _, _ = trained
     for method in METHODS:
-        hyps = decode_batch(model, batch.feats, batch.feat_lens, method, beam_size=3)
+        hyps = decode_features(model, batch.feats, batch.feat_lens, method, beam_size=3)
         assert len(hyps) == len(batch.indices) and all(
             isinstance(t, int) and t > SOS_EOS_ID for h in hyps for t in h
         )
-    with pytest.raises(ValueError, match="unknown decoding method"):
-        decode_batch(model, batch.feats, batch.feat_lens, "viterbi")
+    with pytest.raises(ConfigError, match="--method viterbi: unknown"):
+        DecodingConfig(method="viterbi").check()
 
 
 def test_incremental_decoder_steps_equal_the_full_forward():

@@ -18,6 +18,7 @@ import pytest
 import soundfile as sf
 import torch
 import torchaudio
+from decode_helpers import decode_features
 from konkani_texts import TEXTS
 from scipy.signal import resample_poly
 from tiny_args import tiny_args
@@ -52,7 +53,7 @@ from konkanivani.decoding.model_export import (
     vocabulary,
 )
 from konkanivani.decoding.recognizer import Recognizer
-from konkanivani.decoding.search import ctc_greedy, decode_batch
+from konkanivani.decoding.search import ctc_greedy
 from konkanivani.model.asr import ASRModel
 from konkanivani.model.conformer import feature_windows
 
@@ -551,7 +552,7 @@ def test_a_batch_of_two_matches_pytorch_and_the_recognizers_greedy_transcript(
     log_probs, log_prob_lens = runner(feats, lens)
     ids = ctc_greedy(log_probs, log_prob_lens)
     with torch.no_grad():
-        assert ids == decode_batch(recognizer.model, feats, lens, "greedy")
+        assert ids == decode_features(recognizer.model, feats, lens, "greedy")
     vocab = json.loads((out / FILES["vocabulary"]).read_text(encoding="utf-8"))
     texts = [join_pieces(h, vocab) for h in ids]
     assert texts == recognizer.decode_waveforms(wavs, method="greedy")

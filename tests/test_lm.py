@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_decode import ctc_logprob  # log P(tokens | x) by torch's CTC forward algorithm
 
-from konkanivani.config import model_config_from_preset
+from konkanivani.config import ConfigError, model_config_from_preset
 from konkanivani.data.tokenizer import SOS_EOS_ID
 from konkanivani.decoding.search import (
     FUSED_METHODS,
@@ -15,8 +15,8 @@ from konkanivani.decoding.search import (
     attention_rescoring,
     attention_scores,
     ctc_prefix_beam_search,
-    decode_batch,
 )
+from konkanivani.decoding.settings import DecodingConfig
 from konkanivani.model.asr import ASRModel
 from konkanivani.model.lm import LMConfig, TransformerLM
 
@@ -74,8 +74,8 @@ def test_weight_zero_is_the_plain_search(models, ctc_weight):
         fused = ctc_prefix_beam_search(log_probs[b], int(enc_lens[b]), 4, zero)
         assert [(h.tokens, h.score) for h in fused] == [(h.tokens, h.score) for h in plain]
     for method in FUSED_METHODS:
-        assert (decode_batch(asr, feats, feat_lens, method, 3, fusion=zero)
-                == decode_batch(asr, feats, feat_lens, method, 3))
+        assert (decode_features(asr, feats, feat_lens, method, 3, fusion=zero)
+                == decode_features(asr, feats, feat_lens, method, 3))
 
 
 @pytest.mark.parametrize("ctc_weight", [0.0, 0.5])
@@ -150,10 +150,9 @@ def test_a_fused_search_fed_piece_by_piece_with_partial_results_equals_one_pass(
     assert stream.hypotheses() == ctc_prefix_beam_search(log_probs, log_probs.shape[0], 4, fusion)
 
 
-def test_greedy_refuses_fusion(models):
-    asr, lm, feats, feat_lens, *_ = models
-    with pytest.raises(ValueError, match="greedy decoding takes no language model"):
-        decode_batch(asr, feats, feat_lens, "greedy", fusion=Fusion(lm, 0.3))
+def test_greedy_refuses_fusion():
+    with pytest.raises(ConfigError, match="--method greedy takes no --lm"):
+        DecodingConfig(method="greedy", lm_weight=0.3).check(lm_loaded=True)
 
 
 # ---- training on text ---------------------------------------------------------------------------
@@ -162,6 +161,8 @@ import logging  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+from decode_helpers import decode_features  # noqa: E402
 
 from konkanivani.checkpoint import CheckpointError  # noqa: E402
 from konkanivani.cli import train_lm  # noqa: E402

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from decode_helpers import decode_features  # noqa: E402
 
 from konkanivani.config import model_config_from_preset
 from konkanivani.data.frames import SAMPLE_RATE, frames_of
@@ -22,7 +23,6 @@ from konkanivani.decoding.search import (
     LONG_INPUT_SECONDS,
     MAX_LEN_EXTRA,
     attention_beam_search,
-    decode_batch,
 )
 from konkanivani.model.asr import ASRModel
 
@@ -70,9 +70,9 @@ def batch(*seconds: float) -> tuple[torch.Tensor, torch.Tensor]:
 def test_an_utterance_over_the_bound_is_decoded_with_ctc_beam_search(recognizer, calls, method):
     feats, lens = batch(LONG_INPUT_SECONDS + 0.5)
     with torch.inference_mode():
-        got = decode_batch(recognizer.model, feats, lens, method, beam_size=3)
+        got = decode_features(recognizer.model, feats, lens, method, beam_size=3)
         assert calls == {"step": 0, "forward": 0}  # the attention decoder never ran
-        assert got == decode_batch(recognizer.model, feats, lens, LONG_INPUT_METHOD, beam_size=3)
+        assert got == decode_features(recognizer.model, feats, lens, LONG_INPUT_METHOD, beam_size=3)
     assert decode.method_for(method, int(lens[0])) == LONG_INPUT_METHOD
     # up to the bound: as asked
     assert decode.method_for(method, frames_of(LONG_INPUT_SECONDS)) == method
@@ -82,10 +82,10 @@ def test_an_utterance_over_the_bound_is_decoded_with_ctc_beam_search(recognizer,
 def test_a_batch_mixing_short_and_long_decodes_each_as_it_would_alone(recognizer, calls):
     feats, lens = batch(2.0, LONG_INPUT_SECONDS + 0.5, 1.5)
     with torch.inference_mode():
-        together = decode_batch(recognizer.model, feats, lens, "joint", beam_size=3)
+        together = decode_features(recognizer.model, feats, lens, "joint", beam_size=3)
         assert calls["step"] > 0
         for b, method in enumerate(["joint", LONG_INPUT_METHOD, "joint"]):
-            alone = decode_batch(
+            alone = decode_features(
                 recognizer.model, feats[b : b + 1, : lens[b]], lens[b : b + 1], method, beam_size=3
             )
             assert together[b] == alone[0]
@@ -113,7 +113,7 @@ def test_the_attention_search_stops_where_the_ctc_evidence_does(
     model = silent_ctc_endless_decoder
     feats, lens = batch(3.0)
     with torch.inference_mode():
-        [tokens] = decode_batch(model, feats, lens, method, beam_size=2)
+        [tokens] = decode_features(model, feats, lens, method, beam_size=2)
         # greedy CTC: no token
         assert calls["step"] == MAX_LEN_EXTRA + 1 and len(tokens) <= MAX_LEN_EXTRA
         calls["step"] = 0

@@ -53,7 +53,6 @@ from .beam import NEG_INF, Beam, CTCPrefixScorer, HotwordScorer, LMScorer
 from .hotwords import ContextGraph, ContextState
 from .settings import (
     FUSED_METHODS,
-    HOTWORD_METHODS,
     LONG_INPUT_SECONDS,
     METHODS,
     DecodingConfig,
@@ -75,7 +74,6 @@ __all__ = [
     "ctc_greedy",
     "ctc_length_bound",
     "ctc_prefix_beam_search",
-    "decode_batch",
     "decode_encoded",
     "method_for",
 ]
@@ -639,44 +637,6 @@ def method_for(method: str, frames: int, long_input_seconds: float = LONG_INPUT_
     if method in ATTENTION_METHODS and frames > frames_of(long_input_seconds):
         return LONG_INPUT_METHOD
     return method
-
-
-@torch.inference_mode()
-def decode_batch(model, feats: torch.Tensor, feat_lens: torch.Tensor, method: str,
-                 beam_size: int = DecodingConfig.beam_size,
-                 ctc_weight: float = DecodingConfig.ctc_weight, fusion: Fusion | None = None,
-                 chunk_size: int = 0, left_chunks: int = -1,
-                 hotword_graph: ContextGraph | None = None) -> list[list[int]]:
-    """Token ids per utterance of a feature batch ``(B, T, F)`` with one of ``METHODS``, each but
-    greedy with optional shallow ``fusion`` and a ``hotword_graph``:
-
-    - ``greedy``: best CTC path;
-    - ``beam``: CTC prefix beam search;
-    - ``attention``: attention-decoder beam search alone (no CTC);
-    - ``joint``: attention beam search with CTC prefix scores weighted by ``ctc_weight``;
-    - ``rescore``: the CTC n-best rescored by the attention decoder.
-
-    ``chunk_size`` > 0 encodes under the chunk mask (``left_chunks`` back, -1 all): the encoder
-    frames a stream in chunks of that size computes, so a streaming model is scored as it streams.
-    Then ``decode_encoded``. Its settings are loose values, not a checked ``DecodingConfig``, so it
-    checks them itself: ``ValueError`` for an unknown method, or fusion or hotwords that the method
-    does not take.
-    """
-    if method not in METHODS:
-        raise ValueError(f"unknown decoding method {method!r}; choose from {', '.join(METHODS)}")
-    if (
-        method not in FUSED_METHODS
-        and fusion is not None
-        and (fusion.lm is not None or fusion.length_bonus)
-    ):
-        raise ValueError(f"{method} decoding takes no language model or length bonus; choose from "
-                         f"{', '.join(FUSED_METHODS)}")
-    if method not in HOTWORD_METHODS and hotword_graph is not None:
-        raise ValueError(f"{method} decoding cannot be biased towards hotwords; choose from "
-                         f"{', '.join(HOTWORD_METHODS)}")
-    enc, enc_lens = model.encode(feats, feat_lens, chunk_size=chunk_size, left_chunks=left_chunks)
-    decoding = DecodingConfig(method=method, beam_size=beam_size, ctc_weight=ctc_weight)
-    return decode_encoded(model, enc, enc_lens, feat_lens, decoding, fusion, hotword_graph)
 
 
 @torch.inference_mode()
