@@ -29,7 +29,6 @@ import dataclasses
 import logging
 import os
 import shlex
-import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,7 +48,7 @@ from ..data.shards import shard_files
 from ..datatools.outputs import input_inside, manifest_audio
 from ..training.loop import train
 from ..training.run_files import existing_run
-from ..training.signals import TrainingDiverged
+from ..training.signals import Stop, TrainingDiverged
 from . import Parser, fail, setup_logging, tool
 
 CONFIG_HELP = (
@@ -162,19 +161,15 @@ def main(argv: list[str] | None = None) -> int:
             cfg.output_dir,
             resume_command(argv),
         )
-        return 128 + signal.SIGINT
+        return Stop.SIGINT.exit_code
     # torchrun: rank 0 reports
     report = print if os.environ.get("RANK", "0") == "0" else (lambda *a, **k: None)
-    if summary["stopped_by"]:
+    if (stop := Stop.of(summary["stop"])).early:
         report(
             f"stopped by {summary['stopped_by']} at step {summary['step']}; checkpoints in"
             f" {cfg.output_dir}; resume with:\n  {resume_command(argv)}"
         )
-        return (
-            0
-            if summary["stopped_by"] == "--max_time"
-            else 128 + signal.Signals[summary["stopped_by"]]
-        )
+        return stop.exit_code
     valid = summary["valid"]
     if valid:
         report(

@@ -343,8 +343,8 @@ def _epoch(run: LMRun, stop_request: StopRequest) -> Optional[str]:
         run.metrics.write("train", run.step, run.epoch, loss=losses[-1], lr=lr)
         if 0 < cfg.max_steps <= run.step:
             stop = "max_steps"
-        elif (reason := stop_request.reason()) is not None:
-            stop = reason
+        elif request := stop_request.stop():
+            stop = request.reason
         if stop is not None:
             break
         if run.step % cfg.valid_every == 0:

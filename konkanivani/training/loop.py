@@ -1,10 +1,11 @@
 """The training loop, readable top to bottom: set up a run, train epoch by epoch, end each epoch.
 
-``train()`` is the outline; ``setup_run`` (``run.py``) builds a ``Run`` (everything a run holds
+``train()`` is the outline; ``setup_run`` (start.py) builds a ``Run`` (everything a run holds
 while it runs) from the flags or from a checkpoint's ``TrainState``; ``train_epoch`` loops over the
-epoch's batches and makes one optimizer step per accumulation group (``train_step``); ``end_epoch``
-validates and saves. A step's checkpoint is written once at most. Under ``torchrun`` every process
-runs this same loop on its share of the batches (``distributed.py``); rank 0 alone logs and writes.
+epoch's batches and makes one optimizer step per accumulation group (``train_step``), then does
+what falls on that step (``_after_step``); ``end_epoch`` validates and saves. What stops a run is a
+``Stop``. A step's checkpoint is written once at most. Under ``torchrun`` every process runs this
+same loop on its share of the batches (distributed.py); rank 0 alone logs and writes.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ from .memory import (
 )
 from .optim import lr_factor
 from .run_files import run_directory, save_step
-from .signals import StopRequest, TrainingDiverged, diverged_message
+from .signals import Stop, StopRequest, TrainingDiverged, diverged_message
 from .start import Run, setup_run, starting_point
 from .state import capture_rng
 from .step import forward_backward, maybe_empty_cache, optimizer_step, validate
@@ -54,9 +55,6 @@ from .step import forward_backward, maybe_empty_cache, optimizer_step, validate
 __all__ = ["train", "train_epoch", "train_step", "end_epoch", "validate_and_save", "save", "finish"]
 
 log = logging.getLogger("konkanivani")
-
-# stops that end a run early; the others are its limits
-SIGNAL_STOPS = ("SIGINT", "SIGTERM", "--max_time")
 
 
 # ---- the outline ------------------------------------------------------------------------------
@@ -81,19 +79,14 @@ def train(cfg: TrainConfig, model_overrides: Optional[dict[str, Any]] = None,
             model_cfg = resolve_model_config(cfg, model_overrides, origin.model_config)
             run = setup_run(cfg, model_cfg, origin, dist, device, start)
             with contextlib.closing(run):
-                stop = "max_steps" if 0 < cfg.max_steps <= run.step else None
-                while run.epoch < cfg.epochs and stop is None:
+                stop = Stop.MAX_STEPS if 0 < cfg.max_steps <= run.step else Stop.NONE
+                while run.epoch < cfg.epochs and not stop:
                     stop, epoch_ended = train_epoch(run, stop_request, on_step)
-                    stop = (
-                        end_epoch(run, stop, stop_request)
-                        if epoch_ended
-                        else stop_inside_epoch(run, stop)
-                    )
-                # a signal during the last step
-                if stop not in SIGNAL_STOPS and stop_request.signum is not None:
-                    # (the run saved): say so, so that a caller stops too
-                    stop = stop_request.reason()
-                return finish(run, stop)
+                    if epoch_ended:
+                        stop = end_epoch(run, stop, stop_request)
+                    else:
+                        stop = stop_inside_epoch(run, stop)
+                return finish(run, stop, stop_request)
 
 
 def _check_device_settings(cfg: TrainConfig, device: torch.device) -> None:
@@ -110,10 +103,10 @@ def _check_device_settings(cfg: TrainConfig, device: torch.device) -> None:
 
 def train_epoch(
     run: Run, stop_request: StopRequest, on_step: Optional[Callable[[int, int, ASRModel], bool]]
-) -> tuple[Optional[str], bool]:
+) -> tuple[Stop, bool]:
     """Train on the rest of the epoch in progress, one optimizer step per accumulation group of
-    batches, until it ends or something stops the run. Returns what stopped it (None when nothing
-    did) and whether the epoch ended."""
+    batches, until it ends or something stops the run. Returns what stopped it (``Stop.NONE`` when
+    nothing did) and whether the epoch ended."""
     cfg = run.cfg
     run.sampler.set_epoch(run.epoch, run.batches_done)
     run.epoch_batches = run.batches_done + len(run.sampler)
@@ -126,7 +119,7 @@ def train_epoch(
             run.sampler.epoch_batches(), [frames_of(u.duration) for u in run.train_utts]
         ),
     )
-    skips_before, unreadable, stop = run.skips.total, [], None
+    skips_before, unreadable, stop = run.skips.total, [], Stop.NONE
     run.model.train()
     # a bar in a file is only noise
     show_bar = cfg.progress and run.dist.is_main and sys.stderr.isatty()
@@ -156,61 +149,16 @@ def train_epoch(
                 continue
             speed.add(stats["utterances"])
             epoch_speed.add(stats.pop("utterances"))
-            if run.step % cfg.log_every == 0:
-                _log_step(run, stats, speed, bar)
-            stop = _after_step(run, stop_request, on_step)
-            if stop:
-                _settle_or_stop(run)
+            if stop := _after_step(run, stats, (speed, bar), stop_request, on_step):
                 break
     bar.close()
-    _settle_or_stop(run)
+    settle(run)  # the steps since the last read, a stop's among them
+    _stop_if_diverged(run)
     _log_epoch_end(run, unreadable, run.skips.total - skips_before, epoch_speed)
     if run.batches_done < run.epoch_batches:
         return stop, False
     run.epoch, run.batches_done = run.epoch + 1, 0
     return stop, True
-
-
-def _log_step(run: Run, stats: dict[str, Any], speed: _Speed, bar) -> None:
-    """The step's summary: the bar's postfix, a train row of metrics.jsonl and the log line; then
-    the speed counts again from here."""
-    # the step's figures read from the device: it waits here
-    settle(run)
-    stats = _floats(stats)
-    bar.set_postfix_str(f"loss {stats['loss']:.3g}, {speed.rate():.1f} utt/s, data "
-                        f"{speed.wait_percent():.0f}%", refresh=False)
-    memory = {name: round(gib, 4) for name, gib in memory_status(run.device).items()}
-    run.record(
-        "train",
-        **stats,
-        utt_per_s=speed.rate(),
-        data_wait=round(speed.wait_percent() / 100, 4),
-        **memory,
-    )
-    log.info("%s", _summary_line(run, stats, speed, memory))
-    speed.restart()
-    _settle_or_stop(run)  # (settled above: it stops a run that diverged)
-
-
-def _after_step(run: Run, stop_request: StopRequest,
-                on_step: Optional[Callable[[int, int, ASRModel], bool]]) -> Optional[str]:
-    """After an optimizer step: a validation or a save when one is due within the epoch, and what
-    asks the run to stop (``_stop_after_step``), if anything."""
-    cfg = run.cfg
-    epoch_goes_on = run.batches_done < run.epoch_batches
-    # (the epoch's end validates anyway)
-    validating = cfg.validate_every_steps and run.step % cfg.validate_every_steps == 0
-    if validating and epoch_goes_on:
-        _settle_or_stop(run)
-        validate_and_save(run)
-    # after the validation: on_step may read its metrics (a search prunes by them)
-    stop = _stop_after_step(run, stop_request, on_step)
-    # (the epoch's end and a stop save anyway; a validation has saved already)
-    if cfg.save_every_steps and run.step % cfg.save_every_steps == 0 and epoch_goes_on \
-            and stop is None and run.saved_step != run.step:
-        _settle_or_stop(run)
-        save(run)
-    return stop
 
 
 def train_step(run: Run, micro: list[Batch]) -> Optional[dict[str, Any]]:
@@ -251,26 +199,63 @@ def train_step(run: Run, micro: list[Batch]) -> Optional[dict[str, Any]]:
     loss_finite = torch.isfinite(loss).to(grad_norm.device)
     run.unsettled.append((run.step, ~(loss_finite & torch.isfinite(grad_norm)), loss_finite,
                           [i for b in micro for i in b.indices]))
-    # the average takes only updates that went through: it reads the flag now
-    if run.ema is not None:
-        if settle(run):
-            run.ema.update_parameters(run.model)
     return {**stats, "lr": lr, "grad_norm": grad_norm}
 
 
-def _settle_or_stop(run: Run) -> None:
-    """``settle``, then save and stop if too many updates in a row were skipped."""
-    settle(run)
-    if run.skips.exceeded:
+def _after_step(run: Run, stats: dict[str, Any], shown: tuple[_Speed, tqdm],
+                stop_request: StopRequest,
+                on_step: Optional[Callable[[int, int, ASRModel], bool]]) -> Stop:
+    """What falls on an optimizer step, in order: the skip flags read where anything after needs
+    them (once; ``settle``), the moving average's update, the summary (``shown``: the speed since
+    the last one, the bar), a validation or a save due within the epoch (the epoch's end does both
+    anyway), and what asks the run to stop (``_asked_to_stop``), which it returns."""
+    cfg = run.cfg
+    epoch_goes_on = run.batches_done < run.epoch_batches
+    summary = run.step % cfg.log_every == 0
+    validating = epoch_goes_on and _every(run.step, cfg.validate_every_steps)
+    saving = epoch_goes_on and _every(run.step, cfg.save_every_steps)
+    if summary or validating or saving or run.ema is not None:
+        went_through = settle(run)
+        # the average takes only updates that went through
+        if run.ema is not None and went_through:
+            run.ema.update_parameters(run.model)
+    if summary:
+        _log_step(run, stats, *shown)
+    if summary or validating or saving:
+        _stop_if_diverged(run)
+    if validating:
+        validate_and_save(run)
+    # after the validation: on_step may read its metrics (a search prunes by them)
+    stop = _asked_to_stop(run, stop_request, on_step)
+    # (a stop saves anyway; a validation has saved already)
+    if saving and not stop and run.saved_step != run.step:
         save(run)
-        raise TrainingDiverged(
-            diverged_message(run.skips.in_a_row, run.step, run.out_dir, run.scaler.is_enabled())
-        )
+    return stop
+
+
+def _every(step: int, every: int) -> bool:
+    """Whether something done every ``every`` steps (0: never) falls on ``step``."""
+    return every > 0 and step % every == 0
+
+
+def _asked_to_stop(run: Run, stop_request: StopRequest,
+                   on_step: Optional[Callable[[int, int, ASRModel], bool]]) -> Stop:
+    """The one stop check after each step: --max_steps, else the larger of ``on_step``'s and a
+    request's (a signal, the time budget), agreed between the processes."""
+    if 0 < run.cfg.max_steps <= run.step:  # the same step in every process
+        return Stop.MAX_STEPS
+    asked = on_step is not None and on_step(run.step, run.epoch, run.model)
+    return _agreed(run, max(Stop.ON_STEP if asked else Stop.NONE, stop_request.stop()))
+
+
+def _agreed(run: Run, stop: Stop) -> Stop:
+    """The stop every process of the run comes to: the largest any of them has."""
+    return Stop(int(run.dist.max(float(stop))))
 
 
 def settle(run: Run) -> bool:
     """Read the skip flags of the updates since the last call, all in one wait for the device:
-    count them (``run.skips``) and name each skipped one. Returns whether the last update went
+    count them (``Run.skips``) and name each skipped one. Returns whether the last update went
     through (True when there was none to read)."""
     if not run.unsettled:
         return True
@@ -281,6 +266,15 @@ def settle(run: Run) -> bool:
             _say_skipped(run, step, bool(loss_finite), indices)
     run.unsettled = []
     return not flags[-1][0]
+
+
+def _stop_if_diverged(run: Run) -> None:
+    """Save and stop if too many updates in a row were skipped, as far as ``settle`` has read."""
+    if run.skips.exceeded:
+        save(run)
+        raise TrainingDiverged(
+            diverged_message(run.skips.in_a_row, run.step, run.out_dir, run.scaler.is_enabled())
+        )
 
 
 # utterances of a skipped update's batch named in its message; the rest counted
@@ -307,35 +301,43 @@ def _say_skipped(run: Run, step: int, loss_finite: bool, indices: list[int]) -> 
     )
 
 
+def _log_step(run: Run, stats: dict[str, Any], speed: _Speed, bar: tqdm) -> None:
+    """The step's summary: the bar's postfix, a train row of metrics.jsonl and the log line; then
+    the speed counts again from here."""
+    stats = _floats(stats)  # the step's figures read from the device: it waits here
+    bar.set_postfix_str(f"loss {stats['loss']:.3g}, {speed.rate():.1f} utt/s, data "
+                        f"{speed.wait_percent():.0f}%", refresh=False)
+    memory = {name: round(gib, 4) for name, gib in memory_status(run.device).items()}
+    run.record(
+        "train",
+        **stats,
+        utt_per_s=speed.rate(),
+        data_wait=round(speed.wait_percent() / 100, 4),
+        **memory,
+    )
+    log.info("%s", _summary_line(run, stats, speed, memory))
+    speed.restart()
+
+
 def _floats(stats: dict[str, Any]) -> dict[str, float]:
     """The step's figures as numbers (the first waits for the device; the others are then there)."""
     return {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in stats.items()}
 
 
-def _stop_after_step(run: Run, stop_request: StopRequest,
-                     on_step: Optional[Callable[[int, int, ASRModel], bool]]) -> Optional[str]:
-    """The one stop check, after each step: --max_steps, ``on_step``, a signal or the time budget.
-    Every process of a data-parallel run comes to the same answer at the same step."""
-    if 0 < run.cfg.max_steps <= run.step:
-        return "max_steps"
-    asked = on_step is not None and on_step(run.step, run.epoch, run.model)
-    signal = stop_request.reason()
-    code = run.dist.max(2.0 + SIGNAL_STOPS.index(signal) if signal else float(asked))
-    return None if code == 0 else "on_step" if code == 1 else SIGNAL_STOPS[int(code) - 2]
+# ---- the end of an epoch, or of the run ---------------------------------------------------------
 
-
-def end_epoch(run: Run, stop: Optional[str], stop_request: StopRequest) -> Optional[str]:
-    """Validate, and save the epoch's checkpoint once, with the metrics. A signal or the time
-    budget skips the validation (the run saves and stops; the next one validates later). Returns
-    what stops the run, if anything."""
-    if stop not in SIGNAL_STOPS and (signal := _agreed_signal(run, stop_request)):
-        stop = signal
-    if stop in SIGNAL_STOPS:
+def end_epoch(run: Run, stop: Stop, stop_request: StopRequest) -> Stop:
+    """Validate, and save the epoch's checkpoint once, with the metrics. A request to stop early (a
+    signal, the time budget) skips the validation (the run saves and stops; the next one validates
+    later). Returns what stops the run (``Stop.NONE``: nothing)."""
+    if not stop.early:  # a request in the epoch's last step
+        stop = max(stop, _agreed(run, stop_request.stop()))
+    if stop.early:
         save(run)
         return stop
     _validate_and_save_epoch(run)
-    if stop is None and run.epoch < run.cfg.epochs:  # a stop asked for during validation
-        stop = _agreed_signal(run, stop_request)
+    if not stop and run.epoch < run.cfg.epochs:  # a request during the validation
+        stop = _agreed(run, stop_request.stop())
     return stop
 
 
@@ -360,26 +362,25 @@ def _validate_and_save_epoch(run: Run) -> None:
         raise
 
 
-def stop_inside_epoch(run: Run, stop: Optional[str]) -> Optional[str]:
+def stop_inside_epoch(run: Run, stop: Stop) -> Stop:
     """The run stops inside an epoch: at --max_steps with a score (and a current best.pt), else
     with a checkpoint at this step."""
-    if stop == "max_steps" and run.valid_step != run.step:
+    if stop is Stop.MAX_STEPS and run.valid_step != run.step:
         validate_and_save(run)
-    elif stop == "on_step":
+    elif stop is Stop.ON_STEP:
         log.info("stopped at step %d in epoch %d", run.step, run.epoch + 1)
     if run.saved_step != run.step:
         save(run)
     return stop
 
 
-def _agreed_signal(run: Run, stop_request: StopRequest) -> Optional[str]:
-    signal = stop_request.reason()
-    code = run.dist.max(1.0 + SIGNAL_STOPS.index(signal) if signal else 0.0)
-    return SIGNAL_STOPS[int(code) - 1] if code else None
-
-
-def finish(run: Run, stop: Optional[str]) -> dict[str, Any]:
-    stopped_by = stop if stop in SIGNAL_STOPS else None
+def finish(run: Run, stop: Stop, stop_request: StopRequest) -> dict[str, Any]:
+    """The run's summary, and a warning when a request stopped it early. A signal after the last
+    agreement (in the last step or validation: the run saved) is what stopped it, so that a caller
+    stops too."""
+    if not stop.early:
+        stop = max(stop, stop_request.signalled())
+    stopped_by = stop.reason if stop.early else None
     if stopped_by is not None:
         log.warning(
             "stopped by %s at step %d (epoch %d, batch %d), saved in %s; to go on, run the same"
@@ -397,7 +398,7 @@ def finish(run: Run, stop: Optional[str]) -> dict[str, Any]:
         "best_wer": run.best_wer,
         # stop: any reason, --max_steps and on_step's too
         "stopped_by": stopped_by,
-        "stop": stop,
+        "stop": stop.reason,
         "skipped_updates": run.skips.total,
         "unreadable_files": run.unreadable,
     }
@@ -506,7 +507,7 @@ class _Speed:
     def add(self, utterances: float) -> None:
         self.utterances += utterances
 
-    def wait(self, seconds: float) -> None:
+    def add_wait(self, seconds: float) -> None:
         self.waited += seconds
 
     def rate(self) -> float:
@@ -537,7 +538,7 @@ def _timed(batches: Iterable[Batch], *speeds: _Speed) -> Iterator[Batch]:
                 raise  # Ctrl-C; or one of our one-line errors, raised without workers
             raise ManifestError(_loader_error(e)) from e
         for speed in speeds:
-            speed.wait(time.perf_counter() - start)
+            speed.add_wait(time.perf_counter() - start)
         yield batch
 
 

@@ -1,4 +1,5 @@
-"""Stopping a run cleanly: signals and a time budget, and too many skipped (non-finite) updates.
+"""Stopping a run cleanly: why a run stops (``Stop``), signals and a time budget, and too many
+skipped (non-finite) updates.
 
 ``StopRequest`` turns the first SIGINT or SIGTERM (Ctrl-C, a Colab disconnect, a preemption
 notice) and the end of a ``--max_time`` budget into a request that the training loop honours
@@ -8,6 +9,7 @@ installed only while the context is open, and only from the main thread, where P
 """
 from __future__ import annotations
 
+import enum
 import logging
 import signal
 import threading
@@ -21,6 +23,7 @@ from ..checkpoint import LATEST_FILE
 
 __all__ = [
     "NonFiniteSkips",
+    "Stop",
     "StopRequest",
     "TrainingDiverged",
     "diverged_message",
@@ -33,14 +36,56 @@ log = logging.getLogger("konkanivani")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+class Stop(enum.IntEnum):
+    """Why a run stops (``NONE``: it goes on), in order of precedence: where two reasons meet (two
+    processes of a data-parallel run, or a request that comes as a limit is reached) the larger is
+    the run's, so that the processes agree by the largest value any of them has. The limits
+    (--max_steps, a caller's ``on_step``) end a run where it was meant to end; the requests (a
+    signal, the end of the --max_time budget: ``early``) end it before, saved, to be resumed."""
+
+    NONE = 0
+    MAX_STEPS = 1
+    ON_STEP = 2
+    SIGINT = 3
+    SIGTERM = 4
+    MAX_TIME = 5
+
+    @property
+    def early(self) -> bool:
+        """A request to stop before the run's end: a signal or --max_time."""
+        return self >= Stop.SIGINT
+
+    @property
+    def reason(self) -> str | None:
+        """The name a run's summary and messages give it: ``"max_steps"``, ``"on_step"``,
+        ``"SIGINT"``, ``"SIGTERM"``, ``"--max_time"``; None for ``NONE``."""
+        return _REASONS[self]
+
+    @classmethod
+    def of(cls, reason: str | None) -> Stop:
+        """The stop ``reason`` names (the inverse of ``reason``)."""
+        return next(stop for stop in cls if stop.reason == reason)
+
+    @property
+    def exit_code(self) -> int:
+        """The training CLI's exit status: 128 + the signal for a signal, as a shell reports a
+        process ended by it (so that a wrapper can tell "interrupted" from "done"); 0 otherwise
+        (--max_time too: the run did what it was asked and left a checkpoint to resume from)."""
+        return 128 + signal.Signals[self.name] if self in (Stop.SIGINT, Stop.SIGTERM) else 0
+
+
+_REASONS = {Stop.NONE: None, Stop.MAX_STEPS: "max_steps", Stop.ON_STEP: "on_step",
+            Stop.SIGINT: "SIGINT", Stop.SIGTERM: "SIGTERM", Stop.MAX_TIME: "--max_time"}
+
+
 class StopRequest:
-    """``reason()`` is None until a stop was asked for, then ``"SIGINT"``, ``"SIGTERM"`` or
-    ``"--max_time"``."""
+    """``stop()`` is ``Stop.NONE`` until a stop was asked for, then ``Stop.SIGINT``,
+    ``Stop.SIGTERM`` or ``Stop.MAX_TIME``: the first that came."""
 
     def __init__(self, max_time: float = 0.0):
         self.max_time = max_time  # seconds of wall clock; 0: no budget
-        self.signum: int | None = None
-        self._reason: str | None = None
+        self._stop = Stop.NONE
+        self._signalled = False
         self._start = time.monotonic()
         self._previous: dict[int, object] = {}
 
@@ -60,22 +105,20 @@ class StopRequest:
         # once.
         previous = self._previous.pop(signum, None)
         signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
-        if self._reason is None:
-            self.signum, self._reason = signum, signal.Signals(signum).name
+        if not self._stop:
+            self._stop, self._signalled = Stop[signal.Signals(signum).name], True
             log.warning("%s received: finishing the current step, then saving and stopping "
-                        "(send it again to stop at once)", self._reason)
+                        "(send it again to stop at once)", self._stop.reason)
 
-    def reason(self) -> str | None:
-        if (
-            self._reason is None
-            and self.max_time > 0
-            and time.monotonic() - self._start >= self.max_time
-        ):
-            self._reason = "--max_time"
-        return self._reason
+    def stop(self) -> Stop:
+        if not self._stop and self.max_time > 0 and time.monotonic() - self._start >= self.max_time:
+            self._stop = Stop.MAX_TIME
+        return self._stop
 
-    def elapsed(self) -> float:
-        return time.monotonic() - self._start
+    def signalled(self) -> Stop:
+        """The signal that asked the run to stop, if one did first (``Stop.NONE`` otherwise): read
+        without the clock."""
+        return self._stop if self._signalled else Stop.NONE
 
 
 def ignore_stop_signals(worker_id: int) -> None:

@@ -85,10 +85,12 @@ log = logging.getLogger("konkanivani")
 
 @dataclass
 class Run:
-    """What a training run holds while it runs: its parts, and its progress (saved as
-    ``TrainState``)."""
+    """What a training run holds while it runs: its parts, which ``setup_run`` makes and nothing
+    replaces after it (the settings in effect among them: ``cfg``), and its progress, which the loop
+    moves on (saved as ``TrainState``, with this process's own bookkeeping beside it)."""
 
-    cfg: TrainConfig
+    # ---- the parts
+    cfg: TrainConfig  # the settings in effect: the flags, a resumed run's kept ones, as resolved
     out_dir: Path
     dist: Dist
     device: torch.device
@@ -106,27 +108,29 @@ class Run:
     metrics: MetricsLog
     skips: NonFiniteSkips
     log_mel: LogMel | KaldiFbank  # the batches' features, computed in the step on the device
-    step: int = 0
-    epoch: int = 0  # epochs finished
-    batches_done: int = 0  # batches of the epoch in progress, per process
-    epoch_batches: int = 0  # batches in the whole epoch in progress, per process
-    best_wer: float = math.inf
-    best_cer: float = math.inf
-    valid_metrics: dict[str, float] = field(default_factory=dict)
-    valid_step: int = -1
-    saved_step: int = -1
-    unreadable: int = 0  # audio files that failed to load in training, all epochs
-    # updates whose skip flags are still on the device: (step, skipped, loss finite, utterances);
-    # read together every --log_every steps (loop.settle), so that a step does not wait for the GPU
-    unsettled: list[tuple[int, torch.Tensor, torch.Tensor, list[int]]] = field(default_factory=list)
-    # the metrics rows again, for TensorBoard
-    board: TensorBoardLog = field(default_factory=TensorBoardLog)
     ema: Optional[AveragedModel] = None  # the moving average of the weights (--ema_decay)
     draw_curves: bool = False  # redraw curves.png after each validation (rank 0, with matplotlib)
+    # the metrics rows again, for TensorBoard (opened once a resumed run's step is known)
+    board: TensorBoardLog = field(default_factory=TensorBoardLog)
     # seconds of training before this process took over (TrainState.train_seconds)
     elapsed_before: float = 0.0
     # when this process's part of the run began
     started: float = field(default_factory=time.monotonic)
+    # ---- the progress, saved
+    step: int = 0
+    epoch: int = 0  # epochs finished
+    batches_done: int = 0  # batches of the epoch in progress, per process
+    best_wer: float = math.inf
+    best_cer: float = math.inf
+    valid_metrics: dict[str, float] = field(default_factory=dict)
+    valid_step: int = -1
+    # ---- this process's bookkeeping
+    epoch_batches: int = 0  # batches in the whole epoch in progress, per process
+    saved_step: int = -1
+    unreadable: int = 0  # audio files that failed to load in training, all epochs
+    # updates whose skip flags are still on the device: (step, skipped, loss finite, utterances);
+    # read together where a step needs them (loop.settle), so that a step does not wait for the GPU
+    unsettled: list[tuple[int, torch.Tensor, torch.Tensor, list[int]]] = field(default_factory=list)
 
     def elapsed(self) -> float:
         """Seconds of training so far, over every process that ran this run (resumes included, the
@@ -200,11 +204,17 @@ def setup_run(cfg: TrainConfig, model_cfg: ModelConfig, origin: Origin, dist: Di
     if dist.active:
         _seed_everything(cfg.seed + dist.rank)  # dropout and SpecAugment differ between processes
     # optimizer: the model's forward (data-parallel, compiled) and its optimizer
-    cfg, forward, optimizer = _optimizer(cfg, model, precision, dist, device)
-    # batching: the memory estimate, the budget of a batch, the samplers
-    cfg, estimator, samplers = _batching(cfg, model_cfg, data, (model, forward, precision),
-                                         origin.state, dist, device)
-    # loaders: the data workers of training and validation
+    forward, optimizer, optimizer_name = _optimizer(cfg, model, precision, dist, device)
+    # settings: those in effect, resolved once (the optimizer, batches, LR, warm-up, accumulation)
+    cfg, fits = _settings(cfg, optimizer_name, model_cfg, data, (model, forward, precision),
+                          origin.state, dist, device)
+    # batches and loaders: the samplers, and the data workers of training and validation. The
+    # first micro-batch of the second step is the peak (optimizer states exist from then on); a
+    # resumed run keeps the count its first epoch was planned with.
+    accum_then = (origin.state.train_config["gradient_accumulation_steps"] if origin.state
+                  else cfg.gradient_accumulation_steps)
+    samplers = (_train_sampler(cfg, data, fits, accum_then, dist),
+                _valid_sampler(cfg, data, model, dist))
     train_loader, valid_loader = _loaders(cfg, data, samplers, tokenizer, device)
     out_dir = Path(cfg.output_dir)
     run = Run(cfg=cfg, out_dir=out_dir, dist=dist, device=device, precision=precision,
@@ -216,8 +226,10 @@ def setup_run(cfg: TrainConfig, model_cfg: ModelConfig, origin: Origin, dist: Di
               skips=NonFiniteSkips(cfg.max_consecutive_skips),
               log_mel=make_frontend(model_cfg.frontend, model_cfg.n_mels).to(device),
               # of the unwrapped model: the DDP or compiled forward shares its parameters
-              ema=make_ema(model, cfg.ema_decay) if cfg.ema_decay else None)
-    _begin(run, origin, estimator, model_cfg, samples_grew)
+              ema=make_ema(model, cfg.ema_decay) if cfg.ema_decay else None,
+              draw_curves=dist.is_main and _can_draw_curves(out_dir),
+              elapsed_before=origin.state.train_seconds if origin.state else 0.0)
+    _begin(run, origin, model_cfg, samples_grew)
     return run
 
 
@@ -458,10 +470,10 @@ def _load_init(model: ASRModel, cfg: TrainConfig, init: InferenceModel,
 # ---- optimizer --------------------------------------------------------------------------------
 
 def _optimizer(cfg: TrainConfig, model: ASRModel, precision: Precision, dist: Dist,
-               device: torch.device
-               ) -> tuple[TrainConfig, Callable[..., Any], torch.optim.Optimizer]:
+               device: torch.device) -> tuple[Callable[..., Any], torch.optim.Optimizer, str]:
     """The model's forward (data-parallel under torchrun, compiled with --compile) and its
-    optimizer, both logged; the config records the optimizer that runs."""
+    optimizer, both logged, and the name of the optimizer that runs (--optimizer's, or AdamW where
+    that cannot)."""
     # fsdp shards the model in place
     forward = wrap_data_parallel(model, dist, device, cfg.strategy)
     optimizer, name = build_optimizer(cfg.optimizer, model.parameters(), device, cfg.lr,
@@ -470,7 +482,7 @@ def _optimizer(cfg: TrainConfig, model: ASRModel, precision: Precision, dist: Di
     log.log(logging.WARNING if precision.slow else logging.INFO, "%s; device %s%s", precision.note,
             device, f"; {dist.world} processes, {cfg.strategy}" if dist.active else "")
     forward = compiled(forward) if cfg.compile else forward
-    return dataclasses.replace(cfg, optimizer=name), forward, optimizer
+    return forward, optimizer, name
 
 
 # ---- batching ---------------------------------------------------------------------------------
@@ -481,40 +493,72 @@ Samplers = tuple[ResumableBatchSampler, ResumableBatchSampler]
 Fits = Callable[[int, int], bool]
 
 
-def _batching(cfg: TrainConfig, model_cfg: ModelConfig, data: _Data,
-              computes: tuple[ASRModel, Callable[..., Any], Precision], state: Optional[TrainState],
-              dist: Dist, device: torch.device) -> tuple[TrainConfig, MemoryEstimator, Samplers]:
-    """The batches: the memory estimate of this model, the budgets of --gpu_memory_gb and (a fresh
-    run's probe) --auto_batch, the memory cap, then the samplers of training and validation."""
+def _settings(cfg: TrainConfig, optimizer: str, model_cfg: ModelConfig, data: _Data,
+              computes: tuple[ASRModel, Callable[..., Any], Precision],
+              state: Optional[TrainState], dist: Dist, device: torch.device
+              ) -> tuple[TrainConfig, Optional[Fits]]:
+    """The settings the run trains with, resolved here once and logged in one line
+    (``_log_settings``): the ``optimizer`` that runs; with --gpu_memory_gb on CUDA, batches that
+    fill it and the LR, warm-up and accumulation for them (``gpu_batches``); with --auto_batch (a
+    fresh run), the largest budget of padded frames that fits (no larger than one the flags give).
+    Returns them and the memory estimate's cap on every batch (None: none)."""
     model, forward, precision = computes
+    flags = cfg = dataclasses.replace(cfg, optimizer=optimizer)
     estimator = MemoryEstimator(model_cfg, precision_name(precision), cfg.optimizer,
                                 cfg.gradient_checkpointing, device)
+    fills, per_batch = None, 0
     # before --auto_batch, which probes under its cap
-    cfg, fills = _fill_gpu(cfg, device, estimator, data.durations)
+    if (cap := _cap_gpu_memory(cfg, device)) is not None:
+        cfg, fills, per_batch = gpu_batches(cfg, estimator, data.durations, cap)
     if cfg.auto_batch and state is None:
-        cfg = _auto_batch(cfg, data, computes, estimator, device)
-    # The first micro-batch of the second step is the peak (optimizer states exist from then on);
-    # a resumed run keeps the count its first epoch was planned with.
-    accum_then = (state.train_config["gradient_accumulation_steps"] if state
-                  else cfg.gradient_accumulation_steps)
-    sampler = _train_sampler(cfg, data, _memory_cap(cfg, estimator, fills), accum_then, dist)
-    return cfg, estimator, (sampler, _valid_sampler(cfg, data, model, dist))
+        frames = _auto_batch_frames(cfg, data, computes, estimator, device)
+        given = budget_frames(cfg.max_batch_frames, cfg.max_batch_seconds)
+        cfg = dataclasses.replace(cfg, max_batch_frames=min(frames, given) if given else frames,
+                                  max_batch_seconds=0.0)
+    _log_settings(cfg, flags, per_batch, dist)
+    return cfg, _memory_cap(cfg, estimator, fills)
 
 
-def _auto_batch(cfg: TrainConfig, data: _Data,
-                computes: tuple[ASRModel, Callable[..., Any], Precision],
-                estimator: MemoryEstimator, device: torch.device) -> TrainConfig:
-    """--auto_batch: the largest budget of padded frames that fits, probed on the device (no larger
-    than a budget the flags give)."""
+def _auto_batch_frames(cfg: TrainConfig, data: _Data,
+                       computes: tuple[ASRModel, Callable[..., Any], Precision],
+                       estimator: MemoryEstimator, device: torch.device) -> int:
+    """--auto_batch: the largest budget of padded frames whose batches of the longest utterance
+    fit, probed on the device."""
     model, forward, precision = computes
     longest = max(frames_of(d) for d in data.durations)
     # a shard's text is read with its audio: as many tokens as CTC allows, the most a usable one has
     tokens = subsampled_lengths(longest) if data.shards else max(len(u.tokens) for u in data.train)
-    frames = auto_batch_frames(forward, model, device, lambda: precision.autocast(device), longest,
-                               tokens, estimator, cfg.max_memory_gb)
-    given = budget_frames(cfg.max_batch_frames, cfg.max_batch_seconds)
-    return dataclasses.replace(cfg, max_batch_frames=min(frames, given) if given else frames,
-                               max_batch_seconds=0.0)
+    return auto_batch_frames(forward, model, device, lambda: precision.autocast(device), longest,
+                             tokens, estimator, cfg.max_memory_gb)
+
+
+def _log_settings(cfg: TrainConfig, flags: TrainConfig, per_batch: int, dist: Dist) -> None:
+    """The settings in effect, in one line: the batches of an update (of --batch_size utterances,
+    under a budget of padded frames or memory, or filling --gpu_memory_gb: ``per_batch``
+    utterances of the median length), the accumulation and the processes, the peak LR and the
+    warm-up; where --gpu_memory_gb changed the LR and warm-up, the ``flags``' beside them."""
+    accum, per_step = cfg.gradient_accumulation_steps, cfg.gradient_accumulation_steps * dist.world
+    processes = f" x {dist.world} processes" if dist.active else ""
+    frames = budget_frames(cfg.max_batch_frames, cfg.max_batch_seconds)
+    if per_batch:
+        batches = (f"about {per_batch * per_step} utterances per update (batches of about "
+                   f"{per_batch} of the median length, filling {FILL_FRACTION:.0%} of "
+                   f"--gpu_memory_gb {cfg.gpu_memory_gb:g}, x {accum} accumulation steps"
+                   f"{processes})")
+    elif frames or cfg.max_memory_gb > 0:
+        capped = f" and an estimated peak under {cfg.max_memory_gb:g} GiB"
+        batches = (f"dynamic batches: up to {f'{frames:,}' if frames else 'any number of'} padded "
+                   f"frames{capped if cfg.max_memory_gb > 0 else ''}, {cfg.num_buckets} length "
+                   f"buckets (--batch_size is not used); {per_step} dynamic batches per update"
+                   f"{f' in each of {dist.world} processes' if dist.active else ''}")
+    else:
+        batches = (f"{cfg.batch_size * per_step} utterances per update (batch {cfg.batch_size} x "
+                   f"{accum} accumulation steps{processes})")
+    lr, warmup = f"peak lr {cfg.lr:g}", f"{cfg.warmup_steps} warm-up steps"
+    if cfg.lr != flags.lr or cfg.warmup_steps != flags.warmup_steps:
+        lr += f" (--lr {flags.lr:g} x {cfg.lr / flags.lr:.2f})"
+        warmup += f" (--warmup_steps {flags.warmup_steps})"
+    log.info("%s, %s, %s", batches, lr, warmup)
 
 
 def _memory_cap(cfg: TrainConfig, estimator: MemoryEstimator, fills: Optional[Fits]
@@ -556,29 +600,24 @@ def _valid_sampler(cfg: TrainConfig, data: _Data, model: ASRModel, dist: Dist
 FILL_FRACTION = 0.75
 
 
-def _fill_gpu(cfg: TrainConfig, device: torch.device, estimator: MemoryEstimator,
-              durations: list[float]) -> tuple[TrainConfig, Optional[Fits]]:
-    """--gpu_memory_gb on CUDA: cap the process at that much memory and plan batches that fill it
-    (``gpu_batches``); the settings and the ``fits`` cap of the batches. No effect elsewhere."""
+def _cap_gpu_memory(cfg: TrainConfig, device: torch.device) -> Optional[float]:
+    """--gpu_memory_gb on CUDA: cap the process at that much memory, and return the cap in bytes
+    for batches to fill (``gpu_batches``). None elsewhere, or without the flag."""
     if cfg.gpu_memory_gb <= 0:
-        return cfg, None
+        return None
     if device.type != "cuda":
         log.info("--gpu_memory_gb %g: no effect on %s (batches as --batch_size says)",
                  cfg.gpu_memory_gb, device.type)
-        return cfg, None
+        return None
     if device.index is None:  # set_per_process_memory_fraction wants the card's index
         device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     cap = min(cfg.gpu_memory_gb * GIB, total)
     torch.cuda.set_per_process_memory_fraction(cap / total, device)
-    planned, fits, per_batch = gpu_batches(cfg, estimator, durations, cap)
     log.info("--gpu_memory_gb %g: this process uses at most %.1f GiB of %s's %.1f; batches sized "
-             "to an estimated %.1f GiB peak (about %d utterances of the median length), 1 "
-             "micro-batch a step; peak lr %.3g (%.3g x %.2f), %d warm-up steps (%d before)",
-             cfg.gpu_memory_gb, cap / GIB, torch.cuda.get_device_name(device), total / GIB,
-             FILL_FRACTION * cap / GIB, per_batch, planned.lr, cfg.lr, planned.lr / cfg.lr,
-             planned.warmup_steps, cfg.warmup_steps)
-    return planned, fits
+             "to an estimated %.1f GiB peak", cfg.gpu_memory_gb, cap / GIB,
+             torch.cuda.get_device_name(device), total / GIB, FILL_FRACTION * cap / GIB)
+    return cap
 
 
 def gpu_batches(cfg: TrainConfig, estimator: MemoryEstimator, durations: list[float],
@@ -644,19 +683,17 @@ def _loader(dataset: ASRDataset, sampler: ResumableBatchSampler | EpochKeyed, cf
 
 # ---- progress ---------------------------------------------------------------------------------
 
-def _begin(run: Run, origin: Origin, estimator: MemoryEstimator, model_cfg: ModelConfig,
-           samples_grew: bool) -> None:
+def _begin(run: Run, origin: Origin, model_cfg: ModelConfig, samples_grew: bool) -> None:
     """A resumed run's progress restored, the plan logged; rank 0 writes config.yaml (the values
     this run uses, the resumed ones on --resume, to run it again with --config) and opens the
     TensorBoard writer."""
     if origin.state is not None:
         _restore(run, origin.state, origin.source, samples_grew)
-    _log_plan(run, estimator)
+    _log_plan(run)
     if run.dist.is_main:
         write_config_file(run.out_dir / "config.yaml", run.cfg, model_cfg, run.step)
     if run.dist.is_main and run.cfg.tensorboard:
         run.board = open_tensorboard(run.out_dir / "tensorboard", run.step)
-    run.draw_curves = run.dist.is_main and _can_draw_curves(run.out_dir)
 
 
 def _restore(run: Run, state: TrainState, source: str, samples_grew: bool) -> None:
@@ -672,7 +709,6 @@ def _restore(run: Run, state: TrainState, source: str, samples_grew: bool) -> No
     if run.scaler.is_enabled() and state.scaler:  # empty when the saved run had no fp16
         run.scaler.load_state_dict(state.scaler)
     run.step, run.epoch, run.batches_done = state.step, state.epoch, state.batches_done
-    run.elapsed_before = state.train_seconds
     plan_changed = _plan_changed(run, state)
     if state.processes == run.dist.world:
         restore_rng(state.rng[run.dist.rank])
@@ -734,23 +770,10 @@ def _restore_ema(run: Run, state: TrainState) -> None:
         log.warning("--ema_decay 0: the checkpoint's moving average of the weights is dropped")
 
 
-def _log_plan(run: Run, estimator: MemoryEstimator) -> None:
-    cfg, per_step = run.cfg, run.cfg.gradient_accumulation_steps * run.dist.world
-    processes = f" in each of {run.dist.world} processes" if run.dist.active else ""
-    if budget_frames(cfg.max_batch_frames, cfg.max_batch_seconds) or cfg.max_memory_gb > 0:
-        frames = budget_frames(cfg.max_batch_frames, cfg.max_batch_seconds)
-        capped = f" and an estimated peak under {cfg.max_memory_gb:g} GiB"
-        log.info("dynamic batches: up to %s padded frames%s, %d length buckets (--batch_size is "
-                 "not used)", f"{frames:,}" if frames else "any number of",
-                 capped if cfg.max_memory_gb > 0 else "", cfg.num_buckets)
-        log.info("%d dynamic batches per update%s, peak lr %g, %d warm-up steps", per_step,
-                 processes, cfg.lr, cfg.warmup_steps)
-    else:
-        log.info("%d utterances per update (batch %d x %d accumulation steps%s), peak lr %g, %d "
-                 "warm-up steps", cfg.batch_size * per_step, cfg.batch_size,
-                 cfg.gradient_accumulation_steps,
-                 f" x {run.dist.world} processes" if run.dist.active else "", cfg.lr,
-                 cfg.warmup_steps)
+def _log_plan(run: Run) -> None:
+    """What the run does besides its settings (``_log_settings``): the encoder held, an average
+    kept."""
+    cfg = run.cfg
     if cfg.freeze_encoder_steps > run.step:
         log.info("--freeze_encoder_steps %d: the encoder is not updated until step %d",
                  cfg.freeze_encoder_steps, cfg.freeze_encoder_steps + 1)
