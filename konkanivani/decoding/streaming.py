@@ -371,7 +371,7 @@ class Stream:
         # chunk of C frames is encoded from a window of these; the next one starts C strides later
         self.window = Conv2dSubsampling.window_frames(chunk_size)
         self.step = Conv2dSubsampling.STRIDE * chunk_size
-        self.receptive_field = Conv2dSubsampling.CONTEXT
+        self.receptive_field = Conv2dSubsampling.RECEPTIVE_FIELD
         self.resampler = Resampler(sample_rate)
         self.features = streaming_features(log_mel)
         # prepared, not yet encoded

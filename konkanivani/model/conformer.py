@@ -416,16 +416,16 @@ class Conv2dSubsampling(nn.Module):
     do: the second convolution's work falls in proportion (a quarter of it at 32 channels for
     D=128).
 
-    Output frame t comes from input frames ``4t`` .. ``4t + 6``: ``STRIDE`` and ``CONTEXT``.
+    Output frame t comes from input frames ``4t`` .. ``4t + 6``: ``STRIDE`` and ``RECEPTIVE_FIELD``.
     """
 
-    STRIDE, CONTEXT = 4, 7
+    STRIDE, RECEPTIVE_FIELD = 4, 7
 
     @classmethod
     def window_frames(cls, frames: int) -> int:
         """The feature frames that make ``frames`` (>= 1) output frames, the subsampling's
         receptive field over them: ``(frames - 1) * 4 + 7``."""
-        return (frames - 1) * cls.STRIDE + cls.CONTEXT
+        return (frames - 1) * cls.STRIDE + cls.RECEPTIVE_FIELD
 
     def __init__(self, n_mels: int, d_model: int, dropout: float, depthwise_separable: bool = False,
                  channels: int = 0):
@@ -493,11 +493,11 @@ def feature_windows(feats: torch.Tensor, chunk_size: int) -> list[torch.Tensor]:
     >>> [w.shape[1] for w in feature_windows(torch.zeros(1, 50, 80), 4)]
     [19, 19, 18]
     """
-    stride, context = Conv2dSubsampling.STRIDE, Conv2dSubsampling.CONTEXT
+    stride, receptive_field = Conv2dSubsampling.STRIDE, Conv2dSubsampling.RECEPTIVE_FIELD
     size = Conv2dSubsampling.window_frames(chunk_size)
     return [
         feats[:, start : start + size]
-        for start in range(0, feats.shape[1] - context + 1, stride * chunk_size)
+        for start in range(0, feats.shape[1] - receptive_field + 1, stride * chunk_size)
     ]
 
 
