@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from konkanivani.checkpoint import load_checkpoint
+from konkanivani.checkpoint import SaveRecord, load_checkpoint
 from konkanivani.data.audio import load_audio
 from konkanivani.data.tokenizer import normalize_text
 from konkanivani.datatools import corpus
@@ -265,11 +265,10 @@ def cpu_name() -> str:
 
 def model_note(checkpoint: Path) -> str:
     """The checkpoint's step and validation CER, as its run recorded them."""
-    state = load_checkpoint(checkpoint)
-    metrics = state.get("valid_metrics") or {}
-    cer = metrics.get("cer", state.get("best_cer"))
+    record = SaveRecord.of(load_checkpoint(checkpoint))
+    cer = record.valid_metrics.get("cer", record.best_cer)
     valid = f", validation CER {100 * cer:.1f}%" if isinstance(cer, float) else ""
-    return f"step {state.get('step', '?')}{valid}"
+    return f"step {'?' if record.step is None else record.step}{valid}"
 
 
 def table(rows: list[dict]) -> list[str]:

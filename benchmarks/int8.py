@@ -46,8 +46,8 @@ import onnx
 import onnxruntime
 import torch
 
-from konkanivani.checkpoint import load_checkpoint, save_checkpoint
-from konkanivani.config import model_config_from_preset
+from konkanivani.checkpoint import InferenceModel, SaveRecord, load_checkpoint
+from konkanivani.config import ModelConfig, model_config_from_preset
 from konkanivani.data.audio import load_audio
 from konkanivani.data.frames import SAMPLE_RATE
 from konkanivani.data.manifest import read_manifest, resolve_audio_path
@@ -135,30 +135,30 @@ def describe(checkpoint: Path) -> str:
             if line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())
                 break
-    state = load_checkpoint(checkpoint)
-    valid = state.get("valid_metrics") or {}
+    record = SaveRecord.of(load_checkpoint(checkpoint))
+    valid = record.valid_metrics
     cer = f", validation CER {100 * valid['cer']:.2f}%" if "cer" in valid else ""
     return (f"CPU: {cpu_description()}, {os.cpu_count()} cores; int8 flags: "
             f"{', '.join(f for f in INT8_FLAGS if f in flags) or 'none'}; onnxruntime "
             f"{onnxruntime.__version__}, torch {torch.__version__}\ncheckpoint: {checkpoint} "
-            f"(step {state.get('step')}{cer})")
+            f"(step {record.step}{cer})")
 
 
 def untrained(checkpoint: Path, preset: str, folder: Path) -> Path:
     """A checkpoint of an untrained ``preset`` model with causal convolutions (weights drawn with
     seed 0), with ``checkpoint``'s vocabulary, CMVN mode and subsampling channels: int8's speed
     does not depend on what the weights learnt."""
-    state = load_checkpoint(checkpoint)
-    trained = state["model_config"]
+    trained = InferenceModel.of(load_checkpoint(checkpoint))
+    shape = ModelConfig.from_dict(trained.model_config)
     cfg = model_config_from_preset(
-        preset, vocab_size=trained["vocab_size"], causal_conv=True, cmvn=trained["cmvn"],
-        subsampling_channels=trained["subsampling_channels"],
+        preset, vocab_size=shape.vocab_size, causal_conv=True, cmvn=shape.cmvn,
+        subsampling_channels=shape.subsampling_channels,
     )
     torch.manual_seed(0)
     path = folder / f"untrained_{preset}.pt"
     folder.mkdir(parents=True, exist_ok=True)
-    save_checkpoint({"model_config": dataclasses.asdict(cfg), "model": ASRModel(cfg).state_dict(),
-                     "tokenizer": state["tokenizer"]}, path)
+    InferenceModel(dataclasses.asdict(cfg), ASRModel(cfg).state_dict(), trained.tokenizer,
+                   ema=False).save(path)
     return path
 
 

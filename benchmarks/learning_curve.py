@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import logging
 import signal
 import sys
@@ -24,7 +25,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from konkanivani.checkpoint import average_checkpoints, load_checkpoint, save_checkpoint
+from konkanivani.checkpoint import (
+    LATEST_FILE,
+    TrainState,
+    average_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+    validated_wer,
+)
 from konkanivani.cli.train import model_flags, parse_args
 from konkanivani.config import TrainConfig, dataclass_from_args
 from konkanivani.data.tokenizer import Tokenizer
@@ -174,19 +182,18 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- every decoding method on the final weights and on the average of the last epochs ----
     run = Path(cfg.output_dir)
-    finals = [("final", run / "latest.pt")]
-    latest = load_checkpoint(run / "latest.pt")
-    # "final" decodes the moving average (--ema_decay): the training weights too
-    if latest.get("ema_model"):
-        save_checkpoint(
-            {k: v for k, v in latest.items() if k not in ("ema_model", "format_version")},
-            run / "latest_training_weights.pt",
-        )
-        finals = [("final (EMA)", run / "latest.pt"),
+    finals = [("final", run / LATEST_FILE)]
+    latest = TrainState.load(run / LATEST_FILE)
+    # "final" decodes the moving average (--ema_decay): the training weights too, saved as a run
+    # without an average saves them
+    if latest.ema_model:
+        dataclasses.replace(latest, ema_model={}, ema_updates=0).save(
+            run / "latest_training_weights.pt")
+        finals = [("final (EMA)", run / LATEST_FILE),
                   ("final (training weights)", run / "latest_training_weights.pt")]
-    epoch_ends = [
-        p for step, p in step_checkpoints(run) if load_checkpoint(p).get("valid_step") == step
-    ]
+    # the saves validated at their own step: the ends of epochs
+    epoch_ends = [p for step, p in step_checkpoints(run)
+                  if validated_wer(load_checkpoint(p), step) is not None]
     if len(epoch_ends) >= 2 and args.average_last > 1:
         averaged = run / f"average_last{args.average_last}.pt"
         save_checkpoint(average_checkpoints(epoch_ends[-args.average_last:]), averaged)

@@ -63,7 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 import numpy as np
 import torch
 
-from konkanivani.checkpoint import save_checkpoint
+from konkanivani.checkpoint import InferenceModel
 from konkanivani.config import model_config_from_preset
 from konkanivani.data.audio import load_audio
 from konkanivani.data.frames import SAMPLE_RATE
@@ -292,8 +292,8 @@ def _untrained(path: Path, preset: str, audio: np.ndarray) -> Path:
     model = ASRModel(cfg).eval()
     feats = LogMel(cfg.n_mels)(torch.from_numpy(audio.astype(np.float32) / 32768))
     model.set_cmvn(feats.mean(0), feats.std(0))
-    return save_checkpoint({"model_config": dataclasses.asdict(cfg), "model": model.state_dict(),
-                            "tokenizer": tokenizer.model_proto}, path)
+    return InferenceModel(dataclasses.asdict(cfg), model.state_dict(), tokenizer.model_proto,
+                          ema=False).save(path)
 
 
 def _start(checkpoint: Path, flags: list[str]) -> dict:

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 import soundfile as sf
 import torch
 
-from konkanivani.checkpoint import load_checkpoint
+from konkanivani.checkpoint import LATEST_FILE, TrainState
 from konkanivani.data.audio import load_audio
 from konkanivani.data.frames import SAMPLE_RATE
 from konkanivani.data.manifest import read_manifest, resolve_audio_path
@@ -160,9 +160,9 @@ def train_side_by_side(corpus: Path, runs: dict[str, Path], steps: int, extra: l
 
 
 def _steps_done(out: Path) -> int:
-    if not (out / "latest.pt").is_file():
+    if not (out / LATEST_FILE).is_file():
         return 0
-    return load_checkpoint(out / "latest.pt").get("step", 0)
+    return TrainState.load(out / LATEST_FILE).step
 
 
 def accuracy(

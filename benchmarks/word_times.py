@@ -56,7 +56,7 @@ import numpy as np
 import soundfile as sf
 import torch
 
-from konkanivani.checkpoint import load_checkpoint
+from konkanivani.checkpoint import SaveRecord, load_checkpoint
 from konkanivani.data.audio import load_audio
 from konkanivani.data.frames import SAMPLE_RATE
 from konkanivani.data.manifest import read_manifest, resolve_audio_path
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [(resolve_audio_path(row["audio_filepath"], manifest.parent), row)
             for _, row in read_manifest(manifest)]
     rng = random.Random(args.seed)
-    state = load_checkpoint(args.checkpoint)
+    record = SaveRecord.of(load_checkpoint(args.checkpoint))
     rec = Recognizer.from_checkpoint(args.checkpoint)
     with tempfile.TemporaryDirectory(prefix="word_times.") as tmp:
         work = Path(tmp)
@@ -339,10 +339,9 @@ def main(argv: list[str] | None = None) -> int:
             both = [e for errors, _ in results.values() for e in errors["reference forced"][edge]]
             print(f"{name} = {now - statistics.median(both):.3f}  (now {now}, median error "
                   f"{statistics.median(both) * 1000:.1f} ms over {len(both)} boundaries)")
-    valid = state.get("valid_metrics") or {}
     info = {
-        "checkpoint": str(args.checkpoint), "step": state.get("step"),
-        "valid_cer": valid.get("cer"), "manifest": str(manifest),
+        "checkpoint": str(args.checkpoint), "step": record.step,
+        "valid_cer": record.valid_metrics.get("cer"), "manifest": str(manifest),
         "cer": {kind: round(extra["cer"], 4) for kind, (_, extra) in results.items()},
         "cpu": cpu_description(), "shifts": [alignment.START_SHIFT, alignment.END_SHIFT],
         "rows": table, "probability_auc": aucs, "right_words": right,

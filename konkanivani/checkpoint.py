@@ -8,7 +8,8 @@ reader takes the view it needs, which any checkpoint of that kind gives, older o
 - ``InferenceModel``: an ASR model to decode with or start another run from (``--init_from``);
   every ASR checkpoint has one (a step file, ``latest.pt``, ``best.pt``, an average);
 - ``LMTrainState``: a ``konkanivani-train-lm`` run, to resume it; ``LanguageModel``: its model, for
-  shallow fusion.
+  shallow fusion;
+- ``SaveRecord``: the step and validation a checkpoint of any kind records, for reports.
 
 Files survive a crash: written to a temporary file, fsynced, renamed into place; read back with
 ``weights_only`` (no pickled code runs) and refused in one line when they are not konkanivani
@@ -42,6 +43,7 @@ __all__ = [
     "LMTrainState",
     "LanguageModel",
     "STEP_FILES",
+    "SaveRecord",
     "TrainState",
     "atomic_file",
     "average_checkpoints",
@@ -144,10 +146,9 @@ class TrainState:
     ema_updates: int = 0  # optimizer steps averaged into ema_model (AveragedModel.n_averaged)
     # seconds of training up to this step (Run.elapsed); 0 in older checkpoints
     train_seconds: float = 0.0
-    # per process, beyond batches_done: a
+    # per process, beyond batches_done: a shard plan's inputs and each reader's next shard and key
+    # (ShardPlan.position); empty for a manifest
     data_position: list[dict[str, Any]] = field(default_factory=list)
-    # shard plan's inputs and each reader's next shard and key (ShardPlan.position); empty for a
-    # manifest
 
     def save(self, path: str | Path) -> Path:
         return save_checkpoint(_as_dict(self), path)
@@ -199,6 +200,12 @@ class InferenceModel:
     def missing(checkpoint: dict[str, Any]) -> list[str]:
         """The parts of a model that ``checkpoint`` lacks; none for any ASR checkpoint."""
         return [k for k in ("model_config", "model", "tokenizer") if k not in checkpoint]
+
+    def save(self, path: str | Path) -> Path:
+        """A checkpoint of this model alone, to decode or export but not to resume: its config,
+        ``weights`` as its ``model`` and its tokenizer."""
+        return save_checkpoint({"model_config": self.model_config, "model": self.weights,
+                                "tokenizer": self.tokenizer}, path)
 
     @property
     def cmvn(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,6 +263,22 @@ class LanguageModel:
                 f"{path} is not a language model checkpoint (made by konkanivani-train-lm)"
             )
         return cls(checkpoint["lm_config"], checkpoint["model"], checkpoint["tokenizer"])
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    """What a checkpoint of any kind records of its save, for reports: the optimizer step and the
+    validation metrics. A checkpoint that keeps no metrics (an LM's, an average) has none; one that
+    no run saved (a model built untrained) has no step either."""
+
+    step: int | None
+    valid_metrics: dict[str, float]  # an ASR run's last validation (``valid_step``); empty if none
+    best_cer: float | None  # the run's best validation CER up to the save
+
+    @classmethod
+    def of(cls, checkpoint: dict[str, Any]) -> SaveRecord:
+        return cls(checkpoint.get("step"), checkpoint.get("valid_metrics") or {},
+                   checkpoint.get("best_cer"))
 
 
 def tokenizer_of(checkpoint: dict[str, Any]) -> bytes:
