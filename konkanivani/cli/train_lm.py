@@ -15,7 +15,6 @@ a run stopped (``--max_time``, Ctrl-C, a kill), giving the losses an unbroken ru
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from ..checkpoint import CheckpointError
 from ..config import ConfigError, add_dataclass_args, dataclass_from_args
 from ..model.lm import LMConfig
 from ..training.lm_training import LMTrainConfig, TextError, train_lm
+from ..training.signals import Stop
 from . import Parser, fail, setup_logging, tool
 
 
@@ -52,17 +52,13 @@ def main(argv: list[str] | None = None) -> int:
         summary = train_lm(*configs(args))
     except (ConfigError, TextError, CheckpointError, RuntimeError) as e:
         return fail(str(e))
+    stop = Stop.of(summary["stopped_by"])
     print(
         f"step {summary['step']}: validation perplexity {summary['valid_ppl']:.2f} (best"
         f" {summary['best_ppl']:.2f}); checkpoints in {args.output_dir}"
-        + (
-            f"; stopped by {summary['stopped_by']}, continue with --resume latest"
-            if summary["stopped_by"] not in (None, "max_steps")
-            else ""
-        )
+        + (f"; stopped by {stop.reason}, continue with --resume latest" if stop.early else "")
     )
-    stopped = summary["stopped_by"]
-    return 128 + signal.Signals[stopped] if stopped in ("SIGINT", "SIGTERM") else 0
+    return stop.exit_code
 
 
 if __name__ == "__main__":
