@@ -251,6 +251,8 @@ def _kept_on_resume(cfg: TrainConfig, state: TrainState) -> tuple[dict[str, Any]
     aside, which ``config.resolve_model_config`` takes): the settings that fix the data order, the
     optimizer (its state fits no other), and --max_samples unless the new one is larger. Returns
     the settings changed back and whether the training set grew."""
+    # A format-2 checkpoint written before a setting existed (speed_perturb, shuffle_buffer,
+    # pseudo_weight, ...) lacks it, and ran with its default: a resumed run goes on with that.
     saved = {**dataclasses.asdict(TrainConfig()), **state.train_config}
     changed = kept_settings(cfg, saved)  # the fields that decide which batches remain in the epoch
     if canonical_optimizer(cfg.optimizer) != canonical_optimizer(saved["optimizer"]):
@@ -699,7 +701,7 @@ def _begin(run: Run, origin: Origin, model_cfg: ModelConfig, samples_grew: bool)
 def _restore(run: Run, state: TrainState, source: str, samples_grew: bool) -> None:
     """Optimizer, scaler, random states and progress of a resumed run (weights:
     ``_build_model``)."""
-    saved_optimizer = canonical_optimizer(state.train_config.get("optimizer", "adamw"))
+    saved_optimizer = canonical_optimizer(state.train_config["optimizer"])
     if saved_optimizer == run.cfg.optimizer:
         load_optimizer_state(run.model, run.optimizer, state.optimizer)
     else:  # the checkpoint's optimizer is not installed here (bitsandbytes missing, say)
@@ -759,7 +761,7 @@ def _restore_ema(run: Run, state: TrainState) -> None:
     """The moving average as the checkpoint kept it; one started afresh when it kept none."""
     if run.ema is not None and state.ema_model:
         load_ema_state(run.ema, state.ema_model, state.ema_updates)
-        saved_decay = state.train_config.get("ema_decay", 0.0)
+        saved_decay = state.train_config["ema_decay"]
         if saved_decay != run.cfg.ema_decay:
             log.warning("--ema_decay %g on resume: the average so far was kept with %g",
                         run.cfg.ema_decay, saved_decay)
