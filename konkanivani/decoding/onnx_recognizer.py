@@ -144,6 +144,7 @@ class ExportedRecognizer:
         )
         try:
             self.tokenizer = Pieces(vocabulary)
+            # feature_settings names a Kaldi fbank export's frontend; a log-mel export names none
             self.log_mel = make_frontend(features.get("frontend", "log_mel"),
                                          int(features["n_mels"]))
         except (KeyError, TypeError, ValueError) as e:
