@@ -12,7 +12,7 @@ The folder holds::
                   a checkpoint trained with causal_conv only: one chunk of a stream through CMVN,
                   the encoder and the CTC head (``WenetChunkGraph``), with the inputs, outputs and
                   metadata sherpa-onnx's online WeNet CTC model takes (``streaming_metadata``), for
-                  ``OnlineRecognizer.from_wenet_ctc`` at the chunk it was exported for
+                  its Python OnlineRecognizer.from_wenet_ctc at the chunk it was exported for
     tokens.txt    "piece id" a line, the tokenizer's pieces, blank (<blank>) at id 0
     README.md     how to load it in Python and C++ (the streaming model: Python and sherpa-onnx's
                   C++ command-line tool; its C API has no online WeNet CTC model)
