@@ -1,10 +1,12 @@
 """konkanivani-export --format sherpa-onnx, run by the real runtime: the sherpa-onnx wheel's
 offline WeNet CTC recognizer computes the features of ``--frontend kaldi_fbank`` and decodes an
-exported tone model to the text our own greedy CTC search gives."""
+exported tone model to the text our own greedy CTC search gives; its online one decodes the
+streaming model of a streaming checkpoint to the text of our stream's greedy search."""
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import soundfile as sf
 import torch
@@ -16,16 +18,19 @@ from konkanivani.cli import export as export_cli
 from konkanivani.config import model_config_from_preset
 from konkanivani.data.features import KaldiFbank, LogMel
 from konkanivani.data.tokenizer import train_tokenizer
+from konkanivani.decoding.model_export import Streaming
 from konkanivani.decoding.recognizer import Recognizer
+from konkanivani.decoding.sherpa_export import WENET_CHUNK_INPUTS, tail_seconds
 from konkanivani.decoding.streaming import StreamingKaldiFbank
 from konkanivani.model.asr import ASRModel
 
 sherpa_onnx = pytest.importorskip("sherpa_onnx")
 
 
-def _checkpoint(path, frontend):
+def _checkpoint(path, frontend, **overrides):
     tokenizer = train_tokenizer(SENTENCES, vocab_size=16, model_type="char")
-    cfg = model_config_from_preset("tiny", vocab_size=tokenizer.vocab_size, frontend=frontend)
+    cfg = model_config_from_preset("tiny", vocab_size=tokenizer.vocab_size, frontend=frontend,
+                                   **overrides)
     return save_checkpoint({"model_config": dataclasses.asdict(cfg),
                             "model": ASRModel(cfg).state_dict(),
                             "tokenizer": tokenizer.model_proto}, path)
@@ -112,6 +117,21 @@ def test_a_log_mel_model_is_refused_in_one_line(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("overrides, flags, why", [
+    ({}, ["--streaming"], "trained without --causal_conv"),
+    ({"causal_conv": True, "cmvn": "utterance"}, [], "train with --cmvn global"),
+])
+def test_what_cannot_stream_in_sherpa_onnx_is_refused_in_one_line(tmp_path, capsys, overrides,
+                                                                   flags, why):
+    checkpoint = _checkpoint(tmp_path / "kaldi.pt", "kaldi_fbank", **overrides)
+    out = tmp_path / "sherpa"
+    argv = [str(checkpoint), "--format", "sherpa-onnx", "--output_dir", str(out), *flags]
+    assert _status(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and why in err
+    assert not out.exists()
+
+
 @pytest.mark.slow
 def test_sherpa_onnx_decodes_an_export_as_we_do(tmp_path, capsys):
     """A tone model trained on kaldi_fbank features, exported: sherpa-onnx's offline recognizer and
@@ -137,3 +157,56 @@ def test_sherpa_onnx_decodes_an_export_as_we_do(tmp_path, capsys):
         sf.write(paths[-1], speech(sentence, seed=i).numpy(), 16000, subtype="PCM_16")
     texts = [t.text for t in ours.transcribe(paths, method="greedy")]
     assert [_sherpa_text(theirs, p) for p in paths] == texts == SENTENCES
+
+
+@pytest.mark.slow
+def test_sherpa_onnx_streams_an_export_as_we_do(tmp_path, capsys):
+    """A streaming tone model (causal convolutions, dynamic chunks) trained on kaldi_fbank
+    features, exported at the default chunks (16 frames, 4 left chunks, sherpa-onnx's defaults
+    too): sherpa-onnx's online recognizer, fed a file and the tail of silence it needs to decode
+    the last chunk (``tail_seconds``), gives the text of our stream's greedy search over the same
+    samples, on the sentences it learned and on others it did not (whatever it makes of them).
+    sherpa-onnx's Python ``get_result`` strips the text's spaces at both ends; ours keeps a
+    trailing one where the last token is a word boundary."""
+    checkpoint = tone_checkpoint(tmp_path / "tone.pt", streaming=True, frontend="kaldi_fbank")
+    out = tmp_path / "sherpa"
+    assert _status([str(checkpoint), "--format", "sherpa-onnx", "--output_dir", str(out)]) == 0
+    assert "model-streaming.onnx (log-probs within" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md", "model-streaming.onnx", "model.onnx", "tokens.txt"
+    ]
+    import onnx
+
+    model = onnx.load(str(out / "model-streaming.onnx"))
+    metadata = {p.key: p.value for p in model.metadata_props}
+    streaming = Streaming()
+    assert {k: metadata[k] for k in ("model_type", "chunk_size", "left_chunks", "right_context",
+                                     "subsampling_factor")} == {
+        "model_type": "wenet_ctc", "chunk_size": str(streaming.chunk_size),
+        "left_chunks": str(streaming.left_chunks), "right_context": "6",
+        "subsampling_factor": "4"}
+    assert tuple(i.name for i in model.graph.input) == WENET_CHUNK_INPUTS
+    assert "chunk_size=16, num_left_chunks=4" in (out / "README.md").read_text(encoding="utf-8")
+    ours = Recognizer.from_checkpoint(checkpoint)
+    theirs = sherpa_onnx.OnlineRecognizer.from_wenet_ctc(
+        model=str(out / "model-streaming.onnx"), tokens=str(out / "tokens.txt"),
+        chunk_size=streaming.chunk_size, num_left_chunks=streaming.left_chunks, num_threads=1,
+    )
+    tail = np.zeros(round(tail_seconds(streaming) * 16000), dtype=np.float32)
+    texts = []
+    for i, sentence in enumerate([*SENTENCES, "abc de fed", "cab bad", "e"]):
+        path = tmp_path / f"{i}.wav"
+        sf.write(path, speech(sentence, seed=i).numpy(), 16000, subtype="PCM_16")
+        samples = np.concatenate([sf.read(path, dtype="float32")[0], tail])
+        stream = ours.stream(chunk_size=streaming.chunk_size, left_chunks=streaming.left_chunks,
+                             method="greedy", endpoint_ms=0)
+        results = stream.accept(torch.from_numpy(samples)) + stream.finish()
+        (result,) = [r for r in results if r.is_final]  # one segment: no endpoints
+        sherpa_stream = theirs.create_stream()
+        sherpa_stream.accept_waveform(16000, samples)
+        sherpa_stream.input_finished()
+        while theirs.is_ready(sherpa_stream):
+            theirs.decode_stream(sherpa_stream)
+        assert theirs.get_result(sherpa_stream) == result.text.strip()
+        texts.append(result.text.strip())
+    assert texts[:len(SENTENCES)] == SENTENCES

@@ -28,7 +28,9 @@ The folder is served and loaded as any export (docs/decoding.md, "int8").
     konkanivani-export checkpoints/run/best.pt --format sherpa-onnx --output_dir sherpa/
 
 ``--format sherpa-onnx`` writes a folder for sherpa-onnx's WeNet CTC recognizer instead: model.onnx
-with the metadata it reads, tokens.txt and a README (docs/deployment.md). It needs a model trained
+with the metadata it reads, tokens.txt and a README (docs/deployment.md); for a model trained with
+--causal_conv also model-streaming.onnx, for its online recognizer, in chunks of 16 frames with 4
+left chunks unless --streaming --chunk_size/--left_chunks say otherwise. It needs a model trained
 with --frontend kaldi_fbank, the features sherpa-onnx computes; another is refused in one line.
 """
 from __future__ import annotations
@@ -67,8 +69,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.quantize and args.format != "onnx":
         parser.error(f"--quantize {args.quantize} quantizes the ONNX graphs: it goes with --format "
                      f"onnx (the default), not --format {args.format}")
-    if args.format == SHERPA_FORMAT and args.streaming:
-        parser.error(f"--streaming: --format {SHERPA_FORMAT} writes the offline model alone")
     if not args.streaming and (args.chunk_size is not None or args.left_chunks is not None):
         parser.error("--chunk_size and --left_chunks go with --streaming")
     decoding = decoding_config_from_args(args)
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     try:
         if sherpa:
-            written = export_sherpa_onnx(args.checkpoint, output)
+            written = export_sherpa_onnx(args.checkpoint, output, streaming)
         else:
             written = export_checkpoint(args.checkpoint, output, formats, streaming,
                                         args.quantize)

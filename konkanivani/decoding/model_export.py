@@ -112,7 +112,8 @@ FILES = {
 # written with streaming=
 STREAMING_FILES = {"onnx": "encoder_chunk.onnx", "settings": "streaming.json"}
 # a sherpa-onnx folder's (sherpa_export)
-SHERPA_FILES = {"onnx": "model.onnx", "tokens": "tokens.txt", "readme": "README.md"}
+SHERPA_FILES = {"onnx": "model.onnx", "streaming": "model-streaming.onnx", "tokens": "tokens.txt",
+                "readme": "README.md"}
 # what an export folder may hold: its files, and the temporary folders older versions built in it
 EXPORT_NAMES = frozenset([*FILES.values(), *STREAMING_FILES.values(), *SHERPA_FILES.values()])
 _OLD_TEMPORARY = ".export-"
@@ -265,6 +266,18 @@ class ChunkGraph(nn.Module):
     def forward(self, features: torch.Tensor, offset: torch.Tensor, attention_cache: torch.Tensor,
                 conv_cache: torch.Tensor, feature_mean: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        past = self.cache_frames
+        # the cache rows the stream has filled
+        filled = torch.arange(past, device=features.device) >= past - offset
+        return self.encode(features, offset, filled, attention_cache, conv_cache, feature_mean)
+
+    def encode(self, features: torch.Tensor, offset: torch.Tensor, filled: torch.Tensor,
+               attention_cache: torch.Tensor, conv_cache: torch.Tensor,
+               feature_mean: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``forward`` with the cache rows the stream has filled given as a bool mask ``(L,)``
+        (``forward`` makes it from the offset; sherpa-onnx's streaming graph takes it as an input,
+        ``sherpa_export.WenetChunkGraph``)."""
         model, encoder, past = self.model, self.model.encoder, self.cache_frames
         x = model.normalize(features, feature_mean if self.utterance_cmvn else None)
         # the lengths it gives go unused
@@ -276,8 +289,6 @@ class ChunkGraph(nn.Module):
         ] * encoder.rotary.inv_freq[None, :]
         angles = torch.cat([angles, angles], dim=-1)
         rope = (angles.cos(), angles.sin())
-        # the cache rows the stream has filled
-        filled = torch.arange(past, device=x.device) >= past - offset
         # (1, 1, 1, L + C)
         allowed = torch.cat([filled, filled.new_ones(frames)])[None, None, None, :]
         keys_values, conv_inputs = [], []
