@@ -123,6 +123,8 @@ def label(args: argparse.Namespace, teacher: Path, audio: Path, out: Path) -> di
     seconds = time.perf_counter() - start
     if code != 0:
         raise SystemExit(f"labelling {out}: exit status {code}")
+    if timing.is_file():  # labels decoded before, the threshold chosen again: the first timing
+        return json.loads(timing.read_text())
     audio_s = sum(r.get("duration", 0.0) for r in _rows(audio))
     info = {"seconds": round(seconds, 1), "audio_seconds": round(audio_s, 1),
             "real_time": round(audio_s / seconds, 1)}
