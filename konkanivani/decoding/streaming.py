@@ -12,7 +12,9 @@ graph, ``decoding.onnx_recognizer``), and each chunk's CTC output advances a pre
 - after each chunk, a partial result: the beam's best so far in the current segment;
 - at the end of a segment, a final result: with method ``rescore`` the beam's n-best rescored by the
   attention decoder over the segment's encoder frames (and the LM, with one), with ``beam`` the
-  beam's best (the LM fused into the search), with ``greedy`` the best path.
+  beam's best (the LM fused into the search), with ``greedy`` the best of a beam one prefix wide
+  (not always the best path: where a token and blank nearly tie, it may keep a repeated token the
+  best path drops).
 
 A segment ends at an endpoint: more than ``endpoint_ms`` of frames whose likeliest CTC output is
 blank after speech (a frame whose likeliest output is a token); or after ``MAX_SEGMENT_SECONDS``
