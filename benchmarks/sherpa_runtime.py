@@ -14,6 +14,7 @@ both on one thread, in turn. RTF: the seconds each spent decoding over the secon
 from __future__ import annotations
 
 import argparse
+import csv
 import platform
 import sys
 import tempfile
@@ -35,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("manifest", type=Path)
     parser.add_argument("--limit", type=int, default=0, help="the first N rows only (0: all)")
+    parser.add_argument("--texts", type=Path,
+                        help="write each file's two texts here (CSV), with whether it holds a run "
+                             "of digital silence (0.1 s of zero samples)")
     args = parser.parse_args(argv)
     import sherpa_onnx
 
@@ -50,31 +54,55 @@ def main(argv: list[str] | None = None) -> int:
             num_threads=1,
         )
         ours = ExportedRecognizer(onnx_dir)
-        refs, texts = [], {"sherpa-onnx": [], "ours": []}
+        refs, texts, silent = [], {"sherpa-onnx": [], "ours": []}, []
         seconds, audio_seconds = {"sherpa-onnx": 0.0, "ours": 0.0}, 0.0
         for row in rows:
             wav = load_audio(resolve_audio_path(row["audio_filepath"], args.manifest.parent))
             refs.append(row["text"])
+            silent.append(_has_silence(wav))
             audio_seconds += len(wav) / 16000
             start = time.perf_counter()
             stream = theirs.create_stream()
             stream.accept_waveform(16000, wav.numpy())
             theirs.decode_stream(stream)
             seconds["sherpa-onnx"] += time.perf_counter() - start
-            texts["sherpa-onnx"].append(stream.result.text.strip())
+            # both texts' words, one space apart: sherpa-onnx's result strips the ends, and ours
+            # keeps a space after a final word boundary
+            texts["sherpa-onnx"].append(" ".join(stream.result.text.split()))
             start = time.perf_counter()
             [text] = ours.decode_waveforms([wav], method="greedy")
             seconds["ours"] += time.perf_counter() - start
-            texts["ours"].append(text)
-    same = sum(a == b for a, b in zip(texts["sherpa-onnx"], texts["ours"]))
+            texts["ours"].append(" ".join(text.split()))
+    pairs = list(zip(texts["sherpa-onnx"], texts["ours"]))
+    same = sum(a == b for a, b in pairs)
+    for a, b in [p for p in pairs if p[0] != p[1]][:5]:
+        print(f"differ: sherpa-onnx {a!r}, ours {b!r}")
     print(f"{args.checkpoint} on {args.manifest}: {len(rows)} files, {audio_seconds:.1f} s of"
           f" audio; {platform.processor() or platform.machine()}, one thread")
     print(f"same text: {same}/{len(rows)} ({100 * same / max(len(rows), 1):.1f}%)")
+    both = [(a == b, q) for (a, b), q in zip(pairs, silent)]
+    print(f"same text where a file holds digital silence: {sum(s for s, q in both if q)}/"
+          f"{sum(silent)}; where not: {sum(s for s, q in both if not q)}/{len(rows) - sum(silent)}")
+    if args.texts:
+        with open(args.texts, "w", encoding="utf-8", newline="") as f:
+            out = csv.writer(f)
+            out.writerow(["audio_filepath", "digital_silence", "sherpa_onnx", "ours"])
+            for row, q, (a, b) in zip(rows, silent, pairs):
+                out.writerow([row["audio_filepath"], int(q), a, b])
     print("| decoder | CER % | RTF |\n|---|---|---|")
     for name in texts:
         cer = error_rates(refs, texts[name])["cer"]
         print(f"| {name} | {100 * cer:.2f} | {seconds[name] / max(audio_seconds, 1e-9):.4f} |")
     return 0
+
+
+def _has_silence(wav: torch.Tensor, samples: int = 1600) -> bool:
+    """Whether ``wav`` holds ``samples`` zero samples in a row: where sherpa-onnx's offline dither
+    (1 in 16-bit units) makes features of what ours computes from silence."""
+    zero = (wav == 0).int()
+    runs = torch.cumsum(zero, 0)
+    ends = runs[samples - 1:] - torch.cat([torch.zeros(1, dtype=runs.dtype), runs[:-samples]])
+    return bool((ends == samples).any())
 
 
 if __name__ == "__main__":

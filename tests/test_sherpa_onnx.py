@@ -16,7 +16,7 @@ from tone_speech import SENTENCES, speech
 from konkanivani.checkpoint import save_checkpoint
 from konkanivani.cli import export as export_cli
 from konkanivani.config import model_config_from_preset
-from konkanivani.data.features import KaldiFbank, LogMel
+from konkanivani.data.features import KALDI_FLOOR, KaldiFbank, LogMel
 from konkanivani.data.tokenizer import train_tokenizer
 from konkanivani.decoding.model_export import Streaming
 from konkanivani.decoding.recognizer import Recognizer
@@ -52,14 +52,16 @@ def _sherpa_text(recognizer, path):
 
 
 def test_sherpa_onnx_computes_the_kaldi_fbank_features(tmp_path):
-    """A graph that hands its input features on as "log-probabilities": sherpa-onnx's greedy search
-    over them is the argmax of each frame, the same as over ours on every frame. A noise floor far
-    above the offline recognizer's dither (1 in 16-bit units) keeps that out of the comparison."""
+    """A graph that hands its input features on as "log-probabilities", floored at KALDI_FLOOR as
+    the exported graphs floor them: sherpa-onnx's greedy search over them is the argmax of each
+    frame, the same as over ours on every frame, the half seconds of digital silence around each
+    file included, which the offline recognizer's dither (1 in 16-bit units) turns into noise below
+    the floor."""
     import onnx
 
     class Identity(torch.nn.Module):
         def forward(self, x, x_lens):
-            return x * 1.0, x_lens * 1
+            return x.clamp_min(KALDI_FLOOR), x_lens * 1
 
     path = tmp_path / "identity.onnx"
     torch.onnx.export(Identity(), (torch.randn(1, 50, 80), torch.tensor([50])), str(path),
@@ -78,6 +80,7 @@ def test_sherpa_onnx_computes_the_kaldi_fbank_features(tmp_path):
         wav = speech(SENTENCES[seed], seed=seed)
         wav = wav + 0.05 * torch.randn(len(wav), generator=torch.Generator().manual_seed(seed))
         wav = (wav * 32768).round().clamp(-32768, 32767) / 32768  # what a 16-bit file holds
+        wav = torch.cat([torch.zeros(8000), wav, torch.zeros(8000)])
         audio = tmp_path / f"{seed}.wav"
         sf.write(audio, wav.numpy(), 16000, subtype="PCM_16")
         ids = torch.unique_consecutive(fbank(wav).argmax(-1)).tolist()
@@ -210,3 +213,14 @@ def test_sherpa_onnx_streams_an_export_as_we_do(tmp_path, capsys):
         assert theirs.get_result(sherpa_stream) == result.text.strip()
         texts.append(result.text.strip())
     assert texts[:len(SENTENCES)] == SENTENCES
+
+
+def test_silence_and_the_offline_dither_give_the_floor():
+    """Every bin of digital silence, and of sherpa-onnx's offline dither alone (1 in 16-bit units,
+    five seconds of it), is KALDI_FLOOR: the features sherpa-onnx's graph sees after its own floor
+    are ours wherever a file is silent."""
+    fbank = KaldiFbank(80)
+    dither = torch.randn(80000, generator=torch.Generator().manual_seed(0)) / 32768
+    assert (fbank(torch.zeros(16000)) == KALDI_FLOOR).all()
+    assert (fbank(dither) == KALDI_FLOOR).all()
+    assert (fbank(speech(SENTENCES[0])) > KALDI_FLOOR).float().mean() > 0.5

@@ -24,13 +24,21 @@ import torchaudio
 from .augment import vtlp_warp_matrices
 from .frames import HOP_LENGTH, SAMPLE_RATE, frames_of_samples, subsampled_lengths
 
-__all__ = ["LOG_OFFSET", "FRONTENDS", "KALDI_FBANK", "INT16_SCALE", "LogMel", "KaldiFbank",
+__all__ = ["LOG_OFFSET", "FRONTENDS", "KALDI_FBANK", "KALDI_FLOOR", "INT16_SCALE", "LogMel",
+           "KaldiFbank",
            "make_frontend", "min_samples"]
 
 LOG_OFFSET = 1e-6  # added to the mel power before the log, so that digital silence stays finite
 
 
 FRONTENDS = ("log_mel", "kaldi_fbank")  # ModelConfig.frontend
+# The least log power of a kaldi_fbank bin: below it, a bin is this. sherpa-onnx's offline
+# recognizer dithers the samples (1 in 16-bit units), which turns digital silence (-15.9 here)
+# into bins of up to 9.6 (five seconds of it; 4.3 on average), while a recording's own quiet lies
+# above 12 (the demo corpus's noisy files, 5th percentile of their bins): with the floor between,
+# both front-ends give silence the same features, and an utterance's mean does not move with the
+# dither.
+KALDI_FLOOR = 11.0
 # sherpa-onnx's FeatureExtractorConfig defaults (sherpa-onnx/csrc/features.h), which its offline
 # and online WeNet CTC recognizers keep but for the sample scale (INT16_SCALE) and, offline only,
 # dither (1, in int16 units: a draw below any recording's noise floor, but not digital silence's).
@@ -139,10 +147,10 @@ class LogMel(torch.nn.Module):
 
 class KaldiFbank(torch.nn.Module):
     """Waveform ``(N,)`` at 16 kHz -> Kaldi log filterbanks ``(T, n_mels)`` of the waveform scaled
-    to 16-bit integers, T = (N + 80) // 160 (frame t covers samples 160t - 120 .. 160t + 279, the
-    ends reflected: ``snip_edges`` false). The same interface as ``LogMel``; VTLP goes through
-    Kaldi's own VTLN warp of the filterbank (``vtln_warp``) instead of a warp of the spectrum, so
-    ``forward`` takes none (decoding never warps)."""
+    to 16-bit integers, at least ``KALDI_FLOOR``, T = (N + 80) // 160 (frame t covers samples
+    160t - 120 .. 160t + 279, the ends reflected: ``snip_edges`` false). The same interface as
+    ``LogMel``; VTLP goes through Kaldi's own VTLN warp of the filterbank (``vtln_warp``) instead
+    of a warp of the spectrum, so ``forward`` takes none (decoding never warps)."""
 
     name = "kaldi_fbank"
 
@@ -158,7 +166,7 @@ class KaldiFbank(torch.nn.Module):
         options = {**KALDI_FBANK, "snip_edges": snip_edges}
         return torchaudio.compliance.kaldi.fbank(
             wav.float()[None] * INT16_SCALE, num_mel_bins=self.n_mels, vtln_warp=alpha, **options
-        )
+        ).clamp_min(KALDI_FLOOR)
 
     @torch.no_grad()
     def batch(self, wavs: torch.Tensor, lengths: torch.Tensor,

@@ -19,9 +19,10 @@ The folder holds::
 
 sherpa-onnx computes the features itself: Kaldi filterbanks of the samples scaled to 16-bit
 integers, what ``features.KaldiFbank`` computes (sherpa-onnx/csrc/features.h's defaults with
-normalize_samples false, offline-recognizer-ctc-impl.h). A model trained on another front-end
-(``--frontend log_mel``, the default) would see other features there; it is refused, before
-anything is written. The folder is built and swapped in as any export's
+normalize_samples false, offline-recognizer-ctc-impl.h) but for the floor ``KaldiFbank`` puts under
+each bin (``KALDI_FLOOR``), which both graphs apply to their input first. A model trained on
+another front-end (``--frontend log_mel``, the default) would see other features there; it is
+refused, before anything is written. The folder is built and swapped in as any export's
 (``model_export._building``, ``_swap_in``).
 
 model-streaming.onnx is checked as sherpa-onnx drives it (``sherpa_stream_difference``: its offset,
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..data.features import KALDI_FLOOR
 from ..data.frames import HOP_LENGTH, SAMPLE_RATE
 from ..model.asr import ASRModel
 from ..model.conformer import Conv2dSubsampling
@@ -122,7 +124,7 @@ def export_sherpa_onnx(checkpoint: str | Path, out_dir: str | Path,
         )
     import onnx
 
-    graph = CTCGraph(recognizer.model)
+    graph = FlooredCTCGraph(recognizer.model)
     with _building(out_dir) as tmp:
         path = tmp / SHERPA_FILES["onnx"]
         export_onnx(graph, path)
@@ -168,6 +170,15 @@ def sherpa_metadata(model: ASRModel) -> dict[str, str]:
         "n_mels": str(cfg.n_mels),
         "cmvn": f"{cfg.cmvn}, inside the graph",
     }
+
+
+class FlooredCTCGraph(CTCGraph):
+    """model.onnx: ``CTCGraph`` of the features floored at ``KALDI_FLOOR`` first, as
+    ``KaldiFbank`` floors them (sherpa-onnx computes them without the floor)."""
+
+    def forward(self, features: torch.Tensor, feature_lengths: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().forward(features.clamp_min(KALDI_FLOOR), feature_lengths)
 
 
 class WenetChunkGraph(nn.Module):
@@ -223,7 +234,7 @@ class WenetChunkGraph(nn.Module):
         past = self.chunk.cache_frames
         keys, values = attn_cache.chunk(2, dim=-1)  # (N, H, L, d) each
         log_probs, _, next_attention, next_conv = self.chunk.encode(
-            x, offset[0] - required_cache_size[0], attn_mask[0, 0, :past],
+            x.clamp_min(KALDI_FLOOR), offset[0] - required_cache_size[0], attn_mask[0, 0, :past],
             torch.stack([keys, values], dim=1), conv_cache[:, 0].transpose(1, 2),
         )
         return log_probs, self._attn_cache(next_attention), self._conv_cache(next_conv)
