@@ -203,6 +203,11 @@ def test_cpu_small_config_is_the_learning_curve_recipe():
         # since: intermediate CTC (benchmarks/results/recipe_levers)
         "--inter_ctc_weight",
         "0.3",
+        # since: a higher peak over a longer warm-up (benchmarks/results/recipe_levers)
+        "--lr",
+        "4e-3",
+        "--warmup_steps",
+        "400",
     ]
     given = ["--train_manifest", "t.jsonl", "--valid_manifest", "v.jsonl", "--output_dir", "out"]
     assert _resolve([*given, *recipe]) == _resolve([*given, *load("learning_curve").RECIPE])
