@@ -467,6 +467,7 @@ def test_prepare_killed_by_a_real_ctrl_c_exits_130_without_a_traceback(tmp_path)
             "konkanivani.cli.prepare",
             "kaldi",
             str(data1),
+            "--output_dir",
             str(out),
             "--convert",
             "wav",
@@ -488,6 +489,7 @@ def test_prepare_killed_by_a_real_ctrl_c_exits_130_without_a_traceback(tmp_path)
             "konkanivani.cli.prepare",
             "kaldi",
             str(data3),
+            "--output_dir",
             str(out),
             "--convert",
             "wav",
@@ -537,6 +539,7 @@ def test_demo_corpus_killed_while_regenerating_keeps_the_old_corpus(tiny_corpus,
         sys.executable,
         "-m",
         "konkanivani.cli.demo_corpus",
+        "--output_dir",
         str(corpus),
         "--seed",
         "4",
@@ -580,7 +583,7 @@ def test_demo_corpus_killed_while_regenerating_keeps_the_old_corpus(tiny_corpus,
     assert not [p for p in corpus.rglob(".*") if p.is_file() and p.name != "corpus_info.json"]
     fresh = tmp_path / "fresh"
     assert (
-        subprocess.run([*command[:3], str(fresh), *command[4:]], capture_output=True).returncode
+        subprocess.run([*command[:4], str(fresh), *command[5:]], capture_output=True).returncode
         == 0
     )
     assert _snapshot(corpus) == _snapshot(fresh) != before
