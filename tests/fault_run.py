@@ -16,7 +16,6 @@ import sys
 
 import torch
 
-from konkanivani import checkpoint
 from konkanivani.cli import train as cli
 from konkanivani.training import loop as train
 
@@ -60,7 +59,7 @@ def main() -> int:
                 raise RuntimeError("injected failure of rank 1")
         _on_call(train, "optimizer_step", n, fail)
     elif fault == "kill9_in_save":
-        _on_call(checkpoint.torch, "save", n, _half_write_then_die)
+        _on_call(torch, "save", n, _half_write_then_die)  # checkpoint.py imports it to save
     else:
         raise SystemExit(f"unknown fault {fault}")
     return cli.main(argv)

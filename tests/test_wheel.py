@@ -70,6 +70,7 @@ def test_the_wheel_installs_and_trains_from_an_unrelated_directory(tmp_path):
     assert where.startswith(str(env_dir)), where  # the wheel's copy, not the checkout's
     run(
         str(bin_dir / "konkanivani-demo-corpus"),
+        "--output_dir",
         "corpus",
         "--num_utterances",
         "40",

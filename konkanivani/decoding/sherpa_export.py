@@ -295,7 +295,8 @@ def sherpa_stream_difference(path: str | Path, graph: WenetChunkGraph,
     inputs = {k: v.numpy() for k, v in graph.initial_inputs().items()}
     state, difference = None, 0.0
     for window in _stream_windows(chunk, chunks, seed=1):
-        features = window["features"]
+        # features as KaldiFbank gives them (floored; the graph floors its input again)
+        features = window["features"].clamp_min(KALDI_FLOOR)
         if features.shape[1] < chunk.window_frames:  # sherpa-onnx gives full windows only
             break
         offset = int(inputs["offset"][0])
