@@ -28,7 +28,7 @@ from konkanivani.cli import export as export_cli
 from konkanivani.cli import train as train_cli
 from konkanivani.config import model_config_from_preset
 from konkanivani.data.audio import load_audio
-from konkanivani.data.features import LogMel
+from konkanivani.data.features import KaldiFbank, LogMel
 from konkanivani.data.frames import subsampled_lengths
 from konkanivani.data.manifest import read_manifest
 from konkanivani.data.tokenizer import SOS_EOS_ID, UNK_ID, train_tokenizer
@@ -101,6 +101,19 @@ def test_feature_settings_rebuild_the_package_features_exactly():
     formula = settings["output_lengths"].split("=", 1)[1]
     assert all(eval(formula, {"T": t}) == subsampled_lengths(t) for t in range(MIN_FRAMES, 500))
     assert subsampled_lengths(MIN_FRAMES) == 1 and subsampled_lengths(MIN_FRAMES - 1) == 0
+
+
+def test_kaldi_feature_settings_rebuild_the_package_features_exactly():
+    """Kaldi filterbanks as features.json says (its floor included), from digital silence too."""
+    fbank = KaldiFbank(80)
+    settings = json.loads(json.dumps(feature_settings(fbank)))
+    wav = torch.cat([torch.zeros(4000), 0.1 * torch.randn(12345, generator=torch.Generator()
+                                                          .manual_seed(0))])
+    features = torchaudio.compliance.kaldi.fbank(
+        wav[None] * settings["sample_scale"], **settings["kaldi_fbank"]
+    ).clamp_min(settings["floor"])
+    assert torch.equal(features, fbank(wav))
+    assert features.shape == ((len(wav) + 80) // 160, settings["n_mels"])
 
 
 def test_the_export_check_catches_a_graph_that_computes_something_else():

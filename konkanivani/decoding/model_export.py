@@ -59,7 +59,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import fsync_dir
-from ..data.features import INT16_SCALE, KALDI_FBANK, LOG_OFFSET, KaldiFbank, LogMel
+from ..data.features import INT16_SCALE, KALDI_FBANK, KALDI_FLOOR, LOG_OFFSET, KaldiFbank, LogMel
 from ..data.frames import HOP_LENGTH, SAMPLE_RATE, subsampled_lengths
 from ..data.tokenizer import BLANK_ID, SOS_EOS_ID, UNK_ID, Tokenizer
 from ..model.asr import ASRModel
@@ -900,9 +900,10 @@ def feature_settings(log_mel: LogMel | KaldiFbank) -> dict[str, Any]:
             "n_mels": log_mel.n_mels,
             "kaldi_fbank": {**KALDI_FBANK, "num_mel_bins": log_mel.n_mels},
             "sample_scale": INT16_SCALE,
+            "floor": KALDI_FLOOR,
             "features": (
-                "kaldi_fbank(waveform * sample_scale), (T, n_mels); T = (samples + 80) // 160;"
-                " not normalized: the model holds the CMVN"
+                "max(kaldi_fbank(waveform * sample_scale), floor), (T, n_mels);"
+                " T = (samples + 80) // 160; not normalized: the model holds the CMVN"
             ),
             "min_frames": MIN_FRAMES,
             "output_lengths": "T' = ((T - 1) // 2 - 1) // 2",
