@@ -36,7 +36,6 @@ import argparse
 import csv
 import json
 import random
-import shutil
 import subprocess
 import sys
 import time
@@ -49,6 +48,7 @@ for path in (ROOT, ROOT / "benchmarks"):
 
 import recipe_levers  # noqa: E402
 
+from konkanivani.data.manifest import read_manifest  # noqa: E402
 from konkanivani.training.precision import cpu_description  # noqa: E402
 
 SPLITS = ("test", "heldout", "test_noisy")
@@ -75,12 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--adapt", type=int, default=0,
                    help="held-out-voice sentences to synthesize as audio alone (0: no adaptation)")
     p.add_argument("--adapt_steps", type=int, default=500)
-    p.add_argument("--table_only", action="store_true")
     return p.parse_args(argv)
 
 
 def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    return [row for _, row in read_manifest(path)]
 
 
 def _write_rows(path: Path, rows: list[dict]) -> None:
@@ -119,7 +118,8 @@ def label(args: argparse.Namespace, teacher: Path, audio: Path, out: Path) -> di
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with open(out.parent / f"{out.name}.log", "w", encoding="utf-8") as log:
-        code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
+        # from the checkout, so that -m finds the package installed or not
+        code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     seconds = time.perf_counter() - start
     if code != 0:
         raise SystemExit(f"labelling {out}: exit status {code}")
@@ -291,6 +291,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if shutil.which("konkanivani-pseudolabel") is None:
-        print("note: konkanivani is not installed; running its modules from the tree")
     sys.exit(main())
