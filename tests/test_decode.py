@@ -12,6 +12,7 @@ from konkanivani.data.tokenizer import BLANK_ID, SOS_EOS_ID
 from konkanivani.decoding.recognizer import Recognizer
 from konkanivani.decoding.search import (
     METHODS,
+    CTCBestPath,
     CTCPrefixBeam,
     attention_beam_search,
     attention_rescoring,
@@ -105,6 +106,39 @@ def test_the_search_fed_frames_piece_by_piece_equals_the_search_over_all_of_them
         start += n
         assert parts.frames == start
     assert parts.hypotheses() == whole.hypotheses() == ctc_prefix_beam_search(log_probs, 23, 5)
+
+
+@pytest.mark.parametrize("pieces", [[40], [1] * 40, [16, 16, 8], [3, 0, 29, 8]])
+def test_a_streams_best_path_is_the_whole_inputs_greedy_text_however_the_frames_come(pieces):
+    """A stream's greedy search (``CTCBestPath``): the tokens ``ctc_greedy`` gives all the frames
+    at once, the path's log-probability, and each token at its peak, on frames where a repeated
+    token and blank nearly tie (where a prefix beam one prefix wide can keep the repeat)."""
+    gen = torch.Generator().manual_seed(7)
+    log_probs = torch.log_softmax(torch.randn(40, 6, generator=gen), -1)
+    # token 1 likeliest on five frames, blank close behind on some: the best path spells 1 once;
+    # a prefix beam one prefix wide, which sums each prefix's paths, comes to "1 1" through the
+    # paths with a blank between
+    run = torch.tensor([[0.01, 0.99, 0.0], [0.25, 0.74, 0.01], [0.37, 0.63, 0.0],
+                        [0.40, 0.45, 0.15], [0.08, 0.85, 0.07]])
+    log_probs[30:35] = torch.log(F.pad(run, (0, 3)) + 1e-6)
+    log_probs[29, 1] = log_probs[35, 1] = -20.0  # the run alone
+    search, start = CTCBestPath(), 0
+    for n in pieces:
+        search.advance(log_probs[start:start + n])
+        start += n
+    [best] = search.hypotheses()
+    [greedy] = ctc_greedy(log_probs[None], torch.tensor([40]))
+    assert best.tokens == greedy and len(greedy) > 10
+    assert best.score == pytest.approx(log_probs.max(-1).values.sum().item(), abs=1e-4)
+    path = log_probs.argmax(-1).tolist()
+    for tok, frame in zip(best.tokens, best.frames):
+        assert path[frame] == tok
+        run = [t for t in range(40) if path[t] == tok]
+        assert log_probs[frame, tok] >= max(log_probs[t, tok] for t in run if abs(t - frame) <= 1)
+    beam1 = CTCPrefixBeam(1)
+    beam1.advance(log_probs)
+    assert beam1.hypotheses()[0].tokens != greedy  # the case this search exists for
+    assert beam1.hypotheses()[0].tokens.count(1) == greedy.count(1) + 1
 
 
 def test_each_token_carries_the_frame_where_it_was_likeliest():

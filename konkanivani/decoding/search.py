@@ -70,6 +70,7 @@ __all__ = [
     "attention_rescoring",
     "rescore_nbest",
     "attention_scores",
+    "CTCBestPath",
     "CTCPrefixBeam",
     "ctc_greedy",
     "ctc_length_bound",
@@ -237,6 +238,49 @@ def ctc_prefix_beam_search(log_probs: torch.Tensor, length: int, beam_size: int,
     search = CTCPrefixBeam(beam_size, fusion, hotword_graph)
     search.advance(log_probs[:length])
     return search.hypotheses()
+
+
+class CTCBestPath:
+    """The best path (``ctc_greedy``) over the frames as they come, with ``CTCPrefixBeam``'s
+    ``advance``/``hypotheses``: a stream's ``greedy``. Each frame's likeliest output, repeats
+    merged and blanks dropped, so a stream's greedy text is a whole file's, and sherpa-onnx's
+    greedy search's over the same frames. Its one hypothesis scores the path's log-probability;
+    each token's frame is where it peaked in its run of frames (counted from the first frame).
+
+    Examples:
+        >>> lp = torch.log_softmax(torch.tensor([[0., 5, 0], [0, 5, 0], [5, 0, 0], [0, 5, 0]]), -1)
+        >>> search = CTCBestPath()
+        >>> search.advance(lp[:3]); search.advance(lp[3:]); best = search.hypotheses()[0]
+        >>> best.tokens, best.frames
+        ([1, 1], [0, 3])
+    """
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.token_frames: list[int] = []
+        self.score = 0.0
+        self.last, self.peak = BLANK_ID, NEG_INF  # the last frame's output; its token's peak
+        self.frames = 0  # frames seen so far
+
+    def advance(self, log_probs: torch.Tensor) -> None:
+        """Take the next ``(T, V)`` frames (T may be 0)."""
+        lp = log_probs.float().cpu()
+        best = lp.argmax(-1)
+        values = lp.gather(-1, best[:, None])[:, 0]
+        for t, (tok, value) in enumerate(zip(best.tolist(), values.tolist())):
+            self.score += value
+            if tok != BLANK_ID and tok != self.last:
+                self.tokens.append(tok)
+                self.token_frames.append(self.frames + t)
+                self.peak = value
+            elif tok != BLANK_ID and value > self.peak:
+                self.token_frames[-1], self.peak = self.frames + t, value
+            self.last = tok
+        self.frames += lp.shape[0]
+
+    def hypotheses(self, final: bool = True) -> list[Hypothesis]:
+        """The best path so far, alone (``final`` is ``CTCPrefixBeam``'s, and changes nothing)."""
+        return [Hypothesis(list(self.tokens), self.score, list(self.token_frames))]
 
 
 class CTCPrefixBeam:

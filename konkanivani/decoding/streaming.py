@@ -7,14 +7,13 @@ whole-file path computes (``StreamingLogMel``, ``StreamingKaldiFbank``), normali
 encoded one chunk at a time with the encoder's caches (``ConformerEncoder.forward_chunk``: the
 frames ``ASRModel.encode(..., chunk_size=C)`` gives; ``ModelChunks``, or an export's ONNX chunk
 graph, ``decoding.onnx_recognizer``), and each chunk's CTC output advances a prefix beam search
-(``CTCPrefixBeam``):
+(``CTCPrefixBeam``), or with method ``greedy`` the best path (``CTCBestPath``):
 
 - after each chunk, a partial result: the beam's best so far in the current segment;
 - at the end of a segment, a final result: with method ``rescore`` the beam's n-best rescored by the
   attention decoder over the segment's encoder frames (and the LM, with one), with ``beam`` the
-  beam's best (the LM fused into the search), with ``greedy`` the best of a beam one prefix wide
-  (not always the best path: where a token and blank nearly tie, it may keep a repeated token the
-  best path drops).
+  beam's best (the LM fused into the search), with ``greedy`` the best path (the text a whole
+  file's greedy search gives over the same frames, and sherpa-onnx's).
 
 A segment ends at an endpoint: more than ``endpoint_ms`` of frames whose likeliest CTC output is
 blank after speech (a frame whose likeliest output is a token); or after ``MAX_SEGMENT_SECONDS``
@@ -47,7 +46,7 @@ from ..model.asr import ASRModel
 from ..model.conformer import Conv2dSubsampling
 from .alignment import FRAME_SECONDS, WORD_START, Word, align_words
 from .hotwords import ContextGraph
-from .search import CTCPrefixBeam, Fusion, Hypothesis, rescore_nbest
+from .search import CTCBestPath, CTCPrefixBeam, Fusion, Hypothesis, rescore_nbest
 from .settings import LONG_INPUT_SECONDS, STREAM_METHODS, DecodingConfig
 
 __all__ = [
@@ -363,7 +362,7 @@ class Stream:
         left_frames = d.left_chunks * chunk_size if d.left_chunks >= 0 else -1
         self.chunks = chunks or ModelChunks(model, left_frames)
         self.chunk_size, self.method, self.ctc_weight = chunk_size, d.method, d.ctc_weight
-        self.beam_size = 1 if d.method == "greedy" else d.beam_size
+        self.beam_size = d.beam_size
         self.fusion = fusion or Fusion()
         self.hotword_graph = hotword_graph
         # a run of blank frames longer than this ends a segment
@@ -443,8 +442,8 @@ class Stream:
 
     def _new_segment(self) -> None:
         self.chunks.reset()
-        self.search = CTCPrefixBeam(self.beam_size, self.fusion if self.method == "beam" else None,
-                                    self.hotword_graph)
+        self.search = CTCBestPath() if self.method == "greedy" else CTCPrefixBeam(
+            self.beam_size, self.fusion if self.method == "beam" else None, self.hotword_graph)
         self.segment_start = self.frames
         self.encoded: list[torch.Tensor] = []  # the segment's encoder frames, for rescoring
         # the segment's CTC log-probabilities, to align the final result's words to
