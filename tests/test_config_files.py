@@ -208,6 +208,9 @@ def test_cpu_small_config_is_the_learning_curve_recipe():
         "4e-3",
         "--warmup_steps",
         "400",
+        # since: Kaldi filterbanks, sherpa-onnx's features (benchmarks/results/recipe_levers)
+        "--frontend",
+        "kaldi_fbank",
     ]
     given = ["--train_manifest", "t.jsonl", "--valid_manifest", "v.jsonl", "--output_dir", "out"]
     assert _resolve([*given, *recipe]) == _resolve([*given, *load("learning_curve").RECIPE])

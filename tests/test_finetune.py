@@ -303,12 +303,15 @@ def test_the_model_config_resolved_once_is_the_one_the_run_builds(base, tiny_cor
     vocabulary = Tokenizer.load(out / "tokenizer.model").vocab_size
     assert built == dataclasses.asdict(dataclasses.replace(resolved, vocab_size=vocabulary))
 
+    # a run started with log-mels resumes as one under a recipe that now names kaldi_fbank
     again = tiny_args(tiny_corpus, out, "--max_steps", "2", "--resume", "latest",
-                      "--encoder_layers", "3", "--d_model", "64", "--no_tensorboard")
+                      "--encoder_layers", "3", "--d_model", "64", "--frontend", "kaldi_fbank",
+                      "--no_tensorboard")
     with caplog.at_level(logging.WARNING, logger="konkanivani"):
         assert _resolved(again, built) == ModelConfig.from_dict(built)
         assert cli.main(again) == 0
     ignored = [r for r in caplog.records if "model flags ignored on resume" in r.getMessage()]
     assert len(ignored) == 2  # once by the call above, once by the run
     assert load_checkpoint(out / "latest.pt")["model_config"] == built
+    assert built["frontend"] == "log_mel"
     assert load_checkpoint(out / "latest.pt")["step"] == 2
