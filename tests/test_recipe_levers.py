@@ -67,13 +67,14 @@ def _train_rows(out):
 
 
 @pytest.mark.slow
-def test_intermediate_ctc_with_a_ramped_augmentation_learns_and_resumes_exactly(
+def test_intermediate_ctc_and_a_ramped_augmentation_on_kaldi_fbank_learn_and_resume_exactly(
     tiny_corpus, tmp_path, caplog
 ):
-    """Both levers on: the loss falls over 30 steps, and a run stopped at step 12 (mid-ramp) and
-    resumed gives the unbroken run's losses."""
+    """Both levers on, on the CPU recipe's Kaldi filterbanks: the loss falls over 30 steps, and a
+    run stopped at step 12 (mid-ramp) and resumed gives the unbroken run's losses."""
     levers = ["--inter_ctc_weight", "0.3", "--noise_prob", "0.5", "--vtlp_prob", "0.5",
-              "--augment_ramp_epochs", "3", "--max_batch_frames", "2400"]
+              "--augment_ramp_epochs", "3", "--max_batch_frames", "2400",
+              "--frontend", "kaldi_fbank"]
     whole, split = tmp_path / "whole", tmp_path / "split"
     with caplog.at_level(logging.INFO, logger="konkanivani"):
         assert cli.main(tiny_args(tiny_corpus, whole, *levers, "--max_steps", "30")) == 0
