@@ -211,6 +211,9 @@ def test_cpu_small_config_is_the_learning_curve_recipe():
         # since: Kaldi filterbanks, sherpa-onnx's features (benchmarks/results/recipe_levers)
         "--frontend",
         "kaldi_fbank",
+        # since: the CTC loss weighted 0.5 (benchmarks/results/recipe_levers)
+        "--ctc_weight",
+        "0.5",
     ]
     given = ["--train_manifest", "t.jsonl", "--valid_manifest", "v.jsonl", "--output_dir", "out"]
     assert _resolve([*given, *recipe]) == _resolve([*given, *load("learning_curve").RECIPE])
