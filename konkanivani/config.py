@@ -543,6 +543,17 @@ class TrainConfig(AugmentConfig, RunConfig):
             kept_on_resume=True, section="data", text="length buckets of the dynamic batches"
         ),
     )
+    length_curriculum_epochs: int = field(
+        default=0,
+        metadata=flag_help(
+            kept_on_resume=True,
+            section="data",
+            text=(
+                "the first N epochs take their batches shortest first (a length curriculum, "
+                "SortaGrad); later epochs are shuffled as usual (0: off)"
+            ),
+        ),
+    )
     max_memory_gb: float = field(
         default=0.0,
         metadata=flag_help(
@@ -696,6 +707,7 @@ _CHECKS: dict[str, Check] = {
             "max_consecutive_skips",
             "freeze_encoder_steps",
             "augment_ramp_epochs",
+            "length_curriculum_epochs",
         )
     },
     **{
@@ -777,6 +789,9 @@ def check_config(cfg: TrainConfig) -> None:
         )
     if cfg.max_batch_frames and cfg.max_batch_seconds:
         raise ConfigError("give --max_batch_frames or --max_batch_seconds, not both")
+    if cfg.train_shards and cfg.length_curriculum_epochs:
+        raise ConfigError("--length_curriculum_epochs orders the rows of --train_manifest; shards "
+                          "are read as they were written, a stream a worker")
     if cfg.train_shards and cfg.max_samples:
         raise ConfigError(
             "--max_samples picks rows of --train_manifest; with --train_shards, write shards of the"

@@ -13,6 +13,7 @@ from tiny_args import tiny_args
 from konkanivani.cli import train as cli
 from konkanivani.config import AugmentConfig, model_config_from_preset
 from konkanivani.data.augment import Augmenter
+from konkanivani.data.samplers import LengthCurriculum, LengthGroupedBatchSampler, train_sampler
 from konkanivani.model.asr import ASRModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,6 +62,28 @@ def test_the_augmentation_curriculum_ramps_each_probability_over_its_epochs():
     assert 0.2 < warped[0] / warped[1] < 0.5
 
 
+def test_the_length_curriculum_takes_the_first_epochs_batches_shortest_first_and_resumes():
+    durations = [1.0 + (7 * i % 23) / 4 for i in range(64)]
+    inner = LengthGroupedBatchSampler(durations, 4, seed=3)
+    sampler = LengthCurriculum(LengthGroupedBatchSampler(durations, 4, seed=3), durations, 2)
+    for epoch in range(3):
+        inner.set_epoch(epoch)
+        sampler.set_epoch(epoch)
+        plain, batches = inner.epoch_batches(), list(sampler)
+        longest = [max(durations[i] for i in b) for b in batches]
+        if epoch < 2:  # the same batches, shortest first
+            assert sorted(map(sorted, batches)) == sorted(map(sorted, plain))
+            assert longest == sorted(longest) and batches != plain
+        else:
+            assert batches == plain
+        sampler.set_epoch(epoch, start=5)  # a resume after 5 batches goes on with the 6th
+        assert list(sampler) == batches[5:] and len(sampler) == len(batches) - 5
+    # off, it is not there; on, it sits under the preflight's worst batches
+    assert isinstance(train_sampler(durations, 4, 0, 3, 10), LengthGroupedBatchSampler)
+    wrapped = train_sampler(durations, 4, 0, 3, 10, preflight=2, curriculum_epochs=1)
+    assert isinstance(wrapped.inner, LengthCurriculum)
+
+
 def _train_rows(out):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if r["kind"] == "train"]
@@ -70,15 +93,17 @@ def _train_rows(out):
 def test_intermediate_ctc_and_a_ramped_augmentation_on_kaldi_fbank_learn_and_resume_exactly(
     tiny_corpus, tmp_path, caplog
 ):
-    """Both levers on, on the CPU recipe's Kaldi filterbanks: the loss falls over 30 steps, and a
-    run stopped at step 12 (mid-ramp) and resumed gives the unbroken run's losses."""
+    """The levers on together, on the CPU recipe's Kaldi filterbanks (intermediate CTC, the
+    augmentation ramp, the length curriculum): the loss falls over 30 steps, and a run stopped at
+    step 12 (mid-ramp, mid-curriculum) and resumed gives the unbroken run's losses."""
     levers = ["--inter_ctc_weight", "0.3", "--noise_prob", "0.5", "--vtlp_prob", "0.5",
               "--augment_ramp_epochs", "3", "--max_batch_frames", "2400",
-              "--frontend", "kaldi_fbank"]
+              "--frontend", "kaldi_fbank", "--length_curriculum_epochs", "2"]
     whole, split = tmp_path / "whole", tmp_path / "split"
     with caplog.at_level(logging.INFO, logger="konkanivani"):
         assert cli.main(tiny_args(tiny_corpus, whole, *levers, "--max_steps", "30")) == 0
     assert "their probabilities ramped up over 3 epochs" in caplog.text
+    assert "the first 2 epoch(s) take their batches shortest first" in caplog.text
     rows = _train_rows(whole)
     assert rows[-1]["epoch"] >= 2  # the ramp's epochs were crossed
     first, last = rows[:5], rows[-5:]
@@ -98,6 +123,16 @@ def test_a_bad_intermediate_layer_is_one_line_and_exit_2(tiny_corpus, tmp_path, 
                               "9", "--max_steps", "1"))
     assert code == 2
     assert "--inter_ctc_layer 9: the encoder's blocks are 1 to 2" in capsys.readouterr().err
+
+
+def test_a_length_curriculum_on_shards_is_one_line_and_exit_2(tiny_corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    code = cli.main(tiny_args(tiny_corpus, out, "--train_shards", str(tmp_path / "shards"),
+                              "--length_curriculum_epochs", "1", "--max_steps", "1"))
+    assert code == 2 and not out.exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("--length_curriculum_epochs orders the rows of --train_manifest; "
+                            "shards are read as they were written, a stream a worker"), err
 
 
 def test_the_levers_table_gives_each_variants_mean_seeds_and_speed(tmp_path):

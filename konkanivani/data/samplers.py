@@ -20,6 +20,7 @@ __all__ = [
     "EpochKeyed",
     "DurationBucketSampler",
     "PreflightSampler",
+    "LengthCurriculum",
     "cut_batches",
     "train_sampler",
     "padding_fraction",
@@ -235,6 +236,31 @@ class PreflightSampler(ResumableBatchSampler):
         return max(0, len(self.inner) - self.start)
 
 
+class LengthCurriculum(ResumableBatchSampler):
+    """Wraps a batch sampler so that its first ``epochs`` epochs take the same batches shortest
+    first (by each batch's longest utterance; ties in the inner sampler's order): a length
+    curriculum (SortaGrad), easy short utterances while the model knows nothing. Later epochs are
+    left as they are. The order is a pure function of the epoch, so a resume continues it."""
+
+    def __init__(self, inner: ResumableBatchSampler, durations: Sequence[float], epochs: int):
+        self.inner = inner
+        self.frames = [frames_of(d) for d in durations]
+        self.epochs = epochs
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        super().set_epoch(epoch, start)
+        self.inner.set_epoch(epoch, 0)
+
+    def epoch_batches(self) -> list[list[int]]:
+        batches = self.inner.epoch_batches()
+        if self.epoch >= self.epochs:
+            return batches
+        return sorted(batches, key=lambda batch: max(self.frames[i] for i in batch))
+
+    def __len__(self) -> int:  # as many batches as the inner sampler's
+        return max(0, len(self.inner) - self.start)
+
+
 def cut_batches(order: Sequence[int], frames: Sequence[int], max_frames: int,
                 fits: Optional[Callable[[int, int], bool]] = None) -> list[list[int]]:
     """Greedy batches of the utterances in ``order`` (``frames`` long each) of at most
@@ -266,11 +292,12 @@ def train_sampler(
     preflight: int = 0,
     rank: int = 0,
     world: int = 1,
+    curriculum_epochs: int = 0,
 ) -> ResumableBatchSampler:
     """The training batches: duration-bucketed under a frame budget (``max_frames``; ``fits`` a
-    further cap, the memory estimator's) or ``batch_size`` utterances of similar length; the
-    ``preflight`` largest first in the first epoch; process ``rank``'s share of them when ``world``
-    > 1.
+    further cap, the memory estimator's) or ``batch_size`` utterances of similar length; shortest
+    first in the first ``curriculum_epochs`` epochs; the ``preflight`` largest first in the first
+    epoch; process ``rank``'s share of them when ``world`` > 1.
     """
     if max_frames or fits is not None:
         sampler: ResumableBatchSampler = DurationBucketSampler(
@@ -278,6 +305,8 @@ def train_sampler(
         )
     else:
         sampler = LengthGroupedBatchSampler(durations, batch_size, seed=seed)
+    if curriculum_epochs > 0:
+        sampler = LengthCurriculum(sampler, durations, curriculum_epochs)
     if preflight > 0:
         sampler = PreflightSampler(sampler, durations, preflight)
     return ShardedSampler(sampler, rank, world) if world > 1 else sampler

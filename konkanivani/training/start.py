@@ -583,8 +583,12 @@ def _train_sampler(cfg: TrainConfig, data: _Data, fits: Optional[Fits], accum_th
                          world=dist.world, streams=cfg.num_workers, seed=cfg.seed,
                          buffer=cfg.shuffle_buffer, max_frames=budget, batch_size=cfg.batch_size,
                          max_duration=cfg.max_duration, fits=fits)
+    if cfg.length_curriculum_epochs:
+        log.info("length curriculum: the first %d epoch(s) take their batches shortest first",
+                 cfg.length_curriculum_epochs)
     return train_sampler(data.durations, cfg.batch_size, budget, cfg.seed, cfg.num_buckets, fits,
-                         accum_then + 1 if cfg.preflight else 0, dist.rank, dist.world)
+                         accum_then + 1 if cfg.preflight else 0, dist.rank, dist.world,
+                         cfg.length_curriculum_epochs)
 
 
 def _valid_sampler(cfg: TrainConfig, data: _Data, model: ASRModel, dist: Dist
