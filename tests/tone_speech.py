@@ -1,6 +1,7 @@
 """Tone "speech" the streaming and server tests learn in seconds: four sentences over six letters,
 each letter a pitch."""
 import math
+import random
 
 import torch
 
@@ -44,3 +45,23 @@ def mixed_speech(e_share: float) -> torch.Tensor:
             parts.append(0.3 * wave * torch.hann_window(2400))
     wav = torch.cat([*parts, torch.zeros(4800)])
     return wav + 0.003 * torch.randn(len(wav), generator=torch.Generator().manual_seed(5))
+
+
+def voiced_speech(text: str, seed: int, pitch_spread: float) -> torch.Tensor:
+    """Tone speech read by a "speaker": a seeded base pitch f0 (330 Hz times a factor within
+    ``1 +- pitch_spread``) and tempo (0.8-1.25). Each letter sounds f0 together with the letter's
+    own interval above it (f0 times 1.3 + 0.25 k for the k-th letter), so a letter is an interval,
+    not a pitch: a model learns it across speakers only from many of them, as with real voices."""
+    rng = random.Random(seed)
+    f0, tempo = 330 * rng.uniform(1 - pitch_spread, 1 + pitch_spread), rng.uniform(0.8, 1.25)
+    n = int(2400 * tempo)
+    t = torch.arange(n) / SAMPLE_RATE
+    parts = [torch.zeros(4800)]
+    for i, word in enumerate(text.split()):
+        parts += [torch.zeros(int(4000 * tempo))] * bool(i)
+        for ch in word:
+            interval = 1.3 + 0.25 * LETTERS.index(ch)
+            wave = torch.sin(2 * math.pi * f0 * t) + torch.sin(2 * math.pi * f0 * interval * t)
+            parts.append(0.3 * wave * torch.hann_window(n))
+    wav = torch.cat([*parts, torch.zeros(4800)])
+    return wav + 0.01 * torch.randn(len(wav), generator=torch.Generator().manual_seed(seed))
