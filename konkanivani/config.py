@@ -21,7 +21,8 @@ __all__ = ["DEFAULT_SEED", "DEFAULT_MAX_DURATION", "DEFAULT_DURATION_TOLERANCE",
            "RunConfig", "check_run_config", "check_values", "Check",
            "POSITIVE_INTEGER", "COUNT",
            "AMOUNT", "POSITIVE_NUMBER", "BELOW_ONE", "Removed", "FROM_TOKENIZER", "flag_fields",
-           "AugmentConfig", "OPTIMIZERS", "PRECISIONS", "STRATEGIES", "kept_settings",
+           "AugmentConfig", "LR_SCHEDULES", "OPTIMIZERS", "PRECISIONS", "STRATEGIES",
+           "kept_settings",
            "ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "INIT_MODULES",
            "model_config_from_preset", "model_config_from", "check_config", "resolve_model_config",
            "add_dataclass_args", "dataclass_from_args"]
@@ -434,6 +435,14 @@ class TrainConfig(AugmentConfig, RunConfig):
     warmup_steps: int = field(
         default=300, metadata=flag_help("linear warm-up, then inverse square-root decay")
     )
+    lr_schedule: str = field(default="noam", metadata=flag_help(
+        "noam: a linear warm-up to --lr over --warmup_steps, then 1/sqrt(step) decay; eden "
+        "(Zipformer's): half of --lr rising to --lr over --warmup_steps, times (1 + (step / "
+        "--eden_steps)^2)^-1/4 (1 + (epoch / --eden_epochs)^2)^-1/4"))
+    eden_steps: int = field(default=7500, metadata=flag_help(
+        "with --lr_schedule eden: the steps over which the step factor decays"))
+    eden_epochs: float = field(default=3.5, metadata=flag_help(
+        "with --lr_schedule eden: the epochs over which the epoch factor decays"))
     grad_clip: float = field(
         default=5.0, metadata=flag_help("clip the gradient norm to this (0: off)")
     )
@@ -654,6 +663,7 @@ TOKENIZER_TYPES = ("unigram", "bpe", "char")
 PRECISIONS = ("fp32", "fp16", "bf16")
 # --optimizer's accepted spellings -> the name stored in checkpoints (training.optim builds them).
 OPTIMIZERS = {"adamw": "adamw", "adamw_8bit": "adamw_8bit", "adamw8bit": "adamw_8bit"}
+LR_SCHEDULES = ("noam", "eden")
 STRATEGIES = ("ddp", "fsdp")  # --strategy under torchrun (training.distributed)
 
 
@@ -733,6 +743,9 @@ _CHECKS: dict[str, Check] = {
         f"one of {', '.join(PRECISIONS)} (or left out)",
     ),
     "optimizer": (OPTIMIZERS.__contains__, "adamw or adamw_8bit"),
+    "lr_schedule": (LR_SCHEDULES.__contains__, "noam or eden"),
+    "eden_steps": POSITIVE_INTEGER,
+    "eden_epochs": POSITIVE_NUMBER,
     "strategy": (STRATEGIES.__contains__, " or ".join(STRATEGIES)),
     "preset": (PRESETS.__contains__, "one of " + ", ".join(PRESETS)),
 }

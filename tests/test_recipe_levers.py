@@ -14,7 +14,9 @@ from konkanivani.cli import train as cli
 from konkanivani.config import AugmentConfig, model_config_from_preset
 from konkanivani.data.augment import Augmenter
 from konkanivani.data.samplers import LengthCurriculum, LengthGroupedBatchSampler, train_sampler
+from konkanivani.config import TrainConfig
 from konkanivani.model.asr import ASRModel
+from konkanivani.training.optim import eden_factor, scheduled_lr
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -84,6 +86,21 @@ def test_the_length_curriculum_takes_the_first_epochs_batches_shortest_first_and
     assert isinstance(wrapped.inner, LengthCurriculum)
 
 
+def test_the_eden_schedule_warms_from_half_and_decays_in_steps_and_epochs():
+    assert eden_factor(0, 0, 100, 7500, 3.5) == 0.5
+    assert eden_factor(50, 0, 100, 7500, 3.5) == pytest.approx(0.75 * (1 + (50 / 7500) ** 2)
+                                                               ** -0.25)
+    assert eden_factor(7500, 0, 100, 7500, 3.5) == pytest.approx(2 ** -0.25)
+    assert eden_factor(100, 3.5, 100, 10**9, 3.5) == pytest.approx(2 ** -0.25)
+    later = [eden_factor(s, e, 100, 7500, 3.5) for s, e in ((200, 0), (400, 1), (800, 2))]
+    assert later == sorted(later, reverse=True)
+    cfg = TrainConfig(train_manifest="t", valid_manifest="v", lr=4e-3, warmup_steps=400)
+    assert scheduled_lr(cfg, 1499, 6) == pytest.approx(4e-3 * (400 / 1500) ** 0.5)  # noam
+    cfg.lr_schedule = "eden"
+    assert scheduled_lr(cfg, 1500, 6) == pytest.approx(
+        4e-3 * (1 + (1500 / 7500) ** 2) ** -0.25 * (1 + (6 / 3.5) ** 2) ** -0.25)
+
+
 def _train_rows(out):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if r["kind"] == "train"]
@@ -94,16 +111,18 @@ def test_intermediate_ctc_and_a_ramped_augmentation_on_kaldi_fbank_learn_and_res
     tiny_corpus, tmp_path, caplog
 ):
     """The levers on together, on the CPU recipe's Kaldi filterbanks (intermediate CTC, the
-    augmentation ramp, the length curriculum): the loss falls over 30 steps, and a run stopped at
+    augmentation ramp, the length curriculum, the Eden schedule): the loss falls over 30 steps, and a run stopped at
     step 12 (mid-ramp, mid-curriculum) and resumed gives the unbroken run's losses."""
     levers = ["--inter_ctc_weight", "0.3", "--noise_prob", "0.5", "--vtlp_prob", "0.5",
               "--augment_ramp_epochs", "3", "--max_batch_frames", "2400",
-              "--frontend", "kaldi_fbank", "--length_curriculum_epochs", "2"]
+              "--frontend", "kaldi_fbank", "--length_curriculum_epochs", "2",
+              "--lr_schedule", "eden", "--eden_steps", "20", "--eden_epochs", "1"]
     whole, split = tmp_path / "whole", tmp_path / "split"
     with caplog.at_level(logging.INFO, logger="konkanivani"):
         assert cli.main(tiny_args(tiny_corpus, whole, *levers, "--max_steps", "30")) == 0
     assert "their probabilities ramped up over 3 epochs" in caplog.text
     assert "the first 2 epoch(s) take their batches shortest first" in caplog.text
+    assert "Eden decay over 20 steps and 1 epochs" in caplog.text
     rows = _train_rows(whole)
     assert rows[-1]["epoch"] >= 2  # the ramp's epochs were crossed
     first, last = rows[:5], rows[-5:]

@@ -45,7 +45,7 @@ from .finetune import hold_encoder
 from .memory import (
     memory_status,
 )
-from .optim import lr_factor
+from .optim import scheduled_lr
 from .run_files import run_directory, save_step
 from .signals import Stop, StopRequest, TrainingDiverged, diverged_message
 from .start import Run, setup_run, starting_point
@@ -182,8 +182,8 @@ def train_step(run: Run, micro: list[Batch]) -> Optional[dict[str, Any]]:
     )
     if stats is None:
         return None
-    # a pure function of the step: nothing to resume
-    lr = cfg.lr * lr_factor(run.step, cfg.warmup_steps)
+    # a pure function of the step and epoch: nothing to resume
+    lr = scheduled_lr(cfg, run.step, run.epoch)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     held = hold_encoder(run.model, run.step, cfg.freeze_encoder_steps)

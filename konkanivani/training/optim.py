@@ -1,4 +1,5 @@
-"""The optimizer and the learning-rate schedule (``lr_factor``, a pure function of the step):
+"""The optimizer and the learning-rate schedules (``scheduled_lr``, a pure function of the step and
+epoch: Noam's ``lr_factor`` or Zipformer's Eden):
 standard AdamW, or 8-bit AdamW from bitsandbytes (its two moments stored in 8 bits, 2 bytes per
 parameter instead of 8), with a fallback to standard AdamW when bitsandbytes
 is missing or cannot run on the device."""
@@ -12,7 +13,8 @@ import torch
 
 from ..config import OPTIMIZERS
 
-__all__ = ["canonical_optimizer", "build_optimizer", "adamw"]
+__all__ = ["canonical_optimizer", "build_optimizer", "adamw", "scheduled_lr", "eden_factor",
+           "lr_factor"]
 
 log = logging.getLogger("konkanivani")
 
@@ -77,6 +79,25 @@ def adamw(params: list[torch.nn.Parameter], **kwargs) -> torch.optim.Optimizer:
         except (RuntimeError, TypeError, ValueError):
             pass
     return torch.optim.AdamW(params, foreach=True, **kwargs)
+
+
+def scheduled_lr(cfg, step: int, epoch: int) -> float:
+    """The LR of ``cfg`` (a TrainConfig) for the update after ``step`` optimizer steps in (0-based)
+    ``epoch``: a pure function of the two, so resuming needs only the step and epoch counts."""
+    if cfg.lr_schedule == "eden":
+        return cfg.lr * eden_factor(step, epoch, cfg.warmup_steps, cfg.eden_steps,
+                                    cfg.eden_epochs)
+    return cfg.lr * lr_factor(step, cfg.warmup_steps)
+
+
+def eden_factor(step: int, epoch: int, warmup_steps: int, decay_steps: int,
+                decay_epochs: float) -> float:
+    """Multiplier of the peak LR in Zipformer's Eden schedule: from 0.5 to 1 over the warm-up,
+    times a factor falling as step^-1/2 after ``decay_steps`` and one falling as epoch^-1/2 after
+    ``decay_epochs`` (both near 1 before them)."""
+    warm = 1.0 if step >= warmup_steps else 0.5 + 0.5 * step / warmup_steps
+    return (warm * (1 + (step / decay_steps) ** 2) ** -0.25
+            * (1 + (epoch / decay_epochs) ** 2) ** -0.25)
 
 
 def lr_factor(step: int, warmup_steps: int) -> float:

@@ -71,7 +71,7 @@ from .memory import (
     precision_name,
 )
 from .metrics_log import MetricsLog
-from .optim import build_optimizer, canonical_optimizer, lr_factor
+from .optim import build_optimizer, canonical_optimizer, scheduled_lr
 from .precision import Precision, resolve_precision
 from .run_files import load_resume_checkpoint, remove_stale_temporaries
 from .signals import NonFiniteSkips, ignore_stop_signals, stop_workers
@@ -560,6 +560,8 @@ def _log_settings(cfg: TrainConfig, flags: TrainConfig, per_batch: int, dist: Di
     if cfg.lr != flags.lr or cfg.warmup_steps != flags.warmup_steps:
         lr += f" (--lr {flags.lr:g} x {cfg.lr / flags.lr:.2f})"
         warmup += f" (--warmup_steps {flags.warmup_steps})"
+    if cfg.lr_schedule == "eden":
+        warmup += (f", Eden decay over {cfg.eden_steps} steps and {cfg.eden_epochs:g} epochs")
     log.info("%s, %s, %s", batches, lr, warmup)
 
 
@@ -742,7 +744,7 @@ def _restore(run: Run, state: TrainState, source: str, samples_grew: bool) -> No
         log.warning("the rest of epoch %d cannot be found again (%s): it ends here, and the next "
                     "epoch starts", run.epoch + 1, plan_changed)
         run.epoch, run.batches_done = run.epoch + 1, 0
-    lr = run.cfg.lr * lr_factor(run.step, run.cfg.warmup_steps)
+    lr = scheduled_lr(run.cfg, run.step, run.epoch)
     log.info("resumed from %s at step %d (epoch %d, batch %d), lr %.3g", source, run.step,
              run.epoch + 1, run.batches_done, lr)
 
