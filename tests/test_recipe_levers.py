@@ -11,10 +11,9 @@ import torch
 from tiny_args import tiny_args
 
 from konkanivani.cli import train as cli
-from konkanivani.config import AugmentConfig, model_config_from_preset
+from konkanivani.config import AugmentConfig, TrainConfig, model_config_from_preset
 from konkanivani.data.augment import Augmenter
 from konkanivani.data.samplers import LengthCurriculum, LengthGroupedBatchSampler, train_sampler
-from konkanivani.config import TrainConfig
 from konkanivani.model.asr import ASRModel
 from konkanivani.training.optim import eden_factor, scheduled_lr
 
@@ -111,8 +110,9 @@ def test_intermediate_ctc_and_a_ramped_augmentation_on_kaldi_fbank_learn_and_res
     tiny_corpus, tmp_path, caplog
 ):
     """The levers on together, on the CPU recipe's Kaldi filterbanks (intermediate CTC, the
-    augmentation ramp, the length curriculum, the Eden schedule): the loss falls over 30 steps, and a run stopped at
-    step 12 (mid-ramp, mid-curriculum) and resumed gives the unbroken run's losses."""
+    augmentation ramp, the length curriculum, the Eden schedule): the loss falls over 30 steps,
+    and a run stopped at step 12 (mid-ramp, mid-curriculum) and resumed gives the unbroken run's
+    losses."""
     levers = ["--inter_ctc_weight", "0.3", "--noise_prob", "0.5", "--vtlp_prob", "0.5",
               "--augment_ramp_epochs", "3", "--max_batch_frames", "2400",
               "--frontend", "kaldi_fbank", "--length_curriculum_epochs", "2",
