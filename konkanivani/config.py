@@ -22,7 +22,7 @@ __all__ = ["DEFAULT_SEED", "DEFAULT_MAX_DURATION", "DEFAULT_DURATION_TOLERANCE",
            "POSITIVE_INTEGER", "COUNT",
            "AMOUNT", "POSITIVE_NUMBER", "BELOW_ONE", "Removed", "FROM_TOKENIZER", "flag_fields",
            "AugmentConfig", "LR_SCHEDULES", "OPTIMIZERS", "PRECISIONS", "STRATEGIES",
-           "kept_settings",
+           "kept_settings", "ADDED_OFF", "time_reduced_blocks", "check_time_reduction",
            "ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "INIT_MODULES",
            "model_config_from_preset", "model_config_from", "check_config", "resolve_model_config",
            "add_dataclass_args", "dataclass_from_args"]
@@ -160,12 +160,23 @@ class ModelConfig:
         ),
     )
 
+    time_reduce_layer: int = field(default=0, metadata=flag_help(
+        "progressive time reduction: after this encoder block (counted from 1) a stride-2 "
+        "depthwise convolution halves the frames, to 80 ms, until --time_recover_layer (0: off; "
+        "full-context models only)"))
+    time_recover_layer: int = field(default=0, metadata=flag_help(
+        "with --time_reduce_layer: after this block each halved frame is repeated and the states "
+        "from before the halving added, back to 40 ms for the blocks after it and the heads (0: "
+        "the last block but one)"))
+
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
         """The config stored in a checkpoint, which names every field: ``ConfigError`` in one line
         for one that lacks a field (written before it existed, CHANGELOG.md) or has one unknown here
         (written by a newer konkanivani), rather than a default that would build another model."""
         names = {f.name for f in dataclasses.fields(cls)}
+        # fields added since, whose absence is the model as it was before them
+        values = {**{k: v for k, v in ADDED_OFF.items() if k not in values}, **values}
         if missing := sorted(names - set(values)):
             raise ConfigError(
                 f"the checkpoint's model config has no {', '.join(missing)}: it was written by an "
@@ -175,6 +186,11 @@ class ModelConfig:
                 f"the checkpoint's model config has {', '.join(unknown)}, unknown to this "
                 "konkanivani: it was written by a newer one")
         return cls(**values)
+
+
+# ModelConfig fields added after checkpoints that lack them were written, each with the value that
+# builds the model those checkpoints hold (the feature off): from_dict reads their absence so.
+ADDED_OFF: dict[str, Any] = {"time_reduce_layer": 0, "time_recover_layer": 0}
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -230,7 +246,31 @@ def model_config_from(base: dict[str, Any], **overrides: Any) -> ModelConfig:
     for name in ("dropout", "attention_dropout"):
         if not 0.0 <= getattr(cfg, name) < 1.0:
             raise ConfigError(f"--{name} must be in [0, 1), got {getattr(cfg, name)}")
+    check_time_reduction(cfg)
     return cfg
+
+
+def time_reduced_blocks(cfg: ModelConfig) -> tuple[int, int]:
+    """``(after, until)``: blocks ``after + 1`` to ``until`` (counted from 1) run at half the frame
+    rate; ``(0, 0)`` without time reduction."""
+    if not cfg.time_reduce_layer:
+        return 0, 0
+    return cfg.time_reduce_layer, cfg.time_recover_layer or cfg.encoder_layers - 1
+
+
+def check_time_reduction(cfg: ModelConfig) -> None:
+    """``ConfigError`` in one line for a time reduction the encoder cannot run."""
+    if not cfg.time_reduce_layer and not cfg.time_recover_layer:
+        return
+    after, until = time_reduced_blocks(cfg)
+    if not 1 <= after < until <= cfg.encoder_layers:
+        raise ConfigError(
+            f"--time_reduce_layer {cfg.time_reduce_layer} --time_recover_layer "
+            f"{cfg.time_recover_layer}: want 1 <= reduce < recover <= --encoder_layers "
+            f"{cfg.encoder_layers} (recover 0: the last block but one)")
+    if cfg.causal_conv or cfg.dynamic_chunk:
+        raise ConfigError("--time_reduce_layer is for full-context models: a stream's chunks are "
+                          "encoded at one frame rate (drop --causal_conv and --dynamic_chunk)")
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The recipe levers of the learning benchmark (intermediate CTC, the augmentation curriculum):
 each trains for real on tiny speech, learns and resumes exactly; benchmarks/recipe_levers.py's
 table and flags."""
+import dataclasses
 import json
 import logging
 import sys
@@ -11,7 +12,15 @@ import torch
 from tiny_args import tiny_args
 
 from konkanivani.cli import train as cli
-from konkanivani.config import AugmentConfig, TrainConfig, model_config_from_preset
+from konkanivani.config import (
+    ADDED_OFF,
+    AugmentConfig,
+    ConfigError,
+    ModelConfig,
+    TrainConfig,
+    model_config_from_preset,
+    time_reduced_blocks,
+)
 from konkanivani.data.augment import Augmenter
 from konkanivani.data.samplers import LengthCurriculum, LengthGroupedBatchSampler, train_sampler
 from konkanivani.model.asr import ASRModel
@@ -51,6 +60,54 @@ def test_intermediate_ctc_off_is_the_model_as_before_and_on_adds_the_middle_bloc
     assert torch.equal(plain.encode(feats, lens)[0], inter.encode(feats, lens)[0])
     with pytest.raises(ValueError, match="--inter_ctc_layer 2: the encoder's blocks are 1 to 2"):
         ASRModel(cfg, inter_ctc_weight=0.5, inter_ctc_layer=2)
+
+
+def test_time_reduction_halves_the_middle_blocks_frames_and_gives_the_full_rate_back():
+    cfg = model_config_from_preset("small", vocab_size=40, time_reduce_layer=2)
+    assert time_reduced_blocks(cfg) == (2, 5)
+    torch.manual_seed(0)
+    model = ASRModel(cfg, inter_ctc_weight=0.3).eval()
+    plain = ASRModel(model_config_from_preset("small", vocab_size=40)).eval()
+    feats, lens = torch.randn(2, 401, 80), torch.tensor([401, 250])
+    out, out_lens = model.encoder(feats, lens)
+    assert out.shape == plain.encoder(feats, lens)[0].shape and out_lens.tolist() == [99, 61]
+    # the padding changes nothing: the shorter utterance alone gives its row
+    alone, _ = model.encoder(feats[1:, :250], lens[1:])
+    torch.testing.assert_close(alone[0], out[1, :61], atol=1e-5, rtol=1e-5)
+    # a tap inside the halved blocks (the middle one, 3) is brought back to the full rate
+    _, _, tapped = model.encoder.forward_tapped(feats, lens, tap=3)
+    assert tapped.shape == out.shape
+    calls = []
+    hook = model.encoder.blocks[3].register_forward_hook(lambda m, i, o: calls.append(o.shape[1]))
+    model.encoder(feats, lens)
+    hook.remove()
+    assert calls == [50]  # 99 frames halved, rounded up
+    model.train()(feats, lens, torch.tensor([[5, 6, 7], [8, 9, -1]]),
+                  torch.tensor([3, 2])).loss.backward()
+    assert model.encoder.time_reduce.weight.grad is not None
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(time_reduce_layer=6), "want 1 <= reduce < recover <= --encoder_layers 6"),
+    (dict(time_reduce_layer=2, time_recover_layer=2), "want 1 <= reduce < recover"),
+    (dict(time_recover_layer=4), "want 1 <= reduce < recover"),
+    (dict(time_reduce_layer=2, causal_conv=True), "--time_reduce_layer is for full-context"),
+    (dict(time_reduce_layer=2, dynamic_chunk=True), "--time_reduce_layer is for full-context"),
+])
+def test_a_time_reduction_the_encoder_cannot_run_is_one_line(flags, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        model_config_from_preset("small", vocab_size=40, **flags)
+    assert "\n" not in str(e.value)
+
+
+def test_a_checkpoint_written_before_time_reduction_reads_as_the_model_without_it():
+    values = dataclasses.asdict(model_config_from_preset("small", vocab_size=40))
+    for name in ADDED_OFF:
+        del values[name]
+    assert ModelConfig.from_dict(values) == model_config_from_preset("small", vocab_size=40)
+    del values["cmvn"]  # a field of before format 2 is still refused
+    with pytest.raises(ConfigError, match="has no cmvn"):
+        ModelConfig.from_dict(values)
 
 
 def test_the_augmentation_curriculum_ramps_each_probability_over_its_epochs():
@@ -110,13 +167,14 @@ def test_intermediate_ctc_and_a_ramped_augmentation_on_kaldi_fbank_learn_and_res
     tiny_corpus, tmp_path, caplog
 ):
     """The levers on together, on the CPU recipe's Kaldi filterbanks (intermediate CTC, the
-    augmentation ramp, the length curriculum, the Eden schedule): the loss falls over 30 steps,
-    and a run stopped at step 12 (mid-ramp, mid-curriculum) and resumed gives the unbroken run's
-    losses."""
+    augmentation ramp, the length curriculum, the Eden schedule, time reduction): the loss falls
+    over 30 steps, and a run stopped at step 12 (mid-ramp, mid-curriculum) and resumed gives the
+    unbroken run's losses."""
     levers = ["--inter_ctc_weight", "0.3", "--noise_prob", "0.5", "--vtlp_prob", "0.5",
               "--augment_ramp_epochs", "3", "--max_batch_frames", "2400",
               "--frontend", "kaldi_fbank", "--length_curriculum_epochs", "2",
-              "--lr_schedule", "eden", "--eden_steps", "20", "--eden_epochs", "1"]
+              "--lr_schedule", "eden", "--eden_steps", "20", "--eden_epochs", "1",
+              "--time_reduce_layer", "1", "--time_recover_layer", "2"]
     whole, split = tmp_path / "whole", tmp_path / "split"
     with caplog.at_level(logging.INFO, logger="konkanivani"):
         assert cli.main(tiny_args(tiny_corpus, whole, *levers, "--max_steps", "30")) == 0

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..config import ModelConfig
+from ..config import ModelConfig, time_reduced_blocks
 from ..data.frames import subsampled_lengths
 from .masks import chunk_mask, pad_mask
 
@@ -546,6 +546,10 @@ class ConformerEncoder(nn.Module):
             for _ in range(cfg.encoder_layers)
         )
         self.gradient_checkpointing = False  # set by ASRModel.set_gradient_checkpointing
+        # Progressive time reduction (Squeezeformer's): blocks after..until at half the frame rate
+        self.reduced = time_reduced_blocks(cfg)
+        self.time_reduce = (nn.Conv1d(cfg.d_model, cfg.d_model, 3, stride=2, padding=1,
+                                      groups=cfg.d_model) if self.reduced[0] else None)
 
     def forward(
         self,
@@ -588,11 +592,45 @@ class ConformerEncoder(nn.Module):
         allowed = _chunk_allowed(pad, chunk_size, left_chunks) if chunk_size else None
         checkpointed = self.gradient_checkpointing and self.training
         tapped = None
+        if self.time_reduce is not None:
+            if allowed is not None:
+                raise ValueError("a time-reduced encoder encodes with full context only")
+            return self._time_reduced(x, lengths, pad, rope, tap, checkpointed)
         if tap:
             x = tapped = run_layers(self.blocks[:tap], x, pad, rope, allowed,
                                     checkpointed=checkpointed)
         x = run_layers(self.blocks[tap:], x, pad, rope, allowed, checkpointed=checkpointed)
         return x, lengths, tapped
+
+    def _time_reduced(self, x: torch.Tensor, lengths: torch.Tensor, pad: torch.Tensor,
+                      rope: tuple[torch.Tensor, torch.Tensor], tap: int, checkpointed: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """``forward_tapped``'s blocks with blocks ``after + 1`` to ``until`` (``self.reduced``) on
+        half the frames: a stride-2 depthwise convolution halves them after block ``after``; after
+        block ``until`` each frame is repeated and the states from before the halving added. A tap
+        inside the halved blocks is brought back to the full rate the same way."""
+        after, until = self.reduced
+        full, skip, tapped = (pad, rope), None, None
+        here = full
+        start = 0
+        for stop in sorted({after, until, len(self.blocks), *([tap] if tap else [])}):
+            x = run_layers(self.blocks[start:stop], x, *here, None, checkpointed=checkpointed)
+            start = stop
+            if stop == until:  # back to the full rate
+                x, here = self._recovered(x, skip), full
+            if stop == tap:
+                tapped = x if skip is None or stop >= until else self._recovered(x, skip)
+            if stop == after:  # halve
+                skip = x
+                half = (lengths + 1) // 2
+                x = self.time_reduce(x.masked_fill(pad.unsqueeze(-1), 0).transpose(1, 2))
+                x = x.transpose(1, 2)
+                here = (pad_mask(half, x.shape[1]), self.rotary(x.shape[1], x.device))
+        return x, lengths, tapped
+
+    @staticmethod
+    def _recovered(x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        return x.repeat_interleave(2, dim=1)[:, :skip.shape[1]] + skip
 
     def draw_chunk(self, frames: int) -> tuple[int, int]:
         """A training batch's ``(chunk_size, left_chunks)`` under ``dynamic_chunk``, for ``frames``
