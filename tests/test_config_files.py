@@ -214,6 +214,9 @@ def test_cpu_small_config_is_the_learning_curve_recipe():
         # since: the CTC loss weighted 0.5 (benchmarks/results/recipe_levers)
         "--ctc_weight",
         "0.5",
+        # since: a length curriculum in the first epoch (benchmarks/results/recipe_levers)
+        "--length_curriculum_epochs",
+        "1",
     ]
     given = ["--train_manifest", "t.jsonl", "--valid_manifest", "v.jsonl", "--output_dir", "out"]
     assert _resolve([*given, *recipe]) == _resolve([*given, *load("learning_curve").RECIPE])
