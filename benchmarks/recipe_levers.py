@@ -138,7 +138,10 @@ def plot(args: argparse.Namespace, names: list[str], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    # one colour a variant: matplotlib's ten cycle, or twenty for more variants than that
+    colors = [f"C{i}" for i in range(10)] if len(names) <= 10 else [
+        plt.get_cmap("tab20")(i % 20) for i in range(len(names))]
     for i, name in enumerate(names):
         for j, seed in enumerate(args.seed_list):
             curve_file = args.out / name / f"seed-{seed}" / "curve.csv"
@@ -147,16 +150,16 @@ def plot(args: argparse.Namespace, names: list[str], path: Path) -> None:
             curve = _read(curve_file)
             for ax, x in ((axes[0], "step"), (axes[1], "minutes")):
                 ax.plot([float(r[x]) for r in curve], [float(r["cer"]) for r in curve],
-                        "o-" if j == 0 else "s--", color=f"C{i}",
+                        "o-" if j == 0 else "s--", color=colors[i],
                         label=name if j == 0 and x == "step" else None)
     for ax, label in ((axes[0], "optimizer step"), (axes[1], "training minutes")):
         ax.set_xlabel(label)
         ax.set_ylabel("test CER % (greedy, training weights)")
         ax.set_ylim(0, 60)
         ax.grid(alpha=0.3)
-    axes[0].legend()
+    fig.legend(loc="center right", fontsize="small")
     fig.suptitle("Recipe variants side by side (solid: first seed, dashed: second)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.8, 1))
     fig.savefig(path, dpi=110)
 
 
