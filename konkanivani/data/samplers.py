@@ -204,22 +204,38 @@ class DurationBucketSampler(ResumableBatchSampler):
         return batches
 
 
-class PreflightSampler(ResumableBatchSampler):
-    """Wraps a batch sampler so that its first epoch starts with its ``count`` largest batches
-    (utterances x longest frames, longest first), the worst case for memory: an out-of-memory
-    error then shows in the first minute, not hours in. Other epochs are left as they are."""
+class _Reordered(ResumableBatchSampler):
+    """A wrapper that gives the batches of an inner batch sampler, reordered in some epochs
+    (``_reorder``): the same batches, so as many as the inner sampler's."""
 
-    def __init__(self, inner: Sampler[list[int]], durations: Sequence[float], count: int):
+    def __init__(self, inner: ResumableBatchSampler, durations: Sequence[float]):
         self.inner = inner
         self.frames = [frames_of(d) for d in durations]
-        self.count = count
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         super().set_epoch(epoch, start)
         self.inner.set_epoch(epoch, 0)
 
     def epoch_batches(self) -> list[list[int]]:
-        batches = self.inner.epoch_batches()
+        return self._reorder(self.inner.epoch_batches())
+
+    def _reorder(self, batches: list[list[int]]) -> list[list[int]]:
+        raise NotImplementedError
+
+    def __len__(self) -> int:  # as many batches as the inner sampler's
+        return max(0, len(self.inner) - self.start)
+
+
+class PreflightSampler(_Reordered):
+    """Wraps a batch sampler so that its first epoch starts with its ``count`` largest batches
+    (utterances x longest frames, longest first), the worst case for memory: an out-of-memory
+    error then shows in the first minute, not hours in. Other epochs are left as they are."""
+
+    def __init__(self, inner: ResumableBatchSampler, durations: Sequence[float], count: int):
+        super().__init__(inner, durations)
+        self.count = count
+
+    def _reorder(self, batches: list[list[int]]) -> list[list[int]]:
         if self.epoch != 0 or self.count <= 0:
             return batches
         ranked = sorted(
@@ -232,33 +248,21 @@ class PreflightSampler(ResumableBatchSampler):
             batch for b, batch in enumerate(batches) if b not in chosen
         ]
 
-    def __len__(self) -> int:  # as many batches as the inner sampler's
-        return max(0, len(self.inner) - self.start)
 
-
-class LengthCurriculum(ResumableBatchSampler):
+class LengthCurriculum(_Reordered):
     """Wraps a batch sampler so that its first ``epochs`` epochs take the same batches shortest
     first (by each batch's longest utterance; ties in the inner sampler's order): a length
     curriculum (SortaGrad), easy short utterances while the model knows nothing. Later epochs are
     left as they are. The order is a pure function of the epoch, so a resume continues it."""
 
     def __init__(self, inner: ResumableBatchSampler, durations: Sequence[float], epochs: int):
-        self.inner = inner
-        self.frames = [frames_of(d) for d in durations]
+        super().__init__(inner, durations)
         self.epochs = epochs
 
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        super().set_epoch(epoch, start)
-        self.inner.set_epoch(epoch, 0)
-
-    def epoch_batches(self) -> list[list[int]]:
-        batches = self.inner.epoch_batches()
+    def _reorder(self, batches: list[list[int]]) -> list[list[int]]:
         if self.epoch >= self.epochs:
             return batches
         return sorted(batches, key=lambda batch: max(self.frames[i] for i in batch))
-
-    def __len__(self) -> int:  # as many batches as the inner sampler's
-        return max(0, len(self.inner) - self.start)
 
 
 def cut_batches(order: Sequence[int], frames: Sequence[int], max_frames: int,
