@@ -120,6 +120,14 @@ BAD_VALUES = [
         "--init_modules 'encoder,joiner': give a comma list of encoder, decoder, ctc_head",
     ),
     (["--freeze_encoder_steps", "-1"], "--freeze_encoder_steps must be 0 or more, got -1"),
+    (["--lr_schedule", "cosine"], "--lr_schedule must be noam or eden, got 'cosine'"),
+    (["--eden_steps", "0"], "--eden_steps must be a positive integer, got 0"),
+    (["--eden_epochs", "0"], "--eden_epochs must be a positive number, got 0.0"),
+    (["--length_curriculum_epochs", "-1"], "--length_curriculum_epochs must be 0 or more, got -1"),
+    (
+        ["--time_reduce_layer", "3", "--preset", "tiny"],
+        "want 1 <= reduce < recover <= --encoder_layers 2",
+    ),
     (
         ["--keep_init_cmvn"],
         "--keep_init_cmvn keeps the CMVN statistics of --init_from: give --init_from too",
