@@ -11,21 +11,24 @@ SENTENCES = ["abc de", "fed cab", "bad cafe", "ace bed fad"]
 LETTERS = "abcdef"
 
 
+def _spoken(words: list[list[torch.Tensor]], gap: int, noise: float, seed: int) -> torch.Tensor:
+    """The letters' sounds of each word one after the other, ``gap`` samples of silence between
+    words and 300 ms around, plus seeded noise of std ``noise``."""
+    parts = [torch.zeros(4800)]
+    for i, letters in enumerate(words):
+        parts += [torch.zeros(gap)] * bool(i)
+        parts += letters
+    wav = torch.cat([*parts, torch.zeros(4800)])
+    return wav + noise * torch.randn(len(wav), generator=torch.Generator().manual_seed(seed))
+
+
 def speech(text: str, seed: int = 0) -> torch.Tensor:
     """150 ms of a tone per letter (each letter its pitch), 100 ms between words, 300 ms of near
     silence around."""
     t = torch.arange(2400) / SAMPLE_RATE
-    parts = [torch.zeros(4800)]
-    for i, word in enumerate(text.split()):
-        parts += [torch.zeros(1600)] * bool(i)
-        parts += [
-            0.3
-            * torch.sin(2 * math.pi * (300 + 250 * LETTERS.index(ch)) * t)
-            * torch.hann_window(2400)
-            for ch in word
-        ]
-    wav = torch.cat([*parts, torch.zeros(4800)])
-    return wav + 0.003 * torch.randn(len(wav), generator=torch.Generator().manual_seed(seed))
+    words = [[0.3 * torch.sin(2 * math.pi * (300 + 250 * LETTERS.index(ch)) * t)
+              * torch.hann_window(2400) for ch in word] for word in text.split()]
+    return _spoken(words, 1600, 0.003, seed)
 
 
 def mixed_speech(e_share: float) -> torch.Tensor:
@@ -36,15 +39,14 @@ def mixed_speech(e_share: float) -> torch.Tensor:
     def tone(letter):
         return torch.sin(2 * math.pi * (300 + 250 * LETTERS.index(letter)) * t)
 
-    parts = [torch.zeros(4800)]
-    for i, word in enumerate(["bad", "cafe"]):
-        parts += [torch.zeros(1600)] * bool(i)
-        for j, letter in enumerate(word):
-            wave = (1 - e_share) * tone("a") + e_share * tone("e") if (i, j) == (0, 1) else (
-                tone(letter))
-            parts.append(0.3 * wave * torch.hann_window(2400))
-    wav = torch.cat([*parts, torch.zeros(4800)])
-    return wav + 0.003 * torch.randn(len(wav), generator=torch.Generator().manual_seed(5))
+    def sound(i, j, letter):
+        wave = (1 - e_share) * tone("a") + e_share * tone("e") if (i, j) == (0, 1) else (
+            tone(letter))
+        return 0.3 * wave * torch.hann_window(2400)
+
+    words = [[sound(i, j, letter) for j, letter in enumerate(word)]
+             for i, word in enumerate(["bad", "cafe"])]
+    return _spoken(words, 1600, 0.003, 5)
 
 
 def voiced_speech(text: str, seed: int, pitch_spread: float) -> torch.Tensor:
@@ -56,12 +58,11 @@ def voiced_speech(text: str, seed: int, pitch_spread: float) -> torch.Tensor:
     f0, tempo = 330 * rng.uniform(1 - pitch_spread, 1 + pitch_spread), rng.uniform(0.8, 1.25)
     n = int(2400 * tempo)
     t = torch.arange(n) / SAMPLE_RATE
-    parts = [torch.zeros(4800)]
-    for i, word in enumerate(text.split()):
-        parts += [torch.zeros(int(4000 * tempo))] * bool(i)
-        for ch in word:
-            interval = 1.3 + 0.25 * LETTERS.index(ch)
-            wave = torch.sin(2 * math.pi * f0 * t) + torch.sin(2 * math.pi * f0 * interval * t)
-            parts.append(0.3 * wave * torch.hann_window(n))
-    wav = torch.cat([*parts, torch.zeros(4800)])
-    return wav + 0.01 * torch.randn(len(wav), generator=torch.Generator().manual_seed(seed))
+
+    def sound(letter):
+        interval = 1.3 + 0.25 * LETTERS.index(letter)
+        wave = torch.sin(2 * math.pi * f0 * t) + torch.sin(2 * math.pi * f0 * interval * t)
+        return 0.3 * wave * torch.hann_window(n)
+
+    words = [[sound(ch) for ch in word] for word in text.split()]
+    return _spoken(words, int(4000 * tempo), 0.01, seed)
