@@ -11,7 +11,7 @@ from typing import Iterable
 
 import torch
 
-from ..config import OPTIMIZERS
+from ..config import OPTIMIZERS, TrainConfig
 
 __all__ = ["canonical_optimizer", "build_optimizer", "adamw", "scheduled_lr", "eden_factor",
            "lr_factor"]
@@ -81,8 +81,8 @@ def adamw(params: list[torch.nn.Parameter], **kwargs) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, foreach=True, **kwargs)
 
 
-def scheduled_lr(cfg, step: int, epoch: int) -> float:
-    """The LR of ``cfg`` (a TrainConfig) for the update after ``step`` optimizer steps in (0-based)
+def scheduled_lr(cfg: TrainConfig, step: int, epoch: int) -> float:
+    """The LR of ``cfg`` for the update after ``step`` optimizer steps in (0-based)
     ``epoch``: a pure function of the two, so resuming needs only the step and epoch counts."""
     if cfg.lr_schedule == "eden":
         return cfg.lr * eden_factor(step, epoch, cfg.warmup_steps, cfg.eden_steps,

@@ -561,7 +561,7 @@ def _log_settings(cfg: TrainConfig, flags: TrainConfig, per_batch: int, dist: Di
         lr += f" (--lr {flags.lr:g} x {cfg.lr / flags.lr:.2f})"
         warmup += f" (--warmup_steps {flags.warmup_steps})"
     if cfg.lr_schedule == "eden":
-        warmup += (f", Eden decay over {cfg.eden_steps} steps and {cfg.eden_epochs:g} epochs")
+        warmup += f", Eden decay over {cfg.eden_steps} steps and {cfg.eden_epochs:g} epochs"
     log.info("%s, %s, %s", batches, lr, warmup)
 
 
