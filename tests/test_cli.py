@@ -124,6 +124,15 @@ BAD_VALUES = [
     (["--eden_steps", "0"], "--eden_steps must be a positive integer, got 0"),
     (["--eden_epochs", "0"], "--eden_epochs must be a positive number, got 0.0"),
     (["--length_curriculum_epochs", "-1"], "--length_curriculum_epochs must be 0 or more, got -1"),
+    (["--ctc_weight_from", "1.5"], "--ctc_weight_from must be in [0, 1] (or -1: off), got 1.5"),
+    (["--label_smoothing_from", "1"],
+     "--label_smoothing_from must be in [0, 1) (or -1: off), got 1.0"),
+    (["--loss_ramp_steps", "-3"], "--loss_ramp_steps must be 0 or more, got -3"),
+    (["--ctc_weight_from", "0.9"], "--ctc_weight_from needs --loss_ramp_steps, the steps its ramp "
+                                   "takes"),
+    (["--optimizer", "sgd"], "--optimizer must be adamw, adamw_8bit or scaled_adam, got 'sgd'"),
+    (["--strategy", "fsdp", "--optimizer", "scaled_adam"],
+     "--strategy fsdp shards AdamW's states itself; use --optimizer adamw with it"),
     (
         ["--time_reduce_layer", "3", "--preset", "tiny"],
         "want 1 <= reduce < recover <= --encoder_layers 2",

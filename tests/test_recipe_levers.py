@@ -1,6 +1,7 @@
 """The recipe levers of the learning benchmark (intermediate CTC, the augmentation curriculum):
 each trains for real on tiny speech, learns and resumes exactly; benchmarks/recipe_levers.py's
 table and flags."""
+import copy
 import dataclasses
 import json
 import logging
@@ -24,7 +25,13 @@ from konkanivani.config import (
 from konkanivani.data.augment import Augmenter
 from konkanivani.data.samplers import LengthCurriculum, LengthGroupedBatchSampler, train_sampler
 from konkanivani.model.asr import ASRModel
-from konkanivani.training.optim import eden_factor, scheduled_lr
+from konkanivani.training.optim import (
+    build_optimizer,
+    eden_factor,
+    scheduled_loss_weights,
+    scheduled_lr,
+)
+from konkanivani.training.scaled_adam import ScaledAdam
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -157,6 +164,74 @@ def test_the_eden_schedule_warms_from_half_and_decays_in_steps_and_epochs():
         4e-3 * (1 + (1500 / 7500) ** 2) ** -0.25 * (1 + (6 / 3.5) ** 2) ** -0.25)
 
 
+def test_the_loss_weights_ramp_in_a_straight_line_then_stay():
+    cfg = TrainConfig(train_manifest="t", valid_manifest="v", ctc_weight=0.5,
+                      label_smoothing=0.1)
+    assert scheduled_loss_weights(cfg, 0) == (0.5, 0.1)  # no ramp
+    cfg.ctc_weight_from, cfg.loss_ramp_steps = 0.9, 100
+    assert scheduled_loss_weights(cfg, 0) == (0.9, 0.1)  # smoothing not ramped
+    assert scheduled_loss_weights(cfg, 50)[0] == pytest.approx(0.7)
+    assert scheduled_loss_weights(cfg, 100) == scheduled_loss_weights(cfg, 5000) == (0.5, 0.1)
+    cfg.label_smoothing_from = 0.0
+    assert scheduled_loss_weights(cfg, 25) == pytest.approx((0.8, 0.025))
+
+
+def _regression(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 1))
+    model.register_parameter("gain", torch.nn.Parameter(torch.ones(())))  # a one-entry tensor
+    x = torch.randn(128, 12)
+    return model, x, x[:, :3].sum(1, keepdim=True)
+
+
+def _steps(model, opt, x, y, n):
+    losses = []
+    for _ in range(n):
+        opt.zero_grad()
+        loss = ((model(x) * model.gain - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_scaled_adam_learns_moves_tensors_relative_to_their_scale_and_resumes_exactly():
+    model, x, y = _regression()
+    opt, name = build_optimizer("scaledadam", model.parameters(), torch.device("cpu"), 0.03, 0.01)
+    assert name == "scaled_adam" and isinstance(opt, ScaledAdam)
+    losses = _steps(model, opt, x, y, 150)
+    assert losses[-1] < 0.02 * losses[0]
+    # the first update of a matrix is lr * (1 - beta1) * its RMS in every entry (Adam's normalized
+    # gradient is +-1 at step 1), whatever that RMS is
+    for scale in (1.0, 10.0):
+        w = torch.nn.Parameter(torch.randn(8, 8) * scale)
+        before, rms = w.detach().clone(), w.detach().pow(2).mean().sqrt()
+        w.grad = torch.randn(8, 8)
+        ScaledAdam([w], lr=0.03).step()
+        assert torch.allclose((w.detach() - before).abs(), 0.03 * 0.1 * rms.expand(8, 8),
+                              rtol=1e-4)
+    # a copy resumed from the state dict after 40 steps takes the same steps as the unbroken one
+    model, x, y = _regression(1)
+    opt = ScaledAdam(model.parameters(), lr=0.03)
+    _steps(model, opt, x, y, 40)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    unbroken = _steps(model, opt, x, y, 30)
+    resumed_model, _, _ = _regression(2)
+    resumed_model.load_state_dict(saved_model)
+    resumed_opt = ScaledAdam(resumed_model.parameters(), lr=0.03)
+    resumed_opt.load_state_dict(saved_opt)
+    assert _steps(resumed_model, resumed_opt, x, y, 30) == unbroken
+
+
+def test_scaled_adam_shrinks_a_tensor_above_its_largest_scale():
+    w = torch.nn.Parameter(torch.full((4, 4), 5.0))  # RMS 5 > param_max_rms 3
+    opt = ScaledAdam([w], lr=0.05, size_update_period=2)
+    for _ in range(20):
+        w.grad = torch.zeros(4, 4)  # nothing but the scale's limit moves it
+        opt.step()
+    assert 0 < w.detach().max() < 5.0
+
+
 def _train_rows(out):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if r["kind"] == "train"]
@@ -167,20 +242,25 @@ def test_intermediate_ctc_and_a_ramped_augmentation_on_kaldi_fbank_learn_and_res
     tiny_corpus, tmp_path, caplog
 ):
     """The levers on together, on the CPU recipe's Kaldi filterbanks (intermediate CTC, the
-    augmentation ramp, the length curriculum, the Eden schedule, time reduction): the loss falls
-    over 30 steps, and a run stopped at step 12 (mid-ramp, mid-curriculum) and resumed gives the
-    unbroken run's losses."""
+    augmentation ramp, the length curriculum, ScaledAdam with the Eden schedule, time reduction,
+    the CTC weight and label smoothing ramped): the loss falls over 30 steps, and a run stopped at
+    step 12 (mid-ramp, mid-curriculum) and resumed gives the unbroken run's losses."""
     levers = ["--inter_ctc_weight", "0.3", "--noise_prob", "0.5", "--vtlp_prob", "0.5",
               "--augment_ramp_epochs", "3", "--max_batch_frames", "2400",
               "--frontend", "kaldi_fbank", "--length_curriculum_epochs", "2",
+              "--optimizer", "scaled_adam", "--lr", "0.03",
               "--lr_schedule", "eden", "--eden_steps", "20", "--eden_epochs", "1",
-              "--time_reduce_layer", "1", "--time_recover_layer", "2"]
+              "--time_reduce_layer", "1", "--time_recover_layer", "2",
+              "--ctc_weight_from", "0.9", "--label_smoothing_from", "0", "--loss_ramp_steps", "20"]
     whole, split = tmp_path / "whole", tmp_path / "split"
     with caplog.at_level(logging.INFO, logger="konkanivani"):
         assert cli.main(tiny_args(tiny_corpus, whole, *levers, "--max_steps", "30")) == 0
     assert "their probabilities ramped up over 3 epochs" in caplog.text
     assert "the first 2 epoch(s) take their batches shortest first" in caplog.text
     assert "Eden decay over 20 steps and 1 epochs" in caplog.text
+    assert "optimizer: ScaledAdam (no weight decay)" in caplog.text
+    assert ("loss ramps over the first 20 steps: CTC weight 0.9 -> 0.3, label smoothing 0 -> 0.1"
+            in caplog.text)
     rows = _train_rows(whole)
     assert rows[-1]["epoch"] >= 2  # the ramp's epochs were crossed
     first, last = rows[:5], rows[-5:]

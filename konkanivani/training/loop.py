@@ -45,7 +45,7 @@ from .finetune import hold_encoder
 from .memory import (
     memory_status,
 )
-from .optim import scheduled_lr
+from .optim import scheduled_loss_weights, scheduled_lr
 from .run_files import run_directory, save_step
 from .signals import Stop, StopRequest, TrainingDiverged, diverged_message
 from .start import Run, setup_run, starting_point
@@ -168,6 +168,8 @@ def train_step(run: Run, micro: list[Batch]) -> Optional[dict[str, Any]]:
     is read (``settle``). In the first --freeze_encoder_steps steps the encoder's gradients are
     dropped (``hold_encoder``): the norm is then the heads' alone."""
     cfg = run.cfg
+    if cfg.loss_ramp_steps:  # the loss weights of this step (a pure function of it)
+        run.model.ctc_weight, run.model.label_smoothing = scheduled_loss_weights(cfg, run.step)
     stats = forward_backward(
         run.forward,
         micro,

@@ -1,8 +1,8 @@
-"""The optimizer and the learning-rate schedules (``scheduled_lr``, a pure function of the step and
-epoch: Noam's ``lr_factor`` or Zipformer's Eden):
-standard AdamW, or 8-bit AdamW from bitsandbytes (its two moments stored in 8 bits, 2 bytes per
-parameter instead of 8), with a fallback to standard AdamW when bitsandbytes
-is missing or cannot run on the device."""
+"""The optimizer and the schedules (pure functions of the step and epoch): the learning rate's
+(``scheduled_lr``: Noam's ``lr_factor`` or Zipformer's Eden) and the loss weights'
+(``scheduled_loss_weights``). The optimizer is standard AdamW; 8-bit AdamW from bitsandbytes (its
+two moments stored in 8 bits, 2 bytes per parameter instead of 8), with a fallback to standard AdamW
+when bitsandbytes is missing or cannot run on the device; or ScaledAdam (``scaled_adam``)."""
 from __future__ import annotations
 
 import logging
@@ -12,9 +12,10 @@ from typing import Iterable
 import torch
 
 from ..config import OPTIMIZERS, TrainConfig
+from .scaled_adam import ScaledAdam
 
 __all__ = ["canonical_optimizer", "build_optimizer", "adamw", "scheduled_lr", "eden_factor",
-           "lr_factor"]
+           "lr_factor", "scheduled_loss_weights"]
 
 log = logging.getLogger("konkanivani")
 
@@ -25,7 +26,8 @@ def canonical_optimizer(name: str) -> str:
         return OPTIMIZERS[name.lower()]
     except KeyError:
         raise ValueError(
-            f"--optimizer {name!r}: choose adamw or adamw_8bit (also spelled adamw8bit)"
+            f"--optimizer {name!r}: choose adamw, adamw_8bit (also spelled adamw8bit) or "
+            "scaled_adam"
         ) from None
 
 
@@ -52,9 +54,12 @@ def build_optimizer(
     betas: tuple[float, float] = (0.9, 0.98),
 ) -> tuple[torch.optim.Optimizer, str]:
     """The optimizer ``name`` asks for, or standard AdamW with a warning saying why not.
-    Returns it and the canonical name of the optimizer that actually runs."""
+    Returns it and the canonical name of the optimizer that actually runs. ScaledAdam has no weight
+    decay: it keeps each tensor's scale within bounds instead."""
     name = canonical_optimizer(name)
     params = list(params)
+    if name == "scaled_adam":
+        return ScaledAdam(params, lr=lr, betas=betas), name
     if name == "adamw_8bit":
         try:
             return _adamw_8bit(params, device, lr=lr, betas=betas, weight_decay=weight_decay), name
@@ -109,3 +114,16 @@ def lr_factor(step: int, warmup_steps: int) -> float:
     if warmup_steps <= 0:
         return 1.0
     return min(step / warmup_steps, math.sqrt(warmup_steps / step))
+
+
+def scheduled_loss_weights(cfg: TrainConfig, step: int) -> tuple[float, float]:
+    """The CTC loss weight and the label smoothing for the update after ``step`` optimizer steps:
+    each moves in a straight line from its ``_from`` value (when one is given) to its own over
+    ``cfg.loss_ramp_steps``. A pure function of the step, like the LR."""
+    done = min(step / cfg.loss_ramp_steps, 1.0) if cfg.loss_ramp_steps else 1.0
+
+    def ramp(start: float, end: float) -> float:
+        return end if start == -1 or done == 1.0 else start + (end - start) * done
+
+    return (ramp(cfg.ctc_weight_from, cfg.ctc_weight),
+            ramp(cfg.label_smoothing_from, cfg.label_smoothing))

@@ -480,7 +480,8 @@ def _optimizer(cfg: TrainConfig, model: ASRModel, precision: Precision, dist: Di
     forward = wrap_data_parallel(model, dist, device, cfg.strategy)
     optimizer, name = build_optimizer(cfg.optimizer, model.parameters(), device, cfg.lr,
                                       cfg.weight_decay)
-    log.info("optimizer: %s", {"adamw": "AdamW", "adamw_8bit": "8-bit AdamW (bitsandbytes)"}[name])
+    log.info("optimizer: %s", {"adamw": "AdamW", "adamw_8bit": "8-bit AdamW (bitsandbytes)",
+                               "scaled_adam": "ScaledAdam (no weight decay)"}[name])
     log.log(logging.WARNING if precision.slow else logging.INFO, "%s; device %s%s", precision.note,
             device, f"; {dist.world} processes, {cfg.strategy}" if dist.active else "")
     forward = compiled(forward) if cfg.compile else forward
@@ -563,6 +564,11 @@ def _log_settings(cfg: TrainConfig, flags: TrainConfig, per_batch: int, dist: Di
     if cfg.lr_schedule == "eden":
         warmup += f", Eden decay over {cfg.eden_steps} steps and {cfg.eden_epochs:g} epochs"
     log.info("%s, %s, %s", batches, lr, warmup)
+    ramps = [f"{what} {start:g} -> {end:g}" for what, start, end in (
+        ("CTC weight", cfg.ctc_weight_from, cfg.ctc_weight),
+        ("label smoothing", cfg.label_smoothing_from, cfg.label_smoothing)) if start != -1]
+    if ramps and cfg.loss_ramp_steps:
+        log.info("loss ramps over the first %d steps: %s", cfg.loss_ramp_steps, ", ".join(ramps))
 
 
 def _memory_cap(cfg: TrainConfig, estimator: MemoryEstimator, fills: Optional[Fits]
