@@ -202,6 +202,32 @@ def test_festival_voices_of_other_languages_read_a_share_of_training_and_nothing
     assert info["festival_share"] == 0.5 and info["festival_voices"] == voices
 
 
+def test_prosody_variety_gives_each_espeak_training_reading_its_own_range_and_gaps_only(
+    tiny_corpus, tmp_path
+):
+    """--prosody_variety: every training utterance espeak-ng reads gets an intonation range and a
+    pause between words of its own (same sentence, speaker, speed and pitch); valid, test,
+    test_noisy and heldout are byte for byte as they were."""
+    make_corpus(tmp_path, seed=3, num_utterances=64, max_sentences=24, jobs=2, progress=False,
+                festival_share=0, prosody=True)
+    for split in ("valid", "test", NOISY, *([HELDOUT] if festival_available() else [])):
+        assert (tmp_path / f"{split}.jsonl").read_bytes() == (
+            tiny_corpus / f"{split}.jsonl"
+        ).read_bytes()
+    before, after = _rows(tiny_corpus, "train"), _rows(tmp_path, "train")
+    keys = ("text", "speaker", "speed", "pitch")
+    assert [[r[k] for k in keys] for r in after] == [[r[k] for k in keys] for r in before]
+    ranges, gaps = [r["pitch_range"] for r in after], [r["word_gap"] for r in after]
+    assert all(30 <= v <= 200 for v in ranges) and len(set(ranges)) > 10
+    assert all(0 <= v <= 4 for v in gaps) and len(set(gaps)) == 5
+    # pauses between words make a reading longer than the same reading without them
+    longer = [a["duration"] > b["duration"] for a, b in zip(after, before) if a["word_gap"] >= 3]
+    assert longer and all(longer)
+    info = json.loads((tmp_path / "corpus_info.json").read_text())
+    assert info["prosody"] == {"pitch_range_percent": [30, 200], "word_gap": [0, 4]}
+    assert "prosody" not in json.loads((tiny_corpus / "corpus_info.json").read_text())
+
+
 def test_the_command_and_make_corpus_share_one_set_of_defaults(tmp_path, monkeypatch, capsys):
     """Without flags, DEFAULT_FESTIVAL_SHARE of training is read by festival's voices when all of
     them are installed (0 and the missing ones named when not: Debian's festival brings one English

@@ -2,7 +2,8 @@
 konkanivani/datatools/corpus.py).
 
     konkanivani-demo-corpus --output_dir OUT_DIR [--seed 0] [--num_utterances 4800] [--max_sentences
-        N] [--jobs 2] [--sentences PATH] [--train_from_text N] [--festival_share F] [--force]
+        N] [--jobs 2] [--sentences PATH] [--train_from_text N] [--festival_share F]
+        [--prosody_variety] [--force]
 """
 from __future__ import annotations
 
@@ -60,6 +61,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             f" {len(FESTIVAL_TRAIN_VOICES)} voices are installed, else 0)"
         ),
     )
+    p.add_argument("--prosody_variety", action="store_true", help=(
+        "give each training utterance espeak-ng reads its own intonation range (30-200%% of the"
+        " voice's) and pause between words (0-40 ms); valid, test, heldout and festival's readings"
+        " are unchanged"))
     p.add_argument("--force", action="store_true", help="regenerate even if present")
     a = p.parse_args(argv)
     output_dir(p, a)
@@ -90,6 +95,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             a.force,
             train_from_text=a.train_from_text,
             festival_share=a.festival_share,
+            prosody=a.prosody_variety,
         )
     except (EspeakMissingError, ValueError) as e:
         return fail(str(e))

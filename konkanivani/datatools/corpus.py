@@ -6,13 +6,14 @@ variant) with a random speed and pitch. The test split uses sentences AND voice 
 occur in train or valid. With ``festival_share``, that share of the training utterances is read
 instead by festival's voices of other languages (Czech, Finnish, Italian, Catalan, US English; each
 recorded from one real speaker), through a transliteration (``transliterate.py``), so that training
-hears more than one synthesizer. The ``heldout`` split reads the test sentences with a voice
-*source* that never occurs in training at all: festival's Marathi NSK diphone voice, recorded from
-another real speaker (made when festival and its Marathi voice are installed); ``test_noisy`` is the
-test split in a noisy, reverberant room (synthetic, ``corrupt.corrupt_manifest``). ``text.txt`` is a
-text-only set (``resources/demo_text_kok.txt``): sentences in no speech split, for a language model.
-Output
-(relocatable, paths relative to OUT_DIR)::
+hears more than one synthesizer. With ``prosody``, each espeak-ng training utterance also gets its
+own intonation range and pause between words (``vary_prosody``). The ``heldout`` split reads the
+test sentences with a voice *source* that never occurs in training at all: festival's Marathi NSK
+diphone voice, recorded from another real speaker (made when festival and its Marathi voice are
+installed); ``test_noisy`` is the test split in a noisy, reverberant room (synthetic,
+``corrupt.corrupt_manifest``). ``text.txt`` is a text-only set (``resources/demo_text_kok.txt``):
+sentences in no speech split, for a language model. Output (relocatable, paths relative to
+OUT_DIR)::
 
     OUT_DIR/wavs/<split>_<index:05d>.wav     16 kHz mono 16-bit PCM
     OUT_DIR/{train,valid,test,heldout}.jsonl NeMo-style manifests
@@ -38,6 +39,7 @@ import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
+from xml.sax.saxutils import escape
 
 import numpy as np
 import soundfile as sf
@@ -142,6 +144,10 @@ FESTIVAL_SPEAKER = "festival:nsk"
 FESTIVAL_F0_RANGE = (100, 170)  # mean F0 in Hz (below ~90 Hz its LPC resynthesis crashes)
 FESTIVAL_STRETCH_RANGE = (1.0, 1.5)  # duration stretch (the voice's own is 1.4)
 HELDOUT_PER_SENTENCE = 2
+# --prosody_variety: an espeak-ng training utterance's intonation range (SSML <prosody range>, in
+# percent of the voice's own) and pause between words (espeak-ng -g, in 10 ms at normal speed)
+PITCH_RANGE_PERCENT = (30, 200)
+WORD_GAP_RANGE = (0, 4)
 
 
 FESTIVAL_TRAIN_STRETCH_RANGE = (0.8, 1.3)
@@ -209,6 +215,12 @@ class PlannedUtterance(NamedTuple):
     peak: float
     snr_db: Optional[float]
     noise_seed: int
+    pitch_range: int = 100  # espeak-ng: intonation range in percent of the voice's (vary_prosody)
+    word_gap: int = 0  # espeak-ng -g: pause between words, in 10 ms
+
+    @property
+    def plain_prosody(self) -> bool:
+        return self.pitch_range == 100 and self.word_gap == 0
 
     @property
     def rel_path(self) -> str:
@@ -343,6 +355,18 @@ def read_with_festival_voices(plan: list[PlannedUtterance], share: float, voices
     return out
 
 
+def vary_prosody(plan: list[PlannedUtterance], seed: int) -> list[PlannedUtterance]:
+    """The plan with each training utterance that espeak-ng reads given its own intonation range
+    (``PITCH_RANGE_PERCENT``: from a near monotone to twice the voice's own swings) and pause
+    between words (``WORD_GAP_RANGE``), on top of its speed and pitch: more of the variety one
+    real speaker brings from sentence to sentence. A third RNG draws them, so valid, test and
+    heldout stay as they were, and festival's readings too."""
+    rng = random.Random(f"{seed}:prosody")
+    return [u._replace(pitch_range=rng.randint(*PITCH_RANGE_PERCENT),
+                       word_gap=rng.randint(*WORD_GAP_RANGE))
+            if u.split == "train" and u.speaker not in FESTIVAL_TRAIN_VOICES else u for u in plan]
+
+
 def check_transliterable(plan: list[PlannedUtterance], sources: list[Path]) -> None:
     """Raise ValueError naming the file and line of the first sentence a festival training voice is
     to
@@ -426,11 +450,16 @@ def _speak(utt: PlannedUtterance, wav_path: str) -> None:
         _speak_festival_train(utt, wav_path)
         return
     if utt.speaker != FESTIVAL_SPEAKER:
+        # a plain reading is the text as it is; a varied one is SSML (-m) with a word gap (-g)
+        prosody = [] if utt.plain_prosody else ["-m", "-g", str(utt.word_gap)]
+        text = (utt.text if utt.plain_prosody else
+                f'<speak><prosody range="{utt.pitch_range}%">{escape(utt.text)}</prosody></speak>')
         subprocess.run(
             [
                 "espeak-ng",
                 "-b",
                 "1",
+                *prosody,
                 "-v",
                 utt.speaker,
                 "-s",
@@ -440,7 +469,7 @@ def _speak(utt: PlannedUtterance, wav_path: str) -> None:
                 "-w",
                 wav_path,
                 "--",
-                utt.text,
+                text,
             ],
             check=True,
             stdout=subprocess.DEVNULL,
@@ -611,6 +640,8 @@ def _build(
             for u in (u for u in plan if u.split == split):
                 row = {"audio_filepath": u.rel_path, "duration": durations[split, u.index],
                        "text": u.text, "speaker": u.speaker, "speed": u.speed, "pitch": u.pitch}
+                if not u.plain_prosody:
+                    row.update(pitch_range=u.pitch_range, word_gap=u.word_gap)
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
     corrupt_manifest(root / "test.jsonl", root, NOISY, seed=seed, snr_db=NOISY_SNR_DB, reverb=True)
 
@@ -627,13 +658,14 @@ def make_corpus(out_dir: str | Path, seed: int = DEFAULT_SEED, num_utterances: i
                 sentences_path: Optional[str | Path] = None, force: bool = False,
                 progress: bool = True, heldout: Optional[bool] = None,
                 text_path: Optional[str | Path] = None, train_from_text: Optional[int] = None,
-                festival_share: Optional[float] = None) -> dict[str, Any]:
+                festival_share: Optional[float] = None, prosody: bool = False) -> dict[str, Any]:
     """Generate (or reuse) the corpus in `out_dir`; returns the summary dict. `heldout` (default:
     when festival is installed) adds the festival split; `text_path` (default: the package's
     text-only sentences, when present) gives text.txt. `train_from_text` N reads N of the text-only
     sentences (a seeded choice) in the training split too, and text.txt keeps the rest.
     `festival_share` of the training utterances are read by festival's voices of other languages
-    (those installed). Options
+    (those installed). With `prosody`, each training utterance espeak-ng reads gets its own
+    intonation range and pause between words (``vary_prosody``). Options
     left None take ``default_options``, as konkanivani-demo-corpus does."""
     defaults = default_options(sentences_path, max_sentences)
     train_from_text = defaults["train_from_text"] if train_from_text is None else train_from_text
@@ -670,6 +702,9 @@ def make_corpus(out_dir: str | Path, seed: int = DEFAULT_SEED, num_utterances: i
     train_voices = _voices_for_share(festival_share)
     if train_voices:
         info.update(festival_share=festival_share, festival_voices=train_voices)
+    if prosody:
+        info["prosody"] = {"pitch_range_percent": list(PITCH_RANGE_PERCENT),
+                           "word_gap": list(WORD_GAP_RANGE)}
     if not force and corpus_is_complete(out, info):
         if progress:
             print(f"corpus already present in {out}")
@@ -681,6 +716,8 @@ def make_corpus(out_dir: str | Path, seed: int = DEFAULT_SEED, num_utterances: i
     extra = random.Random(seed).sample(text_only, min(train_from_text, len(text_only)))
     plan = read_text_into_train(plan, extra, seed)
     plan = read_with_festival_voices(plan, festival_share, train_voices, seed)
+    if prosody:
+        plan = vary_prosody(plan, seed)
     check_transliterable(plan, [sent_path, *([text_file] if text_file else [])])
     with Staging(out, "demo_corpus", INFO_FILE) as staging:
         _build(staging.path, plan, info, jobs, progress, seed)
