@@ -118,8 +118,8 @@ def lr_factor(step: int, warmup_steps: int) -> float:
 
 def scheduled_loss_weights(cfg: TrainConfig, step: int) -> tuple[float, float]:
     """The CTC loss weight and the label smoothing for the update after ``step`` optimizer steps:
-    each moves in a straight line from its ``_from`` value (when one is given) to its own over
-    ``cfg.loss_ramp_steps``. A pure function of the step, like the LR."""
+    each moves in a straight line from its --ctc_weight_from / --label_smoothing_from value (when
+    one is given) to its own over --loss_ramp_steps. A pure function of the step, like the LR."""
     done = min(step / cfg.loss_ramp_steps, 1.0) if cfg.loss_ramp_steps else 1.0
 
     def ramp(start: float, end: float) -> float:
