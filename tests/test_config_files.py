@@ -217,6 +217,11 @@ def test_cpu_small_config_is_the_learning_curve_recipe():
         # since: a length curriculum in the first epoch (benchmarks/results/recipe_levers)
         "--length_curriculum_epochs",
         "1",
+        # since: the CTC weight ramped down from 0.9 (benchmarks/results/recipe_levers)
+        "--ctc_weight_from",
+        "0.9",
+        "--loss_ramp_steps",
+        "1000",
     ]
     given = ["--train_manifest", "t.jsonl", "--valid_manifest", "v.jsonl", "--output_dir", "out"]
     assert _resolve([*given, *recipe]) == _resolve([*given, *load("learning_curve").RECIPE])
