@@ -868,6 +868,11 @@ def check_config(cfg: TrainConfig) -> None:
     for name in ("ctc_weight_from", "label_smoothing_from"):
         if getattr(cfg, name) != -1 and not cfg.loss_ramp_steps:
             raise ConfigError(f"--{name} needs --loss_ramp_steps, the steps its ramp takes")
+    # torch.compile guards on the smoothing (a plain float of the loss call): a new value each step
+    # would compile the model again each step (the CTC weight it takes as an input, once)
+    if cfg.compile and cfg.label_smoothing_from != -1:
+        raise ConfigError("--label_smoothing_from under --compile would compile the model again "
+                          "at every step of its ramp; leave one of them out")
     if cfg.strategy == "fsdp" and cfg.optimizer != "adamw":
         raise ConfigError(
             "--strategy fsdp shards AdamW's states itself; use --optimizer adamw with it"

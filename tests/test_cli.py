@@ -130,6 +130,9 @@ BAD_VALUES = [
     (["--loss_ramp_steps", "-3"], "--loss_ramp_steps must be 0 or more, got -3"),
     (["--ctc_weight_from", "0.9"], "--ctc_weight_from needs --loss_ramp_steps, the steps its ramp "
                                    "takes"),
+    (["--compile", "--label_smoothing_from", "0", "--loss_ramp_steps", "9"],
+     "--label_smoothing_from under --compile would compile the model again at every step of its "
+     "ramp; leave one of them out"),
     (["--optimizer", "sgd"], "--optimizer must be adamw, adamw_8bit or scaled_adam, got 'sgd'"),
     (["--strategy", "fsdp", "--optimizer", "scaled_adam"],
      "--strategy fsdp shards AdamW's states itself; use --optimizer adamw with it"),
