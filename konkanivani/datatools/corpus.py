@@ -215,12 +215,15 @@ class PlannedUtterance(NamedTuple):
     peak: float
     snr_db: Optional[float]
     noise_seed: int
-    pitch_range: int = 100  # espeak-ng: intonation range in percent of the voice's (vary_prosody)
-    word_gap: int = 0  # espeak-ng -g: pause between words, in 10 ms
+    # drawn by vary_prosody (None: not varied): espeak-ng's intonation range in percent of the
+    # voice's, and its pause between words (-g), in 10 ms
+    pitch_range: Optional[int] = None
+    word_gap: Optional[int] = None
 
     @property
     def plain_prosody(self) -> bool:
-        return self.pitch_range == 100 and self.word_gap == 0
+        """Read as plain text: not varied, or drawn as the voice's own (100%, no gap)."""
+        return self.pitch_range in (None, 100) and not self.word_gap
 
     @property
     def rel_path(self) -> str:
@@ -640,7 +643,7 @@ def _build(
             for u in (u for u in plan if u.split == split):
                 row = {"audio_filepath": u.rel_path, "duration": durations[split, u.index],
                        "text": u.text, "speaker": u.speaker, "speed": u.speed, "pitch": u.pitch}
-                if not u.plain_prosody:
+                if u.pitch_range is not None:  # every varied reading, plain draws too
                     row.update(pitch_range=u.pitch_range, word_gap=u.word_gap)
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
     corrupt_manifest(root / "test.jsonl", root, NOISY, seed=seed, snr_db=NOISY_SNR_DB, reverb=True)
