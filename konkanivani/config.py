@@ -168,6 +168,11 @@ class ModelConfig:
         "with --time_reduce_layer: after this block each halved frame is repeated and the states "
         "from before the halving added, back to 40 ms for the blocks after it and the heads (0: "
         "the last block but one)"))
+    self_condition_layer: int = field(default=0, metadata=flag_help(
+        "self-conditioned CTC: after this encoder block (counted from 1) the CTC head's "
+        "posteriors, mapped back to d_model, are added to the states, in training and in "
+        "recognition (0: off; full-context models only; pair it with --inter_ctc_layer on the "
+        "same block)"))
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
@@ -190,7 +195,8 @@ class ModelConfig:
 
 # ModelConfig fields added after checkpoints that lack them were written, each with the value that
 # builds the model those checkpoints hold (the feature off): from_dict reads their absence so.
-ADDED_OFF: dict[str, Any] = {"time_reduce_layer": 0, "time_recover_layer": 0}
+ADDED_OFF: dict[str, Any] = {"time_reduce_layer": 0, "time_recover_layer": 0,
+                             "self_condition_layer": 0}
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -247,6 +253,15 @@ def model_config_from(base: dict[str, Any], **overrides: Any) -> ModelConfig:
         if not 0.0 <= getattr(cfg, name) < 1.0:
             raise ConfigError(f"--{name} must be in [0, 1), got {getattr(cfg, name)}")
     check_time_reduction(cfg)
+    if cfg.self_condition_layer:
+        if not 1 <= cfg.self_condition_layer < cfg.encoder_layers:
+            raise ConfigError(
+                f"--self_condition_layer {cfg.self_condition_layer}: want a block from 1 to "
+                f"{cfg.encoder_layers - 1} (the last one is the CTC head's own)")
+        if cfg.causal_conv or cfg.dynamic_chunk or cfg.time_reduce_layer:
+            raise ConfigError(
+                "--self_condition_layer is for full-context models at one frame rate (drop "
+                "--causal_conv, --dynamic_chunk and --time_reduce_layer)")
     return cfg
 
 
@@ -509,6 +524,20 @@ class TrainConfig(AugmentConfig, RunConfig):
     spec_augment: bool = field(
         default=True, metadata=flag_help("time and frequency masks on training batches")
     )
+    spec_freq_masks: int = field(default=2, metadata=flag_help(
+        "with --spec_augment: frequency masks an utterance gets"))
+    spec_freq_width: int = field(default=27, metadata=flag_help(
+        "with --spec_augment: the widest frequency mask, in mel bins"))
+    spec_time_masks: int = field(default=2, metadata=flag_help(
+        "with --spec_augment: time masks an utterance gets"))
+    spec_time_width: int = field(default=40, metadata=flag_help(
+        "with --spec_augment: the longest time mask, in 10 ms frames"))
+    spec_time_ratio: float = field(default=0.05, metadata=flag_help(
+        "with --spec_augment: the longest time mask as a share of the utterance, at most"))
+    spec_augment_ramp_steps: int = field(default=0, metadata=flag_help(
+        "with --spec_augment: the masks' largest widths grow in a straight line from 0 to "
+        "--spec_freq_width and --spec_time_width over this many optimizer steps (0: full from "
+        "the start)"))
     mixed_precision: bool = field(default=False, metadata=flag_help(
         "fp16 autocast + GradScaler on CUDA; bf16 on a CPU only where it computes bf16 natively"))
     num_workers: int = field(
@@ -791,6 +820,9 @@ _CHECKS: dict[str, Check] = {
     "ctc_weight_from": (lambda v: v == -1 or 0 <= v <= 1, "in [0, 1] (or -1: off)"),
     "label_smoothing_from": (lambda v: v == -1 or 0 <= v < 1, "in [0, 1) (or -1: off)"),
     "loss_ramp_steps": COUNT,
+    **{name: COUNT for name in ("spec_freq_masks", "spec_freq_width", "spec_time_masks",
+                                "spec_time_width", "spec_augment_ramp_steps")},
+    "spec_time_ratio": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "ema_decay": (lambda v: 0.0 <= v < 1.0, "in [0, 1) (0: off)"),
     "tokenizer_type": (TOKENIZER_TYPES.__contains__, "one of " + ", ".join(TOKENIZER_TYPES)),
     "precision": (
@@ -873,6 +905,10 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.compile and cfg.label_smoothing_from != -1:
         raise ConfigError("--label_smoothing_from under --compile would compile the model again "
                           "at every step of its ramp; leave one of them out")
+    # the same for the masks' widths, plain ints of SpecAugment's masks
+    if cfg.compile and cfg.spec_augment_ramp_steps:
+        raise ConfigError("--spec_augment_ramp_steps under --compile would compile the model "
+                          "again as its masks widen; leave one of them out")
     if cfg.strategy == "fsdp" and cfg.optimizer != "adamw":
         raise ConfigError(
             "--strategy fsdp shards AdamW's states itself; use --optimizer adamw with it"

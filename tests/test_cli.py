@@ -133,6 +133,13 @@ BAD_VALUES = [
     (["--compile", "--label_smoothing_from", "0", "--loss_ramp_steps", "9"],
      "--label_smoothing_from under --compile would compile the model again at every step of its "
      "ramp; leave one of them out"),
+    (["--spec_time_ratio", "0"], "--spec_time_ratio must be in (0, 1], got 0.0"),
+    (["--spec_freq_masks", "-1"], "--spec_freq_masks must be 0 or more, got -1"),
+    (["--compile", "--spec_augment_ramp_steps", "100"],
+     "--spec_augment_ramp_steps under --compile would compile the model again as its masks "
+     "widen; leave one of them out"),
+    (["--self_condition_layer", "2", "--preset", "tiny"], "--self_condition_layer 2: want a "
+     "block from 1 to 1 (the last one is the CTC head's own)"),
     (["--optimizer", "sgd"], "--optimizer must be adamw, adamw_8bit or scaled_adam, got 'sgd'"),
     (["--strategy", "fsdp", "--optimizer", "scaled_adam"],
      "--strategy fsdp shards AdamW's states itself; use --optimizer adamw with it"),

@@ -3,6 +3,7 @@ model code (onnxruntime, torch.jit.load) and compared with the PyTorch model and
 streaming graph (--streaming) run chunk by chunk and compared with the model's chunk-by-chunk
 encoding."""
 
+import copy
 import dataclasses
 import doctest
 import json
@@ -144,6 +145,32 @@ def test_per_utterance_cmvn_is_inside_both_exported_graphs(tmp_path):
     assert sorted(w.path.name for w in written if w.difference is not None) == sorted(
         [FILES["onnx"], FILES["torchscript"]]
     )
+
+
+def test_a_self_conditioned_model_exports_with_its_conditioning(tmp_path):
+    """The CTC posteriors added after the conditioning block are in both graphs
+    (``export_checkpoint`` checks each file against the model and raises if off)."""
+    tokenizer = train_tokenizer(TEXTS, vocab_size=40)
+    cfg = model_config_from_preset("tiny", vocab_size=tokenizer.vocab_size,
+                                   self_condition_layer=1)
+    torch.manual_seed(0)
+    model = ASRModel(cfg)
+    with torch.no_grad():
+        model.encoder.ctc_condition.mul_(50)  # a conditioning large enough to matter
+    path = tmp_path / "model.pt"
+    save_checkpoint({"model_config": dataclasses.asdict(cfg), "model": model.state_dict(),
+                     "tokenizer": tokenizer.model_proto}, path)
+    written = export_checkpoint(path, tmp_path / "out")
+    assert sorted(w.path.name for w in written if w.difference is not None) == sorted(
+        [FILES["onnx"], FILES["torchscript"]]
+    )
+    feats, lens = torch.randn(2, 90, 80), torch.tensor([90, 61])
+    unconditioned = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        unconditioned.encoder.ctc_condition.zero_()
+    runner = onnx_runner(tmp_path / "out" / FILES["onnx"])
+    assert not torch.allclose(runner(feats, lens)[0], CTCGraph(unconditioned)(feats, lens)[0],
+                              atol=1e-2)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torchaudio
 from tiny_args import tiny_args
 
 from konkanivani.cli import train as cli
@@ -24,7 +25,7 @@ from konkanivani.config import (
 )
 from konkanivani.data.augment import Augmenter
 from konkanivani.data.samplers import LengthCurriculum, LengthGroupedBatchSampler, train_sampler
-from konkanivani.model.asr import ASRModel
+from konkanivani.model.asr import ASRModel, SpecAugment
 from konkanivani.training.optim import (
     build_optimizer,
     eden_factor,
@@ -115,6 +116,84 @@ def test_a_checkpoint_written_before_time_reduction_reads_as_the_model_without_i
     del values["cmvn"]  # a field of before format 2 is still refused
     with pytest.raises(ConfigError, match="has no cmvn"):
         ModelConfig.from_dict(values)
+
+
+def test_self_conditioning_adds_the_ctc_posteriors_after_its_block_in_training_and_recognition():
+    cfg = model_config_from_preset("small", vocab_size=40, self_condition_layer=3)
+    torch.manual_seed(0)
+    model = ASRModel(cfg, inter_ctc_weight=0.3, inter_ctc_layer=3).eval()
+    assert model.encoder.ctc_condition.shape == (40, cfg.d_model)
+    assert "encoder.ctc_condition" in ASRModel.VOCABULARY_TENSORS
+    feats, lens = torch.randn(2, 401, 80), torch.tensor([401, 250])
+    out, out_lens = model.encode(feats, lens)
+    # without the conditioning's rows the encoder is the plain one with the same weights
+    plain = ASRModel(model_config_from_preset("small", vocab_size=40)).eval()
+    plain.load_state_dict(model.state_dict(), strict=False)
+    assert not torch.allclose(out, plain.encode(feats, lens)[0])
+    with torch.no_grad():
+        model.encoder.ctc_condition.zero_()
+    torch.testing.assert_close(model.encode(feats, lens)[0], plain.encode(feats, lens)[0])
+    # the padding changes nothing: the shorter utterance alone gives its row
+    torch.manual_seed(0)
+    model = ASRModel(cfg, inter_ctc_weight=0.3, inter_ctc_layer=3).eval()
+    out, _ = model.encode(feats, lens)
+    alone, _ = model.encode(feats[1:, :250], lens[1:])
+    torch.testing.assert_close(alone[0], out[1, :61], atol=1e-5, rtol=1e-5)
+    # the tap is the block's states before the conditioning adds to them
+    tap_states = []
+    hook = model.encoder.blocks[2].register_forward_hook(lambda m, i, o: tap_states.append(o))
+    _, _, tapped = model.encoder.forward_tapped(model._normalized(feats, lens, False), lens,
+                                                tap=3, head=model.ctc_head)
+    hook.remove()
+    assert torch.equal(tapped, tap_states[0])
+    with pytest.raises(ValueError, match="needs the CTC head"):
+        model.encoder(feats, lens)
+    model.train()(feats, lens, torch.tensor([[5, 6, 7], [8, 9, -1]]),
+                  torch.tensor([3, 2])).loss.backward()
+    assert model.encoder.ctc_condition.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(self_condition_layer=6), "want a block from 1 to 5"),
+    (dict(self_condition_layer=2, causal_conv=True), "is for full-context models"),
+    (dict(self_condition_layer=2, dynamic_chunk=True), "is for full-context models"),
+    (dict(self_condition_layer=2, time_reduce_layer=3), "is for full-context models"),
+])
+def test_a_self_conditioning_the_encoder_cannot_run_is_one_line(flags, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        model_config_from_preset("small", vocab_size=40, **flags)
+    assert "\n" not in str(e.value)
+
+
+def test_the_spec_augment_policy_sets_the_masks_and_its_ramp_widens_them():
+    default = SpecAugment()  # the model's own: two of each, 27 bins, 40 frames at most 5%
+    assert [m.mask_param for m in default.freq_masks] == [27, 27]
+    assert [(m.mask_param, m.p) for m in default.time_masks] == [(40, 0.05), (40, 0.05)]
+    policy = SpecAugment(freq_masks=1, freq_width=10, time_masks=3, time_width=20,
+                         time_ratio=0.2)
+    assert len(policy.freq_masks) == 1 and len(policy.time_masks) == 3
+    feats = torch.randn(4, 300, 80) + 5  # no bin is 0 before masking
+    torch.manual_seed(0)
+    masked = policy(feats)
+    zero_bins = (masked == 0).all(dim=1).sum(dim=1)  # frequency bins masked in every frame
+    zero_frames = (masked == 0).all(dim=2).sum(dim=1)  # frames masked in every bin
+    assert (zero_bins <= 10).all() and (zero_frames <= 3 * 20).all() and zero_frames.sum() > 0
+    policy.set_scale(0.0)  # the ramp's start: no mask at all
+    assert torch.equal(policy(feats), feats)
+    policy.set_scale(0.5)
+    assert [m.mask_param for m in policy.freq_masks] == [5]
+    assert [m.mask_param for m in policy.time_masks] == [10, 10, 10]
+    policy.set_scale(1.0)
+    assert [m.mask_param for m in policy.time_masks] == [20, 20, 20]
+    # the same draws as before the policy's flags existed (the default policy's masks)
+    torch.manual_seed(3)
+    a = default(feats)
+    torch.manual_seed(3)
+    x = feats.transpose(1, 2)
+    for mask in [torchaudio.transforms.FrequencyMasking(27, iid_masks=True)] * 2 + [
+            torchaudio.transforms.TimeMasking(40, iid_masks=True, p=0.05)] * 2:
+        x = mask(x)
+    assert torch.equal(a, x.transpose(1, 2))
 
 
 def test_the_augmentation_curriculum_ramps_each_probability_over_its_epochs():
@@ -272,6 +351,38 @@ def test_intermediate_ctc_and_a_ramped_augmentation_on_kaldi_fbank_learn_and_res
     assert [r["step"] for r in resumed] == [r["step"] for r in rows] == list(range(1, 31))
     for a, b in zip(resumed, rows, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a, b)
+
+
+@pytest.mark.slow
+def test_self_conditioned_ctc_and_a_ramped_spec_augment_policy_learn_and_resume_exactly(
+    tiny_corpus, tmp_path, caplog
+):
+    """Self-conditioned CTC on the intermediate CTC's block, with a SpecAugment policy of its own
+    widened over 20 steps: the loss falls over 30 steps, a run stopped at step 12 (mid-ramp) and
+    resumed gives the unbroken run's losses, and the checkpoint recognizes through the
+    conditioning."""
+    levers = ["--inter_ctc_weight", "0.3", "--inter_ctc_layer", "1", "--self_condition_layer",
+              "1", "--spec_freq_masks", "1", "--spec_freq_width", "15", "--spec_time_masks", "3",
+              "--spec_time_width", "20", "--spec_time_ratio", "0.1",
+              "--spec_augment_ramp_steps", "20", "--max_batch_frames", "2400"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert cli.main(tiny_args(tiny_corpus, whole, *levers, "--max_steps", "30")) == 0
+    rows = _train_rows(whole)
+    first, last = rows[:5], rows[-5:]
+    assert sum(r["loss"] for r in last) < 0.8 * sum(r["loss"] for r in first)
+    assert cli.main(tiny_args(tiny_corpus, split, *levers, "--max_steps", "12")) == 0
+    assert cli.main(tiny_args(tiny_corpus, split, *levers, "--max_steps", "30", "--resume",
+                              "latest")) == 0
+    resumed = _train_rows(split)
+    assert [r["step"] for r in resumed] == [r["step"] for r in rows] == list(range(1, 31))
+    for a, b in zip(resumed, rows, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a, b)
+    saved = torch.load(whole / "latest.pt", map_location="cpu", weights_only=False)
+    cfg = ModelConfig.from_dict(saved["model_config"])
+    assert cfg.self_condition_layer == 1
+    model = ASRModel(cfg)
+    model.load_state_dict(saved["model"])  # the conditioning's rows are in the checkpoint
+    assert model.encoder.ctc_condition.abs().sum() > 0
 
 
 def test_a_bad_intermediate_layer_is_one_line_and_exit_2(tiny_corpus, tmp_path, capsys):

@@ -29,17 +29,30 @@ class LossOutput(NamedTuple):
 
 
 class SpecAugment(nn.Module):
-    """Two frequency masks (up to 27 bins) and two time masks (up to 40 frames, at most 5% of the
-    utterance each), drawn independently per utterance."""
+    """``freq_masks`` frequency masks (each up to ``freq_width`` bins) and ``time_masks`` time masks
+    (each up to ``time_width`` frames and at most ``time_ratio`` of the utterance), drawn
+    independently per utterance; by default two of each, 27 bins and 40 frames at most 5%.
+    ``scale`` (0 to 1) shrinks every mask's largest width in proportion: a schedule sets it as
+    training goes (``--spec_augment_ramp_steps``)."""
 
-    def __init__(self):
+    def __init__(self, freq_masks: int = 2, freq_width: int = 27, time_masks: int = 2,
+                 time_width: int = 40, time_ratio: float = 0.05):
         super().__init__()
+        self.widths = (freq_width, time_width)
         self.freq_masks = nn.ModuleList(
-            torchaudio.transforms.FrequencyMasking(27, iid_masks=True) for _ in range(2)
+            torchaudio.transforms.FrequencyMasking(freq_width, iid_masks=True)
+            for _ in range(freq_masks)
         )
         self.time_masks = nn.ModuleList(
-            torchaudio.transforms.TimeMasking(40, iid_masks=True, p=0.05) for _ in range(2)
+            torchaudio.transforms.TimeMasking(time_width, iid_masks=True, p=time_ratio)
+            for _ in range(time_masks)
         )
+
+    def set_scale(self, scale: float) -> None:
+        """Every mask's largest width, ``scale`` times its full one (rounded)."""
+        for masks, width in zip((self.freq_masks, self.time_masks), self.widths):
+            for mask in masks:
+                mask.mask_param = round(width * scale)
 
     def forward(self, feats: torch.Tensor) -> torch.Tensor:
         x = feats.transpose(1, 2)  # (B, F, T), the layout torchaudio masks expect
@@ -65,6 +78,7 @@ class ASRModel(nn.Module):
         "decoder.embed.weight",
         "decoder.output.weight",
         "decoder.output.bias",
+        "encoder.ctc_condition",  # with self_condition_layer
     )
 
     def __init__(self, cfg: ModelConfig, ctc_weight: float = DEFAULT_CTC_WEIGHT,
@@ -117,7 +131,7 @@ class ASRModel(nn.Module):
         batch in training with ``dynamic_chunk``).
         """
         return self.encoder(self._normalized(feats, feat_lens, spec_augment), feat_lens,
-                            chunk_size, left_chunks)
+                            chunk_size, left_chunks, head=self.ctc_head)
 
     def _normalized(self, feats: torch.Tensor, feat_lens: torch.Tensor,
                     spec_augment: bool) -> torch.Tensor:
@@ -165,7 +179,8 @@ class ASRModel(nn.Module):
             enc, enc_lens = self.encode(feats, feat_lens, spec_augment)
             return self.losses(enc, enc_lens, tokens, token_lens)
         enc, enc_lens, inter = self.encoder.forward_tapped(
-            self._normalized(feats, feat_lens, spec_augment), feat_lens, tap=self.inter_ctc_layer)
+            self._normalized(feats, feat_lens, spec_augment), feat_lens, tap=self.inter_ctc_layer,
+            head=self.ctc_head)
         out = self.losses(enc, enc_lens, tokens, token_lens)
         inter_ctc = self._ctc(inter, enc_lens, tokens, token_lens)
         w = self.inter_ctc_weight

@@ -550,6 +550,14 @@ class ConformerEncoder(nn.Module):
         self.reduced = time_reduced_blocks(cfg)
         self.time_reduce = (nn.Conv1d(cfg.d_model, cfg.d_model, 3, stride=2, padding=1,
                                       groups=cfg.d_model) if self.reduced[0] else None)
+        # Self-conditioned CTC (ESPnet's): after block self_condition_layer the CTC head's
+        # posteriors (B, T', V) times this (V, D) are added to the states; one row per token, as
+        # the CTC head's own (ASRModel.VOCABULARY_TENSORS). Initialized as nn.Linear(V, D) is.
+        self.ctc_condition = (
+            nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model).uniform_(
+                -cfg.vocab_size ** -0.5, cfg.vocab_size ** -0.5))
+            if cfg.self_condition_layer else None
+        )
 
     def forward(
         self,
@@ -557,6 +565,7 @@ class ConformerEncoder(nn.Module):
         feat_lens: torch.Tensor,
         chunk_size: Optional[int] = None,
         left_chunks: int = -1,
+        head: Optional[nn.Module] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """
         Args:
@@ -564,12 +573,13 @@ class ConformerEncoder(nn.Module):
             counts. chunk_size: 0 for full context; > 0 each encoder frame attends to its chunk of
             that many frames and ``left_chunks`` chunks before it (< 0: all), as ``forward_chunk``
             encodes a stream; None: full context, except in training with ``dynamic_chunk``
-            (``draw_chunk``).
+            (``draw_chunk``). head: the CTC head, which a self-conditioned encoder
+            (``self_condition_layer``) needs.
         Returns:
             ``(B, T', D)`` encoder states and ``(B,)`` their lengths (on CUDA T' is padded to a
             multiple of ``ALIGN``: read the states by their lengths).
         """
-        x, lengths, _ = self.forward_tapped(feats, feat_lens, chunk_size, left_chunks)
+        x, lengths, _ = self.forward_tapped(feats, feat_lens, chunk_size, left_chunks, head=head)
         return x, lengths
 
     def forward_tapped(
@@ -579,9 +589,10 @@ class ConformerEncoder(nn.Module):
         chunk_size: Optional[int] = None,
         left_chunks: int = -1,
         tap: int = 0,
+        head: Optional[nn.Module] = None,
     ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """``forward``, and the states after block ``tap`` (counted from 1; 0: None), which
-        intermediate CTC scores."""
+        intermediate CTC scores (before a self-conditioning on that block adds to them)."""
         x, lengths = self.subsampling(feats, feat_lens)
         # (B, T', D), see ALIGN
         x = F.pad(x, (0, 0, 0, aligned_length(x.shape[1], x.device) - x.shape[1]))
@@ -596,10 +607,20 @@ class ConformerEncoder(nn.Module):
             if allowed is not None:
                 raise ValueError("a time-reduced encoder encodes with full context only")
             return self._time_reduced(x, lengths, pad, rope, tap, checkpointed)
-        if tap:
-            x = tapped = run_layers(self.blocks[:tap], x, pad, rope, allowed,
-                                    checkpointed=checkpointed)
-        x = run_layers(self.blocks[tap:], x, pad, rope, allowed, checkpointed=checkpointed)
+        condition = self.cfg.self_condition_layer
+        if condition and head is None:
+            raise ValueError("a self-conditioned encoder needs the CTC head: encode with "
+                             "ASRModel.encode")
+        start = 0
+        for stop in sorted({tap, condition, len(self.blocks)} - {0}):
+            x = run_layers(self.blocks[start:stop], x, pad, rope, allowed,
+                           checkpointed=checkpointed)
+            start = stop
+            if stop == tap:
+                tapped = x
+            if stop == condition:
+                posteriors = torch.softmax(head(x).float(), dim=-1)
+                x = x + (posteriors @ self.ctc_condition.float()).to(x.dtype)
         return x, lengths, tapped
 
     def _time_reduced(self, x: torch.Tensor, lengths: torch.Tensor, pad: torch.Tensor,

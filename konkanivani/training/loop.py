@@ -170,6 +170,8 @@ def train_step(run: Run, micro: list[Batch]) -> Optional[dict[str, Any]]:
     cfg = run.cfg
     if cfg.loss_ramp_steps:  # the loss weights of this step (a pure function of it)
         run.model.ctc_weight, run.model.label_smoothing = scheduled_loss_weights(cfg, run.step)
+    if cfg.spec_augment_ramp_steps:  # the masks' widths of this step (a pure function of it)
+        run.model.spec_augment.set_scale(min(run.step / cfg.spec_augment_ramp_steps, 1.0))
     stats = forward_backward(
         run.forward,
         micro,

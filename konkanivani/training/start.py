@@ -52,7 +52,7 @@ from ..data.shards import (
     texts_of,
 )
 from ..data.tokenizer import Tokenizer, train_tokenizer
-from ..model.asr import ASRModel, count_parameters
+from ..model.asr import ASRModel, SpecAugment, count_parameters
 from .compile import compiled
 from .curves import CURVES, have_matplotlib
 from .distributed import (
@@ -428,6 +428,9 @@ def _build_model(cfg: TrainConfig, model_cfg: ModelConfig, data: _Data, origin: 
     try:
         model = ASRModel(model_cfg, cfg.ctc_weight, cfg.label_smoothing, cfg.inter_ctc_weight,
                          cfg.inter_ctc_layer)
+        model.spec_augment = SpecAugment(cfg.spec_freq_masks, cfg.spec_freq_width,
+                                         cfg.spec_time_masks, cfg.spec_time_width,
+                                         cfg.spec_time_ratio)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if origin.state is not None:
