@@ -34,7 +34,14 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 if TYPE_CHECKING:
     import torch
 
+# ModelConfig fields added after checkpoints that lack them were written, each with the value that
+# builds the model those checkpoints hold (the feature off): ModelConfig.from_dict reads their
+# absence so, and step files from before and after one are averaged as one model.
+ADDED_OFF: dict[str, Any] = {"time_reduce_layer": 0, "time_recover_layer": 0,
+                             "self_condition_layer": 0}
+
 __all__ = [
+    "ADDED_OFF",
     "BEST_FILE",
     "CheckpointError",
     "FORMAT_VERSION",
@@ -435,7 +442,8 @@ def average_checkpoints(paths: list[str | Path]) -> dict[str, Any]:
         if first is None:
             first = state
         elif (
-            state["model_config"] != first["model_config"]
+            # a model field added since reads as off where an older step file lacks it
+            {**ADDED_OFF, **state["model_config"]} != {**ADDED_OFF, **first["model_config"]}
             or state["tokenizer"] != first["tokenizer"]
         ):
             raise CheckpointError(

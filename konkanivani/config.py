@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Union, get_args, get_origin, get_type_hints
 
-from .checkpoint import checkpoint_file_error
+from .checkpoint import ADDED_OFF, checkpoint_file_error
 
 __all__ = ["DEFAULT_SEED", "DEFAULT_MAX_DURATION", "DEFAULT_DURATION_TOLERANCE",
            "DEFAULT_VOCAB_SIZE", "DEFAULT_CTC_WEIGHT", "DEFAULT_LABEL_SMOOTHING", "Seeded",
@@ -193,10 +193,8 @@ class ModelConfig:
         return cls(**values)
 
 
-# ModelConfig fields added after checkpoints that lack them were written, each with the value that
-# builds the model those checkpoints hold (the feature off): from_dict reads their absence so.
-ADDED_OFF: dict[str, Any] = {"time_reduce_layer": 0, "time_recover_layer": 0,
-                             "self_condition_layer": 0}
+# ADDED_OFF (checkpoint.py): ModelConfig fields newer than some checkpoints; from_dict reads their
+# absence as the feature off.
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -900,15 +898,6 @@ def check_config(cfg: TrainConfig) -> None:
     for name in ("ctc_weight_from", "label_smoothing_from"):
         if getattr(cfg, name) != -1 and not cfg.loss_ramp_steps:
             raise ConfigError(f"--{name} needs --loss_ramp_steps, the steps its ramp takes")
-    # torch.compile guards on the smoothing (a plain float of the loss call): a new value each step
-    # would compile the model again each step (the CTC weight it takes as an input, once)
-    if cfg.compile and cfg.label_smoothing_from != -1:
-        raise ConfigError("--label_smoothing_from under --compile would compile the model again "
-                          "at every step of its ramp; leave one of them out")
-    # the same for the masks' widths, plain ints of SpecAugment's masks
-    if cfg.compile and cfg.spec_augment_ramp_steps:
-        raise ConfigError("--spec_augment_ramp_steps under --compile would compile the model "
-                          "again as its masks widen; leave one of them out")
     if cfg.strategy == "fsdp" and cfg.optimizer != "adamw":
         raise ConfigError(
             "--strategy fsdp shards AdamW's states itself; use --optimizer adamw with it"
@@ -941,14 +930,22 @@ def resolve_model_config(cfg: TrainConfig, flags: dict[str, Any] | None = None,
         model_cfg = ModelConfig.from_dict(saved)
         if any(getattr(model_cfg, k) != v for k, v in given.items()):
             log.warning("model flags ignored on resume: the checkpoint's dimensions are used")
-        return model_cfg
+        return _fits(cfg, model_cfg)
     if not cfg.init_from:
-        return model_config_from_preset(cfg.preset, **given)
+        return _fits(cfg, model_config_from_preset(cfg.preset, **given))
     base = {**dataclasses.asdict(ModelConfig.from_dict(saved)), "vocab_size": 0}
     changed = ", ".join(f"--{k} {v}" for k, v in given.items() if v != base[k])
     log.info("--init_from: model dimensions from %s%s (--preset not used)", cfg.init_from,
              f", with {changed} from the command line" if changed else "")
-    return model_config_from(base, **given)
+    return _fits(cfg, model_config_from(base, **given))
+
+
+def _fits(cfg: TrainConfig, model_cfg: ModelConfig) -> ModelConfig:
+    """``model_cfg``, once the training flags that depend on its dimensions are checked."""
+    if cfg.spec_augment and cfg.spec_freq_masks and cfg.spec_freq_width > model_cfg.n_mels:
+        raise ConfigError(f"--spec_freq_width {cfg.spec_freq_width}: a mask wider than the "
+                          f"model's {model_cfg.n_mels} mel bins would blank whole utterances")
+    return model_cfg
 
 
 def _flag_type(tp: Any) -> Any:

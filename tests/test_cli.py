@@ -130,14 +130,10 @@ BAD_VALUES = [
     (["--loss_ramp_steps", "-3"], "--loss_ramp_steps must be 0 or more, got -3"),
     (["--ctc_weight_from", "0.9"], "--ctc_weight_from needs --loss_ramp_steps, the steps its ramp "
                                    "takes"),
-    (["--compile", "--label_smoothing_from", "0", "--loss_ramp_steps", "9"],
-     "--label_smoothing_from under --compile would compile the model again at every step of its "
-     "ramp; leave one of them out"),
     (["--spec_time_ratio", "0"], "--spec_time_ratio must be in (0, 1], got 0.0"),
     (["--spec_freq_masks", "-1"], "--spec_freq_masks must be 0 or more, got -1"),
-    (["--compile", "--spec_augment_ramp_steps", "100"],
-     "--spec_augment_ramp_steps under --compile would compile the model again as its masks "
-     "widen; leave one of them out"),
+    (["--spec_freq_width", "81"], "--spec_freq_width 81: a mask wider than the model's 80 mel "
+     "bins would blank whole utterances"),
     (["--self_condition_layer", "2", "--preset", "tiny"], "--self_condition_layer 2: want a "
      "block from 1 to 1 (the last one is the CTC head's own)"),
     (["--optimizer", "sgd"], "--optimizer must be adamw, adamw_8bit or scaled_adam, got 'sgd'"),

@@ -171,6 +171,9 @@ def test_a_self_conditioned_model_exports_with_its_conditioning(tmp_path):
     runner = onnx_runner(tmp_path / "out" / FILES["onnx"])
     assert not torch.allclose(runner(feats, lens)[0], CTCGraph(unconditioned)(feats, lens)[0],
                               atol=1e-2)
+    # and int8 (the CTC head's weights are read twice in the graph; the export checks the file)
+    int8 = export_checkpoint(path, tmp_path / "int8", formats=["onnx"], quantize="int8")
+    assert [w.path.name for w in int8 if w.difference is not None] == [FILES["onnx"]]
 
 
 @pytest.fixture(scope="module")

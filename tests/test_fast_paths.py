@@ -77,3 +77,24 @@ def test_compiled_layers_compute_what_the_eager_ones_do_and_the_average_stays_ea
             torch.testing.assert_close(got_grads[name], grad, atol=1e-4, rtol=1e-4, msg=name)
     # no fallback to eager
     assert all("forward" in layer.__dict__ for layer in compiled_layers(model))
+
+
+def test_the_loss_and_mask_ramps_compile_the_layers_once(monkeypatch):
+    """``--compile`` with --label_smoothing_from, --ctc_weight_from and --spec_augment_ramp_steps:
+    the ramps set the losses' and SpecAugment's values, which stay eager around the compiled
+    layers, so a new value each step compiles nothing again (a counting backend: one graph per
+    layer kind over 12 steps)."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile",
+                        lambda fn, **kw: real_compile(fn, **{**kw, "backend": counter}))
+    model = _model()
+    forward = compiled(model)
+    for step in range(12):
+        model.spec_augment.set_scale(step / 11)
+        model.label_smoothing, model.ctc_weight = 0.1 * step / 11, 0.9 - 0.4 * step / 11
+        forward(*_batch(), spec_augment=True).loss.backward()
+    assert counter.frame_count == 2  # one encoder block, one decoder layer
+    torch._dynamo.reset()

@@ -328,6 +328,20 @@ def test_checkpoints_of_different_models_are_not_averaged(tiny_run, tmp_path):
         average_checkpoints.average_checkpoints([tiny_run / "latest.pt", other])
 
 
+def test_a_step_file_from_before_a_model_field_averages_with_one_after(tiny_run, tmp_path):
+    """A run resumed across an upgrade: its older step files lack the fields added since
+    (checkpoint.ADDED_OFF), which read as off, as the newer ones say."""
+    from konkanivani.checkpoint import ADDED_OFF
+
+    state = load_checkpoint(tiny_run / "latest.pt")
+    older = tmp_path / "older.pt"
+    config = {k: v for k, v in state["model_config"].items() if k not in ADDED_OFF}
+    save_checkpoint({**state, "model_config": config}, older)
+    averaged = average_checkpoints.average_checkpoints([older, tiny_run / "latest.pt"])
+    for name, tensor in state["model"].items():
+        torch.testing.assert_close(averaged["model"][name], tensor)
+
+
 @pytest.fixture(scope="module")
 def streaming_run(tiny_corpus, tmp_path_factory):
     """A short run of the tiny preset trained for streaming, through the trainer's command line."""

@@ -385,6 +385,15 @@ def test_self_conditioned_ctc_and_a_ramped_spec_augment_policy_learn_and_resume_
     assert model.encoder.ctc_condition.abs().sum() > 0
 
 
+def test_self_conditioning_without_an_intermediate_ctc_on_its_block_is_named(tiny_corpus, tmp_path,
+                                                                             caplog):
+    with caplog.at_level(logging.WARNING, logger="konkanivani"):
+        assert cli.main(tiny_args(tiny_corpus, tmp_path / "run", "--self_condition_layer", "1",
+                                  "--max_steps", "1")) == 0
+    assert ("--self_condition_layer 1 adds the CTC posteriors of block 1, which no intermediate "
+            "CTC trains (give --inter_ctc_weight and --inter_ctc_layer 1)") in caplog.text
+
+
 def test_a_bad_intermediate_layer_is_one_line_and_exit_2(tiny_corpus, tmp_path, capsys):
     out = tmp_path / "run"
     code = cli.main(tiny_args(tiny_corpus, out, "--inter_ctc_weight", "0.3", "--inter_ctc_layer",

@@ -206,7 +206,9 @@ def _activation_terms(cfg: ModelConfig, frames: int, tokens: int,
         "decoder_width": dec_layers * u * cfg.d_model,
         "decoder_ffn": dec_layers * u * cfg.ffn_dim,
         "decoder_attention": dec_layers * cfg.n_heads * u * (t + u),
-        "heads": (t + u) * cfg.vocab_size,
+        # the CTC head's and the decoder's outputs; a self-conditioned encoder's pass of the CTC
+        # head on its block's states too
+        "heads": (t * (2 if cfg.self_condition_layer else 1) + u) * cfg.vocab_size,
     }
 
 

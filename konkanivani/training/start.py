@@ -433,6 +433,11 @@ def _build_model(cfg: TrainConfig, model_cfg: ModelConfig, data: _Data, origin: 
                                          cfg.spec_time_ratio)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if model_cfg.self_condition_layer and model.inter_ctc_layer != model_cfg.self_condition_layer:
+        log.warning("--self_condition_layer %d adds the CTC posteriors of block %d, which no "
+                    "intermediate CTC trains (give --inter_ctc_weight and --inter_ctc_layer %d)",
+                    model_cfg.self_condition_layer, model_cfg.self_condition_layer,
+                    model_cfg.self_condition_layer)
     if origin.state is not None:
         model.load_state_dict(origin.state.model)
     elif data.shards is not None:
