@@ -361,12 +361,11 @@ def test_intermediate_ctc_and_a_ramped_augmentation_on_kaldi_fbank_learn_and_res
 
 @pytest.mark.slow
 def test_self_conditioned_ctc_and_a_ramped_spec_augment_policy_learn_and_resume_exactly(
-    tiny_corpus, tmp_path, caplog
+    tiny_corpus, tmp_path
 ):
     """Self-conditioned CTC on the intermediate CTC's block, with a SpecAugment policy of its own
     widened over 20 steps: the loss falls over 30 steps, a run stopped at step 12 (mid-ramp) and
-    resumed gives the unbroken run's losses, and the checkpoint recognizes through the
-    conditioning."""
+    resumed gives the unbroken run's losses, and the checkpoint holds the conditioning's table."""
     levers = ["--inter_ctc_weight", "0.3", "--inter_ctc_layer", "1", "--self_condition_layer",
               "1", "--spec_freq_masks", "1", "--spec_freq_width", "15", "--spec_time_masks", "3",
               "--spec_time_width", "20", "--spec_time_ratio", "0.1",

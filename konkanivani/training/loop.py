@@ -45,7 +45,7 @@ from .finetune import hold_encoder
 from .memory import (
     memory_status,
 )
-from .optim import scheduled_loss_weights, scheduled_lr
+from .optim import ramp_done, scheduled_loss_weights, scheduled_lr
 from .run_files import run_directory, save_step
 from .signals import Stop, StopRequest, TrainingDiverged, diverged_message
 from .start import Run, setup_run, starting_point
@@ -171,7 +171,7 @@ def train_step(run: Run, micro: list[Batch]) -> Optional[dict[str, Any]]:
     if cfg.loss_ramp_steps:  # the loss weights of this step (a pure function of it)
         run.model.ctc_weight, run.model.label_smoothing = scheduled_loss_weights(cfg, run.step)
     if cfg.spec_augment_ramp_steps:  # the masks' widths of this step (a pure function of it)
-        run.model.spec_augment.set_scale(min(run.step / cfg.spec_augment_ramp_steps, 1.0))
+        run.model.spec_augment.set_scale(ramp_done(run.step, cfg.spec_augment_ramp_steps))
     stats = forward_backward(
         run.forward,
         micro,
