@@ -222,6 +222,11 @@ def test_cpu_small_config_is_the_learning_curve_recipe():
         "0.9",
         "--loss_ramp_steps",
         "1000",
+        # since: noise on 30% of the utterances, over two epochs (benchmarks/results/recipe_levers)
+        "--noise_prob",
+        "0.3",
+        "--augment_ramp_epochs",
+        "2",
     ]
     given = ["--train_manifest", "t.jsonl", "--valid_manifest", "v.jsonl", "--output_dir", "out"]
     assert _resolve([*given, *recipe]) == _resolve([*given, *load("learning_curve").RECIPE])
