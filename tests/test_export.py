@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import doctest
 import json
+import os
 import random
 import re
 import shutil
@@ -481,8 +482,56 @@ def test_a_killed_or_failed_export_leaves_the_old_folder_whole(causal_checkpoint
         assert one_error_line(capsys) == "error: the check failed"
     assert _hashes(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["exported", left])
-    # and neither stops the next export
+    # and neither stops the next export, which deletes what the killed one left
     assert status(flags) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [FILES["torchscript"], FILES["vocabulary"], FILES["features"]])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]
+    assert f"removed {tmp_path / left}, left by an export whose process" in capsys.readouterr().err
+
+
+def gone_pid():
+    """The id of a process that has ended (and been reaped), and that no process has taken since."""
+    for _ in range(10):
+        child = subprocess.Popen([sys.executable, "-c", "pass"])
+        child.wait(timeout=60)
+        try:
+            os.kill(child.pid, 0)
+        except ProcessLookupError:
+            return child.pid
+    pytest.fail("no ended process id stayed free")
+
+
+def test_an_export_deletes_the_build_folders_of_gone_exports_of_its_folder_alone(
+    untrained_checkpoint, tmp_path, capsys
+):
+    """Build folders beside the output (``.NAME.export-PID``): the one of a process that is gone is
+    deleted by the next export into NAME, with one line of the log; the one of a process still
+    running, one of another folder's name and one whose name ends in no process id are left as
+    they are."""
+    dead = gone_pid()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        stale = tmp_path / f".exported.export-{dead}"
+        kept = [tmp_path / f".exported.export-{sleeper.pid}", tmp_path / f".other.export-{dead}",
+                tmp_path / ".exported.export-notes"]
+        for folder in (stale, *kept):
+            folder.mkdir()
+            (folder / FILES["vocabulary"]).write_text("{}")
+        before = {p.name: _hashes(p) for p in kept}
+        capsys.readouterr()
+        out = tmp_path / "exported"
+        assert status([str(untrained_checkpoint), "--format", "torchscript", "--output_dir",
+                       str(out)]) == 0
+        assert sleeper.poll() is None  # still running when the export looked
+    finally:
+        sleeper.kill()
+        sleeper.wait(timeout=60)
+    removed = [line for line in capsys.readouterr().err.splitlines() if "removed" in line]
+    assert len(removed) == 1 and removed[0].endswith(
+        f" INFO removed {stale}, left by an export whose process ({dead}) is gone"), removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["exported", *before])
+    assert {p.name: _hashes(p) for p in kept} == before
     assert sorted(p.name for p in out.iterdir()) == sorted(
         [FILES["torchscript"], FILES["vocabulary"], FILES["features"]])
 

@@ -67,6 +67,8 @@ from ..model.conformer import Conv2dSubsampling
 from .recognizer import Recognizer
 from .settings import CHUNK_SIZE, EXPORT_LEFT_CHUNKS
 
+log = logging.getLogger("konkanivani")
+
 __all__ = [
     "ExportError",
     "FORMATS",
@@ -434,8 +436,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, formats: Sequ
 @contextlib.contextmanager
 def _building(out_dir: Path) -> Iterator[Path]:
     """A new folder beside ``out_dir`` (``.NAME.export-PID``, made as ``mkdir`` makes one) to build
-    the export in; removed if the block raises (a kill leaves it, hidden, for the user to
-    delete)."""
+    the export in; removed if the block raises (a kill leaves it, hidden, until the next export to
+    ``out_dir`` is swapped in: ``_clear_stale_builds``)."""
     tmp = out_dir.with_name(f".{out_dir.name}.export-{os.getpid()}")
     if tmp.exists():  # left by a killed process of the same id
         shutil.rmtree(tmp)
@@ -469,6 +471,36 @@ def _swap_in(new: Path, out_dir: Path) -> None:
     fsync_dir(out_dir.parent)
     if old is not None:
         shutil.rmtree(old)
+    _clear_stale_builds(out_dir)
+
+
+def _clear_stale_builds(out_dir: Path) -> None:
+    """Delete the build folders of ``out_dir`` (``.NAME.export-PID``, ``_building``) left by
+    exports that were killed: those whose process is gone. One of a process still running (an
+    export under way) and those of other folders' names are left alone; each deleted is a line of
+    the log."""
+    prefix = f".{out_dir.name}.export-"
+    for path in sorted(out_dir.parent.glob(f"{prefix}*")):
+        pid = path.name[len(prefix):]
+        if not (pid.isascii() and pid.isdigit() and path.is_dir() and not path.is_symlink()
+                and _process_gone(int(pid))):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            log.info("removed %s, left by an export whose process (%s) is gone", path, pid)
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether no process ``pid`` runs here (one of another user's still counts as running)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):
+        return False
+    return False
 
 
 def _quantized(item: Exported, path: Path, check: Callable[[Path, Path], float]) -> Exported:
