@@ -135,6 +135,27 @@ def test_bad_flags_are_one_line_and_exit_2(tmp_path, capsys, flags, message):
     assert message in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("host", ["", "  "])
+def test_an_empty_host_is_one_line_and_exit_2_before_the_model_or_a_socket(
+    tmp_path, monkeypatch, capsys, host
+):
+    """--host '' would listen on every interface under a warning that names none: refused in one
+    line that says what to give, before the checkpoint is loaded or a socket made."""
+    done = []
+    monkeypatch.setattr(serve, "_serve", lambda *args: done.append("serve"))
+    monkeypatch.setattr(serve, "_listen", lambda *args: done.append("listen"))
+    monkeypatch.setattr(Recognizer, "from_checkpoint", lambda *args: done.append("load"))
+    (tmp_path / "m.pt").write_bytes(b"")  # loaded, it would be refused in other words
+    with pytest.raises(SystemExit) as e:
+        serve.main([str(tmp_path / "m.pt"), "--host", host])
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and not captured.out and not done
+    assert captured.err.endswith(
+        f"error: --host {host!r} is empty: give 0.0.0.0 (or ::) to listen on every interface, or "
+        "leave it out for this machine alone (127.0.0.1) (see --help)\n")
+    assert len(captured.err.splitlines()) == 1, captured.err
+
+
 # Against a running server.
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from konkanivani.serving.openai_api import (  # noqa: E402
     MAX_HOTWORDS_TEXT,
     TRANSCRIPTIONS,
 )
-from konkanivani.serving.uploads import MAX_FIELD_BYTES  # noqa: E402
+from konkanivani.serving.uploads import DETAIL_CHARS, MAX_FIELD_BYTES, _one_line  # noqa: E402
 
 HEALTH_BOUND_S = 2.0  # /health while a request is refused: generous on a shared 2-core machine
 
@@ -200,6 +200,40 @@ def test_hotwords_are_bounded_in_length_and_tokens(server, clip):
     assert status == 200 and "text" in json.loads(data)
     status, health = http_json("GET", server.url + "health")
     assert status == 200
+
+
+def test_a_malformed_form_is_one_line_of_ours_and_the_server_serves_on(server, clip):
+    """A multipart body that is no form (a wav sent under a form's Content-Type, a header of
+    control characters): 400 with one line of the server's own, python-multipart's detail in it,
+    that line alone logged (not the parser's own warning), on both endpoints; the next good upload
+    is decoded."""
+    headers = {"Content-Type": "multipart/form-data; boundary=b"}
+    bodies = [(clip, "the multipart form is malformed (Expected boundary character 45, got 82 at "
+                     "index 2)"),
+              (b"--b\r\n\x1b[2J\n" + b"h" * 300 + b": x\r\n\r\n",
+               "the multipart form is malformed (Found invalid character 27 in header at 5)")]
+    first = len(server.log)
+    answers = []
+    for body, message in bodies:
+        for path in ("transcribe", TRANSCRIPTIONS.lstrip("/")):
+            status, answer = http_json("POST", server.url + path, body, headers)
+            said = answer["error"] if path == "transcribe" else answer["error"]["message"]
+            assert status == 400 and said == message, answer
+            answers.append(said)
+    status, answer = http_json("POST", server.url + "transcribe", clip)
+    assert status == 200 and answer["text"] is not None, answer
+    time.sleep(0.5)  # for the thread that reads the server's pipe
+    new = server.log[first:]
+    assert len(new) == len(answers), new
+    for line, said in zip(new, answers):
+        assert line.endswith(f" INFO an upload was refused (400): {said}\n"), new
+
+
+def test_a_parsers_words_are_quoted_escaped_and_bounded():
+    line = _one_line("got \x1b[2J\r\nforged INFO line " + "x" * 300)
+    assert line.startswith("got \\x1b[2J\\r\\nforged INFO line xxx") and line.endswith("...")
+    assert len(line) == DETAIL_CHARS and line.isprintable()
+    assert _one_line("Invalid multipart data.") == "Invalid multipart data."
 
 
 def test_an_upload_of_too_many_samples_is_413_before_decoding(server):

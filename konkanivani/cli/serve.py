@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = _parser(Limits)
     args = parser.parse_args(argv)
+    if not args.host.strip():  # the socket would listen on every interface, the warnings name none
+        parser.error(f"--host {args.host!r} is empty: give 0.0.0.0 (or ::) to listen on every "
+                     "interface, or leave it out for this machine alone (127.0.0.1)")
     if not args.checkpoint.is_file() and not args.checkpoint.is_dir():
         parser.error(f"checkpoint {args.checkpoint}: file not found")
     try:
@@ -180,6 +183,7 @@ def _serve(args, decoding, limits) -> int:
     from ..serving.app import DenialLogFilter, EscapeFields, create_app, model_label
     from ..serving.connections import OncePerInterval, protocol
     from ..serving.engine import Engine
+    from ..serving.uploads import PARSER_LOGGERS
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -240,6 +244,9 @@ def _serve(args, decoding, limits) -> int:
         logging.getLogger(name).addFilter(OncePerInterval())
     for handler in logging.getLogger("konkanivani").handlers:
         handler.addFilter(EscapeFields())
+    # the form parser's warning for each error it raises, unformatted: the refusal's line says it
+    for name in PARSER_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 
@@ -15,12 +16,18 @@ from starlette.requests import ClientDisconnect, Request
 
 from .limits import Limits
 
-__all__ = ["MAX_FIELD_BYTES", "Refused", "read_body", "read_form", "upload_bytes"]
+__all__ = ["DETAIL_CHARS", "MAX_FIELD_BYTES", "PARSER_LOGGERS", "Refused", "read_body", "read_form",
+           "upload_bytes"]
 
 log = logging.getLogger("konkanivani")
 # A form's text field, in bytes: the largest a request needs is its hotwords (openai_api's
 # MAX_HOTWORDS of MAX_HOTWORD_CHARS, in UTF-8); a larger one is refused as the parser reaches it.
 MAX_FIELD_BYTES = 512 * 2 ** 10
+# the most of a form parser's error a refusal quotes
+DETAIL_CHARS = 120
+# python-multipart's loggers (its module's name before 0.0.13, and since), which log each error it
+# raises as a warning of its own: the server logs the refusal instead (read_form)
+PARSER_LOGGERS = ("multipart", "python_multipart")
 
 
 class Refused(Exception):
@@ -95,9 +102,21 @@ async def read_form(request: Request, body: bytes, limits: Limits, max_files: in
         return await parser.parse()
     except MultiPartException as e:
         # the parser's limits ("Too many fields ...") are said as they are; its other errors are
-        # of a form that is malformed
+        # of a form that is malformed, said by python-multipart's error under Starlette's
+        # "Invalid multipart data." where there is one
         what = "over this server's limits" if "max" in e.message.lower() else "malformed"
-        raise Refused(400, "form", f"the multipart form is {what} ({e.message})") from e
+        detail = str(e.__cause__) if what == "malformed" and e.__cause__ else e.message
+        message = f"the multipart form is {what} ({_one_line(detail)})"
+        log.info("an upload was refused (400): %s", message)
+        raise Refused(400, "form", message) from e
+
+
+def _one_line(text: str, limit: int = DETAIL_CHARS) -> str:
+    """``text`` (a parser's words about what a client sent) as part of one line: its control
+    characters as escapes (``\\n``, ``\\x1b``), cut to ``limit`` characters."""
+    text = re.sub(r"[\x00-\x1f\x7f-\x9f]",
+                  lambda m: m[0].encode("unicode_escape").decode(), text.strip())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 async def _body(request: Request, limits: Limits) -> AsyncIterator[bytes]:
