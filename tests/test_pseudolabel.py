@@ -8,6 +8,10 @@ import hashlib
 import json
 import math
 import random
+import shutil
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -22,11 +26,14 @@ from konkanivani.cli import train as train_cli
 from konkanivani.config import AugmentConfig
 from konkanivani.data.augment import Augmenter
 from konkanivani.data.dataset import ASRDataset, Utterance
+from konkanivani.data.manifest import ManifestError
 from konkanivani.datatools.shard_writer import write_shards
 from konkanivani.decoding.alignment import Word
 from konkanivani.decoding.confidence import Scored, choose_threshold, confidence_of, kept_cer
+from konkanivani.decoding.evaluation import evaluate_manifest
 from konkanivani.decoding.metrics import ErrorCounts
 from konkanivani.decoding.recognizer import Recognizer
+from konkanivani.decoding.settings import DecodingConfig
 from konkanivani.training.metrics_log import read_metrics
 
 STEPS = "30"  # teacher and student alike: a few dozen steps of the tiny preset
@@ -315,6 +322,118 @@ def test_a_killed_labelling_run_resumes_without_decoding_again(split, teacher, t
     assert pseudolabel.main([*argv[:-2], "--beam_size", "3", "--method", "beam",
                              "--output_dir", str(out)]) == 2
     assert not decoded and (out / "labels.jsonl").read_bytes() == labels
+
+
+def _label(teacher: Path, out: Path, *inputs: Path) -> list[str]:
+    return [str(teacher / "latest.pt"), *map(str, inputs), "--threshold", "0",
+            "--min_chars_per_second", "0", "--method", "greedy", "--output_dir", str(out)]
+
+
+def test_a_second_labelling_run_is_refused_while_the_first_holds_the_folder(split, teacher,
+                                                                            tmp_path, capsys):
+    out = tmp_path / "pseudo"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys
+            from konkanivani.training.run_files import hold_run_directory
+            with hold_run_directory({str(out)!r}, "labelling run"):
+                print("held", flush=True)
+                sys.stdin.read()
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert pseudolabel.main(_label(teacher, out, split / "audio_only.jsonl")) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "in use by another labelling run" in err[0], err
+        assert f"pid {holder.pid}," in err[0]
+        assert sorted(p.name for p in out.iterdir()) == [".lock"]  # nothing labelled
+    finally:
+        holder.kill()
+        holder.wait()
+    assert pseudolabel.main(_label(teacher, out, split / "audio_only.jsonl")) == 0
+    keys = [r["key"] for r in _rows(out / "labels.jsonl")]
+    assert len(keys) == len(set(keys)) == len(_rows(split / "audio_only.jsonl"))
+
+
+def test_a_rerun_labels_what_it_is_given_now_and_forgets_inputs_that_are_gone(
+        split, teacher, tmp_path, capsys, monkeypatch):
+    audio = tmp_path / "audio"
+    audio.mkdir()
+    rows = _rows(split / "audio_only.jsonl")
+    for r in rows[:5]:
+        shutil.copy(r["audio_filepath"], audio)
+    for name in ("bad_1.wav", "bad_2.wav"):
+        (audio / name).write_bytes(b"RIFF, but no audio")
+    out = tmp_path / "pseudo"
+    assert pseudolabel.main(_label(teacher, out, audio)) == 1
+    assert "2 utterances could not be labelled" in capsys.readouterr().err
+    labels = _rows(out / "labels.jsonl")
+    assert len(labels) == 5 and not any("error" in r for r in labels)  # failures tried again
+    (audio / "bad_1.wav").unlink()
+    (audio / "bad_2.wav").unlink()
+    decode, decoded = Recognizer.decode_with_greedy, []
+    monkeypatch.setattr(Recognizer, "decode_with_greedy",
+                        lambda self, wavs, *a, **k: decoded.append(len(wavs))
+                        or decode(self, wavs, *a, **k))
+    assert pseudolabel.main(_label(teacher, out, audio)) == 0
+    assert not decoded and "could not be labelled" not in capsys.readouterr().err
+    assert json.loads((out / "report.json").read_text())["dropped"]["unreadable or failed"] == 0
+    # other inputs into the same folder: only they are labelled and kept
+    given = [{**r, "audio_filepath": str(audio / Path(r["audio_filepath"]).name)}
+             for r in rows[3:5]] + rows[5:8]  # two of the folder's files, three new ones
+    subset = _write(tmp_path / "subset.jsonl", given)
+    assert pseudolabel.main(_label(teacher, out, subset)) == 0
+    assert "now ['" in capsys.readouterr().err  # the change of inputs is said
+    assert sum(decoded) == 3  # the two of the folder were labelled already
+    assert json.loads((out / "report.json").read_text())["utterances"] == len(given)
+    kept = {r["audio_filepath"] for r in _rows(out / "pseudo.jsonl")}
+    assert kept <= {r["audio_filepath"] for r in given}
+    keys = [r["key"] for r in _rows(out / "labels.jsonl")]
+    assert len(keys) == len(set(keys)) == 8
+    assert json.loads((out / "labelling.json").read_text())["inputs"] == [str(subset)]
+
+
+def test_a_doubled_labels_file_of_an_earlier_version_is_mended_and_its_rows_marked(
+        split, teacher, tmp_path):
+    out = tmp_path / "pseudo"
+    argv = _label(teacher, out, split / "audio_only.jsonl")
+    assert pseudolabel.main(argv) == 0
+    labels = _rows(out / "labels.jsonl")
+    assert all(r["pseudo_label"]["teacher"] == str(teacher / "latest.pt") for r in labels)
+    # as two runs at once and an older version wrote it: every key twice, unmarked, an error row
+    old = [{k: v for k, v in r.items() if k != "pseudo_label"} for r in labels]
+    _write(out / "labels.jsonl", [*old, *old, {"key": old[0]["key"], "error": "was unreadable"}])
+    assert pseudolabel.main(argv) == 0
+    assert _rows(out / "labels.jsonl") == labels
+    kept = [r["audio_filepath"] for r in _rows(out / "pseudo.jsonl")]
+    assert len(kept) == len(set(kept))
+    assert json.loads((out / "report.json").read_text())["utterances"] == len(labels)
+
+
+def test_every_manifest_the_labeller_writes_is_refused_where_the_truth_is_needed(
+        tiny_corpus, split, teacher, tmp_path, capsys):
+    out = tmp_path / "pseudo"
+    # (a teacher of a few steps may reach no target: its labels are written all the same)
+    assert pseudolabel.main([str(teacher / "latest.pt"), str(split / "audio_only.jsonl"),
+                             "--choose_threshold_on", str(tiny_corpus / "valid.jsonl"),
+                             "--target_label_cer", "100", "--min_chars_per_second", "0",
+                             "--method", "greedy", "--output_dir", str(out)]) in (0, 2)
+    capsys.readouterr()
+    for name in ("labels.jsonl", "valid_labels.jsonl"):  # pseudo.jsonl's: test_a_pseudo_labelled...
+        before = _hashes(out)
+        assert evaluate.main([str(teacher / "latest.pt"), str(out / name)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{name}:1 is pseudo-labelled" in err[0], err
+        run = tmp_path / f"run_{name}"
+        args = tiny_args(tiny_corpus, run, "--tokenizer_type", "char", "--max_steps", "1")
+        args[args.index("--valid_manifest") + 1] = str(out / name)
+        assert train_cli.main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{name}:1 is pseudo-labelled" in err[0], err
+        assert not run.exists() and _hashes(out) == before
+        with pytest.raises(ManifestError, match=f"{name}:1 is pseudo-labelled"):  # benchmarks'
+            evaluate_manifest(pseudolabel.load_recognizer(teacher / "latest.pt",
+                                                          DecodingConfig()), out / name)
 
 
 def test_shards_are_labelled_their_audio_copied_for_the_manifest(split, teacher, tmp_path):

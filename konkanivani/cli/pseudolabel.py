@@ -16,14 +16,20 @@ agreement of the greedy CTC text with the method's text, characters per second.
 
 In ``--output_dir`` OUT:
 
-- ``labels.jsonl``: every utterance decoded, with its text and scores, appended a batch at a time.
-  A killed run started again with the same teacher and settings goes on after the last complete
-  row: nothing written is decoded again (a row cut off by the kill is dropped). OUT labelled by
-  another teacher or with other settings is refused, one line, exit 2;
+- ``labels.jsonl``: every utterance decoded, with its text and scores, appended a batch at a time,
+  each key once, each row marked ``pseudo_label`` (the text is the teacher's, so evaluation and
+  validation refuse it). A killed run started again with the same teacher and settings goes on
+  after the last complete row: nothing written is decoded again (a row cut off by the kill is
+  dropped), and what failed is tried again. A run with other inputs labels what it is given now:
+  the rows of inputs not given stay in the file, unused, and inputs that are gone are no longer
+  counted. OUT labelled by another teacher or with other settings is refused, one line, exit 2;
+  so is a second run while one labels OUT (``.lock`` names its process);
+- ``labelling.json``: the teacher, its checkpoint's hash, the decoding settings and the inputs of
+  the last run;
 - ``valid_labels.jsonl``: the same of ``--choose_threshold_on``'s transcribed rows, with their true
-  text: the threshold is the lowest confidence whose kept labels' CER against the truth is at most
-  ``--target_label_cer`` percent (the most audio at that quality); none reaching it: exit 2, the
-  labels kept for a rerun with another target;
+  text as ``reference``: the threshold is the lowest confidence whose kept labels' CER against
+  the truth is at most ``--target_label_cer`` percent (the most audio at that quality); none
+  reaching it: exit 2, the labels kept for a rerun with another target;
 - ``pseudo.jsonl``: the kept utterances, ``{"audio_filepath", "duration", "text", "confidence",
   "pseudo_label": {"teacher", "confidence"}}`` (a manifest's other keys kept); training refuses it
   as a validation set, as ``konkanivani-evaluate`` does;
@@ -78,6 +84,7 @@ from ..decoding.evaluation import evaluate_manifest
 from ..decoding.metrics import score
 from ..decoding.recognizer import MIN_SAMPLES, Recognizer, find_audio
 from ..decoding.settings import DecodingConfig
+from ..training.run_files import hold_run_directory
 from . import Parser, fail, refuse_unsafe_outputs, setup_logging, tool
 from . import train as train_cli
 from .decoding_flags import (
@@ -149,9 +156,25 @@ def _label(parser: Parser, args: argparse.Namespace, decoding: DecodingConfig) -
                 if name not in ("batch_size", "device")}
     settings = json.loads(json.dumps({"teacher": teacher, "checkpoint": _digest(args.checkpoint),
                                       "decoding": searched}, default=str))
+    inputs = [*map(str, args.inputs), *([args.shards] if args.shards else [])]
     try:
-        _claim(out, settings)
-        labeller = _Labeller(recognizer, resolved, args.jobs)
+        with hold_run_directory(out, "labelling run"):
+            return _label_held(args, out, settings, inputs, (recognizer, resolved, teacher),
+                               (files, valid, shards))
+    except (CheckpointError, OutputError) as e:
+        return fail(str(e))
+
+
+def _label_held(args: argparse.Namespace, out: Path, settings: dict, inputs: list[str],
+                teaching: tuple[Recognizer, DecodingConfig, str], work: tuple) -> int:
+    """``_label``'s work once this run holds OUT: claimed for ``settings`` (the ``inputs`` noted),
+    the utterances of ``work`` (files, validation files, shards) labelled, the kept ones and the
+    report written."""
+    recognizer, resolved, teacher = teaching
+    files, valid, shards = work
+    try:
+        _claim(out, settings, inputs)
+        labeller = _Labeller(recognizer, resolved, args.jobs, teacher)
         start = time.perf_counter()
         valid_rows = labeller.run(out / VALID_LABELS, iter(valid)) if valid else []
         items = _shard_items(shards, Path(os.path.abspath(out / AUDIO))) if shards else iter(())
@@ -237,6 +260,16 @@ def _rounds(parser: Parser, args: argparse.Namespace, decoding: DecodingConfig) 
     except (ValueError, ManifestError) as e:
         return fail(str(e))
     refuse_unsafe_outputs(parser, {}, reads, {"--output_dir": args.output_dir})
+    try:
+        with hold_run_directory(args.output_dir, "labelling run"):
+            return _rounds_held(parser, args, decoding, valid, flags)
+    except CheckpointError as e:
+        return fail(str(e))
+
+
+def _rounds_held(parser: Parser, args: argparse.Namespace, decoding: DecodingConfig,
+                 valid: Path, flags: list[str]) -> int:
+    """``_rounds``' work once this run holds OUT."""
     teacher, table = args.checkpoint, [{"round": 0, "teacher": str(args.checkpoint)}]
     table[0]["valid_cer"] = _valid_cer(teacher, valid, decoding)
     for r in range(1, args.rounds + 1):
@@ -340,35 +373,60 @@ def _digest(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _claim(out: Path, settings: dict) -> None:
-    """OUT for these settings: a fresh folder gets them written; one labelled with other settings
-    is refused (``OutputError``), as its rows would mix two teachers."""
+def _claim(out: Path, settings: dict, inputs: list[str]) -> None:
+    """OUT for these settings and ``inputs``: a fresh folder gets them written; one labelled with
+    other settings is refused (``OutputError``), as its rows would mix two teachers. Other inputs
+    are noted: only what this run is given is labelled and kept."""
     path = out / SETTINGS
+    before = None
     if path.is_file():
         try:
             before = json.loads(path.read_text(encoding="utf-8"))
         except ValueError:
-            before = None
-        if before != settings:
+            before = {}
+        earlier = {k: v for k, v in before.items() if k != "inputs"}
+        if earlier != settings:
             raise OutputError(f"--output_dir {out} holds labels of another teacher or other "
-                              f"settings ({path}: {before}); give another --output_dir")
-        return
-    write_output(path, json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
+                              f"settings ({path}: {earlier}); give another --output_dir")
+        if before.get("inputs") == inputs:
+            return
+        if "inputs" in before:
+            print(f"{out} was labelling {before['inputs']}; now {inputs}: the labels of inputs "
+                  f"not given now stay in {out / LABELS}, unused", file=sys.stderr)
+    write_output(path, json.dumps({**settings, "inputs": inputs}, indent=2,
+                                  ensure_ascii=False) + "\n")
 
 
 # ---- labelling ----------------------------------------------------------------------------------
 
-def _done_rows(path: Path) -> list[dict]:
-    """The complete rows of an append-only labels file; a last line cut off by a kill is removed
-    from the file, so that the next row starts on a line of its own."""
+def _done_rows(path: Path, teacher: str) -> dict[str, dict]:
+    """The labelled rows of an append-only labels file, by key. A file left by a kill or by an
+    earlier version is rewritten as this one writes it: a last line cut off, a line that is no
+    row, a key's second row and the rows of utterances that failed (tried again) are dropped,
+    and every row is marked pseudo-labelled by ``teacher``."""
     if not path.is_file():
-        return []
+        return {}
     data = path.read_bytes()
-    whole = data[:data.rfind(b"\n") + 1]
-    if len(whole) != len(data):
-        with open(path, "r+b") as f:
-            f.truncate(len(whole))
-    return [json.loads(line) for line in whole.decode("utf-8").splitlines() if line.strip()]
+    rows: dict[str, dict] = {}
+    changed = not data.endswith(b"\n") and bool(data)
+    for line in data[:data.rfind(b"\n") + 1].splitlines():
+        try:
+            row = json.loads(line)
+            key = row["key"]
+        except (ValueError, TypeError, KeyError):
+            changed = changed or bool(line.strip())
+            continue
+        if "error" in row or key in rows:
+            changed = True
+            continue
+        if PSEUDO_LABEL not in row:
+            row[PSEUDO_LABEL] = {"teacher": teacher, "confidence": row.get("confidence")}
+            changed = True
+        rows[key] = row
+    if changed:
+        write_file_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                        for r in rows.values()).encode("utf-8"))
+    return rows
 
 
 class _Labeller:
@@ -378,30 +436,48 @@ class _Labeller:
 
     WINDOW_BATCHES = 4  # batches per window: its utterances sorted by length, little padding
 
-    def __init__(self, recognizer: Recognizer, resolved, jobs: int):
+    def __init__(self, recognizer: Recognizer, resolved, jobs: int, teacher: str):
         self.recognizer, self.resolved, self.jobs = recognizer, resolved, jobs
+        self.teacher = teacher  # named in each row's pseudo_label
         self.decoded_s = 0.0  # seconds of audio decoded by this run (not those resumed after)
 
     def run(self, path: Path, items: Iterator[_Item]) -> list[dict]:
-        rows = _done_rows(path)
-        done = {r["key"] for r in rows}
+        """The rows of ``items``, each key once and in their order: those ``path`` holds already,
+        the others decoded and appended to it. An item that fails has a row here but none in the
+        file, so that the next run tries it again; the file's rows of keys not among ``items``
+        stay there, unused."""
+        done = _done_rows(path, self.teacher)
+        failed: dict[str, dict] = {}
+        order: list[str] = []
+
+        def todo() -> Iterator[_Item]:
+            for item in items:
+                if item.key in seen:
+                    continue
+                seen.add(item.key)
+                order.append(item.key)
+                if item.key not in done:
+                    yield item
+
+        seen: set[str] = set()
         path.parent.mkdir(parents=True, exist_ok=True)
-        todo = (item for item in items if item.key not in done)
         size = self.resolved.batch_size * self.WINDOW_BATCHES
         with open(path, "a", encoding="utf-8") as out:
             def write(new: list[dict]) -> None:
-                out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in new))
+                labelled = [r for r in new if "error" not in r]
+                out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in labelled))
                 out.flush()
                 os.fsync(out.fileno())
-                rows.extend(new)
-                self.decoded_s += sum(r.get("duration", 0.0) for r in new)
+                for r in new:
+                    (failed if "error" in r else done)[r["key"]] = r
+                self.decoded_s += sum(r.get("duration", 0.0) for r in labelled)
 
             if self.jobs == 1:
-                for window in _windows(todo, size):
+                for window in _windows(todo(), size):
                     write(self.label(window))
             else:
-                _in_threads(self.label, _windows(todo, size), self.jobs, write)
-        return rows
+                _in_threads(self.label, _windows(todo(), size), self.jobs, write)
+        return [done[key] if key in done else failed[key] for key in order]
 
     def label(self, window: list[_Item]) -> list[dict]:
         """The rows of a window of items, in its order."""
@@ -448,7 +524,8 @@ class _Labeller:
             write_file_atomic(item.path, item.data)
         row = {"key": item.key, "audio_filepath": str(item.path), "duration": duration,
                "text": result.text, "greedy_text": greedy, **dataclasses.asdict(scores),
-               "confidence": scores.value}
+               "confidence": scores.value,
+               PSEUDO_LABEL: {"teacher": self.teacher, "confidence": scores.value}}
         if "text" in item.row and isinstance(item.row["text"], str):
             row["reference"] = item.row["text"]
         row["row"] = {k: v for k, v in item.row.items()

@@ -35,6 +35,7 @@ __all__ = [
     "iter_manifest",
     "read_manifest",
     "refuse_pseudo_labels",
+    "pseudo_labelled",
     "resolve_audio_path",
 ]
 
@@ -216,6 +217,12 @@ def refuse_pseudo_labels(path: str | Path, what: str) -> None:
     them."""
     for line_no, row in iter_manifest(path):
         if isinstance(row, dict) and PSEUDO_LABEL in row:
-            raise ManifestError(
-                f"{what} {path}:{line_no} is pseudo-labelled (konkanivani-pseudolabel's output): "
-                "validate and test on transcribed speech only")
+            raise pseudo_labelled(path, line_no, what)
+
+
+def pseudo_labelled(path: str | Path, line_no: int, what: str) -> ManifestError:
+    """The one line that refuses a pseudo-labelled row (line ``line_no`` of ``path``, given as
+    ``what``) where true text is needed: validation, evaluation, choosing a threshold."""
+    return ManifestError(
+        f"{what} {path}:{line_no} is pseudo-labelled (konkanivani-pseudolabel's output): "
+        "validate and test on transcribed speech only")

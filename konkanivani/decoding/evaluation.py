@@ -6,7 +6,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..data.manifest import read_manifest, resolve_audio_path
+from ..data.manifest import PSEUDO_LABEL, pseudo_labelled, read_manifest, resolve_audio_path
 from ..data.tokenizer import normalize_text
 from .metrics import ErrorCounts, score
 from .recognizer import Recognizer
@@ -83,13 +83,15 @@ def evaluate_manifest(recognizer: Recognizer, manifest: str | Path,
     under the chunk mask of ``chunk_size``) and score it against its ``text``. Rows without text or
     with audio that cannot be read or decoded are listed in ``failed`` and left out of the totals;
     an utterance too long for the method is scored as ``LONG_INPUT_METHOD`` decoded it
-    (``long_inputs``)."""
+    (``long_inputs``). A pseudo-labelled row stops it (``ManifestError``, naming its line)."""
     d = recognizer.settings(decoding, **overrides)
     manifest = Path(manifest)
     result = EvalResult(str(manifest), d.method)
     rows = []
     for line_no, row in read_manifest(manifest):
         where = f"{manifest}:{line_no}"
+        if PSEUDO_LABEL in row:  # a teacher's text scored as the truth would measure the teacher
+            raise pseudo_labelled(manifest, line_no, "manifest")
         audio, text = row.get("audio_filepath"), row.get("text")
         if not isinstance(audio, str) or not audio:
             result.failed.append((where, "no audio_filepath"))

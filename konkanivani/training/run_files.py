@@ -182,10 +182,11 @@ def load_resume_checkpoint(resume: str, output_dir: str | Path) -> tuple[dict[st
 
 
 @contextlib.contextmanager
-def hold_run_directory(directory: str | Path) -> Iterator[None]:
+def hold_run_directory(directory: str | Path, what: str = "training run") -> Iterator[None]:
     """Hold ``directory`` for this process while the block runs: an exclusive lock on
     ``directory/.lock``, which the kernel releases on any exit, kill -9 included. Raises
-    ``CheckpointError`` naming the holder when another process holds it, and saying why when the
+    ``CheckpointError`` naming the holder when another process holds it (``what`` names the kind
+    of run that holds such folders: a training run, a labelling run), and saying why when the
     directory cannot be made or written to.
 
     The directory (and its missing parents) and the lock file are made where missing. A block that
@@ -201,7 +202,7 @@ def hold_run_directory(directory: str | Path) -> Iterator[None]:
             yield
             return
         found = _names(directory) or set()
-        fd, made_lock = _take_lock(directory)
+        fd, made_lock = _take_lock(directory, what)
         try:
             yield
         finally:
@@ -257,7 +258,7 @@ def _names(directory: Path) -> set[str] | None:
         return None
 
 
-def _take_lock(directory: Path) -> tuple[int, bool]:
+def _take_lock(directory: Path, what: str) -> tuple[int, bool]:
     """The open, locked ``directory/.lock`` with this process's id in it, and whether it was made
     here.
 
@@ -285,7 +286,7 @@ def _take_lock(directory: Path) -> tuple[int, bool]:
             holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "another process"
             os.close(fd)
             raise CheckpointError(
-                f"{directory} is in use by another training run ({holder}); wait for it to end, "
+                f"{directory} is in use by another {what} ({holder}); wait for it to end, "
                 "or give this run another --output_dir"
             ) from None
         try:
