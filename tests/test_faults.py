@@ -431,3 +431,86 @@ def test_a_validation_that_fails_at_an_epoch_end_still_keeps_the_epoch(
         f"validation at the end of epoch 1 failed; the epoch is saved in {out / written[0]}"
         in caplog.text
     )
+
+
+# ---- a model too big for the machine (issue 51): refused before it is built -------------------
+
+MEMORY_LIMIT = 8 * 2 ** 30  # address space of each run below: a regression fails, the machine stays
+
+
+def _limited_run(argv: list[str], tool: str = "train") -> subprocess.CompletedProcess:
+    """``konkanivani-<tool> argv`` in a process whose address space is capped (``RLIMIT_AS``)."""
+    def limit() -> None:
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+    code = f"import sys; from konkanivani.cli.{tool} import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                          timeout=600, preexec_fn=limit)
+
+
+def _corpus_bytes(corpus: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(corpus.glob("*.jsonl"))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, message", [
+    (["--d_model", "100000", "--n_heads", "2"], "(--d_model 100000 --n_heads 2 "),
+    (["--ffn_dim", "100000000"], "--ffn_dim 100000000 "),
+    (["--frontend", "kaldi_fbank", "--n_mels", "100000"],
+     "--n_mels 100000: the kaldi_fbank front-end's spectrum has 256 frequency bins"),
+    (["--frontend", "kaldi_fbank", "--n_mels", "1000"], "--n_mels 1000: the kaldi_fbank"),
+    (["--n_mels", "300"], "--n_mels 300: the log_mel front-end's spectrum has 201"),
+    (["--max_memory_gb", "0.01"], "more than --max_memory_gb (0.0 GiB)"),
+    # about 9 GiB by the estimate: within the machine's RAM, not within the limit of the process
+    (["--ffn_dim", "400000"], "more than the RAM available to this process ("),
+])
+def test_a_model_that_cannot_fit_is_refused_in_one_line_before_the_folder(tiny_corpus, tmp_path,
+                                                                        flags, message):
+    before = _corpus_bytes(tiny_corpus)
+    out = tmp_path / "run"
+    result = _limited_run(tiny_args(tiny_corpus, out, "--max_steps", "2", *flags))
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert len(errors) == 1 and message in errors[0], errors
+    assert "Traceback" not in result.stderr
+    if "needs an estimated" in errors[0]:
+        assert "parameters) needs an estimated" in errors[0] and "GiB" in errors[0]
+    assert not out.exists()  # no folder claimed: no config.yaml, tokenizer or .lock
+    assert _corpus_bytes(tiny_corpus) == before
+
+
+@pytest.mark.slow
+def test_mel_bins_some_of_which_hold_no_frequency_train_with_a_warning(tiny_corpus, tmp_path):
+    result = _limited_run(tiny_args(tiny_corpus, tmp_path / "run", "--max_steps", "1",
+                                    "--frontend", "kaldi_fbank", "--n_mels", "128"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert ("--n_mels 128: 1 of the kaldi_fbank front-end's 128 mel bins holds no frequency"
+            in result.stderr and "124 is the most without any" in result.stderr)
+
+
+@pytest.mark.slow
+def test_init_from_with_model_flags_too_big_is_refused(tiny_corpus, tiny_run, tmp_path):
+    out = tmp_path / "run"
+    result = _limited_run(tiny_args(tiny_corpus, out, "--max_steps", "2", "--init_from",
+                                    str(tiny_run / "best.pt"), "--ffn_dim", "100000000"))
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
+    assert "--ffn_dim 100000000 " in errors[0] and "needs an estimated" in errors[0]
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_a_sweep_trial_too_big_is_skipped_and_the_sweep_goes_on(tiny_corpus, tmp_path):
+    out = tmp_path / "sweep"
+    shared = tiny_args(tiny_corpus, "unused", "--max_steps", "2")
+    i = shared.index("--output_dir")
+    argv = ["--output_dir", str(out), "--grid", "ffn_dim=64,100000000", *shared[:i],
+            *shared[i + 2:]]
+    result = _limited_run(argv, tool="sweep")
+    assert result.returncode == 0, result.stderr[-2000:]
+    small = json.loads((out / "ffn_dim-64" / "trial.json").read_text())
+    big = json.loads((out / "ffn_dim-100000000" / "trial.json").read_text())
+    assert small["status"] == "done"
+    assert big["status"] == "skipped" and "needs an estimated" in big["reason"], big
+    assert not (out / "ffn_dim-100000000" / "config.yaml").exists()

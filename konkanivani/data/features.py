@@ -15,7 +15,9 @@ features the model was trained on (``KALDI_FBANK``).
 """
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -26,7 +28,7 @@ from .frames import HOP_LENGTH, SAMPLE_RATE, frames_of_samples, subsampled_lengt
 
 __all__ = ["LOG_OFFSET", "FRONTENDS", "KALDI_FBANK", "KALDI_FLOOR", "INT16_SCALE", "LogMel",
            "KaldiFbank",
-           "make_frontend", "min_samples"]
+           "make_frontend", "min_samples", "mel_bins_problem"]
 
 LOG_OFFSET = 1e-6  # added to the mel power before the log, so that digital silence stays finite
 
@@ -207,6 +209,60 @@ def make_frontend(name: str, n_mels: int) -> LogMel | KaldiFbank:
     if name not in FRONTENDS:
         raise ValueError(f"unknown front-end {name!r}; choose from {', '.join(FRONTENDS)}")
     return KaldiFbank(n_mels) if name == "kaldi_fbank" else LogMel(n_mels)
+
+
+# Frequency bins of each front-end's power spectrum that its mel filters are made of: LogMel's
+# n_fft of 400 (n_fft // 2 + 1), Kaldi's 400-sample window padded to 512 (its filters leave out
+# the Nyquist bin); and the fewest filters Kaldi makes.
+SPECTRUM_BINS = {"log_mel": 201, "kaldi_fbank": 256}
+KALDI_MIN_BINS = 4
+
+
+def _empty_filters(frontend: str, n_mels: int) -> int:
+    """How many of ``frontend``'s ``n_mels`` mel filters take nothing from any spectrum bin (their
+    feature is a constant), computed from the filterbank the front-end builds."""
+    if frontend == "kaldi_fbank":
+        banks, _ = torchaudio.compliance.kaldi.get_mel_banks(
+            n_mels, 512, float(SAMPLE_RATE), KALDI_FBANK["low_freq"], KALDI_FBANK["high_freq"],
+            100.0, -500.0, 1.0)  # kaldi.fbank's vtln_low and vtln_high, no warp
+        return int((banks.amax(dim=1) == 0).sum())
+    with warnings.catch_warnings():  # torchaudio's own warning of empty filters: counted here
+        warnings.simplefilter("ignore")
+        banks = torchaudio.functional.melscale_fbanks(SPECTRUM_BINS["log_mel"], 0.0,
+                                                      SAMPLE_RATE / 2, n_mels, SAMPLE_RATE)
+    return int((banks.amax(dim=0) == 0).sum())
+
+
+def mel_bins_problem(frontend: str, n_mels: int) -> tuple[Optional[str], Optional[str]]:
+    """``(refusal, warning)`` for ``n_mels`` bins of ``frontend``, each None when there is none:
+    more bins than its spectrum has (or fewer than Kaldi makes) are refused; bins some of whose
+    filters hold no frequency are warned about, with the most that all hold one."""
+    bins = SPECTRUM_BINS[frontend]
+    if frontend == "kaldi_fbank" and n_mels < KALDI_MIN_BINS:
+        return (f"--n_mels {n_mels}: the kaldi_fbank front-end makes at least {KALDI_MIN_BINS} "
+                "mel bins"), None
+    if n_mels > bins:
+        return (f"--n_mels {n_mels}: the {frontend} front-end's spectrum has {bins} frequency "
+                f"bins to make mel bins of, and at most {_most_full(frontend)} mel bins that each "
+                "hold a frequency (80 is usual)"), None
+    empty = _empty_filters(frontend, n_mels)
+    if not empty:
+        return None, None
+    return None, (f"--n_mels {n_mels}: {empty} of the {frontend} front-end's {n_mels} mel bins "
+                  f"{'holds' if empty == 1 else 'hold'} no frequency of its {bins}-bin "
+                  f"spectrum (their features are constant); {_most_full(frontend)} is the most "
+                  "without any")
+
+
+@functools.cache
+def _most_full(frontend: str) -> int:
+    """The most mel bins of ``frontend`` that each hold a frequency (filters only narrow as they
+    grow in number: a bisection)."""
+    good, bad = KALDI_MIN_BINS, SPECTRUM_BINS[frontend] + 1
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (good, mid) if _empty_filters(frontend, mid) else (mid, bad)
+    return good
 
 
 def _reflected(wavs: torch.Tensor, lengths: torch.Tensor, half: int) -> torch.Tensor:

@@ -41,7 +41,7 @@ from ..data.shards import open_shards
 from ..datatools.outputs import safe_name
 from ..training.curves import have_matplotlib, write_csv
 from ..training.loop import train
-from ..training.memory import GIB, BatchDoesNotFit, MemoryEstimator
+from ..training.memory import GIB, BatchDoesNotFit, MemoryEstimator, ModelDoesNotFit
 from ..training.metrics_log import read_metrics
 from ..training.run_files import existing_run, hold_run_directory, move_run_aside
 from ..training.signals import TrainingDiverged
@@ -306,6 +306,11 @@ def _run_trial(
     )
     try:
         trial.summary = train(cfg, model_flags)
+    except ModelDoesNotFit as e:  # too large for this machine, by the estimate: as for --gpu_gb
+        trial.status, trial.reason = "skipped", str(e)
+        record_trial(trial_dir, trial, resolved)
+        log.warning("%s %s: skipped, %s", label, trial.name, trial.reason)
+        return None
     # these settings cannot train: this trial's end, not the sweep's
     except (TrainingDiverged, BatchDoesNotFit) as e:
         # (anything else, a full disk or a missing manifest, stops the sweep; the same command then

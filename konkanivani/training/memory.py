@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig
 from ..data.frames import subsampled_lengths
 from ..model.conformer import ALIGN
 
@@ -26,6 +26,8 @@ __all__ = [
     "is_out_of_memory",
     "free_memory",
     "BatchDoesNotFit",
+    "ModelDoesNotFit",
+    "check_model_fits",
     "rss_bytes",
     "peak_rss_bytes",
     "reset_peak_rss",
@@ -39,6 +41,11 @@ GIB = 1024 ** 3
 
 class BatchDoesNotFit(RuntimeError):
     """A single utterance does not fit in memory: nothing is left to split."""
+
+
+class ModelDoesNotFit(ConfigError):
+    """By the estimate, the model cannot train in the device's memory even on one utterance: the
+    run is refused before the model is built (a sweep's trial fails, the sweep goes on)."""
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -360,20 +367,70 @@ def largest_fitting(runs: Callable[[int], bool], limit: int) -> int:
 
 
 def available_memory_bytes(device: torch.device) -> int:
-    """Memory a training run may use: the GPU's total, or the RAM the kernel reports available.
+    """Memory a training run may use: the GPU's total, or the RAM the kernel reports available
+    (less where the process's limits allow less: ``_process_limits``).
 
     On a CPU this process's own resident memory is not added: most of it is library code, which
     the estimator does not count, and the model's weights already resident are counted again by
     the estimate, which errs on the safe side."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
+    available = 8 * GIB
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                available = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 8 * GIB
+    return min([available, *_process_limits()])
+
+
+def _process_limits() -> list[int]:
+    """What this process may still allocate under its limits, where it has any: its address space
+    (``RLIMIT_AS``, less what it maps now) and its control group's memory (cgroup v2, less what
+    the group uses now)."""
+    limits = []
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        limits.append(max(0, soft - (_proc_status_bytes("VmSize") or 0)))
+    try:
+        top = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if top != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            limits.append(max(0, int(top) - used))
+    except (OSError, ValueError):
+        pass
+    return limits
+
+
+def check_model_fits(estimator: MemoryEstimator, longest: int, device: torch.device,
+                     max_memory_gb: float = 0.0) -> None:
+    """``ModelDoesNotFit`` in one line when the estimated peak of a training step on one utterance
+    of ``longest`` frames passes the memory the run may use: the RAM available on a CPU, the card's
+    on a GPU, or ``--max_memory_gb`` when it is less. The model's dimensions and the estimate's
+    largest part are named. Nothing is allocated: the estimator counts parameters on the meta
+    device."""
+    budget, where = float(available_memory_bytes(device)), (
+        "the GPU's memory" if device.type == "cuda" else "the RAM available to this process")
+    if 0 < max_memory_gb and max_memory_gb * GIB < budget:
+        budget, where = max_memory_gb * GIB, "--max_memory_gb"
+    parts = estimator.components(1, longest)
+    peak = sum(parts.values())
+    if peak <= budget:
+        return
+    cfg = estimator.cfg
+    dims = " ".join(f"--{name} {getattr(cfg, name)}" for name in (
+        "d_model", "n_heads", "ffn_dim", "encoder_layers", "decoder_layers", "n_mels"))
+    weights = sum(v for k, v in parts.items()
+                  if k in ("parameters", "gradients", "autocast weight copies")
+                  or k.startswith("optimizer"))
+    largest = max(parts, key=parts.get)
+    raise ModelDoesNotFit(
+        f"the model ({dims}, {cfg.vocab_size} tokens: {estimator.n_params / 1e6:,.1f} M "
+        f"parameters) needs an estimated {peak / GIB:,.1f} GiB to train on one utterance of "
+        f"{longest / 100:.1f} s (weights, gradients and optimizer states {weights / GIB:,.1f} GiB; "
+        f"the largest part {largest}), more than {where} ({budget / GIB:.1f} GiB): give smaller "
+        "model flags, or see docs/memory.md")
 
 
 def auto_batch_frames(

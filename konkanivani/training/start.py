@@ -31,7 +31,7 @@ from ..data.dataset import (
     load_utterances,
     log_skipped,
 )
-from ..data.features import KaldiFbank, LogMel, make_frontend
+from ..data.features import KaldiFbank, LogMel, make_frontend, mel_bins_problem
 from ..data.frames import budget_frames, frames_of, subsampled_lengths
 from ..data.manifest import ManifestError, read_manifest, refuse_pseudo_labels
 from ..data.samplers import (
@@ -67,6 +67,7 @@ from .memory import (
     GIB,
     MemoryEstimator,
     auto_batch_frames,
+    check_model_fits,
     largest_fitting,
     precision_name,
 )
@@ -191,6 +192,7 @@ def setup_run(cfg: TrainConfig, model_cfg: ModelConfig, origin: Origin, dist: Di
     tokenizer's). Nothing is written to the output directory until the data is known usable; then
     ``start`` (``run_files.run_directory``) makes the directory this run's."""
     _seed_everything(cfg.seed)  # the same initial weights in every process
+    _check_frontend(model_cfg)
     # configs: the settings a resumed run keeps from its checkpoint, the tokenizer, the precision
     cfg, tokenizer, samples_grew = _configs(cfg, origin.state, dist)
     model_cfg = dataclasses.replace(model_cfg, vocab_size=tokenizer.vocab_size)
@@ -198,6 +200,11 @@ def setup_run(cfg: TrainConfig, model_cfg: ModelConfig, origin: Origin, dist: Di
     precision = resolve_precision(device, cfg.mixed_precision, cfg.precision)
     # data: the utterances, checked usable before the output directory becomes this run's
     data = _data(cfg, tokenizer)
+    # the model sized before any of it is built or the directory claimed: one that cannot fit even
+    # one utterance of the longest is refused
+    check_model_fits(MemoryEstimator(model_cfg, precision_name(precision), cfg.optimizer,
+                                     cfg.gradient_checkpointing, device),
+                     max(frames_of(d) for d in data.durations), device, cfg.max_memory_gb)
     _claim_directory(start, Path(cfg.output_dir), dist, tokenizer if origin.state is None else None)
     # model: resumed, or fresh with the data's CMVN and the --init_from weights that fit
     model = _build_model(cfg, model_cfg, data, origin, tokenizer, device)
@@ -231,6 +238,16 @@ def setup_run(cfg: TrainConfig, model_cfg: ModelConfig, origin: Origin, dist: Di
               elapsed_before=origin.state.train_seconds if origin.state else 0.0)
     _begin(run, origin, model_cfg, samples_grew)
     return run
+
+
+def _check_frontend(model_cfg: ModelConfig) -> None:
+    """``ConfigError`` for mel bins beyond what the model's front-end computes; a warning for bins
+    some of whose filters hold no frequency."""
+    refusal, warning = mel_bins_problem(model_cfg.frontend, model_cfg.n_mels)
+    if refusal:
+        raise ConfigError(refusal)
+    if warning:
+        log.warning("%s", warning)
 
 
 # ---- configs ----------------------------------------------------------------------------------
