@@ -1,12 +1,15 @@
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from konkanivani.checkpoint import load_checkpoint
+from konkanivani.config_file import load_config_file
 
 ROOT = Path(__file__).resolve().parents[1]
 from konkanivani.cli import train as cli  # noqa: E402
@@ -304,10 +307,39 @@ def test_an_output_under_a_file_is_one_line_for_average_and_export(tmp_path, cap
     assert f"--output_dir {written} cannot be written: {blocker} is not a folder" in err[0]
 
 
+RECIPE_SCRIPT = "run_training_memory_optimized.sh"
+# the recipe script made tiny by extra flags that pass through and override its recipe
+TINY_RECIPE = ["--preset", "tiny", "--d_model", "48", "--encoder_layers", "2", "--decoder_layers",
+               "1", "--vocab_size", "48", "--max_steps", "3", "--num_workers", "0", "--no_progress"]
+CPU_RECIPE_LINE = (
+    "no CUDA GPU: training the CPU recipe (configs/cpu_small.yaml; what it reaches in 30 minutes:"
+    " docs/results.md) for 30 minutes unless --max_time is given, into {}, not the T4 recipe, which"
+    " is for a GPU: KONKANIVANI_RECIPE=t4 trains that one here"
+)
+T4_BATCHES = "8 utterances per update (batch 2 x 4 accumulation steps)"
+CPU_BATCHES = "16 utterances per update (batch 16 x 1 accumulation steps)"
+NO_CUDA = not torch.cuda.is_available()
+
+
+def _recipe_script(script: Path, env: dict, *flags: str) -> subprocess.CompletedProcess:
+    result = subprocess.run([str(script), *TINY_RECIPE, *flags], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def _said(result: subprocess.CompletedProcess, start: str) -> list[str]:
+    """The lines of the script's own (not the trainer's, which begin with the time) that begin with
+    ``start``."""
+    return [line for line in result.stderr.splitlines() if line.startswith(start)]
+
+
 @pytest.mark.parametrize("data", ["manifest", "shards"])
-def test_t4_recipe_script_runs_on_cpu(tiny_corpus, tmp_path, data):
-    """The recipe script itself, made tiny by extra flags that pass through and override it; on a
-    manifest (TRAIN_MANIFEST) or on shards (TRAIN_SHARDS, as for data on a Drive mount)."""
+def test_the_recipe_script_trains_the_recipe_of_the_machine(tiny_corpus, tmp_path, data):
+    """The recipe script itself, on a manifest (TRAIN_MANIFEST) or on shards (TRAIN_SHARDS, as for
+    data on a Drive mount): without a CUDA GPU the CPU recipe (configs/cpu_small.yaml, its batches
+    of 16, its 30 minutes, which --max_steps comes before; on shards without its length
+    curriculum), said in one line; with one the T4 recipe. The run resumes as it was started."""
     if data == "shards":
         from konkanivani.datatools.shard_writer import write_shards
         write_shards(
@@ -316,41 +348,75 @@ def test_t4_recipe_script_runs_on_cpu(tiny_corpus, tmp_path, data):
         train = {"TRAIN_SHARDS": str(tmp_path / "shards" / "shards.json")}
     else:
         train = {"TRAIN_MANIFEST": str(tiny_corpus / "train.jsonl")}
-    env = dict(
-        os.environ,
-        PYTHON=sys.executable,
-        **train,
-        VALID_MANIFEST=str(tiny_corpus / "valid.jsonl"),
-        OUTPUT_DIR=str(tmp_path / "t4"),
-    )
-    result = subprocess.run(
-        [
-            str(ROOT / "run_training_memory_optimized.sh"),
-            "--preset",
-            "tiny",
-            "--d_model",
-            "48",
-            "--encoder_layers",
-            "2",
-            "--decoder_layers",
-            "1",
-            "--vocab_size",
-            "48",
-            "--max_steps",
-            "3",
-            "--num_workers",
-            "0",
-            "--no_progress",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "8 utterances per update (batch 2 x 4 accumulation steps)" in result.stderr
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHON=sys.executable, **train,
+               VALID_MANIFEST=str(tiny_corpus / "valid.jsonl"), OUTPUT_DIR=str(out))
+    env.pop("KONKANIVANI_RECIPE", None)
+    result = _recipe_script(ROOT / RECIPE_SCRIPT, env)
     assert ("train shards" in result.stderr) == (data == "shards")
-    assert load_checkpoint(tmp_path / "t4" / "latest.pt")["step"] == 3
+    assert load_checkpoint(out / "latest.pt")["step"] == 3
+    if not NO_CUDA:
+        assert not _said(result, "no CUDA GPU")
+        return
+    assert _said(result, "no CUDA GPU") == [CPU_RECIPE_LINE.format(out)]
+    assert CPU_BATCHES in result.stderr and T4_BATCHES not in result.stderr
+    config = load_config_file(out / "config.yaml")
+    assert (config["max_time"], config["noise_prob"], config["batch_size"]) == (1800, 0.3, 16)
+    # shards are read as they were written: the first epoch is not ordered shortest first
+    assert config["length_curriculum_epochs"] == (0 if data == "shards" else 1)
+    if data == "manifest":
+        resumed = _recipe_script(ROOT / RECIPE_SCRIPT, env, "--resume", "latest", "--max_steps",
+                                 "4")
+        assert _said(resumed, "no CUDA GPU") == [CPU_RECIPE_LINE.format(out)]
+        assert load_checkpoint(out / "latest.pt")["step"] == 4
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="what the recipe script does without a CUDA GPU")
+def test_the_recipe_script_forced_to_t4_and_its_run_resumed_on_a_cpu(tiny_corpus, tmp_path):
+    """KONKANIVANI_RECIPE=t4 trains the T4 recipe on a CPU (the script as it was) into its folder;
+    --resume without it goes on with that run, saying so in one line, where the CPU recipe's folder
+    holds none; a fresh run trains the CPU recipe into its own folder; another recipe's name is one
+    line, exit 2, before any work. The script in a copy of the checkout, whose checkpoints/ these
+    folders are."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copy2(ROOT / RECIPE_SCRIPT, repo)
+    for name in ("configs", "training_scripts", "konkanivani"):
+        (repo / name).symlink_to(ROOT / name)
+    script = repo / RECIPE_SCRIPT
+    t4, cpu = repo / "checkpoints" / "konkanivani_t4", repo / "checkpoints" / "cpu_small"
+    env = dict(os.environ, PYTHON=sys.executable, TRAIN_MANIFEST=str(tiny_corpus / "train.jsonl"),
+               VALID_MANIFEST=str(tiny_corpus / "valid.jsonl"))
+    env.pop("OUTPUT_DIR", None)
+    forced = _recipe_script(script, dict(env, KONKANIVANI_RECIPE="t4"))
+    assert T4_BATCHES in forced.stderr and not _said(forced, "no CUDA GPU")
+    assert load_checkpoint(t4 / "latest.pt")["step"] == 3 and not cpu.exists()
+
+    env.pop("KONKANIVANI_RECIPE", None)
+    resumed = _recipe_script(script, env, "--resume", "latest", "--max_steps", "4")
+    assert _said(resumed, "no CUDA GPU") == [
+        "no CUDA GPU: --resume goes on with the T4 recipe's run in checkpoints/konkanivani_t4"
+        " (KONKANIVANI_RECIPE=cpu_small for the CPU recipe, configs/cpu_small.yaml)"]
+    assert T4_BATCHES in resumed.stderr
+    assert load_checkpoint(t4 / "latest.pt")["step"] == 4 and not cpu.exists()
+
+    fresh = _recipe_script(script, env)
+    assert _said(fresh, "no CUDA GPU") == [CPU_RECIPE_LINE.format("checkpoints/cpu_small")]
+    assert CPU_BATCHES in fresh.stderr and load_checkpoint(cpu / "latest.pt")["step"] == 3
+    assert load_checkpoint(t4 / "latest.pt")["step"] == 4
+
+    def files():  # the copy's files, not those its links point at
+        return sorted(os.path.join(top, name) for top, folders, names in os.walk(repo)
+                      for name in folders + names)
+
+    before = files()
+    wrong = subprocess.run([str(script)], env=dict(env, KONKANIVANI_RECIPE="gpu"),
+                           capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 2 and not wrong.stdout
+    assert wrong.stderr == (
+        "error: KONKANIVANI_RECIPE=gpu: give t4 (configs/t4.yaml) or cpu_small"
+        " (configs/cpu_small.yaml), or leave it unset for the one that fits this machine\n")
+    assert files() == before
 
 
 def _other_tools():
