@@ -25,7 +25,7 @@ __all__ = ["DEFAULT_SEED", "DEFAULT_MAX_DURATION", "DEFAULT_DURATION_TOLERANCE",
            "kept_settings", "ADDED_OFF", "time_reduced_blocks", "check_time_reduction",
            "ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "INIT_MODULES",
            "model_config_from_preset", "model_config_from", "check_config", "resolve_model_config",
-           "add_dataclass_args", "dataclass_from_args"]
+           "add_dataclass_args", "dataclass_from_args", "MixEntry", "parse_mix"]
 
 
 log = logging.getLogger("konkanivani")
@@ -414,6 +414,11 @@ class TrainConfig(AugmentConfig, RunConfig):
             "help": "NeMo-style JSONL manifest for training (required, or --train_shards)",
         },
     )
+    train_mix: str = field(default="", metadata=flag_help(kept_on_resume=True, section="data", text=
+        "several training manifests mixed by weight, instead of --train_manifest: a comma list of "
+        "PATH[:WEIGHT[:NAME]] ('fr/train.jsonl:1:fr,data/demo/train.jsonl:2:kok'); each epoch "
+        "draws from each in proportion to its weight as many utterances as they have together, "
+        "NAME (a language, say; default the file's name) naming it in the log"))
     train_shards: str = field(
         default="",
         metadata=flag_help(
@@ -854,13 +859,61 @@ def check_run_config(cfg: RunConfig) -> None:
         raise ConfigError("give --resume or --overwrite, not both")
 
 
+@dataclass(frozen=True)
+class MixEntry:
+    """One training manifest of ``--train_mix``: its path, weight and name."""
+
+    path: str
+    weight: float
+    name: str
+
+
+def parse_mix(spec: str) -> list[MixEntry]:
+    """The entries of a ``--train_mix`` value, ``PATH[:WEIGHT[:NAME]]`` separated by commas (the
+    fields read from the right, so a path may hold a colon); ``ConfigError`` naming a bad one."""
+    entries = []
+    for item in (part.strip() for part in spec.split(",")):
+        fields, weight, name = item.split(":"), "1", ""
+        if len(fields) >= 3 and _is_number(fields[-2]):
+            *path, weight, name = fields
+        elif len(fields) >= 2 and _is_number(fields[-1]):
+            *path, weight = fields
+        else:
+            path = fields
+        path = ":".join(path)
+        if not path:
+            raise ConfigError(f"--train_mix {spec!r}: an entry without a manifest ({item!r})")
+        value = float(weight)
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"--train_mix {item}: the weight must be a positive number")
+        name = name.strip() or Path(path).stem
+        if not re.fullmatch(r"[\w.-]+", name):
+            raise ConfigError(f"--train_mix {item}: a name is letters, digits, '.', '-' or '_'")
+        entries.append(MixEntry(path, value, name))
+    names = [e.name for e in entries]
+    if len(entries) < 2 or len(set(names)) != len(names):
+        raise ConfigError(f"--train_mix {spec!r}: give two or more manifests, each its own name "
+                          f"(got {', '.join(names)})")
+    return entries
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def check_config(cfg: TrainConfig) -> None:
     """Every flag value of ``cfg`` that can be checked before any work; ``ConfigError`` naming the
     first bad one. (The model's flags are checked as ``resolve_model_config`` resolves them.)"""
     check_run_config(cfg)
     check_values(cfg, _CHECKS)
-    if not cfg.train_manifest and not cfg.train_shards:
-        raise ConfigError("--train_manifest (or --train_shards) is required")
+    if not cfg.train_manifest and not cfg.train_shards and not cfg.train_mix:
+        raise ConfigError("--train_manifest (or --train_shards, or --train_mix) is required")
+    if cfg.train_mix:
+        _check_mix(cfg)
     if not cfg.valid_manifest:
         raise ConfigError("--valid_manifest is required")
     if cfg.train_shards and cfg.pseudo_manifest:
@@ -916,6 +969,20 @@ def check_config(cfg: TrainConfig) -> None:
         raise ConfigError(
             "--keep_init_cmvn keeps the CMVN statistics of --init_from: give --init_from too"
         )
+
+
+def _check_mix(cfg: TrainConfig) -> None:
+    """--train_mix's entries, and the flags that go with one training manifest only."""
+    for other in ("train_manifest", "train_shards", "pseudo_manifest"):
+        if getattr(cfg, other):
+            raise ConfigError(f"--train_mix takes the place of --train_manifest; give --{other} "
+                              "as one of its entries, or leave it out")
+    if cfg.max_samples:
+        raise ConfigError("--max_samples picks rows of --train_manifest; with --train_mix, the "
+                          "weights decide how many of each manifest an epoch takes")
+    for entry in parse_mix(cfg.train_mix):
+        if not Path(entry.path).is_file():
+            raise ConfigError(f"--train_mix {entry.path}: file not found")
 
 
 def resolve_model_config(cfg: TrainConfig, flags: dict[str, Any] | None = None,

@@ -41,6 +41,7 @@ from ..config import (
     add_dataclass_args,
     check_config,
     dataclass_from_args,
+    parse_mix,
 )
 from ..config_file import load_config_file
 from ..data.manifest import ManifestError
@@ -80,8 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 action.default, action.required = values[action.dest], False
     args = parser.parse_args(argv)
     # one of the two (argparse cannot say "or")
-    if not args.train_manifest and not args.train_shards:
-        parser.error("the following arguments are required: --train_manifest (or --train_shards)")
+    if not args.train_manifest and not args.train_shards and not args.train_mix:
+        parser.error("the following arguments are required: --train_manifest (or --train_shards, "
+                     "or --train_mix)")
     return args
 
 
@@ -114,7 +116,9 @@ def run_inputs(cfg: TrainConfig) -> Iterator[Path]:
             yield Path(path)
     if cfg.train_shards:
         yield from shard_files(cfg.train_shards)
-    for manifest in (cfg.train_manifest, cfg.valid_manifest, cfg.pseudo_manifest):
+    mixed = [entry.path for entry in parse_mix(cfg.train_mix)] if cfg.train_mix else []
+    yield from map(Path, mixed)
+    for manifest in (cfg.train_manifest, cfg.valid_manifest, cfg.pseudo_manifest, *mixed):
         if manifest:
             yield from manifest_audio(manifest)
 

@@ -21,6 +21,7 @@ __all__ = [
     "DurationBucketSampler",
     "PreflightSampler",
     "LengthCurriculum",
+    "WeightedMix",
     "cut_batches",
     "train_sampler",
     "padding_fraction",
@@ -265,6 +266,52 @@ class LengthCurriculum(_Reordered):
         return sorted(batches, key=lambda batch: max(self.frames[i] for i in batch))
 
 
+class WeightedMix(ResumableBatchSampler):
+    """The batches of several training sets mixed by weight, an epoch at a time. ``sources[i]`` is utterance ``i``'s set; an
+    epoch draws from set ``s`` ``round(N * weights[s] / sum(weights))`` utterances, ``N`` all of
+    theirs, reading on through the set in seeded rounds (each a shuffle of it): a set drawn less
+    than its size shows the rest of itself in the next epochs, one drawn more repeats itself only
+    after it has shown all. The drawn utterances are batched by ``batcher(durations)`` (a
+    bucketing sampler over them), so a batch mixes sets of one length. A pure function of
+    ``seed`` and the epoch: a resumed epoch is the unbroken one's."""
+
+    def __init__(self, durations: Sequence[float], sources: Sequence[int],
+                 weights: Sequence[float],
+                 batcher: Callable[[list[float]], ResumableBatchSampler], seed: int = 0):
+        if len(sources) != len(durations) or not weights or min(weights) <= 0:
+            raise ValueError("WeightedMix: a set for every utterance and a positive weight each")
+        self.durations, self.seed, self.batcher = list(durations), seed, batcher
+        self.members = [[i for i, s in enumerate(sources) if s == k] for k in range(len(weights))]
+        if not all(self.members):
+            raise ValueError("WeightedMix: every set needs an utterance")
+        total = sum(weights)
+        self.counts = [max(1, round(len(self.durations) * w / total)) for w in weights]
+        self._cache: tuple[int, list[list[int]]] | None = None
+
+    def drawn(self, epoch: int) -> list[int]:
+        """The utterances epoch ``epoch`` draws, set by set."""
+        out = []
+        for k, (members, count) in enumerate(zip(self.members, self.counts)):
+            first = epoch * count  # where this epoch starts in the set's endless rounds
+            for n in range(first // len(members), (first + count - 1) // len(members) + 1):
+                order = list(members)
+                random.Random(f"{self.seed}:{k}:{n}").shuffle(order)
+                lo = max(first - n * len(members), 0)
+                hi = min(first + count - n * len(members), len(members))
+                out += order[lo:hi]
+        return out
+
+    def epoch_batches(self) -> list[list[int]]:
+        if self._cache is not None and self._cache[0] == self.epoch:
+            return self._cache[1]
+        drawn = self.drawn(self.epoch)
+        inner = self.batcher([self.durations[i] for i in drawn])
+        inner.set_epoch(self.epoch)
+        batches = [[drawn[p] for p in batch] for batch in inner.epoch_batches()]
+        self._cache = (self.epoch, batches)
+        return batches
+
+
 def cut_batches(order: Sequence[int], frames: Sequence[int], max_frames: int,
                 fits: Optional[Callable[[int, int], bool]] = None) -> list[list[int]]:
     """Greedy batches of the utterances in ``order`` (``frames`` long each) of at most
@@ -297,18 +344,22 @@ def train_sampler(
     rank: int = 0,
     world: int = 1,
     curriculum_epochs: int = 0,
+    mix: Optional[tuple[Sequence[int], Sequence[float]]] = None,
 ) -> ResumableBatchSampler:
     """The training batches: duration-bucketed under a frame budget (``max_frames``; ``fits`` a
-    further cap, the memory estimator's) or ``batch_size`` utterances of similar length; shortest
-    first in the first ``curriculum_epochs`` epochs; the ``preflight`` largest first in the first
-    epoch; process ``rank``'s share of them when ``world`` > 1.
+    further cap, the memory estimator's) or ``batch_size`` utterances of similar length; with
+    ``mix`` (each utterance's set, each set's weight), of an epoch's weighted draw of the sets
+    (``WeightedMix``); shortest first in the first ``curriculum_epochs`` epochs; the ``preflight``
+    largest first in the first epoch; process ``rank``'s share of them when ``world`` > 1.
     """
-    if max_frames or fits is not None:
-        sampler: ResumableBatchSampler = DurationBucketSampler(
-            durations, max_frames or 10**9, seed=seed, num_buckets=num_buckets, fits=fits
-        )
-    else:
-        sampler = LengthGroupedBatchSampler(durations, batch_size, seed=seed)
+    def batcher(lengths: Sequence[float]) -> ResumableBatchSampler:
+        if max_frames or fits is not None:
+            return DurationBucketSampler(lengths, max_frames or 10**9, seed=seed,
+                                         num_buckets=num_buckets, fits=fits)
+        return LengthGroupedBatchSampler(lengths, batch_size, seed=seed)
+
+    sampler = (batcher(durations) if mix is None
+               else WeightedMix(durations, mix[0], mix[1], batcher, seed))
     if curriculum_epochs > 0:
         sampler = LengthCurriculum(sampler, durations, curriculum_epochs)
     if preflight > 0:

@@ -119,6 +119,9 @@ def train_epoch(
             run.sampler.epoch_batches(), [frames_of(u.duration) for u in run.train_utts]
         ),
     )
+    if run.mix is not None:  # how much of each --train_mix set this epoch holds
+        log.info("epoch %d draws: %s", run.epoch + 1, run.mix.shares(
+            run.sampler.epoch_batches(), [u.duration for u in run.train_utts]))
     skips_before, unreadable, stop = run.skips.total, [], Stop.NONE
     run.model.train()
     # a bar in a file is only noise

@@ -19,7 +19,14 @@ from torch.optim.swa_utils import AveragedModel
 from torch.utils.data import DataLoader
 
 from ..checkpoint import LATEST_FILE, InferenceModel, TrainState, write_file_atomic
-from ..config import AugmentConfig, ConfigError, ModelConfig, TrainConfig, kept_settings
+from ..config import (
+    AugmentConfig,
+    ConfigError,
+    ModelConfig,
+    TrainConfig,
+    kept_settings,
+    parse_mix,
+)
 from ..config_file import write_config_file
 from ..data.augment import Augmenter, batching_duration
 from ..data.dataset import (
@@ -110,6 +117,7 @@ class Run:
     skips: NonFiniteSkips
     log_mel: LogMel | KaldiFbank  # the batches' features, computed in the step on the device
     ema: Optional[AveragedModel] = None  # the moving average of the weights (--ema_decay)
+    mix: Optional["Mix"] = None  # --train_mix's sets: which one each training utterance is of
     draw_curves: bool = False  # redraw curves.png after each validation (rank 0, with matplotlib)
     # the metrics rows again, for TensorBoard (opened once a resumed run's step is known)
     board: TensorBoardLog = field(default_factory=TensorBoardLog)
@@ -233,7 +241,7 @@ def setup_run(cfg: TrainConfig, model_cfg: ModelConfig, origin: Origin, dist: Di
               skips=NonFiniteSkips(cfg.max_consecutive_skips),
               log_mel=make_frontend(model_cfg.frontend, model_cfg.n_mels).to(device),
               # of the unwrapped model: the DDP or compiled forward shares its parameters
-              ema=make_ema(model, cfg.ema_decay) if cfg.ema_decay else None,
+              ema=make_ema(model, cfg.ema_decay) if cfg.ema_decay else None, mix=data.mix,
               draw_curves=dist.is_main and _can_draw_curves(out_dir),
               elapsed_before=origin.state.train_seconds if origin.state else 0.0)
     _begin(run, origin, model_cfg, samples_grew)
@@ -300,8 +308,11 @@ def _fresh_tokenizer(cfg: TrainConfig, dist: Dist) -> Tokenizer:
         return Tokenizer.load(cfg.tokenizer)
     proto = None
     if dist.is_main:
-        source = cfg.train_shards or cfg.train_manifest
-        if cfg.train_shards:
+        source = cfg.train_shards or cfg.train_manifest or cfg.train_mix
+        if cfg.train_mix:  # one tokenizer over every set's text, so that their scripts share it
+            texts = [row.get("text") for entry in parse_mix(cfg.train_mix)
+                     for _, row in read_manifest(entry.path)]
+        elif cfg.train_shards:
             if (text_file := texts_of(cfg.train_shards)) is None:
                 raise ConfigError(f"--train_shards {cfg.train_shards}: no text.txt beside the "
                                   "shards to train a tokenizer on; give --tokenizer")
@@ -328,6 +339,27 @@ class _Data:
     augmenter: Optional[Augmenter]
     durations: list[float]  # each training utterance's, as long as speed perturbation may make it
     pseudo_augmenter: Optional[Augmenter] = None  # the noisy student's, of pseudo-labelled ones
+    mix: Optional["Mix"] = None
+
+
+@dataclass
+class Mix:
+    """The training sets of --train_mix: their names and weights, and each utterance's set."""
+
+    names: list[str]
+    weights: list[float]
+    sources: list[int]
+
+    def shares(self, batches: Sequence[Sequence[int]], durations: Sequence[float]) -> str:
+        """How much of each set ``batches`` hold: utterances, hours and share, in one line."""
+        counts, seconds = [0] * len(self.names), [0.0] * len(self.names)
+        for batch in batches:
+            for i in batch:
+                counts[self.sources[i]] += 1
+                seconds[self.sources[i]] += durations[i]
+        total = max(1, sum(counts))
+        return ", ".join(f"{name} {n} ({100 * n / total:.1f}%, {s / 3600:.2f} h; weight {w:g})"
+                         for name, n, s, w in zip(self.names, counts, seconds, self.weights))
 
 
 def _data(cfg: TrainConfig, tokenizer: Tokenizer) -> _Data:
@@ -335,10 +367,11 @@ def _data(cfg: TrainConfig, tokenizer: Tokenizer) -> _Data:
     ``ManifestError`` when they cannot be used."""
     # It lists --noise_dir / --rir_dir: a bad folder stops the run before any work.
     augmenter = _augmenter(cfg)
-    train_utts, valid_utts, shards = _load_data(cfg, tokenizer)
+    train_utts, valid_utts, shards, mix = _load_data(cfg, tokenizer)
     durations = [batching_duration(d, cfg.speed_perturb)  # as long as they may get
                  for d in (shards.durations() if shards else (u.duration for u in train_utts))]
-    return _Data(train_utts, valid_utts, shards, augmenter, durations, _pseudo_augmenter(cfg))
+    return _Data(train_utts, valid_utts, shards, augmenter, durations, _pseudo_augmenter(cfg),
+                 mix)
 
 
 def _pseudo_augmenter(cfg: TrainConfig) -> Optional[Augmenter]:
@@ -383,12 +416,14 @@ def _augmenter(cfg: TrainConfig) -> Optional[Augmenter]:
 
 
 def _load_data(cfg: TrainConfig, tokenizer: Tokenizer
-               ) -> tuple[Sequence[Utterance], list[Utterance], Optional[ShardSet]]:
-    """The training utterances (of a manifest, or of the shards), the validation ones, and the
-    shard set."""
+               ) -> tuple[Sequence[Utterance], list[Utterance], Optional[ShardSet], Optional[Mix]]:
+    """The training utterances (of a manifest, of --train_mix's, or of the shards), the validation
+    ones, the shard set and the mix."""
     refuse_pseudo_labels(cfg.valid_manifest, "--valid_manifest")  # before any work
-    shards = None
-    if cfg.train_shards:
+    shards, mix = None, None
+    if cfg.train_mix:
+        train_utts, mix = _mixed_utterances(cfg, tokenizer)
+    elif cfg.train_shards:
         if cfg.train_manifest:
             log.info("--train_shards %s: --train_manifest %s is not used", cfg.train_shards,
                      cfg.train_manifest)
@@ -421,7 +456,25 @@ def _load_data(cfg: TrainConfig, tokenizer: Tokenizer
                       else ("validation", cfg.valid_manifest))
         raise ManifestError(f"no usable utterance in the {name} manifest {path}; see the warnings "
                             "above (konkanivani-validate lists every bad row)")
-    return train_utts, valid_utts, shards
+    return train_utts, valid_utts, shards, mix
+
+
+def _mixed_utterances(cfg: TrainConfig, tokenizer: Tokenizer) -> tuple[list[Utterance], Mix]:
+    """The usable rows of each --train_mix manifest, one after another, and which set each is of;
+    ``ManifestError`` when a manifest has none."""
+    entries, utts, sources = parse_mix(cfg.train_mix), [], []
+    for k, entry in enumerate(entries):
+        these, skipped = load_utterances(entry.path, tokenizer, cfg.max_duration,
+                                         cfg.duration_tolerance)
+        log_skipped(f"train ({entry.name})", entry.path, len(these), skipped)
+        if not these:
+            raise ManifestError(f"no usable utterance in the --train_mix manifest {entry.path}; "
+                                "see the warnings above (konkanivani-validate lists every bad row)")
+        utts += these
+        sources += [k] * len(these)
+    log.info("--train_mix: each epoch draws %d utterances, from each set in proportion to its "
+             "weight (%s)", len(utts), ", ".join(f"{e.name} {e.weight:g}" for e in entries))
+    return utts, Mix([e.name for e in entries], [e.weight for e in entries], sources)
 
 
 def _claim_directory(start: Callable[[], None], out_dir: Path, dist: Dist,
@@ -619,9 +672,10 @@ def _train_sampler(cfg: TrainConfig, data: _Data, fits: Optional[Fits], accum_th
     if cfg.length_curriculum_epochs:
         log.info("length curriculum: the first %d epoch(s) take their batches shortest first",
                  cfg.length_curriculum_epochs)
+    mix = (data.mix.sources, data.mix.weights) if data.mix else None
     return train_sampler(data.durations, cfg.batch_size, budget, cfg.seed, cfg.num_buckets, fits,
                          accum_then + 1 if cfg.preflight else 0, dist.rank, dist.world,
-                         cfg.length_curriculum_epochs)
+                         cfg.length_curriculum_epochs, mix)
 
 
 def _valid_sampler(cfg: TrainConfig, data: _Data, model: ASRModel, dist: Dist
