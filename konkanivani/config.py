@@ -919,7 +919,7 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.train_shards and cfg.pseudo_manifest:
         raise ConfigError("--pseudo_manifest goes with --train_manifest; to train on shards, write "
                           "shards of both manifests together (konkanivani-prepare shards)")
-    files = ((() if cfg.train_shards else ("train_manifest",))
+    files = ((() if cfg.train_shards or cfg.train_mix else ("train_manifest",))
              + ("valid_manifest", "tokenizer", "pseudo_manifest"))
     for name in files:
         path = getattr(cfg, name)
@@ -973,7 +973,7 @@ def check_config(cfg: TrainConfig) -> None:
 
 def _check_mix(cfg: TrainConfig) -> None:
     """--train_mix's entries, and the flags that go with one training manifest only."""
-    for other in ("train_manifest", "train_shards", "pseudo_manifest"):
+    for other in ("train_shards", "pseudo_manifest"):  # (--train_manifest, a recipe's say, unused)
         if getattr(cfg, other):
             raise ConfigError(f"--train_mix takes the place of --train_manifest; give --{other} "
                               "as one of its entries, or leave it out")

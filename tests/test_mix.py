@@ -118,13 +118,21 @@ def test_a_model_trained_on_two_sets_by_weight_learns_and_resumes_exactly(tiny_c
 
 @pytest.mark.slow
 def test_the_mix_takes_the_place_of_one_training_manifest(tiny_corpus, two_sets, tmp_path,
-                                                        capsys):
+                                                        capsys, caplog):
     out = tmp_path / "run"
-    args = [*_mix_args(tiny_corpus, two_sets, out), "--train_manifest",
+    args = [*_mix_args(tiny_corpus, two_sets, out), "--pseudo_manifest",
             str(tiny_corpus / "train.jsonl")]
     assert cli.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--train_mix takes the place of --train_manifest" in err[0], err
+    # a recipe's --train_manifest gives way to the mix, as to --train_shards
+    recipe = [*_mix_args(tiny_corpus, two_sets, out, "--max_steps", "1"), "--train_manifest",
+              str(tiny_corpus / "train.jsonl")]
+    with caplog.at_level(logging.INFO, logger="konkanivani"):
+        assert cli.main(recipe) == 0
+    assert f"--train_mix: --train_manifest {tiny_corpus / 'train.jsonl'} is not used" in caplog.text
+    assert "epoch 1 draws: a 13" in caplog.text
+    out = tmp_path / "other"
     missing = [*_mix_args(tiny_corpus, two_sets, out)]
     missing[-1] = missing[-1].replace("b.jsonl", "c.jsonl")
     assert cli.main(missing) == 2

@@ -267,13 +267,14 @@ class LengthCurriculum(_Reordered):
 
 
 class WeightedMix(ResumableBatchSampler):
-    """The batches of several training sets mixed by weight, an epoch at a time. ``sources[i]`` is utterance ``i``'s set; an
-    epoch draws from set ``s`` ``round(N * weights[s] / sum(weights))`` utterances, ``N`` all of
-    theirs, reading on through the set in seeded rounds (each a shuffle of it): a set drawn less
-    than its size shows the rest of itself in the next epochs, one drawn more repeats itself only
-    after it has shown all. The drawn utterances are batched by ``batcher(durations)`` (a
-    bucketing sampler over them), so a batch mixes sets of one length. A pure function of
-    ``seed`` and the epoch: a resumed epoch is the unbroken one's."""
+    """The batches of several training sets mixed by weight, an epoch at a time. ``sources[i]`` is
+    utterance ``i``'s set; an epoch draws from set ``s`` ``round(N * weights[s] /
+    sum(weights))`` utterances, ``N`` all of theirs, reading on through the set in seeded rounds
+    (each a shuffle of it): a set drawn less than its size shows the rest of itself in the next
+    epochs, one drawn more repeats itself only after it has shown all. The drawn utterances are
+    batched by ``batcher(durations)`` (a bucketing sampler over them), so a batch mixes sets of
+    one length. A pure function of ``seed`` and the epoch: a resumed epoch is the unbroken
+    one's."""
 
     def __init__(self, durations: Sequence[float], sources: Sequence[int],
                  weights: Sequence[float],

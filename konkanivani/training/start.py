@@ -422,6 +422,8 @@ def _load_data(cfg: TrainConfig, tokenizer: Tokenizer
     refuse_pseudo_labels(cfg.valid_manifest, "--valid_manifest")  # before any work
     shards, mix = None, None
     if cfg.train_mix:
+        if cfg.train_manifest:
+            log.info("--train_mix: --train_manifest %s is not used", cfg.train_manifest)
         train_utts, mix = _mixed_utterances(cfg, tokenizer)
     elif cfg.train_shards:
         if cfg.train_manifest:

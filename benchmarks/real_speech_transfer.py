@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Leave one language out on the real-speech yardstick: a base trained on human speech of the
+other languages, fine-tuned on the left-out language's 15 minutes, against training on those 15
+minutes from scratch, at the same step budget.
+
+    python3 benchmarks/real_speech.py                     # the yardstick, once
+    python3 benchmarks/real_speech_transfer.py --languages fr,ru,bg --seeds 1234,1235 \\
+        --out benchmarks/results/real_speech_transfer
+
+For each language L and seed, with the CPU recipe (configs/cpu_small.yaml) and any further
+trainer flags given after the known ones:
+
+- ``base_without_L``: every other training language of the yardstick (``--train_mix``, weight 1
+  each; Spanish is never a training language), validated on their valid splits, ``--base_steps``;
+- ``scratch_L``: L's ``train_15min.jsonl`` from scratch, validated on L's valid split, ``--steps``;
+- ``tuned_L``: the same from the base's best.pt (``--init_from``: its vocabulary rows matched by
+  token), ``--steps``.
+
+Each model's best.pt is scored on L's test split (greedy CTC and joint CTC/attention decoding);
+``table.md`` and ``table.csv`` hold every run, ``summary.md`` the means over seeds and the relative
+gain. A run cut short is resumed by the same command; a finished one is kept.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from konkanivani.cli.train import model_flags, parse_args  # noqa: E402
+from konkanivani.config import TrainConfig, dataclass_from_args  # noqa: E402
+from konkanivani.decoding.evaluation import evaluate_manifest  # noqa: E402
+from konkanivani.decoding.recognizer import Recognizer  # noqa: E402
+from konkanivani.training.loop import train  # noqa: E402
+
+RECIPE = ["--config", str(ROOT / "configs" / "cpu_small.yaml")]
+METHODS = ("greedy", "joint")
+
+
+def training_languages(yardstick: Path) -> list[str]:
+    summary = json.loads((yardstick / "yardstick.json").read_text(encoding="utf-8"))
+    return [lang for lang in summary["languages"] if lang not in summary["settings"]["eval_only"]]
+
+
+def _absolute(manifest: Path) -> list[dict]:
+    rows = [json.loads(line) for line in manifest.read_text(encoding="utf-8").splitlines()]
+    return [{**r, "audio_filepath": str((manifest.parent / r["audio_filepath"]).resolve())}
+            for r in rows]
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
+                    encoding="utf-8")
+    return path
+
+
+def _copy(yardstick: Path, data: Path, lang: str, name: str) -> Path:
+    """``lang``'s manifest ``name`` of the yardstick, with absolute audio paths, in ``data``."""
+    return _write(data / lang / name, _absolute(yardstick / lang / name))
+
+
+def fit(out: Path, data: list[str], valid: Path, steps: int, seed: int, extra: list[str]) -> Path:
+    """Train into ``out`` for ``steps`` steps (resumed where it stopped); its best.pt."""
+    if not (out / "done").is_file():
+        resume = ["--resume", "latest"] if (out / "latest.pt").is_file() else []
+        ns = parse_args([*RECIPE, *data, "--valid_manifest", str(valid), "--output_dir", str(out),
+                         "--max_steps", str(steps), "--seed", str(seed), *extra, *resume])
+        train(dataclass_from_args(TrainConfig, ns), model_flags(ns))
+        (out / "done").write_text("")
+    return out / "best.pt"
+
+
+def score(checkpoint: Path, test: Path) -> dict[str, float]:
+    recognizer = Recognizer.from_checkpoint(checkpoint)
+    return {method: round(100 * evaluate_manifest(recognizer, test, method=method).chars.rate, 2)
+            for method in METHODS}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--yardstick", type=Path, default=ROOT / "data" / "real_speech")
+    parser.add_argument("--languages", default="fr", help="the languages left out, one at a time")
+    parser.add_argument("--seeds", default="1234")
+    parser.add_argument("--base_steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--out", type=Path,
+                        default=ROOT / "benchmarks" / "results" / "real_speech_transfer")
+    args, extra = parser.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    every = ["--validate_every_steps", str(max(100, args.steps // 5))]
+    langs = training_languages(args.yardstick)
+    rows = []
+    for lang in args.languages.split(","):
+        if lang not in langs:
+            parser.error(f"--languages {lang}: not a training language of the yardstick "
+                         f"({', '.join(langs)})")
+        others = [o for o in langs if o != lang]
+        data = args.out / "run" / "data"
+        mix = ",".join(f"{_copy(args.yardstick, data, o, 'train.jsonl')}:1:{o}" for o in others)
+        base_valid = _write(data / f"valid_without_{lang}.jsonl", [
+            r for o in others for r in _absolute(args.yardstick / o / "valid.jsonl")])
+        own_train, own_valid, test = (_copy(args.yardstick, data, lang, name) for name in (
+            "train_15min.jsonl", "valid.jsonl", "test.jsonl"))
+        for seed in map(int, args.seeds.split(",")):
+            run = args.out / "run" / f"seed{seed}"
+            base = fit(run / f"base_without_{lang}", ["--train_mix", mix], base_valid,
+                       args.base_steps, seed, [*every, *extra])
+            own = ["--train_manifest", str(own_train)]
+            scratch = fit(run / f"scratch_{lang}", own, own_valid, args.steps, seed,
+                          [*every, *extra])
+            tuned = fit(run / f"tuned_{lang}", [*own, "--init_from", str(base)], own_valid,
+                        args.steps, seed, [*every, *extra])
+            for name, checkpoint in (("base (never heard it)", base), ("from scratch", scratch),
+                                     ("fine-tuned from the base", tuned)):
+                rows.append({"language": lang, "seed": seed, "model": name,
+                             **{f"test_{m}": v for m, v in score(checkpoint, test).items()}})
+                print(rows[-1], flush=True)
+    write_tables(args.out, rows, args)
+    return 0
+
+
+def write_tables(out: Path, rows: list[dict], args: argparse.Namespace) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "table.csv", "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = ["| language | seed | model | test CER greedy | test CER joint |",
+             "|---|---|---|---:|---:|"]
+    lines += [f"| {r['language']} | {r['seed']} | {r['model']} | {r['test_greedy']:.2f} | "
+              f"{r['test_joint']:.2f} |" for r in rows]
+    means = ["| language | from scratch (joint) | fine-tuned (joint) | relative |",
+             "|---|---:|---:|---:|"]
+    for lang in dict.fromkeys(r["language"] for r in rows):
+        def mean(model: str) -> float:
+            values = [r["test_joint"] for r in rows if r["language"] == lang
+                      and r["model"] == model]
+            return sum(values) / len(values)
+        scratch, tuned = mean("from scratch"), mean("fine-tuned from the base")
+        means.append(f"| {lang} | {scratch:.2f} | {tuned:.2f} | "
+                     f"{100 * (tuned - scratch) / scratch:+.1f}% |")
+    command = (f"python3 benchmarks/real_speech_transfer.py --languages {args.languages} --seeds "
+               f"{args.seeds} --base_steps {args.base_steps} --steps {args.steps}")
+    (out / "table.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (out / "summary.md").write_text(f"    {command}\n\n" + "\n".join(means) + "\n",
+                                    encoding="utf-8")
+    print("\n".join(lines + [""] + means))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
