@@ -331,7 +331,7 @@ def _label(teacher: Path, out: Path, *inputs: Path) -> list[str]:
 
 def test_a_second_labelling_run_is_refused_while_the_first_holds_the_folder(split, teacher,
                                                                             tmp_path, capsys):
-    out = tmp_path / "pseudo"
+    out, before = tmp_path / "pseudo", _hashes(split)
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys
@@ -353,6 +353,7 @@ def test_a_second_labelling_run_is_refused_while_the_first_holds_the_folder(spli
     assert pseudolabel.main(_label(teacher, out, split / "audio_only.jsonl")) == 0
     keys = [r["key"] for r in _rows(out / "labels.jsonl")]
     assert len(keys) == len(set(keys)) == len(_rows(split / "audio_only.jsonl"))
+    assert _hashes(split) == before  # the inputs as they were
 
 
 def test_a_rerun_labels_what_it_is_given_now_and_forgets_inputs_that_are_gone(
@@ -371,6 +372,7 @@ def test_a_rerun_labels_what_it_is_given_now_and_forgets_inputs_that_are_gone(
     assert len(labels) == 5 and not any("error" in r for r in labels)  # failures tried again
     (audio / "bad_1.wav").unlink()
     (audio / "bad_2.wav").unlink()
+    audio_before = _hashes(audio)
     decode, decoded = Recognizer.decode_with_greedy, []
     monkeypatch.setattr(Recognizer, "decode_with_greedy",
                         lambda self, wavs, *a, **k: decoded.append(len(wavs))
@@ -382,6 +384,7 @@ def test_a_rerun_labels_what_it_is_given_now_and_forgets_inputs_that_are_gone(
     given = [{**r, "audio_filepath": str(audio / Path(r["audio_filepath"]).name)}
              for r in rows[3:5]] + rows[5:8]  # two of the folder's files, three new ones
     subset = _write(tmp_path / "subset.jsonl", given)
+    given_bytes = subset.read_bytes()
     assert pseudolabel.main(_label(teacher, out, subset)) == 0
     assert "now ['" in capsys.readouterr().err  # the change of inputs is said
     assert sum(decoded) == 3  # the two of the folder were labelled already
@@ -391,6 +394,7 @@ def test_a_rerun_labels_what_it_is_given_now_and_forgets_inputs_that_are_gone(
     keys = [r["key"] for r in _rows(out / "labels.jsonl")]
     assert len(keys) == len(set(keys)) == 8
     assert json.loads((out / "labelling.json").read_text())["inputs"] == [str(subset)]
+    assert _hashes(audio) == audio_before and subset.read_bytes() == given_bytes
 
 
 def test_a_doubled_labels_file_of_an_earlier_version_is_mended_and_its_rows_marked(

@@ -127,3 +127,24 @@ def test_a_second_build_reuses_the_first_and_other_settings_rebuild(built, monke
     assert again["settings"]["seed"] == 8
     assert sum(again["table"]["fr"][s]["utterances"] for s in real_speech.SPLITS) == sum(
         summary["table"]["fr"][s]["utterances"] for s in real_speech.SPLITS)
+
+
+@pytest.mark.slow
+def test_the_transfer_benchmark_trains_a_base_without_the_language_and_scores_all_three(
+        built, tmp_path):
+    _, yardstick, _ = built
+    transfer = load("real_speech_transfer")
+    out = tmp_path / "transfer"
+    assert transfer.training_languages(yardstick) == ["en", "fr"]  # never Spanish
+    assert transfer.main(["--yardstick", str(yardstick), "--languages", "fr", "--base_steps", "2",
+                          "--steps", "2", "--out", str(out), "--preset", "tiny",
+                          "--batch_size", "2", "--num_workers", "0", "--noise_prob", "0"]) == 0
+    base = out / "run" / "seed1234" / "base_without_fr"
+    mixed = [json.loads(line) for line in (base / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in mixed) == 2
+    config = (base / "config.yaml").read_text()
+    assert "en/train.jsonl:1:en" in config and "fr/" not in config.split("train_mix")[1][:200]
+    table = (out / "table.md").read_text().splitlines()
+    assert [line.split(" | ")[2] for line in table[2:]] == [
+        "base (never heard it)", "from scratch", "fine-tuned from the base"]
+    assert "| fr |" in (out / "summary.md").read_text()
