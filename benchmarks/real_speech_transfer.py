@@ -109,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
             "train_15min.jsonl", "valid.jsonl", "test.jsonl"))
         for seed in map(int, args.seeds.split(",")):
             run = args.out / "run" / f"seed{seed}"
-            base = fit(run / f"base_without_{lang}", ["--train_mix", mix], base_valid,
-                       args.base_steps, seed, [*every, *extra])
+            base_data = (["--train_mix", mix] if len(others) > 1
+                         else ["--train_manifest", mix.rsplit(":", 2)[0]])
+            base = fit(run / f"base_without_{lang}", base_data, base_valid, args.base_steps, seed,
+                       [*every, *extra])
             own = ["--train_manifest", str(own_train)]
             scratch = fit(run / f"scratch_{lang}", own, own_valid, args.steps, seed,
                           [*every, *extra])
