@@ -71,7 +71,9 @@ def fit(out: Path, data: list[str], valid: Path, steps: int, seed: int, extra: l
         resume = ["--resume", "latest"] if (out / "latest.pt").is_file() else []
         ns = parse_args([*RECIPE, *data, "--valid_manifest", str(valid), "--output_dir", str(out),
                          "--max_steps", str(steps), "--seed", str(seed), *extra, *resume])
-        train(dataclass_from_args(TrainConfig, ns), model_flags(ns))
+        summary = train(dataclass_from_args(TrainConfig, ns), model_flags(ns))
+        if summary.get("stopped_by"):  # a signal or --max_time: the same command resumes it
+            raise SystemExit(f"{out}: stopped by {summary['stopped_by']} before step {steps}")
         (out / "done").write_text("")
     return out / "best.pt"
 
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                         default=ROOT / "benchmarks" / "results" / "real_speech_transfer")
     args, extra = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    every = ["--validate_every_steps", str(max(100, args.steps // 5))]
+    every = ["--validate_every_steps", str(max(100, args.steps // 5))]  # (the base's too)
     langs = training_languages(args.yardstick)
     rows = []
     for lang in args.languages.split(","):

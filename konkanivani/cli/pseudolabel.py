@@ -384,6 +384,7 @@ def _claim(out: Path, settings: dict, inputs: list[str]) -> None:
             before = json.loads(path.read_text(encoding="utf-8"))
         except ValueError:
             before = {}
+        before = before if isinstance(before, dict) else {}
         earlier = {k: v for k, v in before.items() if k != "inputs"}
         if earlier != settings:
             raise OutputError(f"--output_dir {out} holds labels of another teacher or other "

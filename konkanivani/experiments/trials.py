@@ -34,6 +34,7 @@ from ..config import (
     TrainConfig,
     flag_fields,
     model_config_from_preset,
+    parse_mix,
 )
 from ..data.frames import budget_frames, frames_of
 from ..data.manifest import read_manifest
@@ -196,7 +197,8 @@ def _fits(cfg: TrainConfig, model_flags: dict[str, Any], budget_gb: float) -> Op
     why not."""
     longest = frames_of(
         min(
-            max(_train_durations(cfg.train_shards, cfg.train_manifest), default=1.0),
+            max(_train_durations(cfg.train_shards, cfg.train_manifest, cfg.train_mix),
+                default=1.0),
             cfg.max_duration,
         )
     )
@@ -378,10 +380,9 @@ def _trial_row(out: Path, trial: Trial, target_cer: float) -> dict[str, Any]:
         peaks = [r.get("peak_gb") or r.get("peak_rss_gb") for r in train_rows]
         row["peak_gb"] = max((p for p in peaks if p is not None), default=None)
         rates = [r["utt_per_s"] for r in train_rows if r.get("utt_per_s")]
-        if rates and (resolved.get("train_shards") or resolved.get("train_manifest")):
-            mean = _mean_duration(
-                resolved.get("train_shards", ""), resolved.get("train_manifest", "")
-            )
+        data = [resolved.get(k, "") for k in ("train_shards", "train_manifest", "train_mix")]
+        if rates and any(data):
+            mean = _mean_duration(*data)
             row["audio_s_per_s"] = round(mean * sum(rates) / len(rates), 1)
     scored = [r for r in valid_rows if r.get("cer") is not None]
     if scored:
@@ -399,17 +400,19 @@ def _trial_row(out: Path, trial: Trial, target_cer: float) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=8)
-def _train_durations(shards: str, manifest: str) -> tuple[float, ...]:
-    """The duration of every training utterance: of the shards when given, else of the manifest's
-    rows (read once: each trial of a sweep asks)."""
+def _train_durations(shards: str, manifest: str, mix: str = "") -> tuple[float, ...]:
+    """The duration of every training utterance: of the shards when given, of --train_mix's
+    manifests, else of the manifest's rows (read once: each trial of a sweep asks)."""
     if shards:
         return tuple(open_shards(shards, check_files=False).durations())
-    return tuple(float(row.get("duration", 0) or 0) for _, row in read_manifest(manifest))
+    manifests = [entry.path for entry in parse_mix(mix)] if mix else [manifest]
+    return tuple(float(row.get("duration", 0) or 0) for path in manifests
+                 for _, row in read_manifest(path))
 
 
-def _mean_duration(shards: str, manifest: str) -> float:
+def _mean_duration(shards: str, manifest: str, mix: str = "") -> float:
     try:
-        durations = _train_durations(shards, manifest)
+        durations = _train_durations(shards, manifest, mix)
     except (OSError, ValueError):
         return math.nan
     return sum(durations) / len(durations) if durations else math.nan

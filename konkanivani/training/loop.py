@@ -120,7 +120,8 @@ def train_epoch(
         ),
     )
     if run.mix is not None:  # how much of each --train_mix set this epoch holds
-        log.info("epoch %d draws: %s", run.epoch + 1, run.mix.shares(
+        share = f" (process {run.dist.rank}'s batches)" if run.dist.active else ""
+        log.info("epoch %d draws%s: %s", run.epoch + 1, share, run.mix.shares(
             run.sampler.epoch_batches(), [u.duration for u in run.train_utts]))
     skips_before, unreadable, stop = run.skips.total, [], Stop.NONE
     run.model.train()

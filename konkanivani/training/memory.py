@@ -387,33 +387,60 @@ def available_memory_bytes(device: torch.device) -> int:
 
 def _process_limits() -> list[int]:
     """What this process may still allocate under its limits, where it has any: its address space
-    (``RLIMIT_AS``, less what it maps now) and its control group's memory (cgroup v2, less what
-    the group uses now)."""
+    (``RLIMIT_AS``, less what it maps now) and its memory control group's (``_cgroup_room``)."""
     limits = []
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft != resource.RLIM_INFINITY:
         limits.append(max(0, soft - (_proc_status_bytes("VmSize") or 0)))
-    try:
-        top = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if top != "max":
-            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-            limits.append(max(0, int(top) - used))
-    except (OSError, ValueError):
-        pass
+    if (room := _cgroup_room()) is not None:
+        limits.append(room)
     return limits
 
 
+def _cgroup_room() -> int | None:
+    """What this process's memory control group still allows: its limit less what the group holds
+    beyond page cache (which the kernel reclaims first); None without a limit. cgroup v2 (the
+    group named in ``/proc/self/cgroup``) or v1 (the memory controller's, as a container mounts
+    its own)."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, group = line.split(":", 2)
+        if not controllers:
+            base, names = Path("/sys/fs/cgroup") / group.lstrip("/"), (
+                "memory.max", "memory.current", "file")
+        elif "memory" in controllers.split(","):
+            base, names = Path("/sys/fs/cgroup/memory"), (
+                "memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")
+        else:
+            continue
+        try:
+            limit = (base / names[0]).read_text().strip()
+            if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as a huge number
+                continue
+            stat = dict(row.split()[:2] for row in (base / "memory.stat").read_text().splitlines())
+            held = int((base / names[1]).read_text()) - int(stat.get(names[2], 0))
+            return max(0, int(limit) - max(0, held))
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def check_model_fits(estimator: MemoryEstimator, longest: int, device: torch.device,
-                     max_memory_gb: float = 0.0) -> None:
+                     max_memory_gb: float = 0.0, processes: int = 1) -> None:
     """``ModelDoesNotFit`` in one line when the estimated peak of a training step on one utterance
-    of ``longest`` frames passes the memory the run may use: the RAM available on a CPU, the card's
-    on a GPU, or ``--max_memory_gb`` when it is less. The model's dimensions and the estimate's
-    largest part are named. Nothing is allocated: the estimator counts parameters on the meta
-    device."""
+    of ``longest`` frames passes the memory the run may use: the RAM available on a CPU (shared by
+    its ``processes``), the card's on a GPU, or ``--max_memory_gb`` when it is less. The model's
+    dimensions and the estimate's largest part are named. Nothing is allocated: the estimator
+    counts parameters on the meta device."""
     budget, where = float(available_memory_bytes(device)), (
         "the GPU's memory" if device.type == "cuda" else "the RAM available to this process")
     if 0 < max_memory_gb and max_memory_gb * GIB < budget:
         budget, where = max_memory_gb * GIB, "--max_memory_gb"
+    elif device.type != "cuda" and processes > 1:
+        budget, where = budget / processes, f"{where}, shared by {processes} processes"
     parts = estimator.components(1, longest)
     peak = sum(parts.values())
     if peak <= budget:

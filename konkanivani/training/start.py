@@ -73,6 +73,7 @@ from .finetune import keep_init_cmvn, load_init_checkpoint, load_init_weights
 from .memory import (
     GIB,
     MemoryEstimator,
+    ModelDoesNotFit,
     auto_batch_frames,
     check_model_fits,
     largest_fitting,
@@ -208,11 +209,7 @@ def setup_run(cfg: TrainConfig, model_cfg: ModelConfig, origin: Origin, dist: Di
     precision = resolve_precision(device, cfg.mixed_precision, cfg.precision)
     # data: the utterances, checked usable before the output directory becomes this run's
     data = _data(cfg, tokenizer)
-    # the model sized before any of it is built or the directory claimed: one that cannot fit even
-    # one utterance of the longest is refused
-    check_model_fits(MemoryEstimator(model_cfg, precision_name(precision), cfg.optimizer,
-                                     cfg.gradient_checkpointing, device),
-                     max(frames_of(d) for d in data.durations), device, cfg.max_memory_gb)
+    _check_fits(cfg, model_cfg, precision, data, dist, device)
     _claim_directory(start, Path(cfg.output_dir), dist, tokenizer if origin.state is None else None)
     # model: resumed, or fresh with the data's CMVN and the --init_from weights that fit
     model = _build_model(cfg, model_cfg, data, origin, tokenizer, device)
@@ -248,6 +245,27 @@ def setup_run(cfg: TrainConfig, model_cfg: ModelConfig, origin: Origin, dist: Di
     return run
 
 
+def _check_fits(cfg: TrainConfig, model_cfg: ModelConfig, precision: Precision, data: "_Data",
+                dist: Dist, device: torch.device) -> None:
+    """The model sized before any of it is built or the directory claimed: one that cannot fit
+    even one utterance of the longest it trains on is refused (``ModelDoesNotFit``), as rank 0
+    decides for every process. Not with --strategy fsdp or --offload_activations, whose weights
+    or activations live elsewhere than the estimate counts them."""
+    if cfg.strategy == "fsdp" or cfg.offload_activations:
+        return
+    refusal = None
+    if dist.is_main:
+        longest = min(max(data.durations), batching_duration(cfg.max_duration, cfg.speed_perturb))
+        try:
+            check_model_fits(MemoryEstimator(model_cfg, precision_name(precision), cfg.optimizer,
+                                             cfg.gradient_checkpointing, device),
+                             frames_of(longest), device, cfg.max_memory_gb, dist.world)
+        except ModelDoesNotFit as e:
+            refusal = str(e)
+    if (refusal := dist.gather(refusal)[0]) is not None:
+        raise ModelDoesNotFit(refusal)
+
+
 def _check_frontend(model_cfg: ModelConfig) -> None:
     """``ConfigError`` for mel bins beyond what the model's front-end computes; a warning for bins
     some of whose filters hold no frequency."""
@@ -268,7 +286,11 @@ def _configs(cfg: TrainConfig, state: Optional[TrainState], dist: Dist
     if state is None:
         return cfg, _fresh_tokenizer(cfg, dist), False
     changed, grows = _kept_on_resume(cfg, state)
-    return dataclasses.replace(cfg, **changed), Tokenizer(state.tokenizer), grows
+    cfg = dataclasses.replace(cfg, **changed)
+    if not (cfg.train_manifest or cfg.train_shards or cfg.train_mix):  # --train_mix is kept
+        raise ConfigError("on resume the run trains on its checkpoint's --train_mix (none: it "
+                          "trained on one manifest); give its --train_manifest")
+    return cfg, Tokenizer(state.tokenizer), grows
 
 
 def _kept_on_resume(cfg: TrainConfig, state: TrainState) -> tuple[dict[str, Any], bool]:
