@@ -75,8 +75,8 @@ def test_unknown_flag_wrong_type_and_missing_manifest_are_refused(capsys):
             cli.parse_args(argv)
     err = capsys.readouterr().err
     assert (
-        "the following arguments are required: --train_manifest (or --train_shards) (see --help)"
-        in err
+        "the following arguments are required: --train_manifest (or --train_shards, or "
+        "--train_mix) (see --help)" in err
     )
     assert "usage:" not in err  # one line, not the whole usage first
 
