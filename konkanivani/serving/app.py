@@ -59,7 +59,7 @@ from ..decoding.streaming import MAX_RATE, MIN_RATE, Result, check_sample_rate
 from . import openai_api
 from .engine import Engine, UploadTooLong
 from .limits import Limits
-from .uploads import Refused, upload_bytes
+from .uploads import Refused, escape_controls, upload_bytes
 
 __all__ = ["FORMATS", "LOCAL_HOSTS", "TOKEN_COOKIE", "DenialLogFilter", "EscapeFields",
            "create_app"]
@@ -179,12 +179,9 @@ class EscapeFields(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
-            record.args = tuple(_escape(a) if isinstance(a, str) else a for a in record.args)
+            record.args = tuple(escape_controls(a) if isinstance(a, str) else a
+                                for a in record.args)
         return True
-
-
-def _escape(text: str) -> str:
-    return re.sub(r"[\x00-\x1f\x7f-\x9f]", lambda m: m[0].encode("unicode_escape").decode(), text)
 
 
 def _static_files() -> dict[str, bytes]:

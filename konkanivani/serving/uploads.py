@@ -16,8 +16,8 @@ from starlette.requests import ClientDisconnect, Request
 
 from .limits import Limits
 
-__all__ = ["DETAIL_CHARS", "MAX_FIELD_BYTES", "PARSER_LOGGERS", "Refused", "read_body", "read_form",
-           "upload_bytes"]
+__all__ = ["DETAIL_CHARS", "MAX_FIELD_BYTES", "PARSER_LOGGERS", "Refused", "escape_controls",
+           "read_body", "read_form", "upload_bytes"]
 
 log = logging.getLogger("konkanivani")
 # A form's text field, in bytes: the largest a request needs is its hotwords (openai_api's
@@ -111,11 +111,16 @@ async def read_form(request: Request, body: bytes, limits: Limits, max_files: in
         raise Refused(400, "form", message) from e
 
 
+def escape_controls(text: str) -> str:
+    """``text`` with its control characters written as escapes (``\\x1b``, ``\\n``): what a
+    client sent, made safe for one line of a log or a message."""
+    return re.sub(r"[\x00-\x1f\x7f-\x9f]", lambda m: m[0].encode("unicode_escape").decode(), text)
+
+
 def _one_line(text: str, limit: int = DETAIL_CHARS) -> str:
     """``text`` (a parser's words about what a client sent) as part of one line: its control
-    characters as escapes (``\\n``, ``\\x1b``), cut to ``limit`` characters."""
-    text = re.sub(r"[\x00-\x1f\x7f-\x9f]",
-                  lambda m: m[0].encode("unicode_escape").decode(), text.strip())
+    characters as escapes, cut to ``limit`` characters."""
+    text = escape_controls(text.strip())
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
