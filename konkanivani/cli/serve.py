@@ -180,10 +180,9 @@ def _serve(args, decoding, limits) -> int:
 
     from ..decoding.onnx_recognizer import ExportedRecognizer
     from ..decoding.recognizer import Recognizer
-    from ..serving.app import DenialLogFilter, EscapeFields, create_app, model_label
-    from ..serving.connections import OncePerInterval, protocol
+    from ..serving.app import create_app, model_label
+    from ..serving.connections import protocol
     from ..serving.engine import Engine
-    from ..serving.uploads import PARSER_LOGGERS
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -236,7 +235,17 @@ def _serve(args, decoding, limits) -> int:
         proxy_headers=bool(args.trust_proxy),
         forwarded_allow_ips=args.trust_proxy or None,
     )
-    # after Config, which sets up uvicorn's loggers
+    _filter_logs()  # after Config, which sets up uvicorn's loggers
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+def _filter_logs() -> None:
+    """The server's logs as a client cannot flood or forge them."""
+    from ..serving.app import DenialLogFilter, EscapeFields
+    from ..serving.connections import OncePerInterval
+    from ..serving.uploads import PARSER_LOGGERS
+
     logging.getLogger("uvicorn.error").addFilter(DenialLogFilter())
     # what comes once per socket (asyncio's failed accepts, uvicorn's bad requests, the
     # connections' refusals): once a minute
@@ -247,8 +256,6 @@ def _serve(args, decoding, limits) -> int:
     # the form parser's warning for each error it raises, unformatted: the refusal's line says it
     for name in PARSER_LOGGERS:
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    uvicorn.Server(config).run(sockets=[sock])
-    return 0
 
 
 def _listen(host: str, port: int) -> socket.socket:
