@@ -22,6 +22,7 @@ from ..checkpoint import LATEST_FILE, InferenceModel, TrainState, write_file_ato
 from ..config import (
     AugmentConfig,
     ConfigError,
+    MixEntry,
     ModelConfig,
     TrainConfig,
     kept_settings,
@@ -366,22 +367,25 @@ class _Data:
 
 @dataclass
 class Mix:
-    """The training sets of --train_mix: their names and weights, and each utterance's set."""
+    """The training sets of --train_mix, and each utterance's set (an index into them)."""
 
-    names: list[str]
-    weights: list[float]
+    entries: list[MixEntry]
     sources: list[int]
+
+    @property
+    def weights(self) -> list[float]:
+        return [e.weight for e in self.entries]
 
     def shares(self, batches: Sequence[Sequence[int]], durations: Sequence[float]) -> str:
         """How much of each set ``batches`` hold: utterances, hours and share, in one line."""
-        counts, seconds = [0] * len(self.names), [0.0] * len(self.names)
+        counts, seconds = [0] * len(self.entries), [0.0] * len(self.entries)
         for batch in batches:
             for i in batch:
                 counts[self.sources[i]] += 1
                 seconds[self.sources[i]] += durations[i]
         total = max(1, sum(counts))
-        return ", ".join(f"{name} {n} ({100 * n / total:.1f}%, {s / 3600:.2f} h; weight {w:g})"
-                         for name, n, s, w in zip(self.names, counts, seconds, self.weights))
+        return ", ".join(f"{e.name} {n} ({100 * n / total:.1f}%, {s / 3600:.2f} h; weight "
+                         f"{e.weight:g})" for e, n, s in zip(self.entries, counts, seconds))
 
 
 def _data(cfg: TrainConfig, tokenizer: Tokenizer) -> _Data:
@@ -498,7 +502,7 @@ def _mixed_utterances(cfg: TrainConfig, tokenizer: Tokenizer) -> tuple[list[Utte
         sources += [k] * len(these)
     log.info("--train_mix: each epoch draws %d utterances, from each set in proportion to its "
              "weight (%s)", len(utts), ", ".join(f"{e.name} {e.weight:g}" for e in entries))
-    return utts, Mix([e.name for e in entries], [e.weight for e in entries], sources)
+    return utts, Mix(entries, sources)
 
 
 def _claim_directory(start: Callable[[], None], out_dir: Path, dist: Dist,
