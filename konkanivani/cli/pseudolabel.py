@@ -449,18 +449,16 @@ class _Labeller:
         stay there, unused."""
         done = _done_rows(path, self.teacher)
         failed: dict[str, dict] = {}
-        order: list[str] = []
+        order: dict[str, None] = {}  # this run's keys, each once, in their order
 
         def todo() -> Iterator[_Item]:
             for item in items:
-                if item.key in seen:
+                if item.key in order:
                     continue
-                seen.add(item.key)
-                order.append(item.key)
+                order[item.key] = None
                 if item.key not in done:
                     yield item
 
-        seen: set[str] = set()
         path.parent.mkdir(parents=True, exist_ok=True)
         size = self.resolved.batch_size * self.WINDOW_BATCHES
         with open(path, "a", encoding="utf-8") as out:

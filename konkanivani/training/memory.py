@@ -45,7 +45,7 @@ class BatchDoesNotFit(RuntimeError):
 
 class ModelDoesNotFit(ConfigError):
     """By the estimate, the model cannot train in the device's memory even on one utterance: the
-    run is refused before the model is built (a sweep's trial fails, the sweep goes on)."""
+    run is refused before the model is built (a sweep skips the trial and goes on)."""
 
 
 def is_out_of_memory(error: BaseException) -> bool:
