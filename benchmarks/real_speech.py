@@ -52,6 +52,7 @@ from scipy.signal import resample_poly
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from konkanivani.checkpoint import write_file_atomic  # noqa: E402
 from konkanivani.data.tokenizer import normalize_text  # noqa: E402
 
 PACKAGES = ("tuxpaint-stamps-default", "asterisk-core-sounds-en-wav", "asterisk-core-sounds-en")
@@ -307,9 +308,7 @@ def _write_manifest(path: Path, rows: list[dict]) -> None:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    write_file_atomic(path, text.encode("utf-8"))
 
 
 def markdown(summary: dict) -> str:
