@@ -14,7 +14,13 @@ trainer flags given after the known ones:
   each; Spanish is never a training language), validated on their valid splits, ``--base_steps``;
 - ``scratch_L``: L's ``train_15min.jsonl`` from scratch, validated on L's valid split, ``--steps``;
 - ``tuned_L``: the same from the base's best.pt (``--init_from``: its vocabulary rows matched by
-  token), ``--steps``.
+  token), ``--steps``;
+- with ``--demo_model CKPT`` (the Konkani demo model, e.g. the CPU recipe's on the demo corpus),
+  ``from_demo_L``: the same from that checkpoint.
+
+With ``--demo DIR`` the base hears the demo corpus's training split as well, at ``--demo_weight``
+against weight 1 for each human language (``base_demo_without_L``): the synthesized Konkani hours
+beside the human ones, as ``configs/multilingual_base.yaml`` trains them.
 
 Each model's best.pt is scored on L's test split (greedy CTC and joint CTC/attention decoding);
 ``table.md`` and ``table.csv`` hold every run, ``summary.md`` the means over seeds and the relative
@@ -91,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="1234")
     parser.add_argument("--base_steps", type=int, default=1500)
     parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--demo", type=Path, help="the demo corpus: its train split in the base")
+    parser.add_argument("--demo_weight", type=float, default=4.0)
+    parser.add_argument("--demo_model", type=Path,
+                        help="a demo-corpus checkpoint to fine-tune from as well")
     parser.add_argument("--out", type=Path,
                         default=ROOT / "benchmarks" / "results" / "real_speech_transfer")
     args, extra = parser.parse_known_args(argv)
@@ -105,23 +115,33 @@ def main(argv: list[str] | None = None) -> int:
         others = [o for o in langs if o != lang]
         data = args.out / "run" / "data"
         mix = ",".join(f"{_copy(args.yardstick, data, o, 'train.jsonl')}:1:{o}" for o in others)
+        base_name = f"base_without_{lang}"
+        if args.demo:
+            demo = _write(data / "demo_train.jsonl", _absolute(args.demo / "train.jsonl"))
+            mix += f",{demo}:{args.demo_weight:g}:demo"
+            base_name = f"base_demo_without_{lang}"
         base_valid = _write(data / f"valid_without_{lang}.jsonl", [
             r for o in others for r in _absolute(args.yardstick / o / "valid.jsonl")])
         own_train, own_valid, test = (_copy(args.yardstick, data, lang, name) for name in (
             "train_15min.jsonl", "valid.jsonl", "test.jsonl"))
         for seed in map(int, args.seeds.split(",")):
             run = args.out / "run" / f"seed{seed}"
-            base_data = (["--train_mix", mix] if len(others) > 1
+            base_data = (["--train_mix", mix] if "," in mix
                          else ["--train_manifest", mix.rsplit(":", 2)[0]])
-            base = fit(run / f"base_without_{lang}", base_data, base_valid, args.base_steps, seed,
+            base = fit(run / base_name, base_data, base_valid, args.base_steps, seed,
                        [*every, *extra])
             own = ["--train_manifest", str(own_train)]
             scratch = fit(run / f"scratch_{lang}", own, own_valid, args.steps, seed,
                           [*every, *extra])
             tuned = fit(run / f"tuned_{lang}", [*own, "--init_from", str(base)], own_valid,
                         args.steps, seed, [*every, *extra])
-            for name, checkpoint in (("base (never heard it)", base), ("from scratch", scratch),
-                                     ("fine-tuned from the base", tuned)):
+            models = [("base (never heard it)", base), ("from scratch", scratch),
+                      ("fine-tuned from the base", tuned)]
+            if args.demo_model:
+                models.append(("fine-tuned from the demo model", fit(
+                    run / f"from_demo_{lang}", [*own, "--init_from", str(args.demo_model)],
+                    own_valid, args.steps, seed, [*every, *extra])))
+            for name, checkpoint in models:
                 rows.append({"language": lang, "seed": seed, "model": name,
                              **{f"test_{m}": v for m, v in score(checkpoint, test).items()}})
                 print(rows[-1], flush=True)
@@ -139,18 +159,24 @@ def write_tables(out: Path, rows: list[dict], args: argparse.Namespace) -> None:
              "|---|---|---|---:|---:|"]
     lines += [f"| {r['language']} | {r['seed']} | {r['model']} | {r['test_greedy']:.2f} | "
               f"{r['test_joint']:.2f} |" for r in rows]
-    means = ["| language | from scratch (joint) | fine-tuned (joint) | relative |",
-             "|---|---:|---:|---:|"]
+    tuned_models = [m for m in ("fine-tuned from the base", "fine-tuned from the demo model")
+                    if any(r["model"] == m for r in rows)]
+    means = ["| language | from scratch (joint) | "
+             + " | ".join(f"{m} (joint) | relative" for m in tuned_models) + " |",
+             "|---|---:|" + "---:|---:|" * len(tuned_models)]
     for lang in dict.fromkeys(r["language"] for r in rows):
         def mean(model: str) -> float:
             values = [r["test_joint"] for r in rows if r["language"] == lang
                       and r["model"] == model]
             return sum(values) / len(values)
-        scratch, tuned = mean("from scratch"), mean("fine-tuned from the base")
-        means.append(f"| {lang} | {scratch:.2f} | {tuned:.2f} | "
-                     f"{100 * (tuned - scratch) / scratch:+.1f}% |")
+        scratch = mean("from scratch")
+        means.append(f"| {lang} | {scratch:.2f} | " + " | ".join(
+            f"{mean(m):.2f} | {100 * (mean(m) - scratch) / scratch:+.1f}%" for m in tuned_models)
+            + " |")
     command = (f"python3 benchmarks/real_speech_transfer.py --languages {args.languages} --seeds "
-               f"{args.seeds} --base_steps {args.base_steps} --steps {args.steps}")
+               f"{args.seeds} --base_steps {args.base_steps} --steps {args.steps}"
+               + (f" --demo {args.demo} --demo_weight {args.demo_weight:g}" if args.demo else "")
+               + (f" --demo_model {args.demo_model}" if args.demo_model else ""))
     (out / "table.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     (out / "summary.md").write_text(f"    {command}\n\n" + "\n".join(means) + "\n",
                                     encoding="utf-8")
