@@ -36,8 +36,9 @@ from scipy.optimize import nnls
 ROOT = Path(__file__).resolve().parents[1]
 
 from konkanivani.config import ModelConfig, model_config_from_preset
-from konkanivani.model.asr import ASRModel
+from konkanivani.model.asr import ASRModel, SpecAugment
 from konkanivani.training import memory
+from konkanivani.training.objective import Objective
 
 SHAPES = [  # d_model, heads, ffn, encoder layers, decoder layers, vocabulary
     (32, 2, 64, 1, 1, 64), (64, 2, 256, 2, 1, 256), (48, 4, 96, 1, 2, 128), (96, 4, 192, 2, 2, 64),
@@ -60,7 +61,7 @@ def saved_bytes(model: ASRModel, batch: int, frames: int, tokens: int, half: boo
     lens, tok_lens = torch.full((batch,), frames), torch.full((batch,), tokens)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             torch.autocast("cpu", dtype=torch.bfloat16, enabled=half):
-        model(feats, lens, toks, tok_lens, spec_augment=True)
+        Objective(spec_augment=SpecAugment())(model, feats, lens, toks, tok_lens)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     return sum(n for ptr, n in storages.items() if ptr not in params)
 

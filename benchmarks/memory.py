@@ -39,7 +39,7 @@ def worker(spec: dict) -> dict:
 
     from konkanivani.config import model_config_from_preset
     from konkanivani.data.dataset import Batch
-    from konkanivani.model.asr import ASRModel
+    from konkanivani.model.asr import ASRModel, SpecAugment
     from konkanivani.training.memory import (
         MemoryEstimator,
         peak_rss_bytes,
@@ -47,6 +47,7 @@ def worker(spec: dict) -> dict:
         reset_peak_rss,
         rss_bytes,
     )
+    from konkanivani.training.objective import Objective
     from konkanivani.training.optim import build_optimizer
     from konkanivani.training.precision import resolve_precision
     from konkanivani.training.step import forward_backward, optimizer_step
@@ -85,7 +86,8 @@ def worker(spec: dict) -> dict:
         """One optimizer step: its seconds, and whether fp16's GradScaler skipped its update (it
         lowers its scale when it does)."""
         scale, start = scaler.get_scale(), time.perf_counter()
-        forward_backward(model, micro, device, precision, scaler, spec_augment=True,
+        forward_backward(model, micro, device, precision, scaler,
+                         Objective(spec_augment=SpecAugment()),
                          offload_activations=spec.get("offload", False))
         optimizer_step(model, optimizer, scaler, grad_clip=5.0)
         if device.type == "cuda":
@@ -134,7 +136,8 @@ def _warm_up(device, precision: str) -> None:
 
     from konkanivani.config import model_config_from_preset
     from konkanivani.data.dataset import Batch
-    from konkanivani.model.asr import ASRModel
+    from konkanivani.model.asr import ASRModel, SpecAugment
+    from konkanivani.training.objective import Objective
     from konkanivani.training.optim import build_optimizer
     from konkanivani.training.precision import resolve_precision
     from konkanivani.training.step import forward_backward, optimizer_step
@@ -153,7 +156,8 @@ def _warm_up(device, precision: str) -> None:
         for optimizer in ("adamw", "adamw_8bit"):
             model = ASRModel(cfg).to(device)
             opt, _ = build_optimizer(optimizer, model.parameters(), device, 1e-4, 0.01)
-            forward_backward(model, [batch], device, prec, scaler, spec_augment=True)
+            forward_backward(model, [batch], device, prec, scaler,
+                             Objective(spec_augment=SpecAugment()))
             optimizer_step(model, opt, scaler, grad_clip=5.0)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

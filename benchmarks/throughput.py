@@ -42,6 +42,7 @@ from konkanivani.data.frames import subsampled_lengths
 from konkanivani.model.asr import ASRModel
 from konkanivani.model.conformer import ConformerEncoder
 from konkanivani.training.memory import precision_name
+from konkanivani.training.objective import Objective
 from konkanivani.training.optim import build_optimizer
 from konkanivani.training.precision import cpu_description, resolve_precision
 
@@ -99,7 +100,7 @@ class OursFull(nn.Module):
         self.model = ASRModel(cfg)
 
     def forward(self, feats, lens, tokens, token_lens):
-        return self.model(feats, lens, tokens, token_lens).loss
+        return Objective()(self.model, feats, lens, tokens, token_lens).loss
 
 
 def _ctc(logits, lengths, tokens, token_lens):
@@ -169,7 +170,7 @@ class OursFullCompiled(OursFull):
         self.compiled = torch.compile(self.model)
 
     def forward(self, feats, lens, tokens, token_lens):
-        return self.compiled(feats, lens, tokens, token_lens).loss
+        return Objective()(self.compiled, feats, lens, tokens, token_lens).loss
 
 
 MODELS = {"torchaudio": TorchaudioCTC, "ours enc+CTC": OursCTC, "ours full": OursFull}

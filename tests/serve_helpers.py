@@ -28,6 +28,7 @@ from konkanivani.config import model_config_from_preset
 from konkanivani.data.tokenizer import train_tokenizer
 from konkanivani.decoding.recognizer import Recognizer
 from konkanivani.model.asr import ASRModel
+from konkanivani.training.objective import Objective
 
 START_SECONDS = 120  # a server that has not said where it listens by then has failed
 
@@ -63,7 +64,7 @@ def train_model(wavs: list[torch.Tensor], texts: list[str], streaming: bool, ste
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     for _ in range(steps):
-        model(x, lens, y, torch.tensor([len(t) for t in tokens])).loss.backward()
+        Objective()(model, x, lens, y, torch.tensor([len(t) for t in tokens])).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
     return Recognizer(model.eval(), tokenizer, torch.device("cpu"))

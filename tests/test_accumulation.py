@@ -41,8 +41,8 @@ def _update(model, batches):
     device = torch.device("cpu")
     precision = resolve_precision(device, False)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    stats = {k: float(v) for k, v in forward_backward(model, batches, device, precision, scaler,
-                                                      spec_augment=False).items()}
+    stats = {k: float(v) for k, v in forward_backward(model, batches, device, precision,
+                                                      scaler).items()}
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     optimizer_step(model, opt, scaler, grad_clip=1.0)
     return stats, grads, model

@@ -8,9 +8,10 @@ import torch
 
 from konkanivani.config import model_config_from_preset
 from konkanivani.model import conformer, decoder
-from konkanivani.model.asr import ASRModel
+from konkanivani.model.asr import ASRModel, SpecAugment
 from konkanivani.training.compile import compiled, compiled_layers
 from konkanivani.training.ema import make_ema
+from konkanivani.training.objective import Objective
 
 
 def _batch(vocab: int = 40):
@@ -29,7 +30,7 @@ def _model(seed: int = 0) -> ASRModel:
 
 
 def _loss_and_grads(model, forward=None):
-    out = (forward or model)(*_batch())
+    out = Objective()(forward or model, *_batch())
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
@@ -92,9 +93,10 @@ def test_the_loss_and_mask_ramps_compile_the_layers_once(monkeypatch):
                         lambda fn, **kw: real_compile(fn, **{**kw, "backend": counter}))
     model = _model()
     forward = compiled(model)
+    objective = Objective(ctc_weight=0.5, ctc_weight_from=0.9, label_smoothing=0.1,
+                          label_smoothing_from=0.0, loss_ramp_steps=11,
+                          spec_augment=SpecAugment(), spec_augment_ramp_steps=11)
     for step in range(12):
-        model.spec_augment.set_scale(step / 11)
-        model.label_smoothing, model.ctc_weight = 0.1 * step / 11, 0.9 - 0.4 * step / 11
-        forward(*_batch(), spec_augment=True).loss.backward()
+        objective(forward, *_batch(), step=step).loss.backward()
     assert counter.frame_count == 2  # one encoder block, one decoder layer
     torch._dynamo.reset()

@@ -30,11 +30,12 @@ from konkanivani.checkpoint import load_checkpoint
 from konkanivani.config import ModelConfig, TrainConfig, model_config_from_preset
 from konkanivani.data.dataset import Batch
 from konkanivani.data.samplers import split_batch
-from konkanivani.model.asr import ASRModel
+from konkanivani.model.asr import ASRModel, SpecAugment
 from konkanivani.training import loop
 from konkanivani.training.distributed import Dist
 from konkanivani.training.loop import train
 from konkanivani.training.memory import BatchDoesNotFit
+from konkanivani.training.objective import Objective
 from konkanivani.training.precision import resolve_precision
 from konkanivani.training.step import forward_backward
 
@@ -181,7 +182,7 @@ def _stepper(model, precision="fp32", **kwargs):
 
     def step(batches):
         model.zero_grad(set_to_none=True)
-        stats = forward_backward(model, batches, CUDA, prec, scaler, spec_augment=False, **kwargs)
+        stats = forward_backward(model, batches, CUDA, prec, scaler, **kwargs)
         return (
             stats,
             torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).cpu(),
@@ -338,7 +339,6 @@ def test_a_single_utterance_that_really_does_not_fit_stops_with_its_name():
                 CUDA,
                 prec,
                 torch.amp.GradScaler("cuda", enabled=False),
-                False,
                 name_of=lambda i: f"train.jsonl:{i + 9}",
             )
 
@@ -493,7 +493,8 @@ def test_a_training_step_waits_for_the_gpu_only_in_ctc(precision, monkeypatch):
 
     def step():
         stats = forward_backward(
-            model, [batch], CUDA, prec, scaler, spec_augment=True, log_mel=log_mel
+            model, [batch], CUDA, prec, scaler, Objective(spec_augment=SpecAugment()),
+            log_mel=log_mel
         )
         return optimizer_step(model, optimizer, scaler, grad_clip=5.0, loss=stats["loss"])
 

@@ -19,10 +19,11 @@ from konkanivani.data.samplers import (
     select_samples,
     split_batch,
 )
-from konkanivani.model.asr import ASRModel
+from konkanivani.model.asr import ASRModel, SpecAugment
 from konkanivani.model.conformer import LayerNorm
 from konkanivani.training import precision as precision_module
 from konkanivani.training.memory import BatchDoesNotFit, MemoryEstimator, is_out_of_memory
+from konkanivani.training.objective import Objective
 from konkanivani.training.optim import build_optimizer
 from konkanivani.training.precision import resolve_precision
 from konkanivani.training.step import forward_backward, optimizer_step
@@ -73,7 +74,8 @@ def test_checkpointed_gradients_equal_plain_ones():
         m.set_gradient_checkpointing(checkpointed)
         torch.manual_seed(7)
         feats, feat_lens = batch[0].features(LogMel())
-        out = m(feats, feat_lens, batch[0].tokens, batch[0].token_lens, spec_augment=True)
+        out = Objective(spec_augment=SpecAugment())(m, feats, feat_lens, batch[0].tokens,
+                                                    batch[0].token_lens)
         out.loss.backward()
         grads.append({n: p.grad for n, p in m.named_parameters()})
     for name, g in grads[0].items():
@@ -96,7 +98,6 @@ def test_activations_offloaded_to_cpu_memory_give_the_same_gradients():
             CPU,
             Precision(None, False, ""),
             torch.amp.GradScaler("cpu", enabled=False),
-            spec_augment=False,
             offload_activations=offload,
         )
         grads.append(({n: p.grad for n, p in m.named_parameters()}, float(stats["loss"])))
@@ -237,14 +238,14 @@ def _oom_on(model, size, where):
     state = {"armed": True}
     encode = model.encode
 
-    def failing_encode(feats, feat_lens, spec_augment=False):
+    def failing_encode(feats, feat_lens, augment=None):
         if state["armed"] and len(feats) == size:
             state["armed"] = False
             if where == "forward":
                 raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-            enc, lens = encode(feats, feat_lens, spec_augment)
+            enc, lens = encode(feats, feat_lens, augment)
             return _RaiseInBackward.apply(enc), lens
-        return encode(feats, feat_lens, spec_augment)
+        return encode(feats, feat_lens, augment)
 
     model.encode = failing_encode
     return state
@@ -255,9 +256,7 @@ def _step(model, batches, oom=None):
     state = _oom_on(model, *oom) if oom else None
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    stats = forward_backward(
-        model, batches, CPU, resolve_precision(CPU, False), scaler, spec_augment=False
-    )
+    stats = forward_backward(model, batches, CPU, resolve_precision(CPU, False), scaler)
     optimizer_step(model, opt, scaler, grad_clip=1.0)
     assert state is None or not state["armed"]  # the simulated error did happen
     return stats, model
@@ -281,7 +280,7 @@ def test_a_single_utterance_that_does_not_fit_stops_with_its_name():
     _oom_on(model, 1, "forward")
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     with pytest.raises(BatchDoesNotFit, match=r"train.jsonl:17 \(\d+ frames\) does not fit"):
-        forward_backward(model, _batches(1, 1), CPU, resolve_precision(CPU, False), scaler, False,
+        forward_backward(model, _batches(1, 1), CPU, resolve_precision(CPU, False), scaler,
                          name_of=lambda i: "train.jsonl:17")
     assert is_out_of_memory(
         RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate")

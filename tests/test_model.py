@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from konkanivani.config import PRESETS, ConfigError, ModelConfig, model_config_from_preset
-from konkanivani.model.asr import ASRModel, count_parameters
+from konkanivani.model.asr import ASRModel, SpecAugment, count_parameters
 from konkanivani.model.conformer import ConformerBlock
 from konkanivani.model.decoder import DecoderLayer
 
@@ -30,7 +30,8 @@ def test_shapes():
     )
     assert logits.shape == (3, 5, V)
     out = model(feats, lens, tokens, torch.tensor([4, 2, 1]))
-    assert all(t.shape == () and torch.isfinite(t) for t in out)
+    assert out.inter_ctc is None  # no tap asked for
+    assert all(t.shape == () and torch.isfinite(t) for t in (out.ctc, out.attention))
 
 
 @pytest.mark.parametrize(
@@ -167,13 +168,17 @@ def test_padding_does_not_change_outputs():
 def test_spec_augment_only_in_training_mode():
     model = _model()
     feats, lens = torch.randn(2, 200, 80), torch.tensor([200, 200])
-    a, _ = model.encode(feats, lens, spec_augment=True)
-    b, _ = model.encode(feats, lens, spec_augment=False)
+    masks = SpecAugment()
+    a, _ = model.encode(feats, lens, augment=masks)
+    b, _ = model.encode(feats, lens)
     torch.testing.assert_close(a, b)  # eval mode: no masking
     model.train()
     model.encoder.eval()  # keep dropout off, so only the masks can differ
+    a, _ = model.encode(feats, lens, augment=masks)
+    b, _ = model.encode(feats, lens)
+    assert not torch.allclose(a, b)
     x = (feats - model.feat_mean) / model.feat_std
-    masked = model.spec_augment(x)
+    masked = masks(x)
     assert (masked == 0).sum() > (x == 0).sum()
 
 

@@ -117,7 +117,8 @@ def test_bf16_autocast_trains_and_validates_on_cpu():
     from konkanivani.config import model_config_from_preset
     from konkanivani.data.dataset import Batch
     from konkanivani.data.tokenizer import train_tokenizer
-    from konkanivani.model.asr import ASRModel
+    from konkanivani.model.asr import ASRModel, SpecAugment
+    from konkanivani.training.objective import Objective
     from konkanivani.training.precision import Precision
     from konkanivani.training.step import forward_backward, optimizer_step, validate
 
@@ -134,10 +135,12 @@ def test_bf16_autocast_trains_and_validates_on_cpu():
     cpu = torch.device("cpu")
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    stats = forward_backward(model, [batch], cpu, bf16, scaler, spec_augment=True)
+    stats = forward_backward(model, [batch], cpu, bf16, scaler,
+                             Objective(spec_augment=SpecAugment()))
     assert all(torch.isfinite(torch.as_tensor(v)) for v in stats.values())
     assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
     assert torch.isfinite(optimizer_step(model, opt, scaler, 5.0))
     utts = [SimpleNamespace(text=t) for t in texts]
     metrics = validate(model, [batch], tok, utts, cpu, bf16)
-    assert metrics.keys() == {"loss", "wer", "cer"} and metrics["loss"] > 0
+    assert metrics.keys() == {"loss", "ctc", "attention", "wer", "cer"}
+    assert metrics["loss"] > 0

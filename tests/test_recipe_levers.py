@@ -26,10 +26,10 @@ from konkanivani.config import (
 from konkanivani.data.augment import Augmenter
 from konkanivani.data.samplers import LengthCurriculum, LengthGroupedBatchSampler, train_sampler
 from konkanivani.model.asr import ASRModel, SpecAugment
+from konkanivani.training.objective import Objective
 from konkanivani.training.optim import (
     build_optimizer,
     eden_factor,
-    scheduled_loss_weights,
     scheduled_lr,
 )
 from konkanivani.training.scaled_adam import ScaledAdam
@@ -48,33 +48,33 @@ def _batch():
 def test_intermediate_ctc_off_is_the_model_as_before_and_on_adds_the_middle_blocks_ctc():
     cfg = model_config_from_preset("tiny", vocab_size=40)
     torch.manual_seed(0)
-    plain = ASRModel(cfg).train()
-    inter = ASRModel(cfg, inter_ctc_weight=0.5).train()
-    inter.load_state_dict(plain.state_dict())  # no parameters of its own
+    model = ASRModel(cfg).train()  # intermediate CTC is a loss term: no parameters of its own
+    inter = Objective(inter_ctc_weight=0.5, encoder_layers=cfg.encoder_layers)
     assert inter.inter_ctc_layer == cfg.encoder_layers // 2
     torch.manual_seed(2)
-    a = plain(*_batch())
+    a = Objective()(model, *_batch())
     torch.manual_seed(2)
-    b = inter(*_batch())
+    b = inter(model, *_batch())
     # the final CTC and attention losses are the same; the total mixes in the middle block's CTC
     assert torch.equal(a.ctc, b.ctc) and torch.equal(a.attention, b.attention)
+    assert a.inter_ctc is None and b.inter_ctc is not None
     assert not torch.equal(a.loss, b.loss)
+    assert torch.equal(b.loss, a.loss + 0.3 * 0.5 * (b.inter_ctc - b.ctc))
     b.loss.backward()
-    first_block = inter.encoder.blocks[0]
+    first_block = model.encoder.blocks[0]
     assert all(p.grad is not None for p in first_block.parameters() if p.requires_grad)
-    # evaluation decodes as without it: the same encoder output
-    plain.eval(), inter.eval()
-    feats, lens = _batch()[:2]
-    assert torch.equal(plain.encode(feats, lens)[0], inter.encode(feats, lens)[0])
-    with pytest.raises(ValueError, match="--inter_ctc_layer 2: the encoder's blocks are 1 to 2"):
-        ASRModel(cfg, inter_ctc_weight=0.5, inter_ctc_layer=2)
+    # evaluation has no tap: the model's terms in eval mode are the plain ones
+    model.eval()
+    assert model(*_batch(), tap=1).inter_ctc is None
+    with pytest.raises(ConfigError, match="--inter_ctc_layer 2: the encoder's blocks are 1 to 2"):
+        Objective(inter_ctc_weight=0.5, inter_ctc_layer=2, encoder_layers=cfg.encoder_layers)
 
 
 def test_time_reduction_halves_the_middle_blocks_frames_and_gives_the_full_rate_back():
     cfg = model_config_from_preset("small", vocab_size=40, time_reduce_layer=2)
     assert time_reduced_blocks(cfg) == (2, 5)
     torch.manual_seed(0)
-    model = ASRModel(cfg, inter_ctc_weight=0.3).eval()
+    model = ASRModel(cfg).eval()
     plain = ASRModel(model_config_from_preset("small", vocab_size=40)).eval()
     feats, lens = torch.randn(2, 401, 80), torch.tensor([401, 250])
     out, out_lens = model.encoder(feats, lens)
@@ -90,8 +90,9 @@ def test_time_reduction_halves_the_middle_blocks_frames_and_gives_the_full_rate_
     model.encoder(feats, lens)
     hook.remove()
     assert calls == [50]  # 99 frames halved, rounded up
-    model.train()(feats, lens, torch.tensor([[5, 6, 7], [8, 9, -1]]),
-                  torch.tensor([3, 2])).loss.backward()
+    Objective(inter_ctc_weight=0.3, encoder_layers=6)(
+        model.train(), feats, lens, torch.tensor([[5, 6, 7], [8, 9, -1]]),
+        torch.tensor([3, 2])).loss.backward()
     assert model.encoder.time_reduce.weight.grad is not None
 
 
@@ -121,7 +122,7 @@ def test_a_checkpoint_written_before_time_reduction_reads_as_the_model_without_i
 def test_self_conditioning_adds_the_ctc_posteriors_after_its_block_in_training_and_recognition():
     cfg = model_config_from_preset("small", vocab_size=40, self_condition_layer=3)
     torch.manual_seed(0)
-    model = ASRModel(cfg, inter_ctc_weight=0.3, inter_ctc_layer=3).eval()
+    model = ASRModel(cfg).eval()
     assert model.encoder.ctc_condition.shape == (40, cfg.d_model)
     assert "encoder.ctc_condition" in ASRModel.VOCABULARY_TENSORS
     feats, lens = torch.randn(2, 401, 80), torch.tensor([401, 250])
@@ -135,21 +136,22 @@ def test_self_conditioning_adds_the_ctc_posteriors_after_its_block_in_training_a
     torch.testing.assert_close(model.encode(feats, lens)[0], plain.encode(feats, lens)[0])
     # the padding changes nothing: the shorter utterance alone gives its row
     torch.manual_seed(0)
-    model = ASRModel(cfg, inter_ctc_weight=0.3, inter_ctc_layer=3).eval()
+    model = ASRModel(cfg).eval()
     out, _ = model.encode(feats, lens)
     alone, _ = model.encode(feats[1:, :250], lens[1:])
     torch.testing.assert_close(alone[0], out[1, :61], atol=1e-5, rtol=1e-5)
     # the tap is the block's states before the conditioning adds to them
     tap_states = []
     hook = model.encoder.blocks[2].register_forward_hook(lambda m, i, o: tap_states.append(o))
-    _, _, tapped = model.encoder.forward_tapped(model._normalized(feats, lens, False), lens,
+    _, _, tapped = model.encoder.forward_tapped(model._normalized(feats, lens, None), lens,
                                                 tap=3, head=model.ctc_head)
     hook.remove()
     assert torch.equal(tapped, tap_states[0])
     with pytest.raises(ValueError, match="needs the CTC head"):
         model.encoder(feats, lens)
-    model.train()(feats, lens, torch.tensor([[5, 6, 7], [8, 9, -1]]),
-                  torch.tensor([3, 2])).loss.backward()
+    Objective(inter_ctc_weight=0.3, inter_ctc_layer=3, encoder_layers=6)(
+        model.train(), feats, lens, torch.tensor([[5, 6, 7], [8, 9, -1]]),
+        torch.tensor([3, 2])).loss.backward()
     assert model.encoder.ctc_condition.grad.abs().sum() > 0
 
 
@@ -241,18 +243,6 @@ def test_the_eden_schedule_warms_from_half_and_decays_in_steps_and_epochs():
     cfg.lr_schedule = "eden"
     assert scheduled_lr(cfg, 1500, 6) == pytest.approx(
         4e-3 * (1 + (1500 / 7500) ** 2) ** -0.25 * (1 + (6 / 3.5) ** 2) ** -0.25)
-
-
-def test_the_loss_weights_ramp_in_a_straight_line_then_stay():
-    cfg = TrainConfig(train_manifest="t", valid_manifest="v", ctc_weight=0.5,
-                      label_smoothing=0.1)
-    assert scheduled_loss_weights(cfg, 0) == (0.5, 0.1)  # no ramp
-    cfg.ctc_weight_from, cfg.loss_ramp_steps = 0.9, 100
-    assert scheduled_loss_weights(cfg, 0) == (0.9, 0.1)  # smoothing not ramped
-    assert scheduled_loss_weights(cfg, 50)[0] == pytest.approx(0.7)
-    assert scheduled_loss_weights(cfg, 100) == scheduled_loss_weights(cfg, 5000) == (0.5, 0.1)
-    cfg.label_smoothing_from = 0.0
-    assert scheduled_loss_weights(cfg, 25) == pytest.approx((0.8, 0.025))
 
 
 def _regression(seed=0):

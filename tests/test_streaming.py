@@ -11,8 +11,9 @@ import torch
 from konkanivani.config import ModelConfig, model_config_from_preset
 from konkanivani.data.frames import subsampled_lengths
 from konkanivani.model import conformer
-from konkanivani.model.asr import ASRModel
+from konkanivani.model.asr import ASRModel, SpecAugment
 from konkanivani.model.conformer import ConformerEncoder, feature_windows
+from konkanivani.training.objective import Objective
 
 V = 40
 
@@ -128,9 +129,8 @@ def test_default_flags_take_no_chunk_path(monkeypatch):
     monkeypatch.setattr(ConformerEncoder, "draw_chunk", refused)
     feats, lens = torch.randn(2, 120, 80), torch.tensor([120, 90])
     model.train()
-    out = model(
-        feats, lens, torch.tensor([[5, 6, 7], [8, 9, -1]]), torch.tensor([3, 2]), spec_augment=True
-    )
+    out = Objective(spec_augment=SpecAugment())(
+        model, feats, lens, torch.tensor([[5, 6, 7], [8, 9, -1]]), torch.tensor([3, 2]))
     out.loss.backward()
     model.eval()
     with torch.no_grad():
@@ -181,7 +181,7 @@ def test_dynamic_chunk_draws_a_chunk_per_training_batch_and_trains():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens, token_lens = torch.tensor([[5, 6, 7], [8, 9, -1]]), torch.tensor([3, 2])
     for _ in range(4):
-        out = model(feats, lens, tokens, token_lens, spec_augment=True)
+        out = Objective(spec_augment=SpecAugment())(model, feats, lens, tokens, token_lens)
         assert torch.isfinite(out.loss)
         out.loss.backward()
         optimizer.step()
@@ -190,7 +190,7 @@ def test_dynamic_chunk_draws_a_chunk_per_training_batch_and_trains():
 
 def test_a_model_trained_with_dynamic_chunk_decodes_the_same_ctc_text_chunk_by_chunk():
     model = _model(dynamic_chunk=True, causal_conv=True, max_chunk=8, dropout=0.0)
-    model.ctc_weight = 1.0  # the CTC branch alone: it learns to emit sooner
+    ctc_alone = Objective(ctc_weight=1.0)  # the CTC branch alone: it learns to emit sooner
     torch.manual_seed(2)
     feats, lens = torch.randn(2, 190, 80) * 2 + 1, torch.tensor([190, 190])
     model.set_cmvn(feats.mean((0, 1)), feats.std((0, 1)))
@@ -198,7 +198,7 @@ def test_a_model_trained_with_dynamic_chunk_decodes_the_same_ctc_text_chunk_by_c
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model.train()
     for _ in range(150):  # memorizes the two utterances far enough to emit some tokens
-        model(feats, lens, tokens, token_lens).loss.backward()
+        ctc_alone(model, feats, lens, tokens, token_lens).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
     model.eval()

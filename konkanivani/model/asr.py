@@ -2,30 +2,31 @@
 decoder."""
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 import torchaudio
 from torch import nn
 
-from ..config import DEFAULT_CTC_WEIGHT, DEFAULT_LABEL_SMOOTHING, ModelConfig
+from ..config import DEFAULT_LABEL_SMOOTHING, ModelConfig
 from ..data.tokenizer import BLANK_ID, SOS_EOS_ID
 from .conformer import ConformerEncoder
 from .decoder import TransformerDecoder
 
-__all__ = ["ASRModel", "LossOutput", "SpecAugment", "count_parameters"]
+__all__ = ["ASRModel", "LossTerms", "SpecAugment", "count_parameters"]
 
 
 IGNORE_ID = -1
 
 
-class LossOutput(NamedTuple):
-    """Losses summed over the utterances of a batch (divide by the utterance count for a mean)."""
+class LossTerms(NamedTuple):
+    """The model's losses, each summed over the utterances of a batch and unweighted: the training
+    objective (``training/objective.py``) weights them."""
 
-    loss: torch.Tensor  # ctc_weight * ctc + (1 - ctc_weight) * attention
     ctc: torch.Tensor
-    attention: torch.Tensor
+    attention: torch.Tensor  # label-smoothed cross-entropy of the decoder
+    inter_ctc: Optional[torch.Tensor] = None  # the CTC head on a middle block's states (a tap)
 
 
 class SpecAugment(nn.Module):
@@ -64,10 +65,10 @@ class SpecAugment(nn.Module):
 class ASRModel(nn.Module):
     """Examples:
         >>> model = ASRModel(model_config_from_preset("tiny", vocab_size=40))
-        >>> out = model(torch.randn(2, 120, 80), torch.tensor([120, 90]),
-        ...             torch.tensor([[5, 6, 7], [8, 9, -1]]), torch.tensor([3, 2]))
-        >>> out.loss.shape
-        torch.Size([])
+        >>> terms = model(torch.randn(2, 120, 80), torch.tensor([120, 90]),
+        ...               torch.tensor([[5, 6, 7], [8, 9, -1]]), torch.tensor([3, 2]))
+        >>> terms.ctc.shape, terms.inter_ctc
+        (torch.Size([]), None)
     """
 
     # The tensors with one row per token: a model of another vocabulary has them in another size,
@@ -81,28 +82,15 @@ class ASRModel(nn.Module):
         "encoder.ctc_condition",  # with self_condition_layer
     )
 
-    def __init__(self, cfg: ModelConfig, ctc_weight: float = DEFAULT_CTC_WEIGHT,
-                 label_smoothing: float = DEFAULT_LABEL_SMOOTHING, inter_ctc_weight: float = 0.0,
-                 inter_ctc_layer: int = 0):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         if cfg.vocab_size <= SOS_EOS_ID:
             raise ValueError(f"vocab_size must exceed {SOS_EOS_ID}, got {cfg.vocab_size}")
-        if not 0 <= inter_ctc_layer < cfg.encoder_layers:
-            raise ValueError(f"--inter_ctc_layer {inter_ctc_layer}: the encoder's blocks are 1 to "
-                             f"{cfg.encoder_layers}, and the last one is the CTC head's own")
         self.cfg = cfg
-        self.ctc_weight = ctc_weight
-        self.label_smoothing = label_smoothing
-        # Intermediate CTC (ESPnet's InterCTC): the CTC head also scores the states after a middle
-        # block, in training only. A loss term, no parameters: the model decodes as without it.
-        self.inter_ctc_weight = inter_ctc_weight
-        self.inter_ctc_layer = (inter_ctc_layer or max(cfg.encoder_layers // 2, 1)
-                                if inter_ctc_weight else 0)
         # CMVN statistics from the training set, saved with the weights (cmvn "utterance" uses the
         # std only).
         self.register_buffer("feat_mean", torch.zeros(cfg.n_mels))
         self.register_buffer("feat_std", torch.ones(cfg.n_mels))
-        self.spec_augment = SpecAugment()
         self.encoder = ConformerEncoder(cfg)
         self.ctc_head = nn.Linear(cfg.d_model, cfg.vocab_size)
         self.decoder = TransformerDecoder(cfg)
@@ -121,23 +109,24 @@ class ASRModel(nn.Module):
         self,
         feats: torch.Tensor,
         feat_lens: torch.Tensor,
-        spec_augment: bool = False,
+        augment: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
         chunk_size: Optional[int] = None,
         left_chunks: int = -1,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(B, T, F)`` raw log-mel, zero-padded -> ``(B, T', D)`` encoder states and ``(B,)``
-        lengths. ``chunk_size`` and ``left_chunks``: the attention's chunks
-        (``ConformerEncoder.forward``; 0 full context, None the model's own: full context, drawn per
-        batch in training with ``dynamic_chunk``).
+        lengths. ``augment``: a SpecAugment of the normalized features, in training mode only.
+        ``chunk_size`` and ``left_chunks``: the attention's chunks (``ConformerEncoder.forward``;
+        0 full context, None the model's own: full context, drawn per batch in training with
+        ``dynamic_chunk``).
         """
-        return self.encoder(self._normalized(feats, feat_lens, spec_augment), feat_lens,
+        return self.encoder(self._normalized(feats, feat_lens, augment), feat_lens,
                             chunk_size, left_chunks, head=self.ctc_head)
 
     def _normalized(self, feats: torch.Tensor, feat_lens: torch.Tensor,
-                    spec_augment: bool) -> torch.Tensor:
-        """The encoder's input: CMVN, then SpecAugment when asked for in training."""
+                    augment: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> torch.Tensor:
+        """The encoder's input: CMVN, then ``augment`` when given in training."""
         x = (feats - self._mean(feats, feat_lens)) / self.feat_std
-        return self.spec_augment(x) if spec_augment and self.training else x
+        return augment(x) if augment is not None and self.training else x
 
     def normalize(self, feats: torch.Tensor, mean: Optional[torch.Tensor] = None) -> torch.Tensor:
         """CMVN of raw log-mel frames ``(B, T, F)`` for a stream
@@ -166,26 +155,27 @@ class ASRModel(nn.Module):
         return F.log_softmax(self.ctc_head(enc).float(), dim=-1)
 
     def forward(self, feats: torch.Tensor, feat_lens: torch.Tensor, tokens: torch.Tensor,
-                token_lens: torch.Tensor, spec_augment: bool = False) -> LossOutput:
+                token_lens: torch.Tensor,
+                augment: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                label_smoothing: float = DEFAULT_LABEL_SMOOTHING, tap: int = 0) -> LossTerms:
         """
         Args:
             feats: ``(B, T, F)`` log-mel features; feat_lens ``(B,)``.
             tokens: ``(B, U)`` target ids padded with -1; token_lens ``(B,)``.
-            spec_augment: mask features (in training mode only).
+            augment: masks the normalized features (SpecAugment; in training mode only).
+            label_smoothing: of the attention term's targets.
+            tap: in training, the CTC head also scores the states after this encoder block
+                (intermediate CTC, ESPnet's InterCTC: a loss term, no parameters); 0: none.
         Returns:
-            ``LossOutput`` of scalar sums over the batch.
+            ``LossTerms``: scalar sums over the batch, unweighted.
         """
-        if not (self.inter_ctc_layer and self.training):
-            enc, enc_lens = self.encode(feats, feat_lens, spec_augment)
-            return self.losses(enc, enc_lens, tokens, token_lens)
+        if not (tap and self.training):
+            enc, enc_lens = self.encode(feats, feat_lens, augment)
+            return self.losses(enc, enc_lens, tokens, token_lens, label_smoothing)
         enc, enc_lens, inter = self.encoder.forward_tapped(
-            self._normalized(feats, feat_lens, spec_augment), feat_lens, tap=self.inter_ctc_layer,
-            head=self.ctc_head)
-        out = self.losses(enc, enc_lens, tokens, token_lens)
-        inter_ctc = self._ctc(inter, enc_lens, tokens, token_lens)
-        w = self.inter_ctc_weight
-        loss = out.loss + self.ctc_weight * w * (inter_ctc - out.ctc)
-        return LossOutput(loss, out.ctc, out.attention)
+            self._normalized(feats, feat_lens, augment), feat_lens, tap=tap, head=self.ctc_head)
+        out = self.losses(enc, enc_lens, tokens, token_lens, label_smoothing)
+        return out._replace(inter_ctc=self._ctc(inter, enc_lens, tokens, token_lens))
 
     def _ctc(self, enc: torch.Tensor, enc_lens: torch.Tensor, tokens: torch.Tensor,
              token_lens: torch.Tensor) -> torch.Tensor:
@@ -194,7 +184,8 @@ class ASRModel(nn.Module):
                           reduction="sum", zero_infinity=True)
 
     def losses(self, enc: torch.Tensor, enc_lens: torch.Tensor, tokens: torch.Tensor,
-               token_lens: torch.Tensor) -> LossOutput:
+               token_lens: torch.Tensor,
+               label_smoothing: float = DEFAULT_LABEL_SMOOTHING) -> LossTerms:
         """CTC and label-smoothed attention losses from encoder states ``(B, T', D)``."""
         # CTC in float32 (its recursions underflow in half precision); sum, then mean by the caller.
         # On CUDA it is the one wait for the device in a step: torch's CTC copies the lengths to the
@@ -213,11 +204,10 @@ class ASRModel(nn.Module):
             logits.float().flatten(0, 1),
             target.flatten(),
             ignore_index=IGNORE_ID,
-            label_smoothing=self.label_smoothing,
+            label_smoothing=label_smoothing,
             reduction="sum",
         )
-        loss = self.ctc_weight * ctc + (1.0 - self.ctc_weight) * attention
-        return LossOutput(loss, ctc, attention)
+        return LossTerms(ctc, attention)
 
 
 def count_parameters(model: nn.Module) -> int:

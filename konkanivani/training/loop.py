@@ -45,7 +45,7 @@ from .finetune import hold_encoder
 from .memory import (
     memory_status,
 )
-from .optim import ramp_done, scheduled_loss_weights, scheduled_lr
+from .optim import scheduled_lr
 from .run_files import run_directory, save_step
 from .signals import Stop, StopRequest, TrainingDiverged, diverged_message
 from .start import Run, setup_run, starting_point
@@ -172,17 +172,14 @@ def train_step(run: Run, micro: list[Batch]) -> Optional[dict[str, Any]]:
     is read (``settle``). In the first --freeze_encoder_steps steps the encoder's gradients are
     dropped (``hold_encoder``): the norm is then the heads' alone."""
     cfg = run.cfg
-    if cfg.loss_ramp_steps:  # the loss weights of this step (a pure function of it)
-        run.model.ctc_weight, run.model.label_smoothing = scheduled_loss_weights(cfg, run.step)
-    if cfg.spec_augment_ramp_steps:  # the masks' widths of this step (a pure function of it)
-        run.model.spec_augment.set_scale(ramp_done(run.step, cfg.spec_augment_ramp_steps))
     stats = forward_backward(
         run.forward,
         micro,
         run.device,
         run.precision,
         run.scaler,
-        cfg.spec_augment,
+        run.objective,  # its weights and masks at this step (a pure function of it)
+        run.step,
         name_of=lambda i: f"{run.train_utts[i].where} ({run.train_utts[i].duration:.1f} s)",
         dist=run.dist,
         offload_activations=cfg.offload_activations,
@@ -428,6 +425,8 @@ def validate_and_save(run: Run) -> None:
         run.precision,
         # sharded: each process saw all
         Dist() if is_sharded(run.model) else run.dist,
+        objective=run.objective,
+        step=run.step,
     )
     run.valid_metrics, run.valid_step = metrics, run.step
     run.record(
@@ -618,7 +617,9 @@ def _summary_line(
     return (
         f"step {run.step} (epoch {run.epoch + 1},"
         f" {100 * run.batches_done / run.epoch_batches:.0f}%): loss {stats['loss']:.3f} (ctc"
-        f" {stats['ctc']:.3f}, attention {stats['attention']:.3f}), lr {stats['lr']:.2e}, grad norm"
+        f" {stats['ctc']:.3f}, attention {stats['attention']:.3f}"
+        + (f", inter-CTC {stats['inter_ctc']:.3f}" if "inter_ctc" in stats else "")
+        + f"), lr {stats['lr']:.2e}, grad norm"
         f" {stats['grad_norm']:.2f}, {speed.rate():.1f} utt/s (data wait"
         f" {speed.wait_percent():.0f}%), memory {now:.2f} GiB (peak {peak:.2f})"
     )

@@ -8,13 +8,16 @@ import logging
 import resource
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from ..config import ConfigError, ModelConfig
 from ..data.frames import subsampled_lengths
 from ..model.conformer import ALIGN
+
+if TYPE_CHECKING:
+    from .objective import Objective
 
 __all__ = [
     "GIB",
@@ -469,10 +472,12 @@ def auto_batch_frames(
     tokens: int,
     estimator: MemoryEstimator,
     max_memory_gb: float = 0.0,
+    objective: Optional[Objective] = None,
 ) -> int:
     """--auto_batch: the largest frame budget whose batches of the longest utterance (``longest``
     frames, ``tokens`` tokens) fit. On CUDA it is measured: forward + backward passes of ``forward``
-    (the model's) on growing synthetic batches until one runs out of memory or its peak plus the
+    (the model's, under ``objective``: the run's, by default SpecAugment's) on growing synthetic
+    batches until one runs out of memory or its peak plus the
     optimizer states passes 90% of the device. A CPU raises no error to probe for (the kernel ends
     the process instead), so there the estimator decides. ``autocast()`` opens the run's precision.
     """
@@ -490,6 +495,11 @@ def auto_batch_frames(
             budget / GIB,
         )
     else:
+        if objective is None:  # (imported here, as the estimator's model: keep this module light)
+            from ..model.asr import SpecAugment
+            from .objective import Objective
+            objective = Objective(spec_augment=SpecAugment())
+
         def runs(n: int) -> bool:
             feats = torch.randn(n, longest, model.cfg.n_mels, device=device)
             lens = torch.full((n,), longest, device=device)
@@ -497,13 +507,8 @@ def auto_batch_frames(
             torch.cuda.reset_peak_memory_stats(device)
             try:
                 with autocast():
-                    out = forward(
-                        feats,
-                        lens,
-                        toks,
-                        torch.full((n,), tokens, device=device),
-                        spec_augment=True,
-                    )
+                    out = objective(forward, feats, lens, toks,
+                                    torch.full((n,), tokens, device=device))
                 out.loss.backward()
                 fits = torch.cuda.max_memory_allocated(device) + estimator.optimizer_bytes <= budget
             except (torch.OutOfMemoryError, RuntimeError) as e:

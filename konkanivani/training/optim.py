@@ -1,8 +1,9 @@
-"""The optimizer and the schedules (pure functions of the step and epoch): the learning rate's
-(``scheduled_lr``: Noam's ``lr_factor`` or Zipformer's Eden) and the loss weights'
-(``scheduled_loss_weights``). The optimizer is standard AdamW; 8-bit AdamW from bitsandbytes (its
-two moments stored in 8 bits, 2 bytes per parameter instead of 8), with a fallback to standard AdamW
-when bitsandbytes is missing or cannot run on the device; or ScaledAdam (``scaled_adam``)."""
+"""The optimizer and the learning rate's schedule (a pure function of the step and epoch:
+``scheduled_lr``, Noam's ``lr_factor`` or Zipformer's Eden; the loss weights' ramps are the
+objective's, ``objective.Objective.at``). The optimizer is standard AdamW; 8-bit AdamW from
+bitsandbytes (its two moments stored in 8 bits, 2 bytes per parameter instead of 8), with a fallback
+to standard AdamW when bitsandbytes is missing or cannot run on the device; or ScaledAdam
+(``scaled_adam``)."""
 from __future__ import annotations
 
 import logging
@@ -15,7 +16,7 @@ from ..config import OPTIMIZERS, TrainConfig
 from .scaled_adam import ScaledAdam
 
 __all__ = ["canonical_optimizer", "build_optimizer", "adamw", "scheduled_lr", "eden_factor",
-           "lr_factor", "ramp_done", "scheduled_loss_weights"]
+           "lr_factor"]
 
 log = logging.getLogger("konkanivani")
 
@@ -116,20 +117,3 @@ def lr_factor(step: int, warmup_steps: int) -> float:
     return min(step / warmup_steps, math.sqrt(warmup_steps / step))
 
 
-def ramp_done(step: int, steps: int) -> float:
-    """How far a straight-line ramp over ``steps`` optimizer steps is after ``step`` of them, 0 to
-    1 (1 from the start when ``steps`` is 0): the loss weights' and SpecAugment's widths'."""
-    return min(step / steps, 1.0) if steps else 1.0
-
-
-def scheduled_loss_weights(cfg: TrainConfig, step: int) -> tuple[float, float]:
-    """The CTC loss weight and the label smoothing for the update after ``step`` optimizer steps:
-    each moves in a straight line from its --ctc_weight_from / --label_smoothing_from value (when
-    one is given) to its own over --loss_ramp_steps. A pure function of the step, like the LR."""
-    done = ramp_done(step, cfg.loss_ramp_steps)
-
-    def ramp(start: float, end: float) -> float:
-        return end if start == -1 or done == 1.0 else start + (end - start) * done
-
-    return (ramp(cfg.ctc_weight_from, cfg.ctc_weight),
-            ramp(cfg.label_smoothing_from, cfg.label_smoothing))

@@ -60,7 +60,7 @@ from ..data.shards import (
     texts_of,
 )
 from ..data.tokenizer import Tokenizer, train_tokenizer
-from ..model.asr import ASRModel, SpecAugment, count_parameters
+from ..model.asr import ASRModel, count_parameters
 from .compile import compiled
 from .curves import CURVES, have_matplotlib
 from .distributed import (
@@ -81,6 +81,7 @@ from .memory import (
     precision_name,
 )
 from .metrics_log import MetricsLog
+from .objective import Objective
 from .optim import build_optimizer, canonical_optimizer, scheduled_lr
 from .precision import Precision, resolve_precision
 from .run_files import load_resume_checkpoint, remove_stale_temporaries
@@ -108,6 +109,7 @@ class Run:
     tokenizer: Tokenizer
     model: ASRModel
     forward: Callable[..., Any]  # the model's forward: data-parallel and/or compiled where asked
+    objective: Objective  # the loss terms, their weights and ramps, SpecAugment
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     train_utts: Sequence[Utterance]  # a manifest's, or a shard set's (ShardUtterances)
@@ -211,6 +213,7 @@ def setup_run(cfg: TrainConfig, model_cfg: ModelConfig, origin: Origin, dist: Di
     # data: the utterances, checked usable before the output directory becomes this run's
     data = _data(cfg, tokenizer)
     _check_fits(cfg, model_cfg, precision, data, dist, device)
+    objective = _objective(cfg, model_cfg)
     _claim_directory(start, Path(cfg.output_dir), dist, tokenizer if origin.state is None else None)
     # model: resumed, or fresh with the data's CMVN and the --init_from weights that fit
     model = _build_model(cfg, model_cfg, data, origin, tokenizer, device)
@@ -219,8 +222,8 @@ def setup_run(cfg: TrainConfig, model_cfg: ModelConfig, origin: Origin, dist: Di
     # optimizer: the model's forward (data-parallel, compiled) and its optimizer
     forward, optimizer, optimizer_name = _optimizer(cfg, model, precision, dist, device)
     # settings: those in effect, resolved once (the optimizer, batches, LR, warm-up, accumulation)
-    cfg, fits = _settings(cfg, optimizer_name, model_cfg, data, (model, forward, precision),
-                          origin.state, dist, device)
+    cfg, fits = _settings(cfg, optimizer_name, model_cfg, data,
+                          (model, forward, precision, objective), origin.state, dist, device)
     # batches and loaders: the samplers, and the data workers of training and validation. The
     # first micro-batch of the second step is the peak (optimizer states exist from then on); a
     # resumed run keeps the count its first epoch was planned with.
@@ -231,7 +234,8 @@ def setup_run(cfg: TrainConfig, model_cfg: ModelConfig, origin: Origin, dist: Di
     train_loader, valid_loader = _loaders(cfg, data, samplers, tokenizer, device)
     out_dir = Path(cfg.output_dir)
     run = Run(cfg=cfg, out_dir=out_dir, dist=dist, device=device, precision=precision,
-              tokenizer=tokenizer, model=model, forward=forward, optimizer=optimizer,
+              tokenizer=tokenizer, model=model, forward=forward, objective=objective,
+              optimizer=optimizer,
               scaler=torch.amp.GradScaler(device.type, enabled=precision.use_scaler),
               train_utts=data.train, valid_utts=data.valid, sampler=samplers[0],
               train_loader=train_loader, valid_loader=valid_loader,
@@ -519,23 +523,26 @@ def _claim_directory(start: Callable[[], None], out_dir: Path, dist: Dist,
 
 # ---- model ------------------------------------------------------------------------------------
 
+def _objective(cfg: TrainConfig, model_cfg: ModelConfig) -> Objective:
+    """The training objective of the run's flags (an --inter_ctc_layer the encoder lacks is
+    refused here, before any work)."""
+    objective = Objective.from_config(cfg, model_cfg.encoder_layers)
+    tap = model_cfg.self_condition_layer
+    if tap and objective.inter_ctc_layer != tap:
+        log.warning("--self_condition_layer %d adds the CTC posteriors of block %d, which no "
+                    "intermediate CTC trains (give --inter_ctc_weight and --inter_ctc_layer %d)",
+                    tap, tap, tap)
+    return objective
+
+
 def _build_model(cfg: TrainConfig, model_cfg: ModelConfig, data: _Data, origin: Origin,
                  tokenizer: Tokenizer, device: torch.device) -> ASRModel:
     """The model: a resumed run's weights; or fresh, with the CMVN statistics of the training data
     and, from an --init_from checkpoint, the weights that fit."""
     try:
-        model = ASRModel(model_cfg, cfg.ctc_weight, cfg.label_smoothing, cfg.inter_ctc_weight,
-                         cfg.inter_ctc_layer)
-        model.spec_augment = SpecAugment(cfg.spec_freq_masks, cfg.spec_freq_width,
-                                         cfg.spec_time_masks, cfg.spec_time_width,
-                                         cfg.spec_time_ratio)
+        model = ASRModel(model_cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if model_cfg.self_condition_layer and model.inter_ctc_layer != model_cfg.self_condition_layer:
-        log.warning("--self_condition_layer %d adds the CTC posteriors of block %d, which no "
-                    "intermediate CTC trains (give --inter_ctc_weight and --inter_ctc_layer %d)",
-                    model_cfg.self_condition_layer, model_cfg.self_condition_layer,
-                    model_cfg.self_condition_layer)
     if origin.state is not None:
         model.load_state_dict(origin.state.model)
     elif data.shards is not None:
@@ -603,7 +610,7 @@ Fits = Callable[[int, int], bool]
 
 
 def _settings(cfg: TrainConfig, optimizer: str, model_cfg: ModelConfig, data: _Data,
-              computes: tuple[ASRModel, Callable[..., Any], Precision],
+              computes: tuple[ASRModel, Callable[..., Any], Precision, Objective],
               state: Optional[TrainState], dist: Dist, device: torch.device
               ) -> tuple[TrainConfig, Optional[Fits]]:
     """The settings the run trains with, resolved here once and logged in one line
@@ -611,7 +618,7 @@ def _settings(cfg: TrainConfig, optimizer: str, model_cfg: ModelConfig, data: _D
     fill it and the LR, warm-up and accumulation for them (``gpu_batches``); with --auto_batch (a
     fresh run), the largest budget of padded frames that fits (no larger than one the flags give).
     Returns them and the memory estimate's cap on every batch (None: none)."""
-    model, forward, precision = computes
+    model, _, precision, _ = computes
     flags = cfg = dataclasses.replace(cfg, optimizer=optimizer)
     estimator = MemoryEstimator(model_cfg, precision_name(precision), cfg.optimizer,
                                 cfg.gradient_checkpointing, device)
@@ -629,16 +636,16 @@ def _settings(cfg: TrainConfig, optimizer: str, model_cfg: ModelConfig, data: _D
 
 
 def _auto_batch_frames(cfg: TrainConfig, data: _Data,
-                       computes: tuple[ASRModel, Callable[..., Any], Precision],
+                       computes: tuple[ASRModel, Callable[..., Any], Precision, Objective],
                        estimator: MemoryEstimator, device: torch.device) -> int:
     """--auto_batch: the largest budget of padded frames whose batches of the longest utterance
     fit, probed on the device."""
-    model, forward, precision = computes
+    model, forward, precision, objective = computes
     longest = max(frames_of(d) for d in data.durations)
     # a shard's text is read with its audio: as many tokens as CTC allows, the most a usable one has
     tokens = subsampled_lengths(longest) if data.shards else max(len(u.tokens) for u in data.train)
     return auto_batch_frames(forward, model, device, lambda: precision.autocast(device), longest,
-                             tokens, estimator, cfg.max_memory_gb)
+                             tokens, estimator, cfg.max_memory_gb, objective)
 
 
 def _log_settings(cfg: TrainConfig, flags: TrainConfig, per_batch: int, dist: Dist) -> None:

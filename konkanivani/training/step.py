@@ -30,6 +30,7 @@ from .memory import (
     free_memory,
     is_out_of_memory,
 )
+from .objective import Objective
 from .precision import Precision
 
 __all__ = ["forward_backward", "maybe_empty_cache", "optimizer_step", "validate"]
@@ -47,15 +48,17 @@ def maybe_empty_cache(device: torch.device, batches_done: int, every: int) -> bo
 
 
 def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], device: torch.device,
-                     precision: Precision, scaler: torch.amp.GradScaler, spec_augment: bool,
+                     precision: Precision, scaler: torch.amp.GradScaler,
+                     objective: Objective = Objective(), step: int = 0,
                      name_of: Optional[Callable[[int], str]] = None, dist: Dist = Dist(),
                      offload_activations: bool = False,
                      log_mel: Optional[LogMel | KaldiFbank] = None
                      ) -> Optional[dict[str, Any]]:
     """Accumulate gradients over ``micro_batches``, normalized by their total utterance count (over
     every process of a data-parallel run), so that the update equals the one from a single batch
-    holding all of them. Returns the mean losses and the utterance count; None when no process had
-    an utterance (the batches' audio could not be read).
+    holding all of them, of ``objective`` at ``step``. Returns the mean losses (the weighted one and
+    each term) and the utterance count; None when no process had an utterance (the batches' audio
+    could not be read).
 
     A micro-batch that runs out of memory is split in halves and retried; the normalization by
     the group's utterance count keeps the update as it would have been. An error in the forward
@@ -83,7 +86,8 @@ def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], devi
         cfg = getattr(model, "module", model).cfg
         log_mel = make_frontend(cfg.frontend, cfg.n_mels).to(device)
     done: list[Batch] = []
-    sums = _zero_sums(device)
+    names = objective.term_names()
+    sums = _zero_sums(names, device)
     while pending:
         batch = pending.pop(0)
         in_backward = False
@@ -91,13 +95,8 @@ def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], devi
             dev_batch = batch.to(device)
             feats, feat_lens = dev_batch.features(log_mel)
             with precision.autocast(device), _saved_on_cpu(offload_activations, device):
-                out = model(
-                    feats,
-                    feat_lens,
-                    dev_batch.tokens,
-                    dev_batch.token_lens,
-                    spec_augment=spec_augment,
-                )
+                out = objective(model, feats, feat_lens, dev_batch.tokens, dev_batch.token_lens,
+                                step)
             in_backward = True
             # gradients sync on the group's last backward pass
             with no_sync(model, skip=bool(pending)):
@@ -111,7 +110,7 @@ def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], devi
             failed = str(e)
         else:
             if len(batch.indices):
-                for name, value in out._asdict().items():
+                for name, value in out.named().items():
                     sums[name] += value.detach().float()
                 done.append(batch)
             continue
@@ -121,15 +120,15 @@ def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], devi
         pending, done, sums = _after_out_of_memory(
             model, batch, pending, done, sums, in_backward, failed, device, name_of
         )
-    if dist.active:  # one all-reduce of the three sums (it syncs anyway)
+    if dist.active:  # one all-reduce of the sums (it syncs anyway)
         sums = dict(
             zip(sums, torch.tensor(dist.sum([float(v) for v in sums.values()]), device=device))
         )
     return {**{name: value / n_utts for name, value in sums.items()}, "utterances": n_utts}
 
 
-def _zero_sums(device: torch.device) -> dict[str, torch.Tensor]:
-    return {name: torch.zeros((), device=device) for name in ("loss", "ctc", "attention")}
+def _zero_sums(names: tuple[str, ...], device: torch.device) -> dict[str, torch.Tensor]:
+    return {name: torch.zeros((), device=device) for name in names}
 
 
 def _after_out_of_memory(
@@ -164,7 +163,7 @@ def _after_out_of_memory(
     )
     if in_backward:
         model.zero_grad(set_to_none=True)
-        return done + halves + pending, [], _zero_sums(device)
+        return done + halves + pending, [], _zero_sums(tuple(sums), device)
     return halves + pending, done, sums
 
 
@@ -243,12 +242,14 @@ def validate(
     precision: Precision,
     dist: Dist = Dist(),
     log_mel: Optional[LogMel | KaldiFbank] = None,
+    objective: Objective = Objective(),
+    step: int = 0,
 ) -> dict[str, float]:
-    """Loss per utterance, and CER/WER of greedy CTC, in eval mode; over the shares of every
-    process."""
+    """Loss per utterance (``objective``'s after ``step`` optimizer steps) and its terms', and
+    CER/WER of greedy CTC, in eval mode; over the shares of every process."""
     model.eval()
     log_mel = log_mel or make_frontend(model.cfg.frontend, model.cfg.n_mels).to(device)
-    loss_sum, n, refs, hyps = 0.0, 0, [], []
+    loss_sum, ctc_sum, attention_sum, n, refs, hyps = 0.0, 0.0, 0.0, 0, [], []
     for batch in loader:
         if not len(batch):
             continue
@@ -256,16 +257,21 @@ def validate(
         feats, feat_lens = batch.features(log_mel)
         with precision.autocast(device):
             enc, enc_lens = model.encode(feats, feat_lens)
-            out = model.losses(enc, enc_lens, batch.tokens, batch.token_lens)
+            out = objective.validation(model, enc, enc_lens, batch.tokens, batch.token_lens,
+                                       step)
             log_probs = model.ctc_log_probs(enc)
         loss_sum += out.loss.item()
+        ctc_sum += out.ctc.item()
+        attention_sum += out.attention.item()
         n += len(batch)
         hyps += [tokenizer.decode(h) for h in ctc_greedy(log_probs, enc_lens)]
         refs += [utterances[i].text for i in batch.indices]
     model.train()
-    loss_sum, n = dist.sum([loss_sum, n])
+    loss_sum, ctc_sum, attention_sum, n = dist.sum([loss_sum, ctc_sum, attention_sum, n])
     pairs = [pair for share in dist.gather(list(zip(refs, hyps))) for pair in share]
     return {
         "loss": loss_sum / max(n, 1),
+        "ctc": ctc_sum / max(n, 1),
+        "attention": attention_sum / max(n, 1),
         **error_rates([r for r, _ in pairs], [h for _, h in pairs]),
     }
