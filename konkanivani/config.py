@@ -322,8 +322,7 @@ class RunConfig(Seeded):
 @dataclass
 class AugmentConfig(Seeded):
     """Which augmentations run on training utterances and how, every one off by default, and the
-    seed
-    of every random draw (``data.augment.Augmenter`` takes this; a ``TrainConfig`` is one)."""
+    seed of every random draw (``data.augment.Augmenter`` takes this; a ``TrainConfig`` is one)."""
 
     speed_perturb: bool = field(
         default=False,

@@ -553,8 +553,7 @@ def corpus_is_complete(out_dir: Path, info: dict[str, Any]) -> bool:
 def text_only_sentences(text_path: Path, speech_sentences: list[str]) -> list[str]:
     """The lines of `text_path` that no speech split may contain: any line equal to a sentence of
     the speech corpus (after text normalization) is dropped, so an LM trained on them has not seen a
-    test
-    sentence."""
+    test sentence."""
     spoken = {normalize_text(t) for t in speech_sentences}
     return [t for t in load_sentences(text_path) if normalize_text(t) not in spoken]
 
@@ -597,8 +596,7 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 def _voices_for_share(festival_share: float) -> list[str]:
     """The installed festival training voices that are to read `festival_share` of training (none
-    for
-    a share of 0); a share above 1, or one with no voice installed, is an error."""
+    for a share of 0); a share above 1, or one with no voice installed, is an error."""
     if festival_share <= 0:
         return []
     if festival_share > 1:

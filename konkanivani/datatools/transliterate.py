@@ -129,8 +129,7 @@ def word_phones(word: str) -> list[str]:
 def _delete_schwas(out: list[str]) -> None:
     """Konkani drops the inherent vowel at a word's end (after another vowel, not after a cluster:
     मित्र keeps it) and between a vowel-consonant and a consonant-vowel (तुमचें: tum-chẽ), right to
-    left
-    as in Hindi."""
+    left as in Hindi."""
     cluster = len(out) >= 3 and out[-2] not in VOWELS and out[-3] not in VOWELS | {"~"}
     if sum(p in VOWELS for p in out) > 1 and out[-1] == INHERENT and not cluster:
         out.pop()
@@ -346,8 +345,7 @@ SECONDS = {"short": 0.07, "long": 0.12, "consonant": 0.065, "pause": 0.18}
 def english_segments(text: str, stretch: float = 1.0, f0: float = 110.0) -> str:
     """`text` as a festival Segments list of US English phones: each phone with a duration (seconds,
     times `stretch`), and each vowel with an F0 target that falls through its phrase from 1.15 to
-    0.85
-    times `f0` (Hz), as a declarative phrase does."""
+    0.85 times `f0` (Hz), as a declarative phrase does."""
     segments = [f"(pau {SECONDS['pause'] * stretch:.3f})"]
     for phrase in phrases(text):
         phones = [p for word in phrase for p in word]

@@ -89,8 +89,7 @@ class GraphChunks:
 
     def prepare(self, feats: torch.Tensor) -> torch.Tensor:
         """New raw frames ``(T, F)``; with cmvn "utterance", each followed by the mean of the frames
-        up
-        to it ``(T, 2F)``."""
+        up to it ``(T, 2F)``."""
         feats = feats.float().cpu()
         if not self.utterance:
             return feats
@@ -237,8 +236,7 @@ class ExportedRecognizer:
 
 def _session(runner: Callable[[Path], Any], path: Path) -> Any:
     """``runner(path)``: an onnxruntime session of the file; ``ExportError`` in one line when it
-    cannot
-    load it (onnxruntime raises its own exceptions, none a ``RuntimeError``)."""
+    cannot load it (onnxruntime raises its own exceptions, none a ``RuntimeError``)."""
     try:
         return runner(path)
     except Exception as e:  # noqa: BLE001  InvalidProtobuf, Fail, NoSuchFile ...

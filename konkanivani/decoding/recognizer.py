@@ -115,8 +115,7 @@ class Recognizer:
 
     def attach_lm(self, lm_path: str | Path, asr_name: str | Path = "the recognizer") -> None:
         """Load the LM of ``lm_path`` for fusion; ``CheckpointError`` in one line, naming both
-        files,
-        when its vocabulary is not this recognizer's."""
+        files, when its vocabulary is not this recognizer's."""
         lm, lm_tokenizer = load_lm(lm_path, self.device)
         check_same_vocabulary(lm_tokenizer, lm_path, self.tokenizer, asr_name)
         self.lm = lm
@@ -376,8 +375,7 @@ class Recognizer:
 def _read(path: str | Path, min_samples: int) -> tuple[torch.Tensor | None, str | None]:
     """The waveform of ``path`` and why it cannot be decoded (None if it can): unreadable or of a
     sample rate not resampled from (no waveform), or too short for the encoder's subsampling,
-    decided
-    here before any batching."""
+    decided here before any batching."""
     try:
         _check_rate(path)
         wav = load_audio(path)

@@ -192,8 +192,7 @@ class StreamingLogMel:
 
     def finish(self) -> torch.Tensor:
         """The last frames, up to the ``1 + N // 160`` of ``LogMel`` (none for fewer than 201
-        samples,
-        which ``LogMel`` cannot pad either)."""
+        samples, which ``LogMel`` cannot pad either)."""
         if self.buffer_start == 0:
             return self._empty()
         self.buffer = torch.cat([self.buffer, self.buffer[-self.half - 1:-1].flip(0)])
@@ -516,8 +515,7 @@ class Stream:
 
 def _words(tokenizer: Tokenizer, tokens: list[int], frames: list[int]) -> list[Word]:
     """The words of ``tokens`` (a new one at each piece that starts with SentencePiece's "▁"), each
-    from
-    the frame of its first token to the end of its last one's."""
+    from the frame of its first token to the end of its last one's."""
     groups: list[tuple[list[int], list[int]]] = []
     for token, piece, frame in zip(tokens, tokenizer.pieces(tokens), frames):
         if piece.startswith(WORD_START) or not groups:

@@ -63,8 +63,7 @@ HEARTBEAT_S, GRACE_S = 30, 120  # a trial whose process has not answered for GRA
 
 def parse_space(space: Any, where: str) -> dict[str, tuple[str, list[Any]]]:
     """``{flag: {kind: values}}`` -> ``{flag: (kind, values)}``; ``SweepError`` in one line naming
-    the
-    flag for an unknown flag (and the nearest), kind or bounds."""
+    the flag for an unknown flag (and the nearest), kind or bounds."""
     if not isinstance(space, dict) or not space:
         raise SweepError(
             f"{where}: sweep: search: must map trainer flags to {{kind: values}}"
@@ -176,8 +175,7 @@ def _requeue(study: Any, states: tuple, only: Callable[[Any], bool] = lambda t: 
 
 def _interrupted(out: Path, study: Any, frozen: Any) -> bool:
     """A failed trial of this folder that was stopped (a signal, a second Ctrl-C, an error outside
-    the
-    trial) rather than failed by its settings, and not already given again."""
+    the trial) rather than failed by its settings, and not already given again."""
     from optuna.trial import TrialState
 
     name = frozen.user_attrs.get("run_dir")
@@ -202,8 +200,7 @@ def run_search(
     shared: Optional[list[str]] = None,
 ) -> tuple[list[Trial], Optional[str]]:
     """Run (or continue) an Optuna search until ``n_trials`` trials completed or were pruned;
-    returns
-    the trials this folder ran and what stopped the search (a signal's name, or None)."""
+    returns the trials this folder ran and what stopped the search (a signal's name, or None)."""
     try:
         import optuna
     except ImportError:

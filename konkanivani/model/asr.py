@@ -139,8 +139,7 @@ class ASRModel(nn.Module):
 
     def _mean(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> torch.Tensor:
         """What CMVN subtracts: the training set's mean ``(F,)``, or each utterance's own mean over
-        its
-        frames, ``(B, T, F)`` with zeros on the padding (which then stays as it came)."""
+        its frames, ``(B, T, F)`` with zeros on the padding (which then stays as it came)."""
         if self.cfg.cmvn == "global":
             return self.feat_mean
         valid = (

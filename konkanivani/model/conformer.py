@@ -98,8 +98,7 @@ class Dropout(nn.Dropout):
     ``p`` is then taken to the nearest multiple of 1/256 and the kept values scaled by the matching
     factor. Drawing masks element by element was a sixth of a training step on a CPU. On other
     devices, and inside ``torch.compile`` (whose generated code draws its own masks, and which
-    mis-handles
-    the byte view of the 64-bit draws), torch's dropout."""
+    mis-handles the byte view of the 64-bit draws), torch's dropout."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0 or x.device.type != "cpu" or _compiling():
@@ -315,8 +314,7 @@ class ConvolutionModule(nn.Module):
 
     def _depthwise_on(self, x: torch.Tensor) -> torch.Tensor:
         """The depthwise convolution over ``x`` ``(B, T, D)`` (with its left context when causal),
-        norm,
-        Swish, pointwise conv, dropout."""
+        norm, Swish, pointwise conv, dropout."""
         x = self.depthwise(x.transpose(1, 2)).transpose(1, 2)  # (B, D, T) conv, back to (B, T', D)
         x = self.pointwise_out(F.silu(self.depthwise_norm(x)))
         return self.dropout(x)

@@ -658,8 +658,7 @@ def _format_name(dtype: np.dtype) -> str:
 
 def _samples(data: bytes, dtype: np.dtype) -> np.ndarray:
     """A frame's samples as float32 in [-1, 1]; ``_Close`` 1007 for one that holds no whole samples
-    or
-    non-finite ones (float32 beyond [-1, 1] is clipped)."""
+    or non-finite ones (float32 beyond [-1, 1] is clipped)."""
     if len(data) % dtype.itemsize:
         raise _Close(
             1007,

@@ -187,8 +187,7 @@ class LMRun:
 
 def _read_text(cfg: LMTrainConfig, tokenizer: Tokenizer) -> tuple[list, list, list]:
     """All sentences, the training set and the validation set (``TextError`` for an empty one). What
-    was
-    read is logged here; the split is logged by the caller, after a resume has redone it."""
+    was read is logged here; the split is logged by the caller, after a resume has redone it."""
     sentences, blank = read_sentences(cfg.text, tokenizer)
     if not sentences:
         raise TextError(f"no sentence in {', '.join(map(str, cfg.text))} ({blank} blank lines)")
