@@ -42,6 +42,9 @@ ADDED_OFF: dict[str, Any] = {"time_reduce_layer": 0, "time_recover_layer": 0,
 
 __all__ = [
     "ADDED_OFF",
+    "CONFIG_FILE",
+    "METRICS_FILE",
+    "TOKENIZER_FILE",
     "BEST_FILE",
     "CheckpointError",
     "FORMAT_VERSION",
@@ -83,6 +86,9 @@ class CheckpointError(RuntimeError):
 LATEST_FILE = "latest.pt"  # the run's newest complete save
 BEST_FILE = "best.pt"  # its save with the best validation score (WER; an LM's: perplexity)
 STEP_FILES = "step_*.pt"  # one per save, named by step_checkpoint_name: their glob
+METRICS_FILE = "metrics.jsonl"  # a row per logged step and validation (training.metrics_log)
+CONFIG_FILE = "config.yaml"  # the settings in effect (config_file.write_config_file)
+TOKENIZER_FILE = "tokenizer.model"  # the run's tokenizer, written once its data is usable
 _STEP_FILE = re.compile(r"step_(\d+)\.pt")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from ..checkpoint import METRICS_FILE
 from ..experiments.trials import SWEEP_FILE, TRIAL_FILE, plot_sweep
 from ..training.curves import CURVES, have_matplotlib, plot_runs
 from ..training.metrics_log import read_metrics
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         refuse_unsafe_outputs(parser, {"-o": args.output}, reads)
         return _plot_sweep(folder, args.output)
     for run_dir in args.run_dirs:
-        metrics = run_dir / "metrics.jsonl"
+        metrics = run_dir / METRICS_FILE
         if not metrics.is_file():
             return fail(
                 f"{run_dir}: no metrics.jsonl (not a training output directory, or no step logged"
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if not have_matplotlib():
         return fail('drawing needs matplotlib: pip install "konkanivani[plot]"')
     output = args.output or args.run_dirs[0] / CURVES
-    refuse_unsafe_outputs(parser, {"-o": output}, [d / "metrics.jsonl" for d in args.run_dirs])
+    refuse_unsafe_outputs(parser, {"-o": output}, [d / METRICS_FILE for d in args.run_dirs])
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         plot_runs(args.run_dirs, output)

@@ -29,7 +29,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..checkpoint import LATEST_FILE, write_file_atomic
+from ..checkpoint import LATEST_FILE, METRICS_FILE, write_file_atomic
 from ..config import ConfigError
 from ..training.loop import train
 from ..training.metrics_log import read_metrics
@@ -269,8 +269,8 @@ def _pruner(trial, trial_dir: Path, every: int) -> Callable[[int, int, Any], boo
         if not every or step % every:
             return False
         valid = (
-            read_metrics(trial_dir / "metrics.jsonl").get("valid", [])
-            if (trial_dir / "metrics.jsonl").is_file()
+            read_metrics(trial_dir / METRICS_FILE).get("valid", [])
+            if (trial_dir / METRICS_FILE).is_file()
             else []
         )
         if valid and valid[-1]["step"] == step and valid[-1].get("cer") is not None:
@@ -348,7 +348,7 @@ def _objective(
             record.status = "stopped"
             record_trial(trial_dir, record, resolved)
             raise _Stopped(stopped, trial.number)
-        valid = read_metrics(trial_dir / "metrics.jsonl").get("valid", [])
+        valid = read_metrics(trial_dir / METRICS_FILE).get("valid", [])
         scored = [100 * r["cer"] for r in valid if r.get("cer") is not None]
         record.status = "pruned" if pruned else "done"
         record_trial(trial_dir, record, resolved)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, get_type_hints
 
-from ..checkpoint import LATEST_FILE, atomic_file, write_file_atomic
+from ..checkpoint import LATEST_FILE, METRICS_FILE, atomic_file, write_file_atomic
 from ..config import (
     DEFAULT_VOCAB_SIZE,
     ConfigError,
@@ -367,7 +367,7 @@ def _trial_row(out: Path, trial: Trial, target_cer: float) -> dict[str, Any]:
             row["parameters_m"] = round(params / 1e6, 2)
         except ConfigError:  # a combination the trainer refused: no model, its reason says why
             pass
-    metrics = trial_dir / "metrics.jsonl"
+    metrics = trial_dir / METRICS_FILE
     if not metrics.is_file():
         return row
     rows = read_metrics(metrics)
@@ -475,8 +475,8 @@ def plot_sweep(out: Path, output: Optional[Path] = None) -> Path:
     figure = Figure(figsize=(11, 4.2), layout="constrained")
     time_ax, size_ax = figure.subplots(1, 2)
     for i, row in enumerate(rows):
-        valid = read_metrics(out / row["trial"] / "metrics.jsonl").get("valid", []) \
-            if (out / row["trial"] / "metrics.jsonl").is_file() else []
+        valid = read_metrics(out / row["trial"] / METRICS_FILE).get("valid", []) \
+            if (out / row["trial"] / METRICS_FILE).is_file() else []
         points = [
             (r["elapsed_s"] / 60, 100 * r["cer"])
             for r in valid

@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from ..checkpoint import atomic_file
+from ..checkpoint import METRICS_FILE, atomic_file
 from .metrics_log import Rows, read_metrics
 
 __all__ = ["CURVES", "have_matplotlib", "run_labels", "write_curves", "plot_runs", "write_csv"]
@@ -79,7 +79,7 @@ def plot_runs(run_dirs: Sequence[Path], output: str | Path) -> Path:
     when there are several. The PNG is written to a temporary file and renamed into place, so a
     reader (an image viewer that reloads it) never sees half of it."""
     labels = run_labels(run_dirs)
-    runs = {label: read_metrics(Path(d) / "metrics.jsonl") for label, d in zip(labels, run_dirs)}
+    runs = {label: read_metrics(Path(d) / METRICS_FILE) for label, d in zip(labels, run_dirs)}
     figure = _draw(runs, title=labels[0] if len(labels) == 1 else None)
     output = Path(output)
     with atomic_file(output) as f:

@@ -69,11 +69,6 @@ class Dist:
         td.all_reduce(t, op=td.ReduceOp.MAX)
         return t.item()
 
-    def any(self, flag: bool) -> bool:
-        """True on every process when it is True on one: a stop asked for by one (a signal, a
-        budget) becomes a stop of all of them at the same step."""
-        return self.sum([float(flag)])[0] > 0 if self.active else flag
-
     def gather(self, obj: Any) -> list[Any]:
         """``obj`` of every process, in rank order, on every process."""
         if not self.active:

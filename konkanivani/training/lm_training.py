@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..checkpoint import CheckpointError, LMTrainState, load_checkpoint, tokenizer_of
+from ..checkpoint import METRICS_FILE, CheckpointError, LMTrainState, load_checkpoint, tokenizer_of
 from ..config import (
     BELOW_ONE,
     COUNT,
@@ -305,7 +305,7 @@ def _setup(
         model,
         optimizer,
         device,
-        MetricsLog(Path(cfg.output_dir) / "metrics.jsonl"),
+        MetricsLog(Path(cfg.output_dir) / METRICS_FILE),
         train_set,
         valid_set,
     )

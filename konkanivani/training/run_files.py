@@ -35,6 +35,7 @@ from typing import Any
 from ..checkpoint import (
     BEST_FILE,
     LATEST_FILE,
+    METRICS_FILE,
     STEP_FILES,
     TEMPORARY_CHECKPOINTS,
     CheckpointError,
@@ -350,9 +351,9 @@ def existing_run(directory: str | Path) -> str | None:
             f" {steps[-1][1].name})"
         )
     found += others
-    metrics = directory / "metrics.jsonl"
+    metrics = directory / METRICS_FILE
     if metrics.is_file() and metrics.stat().st_size > 0:
-        found.append("metrics.jsonl")
+        found.append(METRICS_FILE)
     return ", ".join(found) or None
 
 

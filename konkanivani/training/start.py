@@ -18,7 +18,15 @@ import torch
 from torch.optim.swa_utils import AveragedModel
 from torch.utils.data import DataLoader
 
-from ..checkpoint import LATEST_FILE, InferenceModel, TrainState, write_file_atomic
+from ..checkpoint import (
+    CONFIG_FILE,
+    LATEST_FILE,
+    METRICS_FILE,
+    TOKENIZER_FILE,
+    InferenceModel,
+    TrainState,
+    write_file_atomic,
+)
 from ..config import (
     AugmentConfig,
     ConfigError,
@@ -239,7 +247,7 @@ def setup_run(cfg: TrainConfig, model_cfg: ModelConfig, origin: Origin, dist: Di
               scaler=torch.amp.GradScaler(device.type, enabled=precision.use_scaler),
               train_utts=data.train, valid_utts=data.valid, sampler=samplers[0],
               train_loader=train_loader, valid_loader=valid_loader,
-              metrics=MetricsLog(out_dir / "metrics.jsonl"),
+              metrics=MetricsLog(out_dir / METRICS_FILE),
               skips=NonFiniteSkips(cfg.max_consecutive_skips),
               log_mel=make_frontend(model_cfg.frontend, model_cfg.n_mels).to(device),
               # of the unwrapped model: the DDP or compiled forward shares its parameters
@@ -518,7 +526,7 @@ def _claim_directory(start: Callable[[], None], out_dir: Path, dist: Dist,
         log.warning("removed %d unfinished checkpoint writes of a run killed while saving: %s",
                     len(stale), ", ".join(p.name for p in stale))
     if dist.is_main and tokenizer is not None:
-        write_file_atomic(out_dir / "tokenizer.model", tokenizer.model_proto)
+        write_file_atomic(out_dir / TOKENIZER_FILE, tokenizer.model_proto)
 
 
 # ---- model ------------------------------------------------------------------------------------
@@ -819,7 +827,7 @@ def _begin(run: Run, origin: Origin, model_cfg: ModelConfig, samples_grew: bool)
         _restore(run, origin.state, origin.source, samples_grew)
     _log_plan(run)
     if run.dist.is_main:
-        write_config_file(run.out_dir / "config.yaml", run.cfg, model_cfg, run.step)
+        write_config_file(run.out_dir / CONFIG_FILE, run.cfg, model_cfg, run.step)
     if run.dist.is_main and run.cfg.tensorboard:
         run.board = open_tensorboard(run.out_dir / "tensorboard", run.step)
 
