@@ -54,6 +54,10 @@ def test_accumulating_4x2_equals_1x8():
     stats_small, grads_small, after_small = _update(model, _batches(8, 2))
     stats_big, grads_big, after_big = _update(model, _batches(8, 8))
     assert abs(stats_small["loss"] - stats_big["loss"]) < 1e-4 * abs(stats_big["loss"])
+    # the update's utterances and audio as they are, however they were split
+    seconds = round(sum(int(b.audio_lens.sum()) for b in _batches(8, 8)) / 16000, 2)
+    assert stats_small["utterances"] == stats_big["utterances"] == 8
+    assert stats_small["audio_s"] == stats_big["audio_s"] == seconds > 0
     assert grads_small.keys() == grads_big.keys()
     for name in grads_big:
         _assert_close(grads_small[name], grads_big[name], name)

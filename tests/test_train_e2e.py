@@ -223,6 +223,8 @@ def test_summary_lines_reach_a_redirected_console_and_train_log_without_a_bar(
                 "loss ",
                 "(ctc ",
                 "attention ",
+                " utt (",
+                " s of audio) an update",
                 "lr ",
                 "grad norm ",
                 "utt/s",

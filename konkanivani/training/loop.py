@@ -619,7 +619,8 @@ def _summary_line(
         f" {100 * run.batches_done / run.epoch_batches:.0f}%): loss {stats['loss']:.3f} (ctc"
         f" {stats['ctc']:.3f}, attention {stats['attention']:.3f}"
         + (f", inter-CTC {stats['inter_ctc']:.3f}" if "inter_ctc" in stats else "")
-        + f"), lr {stats['lr']:.2e}, grad norm"
+        + f"), {stats['utterances']:.0f} utt ({stats['audio_s']:.0f} s of audio) an update, lr"
+        f" {stats['lr']:.2e}, grad norm"
         f" {stats['grad_norm']:.2f}, {speed.rate():.1f} utt/s (data wait"
         f" {speed.wait_percent():.0f}%), memory {now:.2f} GiB (peak {peak:.2f})"
     )

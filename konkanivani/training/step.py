@@ -57,8 +57,8 @@ def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], devi
     """Accumulate gradients over ``micro_batches``, normalized by their total utterance count (over
     every process of a data-parallel run), so that the update equals the one from a single batch
     holding all of them, of ``objective`` at ``step``. Returns the mean losses (the weighted one and
-    each term) and the utterance count; None when no process had an utterance (the batches' audio
-    could not be read).
+    each term), the update's utterances and seconds of audio (every process's, as they are: dynamic
+    batches too); None when no process had an utterance (the batches' audio could not be read).
 
     A micro-batch that runs out of memory is split in halves and retried; the normalization by
     the group's utterance count keeps the update as it would have been. An error in the forward
@@ -75,7 +75,9 @@ def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], devi
     ``--log_every`` steps in training), so a step waits for the GPU only where it must.
     """
     pending = [b for b in micro_batches if len(b)]
-    n_utts = dist.sum([sum(len(b) for b in pending)])[0]
+    # the group's utterances and seconds of audio (summed on the host: the lengths are CPU tensors)
+    n_utts, seconds = dist.sum([sum(len(b) for b in pending),
+                                sum(int(b.audio_lens.sum()) for b in pending) / SAMPLE_RATE])
     if n_utts == 0:
         return None
     # this process has nothing, the others have: join their gradient sync with zeros
@@ -124,7 +126,8 @@ def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], devi
         sums = dict(
             zip(sums, torch.tensor(dist.sum([float(v) for v in sums.values()]), device=device))
         )
-    return {**{name: value / n_utts for name, value in sums.items()}, "utterances": n_utts}
+    return {**{name: value / n_utts for name, value in sums.items()}, "utterances": n_utts,
+            "audio_s": round(seconds, 2)}
 
 
 def _zero_sums(names: tuple[str, ...], device: torch.device) -> dict[str, torch.Tensor]:
