@@ -22,7 +22,7 @@ __all__ = ["DEFAULT_SEED", "DEFAULT_MAX_DURATION", "DEFAULT_DURATION_TOLERANCE",
            "POSITIVE_INTEGER", "COUNT",
            "AMOUNT", "POSITIVE_NUMBER", "BELOW_ONE", "Removed", "FROM_TOKENIZER", "flag_fields",
            "AugmentConfig", "LR_SCHEDULES", "OPTIMIZERS", "PRECISIONS", "STRATEGIES",
-           "kept_settings", "ADDED_OFF", "time_reduced_blocks", "check_time_reduction",
+           "kept_settings", "time_reduced_blocks", "check_time_reduction",
            "ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "INIT_MODULES",
            "model_config_from_preset", "model_config_from", "check_config", "resolve_model_config",
            "add_dataclass_args", "dataclass_from_args", "MixEntry", "parse_mix"]

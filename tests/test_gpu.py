@@ -494,7 +494,7 @@ def test_a_training_step_waits_for_the_gpu_only_in_ctc(precision, monkeypatch):
     def step():
         stats = forward_backward(
             model, [batch], CUDA, prec, scaler, Objective(spec_augment=SpecAugment()),
-            log_mel=log_mel
+            frontend=log_mel
         )
         return optimizer_step(model, optimizer, scaler, grad_clip=5.0, loss=stats["loss"])
 

@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 
 from .audio import load_audio
 from .augment import Augmenter
-from .features import LogMel, make_frontend
+from .features import KaldiFbank, LogMel, make_frontend
 from .frames import HOP_LENGTH
 from .manifest import DEFAULT_DURATION_TOLERANCE, check_row, read_manifest
 from .tokenizer import Tokenizer
@@ -220,10 +220,10 @@ class Batch(NamedTuple):
         """``(B,)`` feature frames of the utterances, ``1 + samples // 160``."""
         return 1 + self.audio_lens // HOP_LENGTH
 
-    def features(self, log_mel: LogMel) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(B, T, F)`` log-mel features (zero after each utterance's frames) and ``(B,)`` frame
-        counts, computed where the batch is."""
-        return log_mel.batch(self.audio, self.audio_lens, self.vtlp)
+    def features(self, frontend: LogMel | KaldiFbank) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(B, T, F)`` features of ``frontend`` (log-mels or Kaldi filterbanks; zero after each
+        utterance's frames) and ``(B,)`` frame counts, computed where the batch is."""
+        return frontend.batch(self.audio, self.audio_lens, self.vtlp)
 
     def to(self, device: torch.device | str) -> "Batch":
         """The batch on ``device``; from pinned memory to CUDA without waiting for the copies."""

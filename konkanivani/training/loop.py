@@ -152,7 +152,7 @@ def train_epoch(
             if stats is None:  # no readable audio in the whole group, in any process
                 continue
             speed.add(stats["utterances"])
-            epoch_speed.add(stats.pop("utterances"))
+            epoch_speed.add(stats["utterances"])
             if stop := _after_step(run, stats, (speed, bar), stop_request, on_step):
                 break
     bar.close()
@@ -183,7 +183,7 @@ def train_step(run: Run, micro: list[Batch]) -> Optional[dict[str, Any]]:
         name_of=lambda i: f"{run.train_utts[i].where} ({run.train_utts[i].duration:.1f} s)",
         dist=run.dist,
         offload_activations=cfg.offload_activations,
-        log_mel=run.log_mel,
+        frontend=run.frontend,
     )
     if stats is None:
         return None

@@ -127,7 +127,7 @@ class Run:
     valid_loader: DataLoader
     metrics: MetricsLog
     skips: NonFiniteSkips
-    log_mel: LogMel | KaldiFbank  # the batches' features, computed in the step on the device
+    frontend: LogMel | KaldiFbank  # the batches' features, computed in the step on the device
     ema: Optional[AveragedModel] = None  # the moving average of the weights (--ema_decay)
     mix: Optional["Mix"] = None  # --train_mix's sets: which one each training utterance is of
     draw_curves: bool = False  # redraw curves.png after each validation (rank 0, with matplotlib)
@@ -227,8 +227,11 @@ def setup_run(cfg: TrainConfig, model_cfg: ModelConfig, origin: Origin, dist: Di
     model = _build_model(cfg, model_cfg, data, origin, tokenizer, device)
     if dist.active:
         _seed_everything(cfg.seed + dist.rank)  # dropout and SpecAugment differ between processes
-    # optimizer: the model's forward (data-parallel, compiled) and its optimizer
-    forward, optimizer, optimizer_name = _optimizer(cfg, model, precision, dist, device)
+    # forward and optimizer: the model data-parallel under torchrun (FSDP shards it in place,
+    # before the optimizer takes its parameters), its optimizer, then the forward compiled
+    forward = wrap_data_parallel(model, dist, device, cfg.strategy)
+    optimizer, optimizer_name = _optimizer(cfg, model, precision, dist, device)
+    forward = compiled(forward) if cfg.compile else forward
     # settings: those in effect, resolved once (the optimizer, batches, LR, warm-up, accumulation)
     cfg, fits = _settings(cfg, optimizer_name, model_cfg, data,
                           (model, forward, precision, objective), origin.state, dist, device)
@@ -249,7 +252,7 @@ def setup_run(cfg: TrainConfig, model_cfg: ModelConfig, origin: Origin, dist: Di
               train_loader=train_loader, valid_loader=valid_loader,
               metrics=MetricsLog(out_dir / METRICS_FILE),
               skips=NonFiniteSkips(cfg.max_consecutive_skips),
-              log_mel=make_frontend(model_cfg.frontend, model_cfg.n_mels).to(device),
+              frontend=make_frontend(model_cfg.frontend, model_cfg.n_mels).to(device),
               # of the unwrapped model: the DDP or compiled forward shares its parameters
               ema=make_ema(model, cfg.ema_decay) if cfg.ema_decay else None, mix=data.mix,
               draw_curves=dist.is_main and _can_draw_curves(out_dir),
@@ -593,20 +596,16 @@ def _load_init(model: ASRModel, cfg: TrainConfig, init: InferenceModel,
 # ---- optimizer --------------------------------------------------------------------------------
 
 def _optimizer(cfg: TrainConfig, model: ASRModel, precision: Precision, dist: Dist,
-               device: torch.device) -> tuple[Callable[..., Any], torch.optim.Optimizer, str]:
-    """The model's forward (data-parallel under torchrun, compiled with --compile) and its
-    optimizer, both logged, and the name of the optimizer that runs (--optimizer's, or AdamW where
-    that cannot)."""
-    # fsdp shards the model in place
-    forward = wrap_data_parallel(model, dist, device, cfg.strategy)
+               device: torch.device) -> tuple[torch.optim.Optimizer, str]:
+    """The model's optimizer, logged with the precision, and the name of the optimizer that runs
+    (--optimizer's, or AdamW where that cannot)."""
     optimizer, name = build_optimizer(cfg.optimizer, model.parameters(), device, cfg.lr,
                                       cfg.weight_decay)
     log.info("optimizer: %s", {"adamw": "AdamW", "adamw_8bit": "8-bit AdamW (bitsandbytes)",
                                "scaled_adam": "ScaledAdam (no weight decay)"}[name])
     log.log(logging.WARNING if precision.slow else logging.INFO, "%s; device %s%s", precision.note,
             device, f"; {dist.world} processes, {cfg.strategy}" if dist.active else "")
-    forward = compiled(forward) if cfg.compile else forward
-    return forward, optimizer, name
+    return optimizer, name
 
 
 # ---- batching ---------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], devi
                      objective: Objective = Objective(), step: int = 0,
                      name_of: Optional[Callable[[int], str]] = None, dist: Dist = Dist(),
                      offload_activations: bool = False,
-                     log_mel: Optional[LogMel | KaldiFbank] = None
+                     frontend: Optional[LogMel | KaldiFbank] = None
                      ) -> Optional[dict[str, Any]]:
     """Accumulate gradients over ``micro_batches``, normalized by their total utterance count (over
     every process of a data-parallel run), so that the update equals the one from a single batch
@@ -70,7 +70,7 @@ def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], devi
     in (pinned, on CUDA) CPU memory until then.
 
     The batches hold waveforms: their log-mel features are computed here, on ``device``
-    (``log_mel``, by default the model's front-end), outside autocast and the graph.
+    (``frontend``, by default the model's), outside autocast and the graph.
     The losses stay on the device (summed there): reading them is the caller's choice (every
     ``--log_every`` steps in training), so a step waits for the GPU only where it must.
     """
@@ -84,9 +84,9 @@ def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], devi
     if not pending:
         pending = [_empty_batch()]
     per_process = n_utts / dist.world  # data parallelism averages the processes' gradients
-    if log_mel is None:  # a compiled model is a function: the caller then gives the front-end
+    if frontend is None:  # a compiled model is a function: the caller then gives the front-end
         cfg = getattr(model, "module", model).cfg
-        log_mel = make_frontend(cfg.frontend, cfg.n_mels).to(device)
+        frontend = make_frontend(cfg.frontend, cfg.n_mels).to(device)
     done: list[Batch] = []
     names = objective.term_names()
     sums = _zero_sums(names, device)
@@ -95,7 +95,7 @@ def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], devi
         in_backward = False
         try:
             dev_batch = batch.to(device)
-            feats, feat_lens = dev_batch.features(log_mel)
+            feats, feat_lens = dev_batch.features(frontend)
             with precision.autocast(device), _saved_on_cpu(offload_activations, device):
                 out = objective(model, feats, feat_lens, dev_batch.tokens, dev_batch.token_lens,
                                 step)
@@ -244,20 +244,20 @@ def validate(
     device: torch.device,
     precision: Precision,
     dist: Dist = Dist(),
-    log_mel: Optional[LogMel | KaldiFbank] = None,
+    frontend: Optional[LogMel | KaldiFbank] = None,
     objective: Objective = Objective(),
     step: int = 0,
 ) -> dict[str, float]:
     """Loss per utterance (``objective``'s after ``step`` optimizer steps) and its terms', and
     CER/WER of greedy CTC, in eval mode; over the shares of every process."""
     model.eval()
-    log_mel = log_mel or make_frontend(model.cfg.frontend, model.cfg.n_mels).to(device)
+    frontend = frontend or make_frontend(model.cfg.frontend, model.cfg.n_mels).to(device)
     loss_sum, ctc_sum, attention_sum, n, refs, hyps = 0.0, 0.0, 0.0, 0, [], []
     for batch in loader:
         if not len(batch):
             continue
         batch = batch.to(device)
-        feats, feat_lens = batch.features(log_mel)
+        feats, feat_lens = batch.features(frontend)
         with precision.autocast(device):
             enc, enc_lens = model.encode(feats, feat_lens)
             out = objective.validation(model, enc, enc_lens, batch.tokens, batch.token_lens,
