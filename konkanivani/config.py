@@ -477,8 +477,8 @@ class TrainConfig(AugmentConfig, RunConfig):
         metadata=flag_help(
             section="data",
             text=(
-                "SentencePiece model type: unigram, bpe, or char (one token per character;"
-                " --vocab_size is then ignored)"
+                "SentencePiece model type: unigram, bpe, or char (one token per character, every"
+                " character of the training text: --vocab_size is then ignored)"
             ),
         ),
     )

@@ -76,3 +76,23 @@ def test_character_tokenizer_spells_unseen_words():
     ids = tok.encode(unseen)
     assert UNK_ID not in ids and tok.decode(ids) == unseen
     assert all(len(p.replace("▁", "")) <= 1 for p in tok.pieces(ids))
+
+
+def test_a_character_tokenizer_of_several_scripts_keeps_every_character_whatever_vocab_size():
+    """Latin, Cyrillic, Greek and Devanagari together hold more characters than --vocab_size's
+    default: a character model has a piece for each of them, the rarest too."""
+    alphabets = ["abcdefghijklmnopqrstuvwxyzàâçéèêëîïôûùüÿœæ",
+                 "абвгдежзийклмнопрстуфхцчшщъыьэюяёіўґє",
+                 "αβγδεζηθικλμνξοπρστυφχψωάέήίόύώϊϋΐΰς",
+                 "अआइईउऊएऐओऔकखगघचछजझटठडढणतथदधनपफबभमयरलवशषसह"]
+    # each alphabet's letters common, one rare letter at its end
+    sentences = ([" ".join(a[:-1]) for a in alphabets for _ in range(20)]
+                 + [a[-1] for a in alphabets])
+    characters = set("".join(alphabets))
+    assert len(characters) > 128
+    for vocab_size in (64, 128):
+        tok = train_tokenizer(sentences, vocab_size=vocab_size, model_type="char")
+        assert tok.vocab_size >= len(characters) + 3
+        for a in alphabets:
+            ids = tok.encode(a[-1] + " " + a[:3])
+            assert UNK_ID not in ids and tok.decode(ids) == a[-1] + " " + a[:3]

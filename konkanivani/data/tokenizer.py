@@ -95,11 +95,15 @@ def train_tokenizer(
     """Train SentencePiece on normalized transcripts, in memory.
 
     ``vocab_size`` is an upper bound for tiny corpora: SentencePiece may return fewer pieces when
-    the text cannot support more (``hard_vocab_limit=False``).
+    the text cannot support more (``hard_vocab_limit=False``). A ``char`` model ignores it: it has
+    a piece for every character of the text (several scripts together may hold more characters
+    than any subword vocabulary size; a capped one would leave the rarer ones unencodable).
     """
     sentences = [t for t in (normalize_text(x) for x in texts) if t]
     if not sentences:
         raise ValueError("no non-empty transcript to train the tokenizer on")
+    if model_type == "char":  # every character, the word boundary and the special pieces
+        vocab_size = len(set("".join(sentences))) + 3 + 1  # <blank>, <unk>, <sos/eos>; ▁
     model = io.BytesIO()
     try:
         _train_sentencepiece(sentences, model, vocab_size, model_type)
