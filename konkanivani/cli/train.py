@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         return Stop.SIGINT.exit_code
     # torchrun: rank 0 reports
     report = print if os.environ.get("RANK", "0") == "0" else (lambda *a, **k: None)
-    if (stop := Stop.of(summary["stop"])).early:
+    if (stop := summary["stop"]).early:
         report(
             f"stopped by {summary['stopped_by']} at step {summary['step']}; checkpoints in"
             f" {cfg.output_dir}; resume with:\n  {resume_command(argv)}"

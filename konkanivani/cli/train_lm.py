@@ -22,7 +22,6 @@ from ..checkpoint import CheckpointError
 from ..config import ConfigError, add_dataclass_args, dataclass_from_args
 from ..model.lm import LMConfig
 from ..training.lm_training import LMTrainConfig, TextError, train_lm
-from ..training.signals import Stop
 from . import Parser, fail, setup_logging, tool
 
 
@@ -52,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = train_lm(*configs(args))
     except (ConfigError, TextError, CheckpointError, RuntimeError) as e:
         return fail(str(e))
-    stop = Stop.of(summary["stopped_by"])
+    stop = summary["stop"]
     print(
         f"step {summary['step']}: validation perplexity {summary['valid_ppl']:.2f} (best"
         f" {summary['best_ppl']:.2f}); checkpoints in {args.output_dir}"

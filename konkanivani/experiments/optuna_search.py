@@ -34,7 +34,7 @@ from ..config import ConfigError
 from ..training.loop import train
 from ..training.metrics_log import read_metrics
 from ..training.run_files import hold_run_directory
-from ..training.signals import TrainingDiverged
+from ..training.signals import Stop, TrainingDiverged
 from .trials import (
     STOPS,
     SWEEP_FILE,
@@ -343,7 +343,7 @@ def _objective(
             record_trial(trial_dir, record, resolved)
             raise
         stopped = record.summary.get("stopped_by")
-        pruned = record.summary.get("stop") == "on_step"
+        pruned = record.summary.get("stop") == Stop.ON_STEP
         if stopped in STOPS:
             record.status = "stopped"
             record_trial(trial_dir, record, resolved)

@@ -45,7 +45,7 @@ from ..training.loop import train
 from ..training.memory import GIB, BatchDoesNotFit, MemoryEstimator, ModelDoesNotFit
 from ..training.metrics_log import read_metrics
 from ..training.run_files import existing_run, hold_run_directory, move_run_aside
-from ..training.signals import TrainingDiverged
+from ..training.signals import Stop, TrainingDiverged
 
 __all__ = ["SweepError", "Trial", "check_sweep_folder", "grid_trials", "parse_grid", "plot_sweep",
            "read_sweep", "run_sweep", "sweep_table", "write_tables"]
@@ -151,7 +151,8 @@ def record_trial(trial_dir: Path, trial: Trial, resolved: dict[str, Any]) -> Non
         "status": trial.status,
         "reason": trial.reason,
         "resolved": resolved,
-        "summary": trial.summary,
+        # a Stop by its name, as train() gives it in "stopped_by"
+        "summary": {k: v.reason if isinstance(v, Stop) else v for k, v in trial.summary.items()},
     }
     trial_dir.mkdir(parents=True, exist_ok=True)
     write_file_atomic(

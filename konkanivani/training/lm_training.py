@@ -37,7 +37,7 @@ from .metrics_log import MetricsLog
 from .optim import adamw, lr_factor
 from .precision import resolve_device
 from .run_files import load_resume_checkpoint, run_directory, save_step
-from .signals import StopRequest
+from .signals import Stop, StopRequest
 from .state import capture_rng, restore_rng
 
 __all__ = [
@@ -323,9 +323,9 @@ def _setup(
     return run
 
 
-def _epoch(run: LMRun, stop_request: StopRequest) -> Optional[str]:
-    """The rest of the epoch in progress, or until a stop; returns what stopped it (None: the epoch
-    ended)."""
+def _epoch(run: LMRun, stop_request: StopRequest) -> Stop:
+    """The rest of the epoch in progress, or until a stop; returns what stopped it (``Stop.NONE``:
+    the epoch ended)."""
     cfg = run.cfg
     order = torch.randperm(
         len(run.train_set), generator=torch.Generator().manual_seed(cfg.seed * 100_003 + run.epoch)
@@ -333,7 +333,7 @@ def _epoch(run: LMRun, stop_request: StopRequest) -> Optional[str]:
     batches = [
         order[i : i + cfg.batch_size].tolist() for i in range(0, len(run.train_set), cfg.batch_size)
     ]
-    losses, stop = [], None
+    losses, stop = [], Stop.NONE
     for i in range(run.batches_done, len(batches)):
         run.model.train()
         lr = cfg.lr * lr_factor(run.step, cfg.warmup_steps)
@@ -341,10 +341,10 @@ def _epoch(run: LMRun, stop_request: StopRequest) -> Optional[str]:
         run.step, run.batches_done = run.step + 1, i + 1
         run.metrics.write("train", run.step, run.epoch, loss=losses[-1], lr=lr)
         if 0 < cfg.max_steps <= run.step:
-            stop = "max_steps"
-        elif request := stop_request.stop():
-            stop = request.reason
-        if stop is not None:
+            stop = Stop.MAX_STEPS
+        else:
+            stop = stop_request.stop()
+        if stop:
             break
         if run.step % cfg.valid_every == 0:
             _save(run, perplexity(run.model, run.valid_set, cfg.batch_size, run.device))
@@ -363,7 +363,7 @@ def _epoch(run: LMRun, stop_request: StopRequest) -> Optional[str]:
 
 def train_lm(cfg: LMTrainConfig, lm_cfg: LMConfig) -> dict[str, Any]:
     """Train (or resume) as ``cfg`` says; returns the final step, validation perplexity and what
-    stopped it."""
+    stopped it (``stop``, a ``Stop``, and its ``reason`` as ``stopped_by``)."""
     check_lm_config(cfg, lm_cfg)
     tokenizer = load_tokenizer(cfg.tokenizer)
     sentences, train_set, valid_set = _read_text(cfg, tokenizer)
@@ -381,8 +381,8 @@ def train_lm(cfg: LMTrainConfig, lm_cfg: LMConfig) -> dict[str, Any]:
         start()
         log.info("%d sentences for training, %d for validation", len(train_set), len(valid_set))
         run = _setup(cfg, lm_cfg, state, tokenizer, train_set, valid_set)
-        stop = "max_steps" if 0 < cfg.max_steps <= run.step else None
-        while run.epoch < cfg.epochs and stop is None:
+        stop = Stop.MAX_STEPS if 0 < cfg.max_steps <= run.step else Stop.NONE
+        while run.epoch < cfg.epochs and not stop:
             stop = _epoch(run, stop_request)
             if run.saved_step != run.step:  # not saved by --valid_every at this very step
                 _save(run, perplexity(run.model, run.valid_set, cfg.batch_size, run.device))
@@ -391,5 +391,6 @@ def train_lm(cfg: LMTrainConfig, lm_cfg: LMConfig) -> dict[str, Any]:
         "epoch": run.epoch,
         "valid_ppl": run.last_ppl,
         "best_ppl": run.best,
-        "stopped_by": stop,
+        "stop": stop,  # a Stop; its name for messages and JSON:
+        "stopped_by": stop.reason,
     }

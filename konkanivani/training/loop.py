@@ -401,9 +401,9 @@ def finish(run: Run, stop: Stop, stop_request: StopRequest) -> dict[str, Any]:
         "epoch": run.epoch,
         "valid": run.valid_metrics,
         "best_wer": run.best_wer,
-        # stop: any reason, --max_steps and on_step's too
+        # stop: any reason (a Stop), --max_steps and on_step's too; stopped_by: an early one's name
         "stopped_by": stopped_by,
-        "stop": stop.reason,
+        "stop": stop,
         "skipped_updates": run.skips.total,
         "unreadable_files": run.unreadable,
     }
