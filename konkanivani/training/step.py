@@ -75,9 +75,7 @@ def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], devi
     ``--log_every`` steps in training), so a step waits for the GPU only where it must.
     """
     pending = [b for b in micro_batches if len(b)]
-    # the group's utterances and seconds of audio (summed on the host: the lengths are CPU tensors)
-    n_utts, seconds = dist.sum([sum(len(b) for b in pending),
-                                sum(int(b.audio_lens.sum()) for b in pending) / SAMPLE_RATE])
+    n_utts, seconds = dist.sum(_group_size(pending))
     if n_utts == 0:
         return None
     # this process has nothing, the others have: join their gradient sync with zeros
@@ -128,6 +126,13 @@ def forward_backward(model: Callable[..., Any], micro_batches: list[Batch], devi
         )
     return {**{name: value / n_utts for name, value in sums.items()}, "utterances": n_utts,
             "audio_s": round(seconds, 2)}
+
+
+def _group_size(batches: list[Batch]) -> list[float]:
+    """The utterances and seconds of audio of an accumulation group (summed on the host: the
+    lengths are CPU tensors)."""
+    return [sum(len(b) for b in batches),
+            sum(int(b.audio_lens.sum()) for b in batches) / SAMPLE_RATE]
 
 
 def _zero_sums(names: tuple[str, ...], device: torch.device) -> dict[str, torch.Tensor]:
