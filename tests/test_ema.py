@@ -14,11 +14,12 @@ from konkanivani.checkpoint import (
     load_checkpoint,
 )
 from konkanivani.cli import train as cli
-from konkanivani.config import ModelConfig
+from konkanivani.config import ModelConfig, TrainConfig
 from konkanivani.data.dataset import ASRDataset, collate, load_utterances
 from konkanivani.data.tokenizer import Tokenizer
 from konkanivani.decoding.recognizer import Recognizer
 from konkanivani.model.asr import ASRModel
+from konkanivani.training.objective import Objective
 from konkanivani.training.ema import ema_state, load_ema_state, make_ema
 from konkanivani.training.precision import resolve_precision
 from konkanivani.training.step import validate
@@ -134,15 +135,14 @@ def test_validation_and_decoding_use_the_ema_weights(ema_runs, tiny_corpus):
     tokenizer, cfg = Tokenizer(ckpt["tokenizer"]), ModelConfig.from_dict(ckpt["model_config"])
     utts, _ = load_utterances(tiny_corpus / "valid.jsonl", tokenizer)
     loader = DataLoader(ASRDataset(utts), batch_size=4, collate_fn=collate)
-    train_cfg = ckpt["train_config"]
+    objective = Objective.from_config(TrainConfig(**ckpt["train_config"]), cfg.encoder_layers)
 
     def valid_loss(weights):
-        model = ASRModel(cfg, train_cfg["ctc_weight"], train_cfg["label_smoothing"])
+        model = ASRModel(cfg)
         model.load_state_dict(weights)
         cpu = torch.device("cpu")
-        return validate(model, loader, tokenizer, utts, cpu, resolve_precision(cpu, False, ""))[
-            "loss"
-        ]
+        return validate(model, loader, tokenizer, utts, cpu, resolve_precision(cpu, False, ""),
+                        objective=objective, step=row["step"])["loss"]
 
     assert valid_loss(ckpt["ema_model"]) == pytest.approx(row["loss"], rel=1e-4)
     assert valid_loss(ckpt["model"]) != pytest.approx(row["loss"], rel=1e-3)
