@@ -20,7 +20,9 @@ trainer flags given after the known ones:
 
 With ``--demo DIR`` the base hears the demo corpus's training split as well, at ``--demo_weight``
 against weight 1 for each human language (``base_demo_without_L``): the synthesized Konkani hours
-beside the human ones, as ``configs/multilingual_base.yaml`` trains them.
+beside the human ones, as ``configs/multilingual_base.yaml`` trains them. With ``--base_init CKPT``
+the base starts from that checkpoint (``--init_from``; e.g. the demo model, which has learned to
+align) instead of from scratch (``..._from_init``).
 
 Each model's best.pt is scored on L's test split (greedy CTC and joint CTC/attention decoding);
 ``table.md`` and ``table.csv`` hold every run, ``summary.md`` the means over seeds and the relative
@@ -101,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--demo_weight", type=float, default=4.0)
     parser.add_argument("--demo_model", type=Path,
                         help="a demo-corpus checkpoint to fine-tune from as well")
+    parser.add_argument("--base_init", type=Path,
+                        help="a checkpoint the base starts from (--init_from) instead of scratch")
     parser.add_argument("--out", type=Path,
                         default=ROOT / "benchmarks" / "results" / "real_speech_transfer")
     args, extra = parser.parse_known_args(argv)
@@ -120,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
             demo = _write(data / "demo_train.jsonl", _absolute(args.demo / "train.jsonl"))
             mix += f",{demo}:{args.demo_weight:g}:demo"
             base_name = f"base_demo_without_{lang}"
+        base_init = []
+        if args.base_init:
+            base_init, base_name = ["--init_from", str(args.base_init)], f"{base_name}_from_init"
         base_valid = _write(data / f"valid_without_{lang}.jsonl", [
             r for o in others for r in _absolute(args.yardstick / o / "valid.jsonl")])
         own_train, own_valid, test = (_copy(args.yardstick, data, lang, name) for name in (
@@ -128,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             run = args.out / "run" / f"seed{seed}"
             base_data = (["--train_mix", mix] if "," in mix
                          else ["--train_manifest", mix.rsplit(":", 2)[0]])
-            base = fit(run / base_name, base_data, base_valid, args.base_steps, seed,
-                       [*every, *extra])
+            base = fit(run / base_name, [*base_data, *base_init], base_valid, args.base_steps,
+                       seed, [*every, *extra])
             own = ["--train_manifest", str(own_train)]
             scratch = fit(run / f"scratch_{lang}", own, own_valid, args.steps, seed,
                           [*every, *extra])
@@ -176,7 +183,8 @@ def write_tables(out: Path, rows: list[dict], args: argparse.Namespace) -> None:
     command = (f"python3 benchmarks/real_speech_transfer.py --languages {args.languages} --seeds "
                f"{args.seeds} --base_steps {args.base_steps} --steps {args.steps}"
                + (f" --demo {args.demo} --demo_weight {args.demo_weight:g}" if args.demo else "")
-               + (f" --demo_model {args.demo_model}" if args.demo_model else ""))
+               + (f" --demo_model {args.demo_model}" if args.demo_model else "")
+               + (f" --base_init {args.base_init}" if args.base_init else ""))
     (out / "table.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     (out / "summary.md").write_text(f"    {command}\n\n" + "\n".join(means) + "\n",
                                     encoding="utf-8")

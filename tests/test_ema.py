@@ -19,8 +19,8 @@ from konkanivani.data.dataset import ASRDataset, collate, load_utterances
 from konkanivani.data.tokenizer import Tokenizer
 from konkanivani.decoding.recognizer import Recognizer
 from konkanivani.model.asr import ASRModel
-from konkanivani.training.objective import Objective
 from konkanivani.training.ema import ema_state, load_ema_state, make_ema
+from konkanivani.training.objective import Objective
 from konkanivani.training.precision import resolve_precision
 from konkanivani.training.step import validate
 
