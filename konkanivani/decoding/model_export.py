@@ -285,30 +285,16 @@ class ChunkGraph(nn.Module):
         # the lengths it gives go unused
         x, _ = encoder.subsampling(x, torch.ones(1, dtype=torch.int64))
         frames = x.shape[1]
-        # Rotary tables of positions offset .. offset + C - 1, as RotaryEmbedding makes them.
-        angles = (offset + torch.arange(frames, device=x.device)).float()[
-            :, None
-        ] * encoder.rotary.inv_freq[None, :]
-        angles = torch.cat([angles, angles], dim=-1)
-        rope = (angles.cos(), angles.sin())
+        rope = encoder.rotary.at(offset, frames)
         # (1, 1, 1, L + C)
         allowed = torch.cat([filled, filled.new_ones(frames)])[None, None, None, :]
         keys_values, conv_inputs = [], []
-        # ConformerBlock.forward_chunk, caches of fixed size
-        for i, block in enumerate(encoder.blocks):
-            x = x + 0.5 * block.ffn1(x)
-            # (1, H, L, d) each
-            cache = {block.attn: (attention_cache[i, 0:1], attention_cache[i, 1:2])}
-            x = x + block.attn_dropout(
-                block.attn(block.attn_norm(x), None, allowed, rope, cache, offset=0)
-            )
-            k, v = cache[block.attn]  # (1, H, L + C, d): the cache, then this chunk's
+        for i, block in enumerate(encoder.blocks):  # as ConformerEncoder.forward_chunk, B = 1
+            x, (k, v), conv_in = block(x, None, rope, allowed, attention_cache[i, :, None],
+                                       conv_cache[i:i + 1])
+            # (1, H, L + C, d) each: the cache, then this chunk's; the last L kept
             keys_values.append(torch.cat([k, v])[:, :, k.shape[2] - past:])  # (2, H, L, d)
-            conv, conv_in = block.conv_module.forward_chunk(x, conv_cache[i:i + 1])
             conv_inputs.append(conv_in[0])
-            x = x + conv
-            x = x + 0.5 * block.ffn2(x)
-            x = block.final_norm(x)
         return model.ctc_log_probs(x), x, torch.stack(keys_values), torch.stack(conv_inputs)
 
 

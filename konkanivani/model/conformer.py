@@ -116,10 +116,16 @@ def run_layers(
     ``torch.utils.checkpoint``; dropout draws the same masks again)."""
     for layer in layers:
         if checkpointed and torch.is_grad_enabled():
-            x = checkpoint(layer, x, *args, use_reentrant=False)
+            x = checkpoint(_states_of, layer, x, *args, use_reentrant=False)
         else:
-            x = layer(x, *args)
+            x = _states_of(layer, x, *args)
     return x
+
+
+def _states_of(layer: nn.Module, x: torch.Tensor, *args: object) -> torch.Tensor:
+    """``layer(x, *args)``'s states, the first of what a ``ConformerBlock`` returns."""
+    out = layer(x, *args)
+    return out[0] if isinstance(out, tuple) else out
 
 
 class RotaryEmbedding(nn.Module):
@@ -136,6 +142,15 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat([angles, angles], dim=-1)  # (T, hd)
         return angles.cos(), angles.sin()
 
+    def at(self, offset: torch.Tensor, frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables of positions ``offset`` .. ``offset + frames - 1`` only, ``offset`` an int64
+        tensor (an exported graph's input, where ``forward``'s tables would need its value)."""
+        angles = (offset + torch.arange(frames, device=offset.device)).float()[
+            :, None
+        ] * self.inv_freq[None, :]
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos(), angles.sin()
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -148,9 +163,11 @@ KVCache = dict
 
 
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention over ``scaled_dot_product_attention``; self- or cross-attention, with an
-    optional key/value cache for incremental decoding (one attention path for training and search).
-    """
+    """Multi-head attention over ``scaled_dot_product_attention``. ``forward``: the decoder's and
+    the LM's self- or cross-attention, with an optional key/value cache for incremental decoding
+    (one path for training and search); ``self_attention``: the encoder's, over a whole utterance
+    or a stream's chunk after the keys and values of its past (one path for training, streams and
+    the exported graph)."""
 
     def __init__(self, d_model: int, n_heads: int, dropout: float):
         super().__init__()
@@ -172,7 +189,6 @@ class MultiHeadAttention(nn.Module):
         allowed: Optional[torch.Tensor] = None,
         rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         cache: Optional[KVCache] = None,
-        offset: Optional[int] = None,
     ) -> torch.Tensor:
         """
         Args:
@@ -183,8 +199,8 @@ class MultiHeadAttention(nn.Module):
             appends the new keys and values to ``cache[self]`` (the queries are the positions after
             those cached); cross-attention projects ``memory`` once and reuses it. Cross-attention
             memory may have fewer rows than the queries: the N = B x K hypotheses of an utterance
-            share its row. offset: the position of the first query, for ``rope`` (default: after the
-            cached keys); a stream whose cache keeps only the last frames passes it.
+            share its row. The queries are at the positions after the cached keys, for ``rope``.
+            (The encoder's self-attention is ``self_attention``.)
         Returns:
             ``(N, Tq, D)``.
         """
@@ -197,8 +213,7 @@ class MultiHeadAttention(nn.Module):
             # (., H, Tk, D/H)
             k, v = self._heads(self.k_proj(source)), self._heads(self.v_proj(source))
         if rope is not None:
-            if offset is None:
-                offset = cache[self][0].shape[2] if cache is not None and self in cache else 0
+            offset = cache[self][0].shape[2] if cache is not None and self in cache else 0
             # the new positions' tables
             cos, sin = rope[0][offset:offset + Tq], rope[1][offset:offset + Tq]
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -223,34 +238,35 @@ class MultiHeadAttention(nn.Module):
             )
         return self.out_proj(out.transpose(1, 2).reshape(N, Tq, D))
 
-    def forward_rows(
+    def self_attention(
         self,
-        query: torch.Tensor,
-        rope_rows: tuple[torch.Tensor, torch.Tensor],
-        keys_values: torch.Tensor,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         allowed: Optional[torch.Tensor],
-    ) -> torch.Tensor:
-        """Self-attention of B streams' chunks, each row at its own position
-        (``forward_chunk_of_streams``).
+        past: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The encoder's self-attention, for a whole utterance and for a stream's chunk alike.
 
         Args:
-            query: ``(B, C, D)``. rope_rows: ``(cos, sin)`` of shape ``(B, 1, C, D/H)``, each row's
-            rotary tables of its chunk's positions. keys_values: ``(2, B, H, P + C, D/H)``, the
-            rows' visible past in the first P positions, keys (rotated) and values, each row's
-            padded before it to the longest; the chunk's own are written into the last C.
-            allowed: bool ``(B, 1, 1, P + C)``, True at the keys a row may attend to (its past and
-            its chunk, not its padding); None: every key.
+            x: ``(B, C, D)``. rope: ``(cos, sin)`` of the chunk's positions, ``(C, D/H)``, or
+            ``(B, 1, C, D/H)`` where each row is at its own position. allowed: bool, broadcastable
+            to ``(B, H, C, P + C)``, True where a query may attend to a key; None: every key.
+            past: ``(2, B, H, P, D/H)``, the keys (rotated) and values of the P frames before the
+            chunk that it may see (rows padded before their past masked out by ``allowed``);
+            None: none.
         Returns:
-            ``(B, C, D)``.
+            ``(B, C, D)``, and the keys and values ``(B, H, P + C, D/H)`` each: the past's, then
+            the chunk's.
         """
-        B, C, D = query.shape
-        q = self._heads(self.q_proj(query))  # (B, H, C, D/H)
-        k, v = self._heads(self.k_proj(query)), self._heads(self.v_proj(query))
-        q, k = _rotate(q, *rope_rows), _rotate(k, *rope_rows)
-        # written in place of a concatenation: the past is copied into the batch once
-        keys_values[0, :, :, -C:], keys_values[1, :, :, -C:] = k, v
-        out = F.scaled_dot_product_attention(q, keys_values[0], keys_values[1], attn_mask=allowed)
-        return self.out_proj(out.transpose(1, 2).reshape(B, C, D))
+        B, C, D = x.shape
+        q = self._heads(self.q_proj(x))  # (B, H, C, D/H)
+        k, v = self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
+        q, k = _rotate(q, *rope), _rotate(k, *rope)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed,
+                                             dropout_p=self.dropout if self.training else 0.0)
+        return self.out_proj(out.transpose(1, 2).reshape(B, C, D)), (k, v)
 
 
 class FeedForward(nn.Module):
@@ -299,16 +315,12 @@ class ConvolutionModule(nn.Module):
             x = F.pad(x, (0, 0, self.past, 0))  # zeros before the first frame
         return self._depthwise_on(x)
 
-    def forward_chunk(
-        self, x: torch.Tensor, cache: Optional[torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_chunk(self, x: torch.Tensor, cache: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """One chunk of a stream (``causal`` only): ``x`` ``(B, C, D)`` and ``cache`` ``(B,
-        kernel-1, D)``, the depthwise convolution's inputs just before the chunk (None at the start:
-        zeros) ->
-        ``(B, C, D)`` and the cache for the next chunk."""
+        kernel-1, D)``, the depthwise convolution's inputs just before the chunk (zeros at the
+        start) -> ``(B, C, D)`` and the cache for the next chunk."""
         x = F.glu(self.pointwise_in(self.norm(x)), dim=-1)  # (B, C, D)
-        if cache is None:
-            cache = x.new_zeros(x.shape[0], self.past, x.shape[2])
         x = torch.cat([cache, x], dim=1)  # (B, kernel-1 + C, D)
         return self._depthwise_on(x), x[:, x.shape[1] - self.past:]
 
@@ -334,70 +346,39 @@ class ConformerBlock(nn.Module):
         self.ffn2 = FeedForward(d_model, ffn_dim, dropout)
         self.final_norm = LayerNorm(d_model)
 
-    def forward(self, x: torch.Tensor, pad: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``x`` ``(B, T', D)``, ``pad`` ``(B, T')`` -> ``(B, T', D)``; ``allowed`` ``(B, 1, T',
-        T')``, True
-        where a frame may attend to another (None: every frame sees every real frame)."""
-        x = x + 0.5 * self.ffn1(x)
-        h = self.attn_norm(x)
-        if allowed is None:
-            allowed = ~pad[:, None, None, :]  # (B, 1, 1, T'): every query may see every real frame
-        x = x + self.attn_dropout(self.attn(h, None, allowed, rope))
-        x = x + self.conv_module(x, pad)
-        x = x + 0.5 * self.ffn2(x)
-        return self.final_norm(x)
-
-    def forward_chunk(
+    def forward(
         self,
         x: torch.Tensor,
+        pad: Optional[torch.Tensor],
         rope: tuple[torch.Tensor, torch.Tensor],
-        offset: int,
-        keys_values: Optional[tuple[torch.Tensor, torch.Tensor]],
-        conv_inputs: Optional[torch.Tensor],
-        left_frames: int,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """One chunk of a stream: ``x`` ``(B, C, D)``, frames ``offset`` .. ``offset + C - 1``; the
-        chunk attends to itself and to ``keys_values`` (this block's cached keys, rotated, and
-        values; None at the start). Returns ``(B, C, D)``, the keys and values with this chunk's,
-        cut to the last ``left_frames`` (all when < 0), and the convolution's cache
-        (``ConvolutionModule.forward_chunk``).
-        """
-        x = x + 0.5 * self.ffn1(x)
-        cache = {} if keys_values is None else {self.attn: keys_values}
-        x = x + self.attn_dropout(
-            self.attn(self.attn_norm(x), None, None, rope, cache, offset=offset)
-        )
-        k, v = cache[self.attn]  # (B, H, past + C, D/H)
-        if left_frames >= 0:
-            first = max(0, k.shape[2] - left_frames)
-            k, v = k[:, :, first:], v[:, :, first:]
-        conv, conv_inputs = self.conv_module.forward_chunk(x, conv_inputs)
-        x = x + conv
-        x = x + 0.5 * self.ffn2(x)
-        return self.final_norm(x), (k, v), conv_inputs
+        allowed: Optional[torch.Tensor] = None,
+        past: Optional[torch.Tensor] = None,
+        conv_cache: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], Optional[torch.Tensor]]:
+        """The block, for training, chunked streams, batched streams and the exported chunk graph.
 
-    def forward_chunk_of_streams(
-        self,
-        x: torch.Tensor,
-        rope_rows: tuple[torch.Tensor, torch.Tensor],
-        keys_values: torch.Tensor,
-        allowed: Optional[torch.Tensor],
-        conv_inputs: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward_chunk`` of B streams' chunks ``(B, C, D)`` at once, each row at its own
-        position: ``MultiHeadAttention.forward_rows`` takes ``rope_rows``, ``keys_values`` (the
-        chunk's keys and values written into its last C positions) and ``allowed``;
-        ``conv_inputs`` ``(B, kernel - 1, D)``. Returns ``(B, C, D)`` and the convolution's caches.
+        Args:
+            x: ``(B, C, D)``: a whole utterance's frames, or a stream's chunk. pad: ``(B, C)`` True
+            at padding, for a whole utterance (None for a chunk). rope, allowed, past: as
+            ``MultiHeadAttention.self_attention`` (``allowed`` None with ``pad``: every frame sees
+            every real frame). conv_cache: ``(B, kernel - 1, D)``, a chunk's convolution cache
+            (``ConvolutionModule.forward_chunk``); None for a whole utterance.
+        Returns:
+            ``(B, C, D)``, the attention's keys and values (past and chunk), and the convolution's
+            cache for the next chunk (None for a whole utterance).
         """
         x = x + 0.5 * self.ffn1(x)
-        x = x + self.attn_dropout(
-            self.attn.forward_rows(self.attn_norm(x), rope_rows, keys_values, allowed)
-        )
-        conv, conv_inputs = self.conv_module.forward_chunk(x, conv_inputs)
+        if allowed is None and pad is not None:
+            allowed = ~pad[:, None, None, :]  # (B, 1, 1, T'): every query may see every real frame
+        attended, keys_values = self.attn.self_attention(self.attn_norm(x), rope, allowed, past)
+        x = x + self.attn_dropout(attended)
+        if conv_cache is None:
+            conv = self.conv_module(x, pad)
+        else:
+            conv, conv_cache = self.conv_module.forward_chunk(x, conv_cache)
         x = x + conv
         x = x + 0.5 * self.ffn2(x)
-        return self.final_norm(x), conv_inputs
+        return self.final_norm(x), keys_values, conv_cache
 
 
 class Conv2dSubsampling(nn.Module):
@@ -469,16 +450,14 @@ class Conv2dSubsampling(nn.Module):
 
 class StreamState(NamedTuple):
     """What chunk-by-chunk encoding carries from one chunk to the next
-    (``ConformerEncoder.forward_chunk``, ``forward_chunk_of_streams``). Per block:
-    ``forward_chunk`` gives lists; ``forward_chunk_of_streams`` gives each a tensor with the blocks
-    first, keys_values ``(N, 2, 1, H, P, D/H)`` and conv_inputs ``(N, 1, kernel - 1, D)``, which
-    read per block the same way (and either one takes the other's)."""
+    (``ConformerEncoder.forward_chunk``, ``forward_chunk_of_streams``), for B streams in step, with
+    N blocks: one layout for every path, ``ChunkGraph``'s with a batch axis."""
 
     offset: int  # encoder frames made so far: the position of the next chunk's first frame
-    # per block: the visible past's keys (rotated), values
-    keys_values: list[tuple[torch.Tensor, torch.Tensor]] | torch.Tensor
-    # per block: its depthwise convolution's last kernel - 1 inputs
-    conv_inputs: list[torch.Tensor] | torch.Tensor
+    # (N, 2, B, H, P, D/H): each block's keys (rotated) and values of the visible past
+    keys_values: torch.Tensor
+    # (N, B, kernel - 1, D): each block's depthwise convolution's last kernel - 1 inputs
+    conv_inputs: torch.Tensor
 
 
 def feature_windows(feats: torch.Tensor, chunk_size: int) -> list[torch.Tensor]:
@@ -501,10 +480,7 @@ def feature_windows(feats: torch.Tensor, chunk_size: int) -> list[torch.Tensor]:
 
 def _cached_frames(state: Optional[StreamState]) -> int:
     """The encoder frames of the past that ``state``'s attention caches hold."""
-    if state is None:
-        return 0
-    kv = state.keys_values
-    return kv.shape[4] if isinstance(kv, torch.Tensor) else kv[0][0].shape[2]
+    return 0 if state is None else state.keys_values.shape[4]
 
 
 def _chunk_allowed(pad: torch.Tensor, chunk_size: int, left_chunks: int) -> torch.Tensor:
@@ -685,19 +661,21 @@ class ConformerEncoder(nn.Module):
                 "would otherwise look ahead of the chunk)"
             )
         x, _ = self.subsampling(feats, torch.tensor([feats.shape[1]]))
-        offset = 0 if state is None else state.offset
-        rope = self.rotary(offset + x.shape[1], x.device)  # rows for positions 0 .. offset + C - 1
-        past = (
-            [(None, None)] * len(self.blocks)
-            if state is None
-            else zip(state.keys_values, state.conv_inputs)
-        )
+        offset, C = (0 if state is None else state.offset), x.shape[1]
+        cos, sin = self.rotary(offset + C, x.device)  # rows for positions 0 .. offset + C - 1
+        rope = cos[offset:offset + C], sin[offset:offset + C]
+        conv = (x.new_zeros(len(self.blocks), x.shape[0], self.cfg.conv_kernel - 1, x.shape[2])
+                if state is None else state.conv_inputs)
         keys_values, conv_inputs = [], []
-        for block, (kv, conv) in zip(self.blocks, past):
-            x, kv, conv = block.forward_chunk(x, rope, offset, kv, conv, left_frames)
-            keys_values.append(kv)
-            conv_inputs.append(conv)
-        return x, StreamState(offset + x.shape[1], keys_values, conv_inputs)
+        for n, block in enumerate(self.blocks):
+            past = None if state is None else state.keys_values[n]
+            x, (k, v), c = block(x, None, rope, None, past, conv[n])
+            if left_frames >= 0:
+                first = max(0, k.shape[2] - left_frames)
+                k, v = k[:, :, first:], v[:, :, first:]
+            keys_values.append(torch.stack([k, v]))
+            conv_inputs.append(c)
+        return x, StreamState(offset + C, torch.stack(keys_values), torch.stack(conv_inputs))
 
     def forward_chunk_of_streams(
         self, feats: torch.Tensor, states: Sequence[Optional[StreamState]], left_frames: int = -1
@@ -715,8 +693,7 @@ class ConformerEncoder(nn.Module):
                 (None: its first chunk).
             left_frames: as ``forward_chunk``, for every row.
         Returns:
-            ``(B, C, D)`` encoder states and each row's state for its next chunk (its caches as
-            tensors, see ``StreamState``).
+            ``(B, C, D)`` encoder states and each row's state for its next chunk.
         """
         if not self.cfg.causal_conv:
             raise ValueError(
@@ -736,32 +713,26 @@ class ConformerEncoder(nn.Module):
         rope_rows = cos[positions][:, None], sin[positions][:, None]  # (B, 1, C, D/H)
         N, K, D = len(self.blocks), self.cfg.conv_kernel - 1, self.cfg.d_model
         H = self.cfg.n_heads
-        # every block's keys and values, each row's past before its chunk's, right-aligned; zeros
-        # in the padding (masked out, and finite: a masked value still meets a zero weight)
-        keys_values = x.new_zeros(N, 2, B, H, longest + C, D // H)
+        # every block's keys and values of the past, each row's right-aligned (just before its
+        # chunk's); zeros in the padding (masked out, and finite: a masked value still meets a
+        # zero weight)
+        past = x.new_zeros(N, 2, B, H, longest, D // H)
         conv = x.new_zeros(N, B, K, D)
         for b, state in enumerate(states):
-            if state is None:
-                continue
-            first = longest - lengths[b]
-            if isinstance(state.keys_values, torch.Tensor):
-                keys_values[:, :, b:b + 1, :, first:longest] = state.keys_values
+            if state is not None:
+                past[:, :, b:b + 1, :, longest - lengths[b]:] = state.keys_values
                 conv[:, b:b + 1] = state.conv_inputs
-                continue
-            for n, ((k, v), c) in enumerate(zip(state.keys_values, state.conv_inputs)):
-                keys_values[n, 0, b:b + 1, :, first:longest] = k
-                keys_values[n, 1, b:b + 1, :, first:longest] = v
-                conv[n, b:b + 1] = c
         allowed = None
         if min(lengths) < longest:
             pad = torch.tensor([longest - n for n in lengths])[:, None]
             seen = torch.arange(longest + C)[None, :] >= pad  # (B, P + C)
             allowed = seen[:, None, None, :].to(device)
-        convs = []
+        kvs, convs = [], []
         for n, block in enumerate(self.blocks):
-            x, c = block.forward_chunk_of_streams(x, rope_rows, keys_values[n], allowed, conv[n])
+            x, kv, c = block(x, None, rope_rows, allowed, past[n], conv[n])
+            kvs.append(torch.stack(kv))
             convs.append(c)
-        conv = torch.stack(convs)  # (N, B, K, D)
+        keys_values, conv = torch.stack(kvs), torch.stack(convs)  # (N, 2, B, H, P + C, D/H), ...
         out = []
         for b in range(B):
             first = longest - lengths[b]
