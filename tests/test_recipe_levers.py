@@ -78,7 +78,8 @@ def test_time_reduction_halves_the_middle_blocks_frames_and_gives_the_full_rate_
     _, _, tapped = model.encoder.forward_tapped(feats, lens, tap=3)
     assert tapped.shape == out.shape
     calls = []
-    hook = model.encoder.blocks[3].register_forward_hook(lambda m, i, o: calls.append(o.shape[1]))
+    block = model.encoder.blocks[3]
+    hook = block.register_forward_hook(lambda m, i, o: calls.append(o[0].shape[1]))
     model.encoder(feats, lens)
     hook.remove()
     assert calls == [50]  # 99 frames halved, rounded up
@@ -134,7 +135,7 @@ def test_self_conditioning_adds_the_ctc_posteriors_after_its_block_in_training_a
     torch.testing.assert_close(alone[0], out[1, :61], atol=1e-5, rtol=1e-5)
     # the tap is the block's states before the conditioning adds to them
     tap_states = []
-    hook = model.encoder.blocks[2].register_forward_hook(lambda m, i, o: tap_states.append(o))
+    hook = model.encoder.blocks[2].register_forward_hook(lambda m, i, o: tap_states.append(o[0]))
     _, _, tapped = model.encoder.forward_tapped(model._normalized(feats, lens, None), lens,
                                                 tap=3, head=model.ctc_head)
     hook.remove()

@@ -576,51 +576,35 @@ class ConformerEncoder(nn.Module):
             chunk_size, left_chunks = self.draw_chunk(x.shape[1])
         allowed = _chunk_allowed(pad, chunk_size, left_chunks) if chunk_size else None
         checkpointed = self.gradient_checkpointing and self.training
-        tapped = None
-        if self.time_reduce is not None:
-            if allowed is not None:
-                raise ValueError("a time-reduced encoder encodes with full context only")
-            return self._time_reduced(x, lengths, pad, rope, tap, checkpointed)
+        if self.time_reduce is not None and allowed is not None:
+            raise ValueError("a time-reduced encoder encodes with full context only")
         condition = self.cfg.self_condition_layer
         if condition and head is None:
             raise ValueError("a self-conditioned encoder needs the CTC head: encode with "
                              "ASRModel.encode")
+        # One loop over the blocks, cut where something happens after a block: the tap is read,
+        # the CTC head's posteriors condition the states, the frames are halved (blocks after + 1
+        # to until run at half the rate, self.reduced) or brought back to the full rate.
+        after, until = self.reduced
+        full = here = (pad, rope, allowed)
+        skip = tapped = None  # skip: the states from before the halving, while halved
         start = 0
-        for stop in sorted({tap, condition, len(self.blocks)} - {0}):
-            x = run_layers(self.blocks[start:stop], x, pad, rope, allowed,
-                           checkpointed=checkpointed)
+        for stop in sorted({tap, condition, after, until, len(self.blocks)} - {0}):
+            x = run_layers(self.blocks[start:stop], x, *here, checkpointed=checkpointed)
             start = stop
+            if stop == until:  # back to the full rate
+                x, here, skip = self._recovered(x, skip), full, None
             if stop == tap:
-                tapped = x
+                tapped = x if skip is None else self._recovered(x, skip)
             if stop == condition:
                 posteriors = torch.softmax(head(x).float(), dim=-1)
                 x = x + (posteriors @ self.ctc_condition.float()).to(x.dtype)
-        return x, lengths, tapped
-
-    def _time_reduced(self, x: torch.Tensor, lengths: torch.Tensor, pad: torch.Tensor,
-                      rope: tuple[torch.Tensor, torch.Tensor], tap: int, checkpointed: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """``forward_tapped``'s blocks with blocks ``after + 1`` to ``until`` (``self.reduced``) on
-        half the frames: a stride-2 depthwise convolution halves them after block ``after``; after
-        block ``until`` each frame is repeated and the states from before the halving added. A tap
-        inside the halved blocks is brought back to the full rate the same way."""
-        after, until = self.reduced
-        full, skip, tapped = (pad, rope), None, None
-        here = full
-        start = 0
-        for stop in sorted({after, until, len(self.blocks), *([tap] if tap else [])}):
-            x = run_layers(self.blocks[start:stop], x, *here, None, checkpointed=checkpointed)
-            start = stop
-            if stop == until:  # back to the full rate
-                x, here = self._recovered(x, skip), full
-            if stop == tap:
-                tapped = x if skip is None or stop >= until else self._recovered(x, skip)
             if stop == after:  # halve
                 skip = x
-                half = (lengths + 1) // 2
                 x = self.time_reduce(x.masked_fill(pad.unsqueeze(-1), 0).transpose(1, 2))
                 x = x.transpose(1, 2)
-                here = (pad_mask(half, x.shape[1]), self.rotary(x.shape[1], x.device))
+                here = (pad_mask((lengths + 1) // 2, x.shape[1]), self.rotary(x.shape[1], x.device),
+                        None)
         return x, lengths, tapped
 
     @staticmethod
