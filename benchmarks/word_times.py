@@ -173,7 +173,7 @@ def token_probabilities(rec: Recognizer, wav: torch.Tensor, text: str) -> list[l
     full-context CTC output: the parts a word's probability is made of."""
     tokens = rec.tokenizer.encode(text)
     with torch.inference_mode():
-        feats = rec.log_mel(wav)[None]
+        feats = rec.frontend(wav)[None]
         enc, lens = rec.model.encode(feats, torch.tensor([feats.shape[1]]), chunk_size=0)
         log_probs = rec.model.ctc_log_probs(enc)[0, : int(lens[0])]
     spans = align_tokens(log_probs, tokens) or []
@@ -269,7 +269,7 @@ def alignment_of_reference(rec: Recognizer, wav: torch.Tensor, words: list[str])
     """The reference's own tokens forced onto the full-context CTC output."""
     tokens = rec.tokenizer.encode(" ".join(words))
     with torch.inference_mode():
-        feats = rec.log_mel(wav)[None]
+        feats = rec.frontend(wav)[None]
         enc, lens = rec.model.encode(feats, torch.tensor([feats.shape[1]]), chunk_size=0)
         log_probs = rec.model.ctc_log_probs(enc)[0, : int(lens[0])]
     return align_words(rec.tokenizer, tokens, log_probs, 0.0, len(wav) / SAMPLE_RATE)

@@ -52,7 +52,7 @@ def train_model(wavs: list[torch.Tensor], texts: list[str], streaming: bool, ste
     )
     rec = Recognizer(ASRModel(cfg), tokenizer, torch.device("cpu"))
     model = rec.model
-    feats = [rec.log_mel(w) for w in wavs]
+    feats = [rec.frontend(w) for w in wavs]
     every = torch.cat(feats)
     model.set_cmvn(every.mean(0), every.std(0))
     x, lens = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True), torch.tensor(

@@ -28,7 +28,7 @@ def trained(tiny_run, tiny_corpus):
     rec = Recognizer.from_checkpoint(tiny_run / "latest.pt")
     utts, _ = load_utterances(tiny_corpus / "valid.jsonl", rec.tokenizer)
     waveforms = collate([ASRDataset(utts[:4]).__getitem__(i) for i in range(min(4, len(utts)))])
-    feats, feat_lens = waveforms.features(rec.log_mel)
+    feats, feat_lens = waveforms.features(rec.frontend)
     batch = SimpleNamespace(feats=feats, feat_lens=feat_lens, indices=waveforms.indices)
     with torch.inference_mode():
         enc, enc_lens = rec.model.encode(batch.feats, batch.feat_lens)

@@ -595,7 +595,7 @@ def corpus_wavs(corpus, count):
 
 
 def features_of(recognizer, wavs):
-    feats = [recognizer.log_mel(w) for w in wavs]
+    feats = [recognizer.frontend(w) for w in wavs]
     return torch.nn.utils.rnn.pad_sequence(feats, batch_first=True), torch.tensor(
         [len(f) for f in feats]
     )
@@ -796,7 +796,7 @@ def test_the_streaming_snippet_transcribes_as_the_model_chunk_by_chunk_without_k
 
     # greedy CTC over forward_chunk_by_chunk, in PyTorch
     recognizer = Recognizer.from_checkpoint(checkpoint)
-    model, feats = recognizer.model, recognizer.log_mel(load_audio(tmp_path / wav_path))[None]
+    model, feats = recognizer.model, recognizer.frontend(load_audio(tmp_path / wav_path))[None]
     with torch.no_grad():
         log_probs = model.ctc_log_probs(
             model.encoder.forward_chunk_by_chunk(model.normalize(feats), 4, 2)

@@ -265,7 +265,7 @@ def tone(tone_model):
     for share in (0.8, 0.85, 0.9, 0.95):
         wav = mixed_speech(share)
         with torch.inference_mode():
-            feats = rec.log_mel(wav)[None]
+            feats = rec.frontend(wav)[None]
             enc, lens = rec.model.encode(feats, torch.tensor([feats.shape[1]]))
             nbest = ctc_prefix_beam_search(rec.model.ctc_log_probs(enc)[0], int(lens[0]), 10)
         texts = [rec.tokenizer.decode(h.tokens) for h in nbest]
@@ -317,7 +317,7 @@ def test_a_boost_of_zero_changes_nothing(tone):
         assert (rec.decode_waveforms([wav, speech("ace bed fad")], method=method, **zero)
                 == rec.decode_waveforms([wav, speech("ace bed fad")], method=method))
     with torch.inference_mode():
-        feats = rec.log_mel(wav)[None]
+        feats = rec.frontend(wav)[None]
         enc, lens = rec.model.encode(feats, torch.tensor([feats.shape[1]]))
         lp = rec.model.ctc_log_probs(enc)[0]
     graph = context_graph(("bed", "cafe"), 0.0, rec.tokenizer)

@@ -389,7 +389,7 @@ def test_a_streaming_run_streams_real_speech_as_it_decodes_it_offline(
             for r in rec.stream_results(wav.split(1600), chunk_size=4, endpoint_ms=0)
             if r.is_final
         ]
-        feats = rec.log_mel(wav)[None]
+        feats = rec.frontend(wav)[None]
         with torch.inference_mode():
             enc, lens = rec.model.encode(feats, torch.tensor([feats.shape[1]]), chunk_size=4)
             offline = attention_rescoring(rec.model, enc, lens, beam_size=10)[0].tokens

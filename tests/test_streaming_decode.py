@@ -103,7 +103,7 @@ def test_quiet_windows_cut_long_audio_at_its_pauses():
 # A stream against offline decoding under the same chunk mask.
 
 def _offline_enc(rec, wav, chunk, left=-1):
-    feats = rec.log_mel(wav)[None]
+    feats = rec.frontend(wav)[None]
     with torch.inference_mode():
         return rec.model.encode(
             feats, torch.tensor([feats.shape[1]]), chunk_size=chunk, left_chunks=left

@@ -118,14 +118,14 @@ def cmvn_of(waveforms: Iterable[torch.Tensor], n_mels: int, frontend: str = "log
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and standard deviation per mel bin of the features of ``waveforms`` (the front-end
     ``frontend``'s, ``ModelConfig.frontend``)."""
-    log_mel = make_frontend(frontend, n_mels)
+    features_of = make_frontend(frontend, n_mels)
     total, total_sq, frames = (
         torch.zeros(n_mels, dtype=torch.float64),
         torch.zeros(n_mels, dtype=torch.float64),
         0,
     )
     for wav in waveforms:
-        feats = log_mel(wav).double()  # (T, F)
+        feats = features_of(wav).double()  # (T, F)
         total += feats.sum(0)
         total_sq += (feats ** 2).sum(0)
         frames += feats.shape[0]

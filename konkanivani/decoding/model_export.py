@@ -409,11 +409,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, formats: Sequ
                 )
             _write_json(
                 Path(tmp) / STREAMING_FILES["settings"],
-                streaming_settings(chunk_graph, recognizer.log_mel),
+                streaming_settings(chunk_graph, recognizer.frontend),
             )
             written.append(Exported(out_dir / STREAMING_FILES["settings"]))
         _write_json(Path(tmp) / FILES["vocabulary"], vocabulary(recognizer.tokenizer))
-        _write_json(Path(tmp) / FILES["features"], feature_settings(recognizer.log_mel))
+        _write_json(Path(tmp) / FILES["features"], feature_settings(recognizer.frontend))
         written += [Exported(out_dir / FILES["vocabulary"]), Exported(out_dir / FILES["features"])]
         _swap_in(tmp, out_dir)
     return written
@@ -906,17 +906,17 @@ def vocabulary(tokenizer: Tokenizer) -> dict[str, Any]:
     }
 
 
-def feature_settings(log_mel: LogMel | KaldiFbank) -> dict[str, Any]:
-    """How ``log_mel`` turns audio into features, as JSON. ``mel_spectrogram`` holds the arguments
+def feature_settings(frontend: LogMel | KaldiFbank) -> dict[str, Any]:
+    """How ``frontend`` turns audio into features, as JSON. ``mel_spectrogram`` holds the arguments
     of ``torchaudio.transforms.MelSpectrogram`` that make the same filterbank (its window is
     ``torch.hann_window``, periodic); for ``KaldiFbank``, ``kaldi_fbank`` those of
     ``torchaudio.compliance.kaldi.fbank`` (kaldi-native-fbank's, named as Kaldi names them)."""
-    if isinstance(log_mel, KaldiFbank):
+    if isinstance(frontend, KaldiFbank):
         return {
             "sample_rate": SAMPLE_RATE,
-            "frontend": log_mel.name,
-            "n_mels": log_mel.n_mels,
-            "kaldi_fbank": {**KALDI_FBANK, "num_mel_bins": log_mel.n_mels},
+            "frontend": frontend.name,
+            "n_mels": frontend.n_mels,
+            "kaldi_fbank": {**KALDI_FBANK, "num_mel_bins": frontend.n_mels},
             "sample_scale": INT16_SCALE,
             "floor": KALDI_FLOOR,
             "features": (
@@ -927,7 +927,7 @@ def feature_settings(log_mel: LogMel | KaldiFbank) -> dict[str, Any]:
             "output_lengths": "T' = ((T - 1) // 2 - 1) // 2",
             "output_frame_seconds": 4 * HOP_LENGTH / SAMPLE_RATE,
         }
-    mel = log_mel.mel
+    mel = frontend.mel
     stft, filterbank = mel.spectrogram, mel.mel_scale
     sample_rate = filterbank.sample_rate
     return {
@@ -965,15 +965,15 @@ def feature_settings(log_mel: LogMel | KaldiFbank) -> dict[str, Any]:
     }
 
 
-def streaming_settings(graph: ChunkGraph, log_mel: LogMel) -> dict[str, Any]:
+def streaming_settings(graph: ChunkGraph, frontend: LogMel | KaldiFbank) -> dict[str, Any]:
     """How a client streams through ``encoder_chunk.onnx`` (``ChunkGraph``) with features of
-    ``log_mel``, as JSON."""
+    ``frontend``, as JSON."""
     caches = graph.initial_caches()
     return {
         "chunk_size": graph.streaming.chunk_size,
         "left_chunks": graph.streaming.left_chunks,
         "chunk_seconds": (
-            graph.streaming.chunk_size * feature_settings(log_mel)["output_frame_seconds"]
+            graph.streaming.chunk_size * feature_settings(frontend)["output_frame_seconds"]
         ),
         "window_frames": graph.window_frames,
         "window_hop": graph.window_hop,

@@ -144,14 +144,14 @@ class ExportedRecognizer:
         try:
             self.tokenizer = Pieces(vocabulary)
             # feature_settings names a Kaldi fbank export's frontend; a log-mel export names none
-            self.log_mel = make_frontend(features.get("frontend", "log_mel"),
+            self.frontend = make_frontend(features.get("frontend", "log_mel"),
                                          int(features["n_mels"]))
         except (KeyError, TypeError, ValueError) as e:
             raise ExportError(
                 f"{folder}: {FILES['vocabulary']} or {FILES['features']} is not an export's "
                 f"({type(e).__name__}: {e})"
             ) from e
-        if json.loads(json.dumps(feature_settings(self.log_mel))) != features:
+        if json.loads(json.dumps(feature_settings(self.frontend))) != features:
             raise ExportError(
                 f"{folder}: {FILES['features']} describes other features than this konkanivani "
                 "computes (made by another version?)"
@@ -206,7 +206,7 @@ class ExportedRecognizer:
         final ``Result`` per waveform, its words aligned to the graph's CTC log-probabilities
         (``alignment.align_words``) and timed from ``offset`` seconds."""
         d = self.settings(decoding, **overrides)
-        feats = [self.log_mel(w) for w in wavs]
+        feats = [self.frontend(w) for w in wavs]
         lens = torch.tensor([len(f) for f in feats], dtype=torch.int64)
         log_probs, log_prob_lens = self.run(
             torch.nn.utils.rnn.pad_sequence(feats, batch_first=True), lens
@@ -230,8 +230,8 @@ class ExportedRecognizer:
             )
         d = self.settings(decoding, streams=True, **overrides)
         check_sample_rate(sample_rate)
-        chunks = GraphChunks(self.chunk_run, self.streaming, self.log_mel.n_mels)
-        return Stream(None, self.tokenizer, self.log_mel, d, None, sample_rate, chunks=chunks)
+        chunks = GraphChunks(self.chunk_run, self.streaming, self.frontend.n_mels)
+        return Stream(None, self.tokenizer, self.frontend, d, None, sample_rate, chunks=chunks)
 
 
 def _session(runner: Callable[[Path], Any], path: Path) -> Any:

@@ -60,7 +60,7 @@ __all__ = ["MIN_SAMPLES", "Recognizer", "Transcript", "Word", "find_audio"]
 log = logging.getLogger("konkanivani")
 
 # The fewest samples a model of the default front-end decodes (LogMel.min_samples); a model's own
-# is its front-end's (Recognizer.log_mel.min_samples).
+# is its front-end's (Recognizer.frontend.min_samples).
 MIN_SAMPLES = min_samples(LogMel)
 _MAX_NAMED = 5  # files named in the long-input note; the rest counted
 
@@ -97,7 +97,7 @@ class Recognizer:
         self.model = model.to(device).eval()
         self.tokenizer = tokenizer
         self.device = device
-        self.log_mel = make_frontend(model.cfg.frontend, model.cfg.n_mels)
+        self.frontend = make_frontend(model.cfg.frontend, model.cfg.n_mels)
         self.lm = None if lm is None else lm.to(device).eval()
         self._said: set[str] = set()  # the warnings given: each once
 
@@ -206,7 +206,7 @@ class Recognizer:
         """The final results of waveforms decoded as one batch, their words aligned and timed from
         ``offset`` seconds; ``greedy``, when given, is filled with each one's greedy CTC tokens."""
         fusion = self.fusion(d)
-        feats = [self.log_mel(w) for w in wavs]
+        feats = [self.frontend(w) for w in wavs]
         lens = torch.tensor([len(f) for f in feats], device=self.device)
         padded = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True).to(self.device)
         enc, enc_lens = self.model.encode(padded, lens, chunk_size=d.chunk_size,
@@ -228,7 +228,7 @@ class Recognizer:
         chunks it was not trained with."""
         d = self.settings(decoding, streams=True, **overrides)
         check_sample_rate(sample_rate)
-        return Stream(self.model, self.tokenizer, self.log_mel, d, self.fusion(d), sample_rate,
+        return Stream(self.model, self.tokenizer, self.frontend, d, self.fusion(d), sample_rate,
                       hotword_graph=self.hotword_graph(d))
 
     def stream_results(self, pieces: Iterable[torch.Tensor], decoding: DecodingConfig | None = None,
@@ -266,7 +266,7 @@ class Recognizer:
             stream = self.stream(d)
             for block in blocks():
                 yield from (r for r in stream.accept(block) if partials or r.is_final)
-            _check_length(path, seen, self.log_mel.min_samples)
+            _check_length(path, seen, self.frontend.min_samples)
             yield from (r for r in stream.finish() if partials or r.is_final)
             return
         self.fusion(d)
@@ -274,7 +274,7 @@ class Recognizer:
         for result in self._window_results(quiet_windows(blocks()), d, path):
             given = True
             yield result
-        _check_length(path, seen, self.log_mel.min_samples)
+        _check_length(path, seen, self.frontend.min_samples)
         if not given:
             yield Result("", True, 0.0, round(seen / SAMPLE_RATE, 3))
 
@@ -300,7 +300,7 @@ class Recognizer:
         waveform)``), decoded whole: its start and end the window's, its words timed from the start
         of the recording; a last sliver too short for the model is left out."""
         for first, wav in windows:
-            if _too_short(label, len(wav), self.log_mel.min_samples):
+            if _too_short(label, len(wav), self.frontend.min_samples):
                 continue
             [result] = self._decode_waveforms([wav], d, first / SAMPLE_RATE)
             if result.text:
@@ -331,7 +331,7 @@ class Recognizer:
 
     def _transcribe_window(self, paths: list[str | Path], d: DecodingConfig
                            ) -> Iterator[Transcript]:
-        read = [_read(p, self.log_mel.min_samples) for p in paths]
+        read = [_read(p, self.frontend.min_samples) for p in paths]
         wavs, errors = [w for w, _ in read], [e for _, e in read]
         results: dict[int, Result] = {}
         decodable = sorted(

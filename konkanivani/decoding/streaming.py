@@ -349,7 +349,8 @@ class Stream:
     which needs the model's attention decoder. ``hotword_graph``: the hotwords'
     (``Recognizer.hotword_graph``), which the search and the rescoring are biased towards."""
 
-    def __init__(self, model: ASRModel | None, tokenizer: Tokenizer, log_mel: LogMel,
+    def __init__(self, model: ASRModel | None, tokenizer: Tokenizer,
+                 frontend: LogMel | KaldiFbank,
                  decoding: DecodingConfig, fusion: Fusion | None, sample_rate: int = SAMPLE_RATE,
                  chunks: ModelChunks | None = None,
                  hotword_graph: ContextGraph | None = None):
@@ -373,7 +374,7 @@ class Stream:
         self.step = Conv2dSubsampling.STRIDE * chunk_size
         self.receptive_field = Conv2dSubsampling.RECEPTIVE_FIELD
         self.resampler = Resampler(sample_rate)
-        self.features = streaming_features(log_mel)
+        self.features = streaming_features(frontend)
         # prepared, not yet encoded
         self.feats = self.chunks.prepare(torch.zeros(0, self.features.n_mels))
         self.frames = 0  # encoder frames of the stream so far

@@ -278,7 +278,7 @@ class Engine:
         results = []
         for first, window in quiet_windows([wav]):
             # a last sliver of a window: too short to decode alone (the front-end's least)
-            if len(window) < self.recognizer.log_mel.min_samples:
+            if len(window) < self.recognizer.frontend.min_samples:
                 continue
             [r] = self.recognizer.decode_results([window], d, offset=first / SAMPLE_RATE)
             if r.text:
