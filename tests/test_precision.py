@@ -36,6 +36,16 @@ def test_probe_measures_a_ratio():
         assert 0 < ratio < 10
 
 
+def test_the_probe_leaves_the_global_generator_alone():
+    # A probe after a run's seeding used to draw from it: the first run in a process then started
+    # from other weights than a second one with the same seed (a sweep's trials, a benchmark's runs).
+    torch.manual_seed(7)
+    state = torch.get_rng_state()
+    precision_module._matmul_seconds(torch.float32, size=8, seconds=0.0)
+    precision_module._matmul_seconds(torch.bfloat16, size=8, seconds=0.0)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_an_x86_cpu_without_bf16_flags_never_gets_bf16_whatever_a_busy_probe_measures(monkeypatch):
     monkeypatch.setattr(
         precision_module, "_cpuinfo", lambda: ("AMD EPYC", frozenset({"avx2", "fma"}))

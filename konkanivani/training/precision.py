@@ -83,8 +83,11 @@ def cpu_description() -> str:
 
 def _matmul_seconds(dtype: torch.dtype, size: int = 256, seconds: float = 0.02) -> float:
     """The fastest of the products of two ``size`` x ``size`` matrices made within ``seconds`` (at
-    least one)."""
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    least one). The matrices come from a generator of their own: the global one is the run's, which
+    a probe made after its seeding would otherwise move (the first run in a process would then draw
+    other weights than the next one with the same seed)."""
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(size, size, generator=generator).to(dtype) for _ in range(2))
     best, start = float("inf"), time.perf_counter()
     while best == float("inf") or time.perf_counter() - start < seconds:
         t = time.perf_counter()
