@@ -38,7 +38,7 @@ def test_probe_measures_a_ratio():
 
 def test_the_probe_leaves_the_global_generator_alone():
     # A probe after a run's seeding used to draw from it: the first run in a process then started
-    # from other weights than a second one with the same seed (a sweep's trials, a benchmark's runs).
+    # from other weights than a second one of the same seed (a sweep's trials, a benchmark's runs).
     torch.manual_seed(7)
     state = torch.get_rng_state()
     precision_module._matmul_seconds(torch.float32, size=8, seconds=0.0)
