@@ -608,7 +608,7 @@ def corpus_rows(corpus: Corpus, work: Path) -> list[dict]:
     into ``work`` once (FLAC files as they are in the shards)."""
     if corpus.train_manifest is not None:
         return _manifest_rows(corpus.train_manifest)
-    from konkanivani.data.shards import AUDIO_MEMBER, META_MEMBER, iter_shard, read_shard_list
+    from konkanivani.data.shards import META_MEMBER, audio_member, iter_shard, read_shard_list
 
     folder = work / "train_flac"
     done = folder / "rows.json"
@@ -619,8 +619,9 @@ def corpus_rows(corpus: Corpus, work: Path) -> list[dict]:
     for shard in read_shard_list(corpus.train_shards).shards:
         for key, files in iter_shard(shard.path):
             meta = json.loads(files[META_MEMBER].decode("utf-8"))
-            audio = folder / f"{key}.{AUDIO_MEMBER}"
-            audio.write_bytes(files[AUDIO_MEMBER])
+            member = audio_member(files)
+            audio = folder / f"{key}.{member}"
+            audio.write_bytes(files[member])
             rows.append({"audio_filepath": str(audio), "duration": meta["duration"],
                          "text": meta["text"]})
     done.write_text(json.dumps(rows, ensure_ascii=False), encoding="utf-8")

@@ -32,7 +32,9 @@ from konkanivani.data.shards import (
     ShardPlan,
     ShardSet,
     ShardStream,
+    decode_member,
     interleave,
+    iter_shard,
     open_shards,
     shard_files,
 )
@@ -83,6 +85,31 @@ def test_shards_hold_every_row_losslessly_and_webdataset_reads_them(tiny_corpus,
     assert torch.equal(torch.from_numpy(flac), load_audio(tiny_corpus / rows[3]["audio_filepath"]))
 
 
+def test_opus_shards_are_a_fraction_of_the_bytes_and_read_as_flac_ones(tiny_corpus, shard_dir,
+                                                                        tmp_path):
+    out = tmp_path / "opus"
+    report = write_shards(tiny_corpus / "train.jsonl", out, shard_size=10, progress=False,
+                          audio_format="opus")
+    assert report.shards == 6 and not report.skipped
+    flac_bytes = sum(p.stat().st_size for p in shard_dir.glob("shard-*.tar"))
+    opus_bytes = sum(p.stat().st_size for p in out.glob("shard-*.tar"))
+    assert opus_bytes < 0.4 * flac_bytes
+    rows = [row for _, row in read_manifest(tiny_corpus / "train.jsonl")]
+    key, files = next(iter_shard(out / "shard-000000.tar"))
+    assert key == "train-00000001" and set(files) == {"opus", "json"}
+    wav, meta = decode_member(files, key)
+    source = load_audio(tiny_corpus / rows[0]["audio_filepath"])
+    assert meta["text"] == rows[0]["text"] and wav.shape == source.shape
+    # lossy, but the same speech: the error well below the signal
+    assert (wav - source).pow(2).mean() < 0.1 * source.pow(2).mean()
+    # written again as FLAC into the same folder: no Opus shard is kept for a FLAC one
+    again = write_shards(tiny_corpus / "train.jsonl", out, shard_size=10, progress=False)
+    assert again.written == 6
+    assert set(next(iter_shard(out / "shard-000000.tar"))[1]) == {"flac", "json"}
+    with pytest.raises(ValueError, match="want one of flac, opus"):
+        write_shards(tiny_corpus / "train.jsonl", out, shard_size=10, audio_format="mp3")
+
+
 def test_bad_rows_are_counted_and_named_and_the_others_written(tiny_corpus, tmp_path):
     lines = (tiny_corpus / "train.jsonl").read_text().splitlines()[:6]
     broken = json.loads(lines[2]) | {"audio_filepath": "wavs/nowhere.wav"}
@@ -106,11 +133,11 @@ def test_a_killed_writer_leaves_only_whole_shards_and_a_rerun_keeps_them(
     out = tmp_path / "out"
     encode, calls = shard_tools._encode, []
 
-    def dies_in_shard_three(row):
+    def dies_in_shard_three(row, *args):
         calls.append(row.key)
         if len(calls) == 25:  # the 5th utterance of the third shard
             raise KeyboardInterrupt
-        return encode(row)
+        return encode(row, *args)
 
     monkeypatch.setattr(shard_tools, "_encode", dies_in_shard_three)
     with pytest.raises(KeyboardInterrupt):
@@ -169,11 +196,11 @@ import konkanivani.datatools.shard_writer as shards
 from konkanivani.cli.prepare import main
 encode, started, go = shards._encode, Path(sys.argv[1]), Path(sys.argv[2])
 
-def held(row):
+def held(row, *args):
     started.touch()
     while not go.exists():
         time.sleep(0.05)
-    return encode(row)
+    return encode(row, *args)
 
 shards._encode = held
 sys.exit(main(sys.argv[3:]))

@@ -26,6 +26,7 @@ from pathlib import Path
 from ..checkpoint import CheckpointError
 from ..config import DEFAULT_MAX_DURATION, DEFAULT_SEED, Removed
 from ..data.manifest import ManifestError
+from ..data.shards import AUDIO_MEMBER, AUDIO_MEMBERS
 from ..data.tokenizer import Tokenizer
 from ..datatools.importers import (
     CONVERT_FORMATS,
@@ -170,7 +171,8 @@ def _check_row_check_flags(sub, args) -> None:
 
 
 def _shards_parser(sources) -> None:
-    text = "a manifest's utterances as tar shards (KEY.flac + KEY.json) and their list, shards.json"
+    text = ("a manifest's utterances as tar shards (KEY.flac or KEY.opus + KEY.json) and their "
+            "list, shards.json")
     s = sources.add_parser("shards", help=text, description=text)
     s.add_argument(
         "manifest",
@@ -182,6 +184,9 @@ def _shards_parser(sources) -> None:
     size = s.add_mutually_exclusive_group(required=True)
     size.add_argument("--shard_size", type=int, help="utterances per shard")
     size.add_argument("--shard_hours", type=float, help="hours of audio per shard")
+    s.add_argument("--audio_format", choices=AUDIO_MEMBERS, default=AUDIO_MEMBER,
+                   help="flac: 16-bit, lossless (default); opus: Opus in Ogg, lossy, about a tenth "
+                        "of the bytes (a corpus that must travel small)")
     _add_row_check_flags(s)
 
 
@@ -254,7 +259,8 @@ def _shards(args) -> int:
         report = write_shards(args.manifest, args.out_dir, shard_size=args.shard_size or 0,
                               shard_hours=args.shard_hours or 0.0,
                               tokenizer=Tokenizer.load(args.tokenizer) if args.tokenizer else None,
-                              max_duration=args.max_duration, progress=args.progress)
+                              max_duration=args.max_duration, progress=args.progress,
+                              audio_format=args.audio_format)
     except (ManifestError, CheckpointError) as e:
         return fail(str(e))
     print_shard_report(report)

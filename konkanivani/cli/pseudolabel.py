@@ -69,7 +69,7 @@ from ..checkpoint import BEST_FILE, LATEST_FILE, CheckpointError, write_file_ato
 from ..data.audio import load_audio
 from ..data.frames import SAMPLE_RATE
 from ..data.manifest import PSEUDO_LABEL, ManifestError, check_text, refuse_pseudo_labels
-from ..data.shards import AUDIO_MEMBER, META_MEMBER, iter_shard, open_shards
+from ..data.shards import AUDIO_MEMBER, META_MEMBER, audio_member, iter_shard, open_shards
 from ..datatools.outputs import OutputError, manifest_audio, safe_name, write_output
 from ..decoding.confidence import (
     MAX_CHARS_PER_SECOND,
@@ -351,16 +351,17 @@ def _shard_items(shards, audio_dir: Path) -> Iterator[_Item]:
     for shard in shards.shards:
         for key, files in iter_shard(shard.path, shard.name):
             where = f"{shard.name}:{key}"
-            target = audio_dir / (safe_name(where) + "." + AUDIO_MEMBER)
+            member = audio_member(files)
+            target = audio_dir / (safe_name(where) + "." + (member or AUDIO_MEMBER))
             try:
                 meta = json.loads(files[META_MEMBER].decode("utf-8"))
                 row = {k: v for k, v in meta.items() if k not in ("text", "duration")}
             except (KeyError, UnicodeDecodeError, ValueError, AttributeError):
                 row = {}  # its metadata is not needed to label it
-            if AUDIO_MEMBER not in files:
+            if member is None:
                 yield _Item(where, target, error=f"{where}: no audio member")
                 continue
-            yield _Item(where, target, row, data=files[AUDIO_MEMBER])
+            yield _Item(where, target, row, data=files[member])
 
 
 def _digest(path: Path) -> str:

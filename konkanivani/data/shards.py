@@ -1,10 +1,11 @@
 """Sharded datasets: tar shards in the WebDataset layout, their list, and how training reads them.
 
-A shard is a tar file holding two members per utterance, ``KEY.flac`` (16 kHz mono 16-bit, lossless)
-and ``KEY.json`` (``text``, ``duration`` and the manifest row's other keys): the layout WebDataset,
-NeMo's tarred datasets and SpeechBrain read. ``shards.json`` lists a set of them: each shard's file,
-size in bytes and, per utterance, its key and duration, so that an epoch is planned without opening
-a shard (``konkanivani-prepare shards`` writes both: ``datatools/shard_writer.py``).
+A shard is a tar file holding two members per utterance, ``KEY.flac`` (16 kHz mono 16-bit, lossless;
+or ``KEY.opus``, Opus in Ogg, lossy and a tenth of the bytes: ``AUDIO_MEMBERS``) and ``KEY.json``
+(``text``, ``duration`` and the manifest row's other keys): the layout WebDataset, NeMo's tarred
+datasets and SpeechBrain read. ``shards.json`` lists a set of them: each shard's file, size in bytes
+and, per utterance, its key and duration, so that an epoch is planned without opening a shard
+(``konkanivani-prepare shards`` writes both: ``datatools/shard_writer.py``).
 ``--train_shards`` takes that list, a brace pattern (``shards/shard-{000000..000099}.tar``) or a
 text file of shard paths; for the last two each shard is read once before training to list its
 utterances.
@@ -77,6 +78,8 @@ __all__ = [
     "read_shard_list",
     "shard_files",
     "texts_of",
+    "AUDIO_MEMBERS",
+    "audio_member",
     "iter_shard",
     "scan_shard",
     "shard_waveforms",
@@ -92,6 +95,14 @@ LIST_NAME = "shards.json"  # the shard list prepare writes beside the shards
 TEXTS_NAME = "text.txt"
 FORMAT = {"format": "konkanivani-shards", "version": 1}
 AUDIO_MEMBER, META_MEMBER = "flac", "json"
+# the audio members a shard may hold: lossless FLAC (what the writer makes by default), or Opus in
+# Ogg (``--audio_format opus``: a tenth of the bytes, lossy), as WebDataset names them by extension
+AUDIO_MEMBERS = ("flac", "opus")
+
+
+def audio_member(files: dict[str, bytes]) -> Optional[str]:
+    """The extension of the audio member among an utterance's ``files``, or None."""
+    return next((ext for ext in AUDIO_MEMBERS if ext in files), None)
 _NAMED = 5  # bad members of a kind a reader names one by one; the others are counted
 
 
@@ -386,7 +397,7 @@ def scan_shard(path: Path) -> tuple[list[str], list[float], list[str]]:
         except (KeyError, TypeError, ValueError, AttributeError):
             try:
                 import soundfile as sf
-                info = sf.info(io.BytesIO(files[AUDIO_MEMBER]))
+                info = sf.info(io.BytesIO(files[audio_member(files) or AUDIO_MEMBER]))
                 duration = info.frames / info.samplerate
             except Exception:  # noqa: BLE001 (soundfile raises several kinds)
                 problems.append(
@@ -401,7 +412,7 @@ def scan_shard(path: Path) -> tuple[list[str], list[float], list[str]]:
 def decode_member(files: dict[str, bytes], where: str) -> tuple[torch.Tensor, dict[str, Any]]:
     """An utterance's waveform and metadata; ``AudioError`` (reason counted) when either is
     unusable."""
-    if AUDIO_MEMBER not in files:
+    if (member := audio_member(files)) is None:
         raise AudioError("no audio member", where)
     try:
         meta = json.loads(files.get(META_MEMBER, b"").decode("utf-8"))
@@ -409,7 +420,7 @@ def decode_member(files: dict[str, bytes], where: str) -> tuple[torch.Tensor, di
             raise ValueError("not an object")
     except (UnicodeDecodeError, ValueError) as e:
         raise AudioError("metadata unreadable", where, str(e)) from e
-    return load_audio(io.BytesIO(files[AUDIO_MEMBER]), label=where), meta
+    return load_audio(io.BytesIO(files[member]), label=where), meta
 
 
 def shard_waveforms(

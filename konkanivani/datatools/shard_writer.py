@@ -2,12 +2,14 @@
 
 Every row goes through the validator's checks first (``manifest.check_row``); a row that fails is
 counted by reason and named (the first few), as ``konkanivani-prepare`` does. The usable rows, in
-manifest order, are dealt to shards of ``--shard_size`` utterances or ``--shard_hours`` hours;
-each utterance becomes ``KEY.flac`` (its audio at 16 kHz mono, 16-bit FLAC: lossless for the
-16-bit sources people have) and ``KEY.json`` (its text, its duration and the row's other keys),
-``KEY`` being the manifest's name and line (``train-00000017``: line 17 of train.jsonl), so a
-shard's utterance leads back to its row. Then ``shards.json`` (the list: each shard's file, bytes,
-keys and durations) and ``text.txt`` (every text, for a fresh run's tokenizer).
+manifest order, are dealt to shards of ``--shard_size`` utterances or ``--shard_hours`` hours; each
+utterance becomes ``KEY.flac`` (its audio at 16 kHz mono, 16-bit FLAC: lossless for the 16-bit
+sources people have; or with ``audio_format="opus"`` ``KEY.opus``, Opus in Ogg at about 20 kbit/s
+(lossy, for a corpus that must travel small: a tenth of the bytes) and ``KEY.json`` (its
+text, its duration and the row's other keys), ``KEY`` being the manifest's name and line
+(``train-00000017``: line 17 of train.jsonl), so a shard's utterance leads back to its row. Then
+``shards.json`` (the list: each shard's file, bytes, keys and durations) and ``text.txt`` (every
+text, for a fresh run's tokenizer).
 
 One run at a time: a run holds the folder (``hold_shard_folder``, a lock on ``.shards.lock`` there,
 as a training run holds its own) while it writes, and a second one into it is refused in one line.
@@ -46,7 +48,15 @@ from ..config import DEFAULT_MAX_DURATION
 from ..data.audio import AudioError, load_audio
 from ..data.frames import SAMPLE_RATE
 from ..data.manifest import ManifestError, check_row, iter_manifest
-from ..data.shards import AUDIO_MEMBER, FORMAT, LIST_NAME, META_MEMBER, TEXTS_NAME, ShardError
+from ..data.shards import (
+    AUDIO_MEMBER,
+    AUDIO_MEMBERS,
+    FORMAT,
+    LIST_NAME,
+    META_MEMBER,
+    TEXTS_NAME,
+    ShardError,
+)
 from ..data.tokenizer import Tokenizer, train_tokenizer
 from .importers import print_skipped
 
@@ -165,16 +175,24 @@ def _member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def _encode(row: _Row) -> tuple[bytes, float]:
-    """The row's audio as 16 kHz mono 16-bit FLAC bytes, and its duration."""
+# how each audio format is written: soundfile's format, subtype and settings
+_WRITE = {"flac": dict(format="FLAC", subtype="PCM_16"),
+          "opus": dict(format="OGG", subtype="OPUS", compression_level=0.95)}
+assert set(_WRITE) == set(AUDIO_MEMBERS)
+
+
+def _encode(row: _Row, audio_format: str = AUDIO_MEMBER) -> tuple[bytes, float]:
+    """The row's audio as 16 kHz mono bytes of ``audio_format`` (16-bit FLAC, or Opus), and its
+    duration."""
     wav = load_audio(row.audio, label=row.where).numpy()
     buffer = io.BytesIO()
     # resampling overshoots
-    sf.write(buffer, np.clip(wav, -1.0, 1.0), SAMPLE_RATE, format="FLAC", subtype="PCM_16")
+    sf.write(buffer, np.clip(wav, -1.0, 1.0), SAMPLE_RATE, **_WRITE[audio_format])
     return buffer.getvalue(), round(len(wav) / SAMPLE_RATE, 6)
 
 
-def _write_shard(path: Path, rows: list[_Row], report: ShardReport) -> dict[str, Any]:
+def _write_shard(path: Path, rows: list[_Row], report: ShardReport,
+                 audio_format: str = AUDIO_MEMBER) -> dict[str, Any]:
     """Write one shard atomically; its list entry. A row whose audio fails now is left out,
     counted."""
     keys, durations = [], []
@@ -184,14 +202,14 @@ def _write_shard(path: Path, rows: list[_Row], report: ShardReport) -> dict[str,
     ):
         for row in rows:
             try:
-                audio, duration = _encode(row)
+                audio, duration = _encode(row, audio_format)
             except AudioError as e:
                 report.skipped[e.reason] += 1
                 if len(report.examples) < _EXAMPLES:
                     report.examples.append(f"{row.where}: {e.reason}")
                 continue
             meta = {"text": row.text, "duration": duration, **row.extra}
-            _member(tar, f"{row.key}.{AUDIO_MEMBER}", audio)
+            _member(tar, f"{row.key}.{audio_format}", audio)
             _member(
                 tar,
                 f"{row.key}.{META_MEMBER}",
@@ -204,24 +222,28 @@ def _write_shard(path: Path, rows: list[_Row], report: ShardReport) -> dict[str,
         "bytes": path.stat().st_size,
         "utterances": len(keys),
         "hours": round(sum(durations) / 3600, 6),
-        "plan": _plan_digest(rows),
+        "plan": _plan_digest(rows, audio_format),
         "keys": keys,
         "durations": durations,
     }
 
 
-def _plan_digest(rows: list[_Row]) -> str:
-    """What a shard should hold: its rows' keys and audio files (a changed manifest changes it)."""
-    return hashlib.sha256(
-        json.dumps([[row.key, str(row.audio), row.text] for row in rows]).encode()
-    ).hexdigest()[:16]
+def _plan_digest(rows: list[_Row], audio_format: str = AUDIO_MEMBER) -> str:
+    """What a shard should hold: its rows' keys and audio files (a changed manifest changes it), in
+    which audio format (FLAC's digest is the one shards had before there was a choice)."""
+    plan: list[Any] = [[row.key, str(row.audio), row.text] for row in rows]
+    if audio_format != AUDIO_MEMBER:
+        plan.append(audio_format)
+    return hashlib.sha256(json.dumps(plan).encode()).hexdigest()[:16]
 
 
-def _kept(path: Path, rows: list[_Row], done: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """The entry of a shard in place that an earlier run wrote whole for these same rows, else
-    None."""
+def _kept(path: Path, rows: list[_Row], done: dict[str, dict[str, Any]],
+          audio_format: str = AUDIO_MEMBER) -> dict[str, Any] | None:
+    """The entry of a shard in place that an earlier run wrote whole for these same rows in this
+    audio format, else None."""
     entry = done.get(path.name)
-    if entry is None or entry.get("plan") != _plan_digest(rows) or not path.is_file() \
+    if entry is None or entry.get("plan") != _plan_digest(rows, audio_format) \
+            or not path.is_file() \
             or path.stat().st_size != entry.get("bytes"):
         return None
     return entry
@@ -236,11 +258,15 @@ def write_shards(
     tokenizer: Tokenizer | None = None,
     max_duration: float = DEFAULT_MAX_DURATION,
     progress: bool = True,
+    audio_format: str = AUDIO_MEMBER,
 ) -> ShardReport:
     """Write ``manifest``'s usable utterances as shards in ``out_dir`` and list them (the module's
-    docstring says how). One of ``shard_size`` (utterances) and ``shard_hours`` is given."""
+    docstring says how), their audio as ``audio_format`` (``AUDIO_MEMBERS``). One of
+    ``shard_size`` (utterances) and ``shard_hours`` is given."""
     if (shard_size > 0) == (shard_hours > 0):
         raise ValueError("give one of shard_size and shard_hours")
+    if audio_format not in AUDIO_MEMBERS:
+        raise ValueError(f"audio_format {audio_format!r}: want one of {', '.join(AUDIO_MEMBERS)}")
     manifest, out_dir = Path(manifest), Path(out_dir)
     report = ShardReport(out_dir)
     rows = _usable_rows(manifest, tokenizer, max_duration, report)
@@ -249,21 +275,21 @@ def write_shards(
         return report
     out_dir.mkdir(parents=True, exist_ok=True)
     with hold_shard_folder(out_dir):
-        _write_groups(manifest, out_dir, groups, report, progress)
+        _write_groups(manifest, out_dir, groups, report, progress, audio_format)
     return report
 
 
 def _write_groups(manifest: Path, out_dir: Path, groups: list[list[_Row]], report: ShardReport,
-                  progress: bool) -> None:
+                  progress: bool, audio_format: str = AUDIO_MEMBER) -> None:
     for stale in out_dir.glob(".shard-*.tar.tmp*"):  # a run killed while writing a shard
         stale.unlink(missing_ok=True)
     done = _done_before(out_dir)
     entries, texts = [], []
     for i, group in enumerate(tqdm(groups, desc="shards", unit="shard", disable=not progress)):
         path = out_dir / shard_name(i)
-        entry = _kept(path, group, done)
+        entry = _kept(path, group, done, audio_format)
         if entry is None:
-            entry = _write_shard(path, group, report)
+            entry = _write_shard(path, group, report, audio_format)
             report.written += 1
             # after the rename: the shard is whole
             with open(out_dir / PROGRESS, "a", encoding="utf-8") as f:
