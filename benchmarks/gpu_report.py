@@ -10,16 +10,17 @@ On the GPU machine, in one call (its device tool: carry ``data/gpu_corpus`` and
 
 Before that call, on a machine with espeak-ng and a network (both folders are ignored by git)::
 
-    python3 benchmarks/gpu_report.py --make_corpus data/gpu_corpus   # the demo corpus, FLAC
+    python3 benchmarks/gpu_report.py --make_corpus data/gpu_corpus   # the demo corpus, Opus
     python3 benchmarks/gpu_report.py --make_wheels benchmarks/wheels  # what the GPU image lacks
 
 ``--make_corpus`` synthesizes the demo corpus (``konkanivani-demo-corpus --num_utterances
---corpus_utterances``), writes its training split as FLAC tar shards (``konkanivani-prepare
-shards``: ``shards/shards.json``) and its validation split as FLAC files with ``valid.jsonl``, and
-prints its size. ``--make_wheels`` downloads (``pip download``, for CPython 3.12 on x86-64 Linux)
-the package's dependencies the GPU image lacks, pinned in WHEELS (jiwer with rapidfuzz, soundfile
-with cffi and pycparser, braceexpand, bitsandbytes), bitsandbytes kept to the CUDA libraries of
---wheel_cuda (130: the image's torch is built with CUDA 13.0), which take it from 41 to ~4 MiB.
+--corpus_utterances``), writes its training split as tar shards (``konkanivani-prepare shards``:
+``shards/shards.json``) and its validation split as files with ``valid.jsonl``, all in Opus (or
+FLAC, ``--corpus_format``: Opus lets the whole demo corpus travel in one call), and prints its size.
+``--make_wheels`` downloads (``pip download``, for CPython 3.12 on x86-64 Linux) the package's
+dependencies the GPU image lacks, pinned in WHEELS (jiwer with rapidfuzz, soundfile with cffi and
+pycparser, braceexpand, bitsandbytes), bitsandbytes kept to the CUDA libraries of --wheel_cuda (130:
+the image's torch is built with CUDA 13.0), which take it from 41 to ~4 MiB.
 
 The parts, in this order, each in a process group of its own that is killed at its time limit,
 all of them within --total_timeout (590 s); ``--dry_run`` prints each part's command, budget and
@@ -106,6 +107,7 @@ MIB = 2 ** 20
 CARRY_LIMIT_MIB = 64  # what one call of the GPU machine carries: the checkout and the carried paths
 
 CORPUS = "data/gpu_corpus"
+CODEC_NAMES = {"opus": "Opus", "flac": "FLAC"}  # --corpus_format's, as tables write them
 WHEEL_DIR = "benchmarks/wheels"
 DEVICE_CARRY = (CORPUS, WHEEL_DIR)
 # The package's dependencies the GPU image (CPython 3.12, torch 2.11+cu130) lacks, with theirs,
@@ -206,9 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
              f"(default: {CORPUS} or data/demo when complete, else a small one made here)")
     add("--make_corpus", type=Path, metavar="DIR",
         help="make the corpus in DIR (needs espeak-ng; no GPU) and exit")
-    add("--corpus_utterances", type=_positive_int, default=600,
-        help="utterances of the demo corpus --make_corpus makes (default: 600: 480 train, "
-             "48 valid, ~33 MiB)")
+    add("--corpus_utterances", type=_positive_int, default=4800,
+        help="utterances of the demo corpus --make_corpus makes (default: 4,800, the demo "
+             "corpus's own: 3,840 train, 388 valid)")
+    add("--corpus_format", choices=("opus", "flac"), default="opus",
+        help="the audio of --make_corpus's shards and valid files (default: opus, about a tenth "
+             "of FLAC's bytes)")
     add("--make_wheels", type=Path, metavar="DIR",
         help="download the wheels the GPU machine lacks into DIR (needs a network) and exit")
     add("--wheel_cuda", default="130",
@@ -542,9 +547,10 @@ def open_corpus(folder: Path) -> Optional[Corpus]:
     if _is_gpu_corpus(folder):
         info = folder / "corpus.json"
         made = json.loads(info.read_text(encoding="utf-8")) if info.is_file() else {}
-        what = (f"the demo corpus in `{folder}` ({made['train']} training utterances in FLAC "
+        codec = CODEC_NAMES[made.get("audio_format", "flac")]  # made before the choice: FLAC
+        what = (f"the demo corpus in `{folder}` ({made['train']} training utterances in {codec} "
                 f"shards, {made['valid']} validation utterances; made with "
-                f"`{made['command']}`)" if made else f"the FLAC corpus in `{folder}`")
+                f"`{made['command']}`)" if made else f"the shard corpus in `{folder}`")
         return Corpus(folder / "valid.jsonl", what, train_shards=folder / "shards" / "shards.json")
     if _has_manifests(folder):
         return Corpus(folder / "valid.jsonl", f"the corpus in `{folder}`",
@@ -605,7 +611,7 @@ def _small_corpus(args: argparse.Namespace, limit: float,
 
 def corpus_rows(corpus: Corpus, work: Path) -> list[dict]:
     """The corpus's training utterances as manifest rows with absolute paths; shards are unpacked
-    into ``work`` once (FLAC files as they are in the shards)."""
+    into ``work`` once (FLAC or Opus files as they are in the shards)."""
     if corpus.train_manifest is not None:
         return _manifest_rows(corpus.train_manifest)
     from konkanivani.data.shards import META_MEMBER, audio_member, iter_shard, read_shard_list
@@ -668,27 +674,33 @@ def _run_checked(cmd: list[str], what: str) -> None:
         raise PreparationError(f"{what} failed (exit status {result.returncode}): {last}")
 
 
-def flac_manifest(manifest: Path, out: Path, folder: str = "valid") -> list[dict]:
-    """``manifest``'s audio as 16-bit FLAC files in ``out/folder`` (lossless for 16-bit sources)
-    and its rows, paths relative to ``out``, in ``out/<manifest's name>``."""
+def audio_manifest(manifest: Path, out: Path, folder: str = "valid",
+                   audio_format: str = "opus") -> list[dict]:
+    """``manifest``'s audio as files of ``audio_format`` in ``out/folder`` (16-bit FLAC, lossless
+    for 16-bit sources; or Opus, as ``konkanivani-prepare shards --audio_format`` writes it) and its
+    rows, paths relative to ``out``, in ``out/<manifest's name>``."""
     import soundfile as sf
+
+    from konkanivani.datatools.shard_writer import AUDIO_WRITE
 
     (out / folder).mkdir(parents=True, exist_ok=True)
     rows = []
     for row in _manifest_rows(manifest):
         source = Path(row["audio_filepath"])
         audio, rate = sf.read(source, dtype="int16")
-        name = f"{folder}/{source.stem}.flac"
-        sf.write(out / name, audio, rate, format="FLAC", subtype="PCM_16")
+        name = f"{folder}/{source.stem}.{audio_format}"
+        sf.write(out / name, audio, rate, **AUDIO_WRITE[audio_format])
         rows.append({**row, "audio_filepath": name})
     with open(out / manifest.name, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
     return rows
 
 
-def make_corpus(out: Path, utterances: int, jobs: int) -> dict[str, Any]:
-    """The demo corpus of ``utterances`` as the GPU machine takes it: training split as FLAC tar
-    shards (``konkanivani-prepare shards``), validation split as FLAC files and valid.jsonl, and
+def make_corpus(out: Path, utterances: int, jobs: int,
+                audio_format: str = "opus") -> dict[str, Any]:
+    """The demo corpus of ``utterances`` as the GPU machine takes it: training split as tar shards
+    (``konkanivani-prepare shards``), validation split as files and valid.jsonl, in
+    ``audio_format``, and
     corpus.json saying how it was made. Written beside ``out`` and renamed into place when whole,
     so a killed run leaves no corpus that looks complete; ``out`` must not hold anything else."""
     if (out / "corpus.json").is_file():
@@ -712,11 +724,13 @@ def make_corpus(out: Path, utterances: int, jobs: int) -> dict[str, Any]:
                      "konkanivani-demo-corpus")
         _run_checked([sys.executable, "-m", "konkanivani.cli.prepare", "shards",
                       str(demo / "train.jsonl"), "--output_dir", str(staging / "shards"),
-                      "--shard_size", str(SHARD_SIZE), "--no_progress"],
+                      "--shard_size", str(SHARD_SIZE), "--audio_format", audio_format,
+                      "--no_progress"],
                      "konkanivani-prepare shards")
-        valid = flac_manifest(demo / "valid.jsonl", staging)
+        valid = audio_manifest(demo / "valid.jsonl", staging, audio_format=audio_format)
     listing = json.loads((staging / "shards" / "shards.json").read_text(encoding="utf-8"))
-    info = {"command": shlex.join(command), "train": listing["utterances"],
+    info = {"command": shlex.join(command), "audio_format": audio_format,
+            "train": listing["utterances"],
             "train_hours": listing["hours"], "shards": len(listing["shards"]),
             "valid": len(valid), "valid_hours": round(sum(r["duration"] for r in valid) / 3600, 6),
             "seconds": round(time.monotonic() - start, 1),
@@ -1796,12 +1810,13 @@ def prepare(args: argparse.Namespace) -> int:
                   + ", ".join(f"{name} ({size / MIB:.1f} MiB)" for name, size in sizes.items()))
         if args.make_corpus is not None:
             jobs = min(16, os.cpu_count() or 2)
-            info = make_corpus(args.make_corpus, args.corpus_utterances, jobs)
+            info = make_corpus(args.make_corpus, args.corpus_utterances, jobs, args.corpus_format)
             size = folder_bytes(args.make_corpus)
+            codec = CODEC_NAMES[info.get("audio_format", "flac")]
             print(f"{args.make_corpus}: {info['train']} training utterances "
-                  f"({info['train_hours'] * 60:.1f} min) in {info['shards']} FLAC shards, "
+                  f"({info['train_hours'] * 60:.1f} min) in {info['shards']} {codec} shards, "
                   f"{info['valid']} validation utterances "
-                  f"({info['valid_hours'] * 60:.1f} min) in FLAC; {size / MIB:.1f} MiB; "
+                  f"({info['valid_hours'] * 60:.1f} min) in {codec}; {size / MIB:.1f} MiB; "
                   + ("made before" if info.get("already_there") else
                      f"made in {info['seconds']:.0f} s"))
         print(_carry_line(_carried_sizes(args.make_corpus, args.make_wheels)))

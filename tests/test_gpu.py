@@ -1146,11 +1146,11 @@ def test_the_trainer_reads_a_corpus_unpacked_from_its_shards(tmp_path):
 
     tones = gpu_report.write_tone_corpus(tmp_path / "tones", train=5, valid=2)
     write_shards(tones / "train.jsonl", tmp_path / "c" / "shards", shard_size=2)
-    rows = gpu_report.flac_manifest(tones / "valid.jsonl", tmp_path / "c")
+    rows = gpu_report.audio_manifest(tones / "valid.jsonl", tmp_path / "c", audio_format="flac")
     assert [r["audio_filepath"] for r in rows] == ["valid/valid_0000.flac", "valid/valid_0001.flac"]
     corpus = gpu_report.open_corpus(tmp_path / "c")
     assert corpus.train_shards == tmp_path / "c" / "shards" / "shards.json"
-    assert corpus.about == f"the FLAC corpus in `{tmp_path / 'c'}`"
+    assert corpus.about == f"the shard corpus in `{tmp_path / 'c'}`"
     assert len(corpus.durations()) == 5
     work = tmp_path / "work"
     rows = gpu_report.corpus_rows(corpus, work)
@@ -1167,7 +1167,7 @@ def test_the_trainer_reads_a_corpus_unpacked_from_its_shards(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="--make_corpus needs espeak-ng")
-def test_make_corpus_writes_flac_shards_the_trainer_part_trains_on(tmp_path, capsys):
+def test_make_corpus_writes_opus_shards_the_trainer_part_trains_on(tmp_path, capsys):
     """--make_corpus for real on 20 utterances (the demo corpus synthesizes ~130 held-out ones
     beside them: about a minute on 2 cores), then the trainer part's command on it, on the CPU:
     a tiny model, 2 steps."""
@@ -1176,6 +1176,7 @@ def test_make_corpus_writes_flac_shards_the_trainer_part_trains_on(tmp_path, cap
     printed = capsys.readouterr().out
     info = json.loads((out / "corpus.json").read_text(encoding="utf-8"))
     assert info["command"] == "konkanivani-demo-corpus --num_utterances 20"
+    assert info["audio_format"] == "opus" and "in 1 Opus shards" in printed
     assert (info["train"], info["valid"], info["shards"]) == (16, 2, 1)
     assert f"{out}: 16 training utterances" in printed and "MiB of the" not in printed
     assert "a call of the GPU machine carries" in printed
@@ -1195,7 +1196,7 @@ def test_make_corpus_writes_flac_shards_the_trainer_part_trains_on(tmp_path, cap
     args = gpu_report.parse_args(["--corpus", str(out), "--trainer_preset", "tiny",
                                   "--trainer_precision", "fp32", "--trainer_steps", "2"])
     corpus, problem = gpu_report.resolve_corpus(args, 60, tmp_path)
-    assert problem is None and "16 training utterances in FLAC shards" in corpus.about
+    assert problem is None and "16 training utterances in Opus shards" in corpus.about
     rows = gpu_report.corpus_rows(corpus, tmp_path)
     assert gpu_report.write_repeated_manifest(rows, tmp_path / "train.jsonl", 4 * 16) >= 1
     cmd = gpu_report.trainer_command(args, tmp_path / "train.jsonl", corpus.valid,

@@ -176,9 +176,9 @@ def _member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 
 
 # how each audio format is written: soundfile's format, subtype and settings
-_WRITE = {"flac": dict(format="FLAC", subtype="PCM_16"),
+AUDIO_WRITE = {"flac": dict(format="FLAC", subtype="PCM_16"),
           "opus": dict(format="OGG", subtype="OPUS", compression_level=0.95)}
-assert set(_WRITE) == set(AUDIO_MEMBERS)
+assert set(AUDIO_WRITE) == set(AUDIO_MEMBERS)
 
 
 def _encode(row: _Row, audio_format: str = AUDIO_MEMBER) -> tuple[bytes, float]:
@@ -187,7 +187,7 @@ def _encode(row: _Row, audio_format: str = AUDIO_MEMBER) -> tuple[bytes, float]:
     wav = load_audio(row.audio, label=row.where).numpy()
     buffer = io.BytesIO()
     # resampling overshoots
-    sf.write(buffer, np.clip(wav, -1.0, 1.0), SAMPLE_RATE, **_WRITE[audio_format])
+    sf.write(buffer, np.clip(wav, -1.0, 1.0), SAMPLE_RATE, **AUDIO_WRITE[audio_format])
     return buffer.getvalue(), round(len(wav) / SAMPLE_RATE, 6)
 
 
