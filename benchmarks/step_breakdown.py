@@ -146,15 +146,11 @@ def instrumented(clock: Clock) -> Iterator[None]:
         clock.alone = (time.perf_counter() - start, first)
 
     def timed_batches(batches: Any, *speeds: Any) -> Iterator[Any]:
-        it = saved["_timed"](batches, *speeds)
-        while True:
-            start = time.perf_counter()
-            try:
-                batch = next(it)
-            except StopIteration:
-                return
+        start = time.perf_counter()  # each batch's wait: from asking for it to having it
+        for batch in saved["_timed"](batches, *speeds):
             clock.pending["data"] += time.perf_counter() - start
             yield batch
+            start = time.perf_counter()
 
     try:
         for name, fn in inner.items():
