@@ -177,7 +177,7 @@ def _member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 
 # how each audio format is written: soundfile's format, subtype and settings
 AUDIO_WRITE = {"flac": dict(format="FLAC", subtype="PCM_16"),
-          "opus": dict(format="OGG", subtype="OPUS", compression_level=0.95)}
+               "opus": dict(format="OGG", subtype="OPUS", compression_level=0.95)}
 assert set(AUDIO_WRITE) == set(AUDIO_MEMBERS)
 
 

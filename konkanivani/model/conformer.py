@@ -137,18 +137,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        t = torch.arange(length, device=device, dtype=torch.float32)
-        angles = torch.outer(t, self.inv_freq.to(device))  # (T, hd/2)
-        angles = torch.cat([angles, angles], dim=-1)  # (T, hd)
-        return angles.cos(), angles.sin()
+        """The tables of positions 0 .. ``length - 1``, ``(T, hd)`` each."""
+        return self.at(torch.zeros((), dtype=torch.int64, device=device), length)
 
     def at(self, offset: torch.Tensor, frames: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The tables of positions ``offset`` .. ``offset + frames - 1`` only, ``offset`` an int64
-        tensor (an exported graph's input, where ``forward``'s tables would need its value)."""
-        angles = (offset + torch.arange(frames, device=offset.device)).float()[
-            :, None
-        ] * self.inv_freq[None, :]
-        angles = torch.cat([angles, angles], dim=-1)
+        tensor (an exported graph's input, whose value the graph does not know)."""
+        positions = (offset + torch.arange(frames, device=offset.device)).float()
+        angles = positions[:, None] * self.inv_freq.to(offset.device)[None, :]  # (T, hd/2)
+        angles = torch.cat([angles, angles], dim=-1)  # (T, hd)
         return angles.cos(), angles.sin()
 
 
