@@ -11,7 +11,8 @@ For each language L and seed, with the CPU recipe (configs/cpu_small.yaml) and a
 trainer flags given after the known ones:
 
 - ``base_without_L``: every other training language of the yardstick (``--train_mix``, weight 1
-  each; Spanish is never a training language), validated on their valid splits, ``--base_steps``;
+  each; Spanish is never a training language), validated on their valid splits, ``--base_steps``
+  (with ``--base_seed S`` one base, of seed S, serves every seed's fine-tuning);
 - ``scratch_L``: L's ``train_15min.jsonl`` from scratch, validated on L's valid split, ``--steps``;
 - ``tuned_L``: the same from the base's best.pt (``--init_from``: its vocabulary rows matched by
   token), ``--steps``;
@@ -105,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a demo-corpus checkpoint to fine-tune from as well")
     parser.add_argument("--base_init", type=Path,
                         help="a checkpoint the base starts from (--init_from) instead of scratch")
+    parser.add_argument("--base_seed", type=int,
+                        help="train one base, with this seed, for every seed's fine-tuning "
+                             "(default: a base of each seed's own)")
     parser.add_argument("--out", type=Path,
                         default=ROOT / "benchmarks" / "results" / "real_speech_transfer")
     args, extra = parser.parse_known_args(argv)
@@ -135,8 +139,10 @@ def main(argv: list[str] | None = None) -> int:
             run = args.out / "run" / f"seed{seed}"
             base_data = (["--train_mix", mix] if "," in mix
                          else ["--train_manifest", mix.rsplit(":", 2)[0]])
-            base = fit(run / base_name, [*base_data, *base_init], base_valid, args.base_steps,
-                       seed, [*every, *extra])
+            base_seed = seed if args.base_seed is None else args.base_seed
+            base = fit(args.out / "run" / f"seed{base_seed}" / base_name,
+                       [*base_data, *base_init], base_valid, args.base_steps, base_seed,
+                       [*every, *extra])
             own = ["--train_manifest", str(own_train)]
             scratch = fit(run / f"scratch_{lang}", own, own_valid, args.steps, seed,
                           [*every, *extra])
@@ -184,7 +190,8 @@ def write_tables(out: Path, rows: list[dict], args: argparse.Namespace) -> None:
                f"{args.seeds} --base_steps {args.base_steps} --steps {args.steps}"
                + (f" --demo {args.demo} --demo_weight {args.demo_weight:g}" if args.demo else "")
                + (f" --demo_model {args.demo_model}" if args.demo_model else "")
-               + (f" --base_init {args.base_init}" if args.base_init else ""))
+               + (f" --base_init {args.base_init}" if args.base_init else "")
+               + (f" --base_seed {args.base_seed}" if args.base_seed is not None else ""))
     (out / "table.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     (out / "summary.md").write_text(f"    {command}\n\n" + "\n".join(means) + "\n",
                                     encoding="utf-8")
