@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 from ..checkpoint import CheckpointError
-from ..data.manifest import ManifestError, refuse_pseudo_labels
-from ..datatools.outputs import OutputError, manifest_audio, write_output
+from ..data.manifest import ManifestError, manifest_audio, refuse_pseudo_labels
+from ..datatools.outputs import OutputError, write_output
 from ..decoding.evaluation import evaluate_manifest, markdown_report
 from . import Parser, fail, refuse_unsafe_outputs, setup_logging, tool
 from .decoding_flags import (

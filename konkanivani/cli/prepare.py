@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..checkpoint import CheckpointError
 from ..config import DEFAULT_MAX_DURATION, DEFAULT_SEED, Removed
-from ..data.manifest import ManifestError
+from ..data.manifest import ManifestError, manifest_audio
 from ..data.shards import AUDIO_MEMBER, AUDIO_MEMBERS
 from ..data.tokenizer import Tokenizer
 from ..datatools.importers import (
@@ -38,7 +38,7 @@ from ..datatools.importers import (
     prepare,
     print_report,
 )
-from ..datatools.outputs import OutputError, child, manifest_audio, refuse_overlap
+from ..datatools.outputs import OutputError, child, refuse_overlap
 from ..datatools.shard_writer import print_shard_report, write_shards
 from . import Parser, add_output_dir, fail, output_dir, refuse_unsafe_outputs, setup_logging, tool
 

@@ -68,9 +68,15 @@ from pathlib import Path
 from ..checkpoint import BEST_FILE, LATEST_FILE, CheckpointError, write_file_atomic
 from ..data.audio import load_audio
 from ..data.frames import SAMPLE_RATE
-from ..data.manifest import PSEUDO_LABEL, ManifestError, check_text, refuse_pseudo_labels
+from ..data.manifest import (
+    PSEUDO_LABEL,
+    ManifestError,
+    check_text,
+    manifest_audio,
+    refuse_pseudo_labels,
+)
 from ..data.shards import AUDIO_MEMBER, META_MEMBER, audio_member, iter_shard, open_shards
-from ..datatools.outputs import OutputError, manifest_audio, safe_name, write_output
+from ..datatools.outputs import OutputError, safe_name, write_output
 from ..decoding.confidence import (
     MAX_CHARS_PER_SECOND,
     MIN_CHARS_PER_SECOND,

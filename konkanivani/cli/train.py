@@ -30,7 +30,6 @@ import logging
 import os
 import shlex
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 from ..checkpoint import CheckpointError
@@ -39,16 +38,11 @@ from ..config import (
     ModelConfig,
     TrainConfig,
     add_dataclass_args,
-    check_config,
     dataclass_from_args,
-    parse_mix,
 )
 from ..config_file import load_config_file
 from ..data.manifest import ManifestError
-from ..data.shards import shard_files
-from ..datatools.outputs import input_inside, manifest_audio
 from ..training.loop import train
-from ..training.run_files import existing_run
 from ..training.signals import Stop, TrainingDiverged
 from . import Parser, fail, setup_logging, tool
 
@@ -94,35 +88,6 @@ def model_flags(args: argparse.Namespace) -> dict:
             if not f.metadata.get("from_tokenizer")}
 
 
-def _overwrite_moves_an_input(cfg: TrainConfig) -> str | None:
-    """Why ``--overwrite`` may not move the earlier run in ``--output_dir`` aside, or None: it moves
-    everything there, and the folder holds a file this run reads (a manifest, its audio, a shard,
-    the tokenizer, the --init_from checkpoint)."""
-    out = Path(cfg.output_dir)
-    if not cfg.overwrite or cfg.resume or existing_run(out) is None:
-        return None
-    if (held := input_inside(out, run_inputs(cfg))) is None:
-        return None
-    return (f"--overwrite would move {held}, which this run reads, out of --output_dir {out} (it "
-            "moves everything there aside); nothing was moved: give another --output_dir")
-
-
-def run_inputs(cfg: TrainConfig) -> Iterator[Path]:
-    """Every file and folder a training run reads: its manifests and the audio they name, its
-    shards, tokenizer, --init_from checkpoint and augmentation folders."""
-    for name in ("tokenizer", "init_from", "noise_dir", "rir_dir", "train_manifest",
-                 "valid_manifest", "pseudo_manifest"):
-        if path := getattr(cfg, name):
-            yield Path(path)
-    if cfg.train_shards:
-        yield from shard_files(cfg.train_shards)
-    mixed = [entry.path for entry in parse_mix(cfg.train_mix)] if cfg.train_mix else []
-    yield from map(Path, mixed)
-    for manifest in (cfg.train_manifest, cfg.valid_manifest, cfg.pseudo_manifest, *mixed):
-        if manifest:
-            yield from manifest_audio(manifest)
-
-
 def resume_command(argv: list[str]) -> str:
     """The command line that continues this run: the same flags, with ``--resume latest``."""
     kept, skip_next = [], False
@@ -149,9 +114,6 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dataclass_from_args(TrainConfig, args)
     argv = sys.argv[1:] if argv is None else argv
     try:
-        check_config(cfg)
-        if (refusal := _overwrite_moves_an_input(cfg)) is not None:
-            return fail(refusal)
         summary = train(cfg, model_flags(args))
     except (ConfigError, ManifestError, CheckpointError) as e:
         return fail(str(e))

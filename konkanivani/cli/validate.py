@@ -22,9 +22,9 @@ from collections import Counter
 from pathlib import Path
 
 from ..config import DEFAULT_DURATION_TOLERANCE, DEFAULT_MAX_DURATION, DEFAULT_VOCAB_SIZE
-from ..data.manifest import ManifestError, check_row, iter_manifest
+from ..data.manifest import ManifestError, check_row, iter_manifest, manifest_audio
 from ..data.tokenizer import Tokenizer, train_tokenizer
-from ..datatools.outputs import OutputError, manifest_audio, write_output
+from ..datatools.outputs import OutputError, write_output
 from . import Parser, fail, refuse_unsafe_outputs, setup_logging, tool
 
 _NOT_JSON = "not a JSON object line"

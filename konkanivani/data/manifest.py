@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -32,7 +34,9 @@ __all__ = [
     "RowCheck",
     "check_row",
     "check_text",
+    "input_inside",
     "iter_manifest",
+    "manifest_audio",
     "read_manifest",
     "refuse_pseudo_labels",
     "pseudo_labelled",
@@ -226,3 +230,23 @@ def pseudo_labelled(path: str | Path, line_no: int, what: str) -> ManifestError:
     return ManifestError(
         f"{what} {path}:{line_no} is pseudo-labelled (konkanivani-pseudolabel's output): "
         "validate and test on transcribed speech only")
+
+
+def input_inside(folder: str | Path, reads: Iterable[str | Path]) -> Path | None:
+    """The first of ``reads`` that ``folder`` is or holds, symlinks followed (None: none is): a
+    tool that replaced or moved ``folder`` would take that input with it."""
+    folder = Path(os.path.realpath(folder))
+    for read in reads:
+        real = Path(os.path.realpath(read))
+        if real == folder or folder in real.parents:
+            return Path(read)
+    return None
+
+
+def manifest_audio(manifest: str | Path) -> list[Path]:
+    """Every audio file the rows of ``manifest`` name, resolved as decoding, validation and shard
+    writing resolve them; lines that are no JSON object are passed over (the tools name those)."""
+    manifest = Path(manifest)
+    rows = [row for _, row in iter_manifest(manifest) if isinstance(row, dict)]
+    return [resolve_audio_path(row["audio_filepath"], manifest.parent) for row in rows
+            if isinstance(row.get("audio_filepath"), str) and row["audio_filepath"]]

@@ -6,9 +6,6 @@ that appear whole or not at all.
   checkpoint, manifest and audio file, as the run expands its inputs) or another of its outputs,
   compared with symlinks followed, and each must have a folder it can be written in. Every tool
   asks it before it reads or decodes anything, so a refusal loses no work.
-- ``input_inside``: the input a folder holds, which replacing or moving the folder would take with
-  it (``konkanivani-train --overwrite``, an export folder).
-- ``manifest_audio``: the audio files a manifest names, for ``check_outputs``.
 - ``write_output`` and ``output_file``: an output written through a temporary file beside it and
   renamed at the end, so a failed or interrupted run leaves the old file whole.
 - ``safe_name``: a file name for any key (a Kaldi utterance id, a clip's relative path) that is
@@ -36,10 +33,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..checkpoint import atomic_file, fsync_dir, write_file_atomic
-from ..data.manifest import iter_manifest, resolve_audio_path
+from ..data.manifest import input_inside
 
-__all__ = ["OutputError", "Staging", "check_outputs", "child", "input_inside", "manifest_audio",
-           "output_file", "refuse_overlap", "safe_name", "write_output"]
+__all__ = ["OutputError", "Staging", "check_outputs", "child", "output_file", "refuse_overlap",
+           "safe_name", "write_output"]
 
 # letters (any script), digits, _ . - ; not starting with a dot
 _PLAIN = re.compile(r"[\w][\w.\-]*")
@@ -163,26 +160,6 @@ def check_outputs(outputs: Outputs, reads: Iterable[PathLike] = (),
         if folder is not None and (read := input_inside(folder, reads)) is not None:
             raise OutputError(f"{flag} {folder} holds {read}, which this command reads: a tool "
                               "never writes where its own input lies; choose another folder")
-
-
-def input_inside(folder: PathLike, reads: Iterable[PathLike]) -> Path | None:
-    """The first of ``reads`` that ``folder`` is or holds, symlinks followed (None: none is): a
-    tool that replaced or moved ``folder`` would take that input with it."""
-    folder = Path(os.path.realpath(folder))
-    for read in reads:
-        real = Path(os.path.realpath(read))
-        if real == folder or folder in real.parents:
-            return Path(read)
-    return None
-
-
-def manifest_audio(manifest: PathLike) -> list[Path]:
-    """Every audio file the rows of ``manifest`` name, resolved as decoding, validation and shard
-    writing resolve them; lines that are no JSON object are passed over (the tools name those)."""
-    manifest = Path(manifest)
-    rows = [row for _, row in iter_manifest(manifest) if isinstance(row, dict)]
-    return [resolve_audio_path(row["audio_filepath"], manifest.parent) for row in rows
-            if isinstance(row.get("audio_filepath"), str) and row["audio_filepath"]]
 
 
 @contextlib.contextmanager

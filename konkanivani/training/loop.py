@@ -46,7 +46,7 @@ from .memory import (
     memory_status,
 )
 from .optim import scheduled_lr
-from .run_files import run_directory, save_step
+from .run_files import overwrite_refusal, run_directory, save_step
 from .signals import Stop, StopRequest, TrainingDiverged, diverged_message
 from .start import Run, setup_run, starting_point
 from .state import capture_rng
@@ -70,6 +70,8 @@ def train(cfg: TrainConfig, model_overrides: Optional[dict[str, Any]] = None,
     Returns a summary: final step, epoch, last validation metrics, the best WER, what stopped it.
     """
     check_config(cfg)  # every flag value, before any work
+    if (refusal := overwrite_refusal(cfg)) is not None:
+        raise ConfigError(refusal)
     with distributed(cfg.device) as (dist, device):
         _check_device_settings(cfg, device)
         with run_directory(Path(cfg.output_dir), cfg.resume, cfg.overwrite, dist) as start, \

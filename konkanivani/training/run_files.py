@@ -47,6 +47,9 @@ from ..checkpoint import (
     temporary_writer,
     validated_wer,
 )
+from ..config import TrainConfig, parse_mix
+from ..data.manifest import input_inside, manifest_audio
+from ..data.shards import shard_files
 from .distributed import Dist
 
 try:
@@ -56,6 +59,7 @@ except ImportError:  # Windows: no advisory locks; the directory is then not gua
 
 __all__ = [
     "LOCK_FILE",
+    "overwrite_refusal",
     "run_directory",
     "save_step",
     "check_output_dir",
@@ -470,3 +474,32 @@ def save_step(
         point_to(path, out_dir / BEST_FILE)
     prune_checkpoints(out_dir, keep)
     return path
+
+
+def overwrite_refusal(cfg: TrainConfig) -> str | None:
+    """Why ``--overwrite`` may not move the earlier run in ``--output_dir`` aside, or None: it moves
+    everything there, and the folder holds a file this run reads (a manifest, its audio, a shard,
+    the tokenizer, the --init_from checkpoint)."""
+    out = Path(cfg.output_dir)
+    if not cfg.overwrite or cfg.resume or existing_run(out) is None:
+        return None
+    if (held := input_inside(out, run_inputs(cfg))) is None:
+        return None
+    return (f"--overwrite would move {held}, which this run reads, out of --output_dir {out} (it "
+            "moves everything there aside); nothing was moved: give another --output_dir")
+
+
+def run_inputs(cfg: TrainConfig) -> Iterator[Path]:
+    """Every file and folder a training run reads: its manifests and the audio they name, its
+    shards, tokenizer, --init_from checkpoint and augmentation folders."""
+    for name in ("tokenizer", "init_from", "noise_dir", "rir_dir", "train_manifest",
+                 "valid_manifest", "pseudo_manifest"):
+        if path := getattr(cfg, name):
+            yield Path(path)
+    if cfg.train_shards:
+        yield from shard_files(cfg.train_shards)
+    mixed = [entry.path for entry in parse_mix(cfg.train_mix)] if cfg.train_mix else []
+    yield from map(Path, mixed)
+    for manifest in (cfg.train_manifest, cfg.valid_manifest, cfg.pseudo_manifest, *mixed):
+        if manifest:
+            yield from manifest_audio(manifest)
