@@ -31,9 +31,10 @@ limit and their total:
   fresh process): peak memory, the estimator's figure, step time;
 * ``batch_scaling``: benchmarks/throughput.py's models (ours encoder + CTC, ours full: CTC +
   attention decoder, torchaudio's Conformer + CTC) trained at 8/64/256/1,024 utterances x 4 s in
-  bf16, fp16 and fp32: step time, audio seconds a second, FLOP rate (torch.utils.flop_counter)
-  and its share of the matmul peak measured here, speed against torchaudio, peak memory; a batch
-  that runs out of memory is a row saying so (and the larger ones of that model are skipped);
+  --scaling_precisions (bf16; fp16 and fp32 when asked): step time, audio seconds a second, FLOP
+  rate (torch.utils.flop_counter) and its share of the matmul peak measured here, speed against
+  torchaudio, peak memory; a batch that runs out of memory is a row saying so (and the larger ones
+  of that model are skipped);
 * ``compile``: ours full and ours encoder + CTC with their layers compiled
   (konkanivani/training/compile.py, as the trainer's --compile), bf16, at 256 and 1,024 x 4 s;
 * ``trainer``: konkanivani-train end to end (large, bf16, 2 data workers) at --max_batch_seconds
@@ -91,9 +92,12 @@ DEFAULT_PARTS = PARTS[:-1]
 # Seconds each part may take at most. The trainer's is TRAINER_SECONDS per batch budget, the
 # recipe's --recipe_seconds plus RECIPE_OVERHEAD. With the defaults they add up to 580 s, under
 # TOTAL_TIMEOUT, which leaves the report's own checks 10 s; the device call's 600 s leave the
-# install of the wheels the rest.
-LIMITS = {"pytest": 65, "memory": 40, "batch_scaling": 45, "compile": 60, "cpu_throughput": 40}
-TRAINER_SECONDS = 45
+# install of the wheels the rest. Sized from the H200's call of 2026-11-27 (results/gpu/README.md):
+# in 45 s the batch scaling made 30 points, the memory part one row, the compile part one model at
+# one batch; the trainer's run took 21 s. So by default the batch scaling measures bf16 alone (the
+# targets' precision: 12 points), the memory part its baseline row, the compile part 256 x 4 s.
+LIMITS = {"pytest": 65, "memory": 40, "batch_scaling": 60, "compile": 60, "cpu_throughput": 40}
+TRAINER_SECONDS = 30
 # The recipe's imports before its --max_time clock starts (twice: the script checks them first),
 # its last step and save, and scoring latest.pt.
 RECIPE_OVERHEAD = 25
@@ -226,21 +230,24 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the recipe's cap, as a T4 has (default: {T4_CAP_GB:g})")
     add("--memory_presets", default="large",
         help="comma list of presets for the memory rows (default: large)")
-    add("--memory_rows", type=_int_list, default=[1, 6, 9],
+    add("--memory_rows", type=_int_list, default=[1],
         help="benchmarks/memory.py's configurations on CUDA to measure, numbered from 1 in its "
-             "order (default: 1,6,9: the baseline, all combined, --offload_activations)")
+             "order (default: 1, the baseline; 1,6,9 adds all combined and "
+             "--offload_activations, with --limit memory=110)")
     add("--memory_seconds", type=_positive_float, default=15.0,
         help="utterance length of the memory rows (2 per step; default: 15)")
     add("--scaling_presets", default="large",
         help="comma list of presets of the batch scaling and compile parts (default: large)")
     add("--scaling_utterances", type=_int_list, default=[8, 64, 256, 1024],
         help="batches of the batch scaling, in utterances of 4 s (default: 8,64,256,1024)")
-    add("--scaling_precisions", default="bf16,fp16,fp32",
-        help="precisions of the batch scaling, in this order (default: bf16,fp16,fp32)")
+    add("--scaling_precisions", default="bf16",
+        help="precisions of the batch scaling, in this order (default: bf16, the targets'; "
+             "bf16,fp16,fp32 with --limit batch_scaling=130)")
     add("--scaling_rounds", type=_positive_int, default=3,
         help="timed steps of each model at each point, after a warm-up step (default: 3)")
-    add("--compile_utterances", type=_int_list, default=[256, 1024],
-        help="batches of the compiled models, bf16 (default: 256,1024)")
+    add("--compile_utterances", type=_int_list, default=[256],
+        help="batches of the compiled models, bf16 (default: 256; 256,1024 with --limit "
+             "compile=220)")
     add("--trainer_batch_seconds", type=_int_list, default=[1024],
         help="--max_batch_seconds of the trainer's runs, one run each (default: 1024: the audio "
              "of 256 x 4 s)")
