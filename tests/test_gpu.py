@@ -456,6 +456,13 @@ class _CTCLetThrough(torch.autograd.Function):
 _REAL_CTC = torch.nn.functional.ctc_loss
 
 
+def _ctc_let_through(log_probs, targets, input_lengths, target_lengths, blank=0,
+                     reduction="mean", zero_infinity=False):
+    return _CTCLetThrough.apply(
+        log_probs, targets, input_lengths, target_lengths, blank, reduction, zero_infinity
+    )
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_a_training_step_waits_for_the_gpu_only_in_ctc(precision, monkeypatch):
@@ -467,20 +474,7 @@ def test_a_training_step_waits_for_the_gpu_only_in_ctc(precision, monkeypatch):
     from konkanivani.training.optim import adamw
     from konkanivani.training.step import optimizer_step
 
-    def ctc(
-        log_probs,
-        targets,
-        input_lengths,
-        target_lengths,
-        blank=0,
-        reduction="mean",
-        zero_infinity=False,
-    ):
-        return _CTCLetThrough.apply(
-            log_probs, targets, input_lengths, target_lengths, blank, reduction, zero_infinity
-        )
-
-    monkeypatch.setattr(torch.nn.functional, "ctc_loss", ctc)
+    monkeypatch.setattr(torch.nn.functional, "ctc_loss", _ctc_let_through)
     torch.manual_seed(0)
     model = ASRModel(model_config_from_preset("small", vocab_size=64)).to(CUDA).train()
     optimizer = adamw(list(model.parameters()), lr=1e-4)
@@ -509,6 +503,36 @@ def test_a_training_step_waits_for_the_gpu_only_in_ctc(precision, monkeypatch):
     finite = all(math.isfinite(float(n)) for n in norms)
     # fp16's first steps overflow at the GradScaler's initial scale: skipped, and the scale lowered
     assert finite or (prec.use_scaler and scaler.get_scale() < 2.0 ** 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_the_trainers_whole_step_waits_for_the_gpu_only_in_ctc(precision, corpus, tmp_path,
+                                                               caplog, monkeypatch):
+    """The trainer's own steps end to end, as the loop runs them between two summaries (the
+    loader's pinned batches, features, forward, backward, the optimizer, the learning rate, the
+    skip flags kept on the device, the speed, the stop checks, empty_cache): no host-device
+    synchronization but CTC's, which ``_CTCLetThrough`` lets through. Every wait is an error from
+    the third step to the last, whose ``on_step`` lets them through again for the stop's save.
+    Summaries, validations and saves read the device on purpose: none falls inside."""
+    monkeypatch.setattr(torch.nn.functional, "ctc_loss", _ctc_let_through)
+    steps = 8
+
+    def on_step(step, epoch, model):
+        if step == 2:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        if step == steps:
+            torch.cuda.set_sync_debug_mode(0)
+        return step == steps
+
+    try:
+        summary = _train(corpus, tmp_path / "run", caplog, on_step=on_step, precision=precision,
+                         batch_size=2, gradient_accumulation_steps=1, log_every=1000,
+                         validate_every_steps=0, save_every_steps=0, empty_cache_every=3)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert summary["step"] == steps and summary["epoch"] == 0
 
 
 # ---- FSDP2 with CPU offload, 8-bit AdamW --------------------------------------------------------
