@@ -1,4 +1,13 @@
-"""The attention searches' beam state, and the scorers that add to a hypothesis's score.
+"""The attention searches' beam state, the scorers that add to a hypothesis's score, and the one
+weighted sum of those scores that every search ranks by.
+
+A hypothesis's score is ``ScoreWeights.total``: ``weights[k] * scores[k]`` over its named scores,
+as ESPnet's ``BeamSearch`` sums its scorers: the model's own (``attention``, the decoder's
+log-probability, and ``ctc``, CTC's), then what fusion and hotwords add (``length``, tokens
+emitted, ``lm``, the language model's log-probability, ``hotword``, the context bonus). Each search
+names its weights (``Fusion.weights``) and hands its scores to that one sum: the attention searches
+the next token's scores of each running hypothesis, CTC prefix beam search each prefix's scores,
+attention rescoring each hypothesis's of the n-best.
 
 An attention search (``search.attention_beam_search``: the attention decoder alone, or joint
 CTC/attention decoding) runs N = B * K hypotheses, K for each of B utterances, as the rows of one
@@ -6,27 +15,28 @@ decoder batch. ``Beam`` holds what each row carries: its tokens, its score, the 
 each scorer's state; ``Beam.select`` makes the next step's hypotheses and reorders every state at
 once.
 
-A scorer is one term of a hypothesis's score with a state per row, behind one interface:
+A scorer is one named score of a hypothesis with a state per row, behind one interface:
 
 - ``init(n)``: n empty hypotheses;
-- ``score(ys, ...)``: the term of each next token after each hypothesis (``ys``: their tokens so
-  far, ``(N, U)``, the first the start symbol);
+- ``score(ys, ...)``: the score of each next token after each hypothesis (``ys``: their tokens so
+  far, ``(N, U)``, the first the start symbol), unweighted;
 - ``select(rows, tokens)``: the hypotheses of the next step, row ``rows[i]`` extended by
   ``tokens[i]``. A row whose token is the end symbol is dead (the beam's padding; its score is
   -inf, so its state counts for nothing).
 
-The language model (``LMScorer``, ``W * log P_LM(token | prefix)``) and the hotwords
-(``HotwordScorer``, the context bonus of ``hotwords.ContextGraph``) score every token, ``(N, V)``.
-CTC prefix scoring (``CTCPrefixScorer``) runs its recursion over all the frames for each token it
-scores, so it scores only the candidates a pre-beam chose (``score(ys, candidates)``,
-``(N, C)``), as ESPnet's partial scorers do. ``LMScorer`` also weighs the language model where
-the hypotheses are not rows of a beam: each prefix of a CTC prefix beam search (``next_rows``), and
-each whole hypothesis that attention rescoring scores (``sentences``).
+The language model (``LMScorer``, ``log P_LM(token | prefix)``) and the hotwords
+(``HotwordScorer``, the context bonus of ``hotwords.ContextGraph``) score every token, ``(N, V)``:
+full scorers. CTC prefix scoring (``CTCPrefixScorer``) runs its recursion over all the frames for
+each token it scores, so it scores only the candidates a pre-beam chose (``score(ys,
+candidates)``, ``(N, C)``), as ESPnet's partial scorers do. ``LMScorer`` also scores the language
+model where the hypotheses are not rows of a beam: each prefix of a CTC prefix beam search
+(``next_rows``), and each whole hypothesis that attention rescoring scores (``sentences``).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -36,20 +46,72 @@ from ..model.lm import LMState, TransformerLM
 from ..model.masks import pad_mask
 from .hotwords import ContextGraph, ContextState
 
-__all__ = ["Beam", "CTCPrefixScorer", "HotwordScorer", "LMScorer", "NEG_INF", "Scorer"]
+__all__ = ["ACOUSTIC", "FUSION", "Beam", "CTCPrefixScorer", "HotwordScorer", "LMScorer",
+           "NEG_INF", "ScoreWeights", "Scorer"]
 
 NEG_INF = float("-inf")
+# The scores a hypothesis sums, in the order they add: the model's own, then (summed apart, and
+# added to them) what fusion and hotwords add.
+ACOUSTIC = ("attention", "ctc")
+FUSION = ("length", "lm", "hotword")
+
+Score = TypeVar("Score", float, torch.Tensor)
+
+
+@dataclass(frozen=True)
+class ScoreWeights:
+    """The weight of each named score in a hypothesis's total (see the module): ``attention`` and
+    ``ctc`` (``1 - λ`` and ``λ`` in joint decoding and rescoring), ``length`` (the bonus ``B`` per
+    token), ``lm`` (``W``) and ``hotword`` (the context bonus counts whole).
+
+    Examples:
+        >>> w = ScoreWeights(attention=0.7, ctc=0.3, length=0.5, lm=0.2)
+        >>> round(w.total({"attention": -2.0, "ctc": -4.0, "length": 3, "lm": -5.0}), 6)
+        -2.1
+    """
+
+    attention: float = 0.0
+    ctc: float = 0.0
+    length: float = 0.0
+    lm: float = 0.0
+    hotword: float = 1.0
+
+    def __post_init__(self):
+        # the names that count (weight not 0: it changes nothing, and 0 * -inf is nan), each part's
+        object.__setattr__(self, "_counted", {part: tuple(
+            (name, getattr(self, name)) for name in part if getattr(self, name))
+            for part in (ACOUSTIC, FUSION)})
+
+    def total(self, scores: Mapping[str, Score]) -> Score:
+        """``weights[k] * scores[k]`` summed over the ``scores`` given: the ``ACOUSTIC`` ones, plus
+        the ``FUSION`` ones summed apart (``part``); 0.0 if none counts."""
+        acoustic, fusion = self.part(ACOUSTIC, scores), self.part(FUSION, scores)
+        if fusion is None:
+            return 0.0 if acoustic is None else acoustic
+        return fusion if acoustic is None else acoustic + fusion
+
+    def part(self, names: tuple[str, ...], scores: Mapping[str, Score]) -> Score | None:
+        """The weighted sum of the ``scores`` of ``names`` (``ACOUSTIC`` or ``FUSION``), in their
+        order, leaving out a score whose weight is 0; None if none is left."""
+        out = None
+        for name, weight in self._counted[names]:
+            if name in scores:
+                term = weight * scores[name]
+                out = term if out is None else out + term
+        return out
 
 
 class Scorer(Protocol):
-    """A term of an attention search's score with a state per running hypothesis (see the module);
-    ``CTCPrefixScorer.score`` takes the pre-beam's candidates besides ``ys``."""
+    """A named score of an attention search's hypotheses with a state per running hypothesis (see
+    the module); ``CTCPrefixScorer.score`` takes the pre-beam's candidates besides ``ys``."""
+
+    name: str  # its weight's in ``ScoreWeights``
 
     def init(self, n: int) -> None:
         """Start ``n`` empty hypotheses."""
 
     def score(self, ys: torch.Tensor) -> torch.Tensor:
-        """``(N, V)``: the term of each next token after each hypothesis of tokens ``ys``."""
+        """``(N, V)``: the score of each next token after each hypothesis of tokens ``ys``."""
 
     def select(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """Keep the states of the next step's hypotheses: row ``rows[i]`` extended by
@@ -57,11 +119,13 @@ class Scorer(Protocol):
 
 
 class LMScorer:
-    """Shallow fusion's language model term: ``weight * log P_LM(token | prefix)``, the LM stepped
-    along with the decoder (its rows reordered with the decoder's)."""
+    """Shallow fusion's language model score: ``log P_LM(token | prefix)``, the LM stepped along
+    with the decoder (its rows reordered with the decoder's)."""
 
-    def __init__(self, lm: TransformerLM, weight: float):
-        self.lm, self.weight = lm, weight
+    name = "lm"
+
+    def __init__(self, lm: TransformerLM):
+        self.lm = lm
         self.state: LMState | None = None
 
     def init(self, n: int) -> None:
@@ -69,24 +133,26 @@ class LMScorer:
 
     def score(self, ys: torch.Tensor) -> torch.Tensor:
         log_probs, self.state = self.lm.step(ys[:, -1], self.state)
-        return self.weight * log_probs
+        return log_probs
 
     def select(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         self.state = self.state.select(rows)
 
     def next_rows(self, prefixes: list[list[int]]) -> list[list[float]]:
-        """The term of each next token after each of ``prefixes``, each scored from its start, in
+        """The score of each next token after each of ``prefixes``, each scored from its start, in
         one LM call."""
-        return (self.weight * self.lm.next_log_probs(prefixes)).tolist()
+        return self.lm.next_log_probs(prefixes).tolist()
 
     def sentences(self, hypotheses: list[list[int]], device: torch.device) -> list[float]:
-        """``weight * log P_LM(hypothesis + end)`` of each whole hypothesis."""
-        return (self.weight * self.lm.sentence_log_probs(hypotheses, device)).tolist()
+        """``log P_LM(hypothesis + end)`` of each whole hypothesis."""
+        return self.lm.sentence_log_probs(hypotheses, device).tolist()
 
 
 class HotwordScorer:
     """The hotwords' context bonus of every extension: each row's node of the hotwords' automaton
     and its bonus for every token (``ContextGraph.row``, one tensor per node, made once)."""
+
+    name = "hotword"
 
     def __init__(self, graph: ContextGraph, vocab_size: int, device: torch.device):
         self.graph, self.vocab_size, self.device = graph, vocab_size, device

@@ -7,9 +7,10 @@ in its CTC prefix score (the probability that the CTC head's output starts with 
 computed with the prefix recursion of hybrid CTC/attention decoding over the candidate tokens only
 (``beam.CTCPrefixScorer``).
 
-Scores are natural-log probabilities. With ``ctc_weight`` λ a hypothesis scores
-``λ * log P_ctc(prefix) + (1 - λ) * log P_att(prefix)``; finished hypotheses are ranked by
-that score divided by their length (tokens + end symbol) when ``length_norm`` is on.
+Scores are natural-log probabilities, and every method ranks by one weighted sum of them
+(``beam.ScoreWeights``; ``Fusion.weights`` names a search's weights). With ``ctc_weight`` λ a
+hypothesis scores ``λ * log P_ctc(prefix) + (1 - λ) * log P_att(prefix)``; finished hypotheses are
+ranked by that score divided by their length (tokens + end symbol) when ``length_norm`` is on.
 
 Shallow fusion (``Fusion``) adds to every method but greedy an external language model over the
 same token ids: ``W * log P_LM(token | prefix)`` per token, ``W * log P_LM(end | prefix)`` when a
@@ -40,7 +41,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +50,7 @@ from ..data.frames import frames_of
 from ..data.tokenizer import BLANK_ID, SOS_EOS_ID
 from ..model.lm import TransformerLM
 from ..model.masks import pad_mask
-from .beam import NEG_INF, Beam, CTCPrefixScorer, HotwordScorer, LMScorer
+from .beam import FUSION, NEG_INF, Beam, CTCPrefixScorer, HotwordScorer, LMScorer, ScoreWeights
 from .hotwords import ContextGraph, ContextState
 from .settings import (
     FUSED_METHODS,
@@ -96,8 +97,14 @@ class Hypothesis:
     score: float  # the method's total log score (not length-normalized), fusion terms included
     # CTC prefix beam search: the encoder frame where each token peaked
     frames: list[int] | None = None
-    # CTC prefix beam search: the hotwords' context bonus that ``score`` includes
-    hotword_bonus: float = 0.0
+    # CTC prefix beam search and attention rescoring: the unweighted scores ``score`` is the
+    # weighted sum of (``ScoreWeights.total``)
+    scores: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def hotword_bonus(self) -> float:
+        """The hotwords' context bonus that ``score`` includes."""
+        return self.scores.get("hotword", 0.0)
 
 
 @dataclass
@@ -117,14 +124,22 @@ class Fusion:
         return (self.lm is not None and self.lm_weight != 0) or self.length_bonus != 0
 
     def scorer(self) -> LMScorer | None:
-        """The LM's term (``W * log P_LM``) as a scorer; None without an LM."""
-        return None if self.lm is None else LMScorer(self.lm, self.lm_weight)
+        """The LM's score (``log P_LM``) as a scorer; None without an LM."""
+        return None if self.lm is None else LMScorer(self.lm)
 
-    def token_bonus(self, vocab_size: int, device: torch.device) -> torch.Tensor:
-        """``B`` for every token but the end symbol, ``(V,)``."""
-        bonus = torch.full((vocab_size,), float(self.length_bonus), device=device)
-        bonus[SOS_EOS_ID] = 0.0
-        return bonus
+    def weights(self, attention: float = 0.0, ctc: float = 0.0) -> ScoreWeights:
+        """The weights of a search whose model scores weigh ``attention`` and ``ctc``: the length
+        bonus ``B``, the LM's ``W`` (0 without an LM), the hotwords' bonus whole."""
+        return ScoreWeights(attention, ctc, float(self.length_bonus),
+                            self.lm_weight if self.lm is not None else 0.0)
+
+
+def _emitted(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The ``length`` score of each next token, ``(V,)``: 1 (a token emitted), 0 for the end
+    symbol."""
+    length = torch.ones(vocab_size, device=device)
+    length[SOS_EOS_ID] = 0.0
+    return length
 
 
 @torch.inference_mode()
@@ -208,22 +223,33 @@ class _PrefixState:
     """A prefix in a CTC prefix beam and all the search keeps of it, so that pruning the beam is
     keeping these: its node (the one ``_Prefix`` of its tokens, holding the frame where its last
     token peaked), log P(prefix) over the frames so far ending in a blank and in its last token
-    (``blank``, ``nonblank``; ``next``: the same, summed over the frame being searched), the
-    fusion terms and hotword bonus its score adds (``fused``), its node of the hotwords'
-    automaton and its context bonus so far (``hotword``, ``earned``), and with an LM
-    ``W * log P_LM(token | prefix)`` per token (``lm_next``, once it is in the beam)."""
+    (``blank``, ``nonblank``; ``next``: the same, summed over the frame being searched), its
+    LM log-probability (``lm``, with an LM), its node of the hotwords' automaton and its context
+    bonus so far (``hotword``, ``earned``), the weighted sum of its ``FUSION`` scores (``fused``,
+    made once: they change only as it grows), and with an LM ``log P_LM(token | prefix)`` per
+    token (``lm_next``, once it is in the beam)."""
 
-    __slots__ = ("node", "blank", "nonblank", "next", "fused", "hotword", "earned", "lm_next")
+    __slots__ = ("node", "blank", "nonblank", "next", "lm", "hotword", "earned", "fused",
+                 "lm_next")
 
-    def __init__(self, node: _Prefix, fused: float, hotword: ContextState | None = None,
-                 earned: float = 0.0, blank: float = NEG_INF):
-        self.node, self.fused, self.hotword, self.earned = node, fused, hotword, earned
+    def __init__(self, node: _Prefix, weights: ScoreWeights, lm: float = 0.0,
+                 hotword: ContextState | None = None, earned: float = 0.0,
+                 blank: float = NEG_INF):
+        self.node, self.lm, self.hotword, self.earned = node, lm, hotword, earned
+        self.fused = weights.part(FUSION, self.scores()) or 0.0
         self.blank, self.nonblank = blank, NEG_INF
         self.next = [NEG_INF, NEG_INF]
         self.lm_next: list[float] | None = None
 
+    def scores(self, ctc: float | None = None) -> dict[str, float]:
+        """Its unweighted scores, with CTC's ``ctc`` where given."""
+        out = {"length": self.node.length, "lm": self.lm, "hotword": self.earned}
+        return out if ctc is None else {"ctc": ctc, **out}
+
     def score(self, probs: Sequence[float]) -> float:
-        """The score it is pruned and ranked by, with log-probabilities ``probs``."""
+        """The score it is pruned and ranked by, with log-probabilities ``probs``: the weighted
+        sum of its scores (``ScoreWeights.total``, CTC's weight 1), its ``FUSION`` part made
+        once."""
         return _logaddexp(*probs) + self.fused
 
 
@@ -280,7 +306,8 @@ class CTCBestPath:
 
     def hypotheses(self, final: bool = True) -> list[Hypothesis]:
         """The best path so far, alone (``final`` is ``CTCPrefixBeam``'s, and changes nothing)."""
-        return [Hypothesis(list(self.tokens), self.score, list(self.token_frames))]
+        return [Hypothesis(list(self.tokens), self.score, list(self.token_frames),
+                           {"ctc": self.score})]
 
 
 class CTCPrefixBeam:
@@ -314,14 +341,14 @@ class CTCPrefixBeam:
     def __init__(self, beam_size: int, fusion: Fusion | None = None,
                  hotword_graph: ContextGraph | None = None):
         self.beam_size, self.fusion = beam_size, fusion or Fusion()
-        self.lm = self.fusion.scorer()
+        self.lm, self.weights = self.fusion.scorer(), self.fusion.weights(ctc=1.0)
         # a graph that adds nothing (a boost of 0) is none: the search is the same
         self.hotword_graph = (
             hotword_graph if hotword_graph is not None and hotword_graph.active else None
         )
         self.settled = max(1, beam_size // 2)  # see the class
         root = None if self.hotword_graph is None else self.hotword_graph.root
-        empty = _PrefixState(_Prefix(), 0.0, root, blank=0.0)
+        empty = _PrefixState(_Prefix(), self.weights, hotword=root, blank=0.0)
         self.beam: dict[_Prefix, _PrefixState] = {empty.node: empty}  # each key its state's node
         self.frames = 0  # frames seen so far
 
@@ -363,15 +390,11 @@ class CTCPrefixBeam:
         if known is not None:
             _peak(known.node, frame, value)
             return known
-        longer = _PrefixState(
-            node, state.fused + (state.lm_next[tok] if self.lm is not None else 0.0)
-            + self.fusion.length_bonus
-        )
-        if self.hotword_graph is not None:
-            longer.hotword, bonus = self.hotword_graph.step(state.hotword, tok)
-            longer.earned = state.earned + bonus
-            longer.fused += bonus
-        return longer
+        lm = state.lm + state.lm_next[tok] if self.lm is not None else 0.0
+        if self.hotword_graph is None:
+            return _PrefixState(node, self.weights, lm)
+        hotword, bonus = self.hotword_graph.step(state.hotword, tok)
+        return _PrefixState(node, self.weights, lm, hotword, state.earned + bonus)
 
     def _pruned(self, nxt: dict[_Prefix, _PrefixState]) -> dict[_Prefix, _PrefixState]:
         """The beam after a frame: the ``beam_size`` best prefixes of ``nxt`` (with hotwords, and
@@ -401,14 +424,15 @@ class CTCPrefixBeam:
         hotwords, ``final`` takes back the bonus of a hotword a prefix has only begun (the n-best
         of a whole input or segment); a partial result (``final`` False) keeps it."""
         self._score_lm()
-        hyps = [Hypothesis(prefix.tokens(), s.score((s.blank, s.nonblank))
-                           + (s.lm_next[SOS_EOS_ID] if self.lm is not None else 0.0),
-                           prefix.frames())
-                for prefix, s in self.beam.items()]
-        if self.hotword_graph is not None:
-            for h, s in zip(hyps, self.beam.values()):
-                taken = self.hotword_graph.final(s.hotword) if final else 0.0
-                h.score, h.hotword_bonus = h.score + taken, s.earned + taken
+        hyps = []
+        for prefix, s in self.beam.items():
+            scores = s.scores(_logaddexp(s.blank, s.nonblank))
+            if self.lm is not None:
+                scores["lm"] += s.lm_next[SOS_EOS_ID]
+            if self.hotword_graph is not None and final:
+                scores["hotword"] += self.hotword_graph.final(s.hotword)
+            hyps.append(Hypothesis(prefix.tokens(), self.weights.total(scores), prefix.frames(),
+                                   scores))
         # stable: unchanged order without fusion
         return sorted(hyps, key=lambda h: h.score, reverse=True)
 
@@ -469,12 +493,13 @@ def attention_beam_search(
                if s is not None]
     ctc = CTCPrefixScorer(model.ctc_log_probs(enc), enc_lens) if ctc_weight > 0 else None
     beam = Beam(B, K, model.decoder.init_state(enc, enc_lens), scorers, ctc, enc.device)
-    bonus = fusion.token_bonus(vocab_size, enc.device)  # zeros without a bonus: nothing changes
+    weights = fusion.weights(attention=1 - ctc_weight, ctc=ctc_weight)
+    length = _emitted(vocab_size, enc.device)
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
     done = torch.zeros(B, dtype=torch.bool)
     n_cand = min(K * 2, vocab_size - 1)
     for step in range(int(limit.max()) + 1):
-        ext, cand = _extensions(model, beam, ctc_weight, bonus, step >= limit, n_cand)
+        ext, cand = _extensions(model, beam, weights, length, step >= limit, n_cand)
         # A prefix CTC cannot produce scores -inf; its extensions give -inf - -inf = nan.
         total = beam.scores[:, None] + ext
         total = total.masked_fill(total.isnan(), NEG_INF).view(B, K * n_cand)
@@ -494,24 +519,24 @@ def attention_beam_search(
     return _best_finished(finished, normalize=length_norm and not fusion.active)
 
 
-def _extensions(model, beam: Beam, ctc_weight: float, bonus: torch.Tensor, at_limit: torch.Tensor,
-                n_cand: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _extensions(model, beam: Beam, weights: ScoreWeights, length: torch.Tensor,
+                at_limit: torch.Tensor, n_cand: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder stepped, and the ``n_cand`` best extensions of each running hypothesis
-    ``(N, C)``: their scores (the decoder's log-probability, or in joint decoding it and the change
-    in the CTC prefix score weighted by ``ctc_weight``; plus the scorers' terms and the length
-    ``bonus``) and their tokens. Hypotheses ``at_limit`` can only end."""
+    ``(N, C)``: the weighted sum of their scores (the decoder's log-probability, in joint decoding
+    the change in the CTC prefix score, the ``length`` score of each token ``(V,)``, each scorer's)
+    and their tokens. Hypotheses ``at_limit`` can only end."""
     logits, beam.decoder = model.decoder.step(beam.ys[:, -1], beam.decoder)
     att = _attention_log_probs(logits, at_limit)  # (N, V)
-    terms = [s.score(beam.ys) for s in beam.scorers]  # (N, V) each
-    fused = _plus(bonus.expand_as(att), terms)  # the fusion terms of each extension
+    scores = {"attention": att, "length": length.expand_as(att),
+              **{s.name: s.score(beam.ys) for s in beam.scorers}}  # (N, V) each
     if beam.ctc is None:
-        return (att + fused).topk(n_cand, dim=-1)
-    # Pre-beam on the attention (+ weighted LM, + context bonus) scores, then CTC prefix scores for
-    # those candidates only.
-    cand = _plus(att, terms).topk(n_cand, dim=-1).indices  # (N, C)
-    ext = ((1 - ctc_weight) * att.gather(1, cand) + ctc_weight * beam.ctc.score(beam.ys, cand)
-           + fused.gather(1, cand))
-    return ext, cand
+        return weights.total(scores).topk(n_cand, dim=-1)
+    # Pre-beam on the decoder's log-probability (weight 1) and the scorers', then CTC prefix
+    # scores for those candidates only.
+    cand = replace(weights, attention=1.0, length=0.0).total(scores).topk(n_cand, dim=-1).indices
+    scores = {name: score.gather(1, cand) for name, score in scores.items()}  # (N, C) each
+    scores["ctc"] = beam.ctc.score(beam.ys, cand)
+    return weights.total(scores), cand
 
 
 def _hotword_scorer(graph: ContextGraph | None, vocab_size: int, device: torch.device
@@ -519,13 +544,6 @@ def _hotword_scorer(graph: ContextGraph | None, vocab_size: int, device: torch.d
     """The attention searches' hotword scorer; None without a graph or with one that adds nothing
     (a boost of 0)."""
     return None if graph is None or not graph.active else HotwordScorer(graph, vocab_size, device)
-
-
-def _plus(base: torch.Tensor, terms: list[torch.Tensor]) -> torch.Tensor:
-    """``base`` plus each of ``terms``, in turn."""
-    for term in terms:
-        base = base + term
-    return base
 
 
 def _limit(max_len: int | torch.Tensor | None, enc_lens: torch.Tensor) -> torch.Tensor:
@@ -621,15 +639,19 @@ def _rescored(model, enc: torch.Tensor, enc_lens: torch.Tensor, nbest: list[Hypo
               ctc_weight: float, fusion: Fusion) -> list[Hypothesis]:
     """Each hypothesis of CTC prefix beam search n-bests (``nbest``, each over its own encoder rows
     ``enc[i]``, ``enc_lens[i]``) rescored: ``λ * log P_ctc + (1 - λ) * log P_att`` plus the LM's
-    weighted sentence score and the length bonus, and its hotwords' bonus at full weight."""
+    weighted sentence score and the length bonus, and its hotwords' bonus at full weight (the
+    search's scores, ``Hypothesis.scores``, with the decoder's and the LM's)."""
     tokens = [h.tokens for h in nbest]
     att = attention_scores(model, enc, enc_lens, tokens).tolist()
     lm = fusion.scorer()
     lm_scores = [0.0] * len(nbest) if lm is None else lm.sentences(tokens, enc.device)
-    return [Hypothesis(h.tokens, ctc_weight * (h.score - h.hotword_bonus) + (1 - ctc_weight) * a
-                       + lm_score + fusion.length_bonus * len(h.tokens) + h.hotword_bonus,
-                       hotword_bonus=h.hotword_bonus)
-            for h, a, lm_score in zip(nbest, att, lm_scores)]
+    weights = fusion.weights(attention=1 - ctc_weight, ctc=ctc_weight)
+    out = []
+    for h, a, lm_score in zip(nbest, att, lm_scores):
+        scores = {"ctc": h.scores["ctc"], "hotword": h.hotword_bonus, "attention": a,
+                  "length": len(h.tokens), "lm": lm_score}
+        out.append(Hypothesis(h.tokens, weights.total(scores), scores=scores))
+    return out
 
 
 @torch.inference_mode()
