@@ -547,6 +547,10 @@ class TrainConfig(AugmentConfig, RunConfig):
     )
     empty_cache_every: int = field(default=50, metadata=flag_help(
         "call torch.cuda.empty_cache() every N batches on CUDA (0: never)"))
+    pad_to_frames: int = field(default=0, metadata=flag_help(
+        section="data", text="pad each training batch to a multiple of N feature frames (and its "
+        "tokens to a multiple of 8), so that batches take few shapes and cuDNN's and "
+        "torch.compile's caches hit; the epoch's log line gives the padding (0: off)"))
     save_every_steps: int = field(
         default=0, metadata=flag_help("also save every N optimizer steps (0: each epoch only)")
     )
@@ -793,6 +797,7 @@ _CHECKS: dict[str, Check] = {
             "warmup_steps",
             "num_workers",
             "empty_cache_every",
+            "pad_to_frames",
             "save_every_steps",
             "validate_every_steps",
             "max_batch_frames",

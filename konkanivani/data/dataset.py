@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from .audio import load_audio
@@ -31,6 +32,8 @@ __all__ = [
     "Example",
     "Unreadable",
     "Batch",
+    "TOKEN_MULTIPLE",
+    "rounded_up",
     "collate",
 ]
 
@@ -242,9 +245,20 @@ class Batch(NamedTuple):
         return len(self.indices)
 
 
-def collate(examples: Sequence[Example | Unreadable]) -> Batch:
+# With --pad_to_frames, a batch's tokens are padded to a multiple of this too.
+TOKEN_MULTIPLE = 8
+
+
+def rounded_up(length: int, multiple: int) -> int:
+    """``length`` rounded up to a multiple of ``multiple`` (0: as it is)."""
+    return -(-length // multiple) * multiple if multiple else length
+
+
+def collate(examples: Sequence[Example | Unreadable], pad_to_frames: int = 0) -> Batch:
     """Pad the readable examples into a batch (empty, ``len(batch) == 0``, when none is) and name
-    the unreadable ones in ``missing``."""
+    the unreadable ones in ``missing``. With ``pad_to_frames`` N the audio is padded to a multiple
+    of N feature frames' samples and the tokens to a multiple of ``TOKEN_MULTIPLE``, so that batches
+    take few distinct shapes (``--pad_to_frames``)."""
     missing = tuple(e.index for e in examples if isinstance(e, Unreadable))
     examples = [e for e in examples if isinstance(e, Example)]
     if not examples:
@@ -260,6 +274,11 @@ def collate(examples: Sequence[Example | Unreadable]) -> Batch:
     tokens = torch.nn.utils.rnn.pad_sequence(
         [e.tokens for e in examples], batch_first=True, padding_value=-1
     )
+    if pad_to_frames:
+        audio = F.pad(audio, (0, rounded_up(audio.shape[1], pad_to_frames * HOP_LENGTH)
+                              - audio.shape[1]))
+        tokens = F.pad(tokens, (0, rounded_up(tokens.shape[1], TOKEN_MULTIPLE) - tokens.shape[1]),
+                       value=-1)
     vtlp = (
         torch.tensor([e.vtlp for e in examples])
         if any(not math.isnan(e.vtlp) for e in examples)

@@ -21,6 +21,7 @@ import warnings
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 import torchaudio
 
 from .augment import vtlp_warp_matrices
@@ -180,7 +181,9 @@ class KaldiFbank(torch.nn.Module):
             feats = [self(w[:n], a if math.isfinite(a) else 1.0)
                      for w, n, a in zip(wavs, lengths.tolist(), alphas)]
         frames = torch.tensor([len(f) for f in feats], device=wavs.device)
-        return torch.nn.utils.rnn.pad_sequence(feats, batch_first=True), frames
+        out = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True)
+        # as many frames as the padded waveforms make (a batch padded by --pad_to_frames)
+        return F.pad(out, (0, 0, 0, self.frames(wavs.shape[1]) - out.shape[1])), frames
 
     @staticmethod
     def frames(samples: int) -> int:

@@ -10,7 +10,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from torch.utils.data import Sampler
 
-from .dataset import Batch
+from .dataset import Batch, rounded_up
 from .frames import frames_of
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "WeightedMix",
     "cut_batches",
     "train_sampler",
+    "padded_frames",
     "padding_fraction",
     "split_batch",
     "select_samples",
@@ -167,12 +168,15 @@ class DurationBucketSampler(ResumableBatchSampler):
         num_buckets: int = 10,
         shuffle: bool = True,
         fits: Optional[Callable[[int, int], bool]] = None,
+        pad_to_frames: int = 0,
     ):
         if max_frames < 1:
             raise ValueError(f"max_frames must be >= 1, got {max_frames}")
         if num_buckets < 1:
             raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
         self.frames = [frames_of(d) for d in durations]
+        # what a batch of each utterance is padded to (--pad_to_frames), for the budget
+        self.padded = [padded_frames(f, pad_to_frames) for f in self.frames]
         self.max_frames = max_frames
         self.seed = seed
         self.num_buckets = num_buckets
@@ -181,7 +185,7 @@ class DurationBucketSampler(ResumableBatchSampler):
         self._cache: tuple[int, list[list[int]]] | None = None
 
     def _cut(self, order: list[int]) -> list[list[int]]:
-        return cut_batches(order, self.frames, self.max_frames, self.fits)
+        return cut_batches(order, self.padded, self.max_frames, self.fits)
 
     def epoch_batches(self) -> list[list[int]]:
         if self._cache is not None and self._cache[0] == self.epoch:
@@ -346,17 +350,20 @@ def train_sampler(
     world: int = 1,
     curriculum_epochs: int = 0,
     mix: Optional[tuple[Sequence[int], Sequence[float]]] = None,
+    pad_to_frames: int = 0,
 ) -> ResumableBatchSampler:
     """The training batches: duration-bucketed under a frame budget (``max_frames``; ``fits`` a
     further cap, the memory estimator's) or ``batch_size`` utterances of similar length; with
     ``mix`` (each utterance's set, each set's weight), of an epoch's weighted draw of the sets
     (``WeightedMix``); shortest first in the first ``curriculum_epochs`` epochs; the ``preflight``
-    largest first in the first epoch; process ``rank``'s share of them when ``world`` > 1.
+    largest first in the first epoch; process ``rank``'s share of them when ``world`` > 1. A
+    frame budget counts each batch's frames as ``pad_to_frames`` pads them.
     """
     def batcher(lengths: Sequence[float]) -> ResumableBatchSampler:
         if max_frames or fits is not None:
             return DurationBucketSampler(lengths, max_frames or 10**9, seed=seed,
-                                         num_buckets=num_buckets, fits=fits)
+                                         num_buckets=num_buckets, fits=fits,
+                                         pad_to_frames=pad_to_frames)
         return LengthGroupedBatchSampler(lengths, batch_size, seed=seed)
 
     sampler = (batcher(durations) if mix is None
@@ -368,11 +375,25 @@ def train_sampler(
     return ShardedSampler(sampler, rank, world) if world > 1 else sampler
 
 
-def padding_fraction(batches: Sequence[Sequence[int]], frames: Sequence[int]) -> float:
-    """Share of the padded frames of ``batches`` that are padding."""
+def padding_fraction(batches: Sequence[Sequence[int]], frames: Sequence[int],
+                     pad_to_frames: int = 0) -> float:
+    """Share of the padded frames of ``batches`` that are padding, each batch padded to its
+    longest utterance (and that to a multiple of ``pad_to_frames``, ``padded_frames``)."""
     real = sum(frames[i] for batch in batches for i in batch)
-    padded = sum(len(batch) * max(frames[i] for i in batch) for batch in batches)
+    padded = sum(len(batch) * padded_frames(max(frames[i] for i in batch), pad_to_frames)
+                 for batch in batches)
     return 1.0 - real / padded if padded else 0.0
+
+
+def padded_frames(frames: int, pad_to_frames: int) -> int:
+    """The feature frames of a batch whose longest utterance has ``frames`` (``1 + samples //
+    160``) once its audio is padded to a multiple of ``pad_to_frames`` frames' samples
+    (``collate``; 0: not padded).
+
+    >>> padded_frames(101, 50), padded_frames(151, 50), padded_frames(152, 50), padded_frames(7, 0)
+    (101, 151, 201, 7)
+    """
+    return 1 + rounded_up(frames - 1, pad_to_frames) if pad_to_frames else frames
 
 
 def split_batch(batch: Batch) -> tuple[Batch, Batch]:

@@ -729,10 +729,11 @@ class ShardStream(IterableDataset):
     one (a manifest's row is skipped for it); the first few of a stream are named, all counted."""
 
     def __init__(self, plan: ShardPlan, tokenizer: Tokenizer, features: ASRDataset,
-                 duration_tolerance: float = DEFAULT_DURATION_TOLERANCE):
+                 duration_tolerance: float = DEFAULT_DURATION_TOLERANCE, pad_to_frames: int = 0):
         # features: log-mel + augmentation
         self.plan, self.tokenizer, self.features = plan, tokenizer, features
         self.duration_tolerance = duration_tolerance  # < 0: not compared, as for a manifest
+        self.pad_to_frames = pad_to_frames  # collate's
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
@@ -794,7 +795,7 @@ class ShardStream(IterableDataset):
                 self._reading = where  # what an error in making its example names
                 examples.append(self._example(i, where, files, epoch, problems))
             self._reading = reading
-            yield collate(examples)
+            yield collate(examples, self.pad_to_frames)
 
     def _example(self, index: int, where: str, files: Optional[dict[str, bytes]], epoch: int,
                  problems: Counter) -> Example | Unreadable:

@@ -118,7 +118,8 @@ def train_epoch(
         run.epoch_batches,
         100
         * padding_fraction(
-            run.sampler.epoch_batches(), [frames_of(u.duration) for u in run.train_utts]
+            run.sampler.epoch_batches(), [frames_of(u.duration) for u in run.train_utts],
+            cfg.pad_to_frames,
         ),
     )
     if run.mix is not None:  # how much of each --train_mix set this epoch holds

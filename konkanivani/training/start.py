@@ -4,6 +4,7 @@ what from the flags), with the data loaded and checked, the model built, and the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import logging.handlers
 import math
@@ -55,6 +56,7 @@ from ..data.samplers import (
     LengthGroupedBatchSampler,
     ResumableBatchSampler,
     ShardedSampler,
+    padded_frames,
     select_samples,
     train_sampler,
 )
@@ -275,7 +277,8 @@ def _check_fits(cfg: TrainConfig, model_cfg: ModelConfig, precision: Precision, 
         try:
             check_model_fits(MemoryEstimator(model_cfg, precision_name(precision), cfg.optimizer,
                                              cfg.gradient_checkpointing, device),
-                             frames_of(longest), device, cfg.max_memory_gb, dist.world)
+                             padded_frames(frames_of(longest), cfg.pad_to_frames), device,
+                             cfg.max_memory_gb, dist.world)
         except ModelDoesNotFit as e:
             refusal = str(e)
     if (refusal := dist.gather(refusal)[0]) is not None:
@@ -707,7 +710,8 @@ def _train_sampler(cfg: TrainConfig, data: _Data, fits: Optional[Fits], accum_th
     rows."""
     budget = budget_frames(cfg.max_batch_frames, cfg.max_batch_seconds)
     if data.shards is not None:
-        return ShardPlan(data.shards, [frames_of(d) for d in data.durations], rank=dist.rank,
+        return ShardPlan(data.shards, [padded_frames(frames_of(d), cfg.pad_to_frames)
+                                       for d in data.durations], rank=dist.rank,
                          world=dist.world, streams=cfg.num_workers, seed=cfg.seed,
                          buffer=cfg.shuffle_buffer, max_frames=budget, batch_size=cfg.batch_size,
                          max_duration=cfg.max_duration, fits=fits)
@@ -717,7 +721,7 @@ def _train_sampler(cfg: TrainConfig, data: _Data, fits: Optional[Fits], accum_th
     mix = (data.mix.sources, data.mix.weights) if data.mix else None
     return train_sampler(data.durations, cfg.batch_size, budget, cfg.seed, cfg.num_buckets, fits,
                          accum_then + 1 if cfg.preflight else 0, dist.rank, dist.world,
-                         cfg.length_curriculum_epochs, mix)
+                         cfg.length_curriculum_epochs, mix, cfg.pad_to_frames)
 
 
 def _valid_sampler(cfg: TrainConfig, data: _Data, model: ASRModel, dist: Dist
@@ -783,11 +787,11 @@ def _loaders(cfg: TrainConfig, data: _Data, samplers: Samplers, tokenizer: Token
     sampler, valid_sampler = samplers
     if isinstance(sampler, ShardPlan):
         stream = ShardStream(sampler, tokenizer, ASRDataset([], data.augmenter),
-                             cfg.duration_tolerance)
+                             cfg.duration_tolerance, cfg.pad_to_frames)
         train_loader = _shard_loader(stream, cfg, device)
     else:
         train_loader = _loader(ASRDataset(data.train, data.augmenter, data.pseudo_augmenter),
-                               sampler, cfg, device)
+                               sampler, cfg, device, pad_to_frames=cfg.pad_to_frames)
     return train_loader, _loader(ASRDataset(data.valid), valid_sampler, cfg, device, workers=0)
 
 
@@ -803,13 +807,15 @@ def _shard_loader(stream: ShardStream, cfg: TrainConfig, device: torch.device) -
 
 
 def _loader(dataset: ASRDataset, sampler: ResumableBatchSampler | EpochKeyed, cfg: TrainConfig,
-            device: torch.device, workers: Optional[int] = None) -> DataLoader:
+            device: torch.device, workers: Optional[int] = None,
+            pad_to_frames: int = 0) -> DataLoader:
     workers = cfg.num_workers if workers is None else workers
+    batching = functools.partial(collate, pad_to_frames=pad_to_frames) if pad_to_frames else collate
     if dataset.augments:  # the augmentation draws need the epoch with each index
         sampler = EpochKeyed(sampler)
     # A generator of its own, so that starting an epoch's iterator (which draws the workers' seed)
     # leaves the global RNG, and with it dropout and SpecAugment, as a resumed run finds it.
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=batching, num_workers=workers,
                       pin_memory=device.type == "cuda", persistent_workers=workers > 0,
                       prefetch_factor=4 if workers > 0 else None,
                       worker_init_fn=ignore_stop_signals if workers > 0 else None,
