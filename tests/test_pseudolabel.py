@@ -462,7 +462,7 @@ def test_rounds_train_a_student_make_it_the_teacher_and_keep_a_table(tiny_corpus
                                                                      tmp_path, monkeypatch):
     out = tmp_path / "rounds"
     argv = [str(teacher / "latest.pt"), str(split / "audio_only.jsonl"), "--rounds", "2",
-            "--train_manifest", str(split / "labelled.jsonl"),
+            "--keep_pool", "--train_manifest", str(split / "labelled.jsonl"),
             "--valid_manifest", str(tiny_corpus / "valid.jsonl"), "--threshold", "0",
             "--min_chars_per_second", "0", "--method", "greedy", "--output_dir", str(out),
             "--train_flags", f"--tokenizer {teacher / 'tokenizer.model'} --preset tiny "
@@ -475,6 +475,13 @@ def test_rounds_train_a_student_make_it_the_teacher_and_keep_a_table(tiny_corpus
     assert table[1]["teacher"] == str(teacher / "latest.pt")
     assert table[2]["teacher"] == str(out / "round_1" / "student" / "best.pt")
     assert table[2]["kept"] == len(_rows(out / "round_2" / "pseudo.jsonl"))
+    # --keep_pool: round 2's student trained on both rounds' labels, each utterance once, with
+    # its latest label
+    kept = [{r["audio_filepath"]: r for r in _rows(out / f"round_{k}" / "pseudo.jsonl")}
+            for k in (1, 2)]
+    pool = {r["audio_filepath"]: r for r in _rows(out / "round_2" / "pool.jsonl")}
+    assert pool == {**kept[0], **kept[1]} and table[2]["trained_on"] == len(pool)
+    assert table[1]["trained_on"] == table[1]["kept"]
     assert (out / "round_2" / "student" / "best.pt").is_file()
     assert "| 2 |" in (out / "rounds.md").read_text(encoding="utf-8")
     # started again: every round is done, nothing is decoded or trained again
@@ -482,3 +489,17 @@ def test_rounds_train_a_student_make_it_the_teacher_and_keep_a_table(tiny_corpus
     monkeypatch.setattr(pseudolabel.train_cli, "main", lambda argv: calls.append(argv) or 0)
     monkeypatch.setattr(Recognizer, "decode_with_greedy", lambda *a, **k: calls.append(a))
     assert pseudolabel.main(argv) == 0 and not calls
+
+
+def test_the_kept_pool_holds_every_round_and_each_utterances_latest_label(tmp_path):
+    def row(name, text):
+        return {"audio_filepath": str(tmp_path / f"{name}.wav"), "duration": 1.0, "text": text}
+
+    for r in (1, 2):
+        (tmp_path / f"round_{r}").mkdir()
+    _write(tmp_path / "round_1" / "pseudo.jsonl", [row("a", "one"), row("b", "one")])
+    _write(tmp_path / "round_2" / "pseudo.jsonl", [row("b", "two"), row("c", "two")])
+    pool = pseudolabel._write_pool(tmp_path, 2)
+    assert pool == tmp_path / "round_2" / "pool.jsonl"
+    assert {Path(r["audio_filepath"]).stem: r["text"] for r in _rows(pool)} == {
+        "a": "one", "b": "two", "c": "two"}

@@ -73,6 +73,7 @@ from ..data.manifest import (
     ManifestError,
     check_text,
     manifest_audio,
+    read_manifest,
     refuse_pseudo_labels,
 )
 from ..data.shards import AUDIO_MEMBER, META_MEMBER, audio_member, iter_shard, open_shards
@@ -106,6 +107,7 @@ from .decoding_flags import (
 DECODING_FIELDS = ("method", "beam_size", "ctc_weight", "lm", "lm_weight", "length_bonus",
                    "batch_size", "device", "hotwords", "hotword_boost")
 LABELS, VALID_LABELS, KEPT = "labels.jsonl", "valid_labels.jsonl", "pseudo.jsonl"
+POOL = "pool.jsonl"  # --keep_pool: the labels every round so far kept, each utterance's latest
 SETTINGS, REPORT_JSON, REPORT_MD, AUDIO = "labelling.json", "report.json", "report.md", "audio"
 ROUNDS_MD, ROUNDS_JSON = "rounds.md", "rounds.json"
 
@@ -241,6 +243,10 @@ def _parser() -> Parser:
     rounds.add_argument("--valid_manifest", type=Path,
                         help="with --rounds: the students' validation set, and the table's "
                         "(default: --choose_threshold_on)")
+    rounds.add_argument("--keep_pool", action="store_true",
+                        help="with --rounds: each student trains on the labels of every round so "
+                             "far (OUT/round_R/pool.jsonl: an utterance with the label of the last "
+                             "round that kept it), not on its own round's alone")
     rounds.add_argument("--train_flags", default="",
                         help="with --rounds: more konkanivani-train flags for each student, one "
                         "string ('--preset small --max_steps 3000 --pseudo_noise_prob 0.5')")
@@ -285,9 +291,10 @@ def _rounds_held(parser: Parser, args: argparse.Namespace, decoding: DecodingCon
         if (code := _label(parser, labelled, decoding)) == 2:
             return code
         student, done = folder / "student", folder / "student.done"
+        pseudo = _write_pool(args.output_dir, r) if args.keep_pool else folder / KEPT
         if not done.is_file():
             run = ["--train_manifest", str(args.train_manifest), "--valid_manifest", str(valid),
-                   "--pseudo_manifest", str(folder / KEPT),
+                   "--pseudo_manifest", str(pseudo),
                    "--output_dir", str(student), *flags]
             if (student / LATEST_FILE).is_file():
                 run += ["--resume", "latest"]
@@ -300,10 +307,24 @@ def _rounds_held(parser: Parser, args: argparse.Namespace, decoding: DecodingCon
                       "threshold": report["threshold"], "kept": report["kept"],
                       "kept_hours": next(t["kept_hours"] for t in report["thresholds"]
                                          if t["threshold"] == report["threshold"]),
+                      "trained_on": len(read_manifest(pseudo)),
                       "valid_cer": _valid_cer(teacher, valid, decoding)})
         _write_rounds(args.output_dir, table)
     print(f"{args.rounds} rounds; the table is {args.output_dir / ROUNDS_MD}", file=sys.stderr)
     return 0
+
+
+def _write_pool(out: Path, last: int) -> Path:
+    """OUT/round_LAST/pool.jsonl: the kept labels of rounds 1 to ``last``, each utterance once,
+    with the label of the last round that kept it (``--keep_pool``)."""
+    pool: dict[str, dict] = {}
+    for r in range(1, last + 1):
+        for _, row in read_manifest(out / f"round_{r}" / KEPT):
+            pool[row["audio_filepath"]] = row
+    path = out / f"round_{last}" / POOL
+    write_output(path, "".join(json.dumps(row, ensure_ascii=False) + "\n"
+                               for row in pool.values()))
+    return path
 
 
 def _valid_cer(checkpoint: Path, manifest: Path, decoding: DecodingConfig) -> float:
@@ -314,14 +335,16 @@ def _valid_cer(checkpoint: Path, manifest: Path, decoding: DecodingConfig) -> fl
 
 def _write_rounds(out: Path, table: list[dict]) -> None:
     lines = ["# Rounds of pseudo-labelling", "",
-             "| round | teacher | threshold | labels kept | hours | student's valid CER % |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| round | teacher | threshold | labels kept | hours | labels trained on "
+             "| student's valid CER % |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in table:
         if row["round"] == 0:
-            lines.append(f"| 0 | | | | | {row['valid_cer']:.2f} (the first teacher) |")
+            lines.append(f"| 0 | | | | | | {row['valid_cer']:.2f} (the first teacher) |")
         else:
             lines.append(f"| {row['round']} | {row['teacher']} | {row['threshold']:g} | "
-                         f"{row['kept']} | {row['kept_hours']:.3f} | {row['valid_cer']:.2f} |")
+                         f"{row['kept']} | {row['kept_hours']:.3f} | "
+                         f"{row.get('trained_on', row['kept'])} | {row['valid_cer']:.2f} |")
     write_output(out / ROUNDS_MD, "\n".join(lines) + "\n")
     write_output(out / ROUNDS_JSON, json.dumps(table, indent=2, ensure_ascii=False) + "\n")
 
