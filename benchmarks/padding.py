@@ -15,9 +15,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from konkanivani.data.frames import frames_of  # noqa: E402
+from konkanivani.data.frames import (
+    frames_of,  # noqa: E402
+    padded_frames,  # noqa: E402
+)
 from konkanivani.data.manifest import read_manifest  # noqa: E402
-from konkanivani.data.samplers import padded_frames, padding_fraction, train_sampler  # noqa: E402
+from konkanivani.data.samplers import padding_fraction, train_sampler  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

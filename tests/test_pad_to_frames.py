@@ -9,8 +9,8 @@ import torch
 from konkanivani.config import TrainConfig, model_config_from_preset
 from konkanivani.data.dataset import TOKEN_MULTIPLE, Example, collate
 from konkanivani.data.features import KaldiFbank, LogMel
-from konkanivani.data.frames import frames_of
-from konkanivani.data.samplers import DurationBucketSampler, padded_frames, padding_fraction
+from konkanivani.data.frames import frames_of, frames_of_samples, padded_frames
+from konkanivani.data.samplers import DurationBucketSampler, padding_fraction
 from konkanivani.model.asr import ASRModel
 from konkanivani.training.loop import train
 from konkanivani.training.objective import Objective
@@ -43,6 +43,14 @@ def test_a_padded_batch_is_a_multiple_of_the_frames_and_of_eight_tokens():
         assert torch.equal(feats[:, :plain_feats.shape[1]], plain_feats)
         assert not feats[:, plain_feats.shape[1]:].any()
 
+
+
+def test_a_padded_batch_has_the_frames_the_budgets_count():
+    for samples in range(16000, 16000 + 50 * 160 * 2, 37):
+        batch = collate([Example(torch.zeros(samples), torch.tensor([3]), 0)], pad_to_frames=50)
+        assert frames_of_samples(batch.audio.shape[1]) == padded_frames(
+            frames_of_samples(samples), 50), samples
+        assert batch.audio.shape[1] >= samples
 
 @pytest.mark.parametrize("frontend", ["log_mel", "kaldi_fbank"])
 def test_the_padding_changes_no_loss_or_gradient(frontend):

@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 from .audio import load_audio
 from .augment import Augmenter
 from .features import KaldiFbank, LogMel, make_frontend
-from .frames import HOP_LENGTH
+from .frames import HOP_LENGTH, padded_samples, rounded_up
 from .manifest import DEFAULT_DURATION_TOLERANCE, check_row, read_manifest
 from .tokenizer import Tokenizer
 
@@ -33,7 +33,6 @@ __all__ = [
     "Unreadable",
     "Batch",
     "TOKEN_MULTIPLE",
-    "rounded_up",
     "collate",
 ]
 
@@ -249,16 +248,12 @@ class Batch(NamedTuple):
 TOKEN_MULTIPLE = 8
 
 
-def rounded_up(length: int, multiple: int) -> int:
-    """``length`` rounded up to a multiple of ``multiple`` (0: as it is)."""
-    return -(-length // multiple) * multiple if multiple else length
-
-
 def collate(examples: Sequence[Example | Unreadable], pad_to_frames: int = 0) -> Batch:
     """Pad the readable examples into a batch (empty, ``len(batch) == 0``, when none is) and name
-    the unreadable ones in ``missing``. With ``pad_to_frames`` N the audio is padded to a multiple
-    of N feature frames' samples and the tokens to a multiple of ``TOKEN_MULTIPLE``, so that batches
-    take few distinct shapes (``--pad_to_frames``)."""
+    the unreadable ones in ``missing``. With ``pad_to_frames`` N the audio is padded to
+    ``frames.padded_frames`` of its frames (a multiple of N after the first) and the tokens to a
+    multiple of ``TOKEN_MULTIPLE``, so that batches take few distinct shapes
+    (``--pad_to_frames``)."""
     missing = tuple(e.index for e in examples if isinstance(e, Unreadable))
     examples = [e for e in examples if isinstance(e, Example)]
     if not examples:
@@ -275,8 +270,7 @@ def collate(examples: Sequence[Example | Unreadable], pad_to_frames: int = 0) ->
         [e.tokens for e in examples], batch_first=True, padding_value=-1
     )
     if pad_to_frames:
-        audio = F.pad(audio, (0, rounded_up(audio.shape[1], pad_to_frames * HOP_LENGTH)
-                              - audio.shape[1]))
+        audio = F.pad(audio, (0, padded_samples(audio.shape[1], pad_to_frames) - audio.shape[1]))
         tokens = F.pad(tokens, (0, rounded_up(tokens.shape[1], TOKEN_MULTIPLE) - tokens.shape[1]),
                        value=-1)
     vtlp = (

@@ -16,6 +16,9 @@ __all__ = [
     "frames_of",
     "subsampled_lengths",
     "budget_frames",
+    "padded_frames",
+    "padded_samples",
+    "rounded_up",
 ]
 
 SAMPLE_RATE = 16000
@@ -53,3 +56,30 @@ def budget_frames(max_batch_frames: int, max_batch_seconds: float) -> int:
     """The dynamic-batch budget in padded feature frames: ``--max_batch_frames``, or
     ``--max_batch_seconds`` at 100 frames a second; 0 when neither is given."""
     return max_batch_frames or round(max_batch_seconds * FRAMES_PER_SECOND)
+
+
+def rounded_up(length: int, multiple: int) -> int:
+    """``length`` rounded up to a multiple of ``multiple`` (0: as it is)."""
+    return -(-length // multiple) * multiple if multiple else length
+
+
+def padded_frames(frames: int, pad_to_frames: int) -> int:
+    """The feature frames (``1 + samples // 160``) of a batch whose longest utterance has
+    ``frames``, padded by ``--pad_to_frames`` N: ``1 + (frames - 1)`` rounded up to a multiple of N
+    (0: not padded). Collating (``padded_samples``) and frame budgets both count by this.
+
+    >>> padded_frames(101, 50), padded_frames(151, 50), padded_frames(152, 50), padded_frames(7, 0)
+    (101, 151, 201, 7)
+    """
+    return 1 + rounded_up(frames - 1, pad_to_frames) if pad_to_frames else frames
+
+
+def padded_samples(samples: int, pad_to_frames: int) -> int:
+    """The samples a batch whose longest utterance has ``samples`` is padded to, the fewest (and at
+    least ``samples``) that make ``padded_frames`` of its frames.
+
+    >>> padded_samples(24210, 50), padded_samples(24050, 50), padded_samples(22420, 50)
+    (32000, 24050, 24000)
+    """
+    frames = padded_frames(frames_of_samples(samples), pad_to_frames)
+    return max(samples, (frames - 1) * HOP_LENGTH)

@@ -10,8 +10,8 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from torch.utils.data import Sampler
 
-from .dataset import Batch, rounded_up
-from .frames import frames_of
+from .dataset import Batch
+from .frames import frames_of, padded_frames
 
 __all__ = [
     "ResumableBatchSampler",
@@ -24,7 +24,6 @@ __all__ = [
     "WeightedMix",
     "cut_batches",
     "train_sampler",
-    "padded_frames",
     "padding_fraction",
     "split_batch",
     "select_samples",
@@ -383,17 +382,6 @@ def padding_fraction(batches: Sequence[Sequence[int]], frames: Sequence[int],
     padded = sum(len(batch) * padded_frames(max(frames[i] for i in batch), pad_to_frames)
                  for batch in batches)
     return 1.0 - real / padded if padded else 0.0
-
-
-def padded_frames(frames: int, pad_to_frames: int) -> int:
-    """The feature frames of a batch whose longest utterance has ``frames`` (``1 + samples //
-    160``) once its audio is padded to a multiple of ``pad_to_frames`` frames' samples
-    (``collate``; 0: not padded).
-
-    >>> padded_frames(101, 50), padded_frames(151, 50), padded_frames(152, 50), padded_frames(7, 0)
-    (101, 151, 201, 7)
-    """
-    return 1 + rounded_up(frames - 1, pad_to_frames) if pad_to_frames else frames
 
 
 def split_batch(batch: Batch) -> tuple[Batch, Batch]:

@@ -49,14 +49,13 @@ from ..data.dataset import (
     log_skipped,
 )
 from ..data.features import KaldiFbank, LogMel, make_frontend, mel_bins_problem
-from ..data.frames import budget_frames, frames_of, subsampled_lengths
+from ..data.frames import budget_frames, frames_of, padded_frames, subsampled_lengths
 from ..data.manifest import ManifestError, read_manifest, refuse_pseudo_labels
 from ..data.samplers import (
     EpochKeyed,
     LengthGroupedBatchSampler,
     ResumableBatchSampler,
     ShardedSampler,
-    padded_frames,
     select_samples,
     train_sampler,
 )
