@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 # builds the model those checkpoints hold (the feature off): ModelConfig.from_dict reads their
 # absence so, and step files from before and after one are averaged as one model.
 ADDED_OFF: dict[str, Any] = {"time_reduce_layer": 0, "time_recover_layer": 0,
-                             "self_condition_layer": 0}
+                             "self_condition_layer": 0, "codebook_size": 0}
 
 __all__ = [
     "ADDED_OFF",
@@ -303,9 +303,9 @@ def tokenizer_of(checkpoint: dict[str, Any]) -> bytes:
 def validated_wer(checkpoint: dict[str, Any], step: int) -> float | None:
     """The validation WER of the save at ``step`` (its file's step) when it was measured at that
     very step (an end-of-epoch save, or one at a validation); None otherwise, and for checkpoints
-    that keep no metrics (an LM's, an average)."""
-    if checkpoint.get("valid_step") == step and checkpoint["valid_metrics"]:
-        return checkpoint["valid_metrics"]["wer"]
+    that keep no metrics (an LM's, an average). A pretraining run's (no text): its masked loss."""
+    if checkpoint.get("valid_step") == step and (metrics := checkpoint["valid_metrics"]):
+        return metrics["wer"] if "wer" in metrics else metrics["masked"]
     return None
 
 

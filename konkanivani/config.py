@@ -173,6 +173,9 @@ class ModelConfig:
         "posteriors, mapped back to d_model, are added to the states, in training and in "
         "recognition (0: off; full-context models only; pair it with --inter_ctc_layer on the "
         "same block)"))
+    codebook_size: int = field(default=0, metadata=flag_help(
+        "with --pretrain: the codes of the frozen random codebook the masked frames are predicted"
+        " as (0: 1024 with --pretrain; a model fine-tuned from a pretrained one has none)"))
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
@@ -523,6 +526,16 @@ class TrainConfig(AugmentConfig, RunConfig):
     inter_ctc_layer: int = field(default=0, metadata=flag_help(
         "the encoder block whose output --inter_ctc_weight scores, counted from 1 (0: the middle"
         " one)"))
+    pretrain: bool = field(default=False, metadata=flag_help(
+        "pretrain the encoder on audio alone by masked prediction (BEST-RQ): spans of the "
+        "features become noise and a head predicts, where they were, the codes a frozen random "
+        "projection gives them; the manifests' text is not read, validation reports the masked "
+        "loss a frame and best.pt is its lowest; fine-tune the result with --init_from",
+        kept_on_resume=True))
+    mask_prob: float = field(default=0.01, metadata=flag_help(
+        "with --pretrain: the chance that a feature frame starts a masked span"))
+    mask_span: int = field(default=40, metadata=flag_help(
+        "with --pretrain: a masked span's length in feature frames of 10 ms (40: 0.4 s)"))
     spec_augment: bool = field(
         default=True, metadata=flag_help("time and frequency masks on training batches")
     )
@@ -815,6 +828,8 @@ _CHECKS: dict[str, Check] = {
     "max_duration": (lambda v: v > 0, "a positive number of seconds"),
     "ctc_weight": (_fraction, "in [0, 1]"),
     "inter_ctc_weight": BELOW_ONE,
+    "mask_prob": (lambda v: 0.0 < v < 1.0, "in (0, 1)"),
+    "mask_span": POSITIVE_INTEGER,
     "pseudo_weight": POSITIVE_NUMBER,
     "pseudo_noise_prob": (_fraction, "in [0, 1]"),
     "inter_ctc_layer": (lambda v: v >= 0, "a block number from 1 (0: the middle one)"),
@@ -973,6 +988,20 @@ def check_config(cfg: TrainConfig) -> None:
         raise ConfigError(
             "--keep_init_cmvn keeps the CMVN statistics of --init_from: give --init_from too"
         )
+    if cfg.pretrain:
+        _check_pretrain(cfg)
+
+
+def _check_pretrain(cfg: TrainConfig) -> None:
+    """The flags that pretraining leaves nothing to do for, or does not read."""
+    if cfg.train_shards:
+        raise ConfigError("--pretrain reads manifests (their text is not needed); shards are "
+                          "checked against a tokenizer as they are read")
+    if cfg.pseudo_manifest:
+        raise ConfigError("--pretrain learns from audio alone: give --pseudo_manifest's audio as "
+                          "a --train_mix entry or the --train_manifest")
+    if cfg.inter_ctc_weight:
+        raise ConfigError("--inter_ctc_weight is a CTC term; --pretrain has no transcripts")
 
 
 def _check_mix(cfg: TrainConfig) -> None:
@@ -1002,6 +1031,9 @@ def resolve_model_config(cfg: TrainConfig, flags: dict[str, Any] | None = None,
         if any(getattr(model_cfg, k) != v for k, v in given.items()):
             log.warning("model flags ignored on resume: the checkpoint's dimensions are used")
         return _fits(cfg, model_cfg)
+    # pretraining has the masked-prediction head (1024 codes unless --codebook_size says); a
+    # model fine-tuned, from a pretrained encoder too, has none
+    given["codebook_size"] = (given.get("codebook_size") or 1024) if cfg.pretrain else 0
     if not cfg.init_from:
         return _fits(cfg, model_config_from_preset(cfg.preset, **given))
     base = {**dataclasses.asdict(ModelConfig.from_dict(saved)), "vocab_size": 0}
@@ -1013,6 +1045,10 @@ def resolve_model_config(cfg: TrainConfig, flags: dict[str, Any] | None = None,
 
 def _fits(cfg: TrainConfig, model_cfg: ModelConfig) -> ModelConfig:
     """``model_cfg``, once the training flags that depend on its dimensions are checked."""
+    if model_cfg.codebook_size and (model_cfg.time_reduce_layer or
+                                    model_cfg.self_condition_layer):
+        raise ConfigError("--pretrain predicts a code every four feature frames, from the states "
+                          "of a model without --time_reduce_layer or --self_condition_layer")
     if cfg.spec_augment and cfg.spec_freq_masks and cfg.spec_freq_width > model_cfg.n_mels:
         raise ConfigError(f"--spec_freq_width {cfg.spec_freq_width}: a mask wider than the "
                           f"model's {model_cfg.n_mels} mel bins would blank whole utterances")

@@ -137,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         return stop.exit_code
     valid = summary["valid"]
-    if valid:
+    if valid and "wer" not in valid:  # pretraining
+        report(f"done: step {summary['step']}, epoch {summary['epoch']}, valid masked loss "
+               f"{valid['masked']:.3f} nats a masked frame (best {summary['best_wer']:.3f}); "
+               f"checkpoints in {cfg.output_dir}; fine-tune with --init_from")
+    elif valid:
         report(
             f"done: step {summary['step']}, epoch {summary['epoch']}, valid CER"
             f" {100 * valid['cer']:.2f}% WER {100 * valid['wer']:.2f}% (best WER"

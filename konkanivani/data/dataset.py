@@ -53,7 +53,7 @@ class Utterance:
 
 def load_utterances(
     path: str | Path,
-    tokenizer: Tokenizer,
+    tokenizer: Optional[Tokenizer],
     max_duration: float = float("inf"),
     duration_tolerance: float = DEFAULT_DURATION_TOLERANCE,
 ) -> tuple[list[Utterance], Counter]:
@@ -63,7 +63,8 @@ def load_utterances(
     Each row goes through ``manifest.check_row`` (audio missing, unreadable or empty, duration
     mismatch, longer than ``max_duration``, empty text or no token, characters the tokenizer
     cannot encode, too short for CTC); a failing row is skipped with a warning naming the
-    manifest and line. Rows that will be resampled or mixed down are counted in one note.
+    manifest and line. With no ``tokenizer`` the text is not read (audio alone: pretraining).
+    Rows that will be resampled or mixed down are counted in one note.
     """
     path = Path(path)
     utterances, skipped, converted = [], Counter(), Counter()

@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import soundfile as sf
@@ -74,7 +74,7 @@ def _fail(check: RowCheck, reason: str, detail: str = "") -> RowCheck:
 def check_row(
     row: dict[str, Any],
     base_dir: Path,
-    tokenizer: Tokenizer,
+    tokenizer: Optional[Tokenizer],
     *,
     max_duration: float = float("inf"),
     duration_tolerance: float = DEFAULT_DURATION_TOLERANCE,
@@ -85,13 +85,16 @@ def check_row(
 
     Only the audio header is read unless ``decode`` (which reads every sample, and finds files
     that are corrupt past their header or hold NaN samples; too slow to do for every run).
-    ``duration_tolerance`` < 0 skips the duration comparison.
+    ``duration_tolerance`` < 0 skips the duration comparison. With no ``tokenizer`` (audio alone,
+    for pretraining) the text is not read: the row needs none, and its tokens are none.
     """
     check = RowCheck()
     audio, text = row.get("audio_filepath"), row.get("text")
     if not isinstance(audio, str) or not audio:
         return _fail(check, "no audio_filepath")
-    if not isinstance(text, str) or not text.strip():
+    if tokenizer is None:
+        text = ""
+    elif not isinstance(text, str) or not text.strip():
         return _fail(check, "empty text")
     check.text = text
     path = resolve_audio_path(audio, base_dir)
@@ -134,6 +137,8 @@ def check_row(
         check.warnings.append((reason, f"{path}: {detail}, converted when loaded"))
     if duration > max_duration:
         return _fail(check, "longer than max_duration", f"{duration:.1f} s")
+    if tokenizer is None:
+        return check
     error, tokens = check_text(text, duration, tokenizer)
     if error is not None:
         return _fail(check, *error)

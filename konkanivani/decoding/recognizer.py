@@ -156,6 +156,11 @@ class Recognizer:
     @classmethod
     def _from_checkpoint(cls, path: str | Path, device: torch.device) -> Recognizer:
         state = load_checkpoint(path)
+        if (state.get("model_config") or {}).get("codebook_size"):
+            raise CheckpointError(
+                f"{path}: a pretrained encoder (konkanivani-train --pretrain), which has learned "
+                "no text: fine-tune it on transcribed audio with konkanivani-train --init_from "
+                f"{path}")
         try:
             saved = InferenceModel.of(state)
             model = ASRModel(ModelConfig.from_dict(saved.model_config))

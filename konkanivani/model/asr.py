@@ -1,5 +1,6 @@
 """The hybrid CTC/attention model: CMVN, SpecAugment, Conformer encoder, CTC head, Transformer
-decoder."""
+decoder; with ``codebook_size``, the masked-prediction head and targets that pretrain the encoder on
+audio alone (``model/bestrq.py``)."""
 from __future__ import annotations
 
 from typing import Callable, NamedTuple, Optional
@@ -11,10 +12,17 @@ from torch import nn
 
 from ..config import DEFAULT_LABEL_SMOOTHING, ModelConfig
 from ..data.tokenizer import BLANK_ID, SOS_EOS_ID
+from .bestrq import (
+    RandomProjectionQuantizer,
+    mask_features,
+    masked_frames,
+    masked_prediction_loss,
+    span_mask,
+)
 from .conformer import ConformerEncoder
 from .decoder import TransformerDecoder
 
-__all__ = ["ASRModel", "LossTerms", "SpecAugment", "count_parameters"]
+__all__ = ["ASRModel", "LossTerms", "Masking", "SpecAugment", "count_parameters"]
 
 
 IGNORE_ID = -1
@@ -24,9 +32,20 @@ class LossTerms(NamedTuple):
     """The model's losses, each summed over the utterances of a batch and unweighted: the training
     objective (``training/objective.py``) weights them."""
 
-    ctc: torch.Tensor
-    attention: torch.Tensor  # label-smoothed cross-entropy of the decoder
+    ctc: Optional[torch.Tensor]  # None in pretraining (``Masking``)
+    attention: Optional[torch.Tensor]  # label-smoothed cross-entropy of the decoder
     inter_ctc: Optional[torch.Tensor] = None  # the CTC head on a middle block's states (a tap)
+    masked: Optional[torch.Tensor] = None  # masked prediction of the codes, in pretraining
+    masked_frames: Optional[torch.Tensor] = None  # the frames ``masked`` sums over
+
+
+class Masking(NamedTuple):
+    """How pretraining masks a batch: each feature frame starts a span of ``span`` masked frames
+    with probability ``prob``, drawn from ``generator`` (None: torch's global generator)."""
+
+    prob: float
+    span: int
+    generator: Optional[torch.Generator] = None
 
 
 class SpecAugment(nn.Module):
@@ -94,6 +113,10 @@ class ASRModel(nn.Module):
         self.encoder = ConformerEncoder(cfg)
         self.ctc_head = nn.Linear(cfg.d_model, cfg.vocab_size)
         self.decoder = TransformerDecoder(cfg)
+        if cfg.codebook_size:  # pretraining: the frozen targets (seeded from torch's generator)
+            seed = int(torch.randint(2**31 - 1, (), device="cpu"))
+            self.quantizer = RandomProjectionQuantizer(cfg.n_mels, cfg.codebook_size, seed=seed)
+            self.masked_head = nn.Linear(cfg.d_model, cfg.codebook_size)
 
     def set_gradient_checkpointing(self, enabled: bool) -> None:
         """Recompute each encoder and decoder layer's activations in the backward pass (training
@@ -156,7 +179,8 @@ class ASRModel(nn.Module):
     def forward(self, feats: torch.Tensor, feat_lens: torch.Tensor, tokens: torch.Tensor,
                 token_lens: torch.Tensor,
                 augment: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                label_smoothing: float = DEFAULT_LABEL_SMOOTHING, tap: int = 0) -> LossTerms:
+                label_smoothing: float = DEFAULT_LABEL_SMOOTHING, tap: int = 0,
+                masking: Optional[Masking] = None) -> LossTerms:
         """
         Args:
             feats: ``(B, T, F)`` log-mel features; feat_lens ``(B,)``.
@@ -165,9 +189,13 @@ class ASRModel(nn.Module):
             label_smoothing: of the attention term's targets.
             tap: in training, the CTC head also scores the states after this encoder block
                 (intermediate CTC, ESPnet's InterCTC: a loss term, no parameters); 0: none.
+            masking: pretraining (a model with ``codebook_size``): the masked-prediction term
+                alone (``masked_prediction``); the tokens are not used.
         Returns:
             ``LossTerms``: scalar sums over the batch, unweighted.
         """
+        if masking is not None:
+            return self.masked_prediction(feats, feat_lens, masking)
         if not (tap and self.training):
             enc, enc_lens = self.encode(feats, feat_lens, augment)
             return self.losses(enc, enc_lens, tokens, token_lens, label_smoothing)
@@ -175,6 +203,21 @@ class ASRModel(nn.Module):
             self._normalized(feats, feat_lens, augment), feat_lens, tap=tap, head=self.ctc_head)
         out = self.losses(enc, enc_lens, tokens, token_lens, label_smoothing)
         return out._replace(inter_ctc=self._ctc(inter, enc_lens, tokens, token_lens))
+
+    def masked_prediction(self, feats: torch.Tensor, feat_lens: torch.Tensor,
+                          masking: Masking) -> LossTerms:
+        """BEST-RQ's term: the normalized features get spans of noise (``masking``); the head over
+        the encoder's states predicts, at each encoder frame whose four feature frames hold a
+        masked one, the code the quantizer gives the unmasked features there. The cross-entropy
+        summed over those frames, and their count."""
+        x = self._normalized(feats, feat_lens, None)
+        mask = span_mask(feat_lens, x.shape[1], masking.prob, masking.span, masking.generator)
+        enc, enc_lens = self.encoder(mask_features(x, mask, generator=masking.generator),
+                                     feat_lens, head=self.ctc_head)
+        codes = self.quantizer(x, enc.shape[1])
+        loss, frames = masked_prediction_loss(enc, enc_lens, codes,
+                                              masked_frames(mask, enc.shape[1]), self.masked_head)
+        return LossTerms(None, None, masked=loss, masked_frames=frames)
 
     def _ctc(self, enc: torch.Tensor, enc_lens: torch.Tensor, tokens: torch.Tensor,
              token_lens: torch.Tensor) -> torch.Tensor:

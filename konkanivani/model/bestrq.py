@@ -95,10 +95,12 @@ def masked_frames(mask: torch.Tensor, frames: int) -> torch.Tensor:
 
 
 def masked_prediction_loss(states: torch.Tensor, lengths: torch.Tensor, codes: torch.Tensor,
-                           masked: torch.Tensor, head: nn.Module) -> tuple[torch.Tensor, int]:
+                           masked: torch.Tensor, head: nn.Module
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The cross-entropy of ``head`` over the encoder ``states`` ``(B, T', D)`` against ``codes``
-    ``(B, T')``, summed over the frames ``masked`` marks within ``lengths``; and their count."""
+    ``(B, T')``, summed over the frames ``masked`` marks within ``lengths``; and their count (a
+    0-dim tensor on the states' device: reading it is the caller's choice)."""
     valid = masked & (torch.arange(states.shape[1], device=states.device)[None]
                       < lengths[:, None])
     logits = head(states[valid]).float()
-    return F.cross_entropy(logits, codes[valid], reduction="sum"), int(valid.sum())
+    return F.cross_entropy(logits, codes[valid], reduction="sum"), valid.sum()

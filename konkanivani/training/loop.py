@@ -435,19 +435,22 @@ def validate_and_save(run: Run) -> None:
     run.record(
         "valid", **metrics, **({"ema_decay": run.cfg.ema_decay} if run.ema is not None else {})
     )
-    is_best = (metrics["wer"], metrics["cer"]) < (run.best_wer, run.best_cer)
+    # pretraining has no text: its best is the lowest masked loss (kept where the WER/CER are)
+    score = (metrics["wer"], metrics["cer"]) if "wer" in metrics else (metrics["masked"],) * 2
+    is_best = score < (run.best_wer, run.best_cer)
     if is_best:
-        run.best_wer, run.best_cer = metrics["wer"], metrics["cer"]
+        run.best_wer, run.best_cer = score
     epochs_done = run.batches_done == 0
     where = f"epoch {run.epoch}" if epochs_done else \
         f"epoch {run.epoch + 1}, {100 * run.batches_done / max(run.epoch_batches, 1):.0f}%"
+    scores = (f"masked loss {metrics['masked']:.3f} nats a masked frame" if "wer" not in metrics
+              else f"CER {100 * metrics['cer']:.2f}%  WER {100 * metrics['wer']:.2f}%")
     log.info(
-        "step %d (%s): valid loss %.3f  CER %.2f%%  WER %.2f%%%s%s",
+        "step %d (%s): valid loss %.3f  %s%s%s",
         run.step,
         where,
         metrics["loss"],
-        100 * metrics["cer"],
-        100 * metrics["wer"],
+        scores,
         "  (EMA weights)" if run.ema is not None else "",
         "  (best)" if is_best else "",
     )
@@ -617,12 +620,13 @@ def _summary_line(
     """The --log_every line: where the run is, the losses, lr, gradient norm, speed and memory
     (``memory_status``: in use now, then the peak)."""
     now, peak = list(memory.values())[:2]
+    terms = (f"masked {stats['masked']:.3f}" if "masked" in stats else
+             f"ctc {stats['ctc']:.3f}, attention {stats['attention']:.3f}"
+             + (f", inter-CTC {stats['inter_ctc']:.3f}" if "inter_ctc" in stats else ""))
     return (
         f"step {run.step} (epoch {run.epoch + 1},"
-        f" {100 * run.batches_done / run.epoch_batches:.0f}%): loss {stats['loss']:.3f} (ctc"
-        f" {stats['ctc']:.3f}, attention {stats['attention']:.3f}"
-        + (f", inter-CTC {stats['inter_ctc']:.3f}" if "inter_ctc" in stats else "")
-        + f"), {stats['utterances']:.0f} utt ({stats['audio_s']:.0f} s of audio) an update, lr"
+        f" {100 * run.batches_done / run.epoch_batches:.0f}%): loss {stats['loss']:.3f} ({terms}"
+        f"), {stats['utterances']:.0f} utt ({stats['audio_s']:.0f} s of audio) an update, lr"
         f" {stats['lr']:.2e}, grad norm"
         f" {stats['grad_norm']:.2f}, {speed.rate():.1f} utt/s (data wait"
         f" {speed.wait_percent():.0f}%), memory {now:.2f} GiB (peak {peak:.2f})"

@@ -8,6 +8,11 @@ weights them::
 
     loss = w_ctc * ctc + (1 - w_ctc) * attention  [+ w_ctc * w_inter * (inter_ctc - ctc)]
 
+or, pretraining on audio alone (``pretrain``), the masked-prediction term by itself
+(``ASRModel.masked_prediction``)::
+
+    loss = masked
+
 The training step and validation both take the run's objective, so the training weights and their
 moving average (EMA) are scored by one definition, and every term is reported (the step's log line
 and ``metrics.jsonl``). A new loss is one more term here and in ``LossTerms``.
@@ -20,7 +25,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from ..config import DEFAULT_CTC_WEIGHT, DEFAULT_LABEL_SMOOTHING, ConfigError, TrainConfig
-from ..model.asr import LossTerms, SpecAugment
+from ..model.asr import LossTerms, Masking, SpecAugment
 
 __all__ = ["Losses", "Objective", "StepWeights", "ramp_done"]
 
@@ -38,9 +43,10 @@ class Losses(NamedTuple):
     """A batch's weighted loss and its terms, each summed over the batch's utterances."""
 
     loss: torch.Tensor
-    ctc: torch.Tensor
-    attention: torch.Tensor
+    ctc: Optional[torch.Tensor]  # None in pretraining, as attention
+    attention: Optional[torch.Tensor]
     inter_ctc: Optional[torch.Tensor] = None
+    masked: Optional[torch.Tensor] = None  # pretraining's
 
     def named(self) -> dict[str, torch.Tensor]:
         """The terms there are, by name (``inter_ctc`` only where it was computed)."""
@@ -58,7 +64,9 @@ class Objective:
     """The loss terms' weights, their ramps and SpecAugment, for a model of ``encoder_layers``
     blocks. ``ctc_weight_from`` / ``label_smoothing_from`` (-1: none) move in a straight line to
     ``ctc_weight`` / ``label_smoothing`` over ``loss_ramp_steps``; SpecAugment's widest masks grow
-    from 0 over ``spec_augment_ramp_steps``. ``inter_ctc_layer`` 0 is the middle block."""
+    from 0 over ``spec_augment_ramp_steps``. ``inter_ctc_layer`` 0 is the middle block.
+    ``pretrain``: masked prediction alone, with spans of ``mask_span`` frames starting at a frame
+    with probability ``mask_prob``."""
 
     ctc_weight: float = DEFAULT_CTC_WEIGHT
     label_smoothing: float = DEFAULT_LABEL_SMOOTHING
@@ -70,6 +78,9 @@ class Objective:
     encoder_layers: int = 0
     spec_augment: Optional[SpecAugment] = None
     spec_augment_ramp_steps: int = 0
+    pretrain: bool = False
+    mask_prob: float = 0.01
+    mask_span: int = 40
 
     def __post_init__(self) -> None:
         if self.inter_ctc_weight and self.encoder_layers:
@@ -90,7 +101,12 @@ class Objective:
                    if cfg.spec_augment else None)
         return cls(cfg.ctc_weight, cfg.label_smoothing, cfg.ctc_weight_from,
                    cfg.label_smoothing_from, cfg.loss_ramp_steps, cfg.inter_ctc_weight,
-                   cfg.inter_ctc_layer, encoder_layers, augment, cfg.spec_augment_ramp_steps)
+                   cfg.inter_ctc_layer, encoder_layers, augment, cfg.spec_augment_ramp_steps,
+                   cfg.pretrain, cfg.mask_prob, cfg.mask_span)
+
+    def masking(self, generator: Optional[torch.Generator] = None) -> Optional[Masking]:
+        """Pretraining's masks, drawn from ``generator`` (None: torch's); None otherwise."""
+        return Masking(self.mask_prob, self.mask_span, generator) if self.pretrain else None
 
     def at(self, step: int) -> StepWeights:
         """The weights of the update after ``step`` optimizer steps: a pure function of the step,
@@ -110,6 +126,9 @@ class Objective:
         data-parallel or compiled forward) with this step's SpecAugment, label smoothing and tap,
         its terms weighted."""
         weights = self.at(step)
+        if self.pretrain:  # the masks take SpecAugment's place
+            return self.weigh(forward(feats, feat_lens, tokens, token_lens,
+                                      masking=self.masking()), weights)
         if self.spec_augment is not None:
             self.spec_augment.set_scale(weights.spec_scale)
         terms = forward(feats, feat_lens, tokens, token_lens, augment=self.spec_augment,
@@ -128,6 +147,8 @@ class Objective:
     @staticmethod
     def weigh(terms: LossTerms, weights: StepWeights) -> Losses:
         """The weighted sum of ``terms`` (the formula of the module's docstring)."""
+        if terms.masked is not None:
+            return Losses(terms.masked, None, None, masked=terms.masked)
         w = weights.ctc
         loss = w * terms.ctc + (1.0 - w) * terms.attention
         if terms.inter_ctc is not None:
@@ -136,4 +157,6 @@ class Objective:
 
     def term_names(self) -> tuple[str, ...]:
         """The names of the losses a training step reports."""
+        if self.pretrain:
+            return ("loss", "masked")
         return ("loss", "ctc", "attention") + (("inter_ctc",) if self.inter_ctc_layer else ())

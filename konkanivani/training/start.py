@@ -102,6 +102,10 @@ __all__ = ["FILL_FRACTION", "Origin", "Run", "gpu_batches", "setup_run", "starti
 
 log = logging.getLogger("konkanivani")
 
+# A pretraining run's tokenizer (the run folder's like any other's): it reads no text, so one
+# character; a fine-tune of its encoder brings its own.
+PRETRAIN_TEXT = "a"
+
 
 @dataclass
 class Run:
@@ -346,6 +350,8 @@ def _fresh_tokenizer(cfg: TrainConfig, dist: Dist) -> Tokenizer:
     other processes (in memory: ``setup_run`` writes tokenizer.model once the data is usable)."""
     if cfg.tokenizer:
         return Tokenizer.load(cfg.tokenizer)
+    if cfg.pretrain:  # no text is read: the run's heads that need a vocabulary are not trained
+        return train_tokenizer([PRETRAIN_TEXT], model_type="char")
     proto = None
     if dist.is_main:
         source = cfg.train_shards or cfg.train_manifest or cfg.train_mix
@@ -464,6 +470,7 @@ def _load_data(cfg: TrainConfig, tokenizer: Tokenizer
     ones, the shard set and the mix."""
     refuse_pseudo_labels(cfg.valid_manifest, "--valid_manifest")  # before any work
     shards, mix = None, None
+    text = None if cfg.pretrain else tokenizer  # pretraining reads the audio alone
     if cfg.train_mix:
         if cfg.train_manifest:
             log.info("--train_mix: --train_manifest %s is not used", cfg.train_manifest)
@@ -483,7 +490,7 @@ def _load_data(cfg: TrainConfig, tokenizer: Tokenizer
             raise ConfigError(f"--train_shards {cfg.train_shards}: every utterance is longer than "
                               "--max_duration")
     else:
-        train_utts, skipped = load_utterances(cfg.train_manifest, tokenizer, cfg.max_duration,
+        train_utts, skipped = load_utterances(cfg.train_manifest, text, cfg.max_duration,
                                               cfg.duration_tolerance)
         log_skipped("train", cfg.train_manifest, len(train_utts), skipped)
     if cfg.max_samples > 0:
@@ -493,7 +500,7 @@ def _load_data(cfg: TrainConfig, tokenizer: Tokenizer
                  cfg.max_samples, len(train_utts))
     if cfg.pseudo_manifest:
         train_utts = [*train_utts, *_pseudo_utterances(cfg, tokenizer)]
-    valid_utts, skipped = load_utterances(cfg.valid_manifest, tokenizer, cfg.max_duration,
+    valid_utts, skipped = load_utterances(cfg.valid_manifest, text, cfg.max_duration,
                                           cfg.duration_tolerance)
     log_skipped("valid", cfg.valid_manifest, len(valid_utts), skipped)
     if not train_utts or not valid_utts:
@@ -509,7 +516,8 @@ def _mixed_utterances(cfg: TrainConfig, tokenizer: Tokenizer) -> tuple[list[Utte
     ``ManifestError`` when a manifest has none."""
     entries, utts, sources = parse_mix(cfg.train_mix), [], []
     for k, entry in enumerate(entries):
-        these, skipped = load_utterances(entry.path, tokenizer, cfg.max_duration,
+        these, skipped = load_utterances(entry.path, None if cfg.pretrain else tokenizer,
+                                         cfg.max_duration,
                                          cfg.duration_tolerance)
         log_skipped(f"train ({entry.name})", entry.path, len(these), skipped)
         if not these:
@@ -566,6 +574,9 @@ def _build_model(cfg: TrainConfig, model_cfg: ModelConfig, data: _Data, origin: 
                                      frontend=model_cfg.frontend))
     if origin.init is not None:
         _load_init(model, cfg, origin.init, tokenizer)
+    if cfg.pretrain:  # nothing trains the heads of text: out of the optimizer and data parallelism
+        for module in (model.ctc_head, model.decoder):
+            module.requires_grad_(False)
     model.to(device)
     model.set_gradient_checkpointing(cfg.gradient_checkpointing)
     if cfg.gradient_checkpointing:
@@ -584,6 +595,11 @@ def _load_init(model: ASRModel, cfg: TrainConfig, init: InferenceModel,
     """The weights of the --init_from checkpoint ``init`` that fit, and its CMVN statistics with
     --keep_init_cmvn."""
     modules = tuple(m.strip() for m in cfg.init_modules.split(","))
+    if init.model_config.get("codebook_size") and "encoder" in modules:
+        # a pretrained encoder: its heads of text learned nothing
+        modules = ("encoder",)
+        log.info("--init_from %s: a pretrained encoder (--pretrain); its encoder is loaded, the "
+                 "CTC head and decoder start fresh", cfg.init_from)
     log.info("%s", load_init_weights(model, tokenizer, init, modules, cfg.init_from).summary())
     if cfg.keep_init_cmvn:
         try:

@@ -37,6 +37,8 @@ __all__ = ["forward_backward", "maybe_empty_cache", "optimizer_step", "validate"
 
 log = logging.getLogger("konkanivani")
 
+VALID_MASK_SEED = 0  # the masks of every pretraining validation
+
 
 def maybe_empty_cache(device: torch.device, batches_done: int, every: int) -> bool:
     """Release cached CUDA blocks every ``every`` batches, against fragmentation over long runs.
@@ -254,9 +256,12 @@ def validate(
     step: int = 0,
 ) -> dict[str, float]:
     """Loss per utterance (``objective``'s after ``step`` optimizer steps) and its terms', and
-    CER/WER of greedy CTC, in eval mode; over the shares of every process."""
-    model.eval()
+    CER/WER of greedy CTC, in eval mode; over the shares of every process. Pretraining: the masked
+    loss a masked frame (``_validate_masked``)."""
     frontend = frontend or make_frontend(model.cfg.frontend, model.cfg.n_mels).to(device)
+    if objective.pretrain:
+        return _validate_masked(model, loader, device, precision, dist, frontend, objective)
+    model.eval()
     loss_sum, ctc_sum, attention_sum, n, refs, hyps = 0.0, 0.0, 0.0, 0, [], []
     for batch in loader:
         if not len(batch):
@@ -283,3 +288,29 @@ def validate(
         "attention": attention_sum / max(n, 1),
         **error_rates([r for r, _ in pairs], [h for _, h in pairs]),
     }
+
+
+def _validate_masked(model: ASRModel, loader: Iterable[Batch], device: torch.device,
+                     precision: Precision, dist: Dist, frontend: LogMel | KaldiFbank,
+                     objective: Objective) -> dict[str, float]:
+    """Pretraining's validation: the masked-prediction loss per utterance (``loss``, as training
+    reports it) and a masked frame (``masked``, in nats: ``log(codebook_size)`` for a model that
+    learned nothing), with the same masks at every validation (drawn from a generator seeded alike
+    each time), so that validations compare."""
+    model.eval()
+    generator = torch.Generator().manual_seed(VALID_MASK_SEED)
+    loss_sum, frames, n = 0.0, 0, 0
+    for batch in loader:
+        if not len(batch):
+            continue
+        batch = batch.to(device)
+        feats, feat_lens = batch.features(frontend)
+        with precision.autocast(device):
+            terms = model.masked_prediction(feats, feat_lens, objective.masking(generator))
+        loss_sum += terms.masked.item()
+        frames += int(terms.masked_frames)
+        n += len(batch)
+    model.train()
+    loss_sum, frames, n = dist.sum([loss_sum, frames, n])
+    return {"loss": loss_sum / max(n, 1), "masked": loss_sum / max(frames, 1),
+            "masked_frames": frames}
