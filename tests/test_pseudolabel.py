@@ -263,13 +263,13 @@ def test_a_student_on_labels_decoded_with_a_language_model_beats_its_teacher(tmp
     and its validation CER (greedy CTC, as the teacher's) is well below the teacher's."""
     root = tmp_path / "voiced"
     _voiced_corpus(root)
-    steps = ["--tokenizer_type", "char", "--max_steps", "900", "--batch_size", "4",
+    steps = ["--tokenizer_type", "char", "--max_steps", "500", "--batch_size", "4",
              "--gradient_accumulation_steps", "1", "--keep_checkpoints", "1"]
     teacher, lm, out, student = (root / n for n in ("teacher", "lm", "pseudo", "student"))
     assert train_cli.main(tiny_args(root, teacher, *steps)) == 0
     assert train_lm.main([str(root / "text.txt"), "--tokenizer", str(teacher / "tokenizer.model"),
                           "--output_dir", str(lm), "--d_model", "64", "--layers", "2",
-                          "--n_heads", "2", "--max_steps", "600", "--batch_size", "32"]) == 0
+                          "--n_heads", "2", "--max_steps", "300", "--batch_size", "32"]) == 0
     assert pseudolabel.main([str(teacher / "latest.pt"), str(root / "audio_only.jsonl"),
                              "--choose_threshold_on", str(root / "valid.jsonl"),
                              "--target_label_cer", "30", "--min_chars_per_second", "0",
