@@ -458,6 +458,35 @@ def test_shards_are_labelled_their_audio_copied_for_the_manifest(split, teacher,
     assert _hashes(shards) == before
 
 
+def test_labels_greedy_ctc_disagrees_with_are_dropped_and_counted(split, teacher, tmp_path):
+    """--min_agreement drops the labels whose greedy CTC text is further from them than it lets,
+    whatever their confidence, and the report counts them; the labels are not decoded again."""
+    out = tmp_path / "pseudo"
+    argv = [str(teacher / "latest.pt"), str(split / "audio_only.jsonl"), "--threshold", "0",
+            "--min_chars_per_second", "0", "--method", "joint", "--batch_size", "4",
+            "--output_dir", str(out)]
+    assert pseudolabel.main(argv) == 0
+    everything = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    # the tiny teacher's greedy CTC text agrees with none of its joint labels; give every other
+    # row an agreement above the cut in the labels file the rerun reads (it decodes nothing again)
+    labels = _rows(out / "labels.jsonl")
+    for i, row in enumerate(labels):
+        row["agreement"] = 0.75 if i % 2 else 0.25
+    (out / "labels.jsonl").write_text("".join(json.dumps(r) + "\n" for r in labels),
+                                      encoding="utf-8")
+    assert pseudolabel.main([*argv, "--min_agreement", "0.5"]) == 0
+    assert _rows(out / "labels.jsonl") == labels  # nothing decoded again
+    report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    kept = _rows(out / "pseudo.jsonl")
+    by_path = {r["audio_filepath"]: r for r in labels}
+    assert kept and all(by_path[r["audio_filepath"]]["agreement"] == 0.75 for r in kept)
+    dropped = report["dropped"]["greedy CTC disagrees (--min_agreement)"]
+    assert dropped > 0 and report["kept"] + dropped == everything["kept"]
+    with pytest.raises(SystemExit) as bad:
+        pseudolabel.main([*argv, "--min_agreement", "1.5"])
+    assert bad.value.code == 2
+
+
 def test_rounds_train_a_student_make_it_the_teacher_and_keep_a_table(tiny_corpus, split, teacher,
                                                                      tmp_path, monkeypatch):
     out = tmp_path / "rounds"

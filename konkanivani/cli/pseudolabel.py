@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--target_label_cer must be a percentage >= 0, got {args.target_label_cer}")
     if not 0 <= args.min_chars_per_second <= args.max_chars_per_second:
         parser.error("--min_chars_per_second must be >= 0 and at most --max_chars_per_second")
+    if not 0.0 <= args.min_agreement <= 1.0:
+        parser.error(f"--min_agreement must be in [0, 1], got {args.min_agreement}")
     setup_logging()
     if args.rounds:
         return _rounds(parser, args, decoding)
@@ -229,6 +231,11 @@ def _parser() -> Parser:
     parser.add_argument("--max_chars_per_second", type=float, default=MAX_CHARS_PER_SECOND,
                         help="drop labels with more characters per second of audio (default: "
                         f"{MAX_CHARS_PER_SECOND:g})")
+    parser.add_argument("--min_agreement", type=float, default=0.0,
+                        help="drop labels that greedy CTC (no decoder, no LM) spells with more "
+                        "than 1 - this CER against them, whatever their confidence; with --lm "
+                        "fused into the labels, a filter on the agreement of decoding with and "
+                        "without the LM, as noisy student training's (0-1; default: 0, none)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="threads decoding batches side by side (default: 1)")
     parser.add_argument("--teacher", help="the teacher's name in each row's pseudo_label "
@@ -627,6 +634,9 @@ class _Report:
             return False
         if row["chars_per_second"] > self.args.max_chars_per_second:
             dropped["label too long for its duration"] += 1
+            return False
+        if row["agreement"] < self.args.min_agreement:
+            dropped["greedy CTC disagrees (--min_agreement)"] += 1
             return False
         return True
 
