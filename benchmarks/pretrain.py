@@ -16,15 +16,18 @@ transcribed share of it, against the same recipe trained on that share alone fro
    encoder), ``--budget_steps`` each, their final weights scored on test, the held-out voice and
    the noisy test split (``recipe_levers.run_one``).
 
-A stage whose results exist is not run again. ``OUT/table.md`` gives each stage's CER on every
-split, the share of the gap to ``--full`` (a ``recipe_levers`` run on all the transcripts, same
-seed and budget) the pretraining recovers where it is given, and the seconds a step of the
-pretraining and of the scratch run (the same encoder, one after the other on this machine).
+``--tune_variant NAME=FLAGS`` adds a fine-tune from the same encoder with more flags
+(``tuned_NAME``: ``--freeze_encoder_steps 100``, say). A stage whose results exist is not run
+again. ``OUT/table.md`` gives each stage's CER on every split, the share of the gap to ``--full``
+(a ``recipe_levers`` run on all the transcripts, same seed and budget) the pretraining recovers
+where it is given, and the seconds a step of the pretraining and of the scratch run (the same
+encoder, one after the other on this machine).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget_steps", type=int, default=1500)
     p.add_argument("--eval_every_steps", type=int, default=500)
     p.add_argument("--pretrain_flags", default="", help="more flags of the pretraining run")
+    p.add_argument("--tune_variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="another fine-tune from the pretrained encoder, with these flags "
+                   "(stage tuned_NAME); repeatable")
     p.add_argument("--full", type=Path, default=None,
                    help="a recipe_levers run on all the transcripts (same seed and budget)")
     return p.parse_args(argv)
@@ -90,7 +96,10 @@ def pretrain(args: argparse.Namespace, audio: Path, valid: Path) -> Path:
 
 
 def seconds_a_step(run: Path) -> float:
-    """Training seconds a step between the first and the last logged steps of ``run``."""
+    """Training seconds a step between the first and the last logged steps of ``run`` (NaN once
+    its folder is gone: the results of an earlier run kept without their checkpoints)."""
+    if not (run / "metrics.jsonl").is_file():
+        return float("nan")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train" and "elapsed_s" in r]
     first, last = train[0], train[-1]
@@ -148,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
                                                      "--init_from", str(pretrained / "best.pt")],
                                        args.seed),
     }
+    for variant in args.tune_variant:
+        name, _, flags = variant.partition("=")
+        stages[f"tuned_{name}"] = recipe_levers.run_one(
+            la, f"tuned_{name}", ["--train_manifest", str(labelled), "--init_from",
+                                  str(pretrained / "best.pt"), *shlex.split(flags)], args.seed)
     if args.full is not None:
         stages["full"] = args.full
     text = table(args, stages, pretrained)
