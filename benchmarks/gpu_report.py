@@ -384,7 +384,9 @@ def _cell(text: Any) -> str:
 # ---- part: pytest -m gpu ----------------------------------------------------------------------
 
 def pytest_command(xml: Path) -> list[str]:
-    return [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-rA", "-p", "no:cacheprovider",
+    # the project's addopts left out: no worker processes on one card (nor xdist installed there)
+    return [sys.executable, "-m", "pytest", "-m", "gpu", "-o", "addopts=", "-v", "-rA",
+            "-p", "no:cacheprovider",
             "--continue-on-collection-errors", f"--junitxml={xml}", "-o", "junit_family=xunit1"]
 
 

@@ -1,6 +1,15 @@
+import os
 import shutil
 
 import pytest
+
+# Under pytest-xdist (``-n 2``: a process per core) each process computes on one thread, and so do
+# the processes its tests start: two processes of two threads each on two cores only contend.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
 
 from konkanivani.datatools.corpus import make_corpus
 
