@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import logging.handlers
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -261,13 +261,8 @@ def validate(
     frontend = frontend or make_frontend(model.cfg.frontend, model.cfg.n_mels).to(device)
     if objective.pretrain:
         return _validate_masked(model, loader, device, precision, dist, frontend, objective)
-    model.eval()
     loss_sum, ctc_sum, attention_sum, n, refs, hyps = 0.0, 0.0, 0.0, 0, [], []
-    for batch in loader:
-        if not len(batch):
-            continue
-        batch = batch.to(device)
-        feats, feat_lens = batch.features(frontend)
+    for batch, feats, feat_lens in _eval_batches(model, loader, device, frontend):
         with precision.autocast(device):
             enc, enc_lens = model.encode(feats, feat_lens)
             out = objective.validation(model, enc, enc_lens, batch.tokens, batch.token_lens,
@@ -279,7 +274,6 @@ def validate(
         n += len(batch)
         hyps += [tokenizer.decode(h) for h in ctc_greedy(log_probs, enc_lens)]
         refs += [utterances[i].text for i in batch.indices]
-    model.train()
     loss_sum, ctc_sum, attention_sum, n = dist.sum([loss_sum, ctc_sum, attention_sum, n])
     pairs = [pair for share in dist.gather(list(zip(refs, hyps))) for pair in share]
     return {
@@ -290,6 +284,21 @@ def validate(
     }
 
 
+def _eval_batches(model: ASRModel, loader: Iterable[Batch], device: torch.device,
+                  frontend: LogMel | KaldiFbank,
+                  ) -> Iterator[tuple[Batch, torch.Tensor, torch.Tensor]]:
+    """``loader``'s non-empty batches on ``device`` with their features, ``model`` in eval mode
+    while they are read (train mode again after the last)."""
+    model.eval()
+    try:
+        for batch in loader:
+            if len(batch):
+                batch = batch.to(device)
+                yield (batch, *batch.features(frontend))
+    finally:
+        model.train()
+
+
 def _validate_masked(model: ASRModel, loader: Iterable[Batch], device: torch.device,
                      precision: Precision, dist: Dist, frontend: LogMel | KaldiFbank,
                      objective: Objective) -> dict[str, float]:
@@ -297,20 +306,14 @@ def _validate_masked(model: ASRModel, loader: Iterable[Batch], device: torch.dev
     reports it) and a masked frame (``masked``, in nats: ``log(codebook_size)`` for a model that
     learned nothing), with the same masks at every validation (drawn from a generator seeded alike
     each time), so that validations compare."""
-    model.eval()
     generator = torch.Generator().manual_seed(VALID_MASK_SEED)
     loss_sum, frames, n = 0.0, 0, 0
-    for batch in loader:
-        if not len(batch):
-            continue
-        batch = batch.to(device)
-        feats, feat_lens = batch.features(frontend)
+    for batch, feats, feat_lens in _eval_batches(model, loader, device, frontend):
         with precision.autocast(device):
             terms = model.masked_prediction(feats, feat_lens, objective.masking(generator))
         loss_sum += terms.masked.item()
         frames += int(terms.masked_frames)
         n += len(batch)
-    model.train()
     loss_sum, frames, n = dist.sum([loss_sum, frames, n])
     return {"loss": loss_sum / max(n, 1), "masked": loss_sum / max(frames, 1),
             "masked_frames": frames}
