@@ -150,18 +150,14 @@ def main(argv: list[str] | None = None) -> int:
         ["--variant", "x=", "--budget_steps", str(args.budget_steps), "--eval_every_steps",
          str(args.eval_every_steps), "--corpus", str(args.corpus), "--out", str(args.out),
          "--splits", ",".join(SPLITS)])
-    stages = {
-        "scratch": recipe_levers.run_one(la, "scratch", ["--train_manifest", str(labelled)],
-                                         args.seed),
-        "tuned": recipe_levers.run_one(la, "tuned", ["--train_manifest", str(labelled),
-                                                     "--init_from", str(pretrained / "best.pt")],
-                                       args.seed),
-    }
+    scratch = ["--train_manifest", str(labelled)]
+    tuned = [*scratch, "--init_from", str(pretrained / "best.pt")]
+    stages = {"scratch": recipe_levers.run_one(la, "scratch", scratch, args.seed),
+              "tuned": recipe_levers.run_one(la, "tuned", tuned, args.seed)}
     for variant in args.tune_variant:
         name, _, flags = variant.partition("=")
         stages[f"tuned_{name}"] = recipe_levers.run_one(
-            la, f"tuned_{name}", ["--train_manifest", str(labelled), "--init_from",
-                                  str(pretrained / "best.pt"), *shlex.split(flags)], args.seed)
+            la, f"tuned_{name}", [*tuned, *shlex.split(flags)], args.seed)
     if args.full is not None:
         stages["full"] = args.full
     text = table(args, stages, pretrained)
