@@ -17,7 +17,10 @@ transcribed share of it, against the same recipe trained on that share alone fro
    the noisy test split (``recipe_levers.run_one``).
 
 ``--tune_variant NAME=FLAGS`` adds a fine-tune from the same encoder with more flags
-(``tuned_NAME``: ``--freeze_encoder_steps 100``, say). A stage whose results exist is not run
+(``tuned_NAME``: ``--freeze_encoder_steps 100``, say), ``--scratch_variant NAME=FLAGS`` a run from
+scratch with more flags (``scratch_NAME``): the same NAME in both compares the pretrained encoder
+with a random one under those flags (``--freeze_encoder_steps`` the whole budget: a linear probe,
+the CTC head on the frozen encoder, read by greedy decoding). A stage whose results exist is not run
 again. ``OUT/table.md`` gives each stage's CER on every split, the share of the gap to ``--full``
 (a ``recipe_levers`` run on all the transcripts, same seed and budget) the pretraining recovers
 where it is given, and the seconds a step of the pretraining and of the scratch run (the same
@@ -60,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tune_variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="another fine-tune from the pretrained encoder, with these flags "
                    "(stage tuned_NAME); repeatable")
+    p.add_argument("--scratch_variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="another run from scratch, with these flags (stage scratch_NAME); "
+                   "repeatable")
     p.add_argument("--full", type=Path, default=None,
                    help="a recipe_levers run on all the transcripts (same seed and budget)")
     return p.parse_args(argv)
@@ -154,10 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     tuned = [*scratch, "--init_from", str(pretrained / "best.pt")]
     stages = {"scratch": recipe_levers.run_one(la, "scratch", scratch, args.seed),
               "tuned": recipe_levers.run_one(la, "tuned", tuned, args.seed)}
-    for variant in args.tune_variant:
-        name, _, flags = variant.partition("=")
-        stages[f"tuned_{name}"] = recipe_levers.run_one(
-            la, f"tuned_{name}", [*tuned, *shlex.split(flags)], args.seed)
+    for stage, start, variants in (("scratch", scratch, args.scratch_variant),
+                                   ("tuned", tuned, args.tune_variant)):
+        for variant in variants:
+            name, _, flags = variant.partition("=")
+            stages[f"{stage}_{name}"] = recipe_levers.run_one(
+                la, f"{stage}_{name}", [*start, *shlex.split(flags)], args.seed)
     if args.full is not None:
         stages["full"] = args.full
     text = table(args, stages, pretrained)
