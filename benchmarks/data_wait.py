@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import shlex
 import statistics
 import subprocess
@@ -26,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from konkanivani.checkpoint import METRICS_FILE  # noqa: E402
+from konkanivani.training.metrics_log import read_metrics  # noqa: E402
 from konkanivani.training.precision import cpu_description  # noqa: E402
 
 CASES = {
@@ -64,8 +65,7 @@ def run_case(args: argparse.Namespace, name: str, flags: str) -> Path:
 def waits(run: Path) -> list[tuple[int, float, float]]:
     """(step, data wait, seconds a step since the last logged step) of every logged training
     step after the first."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if r["kind"] == "train"]
+    train = read_metrics(run / METRICS_FILE)["train"]
     return [(b["step"], b["data_wait"], (b["elapsed_s"] - a["elapsed_s"]) / (b["step"] - a["step"]))
             for a, b in zip(train, train[1:])]
 

@@ -29,7 +29,6 @@ encoder, one after the other on this machine).
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import subprocess
 import sys
@@ -43,6 +42,8 @@ for path in (ROOT, ROOT / "benchmarks"):
 import pseudo_labels  # noqa: E402
 import recipe_levers  # noqa: E402
 
+from konkanivani.checkpoint import METRICS_FILE  # noqa: E402
+from konkanivani.training.metrics_log import read_metrics  # noqa: E402
 from konkanivani.training.precision import cpu_description  # noqa: E402
 
 SPLITS = pseudo_labels.SPLITS
@@ -104,17 +105,15 @@ def pretrain(args: argparse.Namespace, audio: Path, valid: Path) -> Path:
 def seconds_a_step(run: Path) -> float:
     """Training seconds a step between the first and the last logged steps of ``run`` (NaN once
     its folder is gone: the results of an earlier run kept without their checkpoints)."""
-    if not (run / "metrics.jsonl").is_file():
+    if not (run / METRICS_FILE).is_file():
         return float("nan")
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if r["kind"] == "train" and "elapsed_s" in r]
+    train = [r for r in read_metrics(run / METRICS_FILE)["train"] if "elapsed_s" in r]
     first, last = train[0], train[-1]
     return (last["elapsed_s"] - first["elapsed_s"]) / max(last["step"] - first["step"], 1)
 
 
 def masked_losses(run: Path) -> list[tuple[int, float]]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["masked"]) for r in rows if r["kind"] == "valid"]
+    return [(r["step"], r["masked"]) for r in read_metrics(run / METRICS_FILE)["valid"]]
 
 
 def table(args: argparse.Namespace, stages: dict[str, Path], pretrained: Path) -> str:
