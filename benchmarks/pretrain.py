@@ -24,11 +24,13 @@ the CTC head on the frozen encoder, read by greedy decoding). A stage whose resu
 again. ``OUT/table.md`` gives each stage's CER on every split, the share of the gap to ``--full``
 (a ``recipe_levers`` run on all the transcripts, same seed and budget) the pretraining recovers
 where it is given, and the seconds a step of the pretraining and of the scratch run (the same
-encoder, one after the other on this machine).
+encoder, one after the other on this machine); ``OUT/pretrain.png`` draws the pretraining's
+validation masked loss and each stage's CER on every split.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import subprocess
 import sys
@@ -141,6 +143,36 @@ def table(args: argparse.Namespace, stages: dict[str, Path], pretrained: Path) -
     return "\n".join(lines) + "\n"
 
 
+def plot(stages: dict[str, Path], pretrained: Path, path: Path) -> None:
+    """Left, the pretraining's validation masked loss by step (chance dashed); right, each stage's
+    final joint CER on every split."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = masked_losses(pretrained)
+    left.plot([s for s, _ in steps], [v for _, v in steps], marker="o", label="masked loss")
+    left.axhline(math.log(1024), linestyle="--", color="grey", label="chance, log(1024)")
+    left.set(xlabel="pretraining step", ylabel="nats a masked frame (valid)",
+             title="pretraining on audio alone")
+    left.legend()
+    names = list(stages)
+    cers = {name: pseudo_labels.final_cers(run) for name, run in stages.items()}
+    width = 0.8 / len(SPLITS)
+    for i, split in enumerate(SPLITS):
+        right.bar([x + (i - (len(SPLITS) - 1) / 2) * width for x in range(len(names))],
+                  [cers[n].get(f"{split}_joint", float("nan")) for n in names], width,
+                  label=split)
+    right.set_xticks(range(len(names)), names, rotation=20)
+    right.set(ylabel="CER % (joint, final EMA weights)", title="each stage")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -169,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         stages["full"] = args.full
     text = table(args, stages, pretrained)
     (args.out / "table.md").write_text(text, encoding="utf-8")
+    plot(stages, pretrained, args.out / "pretrain.png")
     print(text)
     return 0
 
