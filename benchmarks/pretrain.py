@@ -118,8 +118,8 @@ def masked_losses(run: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["masked"]) for r in read_metrics(run / METRICS_FILE)["valid"]]
 
 
-def table(args: argparse.Namespace, stages: dict[str, Path], pretrained: Path) -> str:
-    cers = {name: pseudo_labels.final_cers(run) for name, run in stages.items()}
+def table(args: argparse.Namespace, stages: dict[str, Path], cers: dict[str, dict[str, float]],
+          pretrained: Path, steps: list[tuple[int, float]]) -> str:
     keys = [f"{s}_{m}" for s in SPLITS for m in ("greedy", "joint")]
     lines = [f"CPU: {cpu_description()}; seed {args.seed}; {args.labelled_share:.0%} of the "
              f"training set transcribed; pretraining {args.pretrain_steps} steps on all its audio,"
@@ -134,7 +134,6 @@ def table(args: argparse.Namespace, stages: dict[str, Path], pretrained: Path) -
             gap = cers["scratch"][k] - cers["full"][k]
             lines.append(f"- {k}: {100 * (cers['scratch'][k] - cers['tuned'][k]) / gap:.0f}%"
                          if gap else f"- {k}: no gap")
-    steps = masked_losses(pretrained)
     lines += ["", "Pretraining's validation masked loss (nats a masked frame; chance "
               "log(1024) = 6.93): " + ", ".join(f"step {s} {v:.3f}" for s, v in steps),
               "", f"Seconds a step: pretraining {seconds_a_step(pretrained):.3f}, the scratch "
@@ -143,7 +142,7 @@ def table(args: argparse.Namespace, stages: dict[str, Path], pretrained: Path) -
     return "\n".join(lines) + "\n"
 
 
-def plot(stages: dict[str, Path], pretrained: Path, path: Path) -> None:
+def plot(cers: dict[str, dict[str, float]], steps: list[tuple[int, float]], path: Path) -> None:
     """Left, the pretraining's validation masked loss by step (chance dashed); right, each stage's
     final joint CER on every split."""
     import matplotlib
@@ -152,14 +151,12 @@ def plot(stages: dict[str, Path], pretrained: Path, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    steps = masked_losses(pretrained)
     left.plot([s for s, _ in steps], [v for _, v in steps], marker="o", label="masked loss")
     left.axhline(math.log(1024), linestyle="--", color="grey", label="chance, log(1024)")
     left.set(xlabel="pretraining step", ylabel="nats a masked frame (valid)",
              title="pretraining on audio alone")
     left.legend()
-    names = list(stages)
-    cers = {name: pseudo_labels.final_cers(run) for name, run in stages.items()}
+    names = list(cers)
     width = 0.8 / len(SPLITS)
     for i, split in enumerate(SPLITS):
         right.bar([x + (i - (len(SPLITS) - 1) / 2) * width for x in range(len(names))],
@@ -199,9 +196,11 @@ def main(argv: list[str] | None = None) -> int:
                 la, f"{stage}_{name}", [*start, *shlex.split(flags)], args.seed)
     if args.full is not None:
         stages["full"] = args.full
-    text = table(args, stages, pretrained)
+    cers = {name: pseudo_labels.final_cers(run) for name, run in stages.items()}
+    steps = masked_losses(pretrained)
+    text = table(args, stages, cers, pretrained, steps)
     (args.out / "table.md").write_text(text, encoding="utf-8")
-    plot(stages, pretrained, args.out / "pretrain.png")
+    plot(cers, steps, args.out / "pretrain.png")
     print(text)
     return 0
 
