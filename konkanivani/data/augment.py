@@ -29,6 +29,7 @@ from .audio import list_audio_files, load_audio, resample
 from .frames import SAMPLE_RATE, frames_of_samples, subsampled_lengths
 
 __all__ = [
+    "ramp_done",
     "SPEED_FACTORS",
     "VTLP_RANGE",
     "vtlp_warp_matrices",
@@ -188,6 +189,14 @@ def _load_rir(path: Path) -> torch.Tensor:
 
 # ---- VTLP ---------------------------------------------------------------------------------------
 
+def ramp_done(done: int, steps: int) -> float:
+    """How far a straight-line ramp over ``steps`` units is after ``done`` of them, 0 to 1 (1 from
+    the start when ``steps`` is 0). Every ramp of training is this one: the augmentation
+    curriculum's probabilities over epochs (``Augmenter.ramped``), SpecAugment's widths and the
+    loss weights over optimizer steps (``training.objective``)."""
+    return min(done / steps, 1.0) if steps else 1.0
+
+
 def vtlp_warp_matrices(alphas: torch.Tensor, n_freqs: int) -> torch.Tensor:
     """``(K,)`` warp factors -> ``(K, n_freqs, n_freqs)`` float32 matrices, built together on the
     factors' device (the training step warps a batch's spectra there). Matrix W of factor alpha
@@ -280,8 +289,7 @@ class Augmenter:
         """``prob`` in epoch ``epoch`` (from 0): with ``augment_ramp_epochs`` N it grows by p/N an
         epoch, to the full p from epoch N - 1 on, so the first epochs see mostly clean audio (a
         curriculum); without, p throughout."""
-        ramp = self.cfg.augment_ramp_epochs
-        return prob * min(1.0, (epoch + 1) / ramp) if ramp else prob
+        return prob * ramp_done(epoch + 1, self.cfg.augment_ramp_epochs)
 
     def waveform(
         self, wav: torch.Tensor, epoch: int, index: int, min_encoder_frames: int = 0

@@ -25,9 +25,10 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from ..config import DEFAULT_CTC_WEIGHT, DEFAULT_LABEL_SMOOTHING, ConfigError, TrainConfig
+from ..data.augment import ramp_done
 from ..model.asr import LossTerms, Masking, SpecAugment
 
-__all__ = ["Losses", "Objective", "StepWeights", "ramp_done"]
+__all__ = ["Losses", "Objective", "StepWeights"]
 
 
 class StepWeights(NamedTuple):
@@ -51,12 +52,6 @@ class Losses(NamedTuple):
     def named(self) -> dict[str, torch.Tensor]:
         """The terms there are, by name (``inter_ctc`` only where it was computed)."""
         return {k: v for k, v in self._asdict().items() if v is not None}
-
-
-def ramp_done(step: int, steps: int) -> float:
-    """How far a straight-line ramp over ``steps`` optimizer steps is after ``step`` of them, 0 to
-    1 (1 from the start when ``steps`` is 0): the loss weights' and SpecAugment's widths'."""
-    return min(step / steps, 1.0) if steps else 1.0
 
 
 @dataclasses.dataclass(frozen=True)
