@@ -25,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from konkanivani.checkpoint import METRICS_FILE
 from konkanivani.cli.train import model_flags, parse_args
 from konkanivani.config import TrainConfig, dataclass_from_args
 from konkanivani.data.manifest import read_manifest
@@ -80,7 +81,7 @@ def run(
         ]
     )
     train(dataclass_from_args(TrainConfig, ns), model_flags(ns))
-    return read_metrics(out_dir / "metrics.jsonl")["valid"]
+    return read_metrics(out_dir / METRICS_FILE)["valid"]
 
 
 def main(argv: list[str] | None = None) -> None:

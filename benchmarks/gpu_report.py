@@ -1311,7 +1311,7 @@ def run_trainer(args: argparse.Namespace, limit: float, work: Path,
         finished = run_limited(trainer_command(args, train, valid, out, seconds),
                                left / (len(budgets) - i), work / f"trainer_{seconds}.log")
         summary = {"batch_seconds": seconds, "repeats": repeats, "seconds": round(
-            finished.seconds, 1), **trainer_summary(_rows(out / "metrics.jsonl")[0], mean)}
+            finished.seconds, 1), **trainer_summary(_rows(out)[0], mean)}
         results.append(summary)
         if finished.returncode != 0 or summary["steps"] < args.trainer_steps:
             failures.append(_failure(finished, left / (len(budgets) - i),
@@ -1374,16 +1374,12 @@ def evaluate_result(output: str) -> dict[str, float]:
     return found
 
 
-def _rows(metrics: Path) -> tuple[list[dict], list[dict]]:
-    rows = []
-    if metrics.is_file():
-        for line in metrics.read_text(encoding="utf-8").splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return ([r for r in rows if r.get("kind") == "train"],
-            [r for r in rows if r.get("kind") == "valid"])
+def _rows(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """A run's logged training and validation rows (none before its metrics file exists)."""
+    from konkanivani.checkpoint import METRICS_FILE
+    from konkanivani.training.metrics_log import read_metrics
+    rows = read_metrics(run_dir / METRICS_FILE) if (run_dir / METRICS_FILE).is_file() else {}
+    return rows.get("train", []), rows.get("valid", [])
 
 
 def _spread(rows: list[dict], most: int) -> list[dict]:
@@ -1440,7 +1436,7 @@ def run_recipe(args: argparse.Namespace, limit: float, work: Path,
     train_limit = limit - (time.monotonic() - start) - EVALUATE_SECONDS
     finished = run_limited(cmd, train_limit, work / "recipe.log",
                            env=recipe_env(corpus, out_dir, args.gpu_memory_gb))
-    train_rows, valid_rows = _rows(out_dir / "metrics.jsonl")
+    train_rows, valid_rows = _rows(out_dir)
     log_path = out_dir / "train.log"
     log = log_path.read_text(encoding="utf-8", errors="replace") if log_path.is_file() else ""
     facts = recipe_facts(train_rows, log + finished.output)

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from konkanivani.checkpoint import (
     LATEST_FILE,
+    TOKENIZER_FILE,
     TrainState,
     average_checkpoints,
     load_checkpoint,
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         if due:
             clock["next"] += every
             paused = time.perf_counter()
-            tokenizer = Tokenizer.load(Path(cfg.output_dir) / "tokenizer.model")
+            tokenizer = Tokenizer.load(Path(cfg.output_dir) / TOKENIZER_FILE)
             recognizer = Recognizer(model, tokenizer, next(model.parameters()).device)
             result = evaluate_manifest(recognizer, test_manifest, method="greedy")
             model.train()

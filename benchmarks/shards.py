@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
-import json
 import os
 import subprocess
 import sys
@@ -40,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 import torch
 
+from konkanivani.checkpoint import METRICS_FILE
 from konkanivani.config import TrainConfig
 from konkanivani.data import dataset as dataset_module
 from konkanivani.data import manifest as manifest_module
@@ -52,6 +52,7 @@ from konkanivani.data.shards import LIST_NAME, ShardPlan, ShardStream, open_shar
 from konkanivani.data.tokenizer import train_tokenizer
 from konkanivani.datatools.shard_writer import write_shards
 from konkanivani.training.curves import text_table
+from konkanivani.training.metrics_log import read_metrics
 from konkanivani.training.precision import cpu_description
 from konkanivani.training.start import _loader, _shard_loader
 
@@ -242,9 +243,9 @@ def _train(kind: str, manifest: Path, shard_dir: Path, args) -> dict:
         with slow_store(args.latency_ms / 1000, [0]):
             start = time.perf_counter()
             train(cfg)
-        rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+        rows = read_metrics(Path(tmp) / METRICS_FILE)
     # the first summary holds the workers' start
-    steps = [r for r in rows if r["kind"] == "train"][1:]
+    steps = rows["train"][1:]
     seconds = steps[-1]["elapsed_s"] - steps[0]["elapsed_s"]
     return {
         "store": kind,
@@ -309,8 +310,7 @@ def _scaling(processes: int, shard_dir: Path, args) -> dict:
         )
         if result.returncode != 0:
             raise SystemExit(f"the {processes}-process run failed:\n{result.stderr[-3000:]}")
-        rows = [r for r in map(json.loads, (Path(tmp) / "metrics.jsonl").read_text().splitlines())
-                if r["kind"] == "train"][1:]
+        rows = read_metrics(Path(tmp) / METRICS_FILE)["train"][1:]
     return {"processes": processes, "steps": args.scaling_steps,
             "utt_per_s": round(sum(r["utt_per_s"] for r in rows) / len(rows), 1), "efficiency": 1.0}
 
