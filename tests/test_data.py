@@ -9,9 +9,11 @@ import torch
 from konkani_texts import TEXTS
 
 from konkanivani.data.dataset import ASRDataset, Unreadable, collate, load_utterances
-from konkanivani.data.features import LogMel
-from konkanivani.data.manifest import ManifestError, check_row, read_manifest
+from konkanivani.data.features import KaldiFbank, LogMel
+from konkanivani.data.frames import ctc_frames_of, frames_of, subsampled_lengths
+from konkanivani.data.manifest import ManifestError, check_row, check_text, read_manifest
 from konkanivani.data.samplers import LengthGroupedBatchSampler, ShardedSampler
+from konkanivani.data.tokenizer import train_tokenizer
 
 
 def _wav(path, seconds=1.0, sr=16000):
@@ -54,6 +56,24 @@ def test_bad_rows_are_skipped_named_and_counted(tmp_path, tokenizer, caplog):
         assert f"{manifest}:{line}" in caplog.text
 
 
+def test_the_ctc_check_counts_the_fewest_frames_of_either_front_end_and_a_blank_per_repeat():
+    """0.9 s: LogMel makes 91 feature frames (22 encoder frames), KaldiFbank 90 (21). A text CTC
+    cannot align with the Kaldi front-end, or whose repeated tokens need blanks the audio has no
+    frames for, is "too short for CTC" whatever the model's front-end."""
+    seconds, samples = 0.9, 14400
+    assert len(LogMel()(torch.zeros(samples))) == frames_of(seconds) == 91
+    assert len(KaldiFbank()(torch.zeros(samples))) == 90
+    assert (subsampled_lengths(91), subsampled_lengths(90), ctc_frames_of(seconds)) == (22, 21, 21)
+    chars = train_tokenizer(["abcdefghijklmnopqrstuvwxyz"], model_type="char")
+    fits = "abcdefghijklmnopqrst"  # a word piece and 20 letters: 21 tokens, no two alike
+    error, tokens = check_text(fits, seconds, chars)
+    assert (error, len(tokens)) == (None, 21)
+    assert check_text(fits + "u", seconds, chars) == (
+        ("too short for CTC", "0.90 s for 22 tokens"), [])  # 22 frames for LogMel, 21 for Kaldi
+    assert check_text("a" + fits[:-1], seconds, chars) == (
+        ("too short for CTC", "0.90 s for 21 tokens and 1 repeated"), [])
+
+
 def test_missing_manifest_and_non_json_lines_are_clear_errors(tmp_path):
     with pytest.raises(ManifestError, match="does not exist"):
         read_manifest(tmp_path / "nope.jsonl")
@@ -75,20 +95,22 @@ def test_missing_manifest_and_non_json_lines_are_clear_errors(tmp_path):
 
 
 def test_dataset_features_and_collate(tmp_path, tokenizer):
-    rows = [{"audio_filepath": _wav(tmp_path / f"{i}.wav", seconds=0.5 + i / 2).name, "text": t}
-            for i, t in enumerate(TEXTS)]
-    utts, _ = load_utterances(_manifest(tmp_path / "m.jsonl", rows), tokenizer)
+    # the first text's 12 tokens need 0.6 s (ctc_frames_of: 14 encoder frames; 0.5 s makes 11)
+    rows = [{"audio_filepath": _wav(tmp_path / f"{i}.wav", seconds=s).name, "text": t}
+            for i, (s, t) in enumerate(zip((0.6, 1.0, 1.5, 2.0), TEXTS))]
+    utts, skipped = load_utterances(_manifest(tmp_path / "m.jsonl", rows), tokenizer)
     ds = ASRDataset(utts)
+    assert not skipped and len(ds) == 4
     ex = ds[1]
     # the waveform: the step makes its features
     assert ex.audio.shape == (16000,) and math.isnan(ex.vtlp)
     assert ex.tokens.tolist() == tokenizer.encode(TEXTS[1])
     # a file that failed to load is left out, and named
     batch = collate([ds[0], Unreadable(2), ds[3]])
-    assert batch.audio.shape == (2, 32000) and batch.audio_lens.tolist() == [8000, 32000]
+    assert batch.audio.shape == (2, 32000) and batch.audio_lens.tolist() == [9600, 32000]
     feats, frames = batch.features(LogMel())
     assert feats.shape == (2, 1 + 32000 // 160, 80) and torch.isfinite(feats).all()
-    assert frames.tolist() == batch.feat_lens.tolist() == [1 + 8000 // 160, 1 + 32000 // 160]
+    assert frames.tolist() == batch.feat_lens.tolist() == [1 + 9600 // 160, 1 + 32000 // 160]
     assert batch.indices == [0, 3] and batch.missing == (2,)
     assert (batch.tokens[0, batch.token_lens[0]:] == -1).all()
     empty = collate([Unreadable(1)])

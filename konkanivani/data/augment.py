@@ -26,7 +26,7 @@ import torchaudio
 
 from ..config import AugmentConfig
 from .audio import list_audio_files, load_audio, resample
-from .frames import SAMPLE_RATE, frames_of_samples, subsampled_lengths
+from .frames import SAMPLE_RATE, kaldi_frames_of_samples, subsampled_lengths
 
 __all__ = [
     "ramp_done",
@@ -295,13 +295,14 @@ class Augmenter:
         self, wav: torch.Tensor, epoch: int, index: int, min_encoder_frames: int = 0
     ) -> torch.Tensor:
         """``wav`` with this utterance's speed, reverberation and noise draws applied. A speed-up
-        that would leave fewer than ``min_encoder_frames`` encoder frames (its token count: CTC
-        could not
+        that would leave fewer than ``min_encoder_frames`` encoder frames (what its tokens need,
+        ``manifest.ctc_frames_needed``; counted as ``frames.ctc_frames_of`` counts: CTC could not
         align it, and its loss would be zeroed) is not applied."""
         factor = self.speed_factor(epoch, index)
         if (
             factor > 1
-            and subsampled_lengths(frames_of_samples(int(len(wav) / factor))) < min_encoder_frames
+            and subsampled_lengths(kaldi_frames_of_samples(int(len(wav) / factor)))
+            < min_encoder_frames
         ):
             factor = 1.0
         wav = speed_perturb(wav, factor)

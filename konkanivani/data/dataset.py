@@ -19,7 +19,7 @@ from .audio import load_audio
 from .augment import Augmenter
 from .features import KaldiFbank, LogMel, make_frontend
 from .frames import HOP_LENGTH, padded_samples, rounded_up
-from .manifest import DEFAULT_DURATION_TOLERANCE, check_row, read_manifest
+from .manifest import DEFAULT_DURATION_TOLERANCE, check_row, ctc_frames_needed, read_manifest
 from .tokenizer import Tokenizer
 
 __all__ = [
@@ -193,12 +193,12 @@ class ASRDataset(Dataset):
         """Utterance ``index``'s waveform, augmented (training) as its epoch and index draw (a
         pseudo-labelled one's also by ``pseudo_augment``), with the VTLP factor its features are to
         be warped by."""
-        alpha = None
+        alpha, needed = None, ctc_frames_needed(tokens)
         if self.augment is not None:
-            wav = self.augment.waveform(wav, epoch, index, min_encoder_frames=len(tokens))
+            wav = self.augment.waveform(wav, epoch, index, min_encoder_frames=needed)
             alpha = self.augment.vtlp_alpha(epoch, index)
         if pseudo and self.pseudo_augment is not None:
-            wav = self.pseudo_augment.waveform(wav, epoch, index, min_encoder_frames=len(tokens))
+            wav = self.pseudo_augment.waveform(wav, epoch, index, min_encoder_frames=needed)
         return Example(
             wav, torch.tensor(tokens, dtype=torch.long), index, math.nan if alpha is None else alpha
         )

@@ -25,7 +25,13 @@ import torch.nn.functional as F
 import torchaudio
 
 from .augment import vtlp_warp_matrices
-from .frames import HOP_LENGTH, SAMPLE_RATE, frames_of_samples, subsampled_lengths
+from .frames import (
+    HOP_LENGTH,
+    SAMPLE_RATE,
+    frames_of_samples,
+    kaldi_frames_of_samples,
+    subsampled_lengths,
+)
 
 __all__ = ["LOG_OFFSET", "FRONTENDS", "KALDI_FBANK", "KALDI_FLOOR", "INT16_SCALE", "LogMel",
            "KaldiFbank",
@@ -187,8 +193,9 @@ class KaldiFbank(torch.nn.Module):
 
     @staticmethod
     def frames(samples: int) -> int:
-        """Frames of ``samples`` samples: (samples + 80) // 160 (Kaldi's, without snip_edges)."""
-        return (samples + HOP_LENGTH // 2) // HOP_LENGTH
+        """Frames of ``samples`` samples: (samples + 80) // 160 (Kaldi's, without snip_edges:
+        ``frames.kaldi_frames_of_samples``)."""
+        return kaldi_frames_of_samples(samples)
 
     @property
     def min_samples(self) -> int:

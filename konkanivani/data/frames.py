@@ -1,7 +1,17 @@
 """Time in samples, feature frames and encoder frames: the arithmetic every module shares.
 
-Audio is 16 kHz; ``LogMel`` makes one feature frame every 160 samples (10 ms, 100 a second); the
-encoder's two stride-2, kernel-3 convolutions keep about one frame in four.
+Audio is 16 kHz; each front-end makes one feature frame every 160 samples (10 ms, 100 a second);
+the encoder's two stride-2, kernel-3 convolutions keep about one frame in four.
+
+The two front-ends count an utterance's frames one apart at most: ``LogMel`` makes
+``1 + samples // 160`` (``frames_of_samples``), ``KaldiFbank`` ``(samples + 80) // 160``
+(``kaldi_frames_of_samples``), one fewer for half of all lengths. Each count is used as the bound it
+is, so that neither depends on the model's front-end:
+
+- batching (frame budgets, length buckets, padding, the memory estimate's longest utterance) counts
+  the most frames, ``frames_of``: a batch never holds more than its budget says;
+- the CTC check (``ctc_frames_of``) counts the fewest: a text it lets through can be aligned
+  whichever front-end the model has.
 """
 from __future__ import annotations
 
@@ -14,6 +24,9 @@ __all__ = [
     "HOP_LENGTH",
     "FRAMES_PER_SECOND",
     "frames_of",
+    "frames_of_samples",
+    "kaldi_frames_of_samples",
+    "ctc_frames_of",
     "subsampled_lengths",
     "budget_frames",
     "padded_frames",
@@ -29,17 +42,37 @@ Lengths = TypeVar("Lengths", int, torch.Tensor)
 
 
 def frames_of_samples(samples: int) -> int:
-    """Feature frames ``LogMel`` makes of ``samples`` samples: 1 + samples // 160."""
+    """Feature frames ``LogMel`` makes of ``samples`` samples: 1 + samples // 160, the most of
+    either front-end."""
     return 1 + samples // HOP_LENGTH
 
 
+def kaldi_frames_of_samples(samples: int) -> int:
+    """Feature frames ``KaldiFbank`` makes of ``samples`` samples (Kaldi's count without
+    ``snip_edges``): (samples + 80) // 160, the fewest of either front-end."""
+    return (samples + HOP_LENGTH // 2) // HOP_LENGTH
+
+
 def frames_of(seconds: float) -> int:
-    """Feature frames of ``seconds`` of audio, as ``LogMel`` makes them (``frames_of_samples``).
+    """Feature frames of ``seconds`` of audio for batching: the most either front-end makes
+    (``frames_of_samples``).
 
     >>> frames_of(1.0), frames_of(0.0)
     (101, 1)
     """
     return frames_of_samples(int(seconds * SAMPLE_RATE))
+
+
+def ctc_frames_of(seconds: float) -> int:
+    """Encoder frames CTC can align a text to in ``seconds`` of audio: those of the fewest feature
+    frames either front-end makes (``kaldi_frames_of_samples``).
+
+    >>> ctc_frames_of(1.0), subsampled_lengths(frames_of(1.0)), ctc_frames_of(1.005)
+    (24, 24, 24)
+    >>> ctc_frames_of(0.9), subsampled_lengths(frames_of(0.9))
+    (21, 22)
+    """
+    return subsampled_lengths(kaldi_frames_of_samples(int(seconds * SAMPLE_RATE)))
 
 
 def subsampled_lengths(frames: Lengths) -> Lengths:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -24,7 +24,7 @@ import numpy as np
 import soundfile as sf
 
 from ..config import DEFAULT_DURATION_TOLERANCE
-from .frames import SAMPLE_RATE, frames_of, subsampled_lengths
+from .frames import SAMPLE_RATE, ctc_frames_of
 from .tokenizer import UNK_ID, Tokenizer, normalize_text
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "RowCheck",
     "check_row",
     "check_text",
+    "ctc_frames_needed",
     "input_inside",
     "iter_manifest",
     "manifest_audio",
@@ -167,10 +168,21 @@ def check_text(
         )
         return ("characters the tokenizer cannot encode",
                 " ".join(f"{ch!r} U+{ord(ch):04X}" for ch in unknown) or "unknown pieces"), []
-    frames_after = subsampled_lengths(frames_of(duration))
-    if frames_after < len(tokens):
-        return ("too short for CTC", f"{duration:.2f} s for {len(tokens)} tokens"), []
+    if ctc_frames_of(duration) < ctc_frames_needed(tokens):
+        repeats = ctc_frames_needed(tokens) - len(tokens)
+        return ("too short for CTC", f"{duration:.2f} s for {len(tokens)} tokens"
+                + (f" and {repeats} repeated" if repeats else "")), []
     return None, tokens
+
+
+def ctc_frames_needed(tokens: Sequence[int]) -> int:
+    """The fewest encoder frames CTC can align ``tokens`` to: one a token, and a blank between two
+    equal neighbours (below it, CTC's loss is infinite).
+
+    >>> ctc_frames_needed([5, 5, 7]), ctc_frames_needed([5, 6, 7])
+    (4, 3)
+    """
+    return len(tokens) + sum(a == b for a, b in zip(tokens, tokens[1:]))
 
 
 class ManifestError(ValueError):
