@@ -450,8 +450,8 @@ class TrainConfig(AugmentConfig, RunConfig):
     )
     pseudo_manifest: str = field(default="", metadata=flag_help(section="data", text=
         "a konkanivani-pseudolabel manifest to train on beside --train_manifest (its labels the "
-        "teacher's; rows with an empty label, or more tokens than their audio has frames, are "
-        "dropped and counted)"))
+        "teacher's; rows with an empty label, or too short for CTC: fewer encoder frames than "
+        "their tokens need, are dropped and counted)"))
     pseudo_weight: float = field(default=1.0, metadata=flag_help(
         kept_on_resume=True, section="data", text=
         "with --pseudo_manifest: how often an epoch each pseudo-labelled utterance is seen against "

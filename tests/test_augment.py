@@ -222,7 +222,7 @@ def test_reverb_keeps_length_level_and_alignment(utts, tmp_path):
 def test_no_speed_up_leaves_an_utterance_too_short_for_ctc():
     augmenter = Augmenter(AugmentConfig(speed_perturb=True, seed=3))
     sped_up = next(i for i in range(100) if augmenter.speed_factor(0, i) == 1.1)
-    wav = torch.randn(16000)  # 101 frames, 24 encoder frames; 22 after a 1.1 speed-up
+    wav = torch.randn(16000)  # 24 encoder frames (either front-end); 22 after a 1.1 speed-up
     assert len(augmenter.waveform(wav, 0, sped_up, min_encoder_frames=22)) < len(wav)
     assert torch.equal(augmenter.waveform(wav, 0, sped_up, min_encoder_frames=23), wav)
 

@@ -34,8 +34,9 @@ In ``--output_dir`` OUT:
   "pseudo_label": {"teacher", "confidence"}}`` (a manifest's other keys kept); training refuses it
   as a validation set, as ``konkanivani-evaluate`` does;
 - ``report.json`` and ``report.md``: how many utterances (and hours) each threshold keeps, and on
-  the validation set their label CER; what was dropped and why (no text, more tokens than the audio
-  has frames, a label too short or too long for its duration, below the threshold, unreadable).
+  the validation set their label CER; what was dropped and why (no text, too short for CTC: fewer
+  encoder frames than the label's tokens need, a label too short or too long for its duration,
+  below the threshold, unreadable).
 
 ``--rounds N`` repeats it: each round labels into ``OUT/round_R``, trains a student on
 ``--train_manifest`` and the kept labels (``OUT/round_R/student``, with ``--train_flags``, validated
@@ -626,7 +627,6 @@ class _Report:
         error, _ = check_text(row["text"], row["duration"], self.tokenizer)
         if error is not None:
             dropped["no text" if error[0] in ("empty text", "no token after normalization")
-                    else "more tokens than its audio has frames" if error[0] == "too short for CTC"
                     else error[0]] += 1
             return False
         if row["chars_per_second"] < self.args.min_chars_per_second:

@@ -187,7 +187,7 @@ def _load_rir(path: Path) -> torch.Tensor:
     return rir
 
 
-# ---- VTLP ---------------------------------------------------------------------------------------
+# ---- ramps --------------------------------------------------------------------------------------
 
 def ramp_done(done: int, steps: int) -> float:
     """How far a straight-line ramp over ``steps`` units is after ``done`` of them, 0 to 1 (1 from
@@ -196,6 +196,8 @@ def ramp_done(done: int, steps: int) -> float:
     loss weights over optimizer steps (``training.objective``)."""
     return min(done / steps, 1.0) if steps else 1.0
 
+
+# ---- VTLP ---------------------------------------------------------------------------------------
 
 def vtlp_warp_matrices(alphas: torch.Tensor, n_freqs: int) -> torch.Tensor:
     """``(K,)`` warp factors -> ``(K, n_freqs, n_freqs)`` float32 matrices, built together on the

@@ -72,7 +72,7 @@ def ctc_frames_of(seconds: float) -> int:
     >>> ctc_frames_of(0.9), subsampled_lengths(frames_of(0.9))
     (21, 22)
     """
-    return subsampled_lengths(kaldi_frames_of_samples(int(seconds * SAMPLE_RATE)))
+    return subsampled_lengths(kaldi_frames_of_samples(round(seconds * SAMPLE_RATE)))
 
 
 def subsampled_lengths(frames: Lengths) -> Lengths:

@@ -31,6 +31,7 @@ import torch
 import torchaudio.functional as TAF
 
 from ..data.frames import HOP_LENGTH, SAMPLE_RATE
+from ..data.manifest import ctc_frames_needed
 from ..data.tokenizer import BLANK_ID, Tokenizer
 from ..model.conformer import Conv2dSubsampling
 
@@ -89,8 +90,7 @@ def align_tokens(log_probs: torch.Tensor, tokens: Sequence[int]) -> list[TokenSp
     tokens = list(tokens)
     if not tokens:
         return []
-    repeats = sum(a == b for a, b in zip(tokens, tokens[1:]))
-    if len(tokens) + repeats > len(log_probs):
+    if ctc_frames_needed(tokens) > len(log_probs):
         return None
     # forced_align runs on the CPU, in float32, one utterance at a time
     emissions = log_probs.detach().to("cpu", torch.float32).contiguous()[None]

@@ -439,9 +439,10 @@ def _pseudo_augmenter(cfg: TrainConfig) -> Optional[Augmenter]:
 def _pseudo_utterances(cfg: TrainConfig, tokenizer: Tokenizer) -> list[Utterance]:
     """The usable rows of --pseudo_manifest, marked pseudo-labelled, as often as --pseudo_weight
     says: each whole time, then a seeded choice of the fraction left (the same every epoch, so the
-    batches of a resumed epoch are the unbroken one's). A row whose label is empty or has more
-    tokens than its audio has frames is dropped and counted, as any manifest's; a label too short
-    for its duration is konkanivani-pseudolabel's to drop (--min_chars_per_second)."""
+    batches of a resumed epoch are the unbroken one's). A row whose label is empty or is too
+    short for CTC (``manifest.ctc_frames_needed``) is dropped and counted, as any manifest's; a
+    label too short for its duration is konkanivani-pseudolabel's to drop
+    (--min_chars_per_second)."""
     utts, skipped = load_utterances(cfg.pseudo_manifest, tokenizer, cfg.max_duration,
                                     cfg.duration_tolerance)
     log_skipped("pseudo-labelled", cfg.pseudo_manifest, len(utts), skipped)
@@ -667,7 +668,8 @@ def _auto_batch_frames(cfg: TrainConfig, data: _Data,
     fit, probed on the device."""
     model, forward, precision, objective = computes
     longest = max(frames_of(d) for d in data.durations)
-    # a shard's text is read with its audio: as many tokens as CTC allows, the most a usable one has
+    # a shard's text is read with its audio: as many tokens as CTC allows, at most what a usable
+    # one has
     tokens = subsampled_lengths(longest) if data.shards else max(len(u.tokens) for u in data.train)
     return auto_batch_frames(forward, model, device, lambda: precision.autocast(device), longest,
                              tokens, estimator, cfg.max_memory_gb, objective)
