@@ -1227,6 +1227,6 @@ def test_make_corpus_writes_opus_shards_the_trainer_part_trains_on(tmp_path, cap
                                      tmp_path / "run", 16) + ["--device", "cpu"]
     finished = gpu_report.run_limited(cmd, 600, tmp_path / "train.log")
     assert finished.returncode == 0, finished.output[-3000:]
-    train_rows, valid_rows = gpu_report._rows(tmp_path / "run" / "metrics.jsonl")
+    train_rows, valid_rows = gpu_report._rows(tmp_path / "run")
     assert [r["step"] for r in train_rows] == [2] and len(valid_rows) == 1
     assert gpu_report.trainer_summary(train_rows, 3.0)["steps"] == 2
