@@ -26,7 +26,7 @@ import torchaudio
 
 from ..config import AugmentConfig
 from .audio import list_audio_files, load_audio, resample
-from .frames import SAMPLE_RATE, kaldi_frames_of_samples, subsampled_lengths
+from .frames import SAMPLE_RATE, ctc_frames_of_samples
 
 __all__ = [
     "ramp_done",
@@ -301,11 +301,7 @@ class Augmenter:
         ``manifest.ctc_frames_needed``; counted as ``frames.ctc_frames_of`` counts: CTC could not
         align it, and its loss would be zeroed) is not applied."""
         factor = self.speed_factor(epoch, index)
-        if (
-            factor > 1
-            and subsampled_lengths(kaldi_frames_of_samples(int(len(wav) / factor)))
-            < min_encoder_frames
-        ):
+        if factor > 1 and ctc_frames_of_samples(int(len(wav) / factor)) < min_encoder_frames:
             factor = 1.0
         wav = speed_perturb(wav, factor)
         if self.cfg.reverb_prob:

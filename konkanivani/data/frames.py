@@ -27,6 +27,7 @@ __all__ = [
     "frames_of_samples",
     "kaldi_frames_of_samples",
     "ctc_frames_of",
+    "ctc_frames_of_samples",
     "subsampled_lengths",
     "budget_frames",
     "padded_frames",
@@ -72,7 +73,13 @@ def ctc_frames_of(seconds: float) -> int:
     >>> ctc_frames_of(0.9), subsampled_lengths(frames_of(0.9))
     (21, 22)
     """
-    return subsampled_lengths(kaldi_frames_of_samples(round(seconds * SAMPLE_RATE)))
+    return ctc_frames_of_samples(round(seconds * SAMPLE_RATE))
+
+
+def ctc_frames_of_samples(samples: int) -> int:
+    """``ctc_frames_of`` for ``samples`` samples: the encoder frames of
+    ``kaldi_frames_of_samples``."""
+    return subsampled_lengths(kaldi_frames_of_samples(samples))
 
 
 def subsampled_lengths(frames: Lengths) -> Lengths:

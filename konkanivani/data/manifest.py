@@ -168,8 +168,9 @@ def check_text(
         )
         return ("characters the tokenizer cannot encode",
                 " ".join(f"{ch!r} U+{ord(ch):04X}" for ch in unknown) or "unknown pieces"), []
-    if ctc_frames_of(duration) < ctc_frames_needed(tokens):
-        repeats = ctc_frames_needed(tokens) - len(tokens)
+    needed = ctc_frames_needed(tokens)
+    if ctc_frames_of(duration) < needed:
+        repeats = needed - len(tokens)
         return ("too short for CTC", f"{duration:.2f} s for {len(tokens)} tokens"
                 + (f" and {repeats} repeated" if repeats else "")), []
     return None, tokens
