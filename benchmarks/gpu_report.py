@@ -212,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
              f"(default: {CORPUS} or data/demo when complete, else a small one made here)")
     add("--make_corpus", type=Path, metavar="DIR",
         help="make the corpus in DIR (needs espeak-ng; no GPU) and exit")
+    add("--from_demo", type=Path, metavar="DIR", default=None,
+        help="with --make_corpus: take the demo corpus already made in DIR "
+             "(konkanivani-demo-corpus --output_dir DIR, of --corpus_utterances) rather than "
+             "synthesizing it again")
     add("--corpus_utterances", type=_positive_int, default=4800,
         help="utterances of the demo corpus --make_corpus makes (default: 4,800, the demo "
              "corpus's own: 3,840 train, 388 valid)")
@@ -705,32 +709,51 @@ def audio_manifest(manifest: Path, out: Path, folder: str = "valid",
     return rows
 
 
-def make_corpus(out: Path, utterances: int, jobs: int,
-                audio_format: str = "opus") -> dict[str, Any]:
+def _demo_of_size(demo: Path, utterances: int) -> None:
+    """Refuse ``demo`` unless it is a whole demo corpus of ``utterances``."""
+    info_file = demo / "corpus_info.json"
+    try:
+        made = json.loads(info_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise PreparationError(f"{info_file}: not a demo corpus's record ({e})") from None
+    if made.get("num_utterances") != utterances:
+        raise PreparationError(f"{info_file}: a corpus of {made.get('num_utterances')} "
+                               f"utterances, not --corpus_utterances {utterances}")
+    for name in ("train.jsonl", "valid.jsonl"):
+        if not (demo / name).is_file():
+            raise PreparationError(f"{demo / name}: missing; the demo corpus is not whole")
+
+
+def make_corpus(out: Path, utterances: int, jobs: int, audio_format: str = "opus",
+                demo: Optional[Path] = None) -> dict[str, Any]:
     """The demo corpus of ``utterances`` as the GPU machine takes it: training split as tar shards
     (``konkanivani-prepare shards``), validation split as files and valid.jsonl, in
-    ``audio_format``, and
-    corpus.json saying how it was made. Written beside ``out`` and renamed into place when whole,
-    so a killed run leaves no corpus that looks complete; ``out`` must not hold anything else."""
+    ``audio_format``, and corpus.json saying how it was made. The corpus is synthesized unless
+    ``demo`` names one already made of that size (``konkanivani-demo-corpus``'s folder). Written
+    beside ``out`` and renamed into place when whole, so a killed run leaves no corpus that looks
+    complete; ``out`` must not hold anything else."""
     if (out / "corpus.json").is_file():
         made = json.loads((out / "corpus.json").read_text(encoding="utf-8"))
         return {**made, "already_there": True}
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise PreparationError(f"{out}: exists and holds something else; give an empty or new "
                                "folder")
-    if shutil.which("espeak-ng") is None:
+    if demo is not None:
+        _demo_of_size(demo, utterances)
+    elif shutil.which("espeak-ng") is None:
         raise PreparationError("espeak-ng is not installed here: the demo corpus is synthesized "
                                "with it (apt-get install espeak-ng)")
     start = time.monotonic()
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=out.name + ".partial-", dir=out.parent))
     staging.chmod(0o755)  # mkdtemp's folder is its owner's alone; a corpus is for everyone to read
+    command = ["konkanivani-demo-corpus", "--num_utterances", str(utterances)]
     with tempfile.TemporaryDirectory(prefix="gpu_corpus_") as tmp:
-        demo = Path(tmp) / "demo"
-        command = ["konkanivani-demo-corpus", "--num_utterances", str(utterances)]
-        _run_checked([sys.executable, "-m", "konkanivani.cli.demo_corpus", "--output_dir",
-                      str(demo), "--num_utterances", str(utterances), "--jobs", str(jobs)],
-                     "konkanivani-demo-corpus")
+        if demo is None:
+            demo = Path(tmp) / "demo"
+            _run_checked([sys.executable, "-m", "konkanivani.cli.demo_corpus", "--output_dir",
+                          str(demo), "--num_utterances", str(utterances), "--jobs", str(jobs)],
+                         "konkanivani-demo-corpus")
         _run_checked([sys.executable, "-m", "konkanivani.cli.prepare", "shards",
                       str(demo / "train.jsonl"), "--output_dir", str(staging / "shards"),
                       "--shard_size", str(SHARD_SIZE), "--audio_format", audio_format,
@@ -1815,7 +1838,8 @@ def prepare(args: argparse.Namespace) -> int:
                   + ", ".join(f"{name} ({size / MIB:.1f} MiB)" for name, size in sizes.items()))
         if args.make_corpus is not None:
             jobs = min(16, os.cpu_count() or 2)
-            info = make_corpus(args.make_corpus, args.corpus_utterances, jobs, args.corpus_format)
+            info = make_corpus(args.make_corpus, args.corpus_utterances, jobs, args.corpus_format,
+                               demo=args.from_demo)
             size = folder_bytes(args.make_corpus)
             codec = CODEC_NAMES[info.get("audio_format", "flac")]
             print(f"{args.make_corpus}: {info['train']} training utterances "

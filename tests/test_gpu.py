@@ -1230,3 +1230,24 @@ def test_make_corpus_writes_opus_shards_the_trainer_part_trains_on(tmp_path, cap
     train_rows, valid_rows = gpu_report._rows(tmp_path / "run")
     assert [r["step"] for r in train_rows] == [2] and len(valid_rows) == 1
     assert gpu_report.trainer_summary(train_rows, 3.0)["steps"] == 2
+
+
+def test_make_corpus_from_a_demo_corpus_made_before_synthesizes_nothing(tiny_corpus, tmp_path,
+                                                                        capsys):
+    """--from_demo: the shards and valid files are made from the demo corpus already there (of
+    --corpus_utterances, as its corpus_info.json says); one of another size is refused in one
+    line and nothing is written."""
+    out = tmp_path / "gpu_corpus"
+    wrong = ["--make_corpus", str(out), "--from_demo", str(tiny_corpus),
+             "--corpus_utterances", "65"]
+    assert gpu_report.main(wrong) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a corpus of 64 utterances, not --corpus_utterances 65" in err[0]
+    assert not out.exists() and not list(tmp_path.glob("gpu_corpus.partial-*"))
+    assert gpu_report.main(wrong[:-1] + ["64"]) == 0
+    info = json.loads((out / "corpus.json").read_text(encoding="utf-8"))
+    train = sum(1 for _ in open(tiny_corpus / "train.jsonl", encoding="utf-8"))
+    valid = sum(1 for _ in open(tiny_corpus / "valid.jsonl", encoding="utf-8"))
+    assert (info["train"], info["valid"], info["audio_format"]) == (train, valid, "opus")
+    assert len(list((out / "valid").glob("*.opus"))) == valid
+    assert f"{out}: {train} training utterances" in capsys.readouterr().out
