@@ -19,8 +19,9 @@ Before that call, on a machine with espeak-ng and a network (both folders are ig
 FLAC, ``--corpus_format``: Opus lets the whole demo corpus travel in one call), and prints its size.
 ``--make_wheels`` downloads (``pip download``, for CPython 3.12 on x86-64 Linux) the package's
 dependencies the GPU image lacks, pinned in WHEELS (jiwer with rapidfuzz, soundfile with cffi and
-pycparser, braceexpand, bitsandbytes), bitsandbytes kept to the CUDA libraries of --wheel_cuda (130:
-the image's torch is built with CUDA 13.0), which take it from 41 to ~4 MiB.
+pycparser, braceexpand, webvtt-py, bitsandbytes) and SOURCE_WHEELS (srt, built here into a wheel),
+bitsandbytes kept to the CUDA libraries of --wheel_cuda (130: the image's torch is built with CUDA
+13.0), which take it from 41 to ~4 MiB.
 
 The parts, in this order, each in a process group of its own that is killed at its time limit,
 all of them within --total_timeout (590 s); ``--dry_run`` prints each part's command, budget and
@@ -117,7 +118,14 @@ DEVICE_CARRY = (CORPUS, WHEEL_DIR)
 # The package's dependencies the GPU image (CPython 3.12, torch 2.11+cu130) lacks, with theirs,
 # as tested; bitsandbytes for the 8-bit AdamW test and memory rows.
 WHEELS = {"jiwer": "4.0.0", "rapidfuzz": "3.14.6", "soundfile": "0.14.0", "cffi": "2.1.1",
-          "pycparser": "3.12", "braceexpand": "0.1.7", "bitsandbytes": "0.50.2"}
+          "pycparser": "3.12", "braceexpand": "0.1.7", "webvtt-py": "0.6.0",
+          "bitsandbytes": "0.50.2"}
+# Pure-Python dependencies published as source alone: built into a wheel here (py3-none-any).
+SOURCE_WHEELS = {"srt": "3.5.3"}
+# The package's dependencies the GPU image holds already (its package list); every other one of
+# pyproject.toml's is in WHEELS or SOURCE_WHEELS (tests/test_gpu.py checks), or test modules and
+# the package's CLIs fail to import there.
+IMAGE_HAS = ("torch", "torchaudio", "sentencepiece", "numpy", "tqdm", "pyyaml")
 WHEEL_PLATFORMS = ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
                    "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
                    "manylinux1_x86_64")
@@ -388,10 +396,18 @@ def _cell(text: Any) -> str:
 # ---- part: pytest -m gpu ----------------------------------------------------------------------
 
 def pytest_command(xml: Path) -> list[str]:
-    # the project's addopts left out: no worker processes on one card (nor xdist installed there)
+    # the project's addopts left out: no worker processes on one card (nor xdist installed there);
+    # gpu_pytest_rows (this folder's) writes each test's row as it ends, for a run killed early
     return [sys.executable, "-m", "pytest", "-m", "gpu", "-o", "addopts=", "-v", "-rA",
-            "-p", "no:cacheprovider",
+            "-p", "no:cacheprovider", "-p", "gpu_pytest_rows",
             "--continue-on-collection-errors", f"--junitxml={xml}", "-o", "junit_family=xunit1"]
+
+
+def pytest_env(rows: Path) -> dict[str, str]:
+    """The pytest part's environment: the plugin importable, the file of its rows named."""
+    env = child_env(KONKANIVANI_PYTEST_ROWS=str(rows))
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "benchmarks"), env["PYTHONPATH"]])
+    return env
 
 
 def junit_outcomes(xml_text: str) -> list[dict[str, Any]]:
@@ -422,14 +438,36 @@ def junit_outcomes(xml_text: str) -> list[dict[str, Any]]:
 
 
 _VERBOSE_LINE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+_RUNNING_LINE = re.compile(r"^(\S+::\S+)\s*$")
 
 
 def verbose_outcomes(output: str) -> list[dict[str, Any]]:
-    """The outcomes pytest -v printed, for a run killed before it wrote its XML report."""
+    """The outcomes pytest -v printed, for a run killed before it wrote its XML report; the test
+    it was running then (its name printed, no outcome yet) as "killed"."""
     names = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped",
              "XFAIL": "xfailed", "XPASS": "xpassed"}
-    return [{"test": m.group(1), "outcome": names[m.group(2)], "seconds": float("nan"),
-             "message": ""} for m in map(_VERBOSE_LINE.match, output.splitlines()) if m]
+    lines = output.rstrip().splitlines()
+    rows = [{"test": m.group(1), "outcome": names[m.group(2)], "seconds": float("nan"),
+             "message": ""} for m in map(_VERBOSE_LINE.match, lines) if m]
+    running = next((m for m in map(_RUNNING_LINE.match, reversed(lines)) if m), None)
+    if running and lines and _RUNNING_LINE.match(lines[-1]):
+        rows.append({"test": running.group(1), "outcome": "killed", "seconds": float("nan"),
+                     "message": "running when the part's time limit was reached"})
+    return rows
+
+
+def streamed_outcomes(rows_file: Path, output: str) -> list[dict[str, Any]]:
+    """A killed run's rows: gpu_pytest_rows' lines (outcome, seconds, message) for the tests
+    that ended, then what pytest -v printed of the others (the one it was running)."""
+    rows = []
+    if rows_file.is_file():
+        for line in rows_file.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue  # the line being written when the run was killed
+    seen = {r["test"] for r in rows}
+    return rows + [r for r in verbose_outcomes(output) if r["test"] not in seen]
 
 
 def pytest_table(rows: list[dict[str, Any]]) -> str:
@@ -452,10 +490,11 @@ def run_pytest(args: argparse.Namespace, limit: float, work: Path,
     """Passed when every selected test passed, was skipped or failed as expected (xfail). A test
     module that does not import here (a dependency of a CPU test missing on the GPU machine) is
     listed as a collection error, and fails the part only when no GPU test ran."""
-    xml = work / "pytest.xml"
-    finished = run_limited(pytest_command(xml), limit, work / "pytest.log")
+    xml, streamed = work / "pytest.xml", work / "pytest_rows.jsonl"
+    finished = run_limited(pytest_command(xml), limit, work / "pytest.log",
+                           env=pytest_env(streamed))
     rows = (junit_outcomes(xml.read_text(encoding="utf-8")) if xml.is_file()
-            else verbose_outcomes(finished.output))
+            else streamed_outcomes(streamed, finished.output))
     table = pytest_table(rows) if rows else "No test outcome was reported."
     tests = [r for r in rows if r["outcome"] != "collection error"]
     bad = [r for r in tests if r["outcome"] in ("failed", "error")]
@@ -816,14 +855,18 @@ def trim_wheel(path: Path, keep_cuda: list[str]) -> int:
 
 
 def make_wheels(out: Path, cuda: list[str]) -> dict[str, int]:
-    """WHEELS downloaded for CPython 3.12 on x86-64 Linux (the GPU image) into ``out``;
-    bitsandbytes trimmed to ``cuda``'s libraries. Their bytes by file name."""
+    """WHEELS downloaded for CPython 3.12 on x86-64 Linux (the GPU image) into ``out``,
+    SOURCE_WHEELS built there from their sources; bitsandbytes trimmed to ``cuda``'s libraries.
+    Their bytes by file name."""
     out.mkdir(parents=True, exist_ok=True)
     platforms = [flag for name in WHEEL_PLATFORMS for flag in ("--platform", name)]
     specs = [f"{name}=={version}" for name, version in WHEELS.items()]
     _run_checked([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                   "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(out),
                   *specs], "pip download")
+    _run_checked([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out),
+                  *(f"{name}=={version}" for name, version in SOURCE_WHEELS.items())],
+                 "pip wheel")
     for wheel in out.glob("bitsandbytes-*.whl"):
         trim_wheel(wheel, cuda)
     return {p.name: p.stat().st_size for p in sorted(out.glob("*.whl"))}

@@ -824,6 +824,45 @@ def test_the_report_reads_pytest_outcomes():
     assert [r["outcome"] for r in gpu_report.verbose_outcomes(killed)] == ["passed", "failed"]
 
 
+def test_the_wheels_carried_cover_every_dependency_the_gpu_image_lacks():
+    """A dependency added to pyproject.toml must travel to the GPU machine too: without srt and
+    webvtt-py the H200 call of 2026-12-04 could not import six test modules."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    needed = {re.split(r"[<>=!~\[; ]", dep, maxsplit=1)[0].lower()
+              for dep in project["dependencies"]}
+    carried = {*gpu_report.WHEELS, *gpu_report.SOURCE_WHEELS, *gpu_report.IMAGE_HAS}
+    assert needed - carried == set()
+    assert {"jiwer", "soundfile", "braceexpand", "srt", "webvtt-py"} <= needed
+
+
+def test_a_pytest_run_killed_at_its_limit_keeps_each_finished_tests_message(tmp_path):
+    """The pytest part's plugin (benchmarks/gpu_pytest_rows.py) writes each test's row as it
+    ends: a real pytest run killed while a test sleeps keeps the failure's message, the skip's
+    reason and the times, and names the test it was running."""
+    tests = tmp_path / "test_few.py"
+    tests.write_text(
+        "import time\n\nimport pytest\n\n\n@pytest.mark.gpu\ndef test_passes():\n    pass\n\n\n"
+        "@pytest.mark.gpu\ndef test_fails():\n    assert 1 == 2, 'the probe found no batch'\n\n\n"
+        "@pytest.mark.gpu\ndef test_skips():\n    pytest.skip('needs 2 CUDA GPUs')\n\n\n"
+        "@pytest.mark.gpu\ndef test_sleeps():\n    time.sleep(120)\n",
+        encoding="utf-8")
+    xml, rows_file = tmp_path / "pytest.xml", tmp_path / "rows.jsonl"
+    cmd = gpu_report.pytest_command(xml) + ["--rootdir", str(tmp_path), str(tests)]
+    finished = gpu_report.run_limited(cmd, 8, tmp_path / "pytest.log",
+                                      env=gpu_report.pytest_env(rows_file), cwd=tmp_path)
+    assert finished.timed_out and not xml.exists(), finished.output[-2000:]
+    rows = {r["test"].split("::")[-1]: r
+            for r in gpu_report.streamed_outcomes(rows_file, finished.output)}
+    assert {name: r["outcome"] for name, r in rows.items()} == {
+        "test_passes": "passed", "test_fails": "failed", "test_skips": "skipped",
+        "test_sleeps": "killed"}
+    assert "the probe found no batch" in rows["test_fails"]["message"]
+    assert rows["test_skips"]["message"] == "needs 2 CUDA GPUs"
+    assert rows["test_fails"]["seconds"] >= 0 and math.isnan(rows["test_sleeps"]["seconds"])
+
+
 def test_the_report_reads_the_benchmarks_output(monkeypatch, capsys):
     """The memory rows as memory.py's own ``configurations`` and ``measure`` give them (measure
     faked), and throughput.py's JSON as its own ``main`` prints it with the report's flags (its
