@@ -728,13 +728,16 @@ def test_gpu_report_refuses_bad_flags_with_exit_2(argv, complaint, capsys):
     assert complaint in capsys.readouterr().err
 
 
-def test_gpu_report_dry_run_plans_every_part_within_ten_minutes(capsys):
+def test_gpu_report_dry_run_plans_every_part_in_two_calls_of_ten_minutes(capsys):
     """The default plan: every part's limit, their sum within --total_timeout, which with the
-    wheels' install fits one call of the GPU machine (600 s); the device command and what it
-    carries."""
+    wheels' install fits one call of the GPU machine (600 s); the recipe alone the same in a
+    second call; the device commands and what they carry."""
     limits = gpu_report.part_limits(gpu_report.parse_args([]))
     default = sum(limits[part] for part in gpu_report.DEFAULT_PARTS)
-    assert default <= gpu_report.TOTAL_TIMEOUT < gpu_report.DEVICE_LIMIT <= 600
+    second = sum(limits[part] for part in gpu_report.SECOND_CALL)
+    assert max(default, second) <= gpu_report.TOTAL_TIMEOUT < gpu_report.DEVICE_LIMIT <= 600
+    assert set(gpu_report.DEFAULT_PARTS) | set(gpu_report.SECOND_CALL) == set(
+        gpu_report.PARTS) - {"cpu_throughput"}
     assert limits["recipe"] == 300 + gpu_report.RECIPE_OVERHEAD
     assert gpu_report.main(["--dry_run"]) == 0
     out = capsys.readouterr().out
@@ -742,26 +745,39 @@ def test_gpu_report_dry_run_plans_every_part_within_ten_minutes(capsys):
             f"--total_timeout {gpu_report.TOTAL_TIMEOUT} s") in out
     for part in gpu_report.DEFAULT_PARTS:
         assert f"- {part}: at most {limits[part]:.0f} s; " in out
-    assert "- cpu_throughput" not in out
-    assert "-m pytest -m gpu" in out and "--max_time 300 --gpu_memory_gb 15" in out
-    assert "GPU_MEMORY_GB=15 TRAIN_SHARDS=<corpus>/shards.json" in out
+    assert "- cpu_throughput" not in out and "- recipe" not in out
+    assert "-m pytest -m gpu" in out and "-p gpu_pytest_rows" in out
     assert "--max_batch_seconds 1024 --gradient_accumulation_steps 1 --num_workers 2" in out
     assert '"utterances": [8, 64, 256, 1024], "precisions": ["bf16"]' in out
     assert f"total: {default:.0f} s of parts" in out
+    assert "two calls" in out
     assert "carry data/gpu_corpus and benchmarks/wheels, timeout_s 600" in out
     assert gpu_report.device_command() in out
+    assert f"{gpu_report.device_command(parts=('recipe',))}    # {second:.0f} s" in out
     assert "--target /tmp/site benchmarks/wheels/*.whl" in gpu_report.device_command()
-    assert "--corpus data/gpu_corpus --out $OUT/gpu" in gpu_report.device_command()
+    assert gpu_report.device_command().endswith("--corpus data/gpu_corpus --out $OUT/gpu")
+    # The second call's plan: the recipe as shipped, capped to 15 GB.
+    assert gpu_report.main(["--dry_run", "--parts", "recipe"]) == 0
+    out = capsys.readouterr().out
+    assert f"- recipe: at most {second:.0f} s; " in out
+    assert "--max_time 300 --gpu_memory_gb 15" in out
+    assert "GPU_MEMORY_GB=15 TRAIN_SHARDS=<corpus>/shards.json" in out
+    assert "device command (carry" in out and "--out $OUT/gpu --parts recipe" in out
+    # Each call's report a file of its own.
+    day = datetime.date(2026, 12, 4)
+    assert gpu_report.report_path(Path("r"), "NVIDIA H200", day).name == "2026-12-04-nvidia-h200.md"
+    assert gpu_report.report_path(Path("r"), "NVIDIA H200", day, ("recipe",)).name == (
+        "2026-12-04-nvidia-h200-recipe.md")
 
     # Some parts, a shorter recipe, a longer pytest: in the report's order, limits to match.
     argv = ["--dry_run", "--parts", "recipe,pytest", "--recipe_seconds", "120", "--limit",
             "pytest=90"]
     assert gpu_report.main(argv) == 0
     out = capsys.readouterr().out
-    assert out.index("- pytest: at most 90 s") < out.index("- recipe: at most 145 s")
-    assert "- memory" not in out and "--max_time 120" in out and "235 s within" in out
+    assert out.index("- pytest: at most 90 s") < out.index("- recipe: at most 195 s")
+    assert "- memory" not in out and "--max_time 120" in out and "285 s within" in out
     # Limits past --total_timeout: said, and exit status 1.
-    assert gpu_report.main(["--dry_run", "--limit", "recipe=600"]) == 1
+    assert gpu_report.main(["--dry_run", "--limit", "compile=600"]) == 1
     assert "DOES NOT FIT in --total_timeout 590 s" in capsys.readouterr().out
 
 
