@@ -12,6 +12,11 @@ speed drifts from minute to minute slows all of them alike:
 * ``ours full``: ``ASRModel`` as the trainer runs it, CTC + attention decoder;
 * ``WeNet`` (with ``--wenet PATH``, a WeNet source tree): WeNet's Conformer + Transformer decoder +
   CTC of the same dimensions, the same work as ``ours full``.
+* ``ours pretrain`` (with ``--pretrain``): ``ASRModel`` pretraining its encoder on audio alone, as
+  ``konkanivani-train --pretrain`` does (masked prediction of random-projection codes, 1,024 codes,
+  the default --mask_prob and --mask_span); its rows give ``cost_vs_full`` and
+  ``cost_vs_enc_ctc``, the median of the rounds' step-time ratios against ``ours full`` (a
+  supervised step of the same encoder as the trainer runs it) and ``ours enc+CTC``.
 
 Each is timed in fp32 and in the precision ``--mixed_precision`` picks on this machine (bf16
 autocast where it is faster than fp32; on a CPU without fast bf16 it picks fp32 and the second pass
@@ -37,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from konkanivani.config import PRESETS, ModelConfig, model_config_from_preset
+from konkanivani.config import PRESETS, ModelConfig, TrainConfig, model_config_from_preset
 from konkanivani.data.frames import subsampled_lengths
 from konkanivani.model.asr import ASRModel
 from konkanivani.model.conformer import ConformerEncoder
@@ -173,6 +178,23 @@ class OursFullCompiled(OursFull):
         return Objective()(self.compiled, feats, lens, tokens, token_lens).loss
 
 
+class OursPretrain(nn.Module):
+    """``ASRModel`` with the masked-prediction head (``codebook_size``), its loss alone through
+    ``Objective(pretrain=True)`` with the trainer's default masking: a ``--pretrain`` step. The
+    tokens are not used."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        defaults = TrainConfig()
+        self.model = ASRModel(dataclasses.replace(cfg, codebook_size=PRETRAIN_CODEBOOK))
+        self.objective = Objective(pretrain=True, mask_prob=defaults.mask_prob,
+                                   mask_span=defaults.mask_span)
+
+    def forward(self, feats, lens, tokens, token_lens):
+        return self.objective(self.model, feats, lens, tokens, token_lens).loss
+
+
+PRETRAIN_CODEBOOK = 1024  # the trainer's codebook when --pretrain leaves --codebook_size unset
 MODELS = {"torchaudio": TorchaudioCTC, "ours enc+CTC": OursCTC, "ours full": OursFull}
 
 
@@ -318,6 +340,9 @@ def run_preset(preset: str, args, peaks: dict[str, float]) -> list[dict]:
                 row["speedup_vs_torchaudio"] = _speedup(times["torchaudio"], times[name])
             if name.startswith("ours full") and "WeNet" in times:
                 row["speedup_vs_wenet"] = _speedup(times["WeNet"], times[name])
+            if name == "ours pretrain":  # what a step costs against the supervised ones
+                row["cost_vs_full"] = _speedup(times[name], times["ours full"])
+                row["cost_vs_enc_ctc"] = _speedup(times[name], times["ours enc+CTC"])
             rows.append(row)
     return rows
 
@@ -341,6 +366,8 @@ def print_table(rows: list[dict], cpu: str, peaks: dict[str, float]) -> None:
         "utilization",
         "speedup_vs_torchaudio",
         "speedup_vs_wenet",
+        "cost_vs_full",
+        "cost_vs_enc_ctc",
     ]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -414,6 +441,10 @@ def main(argv=None) -> int:
         "--compile", action="store_true", help="also time ours full through torch.compile"
     )
     parser.add_argument(
+        "--pretrain", action="store_true",
+        help="also time ours pretraining its encoder (konkanivani-train --pretrain's step)"
+    )
+    parser.add_argument(
         "--json", action="store_true", help="print one JSON line instead of the table"
     )
     parser.add_argument("--png", default=str(ROOT / "benchmarks" / "throughput_cpu.png"))
@@ -430,7 +461,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.wenet:
         sys.path.insert(0, args.wenet)
     args.models = {**MODELS, **({"WeNet": WenetFull} if args.wenet else {}),
-                   **({"ours full, compiled": OursFullCompiled} if args.compile else {})}
+                   **({"ours full, compiled": OursFullCompiled} if args.compile else {}),
+                   **({"ours pretrain": OursPretrain} if args.pretrain else {})}
     cpu = cpu_description()
     peaks = {"fp32": matmul_peak(torch.float32)}
     if resolve_precision(torch.device("cpu"), True).dtype is torch.bfloat16:
@@ -441,7 +473,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         speedups = {
             key: {f"{r['preset']}/{r['precision']}/{r['model']}": r[key] for r in rows if key in r}
-            for key in ("speedup_vs_torchaudio", "speedup_vs_wenet")
+            for key in ("speedup_vs_torchaudio", "speedup_vs_wenet", "cost_vs_full",
+                        "cost_vs_enc_ctc")
         }
         print(
             json.dumps(

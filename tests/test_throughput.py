@@ -1,4 +1,5 @@
-"""benchmarks/throughput.py: its FLOP count and a one-round run of the smallest preset."""
+"""benchmarks/throughput.py: its FLOP count and a one-round run of the smallest preset (with the
+pretraining step)."""
 import json
 
 import pytest
@@ -43,6 +44,7 @@ def test_one_round_of_the_small_preset_prints_one_json_line(capsys):
                 "4",
                 "--threads",
                 "1",
+                "--pretrain",
                 "--json",
             ]
         )
@@ -50,7 +52,12 @@ def test_one_round_of_the_small_preset_prints_one_json_line(capsys):
     )
     result = json.loads(capsys.readouterr().out)
     models = {row["model"] for row in result["rows"]}
-    assert models == {"torchaudio", "ours enc+CTC", "ours full"}
+    assert models == {"torchaudio", "ours enc+CTC", "ours full", "ours pretrain"}
+    # A --pretrain step's cost against the supervised steps of the same encoder.
+    assert "small/fp32/ours pretrain" in result["cost_vs_full"]
+    assert set(result["cost_vs_full"]) == set(result["cost_vs_enc_ctc"])
+    assert all(key.endswith("/ours pretrain") for key in result["cost_vs_full"])
+    assert all(value > 0 for value in result["cost_vs_full"].values())
     assert all(row["gflop_per_step"] > 0 and row["step_s"] > 0 for row in result["rows"])
     assert set(result["speedup_vs_torchaudio"]) >= {
         "small/fp32/ours enc+CTC",
