@@ -94,15 +94,17 @@ PARTS = ("pytest", "memory", "batch_scaling", "compile", "trainer", "recipe", "c
 # cpu_throughput runs only when asked for.
 DEFAULT_PARTS = ("pytest", "memory", "batch_scaling", "compile", "trainer")
 SECOND_CALL = ("recipe",)
-# Seconds each part may take at most. The trainer's is TRAINER_SECONDS per batch budget, the
+# Seconds each part may take at most. The trainer's is TRAINER_SECONDS a run (a batch budget at
+# a --pad_to_frames), the
 # recipe's --recipe_seconds plus RECIPE_OVERHEAD. Sized from the H200's call of 2026-12-04
 # (results/gpu/README.md), which ran all six parts in one call under the limits of then (65, 40,
 # 60, 60, 30 and 325 s): the GPU tests take ~110 s (11 of 18 ended in 65 s), the memory row 19 s,
 # the batch scaling's 12 points 29 s, the compile part made no row in 60 s (compiling ours full
 # at 256 x 4 s alone took 42 s on 2026-11-27), the trainer's 12 steps and save ~32 s, and the
 # recipe, started twice (imports, then its --max_time clock), trained past 310 s and left its
-# scoring no time. The default parts add up to 375 s and the recipe alone to 375 s: both
-# within TOTAL_TIMEOUT, with the wheels' install within a call's 600 s.
+# scoring no time. The default parts add up to 420 s (the trainer twice: --pad_to_frames 0 and
+# 100) and the recipe alone to 375 s: both within TOTAL_TIMEOUT, with the wheels' install within
+# a call's 600 s.
 LIMITS = {"pytest": 125, "memory": 30, "batch_scaling": 45, "compile": 130, "cpu_throughput": 40}
 TRAINER_SECONDS = 45
 # The recipe's imports before its --max_time clock starts (twice: the script checks them first),
@@ -193,6 +195,18 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _pad_list(text: str) -> list[int]:
+    values = []
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        if not item.isdigit():
+            raise argparse.ArgumentTypeError(f"give a comma list of frame counts (0: off), got "
+                                             f"{text!r}")
+        values.append(int(item))
+    if not values:
+        raise argparse.ArgumentTypeError(f"give a comma list of frame counts, got {text!r}")
+    return values
+
+
 def _parts(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in PARTS]
@@ -272,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--trainer_batch_seconds", type=_int_list, default=[1024],
         help="--max_batch_seconds of the trainer's runs, one run each (default: 1024: the audio "
              "of 256 x 4 s)")
+    add("--trainer_pad_to_frames", type=_pad_list, default=[0, 100],
+        help="the trainer's --pad_to_frames, a run each at each batch budget (default: 0,100: "
+             "batches of any shape, then of a few; the H200 call of 2026-12-04 ran at 12%% of "
+             "the model alone, whose batches all have one shape)")
     add("--trainer_steps", type=_positive_int, default=12,
         help="optimizer steps of each trainer run; the rates leave out the first "
              f"{TRAINER_WARMUP_STEPS} (default: 12)")
@@ -311,7 +329,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def part_limits(args: argparse.Namespace) -> dict[str, float]:
     """Each part's time limit: its default (the trainer's per batch budget, the recipe's after
     --recipe_seconds) or --limit's."""
-    limits = {**LIMITS, "trainer": TRAINER_SECONDS * len(args.trainer_batch_seconds),
+    limits = {**LIMITS, "trainer": TRAINER_SECONDS * len(args.trainer_batch_seconds)
+              * len(args.trainer_pad_to_frames),
               "recipe": args.recipe_seconds + RECIPE_OVERHEAD}
     limits.update(args.limit)
     return {name: float(limits[name]) for name in PARTS}
@@ -1306,16 +1325,18 @@ def run_compile(args: argparse.Namespace, limit: float, work: Path,
 # ---- part: the trainer end to end -------------------------------------------------------------
 
 def trainer_command(args: argparse.Namespace, train: Path, valid: Path, out: Path,
-                    batch_seconds: int) -> list[str]:
-    """konkanivani-train at a batch budget, validating only at its end, a summary line (and a
-    metrics row) every 2 steps."""
+                    batch_seconds: int, pad_to_frames: int = 0) -> list[str]:
+    """konkanivani-train at a batch budget (its batches padded to a multiple of
+    ``pad_to_frames``), validating only at its end, a summary line (and a metrics row) every 2
+    steps."""
     return [sys.executable, str(ROOT / "training_scripts" / "train_konkanivani_asr.py"),
             "--train_manifest", str(train), "--valid_manifest", str(valid), "--output_dir",
             str(out), "--preset", args.trainer_preset, "--precision", args.trainer_precision,
             "--tokenizer_type", "char", "--max_batch_seconds", str(batch_seconds),
             "--gradient_accumulation_steps", "1", "--num_workers", str(args.trainer_workers),
             "--max_steps", str(args.trainer_steps), "--log_every", "2", "--validate_every_steps",
-            "0", "--keep_checkpoints", "1", "--no_progress", "--no_tensorboard"]
+            "0", "--keep_checkpoints", "1", "--no_progress", "--no_tensorboard",
+            *(["--pad_to_frames", str(pad_to_frames)] if pad_to_frames else [])]
 
 
 def trainer_summary(train_rows: list[dict], mean_duration: float) -> dict[str, Any]:
@@ -1350,14 +1371,15 @@ def model_only(rows: list[dict], args: argparse.Namespace, batch_seconds: float)
 
 
 def trainer_table(rows: list[dict], scaling: list[dict], args: argparse.Namespace) -> str:
-    lines = ["| --max_batch_seconds | steps | rated | utt/s | audio s/s | data wait | peak GiB | "
-             "model-only audio s/s | of model-only |", "| --- | --- | --- | --- | --- | --- | "
-             "--- | --- | --- |"]
+    lines = ["| --max_batch_seconds | --pad_to_frames | steps | rated | utt/s | audio s/s | "
+             "data wait | peak GiB | model-only audio s/s | of model-only |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         ref = model_only(scaling, args, r["batch_seconds"])
         share = (r["audio_s_per_s"] / ref["audio_s_per_s"]
                  if ref and r.get("audio_s_per_s") else None)
-        lines.append(f"| {r['batch_seconds']} | {r['steps']} | {r['rated_steps'] or 'none'} | "
+        lines.append(f"| {r['batch_seconds']} | {r.get('pad_to_frames') or 'off'} | "
+                     f"{r['steps']} | {r['rated_steps'] or 'none'} | "
                      f"{_num(r.get('utt_per_s'), ',.1f')} | {_num(r.get('audio_s_per_s'), ',.0f')}"
                      f" | {_num(r.get('data_wait'), '.1%')} | {_num(r.get('peak_gib'), '.2f')} | "
                      f"{_num(ref and ref['audio_s_per_s'], ',.0f')} | {_num(share, '.0%')} |")
@@ -1377,25 +1399,28 @@ def run_trainer(args: argparse.Namespace, limit: float, work: Path,
         f.writelines(json.dumps(r, ensure_ascii=False) + "\n"
                      for r in _manifest_rows(corpus.valid)[:16])
     results, failures, budgets = [], [], args.trainer_batch_seconds
-    for i, seconds in enumerate(budgets):
+    runs = [(seconds, pad) for seconds in budgets for pad in args.trainer_pad_to_frames]
+    for i, (seconds, pad) in enumerate(runs):
         left = limit - (time.monotonic() - start)
         train = work / f"trainer_{seconds}.jsonl"
         # Enough audio for every step and two more batches: the run stays in its first epoch.
         repeats = write_repeated_manifest(rows, train, (args.trainer_steps + 2) * seconds)
-        out = work / f"trainer_{seconds}"
-        finished = run_limited(trainer_command(args, train, valid, out, seconds),
-                               left / (len(budgets) - i), work / f"trainer_{seconds}.log")
-        summary = {"batch_seconds": seconds, "repeats": repeats, "seconds": round(
-            finished.seconds, 1), **trainer_summary(_rows(out)[0], mean)}
+        out = work / f"trainer_{seconds}_pad{pad}"
+        finished = run_limited(trainer_command(args, train, valid, out, seconds, pad),
+                               left / (len(runs) - i), work / f"trainer_{seconds}_pad{pad}.log")
+        summary = {"batch_seconds": seconds, "pad_to_frames": pad, "repeats": repeats,
+                   "seconds": round(finished.seconds, 1), **trainer_summary(_rows(out)[0], mean)}
         results.append(summary)
         if finished.returncode != 0 or summary["steps"] < args.trainer_steps:
-            failures.append(_failure(finished, left / (len(budgets) - i),
-                                     f"--max_batch_seconds {seconds}"))
+            failures.append(_failure(finished, left / (len(runs) - i),
+                                     f"--max_batch_seconds {seconds} --pad_to_frames {pad}"))
     scaling = _scaling_rows(done)
     body = (f"konkanivani-train on the training utterances of {corpus.about} (mean "
             f"{mean:.2f} s), repeated in one manifest so that the steps stay in one epoch: preset "
             f"{args.trainer_preset}, {args.trainer_precision}, {args.trainer_workers} data workers,"
             f" {args.trainer_steps} optimizer steps, no accumulation, a metrics row every 2 steps, "
+            f"a run at each --pad_to_frames ({', '.join(map(str, args.trainer_pad_to_frames))}; "
+            "0: off), "
             "validation only at the end (16 utterances). Rates: the mean of the rows after step "
             f"{TRAINER_WARMUP_STEPS}; audio s/s = utt/s x the mean duration; model-only: the batch "
             "scaling's ours full on the same card at the batch of the same audio seconds "
@@ -1406,8 +1431,9 @@ def run_trainer(args: argparse.Namespace, limit: float, work: Path,
                                                                 budgets[0])[2:]])
             + "`\n\n" + trainer_table(results, scaling, args))
     data = {"rows": results, "mean_duration": mean}
-    summary = "; ".join(f"{r['batch_seconds']} s batches: {_num(r.get('utt_per_s'), ',.0f')} utt/s"
-                        f", data wait {_num(r.get('data_wait'), '.0%')}" for r in results)
+    summary = "; ".join(f"{r['batch_seconds']} s batches, pad {r['pad_to_frames'] or 'off'}: "
+                        f"{_num(r.get('utt_per_s'), ',.0f')} utt/s, data wait "
+                        f"{_num(r.get('data_wait'), '.0%')}" for r in results)
     seconds = time.monotonic() - start
     if not failures:
         return Outcome("passed", seconds, body, summary, data)
@@ -1635,7 +1661,8 @@ def budgets(args: argparse.Namespace) -> dict[str, str]:
                    f"{','.join(map(str, args.compile_utterances))} x 4 s, compile + 1 + "
                    f"{args.scaling_rounds} steps each",
         "trainer": f"{args.trainer_preset} {args.trainer_precision}, --max_batch_seconds "
-                   f"{','.join(map(str, args.trainer_batch_seconds))}, {args.trainer_workers} "
+                   f"{','.join(map(str, args.trainer_batch_seconds))} x --pad_to_frames "
+                   f"{','.join(map(str, args.trainer_pad_to_frames))}, {args.trainer_workers} "
                    f"workers, {args.trainer_steps} steps each",
         "recipe": f"--max_time {args.recipe_seconds} s capped to {args.gpu_memory_gb:g} GB, then "
                   "latest.pt scored on the validation set",
@@ -1842,13 +1869,16 @@ def _trainer_target(results: dict[str, Outcome], args: argparse.Namespace) -> tu
             continue
         wait = r.get("data_wait")
         share = r["audio_s_per_s"] / ref["audio_s_per_s"] if ref else None
+        pad = r.get("pad_to_frames") or 0
         measured.append(f"{_num(share, '.0%')} of model-only at {r['batch_seconds']} s batches "
-                        f"({args.trainer_preset}, {args.trainer_precision}), data wait "
+                        f"({args.trainer_preset}, {args.trainer_precision}"
+                        + (f", --pad_to_frames {pad}" if pad else "") + "), data wait "
                         f"{_num(wait, '.1%')}")
         if share is not None and wait is not None:
             verdicts.append(share >= TRAINER_SHARE and wait <= TRAINER_DATA_WAIT)
+    # Met when one of the trainer's settings meets it (the report names which).
     return (what, "; ".join(measured) or "not measured", target,
-            _met(all(verdicts) if verdicts else None))
+            _met(any(verdicts) if verdicts else None))
 
 
 def targets_table(rows: list[tuple[str, ...]]) -> str:

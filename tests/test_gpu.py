@@ -1009,11 +1009,26 @@ def test_the_trainer_part_rates_its_steady_steps_against_the_model_alone(tmp_pat
                 "step_ms": 500.0, "audio_s_per_s": 2000.0}]
     assert gpu_report.model_only(scaling, args, 1024)["audio_s_per_s"] == 4000.0
     assert gpu_report.model_only(scaling, args, 1000) is None
-    rows = [{"batch_seconds": 1024, **summary}, {"batch_seconds": 256, "steps": 3,
-                                                   "rated_steps": None, "peak_gib": None}]
+    rows = [{"batch_seconds": 1024, "pad_to_frames": 0, **summary},
+            {"batch_seconds": 1024, "pad_to_frames": 100, **summary, "audio_s_per_s": 3600.0},
+            {"batch_seconds": 256, "pad_to_frames": 0, "steps": 3, "rated_steps": None,
+             "peak_gib": None}]
     table = gpu_report.trainer_table(rows, scaling, args)
-    assert "| 1024 | 8 | 5-8 | 1,100.0 | 3,300 | 3.0% | 31.50 | 4,000 | 82% |" in table
-    assert "| 256 | 3 | none | n/a | n/a | n/a | n/a | n/a | n/a |" in table
+    assert "| 1024 | off | 8 | 5-8 | 1,100.0 | 3,300 | 3.0% | 31.50 | 4,000 | 82% |" in table
+    assert "| 1024 | 100 | 8 | 5-8 | 1,100.0 | 3,600 | 3.0% | 31.50 | 4,000 | 90% |" in table
+    assert "| 256 | off | 3 | none | n/a | n/a | n/a | n/a | n/a | n/a |" in table
+    # The target is met when one setting meets it, and the report says which.
+    results = {"trainer": gpu_report.Outcome("passed", 1.0, "", "", {"rows": rows}),
+               "batch_scaling": gpu_report.Outcome("passed", 1.0, "", "", {"rows": scaling})}
+    what, measured, _, met = gpu_report._trainer_target(results, args)
+    assert "90% of model-only at 1024 s batches (large, bf16, --pad_to_frames 100)" in measured
+    assert "82% of model-only at 1024 s batches (large, bf16), data wait 3.0%" in measured
+    assert met == "**yes**"
+    assert args.trainer_pad_to_frames == [0, 100]
+    assert gpu_report.trainer_command(args, Path("t"), Path("v"), Path("o"), 1024, 100)[-2:] == [
+        "--pad_to_frames", "100"]
+    assert "--pad_to_frames" not in gpu_report.trainer_command(args, Path("t"), Path("v"),
+                                                               Path("o"), 1024)
 
     # The manifest the trainer reads: the rows repeated until they hold the audio asked for.
     rows = [{"audio_filepath": "/a.flac", "duration": 2.0, "text": "x"},
