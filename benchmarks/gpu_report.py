@@ -477,8 +477,8 @@ def verbose_outcomes(output: str) -> list[dict[str, Any]]:
     lines = output.rstrip().splitlines()
     rows = [{"test": m.group(1), "outcome": names[m.group(2)], "seconds": float("nan"),
              "message": ""} for m in map(_VERBOSE_LINE.match, lines) if m]
-    running = next((m for m in map(_RUNNING_LINE.match, reversed(lines)) if m), None)
-    if running and lines and _RUNNING_LINE.match(lines[-1]):
+    running = _RUNNING_LINE.match(lines[-1]) if lines else None
+    if running:
         rows.append({"test": running.group(1), "outcome": "killed", "seconds": float("nan"),
                      "message": "running when the part's time limit was reached"})
     return rows
@@ -1399,12 +1399,17 @@ def run_trainer(args: argparse.Namespace, limit: float, work: Path,
         f.writelines(json.dumps(r, ensure_ascii=False) + "\n"
                      for r in _manifest_rows(corpus.valid)[:16])
     results, failures, budgets = [], [], args.trainer_batch_seconds
+    # Each budget's manifest, written once for its runs at each --pad_to_frames: enough audio for
+    # every step and two more batches, so that a run stays in its first epoch.
+    manifests = {}
+    for seconds in budgets:
+        train = work / f"trainer_{seconds}.jsonl"
+        manifests[seconds] = train, write_repeated_manifest(rows, train,
+                                                            (args.trainer_steps + 2) * seconds)
     runs = [(seconds, pad) for seconds in budgets for pad in args.trainer_pad_to_frames]
     for i, (seconds, pad) in enumerate(runs):
         left = limit - (time.monotonic() - start)
-        train = work / f"trainer_{seconds}.jsonl"
-        # Enough audio for every step and two more batches: the run stays in its first epoch.
-        repeats = write_repeated_manifest(rows, train, (args.trainer_steps + 2) * seconds)
+        train, repeats = manifests[seconds]
         out = work / f"trainer_{seconds}_pad{pad}"
         finished = run_limited(trainer_command(args, train, valid, out, seconds, pad),
                                left / (len(runs) - i), work / f"trainer_{seconds}_pad{pad}.log")
