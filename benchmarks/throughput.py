@@ -42,7 +42,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from konkanivani.config import PRESETS, ModelConfig, TrainConfig, model_config_from_preset
+from konkanivani.config import (
+    DEFAULT_CODEBOOK_SIZE,
+    PRESETS,
+    ModelConfig,
+    TrainConfig,
+    model_config_from_preset,
+)
 from konkanivani.data.frames import subsampled_lengths
 from konkanivani.model.asr import ASRModel
 from konkanivani.model.conformer import ConformerEncoder
@@ -186,7 +192,7 @@ class OursPretrain(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         defaults = TrainConfig()
-        self.model = ASRModel(dataclasses.replace(cfg, codebook_size=PRETRAIN_CODEBOOK))
+        self.model = ASRModel(dataclasses.replace(cfg, codebook_size=DEFAULT_CODEBOOK_SIZE))
         self.objective = Objective(pretrain=True, mask_prob=defaults.mask_prob,
                                    mask_span=defaults.mask_span)
 
@@ -194,7 +200,6 @@ class OursPretrain(nn.Module):
         return self.objective(self.model, feats, lens, tokens, token_lens).loss
 
 
-PRETRAIN_CODEBOOK = 1024  # the trainer's codebook when --pretrain leaves --codebook_size unset
 MODELS = {"torchaudio": TorchaudioCTC, "ours enc+CTC": OursCTC, "ours full": OursFull}
 
 

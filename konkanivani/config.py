@@ -72,6 +72,7 @@ DEFAULT_MAX_DURATION = 30.0
 DEFAULT_DURATION_TOLERANCE = 0.5
 # The size of a SentencePiece vocabulary trained on a manifest's text.
 DEFAULT_VOCAB_SIZE = 128
+DEFAULT_CODEBOOK_SIZE = 1024  # --pretrain's codes when --codebook_size is not given
 # The loss: w * CTC + (1 - w) * attention, and the attention loss's label smoothing.
 DEFAULT_CTC_WEIGHT = 0.3
 DEFAULT_LABEL_SMOOTHING = 0.1
@@ -175,7 +176,8 @@ class ModelConfig:
         "same block)"))
     codebook_size: int = field(default=0, metadata=flag_help(
         "with --pretrain: the codes of the frozen random codebook the masked frames are predicted"
-        " as (0: 1024 with --pretrain; a model fine-tuned from a pretrained one has none)"))
+        f" as (0: {DEFAULT_CODEBOOK_SIZE} with --pretrain; a model fine-tuned from a pretrained"
+        " one has none)"))
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
@@ -1033,7 +1035,8 @@ def resolve_model_config(cfg: TrainConfig, flags: dict[str, Any] | None = None,
         return _fits(cfg, model_cfg)
     # pretraining has the masked-prediction head (1024 codes unless --codebook_size says); a
     # model fine-tuned, from a pretrained encoder too, has none
-    given["codebook_size"] = (given.get("codebook_size") or 1024) if cfg.pretrain else 0
+    given["codebook_size"] = ((given.get("codebook_size") or DEFAULT_CODEBOOK_SIZE)
+                              if cfg.pretrain else 0)
     if not cfg.init_from:
         return _fits(cfg, model_config_from_preset(cfg.preset, **given))
     base = {**dataclasses.asdict(ModelConfig.from_dict(saved)), "vocab_size": 0}
