@@ -14,11 +14,15 @@ weights scored on test, the held-out voice and the noisy test split, greedy and 
 
 1. ``OUT/split/``: a seeded ``--labelled_share`` of ``train.jsonl`` kept with its text
    (``labelled.jsonl``), the rest without (``audio_only.jsonl``).
-2. ``teacher``: the recipe on the labelled share alone.
-3. Each round R: ``konkanivani-pseudolabel`` labels the audio-only share with the last model (the
-   threshold chosen on ``valid.jsonl`` for ``--target_label_cer``), timed for its real-time
-   factor; ``round_R`` trains the recipe from scratch on the labelled share and those labels
-   (``--pseudo_noise_prob``: the noisy student).
+2. ``teacher``: the recipe on the labelled share alone. With ``--lm``, an LM
+   (``konkanivani-train-lm``, ``OUT/lm``) on the corpus's text-only set and the labelled share's
+   transcripts, for ``{lm}`` in the labelling flags; each ``--label_variant NAME=FLAGS`` labels the
+   audio-only share with the teacher those ways (``labels_1_NAME``), a row of labels alone.
+3. Each round R: ``konkanivani-pseudolabel`` labels the audio-only share with the last model (its
+   EMA weights; the threshold chosen on ``valid.jsonl`` for ``--target_label_cer``), timed for its
+   real-time factor; ``round_R`` trains the recipe from scratch on the labelled share and those
+   labels (``--pseudo_noise_prob``: the noisy student), or with ``--keep_pool`` on every round's
+   labels so far, each utterance's latest.
 4. ``full``: the recipe on all of ``train.jsonl`` with its transcripts (``--full DIR`` reuses a
    ``recipe_levers`` run of the recipe with the same seed and budget).
 5. With ``--adapt N``: N sentences of the corpus's text-only set read by the held-out voice
@@ -75,6 +79,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--adapt", type=int, default=0,
                    help="held-out-voice sentences to synthesize as audio alone (0: no adaptation)")
     p.add_argument("--adapt_steps", type=int, default=500)
+    p.add_argument("--lm", action="store_true",
+                   help="train a konkanivani-train-lm LM on the corpus's text.txt and the labelled "
+                        "share's transcripts (OUT/lm), the teacher's tokenizer; '{lm}' in "
+                        "--label_flags and --label_variant stands for its best.pt")
+    p.add_argument("--lm_flags", default="--d_model 128 --layers 2 --epochs 30 --seed 0",
+                   help="konkanivani-train-lm flags of --lm, one string")
+    p.add_argument("--label_variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="label the audio with the teacher again, --label_flags and these flags "
+                        "(labels_1_NAME): the labels' row alone, no student; repeatable")
+    p.add_argument("--keep_pool", action="store_true",
+                   help="each student after the first trains on the labels of every round so far "
+                        "(an utterance with the last round's label that kept it), as "
+                        "konkanivani-pseudolabel --keep_pool")
     return p.parse_args(argv)
 
 
@@ -105,15 +122,52 @@ def split_corpus(corpus: Path, out: Path, share: float, seed: int) -> tuple[Path
     return labelled, audio_only
 
 
-def label(args: argparse.Namespace, teacher: Path, audio: Path, out: Path) -> dict:
-    """Pseudo-label ``audio`` with ``teacher`` into ``out``, timed once (a rerun keeps the time)."""
+def train_lm(args: argparse.Namespace, teacher: Path, labelled: Path) -> Path:
+    """``--lm``: the LM on the corpus's text and the labelled share's transcripts (none of them a
+    test sentence, nor the audio-only share's), trained once; its best.pt."""
+    out = args.out / "lm"
+    if (out / "best.pt").is_file() and (out / "done").is_file():
+        return out / "best.pt"
+    text = args.out / "split" / "lm_text.txt"
+    lines = [line.strip() for line in (args.corpus / "text.txt").read_text(
+        encoding="utf-8").splitlines() if line.strip()]
+    text.write_text("\n".join(lines + [r["text"] for r in _rows(labelled)]) + "\n",
+                    encoding="utf-8")
+    cmd = [sys.executable, "-m", "konkanivani.cli.train_lm", str(text), "--tokenizer",
+           str(teacher), "--output_dir", str(out), "--overwrite", *args.lm_flags.split()]
+    print(" ".join(cmd[2:]), flush=True)
+    with open(args.out / "lm.log", "w", encoding="utf-8") as log:
+        code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    if code != 0:
+        raise SystemExit(f"training the LM: exit status {code}; see {args.out / 'lm.log'}")
+    (out / "done").write_text("")
+    return out / "best.pt"
+
+
+def pool(args: argparse.Namespace, last: int) -> Path:
+    """``--keep_pool``: the kept labels of rounds 1 to ``last``, each utterance once, with the
+    label of the last round that kept it."""
+    rows: dict[str, dict] = {}
+    for r in range(1, last + 1):
+        rows.update((row["audio_filepath"], row)
+                    for row in _rows(args.out / f"labels_{r}" / "pseudo.jsonl"))
+    path = args.out / f"labels_{last}" / "pool.jsonl"
+    _write_rows(path, list(rows.values()))
+    return path
+
+
+def label(args: argparse.Namespace, teacher: Path, audio: Path, out: Path,
+          flags: str | None = None) -> dict:
+    """Pseudo-label ``audio`` with ``teacher`` into ``out`` (``flags``, else ``--label_flags``),
+    timed once (a rerun keeps the time)."""
     timing = out / "timing.json"
     if (out / "pseudo.jsonl").is_file() and timing.is_file():
         return json.loads(timing.read_text())
     cmd = [sys.executable, "-m", "konkanivani.cli.pseudolabel", str(teacher), str(audio),
            "--choose_threshold_on", str(args.corpus / "valid.jsonl"),
            "--target_label_cer", f"{args.target_label_cer:g}", "--output_dir", str(out),
-           "--teacher", teacher.parent.parent.name, *args.label_flags.split()]
+           "--teacher", teacher.parent.parent.name,
+           *(args.label_flags if flags is None else flags).format(lm=args.lm_path).split()]
     print(" ".join(cmd[2:]), flush=True)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -192,14 +246,21 @@ def run_all(args: argparse.Namespace) -> list[dict]:
     teacher = recipe_levers.run_one(la, "teacher", ["--train_manifest", str(labelled)], args.seed)
     stages.append({"stage": "teacher", "dir": teacher})
     model = teacher / "run" / "latest.pt"
+    args.lm_path = train_lm(args, model, labelled) if args.lm else None
+    for variant in args.label_variant:
+        name, _, flags = variant.partition("=")
+        labels = args.out / f"labels_1_{name}"
+        timing = label(args, model, audio_only, labels, f"{args.label_flags} {flags}")
+        stages.append({"stage": f"labels_1_{name}", "labels": labels, **timing})
     for r in range(1, args.rounds + 1):
         labels = args.out / f"labels_{r}"
         timing = label(args, model, audio_only, labels)
+        pseudo = pool(args, r) if args.keep_pool and r > 1 else labels / "pseudo.jsonl"
         student = recipe_levers.run_one(
             la, f"round_{r}", ["--train_manifest", str(labelled), "--pseudo_manifest",
-                               str(labels / "pseudo.jsonl"), *args.student_flags.split()],
-            args.seed)
-        stages.append({"stage": f"round_{r}", "dir": student, "labels": labels, **timing})
+                               str(pseudo), *args.student_flags.split()], args.seed)
+        stages.append({"stage": f"round_{r}", "dir": student, "labels": labels, **timing,
+                       **({"pool": len(_rows(pseudo))} if pseudo.name == "pool.jsonl" else {})})
         model = student / "run" / "latest.pt"
     if args.full is None:
         args.full = recipe_levers.run_one(la, "full", [], args.seed)
@@ -224,7 +285,8 @@ def table(args: argparse.Namespace, stages: list[dict]) -> str:
     truth = {str((args.corpus / r["audio_filepath"]).resolve()): r["text"]
              for r in _rows(args.corpus / "train.jsonl")}
     for s in stages:
-        s.update(final_cers(Path(s["dir"])))
+        if "dir" in s:  # a --label_variant's row has labels and no student
+            s.update(final_cers(Path(s["dir"])))
         if "labels" in s:
             s.update(kept(Path(s["labels"]), truth))
     by = {s["stage"]: s for s in stages}
@@ -238,9 +300,11 @@ def table(args: argparse.Namespace, stages: list[dict]) -> str:
         rec = ""
         if s["stage"].startswith("round_") and gap > 0:
             rec = f"{100 * (by['teacher']['test_joint'] - s['test_joint']) / gap:.0f}%"
+        cer = [f"{s[f'{k}_joint']:.2f}" if "dir" in s else "" for k in SPLITS]
         lines.append("| " + " | ".join([
-            s["stage"], *(f"{s[f'{k}_joint']:.2f}" for k in SPLITS), f"{s['test_greedy']:.2f}",
-            rec, f"{s['kept']} of {s['of']}" if "kept" in s else "",
+            s["stage"], *cer, f"{s['test_greedy']:.2f}" if "dir" in s else "", rec,
+            (f"{s['kept']} of {s['of']}" if "kept" in s else "")
+            + (f"; pool {s['pool']}" if "pool" in s else ""),
             f"{s['threshold']:.3f}" if s.get("threshold") is not None else "",
             f"{s['label_cer']:.2f}" if s.get("label_cer") is not None else "",
             f"{s['real_time']}x" if "real_time" in s else ""]) + " |")
@@ -254,6 +318,7 @@ def table(args: argparse.Namespace, stages: list[dict]) -> str:
 def plot(stages: list[dict], path: Path) -> None:
     import matplotlib
 
+    stages = [s for s in stages if "dir" in s]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

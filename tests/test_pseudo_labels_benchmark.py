@@ -1,0 +1,86 @@
+"""benchmarks/pseudo_labels.py's bookkeeping: the kept pool across rounds, a labelling variant's
+row (labels, no student) beside the trained stages, and '{lm}' in the labelling flags."""
+import json
+import subprocess
+from pathlib import Path
+
+from benchmark_modules import load
+
+pseudo_labels = load("pseudo_labels")
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
+                    encoding="utf-8")
+
+
+def _stage(path: Path, cer: float) -> Path:
+    """A trained stage's folder: its final.csv, every split greedy and joint."""
+    path.mkdir(parents=True)
+    lines = ["weights,split,method,cer,wer,rtf"] + [
+        f"final (EMA),{split},{method},{cer:.2f},0,0"
+        for split in pseudo_labels.SPLITS for method in ("greedy", "joint")]
+    (path / "final.csv").write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _labels(path: Path, rows: list[dict], threshold: float) -> Path:
+    _write(path / "pseudo.jsonl", rows)
+    (path / "report.json").write_text(json.dumps(
+        {"kept": len(rows), "utterances": 4, "threshold": threshold}))
+    return path
+
+
+def test_the_pool_holds_every_round_each_utterance_with_its_latest_label(tmp_path):
+    args = pseudo_labels.parse_args(["--out", str(tmp_path), "--keep_pool"])
+    _write(tmp_path / "labels_1" / "pseudo.jsonl",
+           [{"audio_filepath": "a.wav", "text": "old a"}, {"audio_filepath": "b.wav", "text": "b"}])
+    _write(tmp_path / "labels_2" / "pseudo.jsonl",
+           [{"audio_filepath": "a.wav", "text": "new a"}, {"audio_filepath": "c.wav", "text": "c"}])
+    pool = pseudo_labels.pool(args, 2)
+    rows = {r["audio_filepath"]: r["text"] for r in pseudo_labels._rows(pool)}
+    assert rows == {"a.wav": "new a", "b.wav": "b", "c.wav": "c"}
+    assert pool == tmp_path / "labels_2" / "pool.jsonl"
+    assert pseudo_labels._rows(tmp_path / "labels_1" / "pseudo.jsonl")[0]["text"] == "old a"
+
+
+def test_a_labelling_variants_row_has_its_labels_and_no_student(tmp_path):
+    corpus = tmp_path / "corpus"
+    _write(corpus / "train.jsonl", [{"audio_filepath": f"{n}.wav", "duration": 1.0, "text": t}
+                                    for n, t in (("a", "abcd"), ("b", "efgh"))])
+    args = pseudo_labels.parse_args(["--out", str(tmp_path / "out"), "--corpus", str(corpus)])
+    wav = str((corpus / "a.wav").resolve())
+    stages = [
+        {"stage": "teacher", "dir": _stage(tmp_path / "teacher", 30.0)},
+        {"stage": "labels_1_lm", "labels": _labels(tmp_path / "lm", [
+            {"audio_filepath": wav, "text": "abce"}], 0.25), "real_time": 40.0},
+        {"stage": "round_2", "dir": _stage(tmp_path / "round_2", 20.0), "pool": 2,
+         "labels": _labels(tmp_path / "l2", [{"audio_filepath": wav, "text": "abcd"}], 0.5)},
+        {"stage": "full", "dir": _stage(tmp_path / "full", 10.0)},
+    ]
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")
+            for line in pseudo_labels.table(args, stages).splitlines() if line.startswith("| ")}
+    variant = rows["labels_1_lm"]
+    assert variant[1:6] == ["", "", "", "", ""]  # no student: no CER, no gap
+    assert variant[6:9] == ["1 of 4", "0.250", "25.00"]  # one character in four wrong
+    assert rows["round_2"][5:9] == ["50%", "1 of 4; pool 2", "0.500", "0.00"]  # half the gap
+
+
+def test_lm_in_the_labelling_flags_is_the_trained_lms_path(tmp_path, monkeypatch):
+    args = pseudo_labels.parse_args(["--out", str(tmp_path), "--label_flags", "--lm {lm}"])
+    args.lm_path = tmp_path / "lm" / "best.pt"
+    audio = tmp_path / "audio.jsonl"
+    _write(audio, [{"audio_filepath": "a.wav", "duration": 2.0}])
+    commands = []
+
+    def call(cmd, **kwargs):
+        commands.append(cmd)
+        (tmp_path / "labels" / "pseudo.jsonl").write_text("")
+        return 0
+
+    monkeypatch.setattr(subprocess, "call", call)
+    pseudo_labels.label(args, tmp_path / "teacher" / "run" / "latest.pt", audio,
+                        tmp_path / "labels", "--jobs 2 --lm {lm} --min_agreement 0.8")
+    assert commands[0][-6:] == ["--jobs", "2", "--lm", str(args.lm_path), "--min_agreement",
+                                "0.8"]
