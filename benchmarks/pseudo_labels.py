@@ -17,7 +17,8 @@ weights scored on test, the held-out voice and the noisy test split, greedy and 
 2. ``teacher``: the recipe on the labelled share alone. With ``--lm``, an LM
    (``konkanivani-train-lm``, ``OUT/lm``) on the corpus's text-only set and the labelled share's
    transcripts, for ``{lm}`` in the labelling flags; each ``--label_variant NAME=FLAGS`` labels the
-   audio-only share with the teacher those ways (``labels_1_NAME``), a row of labels alone.
+   audio-only share with the teacher those ways (``labels_1_NAME``), a row of labels alone, or
+   with ``--variant_student NAME`` its labels' student too (``round_1_NAME``).
 3. Each round R: ``konkanivani-pseudolabel`` labels the audio-only share with the last model (its
    EMA weights; the threshold chosen on ``valid.jsonl`` for ``--target_label_cer``), timed for its
    real-time factor; ``round_R`` trains the recipe from scratch on the labelled share and those
@@ -88,11 +89,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--label_variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="label the audio with the teacher again, --label_flags and these flags "
                         "(labels_1_NAME): the labels' row alone, no student; repeatable")
+    p.add_argument("--variant_student", action="append", default=[], metavar="NAME",
+                   help="train a student on --label_variant NAME's labels too (round_1_NAME), "
+                        "as round 1's on its own; repeatable")
     p.add_argument("--keep_pool", action="store_true",
                    help="each student after the first trains on the labels of every round so far "
                         "(an utterance with the last round's label that kept it), as "
                         "konkanivani-pseudolabel --keep_pool")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if unknown := set(args.variant_student) - {v.partition("=")[0] for v in args.label_variant}:
+        p.error(f"--variant_student {', '.join(sorted(unknown))}: no such --label_variant")
+    return args
 
 
 def _rows(path: Path) -> list[dict]:
@@ -252,6 +259,12 @@ def run_all(args: argparse.Namespace) -> list[dict]:
         labels = args.out / f"labels_1_{name}"
         timing = label(args, model, audio_only, labels, f"{args.label_flags} {flags}")
         stages.append({"stage": f"labels_1_{name}", "labels": labels, **timing})
+        if name in args.variant_student:
+            stages[-1]["stage"] = f"round_1_{name}"
+            stages[-1]["dir"] = recipe_levers.run_one(
+                la, f"round_1_{name}", ["--train_manifest", str(labelled), "--pseudo_manifest",
+                                        str(labels / "pseudo.jsonl"), *args.student_flags.split()],
+                args.seed)
     for r in range(1, args.rounds + 1):
         labels = args.out / f"labels_{r}"
         timing = label(args, model, audio_only, labels)

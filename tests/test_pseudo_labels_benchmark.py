@@ -4,6 +4,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 from benchmark_modules import load
 
 pseudo_labels = load("pseudo_labels")
@@ -84,3 +85,14 @@ def test_lm_in_the_labelling_flags_is_the_trained_lms_path(tmp_path, monkeypatch
                         tmp_path / "labels", "--jobs 2 --lm {lm} --min_agreement 0.8")
     assert commands[0][-6:] == ["--jobs", "2", "--lm", str(args.lm_path), "--min_agreement",
                                 "0.8"]
+
+
+def test_a_student_is_asked_of_a_labelling_variant_that_exists(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        pseudo_labels.parse_args(["--out", str(tmp_path), "--label_variant", "lm=--lm {lm}",
+                                  "--variant_student", "plain"])
+    assert exit_info.value.code == 2
+    assert "--variant_student plain: no such --label_variant" in capsys.readouterr().err
+    args = pseudo_labels.parse_args(["--out", str(tmp_path), "--label_variant", "plain=",
+                                     "--variant_student", "plain"])
+    assert args.variant_student == ["plain"]
