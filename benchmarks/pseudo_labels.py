@@ -54,6 +54,7 @@ for path in (ROOT, ROOT / "benchmarks"):
 import recipe_levers  # noqa: E402
 
 from konkanivani.data.manifest import read_manifest  # noqa: E402
+from konkanivani.data.tokenizer import normalize_text  # noqa: E402
 from konkanivani.training.precision import cpu_description  # noqa: E402
 
 SPLITS = ("test", "heldout", "test_noisy")
@@ -234,13 +235,14 @@ def final_cers(run: Path) -> dict[str, float]:
 
 def kept(out: Path, truth: dict[str, str]) -> dict:
     """How many labels the threshold kept, and their CER against the real transcripts (which the
-    benchmark has and a user would not)."""
+    benchmark has and a user would not), both normalized as evaluation normalizes them: no
+    punctuation, which the labels never hold."""
     import jiwer
 
     report = json.loads((out / "report.json").read_text())
     rows = [r for r in _rows(out / "pseudo.jsonl") if r["audio_filepath"] in truth]
-    cer = (100 * jiwer.cer([truth[r["audio_filepath"]] for r in rows], [r["text"] for r in rows])
-           if rows else None)
+    cer = (100 * jiwer.cer([normalize_text(truth[r["audio_filepath"]]) for r in rows],
+                           [normalize_text(r["text"]) for r in rows]) if rows else None)
     return {"kept": report["kept"], "of": report["utterances"], "threshold": report["threshold"],
             "label_cer": cer}
 
