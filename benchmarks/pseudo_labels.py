@@ -53,6 +53,7 @@ for path in (ROOT, ROOT / "benchmarks"):
 
 import recipe_levers  # noqa: E402
 
+from konkanivani.cli.pseudolabel import write_pool  # noqa: E402
 from konkanivani.data.manifest import read_manifest  # noqa: E402
 from konkanivani.data.tokenizer import normalize_text  # noqa: E402
 from konkanivani.training.precision import cpu_description  # noqa: E402
@@ -154,14 +155,9 @@ def train_lm(args: argparse.Namespace, teacher: Path, labelled: Path) -> Path:
 
 def pool(args: argparse.Namespace, last: int) -> Path:
     """``--keep_pool``: the kept labels of rounds 1 to ``last``, each utterance once, with the
-    label of the last round that kept it."""
-    rows: dict[str, dict] = {}
-    for r in range(1, last + 1):
-        rows.update((row["audio_filepath"], row)
-                    for row in _rows(args.out / f"labels_{r}" / "pseudo.jsonl"))
-    path = args.out / f"labels_{last}" / "pool.jsonl"
-    _write_rows(path, list(rows.values()))
-    return path
+    label of the last round that kept it (konkanivani-pseudolabel's pool)."""
+    return write_pool([args.out / f"labels_{r}" / "pseudo.jsonl" for r in range(1, last + 1)],
+                      args.out / f"labels_{last}" / "pool.jsonl")
 
 
 def label(args: argparse.Namespace, teacher: Path, audio: Path, out: Path,
@@ -259,23 +255,25 @@ def run_all(args: argparse.Namespace) -> list[dict]:
     for variant in args.label_variant:
         name, _, flags = variant.partition("=")
         labels = args.out / f"labels_1_{name}"
-        timing = label(args, model, audio_only, labels, f"{args.label_flags} {flags}")
-        stages.append({"stage": f"labels_1_{name}", "labels": labels, **timing})
+        stage = {"stage": f"labels_1_{name}", "labels": labels,
+                 **label(args, model, audio_only, labels, f"{args.label_flags} {flags}")}
         if name in args.variant_student:
-            stages[-1]["stage"] = f"round_1_{name}"
-            stages[-1]["dir"] = recipe_levers.run_one(
-                la, f"round_1_{name}", ["--train_manifest", str(labelled), "--pseudo_manifest",
-                                        str(labels / "pseudo.jsonl"), *args.student_flags.split()],
+            stage["stage"] = f"round_1_{name}"
+            stage["dir"] = recipe_levers.run_one(
+                la, stage["stage"], ["--train_manifest", str(labelled), "--pseudo_manifest",
+                                     str(labels / "pseudo.jsonl"), *args.student_flags.split()],
                 args.seed)
+        stages.append(stage)
     for r in range(1, args.rounds + 1):
         labels = args.out / f"labels_{r}"
         timing = label(args, model, audio_only, labels)
-        pseudo = pool(args, r) if args.keep_pool and r > 1 else labels / "pseudo.jsonl"
+        pooled = args.keep_pool and r > 1
+        pseudo = pool(args, r) if pooled else labels / "pseudo.jsonl"
         student = recipe_levers.run_one(
             la, f"round_{r}", ["--train_manifest", str(labelled), "--pseudo_manifest",
                                str(pseudo), *args.student_flags.split()], args.seed)
         stages.append({"stage": f"round_{r}", "dir": student, "labels": labels, **timing,
-                       **({"pool": len(_rows(pseudo))} if pseudo.name == "pool.jsonl" else {})})
+                       **({"pool": len(_rows(pseudo))} if pooled else {})})
         model = student / "run" / "latest.pt"
     if args.full is None:
         args.full = recipe_levers.run_one(la, "full", [], args.seed)

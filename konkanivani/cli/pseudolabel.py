@@ -323,13 +323,18 @@ def _rounds_held(parser: Parser, args: argparse.Namespace, decoding: DecodingCon
 
 
 def _write_pool(out: Path, last: int) -> Path:
-    """OUT/round_LAST/pool.jsonl: the kept labels of rounds 1 to ``last``, each utterance once,
-    with the label of the last round that kept it (``--keep_pool``)."""
+    """OUT/round_LAST/pool.jsonl: the kept labels of rounds 1 to ``last`` (``--keep_pool``)."""
+    return write_pool([out / f"round_{r}" / KEPT for r in range(1, last + 1)],
+                      out / f"round_{last}" / POOL)
+
+
+def write_pool(kept: Sequence[Path], path: Path) -> Path:
+    """``path``: the rows of the ``kept`` label manifests, earliest round first, each utterance
+    once, with the label of the last manifest that holds it."""
     pool: dict[str, dict] = {}
-    for r in range(1, last + 1):
-        for _, row in read_manifest(out / f"round_{r}" / KEPT):
+    for manifest in kept:
+        for _, row in read_manifest(manifest):
             pool[row["audio_filepath"]] = row
-    path = out / f"round_{last}" / POOL
     write_output(path, "".join(json.dumps(row, ensure_ascii=False) + "\n"
                                for row in pool.values()))
     return path
