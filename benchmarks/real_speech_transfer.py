@@ -25,6 +25,13 @@ beside the human ones, as ``configs/multilingual_base.yaml`` trains them. With `
 the base starts from that checkpoint (``--init_from``; e.g. the demo model, which has learned to
 align) instead of from scratch (``..._from_init``).
 
+With ``--pretrain_steps N`` the encoder is pretrained by masked prediction (``--pretrain``, more
+flags in ``--pretrain_flags``) for N steps on the audio of every training language of the
+yardstick, L's 15 minutes among them, their text unread (``pretrained``, one a seed, validated by
+its masked loss on their valid splits), and ``pretrained_L`` is the same as ``scratch_L`` from its
+best.pt: what audio without transcripts gives a language of 15 minutes. ``--base_steps 0`` trains
+no base (nor ``tuned_L``).
+
 Each model's best.pt is scored on L's test split (greedy CTC and joint CTC/attention decoding);
 ``table.md`` and ``table.csv`` hold every run, ``summary.md`` the means over seeds and the relative
 gain. A run cut short is resumed by the same command; a finished one is kept.
@@ -109,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base_seed", type=int,
                         help="train one base, with this seed, for every seed's fine-tuning "
                              "(default: a base of each seed's own)")
+    parser.add_argument("--pretrain_steps", type=int, default=0,
+                        help="pretrain an encoder on every training language's audio (0: none)")
+    parser.add_argument("--pretrain_flags", default="--mask_prob 0.02",
+                        help="more flags of the pretraining run, one string")
     parser.add_argument("--out", type=Path,
                         default=ROOT / "benchmarks" / "results" / "real_speech_transfer")
     args, extra = parser.parse_known_args(argv)
@@ -116,12 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     every = ["--validate_every_steps", str(max(100, args.steps // 5))]  # (the base's too)
     langs = training_languages(args.yardstick)
     rows = []
+    data = args.out / "run" / "data"
+    every_audio = ",".join(f"{_copy(args.yardstick, data, o, 'train.jsonl')}:1:{o}" for o in langs)
+    all_valid = _write(data / "valid_all.jsonl", [
+        r for o in langs for r in _absolute(args.yardstick / o / "valid.jsonl")])
     for lang in args.languages.split(","):
         if lang not in langs:
             parser.error(f"--languages {lang}: not a training language of the yardstick "
                          f"({', '.join(langs)})")
         others = [o for o in langs if o != lang]
-        data = args.out / "run" / "data"
         mix = ",".join(f"{_copy(args.yardstick, data, o, 'train.jsonl')}:1:{o}" for o in others)
         base_name = f"base_without_{lang}"
         if args.demo:
@@ -140,16 +154,26 @@ def main(argv: list[str] | None = None) -> int:
             base_data = (["--train_mix", mix] if "," in mix
                          else ["--train_manifest", mix.rsplit(":", 2)[0]])
             base_seed = seed if args.base_seed is None else args.base_seed
-            base = fit(args.out / "run" / f"seed{base_seed}" / base_name,
-                       [*base_data, *base_init], base_valid, args.base_steps, base_seed,
-                       [*every, *extra])
             own = ["--train_manifest", str(own_train)]
             scratch = fit(run / f"scratch_{lang}", own, own_valid, args.steps, seed,
                           [*every, *extra])
-            tuned = fit(run / f"tuned_{lang}", [*own, "--init_from", str(base)], own_valid,
-                        args.steps, seed, [*every, *extra])
-            models = [("base (never heard it)", base), ("from scratch", scratch),
-                      ("fine-tuned from the base", tuned)]
+            models = [("from scratch", scratch)]
+            if args.base_steps:
+                base = fit(args.out / "run" / f"seed{base_seed}" / base_name,
+                           [*base_data, *base_init], base_valid, args.base_steps, base_seed,
+                           [*every, *extra])
+                tuned = fit(run / f"tuned_{lang}", [*own, "--init_from", str(base)], own_valid,
+                            args.steps, seed, [*every, *extra])
+                models = [("base (never heard it)", base), *models,
+                          ("fine-tuned from the base", tuned)]
+            if args.pretrain_steps:
+                encoder = fit(run / "pretrained", [
+                    "--pretrain", "--train_mix", every_audio, "--inter_ctc_weight", "0",
+                    *args.pretrain_flags.split()], all_valid, args.pretrain_steps, seed,
+                    [*every, *extra])
+                models.append(("fine-tuned from the pretrained encoder", fit(
+                    run / f"pretrained_{lang}", [*own, "--init_from", str(encoder)], own_valid,
+                    args.steps, seed, [*every, *extra])))
             if args.demo_model:
                 models.append(("fine-tuned from the demo model", fit(
                     run / f"from_demo_{lang}", [*own, "--init_from", str(args.demo_model)],
@@ -172,7 +196,8 @@ def write_tables(out: Path, rows: list[dict], args: argparse.Namespace) -> None:
              "|---|---|---|---:|---:|"]
     lines += [f"| {r['language']} | {r['seed']} | {r['model']} | {r['test_greedy']:.2f} | "
               f"{r['test_joint']:.2f} |" for r in rows]
-    tuned_models = [m for m in ("fine-tuned from the base", "fine-tuned from the demo model")
+    tuned_models = [m for m in ("fine-tuned from the base", "fine-tuned from the demo model",
+                                "fine-tuned from the pretrained encoder")
                     if any(r["model"] == m for r in rows)]
     means = ["| language | from scratch (joint) | "
              + " | ".join(f"{m} (joint) | relative" for m in tuned_models) + " |",
@@ -191,7 +216,9 @@ def write_tables(out: Path, rows: list[dict], args: argparse.Namespace) -> None:
                + (f" --demo {args.demo} --demo_weight {args.demo_weight:g}" if args.demo else "")
                + (f" --demo_model {args.demo_model}" if args.demo_model else "")
                + (f" --base_init {args.base_init}" if args.base_init else "")
-               + (f" --base_seed {args.base_seed}" if args.base_seed is not None else ""))
+               + (f" --base_seed {args.base_seed}" if args.base_seed is not None else "")
+               + (f" --pretrain_steps {args.pretrain_steps} --pretrain_flags "
+                  f"'{args.pretrain_flags}'" if args.pretrain_steps else ""))
     (out / "table.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     (out / "summary.md").write_text(f"    {command}\n\n" + "\n".join(means) + "\n",
                                     encoding="utf-8")

@@ -161,3 +161,21 @@ def test_the_transfer_benchmark_trains_a_base_without_the_language_and_scores_al
     base = tmp_path / "from_init" / "run" / "seed1234" / "base_without_fr_from_init"
     assert f"init_from: {scratch}" in (base / "config.yaml").read_text()
     assert "--base_init" in (tmp_path / "from_init" / "summary.md").read_text()
+
+    # --pretrain_steps: an encoder pretrained on every training language's audio (French's 15
+    # minutes among them), French fine-tuned from it; --base_steps 0: no base
+    assert transfer.main(["--yardstick", str(yardstick), "--languages", "fr", "--base_steps", "0",
+                          "--steps", "2", "--pretrain_steps", "2", "--out",
+                          str(tmp_path / "pretrained"), "--preset", "tiny", "--batch_size", "2",
+                          "--num_workers", "0", "--noise_prob", "0"]) == 0
+    run = tmp_path / "pretrained" / "run" / "seed1234"
+    assert not (run / "base_without_fr").exists()
+    config = (run / "pretrained" / "config.yaml").read_text()
+    assert "pretrain: true" in config and "mask_prob: 0.02" in config
+    assert "data/en/train.jsonl" in config and "data/fr/train.jsonl" in config
+    assert f"init_from: {run / 'pretrained' / 'best.pt'}" in (
+        run / "pretrained_fr" / "config.yaml").read_text()
+    table = (tmp_path / "pretrained" / "table.md").read_text().splitlines()
+    assert [line.split(" | ")[2] for line in table[2:]] == [
+        "from scratch", "fine-tuned from the pretrained encoder"]
+    assert "--pretrain_steps 2" in (tmp_path / "pretrained" / "summary.md").read_text()
