@@ -21,15 +21,18 @@ transcribed share of it, against the same recipe trained on that share alone fro
 scratch with more flags (``scratch_NAME``): the same NAME in both compares the pretrained encoder
 with a random one under those flags (``--freeze_encoder_steps`` the whole budget: a linear probe,
 the CTC head on the frozen encoder, read by greedy decoding). A stage whose results exist is not run
-again. ``OUT/table.md`` gives each stage's CER on every split, the share of the gap to ``--full``
-(a ``recipe_levers`` run on all the transcripts, same seed and budget) the pretraining recovers
-where it is given, and the seconds a step of the pretraining and of the scratch run (the same
-encoder, one after the other on this machine); ``OUT/pretrain.png`` draws the pretraining's
-validation masked loss and each stage's CER on every split.
+again. Each seed's results are kept in ``OUT/seed-S.json``, and ``OUT/table.md`` gives every
+seed's (and their mean): each stage's CER on every split, the share of the gap to ``--full`` (a
+``recipe_levers`` run on all the transcripts, same seed and budget) the pretraining recovers where
+it is given, the pretraining's masked loss against chance (the log of its codebook's size), and the
+seconds a step of the pretraining and of the scratch run (the same encoder, one after the other on
+this machine); ``OUT/pretrain.png`` draws each seed's validation masked loss and each stage's mean
+CER on every split. A second seed is the same command with ``--seed`` changed.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shlex
 import subprocess
@@ -118,52 +121,103 @@ def masked_losses(run: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["masked"]) for r in read_metrics(run / METRICS_FILE)["valid"]]
 
 
-def table(args: argparse.Namespace, stages: dict[str, Path], cers: dict[str, dict[str, float]],
-          pretrained: Path, steps: list[tuple[int, float]]) -> str:
+def chance(pretrained: Path) -> float:
+    """The masked loss of a uniform guess among the pretrained run's codes (nats a frame)."""
+    import yaml
+
+    config = yaml.safe_load((pretrained / "config.yaml").read_text(encoding="utf-8"))
+    return math.log(config["model"]["codebook_size"])
+
+
+def record(args: argparse.Namespace, stages: dict[str, Path], pretrained: Path) -> dict:
+    """One seed's results, kept as ``OUT/seed-S.json`` so that a later seed's table holds them."""
+    rec = {"seed": args.seed, "cpu": cpu_description(),
+           "cers": {name: pseudo_labels.final_cers(run) for name, run in stages.items()},
+           "masked": masked_losses(pretrained), "chance": chance(pretrained),
+           "seconds": {"pretraining": seconds_a_step(pretrained),
+                       "scratch": seconds_a_step(stages["scratch"] / "run")}}
+    (args.out / f"seed-{args.seed}.json").write_text(json.dumps(rec, indent=1) + "\n",
+                                                     encoding="utf-8")
+    return rec
+
+
+def records(out: Path) -> list[dict]:
+    return sorted((json.loads(p.read_text(encoding="utf-8")) for p in out.glob("seed-*.json")),
+                  key=lambda r: r["seed"])
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def table(args: argparse.Namespace, recs: list[dict]) -> str:
+    """Each stage's CER on every split for each seed (and their mean), the share of the gap
+    between scratch and full the pretraining recovers, the masked loss and the step times."""
     keys = [f"{s}_{m}" for s in SPLITS for m in ("greedy", "joint")]
-    lines = [f"CPU: {cpu_description()}; seed {args.seed}; {args.labelled_share:.0%} of the "
-             f"training set transcribed; pretraining {args.pretrain_steps} steps on all its audio,"
-             f" {args.budget_steps} steps a fine-tune; final (EMA) weights, CER %", "",
-             "| model | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
-    for name in stages:
-        lines.append(f"| {name} | " + " | ".join(f"{cers[name].get(k, float('nan')):.2f}"
-                                                for k in keys) + " |")
-    if "full" in cers:
+    names = list(dict.fromkeys(name for r in recs for name in r["cers"]))
+    seeds = [r["seed"] for r in recs]
+    mean = {name: {k: _mean([r["cers"][name][k] for r in recs
+                             if k in r["cers"].get(name, {})]) for k in keys} for name in names}
+    lines = [f"CPU: {'; '.join(dict.fromkeys(r['cpu'] for r in recs))}; seeds "
+             f"{', '.join(map(str, seeds))}; {args.labelled_share:.0%} of the training set "
+             f"transcribed; pretraining {args.pretrain_steps} steps on all its audio, "
+             f"{args.budget_steps} steps a fine-tune; final (EMA) weights, CER %", "",
+             "| model | seed | " + " | ".join(keys) + " |", "|---" * (len(keys) + 2) + "|"]
+    for name in names:
+        rows = [(str(r["seed"]), r["cers"][name]) for r in recs if name in r["cers"]]
+        if len(recs) > 1:
+            rows.append(("mean", mean[name]))
+        lines += [f"| {name} | {seed} | " + " | ".join(
+            f"{cers.get(k, float('nan')):.2f}" for k in keys) + " |" for seed, cers in rows]
+
+    def share(cers: dict[str, dict[str, float]], k: str) -> str:
+        gap = cers["scratch"][k] - cers["full"][k]
+        return f"{100 * (cers['scratch'][k] - cers['tuned'][k]) / gap:.0f}%" if gap else "no gap"
+
+    if all("full" in r["cers"] for r in recs):
         lines += ["", "Share of the gap between scratch and full the pretraining recovers:", ""]
         for k in keys:
-            gap = cers["scratch"][k] - cers["full"][k]
-            lines.append(f"- {k}: {100 * (cers['scratch'][k] - cers['tuned'][k]) / gap:.0f}%"
-                         if gap else f"- {k}: no gap")
-    lines += ["", "Pretraining's validation masked loss (nats a masked frame; chance "
-              "log(1024) = 6.93): " + ", ".join(f"step {s} {v:.3f}" for s, v in steps),
-              "", f"Seconds a step: pretraining {seconds_a_step(pretrained):.3f}, the scratch "
-              f"run {seconds_a_step(stages['scratch'] / 'run'):.3f} (one after the other, the "
-              "same encoder; the scratch run's decoder and CTC head beside it)"]
+            each = ", ".join(f"{share(r['cers'], k)} (seed {r['seed']})" for r in recs)
+            lines.append(f"- {k}: {each}" + (f"; of the means {share(mean, k)}"
+                                             if len(recs) > 1 else ""))
+    lines += ["", "Pretraining's validation masked loss (nats a masked frame):", ""]
+    lines += [f"- seed {r['seed']} (chance log({round(math.exp(r['chance']))}) = "
+              f"{r['chance']:.2f}): " + ", ".join(f"step {s} {v:.3f}" for s, v in r["masked"])
+              for r in recs]
+    lines += ["", "Seconds a step, pretraining and the scratch run (one after the other, the same "
+              "encoder; the scratch run's decoder and CTC head beside it):", ""]
+    lines += [f"- seed {r['seed']}: {r['seconds']['pretraining']:.3f} and "
+              f"{r['seconds']['scratch']:.3f}" for r in recs]
     return "\n".join(lines) + "\n"
 
 
-def plot(cers: dict[str, dict[str, float]], steps: list[tuple[int, float]], path: Path) -> None:
-    """Left, the pretraining's validation masked loss by step (chance dashed); right, each stage's
-    final joint CER on every split."""
+def plot(recs: list[dict], path: Path) -> None:
+    """Left, each seed's pretraining validation masked loss by step (chance dashed); right, each
+    stage's final joint CER on every split, the mean over the seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.plot([s for s, _ in steps], [v for _, v in steps], marker="o", label="masked loss")
-    left.axhline(math.log(1024), linestyle="--", color="grey", label="chance, log(1024)")
+    for r in recs:
+        left.plot([s for s, _ in r["masked"]], [v for _, v in r["masked"]], marker="o",
+                  label=f"masked loss, seed {r['seed']}")
+    left.axhline(recs[0]["chance"], linestyle="--", color="grey",
+                 label=f"chance, log({round(math.exp(recs[0]['chance']))})")
     left.set(xlabel="pretraining step", ylabel="nats a masked frame (valid)",
              title="pretraining on audio alone")
     left.legend()
-    names = list(cers)
+    names = list(dict.fromkeys(name for r in recs for name in r["cers"]))
     width = 0.8 / len(SPLITS)
     for i, split in enumerate(SPLITS):
         right.bar([x + (i - (len(SPLITS) - 1) / 2) * width for x in range(len(names))],
-                  [cers[n].get(f"{split}_joint", float("nan")) for n in names], width,
+                  [_mean([r["cers"][n][f"{split}_joint"] for r in recs
+                          if f"{split}_joint" in r["cers"].get(n, {})]) for n in names], width,
                   label=split)
     right.set_xticks(range(len(names)), names, rotation=20)
-    right.set(ylabel="CER % (joint, final EMA weights)", title="each stage")
+    seeds = ", ".join(str(r["seed"]) for r in recs)
+    right.set(ylabel="CER % (joint, final EMA weights)", title=f"each stage, mean of seeds {seeds}")
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -196,11 +250,11 @@ def main(argv: list[str] | None = None) -> int:
                 la, f"{stage}_{name}", [*start, *shlex.split(flags)], args.seed)
     if args.full is not None:
         stages["full"] = args.full
-    cers = {name: pseudo_labels.final_cers(run) for name, run in stages.items()}
-    steps = masked_losses(pretrained)
-    text = table(args, stages, cers, pretrained, steps)
+    record(args, stages, pretrained)
+    recs = records(args.out)
+    text = table(args, recs)
     (args.out / "table.md").write_text(text, encoding="utf-8")
-    plot(cers, steps, args.out / "pretrain.png")
+    plot(recs, args.out / "pretrain.png")
     print(text)
     return 0
 
