@@ -18,7 +18,9 @@ weights scored on test, the held-out voice and the noisy test split, greedy and 
    (``konkanivani-train-lm``, ``OUT/lm``) on the corpus's text-only set and the labelled share's
    transcripts, for ``{lm}`` in the labelling flags; each ``--label_variant NAME=FLAGS`` labels the
    audio-only share with the teacher those ways (``labels_1_NAME``), a row of labels alone, or
-   with ``--variant_student NAME`` its labels' student too (``round_1_NAME``).
+   with ``--variant_student NAME`` its labels' student too (``round_1_NAME``);
+   ``--variant_weights NAME=FILE`` labels that variant with ``FILE`` of the teacher's run folder
+   (``latest_training_weights.pt``: the training weights, not the EMA's).
 3. Each round R: ``konkanivani-pseudolabel`` labels the audio-only share with the last model (its
    EMA weights; the threshold chosen on ``valid.jsonl`` for ``--target_label_cer``), timed for its
    real-time factor; ``round_R`` trains the recipe from scratch on the labelled share and those
@@ -94,6 +96,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variant_student", action="append", default=[], metavar="NAME",
                    help="train a student on --label_variant NAME's labels too (round_1_NAME), "
                         "as round 1's on its own; repeatable")
+    p.add_argument("--variant_weights", action="append", default=[], metavar="NAME=FILE",
+                   help="label --label_variant NAME with this file of the teacher's run folder "
+                        "instead of latest.pt (latest_training_weights.pt: the training weights)")
+    p.add_argument("--student_variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="another student of round 1's labels with these more trainer flags "
+                        "(student_NAME; '{teacher}' stands for the teacher's latest.pt); "
+                        "repeatable")
     p.add_argument("--keep_pool", action="store_true",
                    help="each student after the first trains on the labels of every round so far "
                         "(an utterance with the last round's label that kept it), as "
@@ -101,6 +110,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if unknown := set(args.variant_student) - {v.partition("=")[0] for v in args.label_variant}:
         p.error(f"--variant_student {', '.join(sorted(unknown))}: no such --label_variant")
+    args.variant_weights = dict(v.partition("=")[::2] for v in args.variant_weights)
+    if unknown := set(args.variant_weights) - {v.partition("=")[0] for v in args.label_variant}:
+        p.error(f"--variant_weights {', '.join(sorted(unknown))}: no such --label_variant")
+    if args.student_variant and args.rounds < 1:
+        p.error("--student_variant: a student of round 1's labels needs --rounds 1 or more")
     return args
 
 
@@ -255,8 +269,9 @@ def run_all(args: argparse.Namespace) -> list[dict]:
     for variant in args.label_variant:
         name, _, flags = variant.partition("=")
         labels = args.out / f"labels_1_{name}"
+        weights = model.parent / args.variant_weights.get(name, model.name)
         stage = {"stage": f"labels_1_{name}", "labels": labels,
-                 **label(args, model, audio_only, labels, f"{args.label_flags} {flags}")}
+                 **label(args, weights, audio_only, labels, f"{args.label_flags} {flags}")}
         if name in args.variant_student:
             stage["stage"] = f"round_1_{name}"
             stage["dir"] = recipe_levers.run_one(
@@ -274,6 +289,16 @@ def run_all(args: argparse.Namespace) -> list[dict]:
                                str(pseudo), *args.student_flags.split()], args.seed)
         stages.append({"stage": f"round_{r}", "dir": student, "labels": labels, **timing,
                        **({"pool": len(_rows(pseudo))} if pooled else {})})
+        if r == 1:
+            for variant in args.student_variant:
+                name, _, flags = variant.partition("=")
+                stages.append({"stage": f"student_{name}", "labels": labels, **timing,
+                               "dir": recipe_levers.run_one(
+                    la, f"student_{name}", ["--train_manifest", str(labelled),
+                                            "--pseudo_manifest", str(pseudo),
+                                            *args.student_flags.split(),
+                                            *flags.format(teacher=teacher / "run" / "latest.pt")
+                                            .split()], args.seed)})
         model = student / "run" / "latest.pt"
     if args.full is None:
         args.full = recipe_levers.run_one(la, "full", [], args.seed)
@@ -311,7 +336,7 @@ def table(args: argparse.Namespace, stages: list[dict]) -> str:
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in stages:
         rec = ""
-        if s["stage"].startswith("round_") and gap > 0:
+        if s["stage"].startswith(("round_", "student_")) and gap > 0:
             rec = f"{100 * (by['teacher']['test_joint'] - s['test_joint']) / gap:.0f}%"
         cer = [f"{s[f'{k}_joint']:.2f}" if "dir" in s else "" for k in SPLITS]
         lines.append("| " + " | ".join([

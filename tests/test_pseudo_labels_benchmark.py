@@ -97,3 +97,48 @@ def test_a_student_is_asked_of_a_labelling_variant_that_exists(tmp_path, capsys)
     args = pseudo_labels.parse_args(["--out", str(tmp_path), "--label_variant", "plain=",
                                      "--variant_student", "plain"])
     assert args.variant_student == ["plain"]
+
+
+def test_a_variant_labels_with_the_weights_asked_and_a_student_variant_gets_the_teacher(
+        tmp_path, monkeypatch):
+    args = pseudo_labels.parse_args([
+        "--out", str(tmp_path), "--rounds", "1", "--full", str(tmp_path / "full"),
+        "--label_variant", "ema=", "--label_variant", "training=",
+        "--variant_weights", "training=latest_training_weights.pt",
+        "--student_variant", "warm=--init_from {teacher} --max_steps 9"])
+    labelled, audio = tmp_path / "labelled.jsonl", tmp_path / "audio.jsonl"
+    monkeypatch.setattr(pseudo_labels, "split_corpus", lambda *a: (labelled, audio))
+    labelled_by, trained = {}, {}
+
+    def label(args, teacher, audio, out, flags=None):
+        labelled_by[out.name] = teacher
+        return {"real_time": 1.0}
+
+    def run_one(la, name, flags, seed):
+        trained[name] = flags
+        return tmp_path / name / f"seed-{seed}"
+
+    monkeypatch.setattr(pseudo_labels, "label", label)
+    monkeypatch.setattr(pseudo_labels.recipe_levers, "run_one", run_one)
+    stages = [s["stage"] for s in pseudo_labels.run_all(args)]
+    assert stages == ["teacher", "labels_1_ema", "labels_1_training", "round_1", "student_warm",
+                      "full"]
+    run = tmp_path / "teacher" / "seed-1234" / "run"
+    assert labelled_by == {"labels_1_ema": run / "latest.pt",
+                           "labels_1_training": run / "latest_training_weights.pt",
+                           "labels_1": run / "latest.pt"}
+    assert trained["student_warm"][-4:] == ["--init_from", str(run / "latest.pt"),
+                                            "--max_steps", "9"]
+    assert trained["student_warm"][:4] == trained["round_1"][:4]  # the same labels
+
+
+def test_weights_and_student_variants_are_refused_where_they_name_nothing(tmp_path, capsys):
+    for argv, message in (
+            (["--variant_weights", "x=latest_training_weights.pt"],
+             "--variant_weights x: no such --label_variant"),
+            (["--rounds", "0", "--student_variant", "w=--lr 1e-3"],
+             "--student_variant: a student of round 1's labels needs --rounds 1 or more")):
+        with pytest.raises(SystemExit) as exit_info:
+            pseudo_labels.parse_args(["--out", str(tmp_path), *argv])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
