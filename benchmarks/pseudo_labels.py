@@ -29,9 +29,10 @@ weights scored on test, the held-out voice and the noisy test split, greedy and 
 4. ``full``: the recipe on all of ``train.jsonl`` with its transcripts (``--full DIR`` reuses a
    ``recipe_levers`` run of the recipe with the same seed and budget).
 5. With ``--adapt N``: N sentences of the corpus's text-only set read by the held-out voice
-   (festival's Marathi voice; none of them a test sentence) are labelled by the full model, which is
-   then fine-tuned ``--adapt_steps`` on the training set with (``adapt``) and without
-   (``adapt_control``) those labels: what the voice's audio alone is worth on its test split.
+   (festival's Marathi voice; none of them a test sentence) are labelled by the full model (with
+   ``--lm``, an LM of the same text and its tokenizer, ``OUT/lm_full``), which is then fine-tuned
+   ``--adapt_steps`` on the training set with (``adapt``) and without (``adapt_control``) those
+   labels: what the voice's audio alone is worth on its test split.
 
 ``OUT/table.md`` (each stage's CER on every split, the labels kept and their threshold, the share
 of the test-CER gap between teacher and full model each round recovers) and ``OUT/pseudo.png`` are
@@ -145,10 +146,11 @@ def split_corpus(corpus: Path, out: Path, share: float, seed: int) -> tuple[Path
     return labelled, audio_only
 
 
-def train_lm(args: argparse.Namespace, teacher: Path, labelled: Path) -> Path:
+def train_lm(args: argparse.Namespace, teacher: Path, labelled: Path, name: str = "lm") -> Path:
     """``--lm``: the LM on the corpus's text and the labelled share's transcripts (none of them a
-    test sentence, nor the audio-only share's), trained once; its best.pt."""
-    out = args.out / "lm"
+    test sentence, nor the audio-only share's), with ``teacher``'s tokenizer, trained once into
+    ``OUT/name``; its best.pt."""
+    out = args.out / name
     if (out / "best.pt").is_file() and (out / "done").is_file():
         return out / "best.pt"
     text = args.out / "split" / "lm_text.txt"
@@ -159,10 +161,10 @@ def train_lm(args: argparse.Namespace, teacher: Path, labelled: Path) -> Path:
     cmd = [sys.executable, "-m", "konkanivani.cli.train_lm", str(text), "--tokenizer",
            str(teacher), "--output_dir", str(out), "--overwrite", *args.lm_flags.split()]
     print(" ".join(cmd[2:]), flush=True)
-    with open(args.out / "lm.log", "w", encoding="utf-8") as log:
+    with open(args.out / f"{name}.log", "w", encoding="utf-8") as log:
         code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     if code != 0:
-        raise SystemExit(f"training the LM: exit status {code}; see {args.out / 'lm.log'}")
+        raise SystemExit(f"training the LM: exit status {code}; see {args.out / f'{name}.log'}")
     (out / "done").write_text("")
     return out / "best.pt"
 
@@ -307,7 +309,11 @@ def run_all(args: argparse.Namespace) -> list[dict]:
         adapt_audio = synthesize_adapt(args.corpus, args.out / "adapt_audio", args.adapt,
                                        args.split_seed)
         labels = args.out / "labels_adapt"
-        timing = label(args, args.full / "run" / "latest.pt", adapt_audio, labels)
+        full = args.full / "run" / "latest.pt"
+        # the full model's vocabulary may differ from the teacher's: an LM of its own tokenizer
+        lm = train_lm(args, full, labelled, "lm_full") if args.lm else None
+        timing = label(args, full, adapt_audio, labels,
+                       args.label_flags.replace("{lm}", str(lm)))
         short = levers_args(args, args.adapt_steps)
         init = ["--init_from", str(args.full / "run" / "latest.pt"), "--keep_init_cmvn"]
         control = recipe_levers.run_one(short, "adapt_control", init, args.seed)

@@ -142,3 +142,29 @@ def test_weights_and_student_variants_are_refused_where_they_name_nothing(tmp_pa
             pseudo_labels.parse_args(["--out", str(tmp_path), *argv])
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_the_adaptation_labels_with_an_lm_of_the_full_models_tokenizer(tmp_path, monkeypatch):
+    full = tmp_path / "full"
+    args = pseudo_labels.parse_args([
+        "--out", str(tmp_path), "--rounds", "0", "--full", str(full), "--lm", "--adapt", "3",
+        "--label_flags", "--jobs 2 --lm {lm}"])
+    monkeypatch.setattr(pseudo_labels, "split_corpus", lambda *a: (tmp_path / "l.jsonl", None))
+    monkeypatch.setattr(pseudo_labels, "synthesize_adapt", lambda *a: tmp_path / "adapt.jsonl")
+    lms, labelled_with = [], {}
+    monkeypatch.setattr(pseudo_labels, "train_lm", lambda args, model, labelled, name="lm": (
+        lms.append((model, name)) or tmp_path / name / "best.pt"))
+
+    def label(args, model, audio, out, flags=None):
+        labelled_with[out.name] = (model, (args.label_flags if flags is None else flags)
+                                   .format(lm=args.lm_path))
+        return {}
+
+    monkeypatch.setattr(pseudo_labels, "label", label)
+    monkeypatch.setattr(pseudo_labels.recipe_levers, "run_one",
+                        lambda la, name, flags, seed: tmp_path / name)
+    pseudo_labels.run_all(args)
+    teacher = tmp_path / "teacher" / "run" / "latest.pt"
+    assert lms == [(teacher, "lm"), (full / "run" / "latest.pt", "lm_full")]
+    assert labelled_with["labels_adapt"] == (full / "run" / "latest.pt",
+                                             f"--jobs 2 --lm {tmp_path / 'lm_full' / 'best.pt'}")
