@@ -31,8 +31,9 @@ weights scored on test, the held-out voice and the noisy test split, greedy and 
 5. With ``--adapt N``: N sentences of the corpus's text-only set read by the held-out voice
    (festival's Marathi voice; none of them a test sentence) are labelled by the full model (with
    ``--lm``, an LM of the same text and its tokenizer, ``OUT/lm_full``), which is then fine-tuned
-   ``--adapt_steps`` on the training set with (``adapt``) and without (``adapt_control``) those
-   labels: what the voice's audio alone is worth on its test split.
+   ``--adapt_steps`` on the training set with (``adapt``; ``--adapt_variant NAME=FLAGS``, with
+   more flags: ``adapt_NAME``) and without (``adapt_control``) those labels: what the voice's
+   audio alone is worth on its test split.
 
 ``OUT/table.md`` (each stage's CER on every split, the labels kept and their threshold, the share
 of the test-CER gap between teacher and full model each round recovers) and ``OUT/pseudo.png`` are
@@ -85,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--adapt", type=int, default=0,
                    help="held-out-voice sentences to synthesize as audio alone (0: no adaptation)")
     p.add_argument("--adapt_steps", type=int, default=500)
+    p.add_argument("--adapt_variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="another adaptation with these more trainer flags (adapt_NAME: "
+                        "--pseudo_weight 4, say); repeatable")
     p.add_argument("--lm", action="store_true",
                    help="train a konkanivani-train-lm LM on the corpus's text.txt and the labelled "
                         "share's transcripts (OUT/lm), the teacher's tokenizer; '{lm}' in "
@@ -322,6 +326,13 @@ def run_all(args: argparse.Namespace) -> list[dict]:
                              *args.student_flags.split()], args.seed)
         stages.append({"stage": "adapt_control", "dir": control})
         stages.append({"stage": "adapt", "dir": adapted, "labels": labels, **timing})
+        for variant in args.adapt_variant:
+            name, _, flags = variant.partition("=")
+            stages.append({"stage": f"adapt_{name}", "labels": labels, **timing,
+                           "dir": recipe_levers.run_one(
+                short, f"adapt_{name}", [*init, "--pseudo_manifest", str(labels / "pseudo.jsonl"),
+                                         *args.student_flags.split(), *flags.split()],
+                args.seed)})
     return stages
 
 
@@ -353,9 +364,13 @@ def table(args: argparse.Namespace, stages: list[dict]) -> str:
             f"{s['label_cer']:.2f}" if s.get("label_cer") is not None else "",
             f"{s['real_time']}x" if "real_time" in s else ""]) + " |")
     if "adapt" in by:
-        a, c = by["adapt"]["heldout_joint"], by["adapt_control"]["heldout_joint"]
-        lines += ["", f"Held-out voice: {c:.2f}% fine-tuned on the training set alone, {a:.2f}% "
-                      f"with its own audio pseudo-labelled: {100 * (c - a) / c:.1f}% relative."]
+        c = by["adapt_control"]["heldout_joint"]
+        for name in [n for n in by if n.startswith("adapt") and n != "adapt_control"]:
+            a, more = by[name]["heldout_joint"], name.partition("_")[2]
+            lines += ["", f"Held-out voice: {c:.2f}% fine-tuned on the training set alone, "
+                          f"{a:.2f}% with its own audio pseudo-labelled"
+                          + (f" ({more})" if more else "") + f": {100 * (c - a) / c:.1f}% "
+                          "relative."]
     return "\n".join(lines) + "\n"
 
 

@@ -144,11 +144,12 @@ def test_weights_and_student_variants_are_refused_where_they_name_nothing(tmp_pa
         assert message in capsys.readouterr().err
 
 
-def test_the_adaptation_labels_with_an_lm_of_the_full_models_tokenizer(tmp_path, monkeypatch):
+def test_the_adaptation_labels_with_an_lm_of_the_full_models_tokenizer_and_its_variants_train(
+        tmp_path, monkeypatch):
     full = tmp_path / "full"
     args = pseudo_labels.parse_args([
         "--out", str(tmp_path), "--rounds", "0", "--full", str(full), "--lm", "--adapt", "3",
-        "--label_flags", "--jobs 2 --lm {lm}"])
+        "--label_flags", "--jobs 2 --lm {lm}", "--adapt_variant", "w4=--pseudo_weight 4"])
     monkeypatch.setattr(pseudo_labels, "split_corpus", lambda *a: (tmp_path / "l.jsonl", None))
     monkeypatch.setattr(pseudo_labels, "synthesize_adapt", lambda *a: tmp_path / "adapt.jsonl")
     lms, labelled_with = [], {}
@@ -161,10 +162,27 @@ def test_the_adaptation_labels_with_an_lm_of_the_full_models_tokenizer(tmp_path,
         return {}
 
     monkeypatch.setattr(pseudo_labels, "label", label)
-    monkeypatch.setattr(pseudo_labels.recipe_levers, "run_one",
-                        lambda la, name, flags, seed: tmp_path / name)
-    pseudo_labels.run_all(args)
+    trained = {}
+    monkeypatch.setattr(pseudo_labels.recipe_levers, "run_one", lambda la, name, flags, seed: (
+        trained.update({name: flags}) or tmp_path / name))
+    stages = pseudo_labels.run_all(args)
+    assert [s["stage"] for s in stages][-3:] == ["adapt_control", "adapt", "adapt_w4"]
+    assert trained["adapt_w4"] == [*trained["adapt"], "--pseudo_weight", "4"]
+    assert "--pseudo_manifest" not in trained["adapt_control"]
     teacher = tmp_path / "teacher" / "run" / "latest.pt"
     assert lms == [(teacher, "lm"), (full / "run" / "latest.pt", "lm_full")]
     assert labelled_with["labels_adapt"] == (full / "run" / "latest.pt",
                                              f"--jobs 2 --lm {tmp_path / 'lm_full' / 'best.pt'}")
+
+
+def test_each_adaptation_gets_its_held_out_line(tmp_path):
+    corpus = tmp_path / "corpus"
+    _write(corpus / "train.jsonl", [{"audio_filepath": "a.wav", "duration": 1.0, "text": "a"}])
+    args = pseudo_labels.parse_args(["--out", str(tmp_path / "out"), "--corpus", str(corpus)])
+    stages = [{"stage": name, "dir": _stage(tmp_path / name, cer)} for name, cer in (
+        ("teacher", 30.0), ("full", 10.0), ("adapt_control", 20.0), ("adapt", 16.0),
+        ("adapt_w4", 12.0))]
+    text = pseudo_labels.table(args, stages)
+    assert ("20.00% fine-tuned on the training set alone, 16.00% with its own audio "
+            "pseudo-labelled: 20.0% relative.") in text
+    assert "12.00% with its own audio pseudo-labelled (w4): 40.0% relative." in text
