@@ -14,7 +14,9 @@ weights scored on test, the held-out voice and the noisy test split, greedy and 
 
 1. ``OUT/split/``: a seeded ``--labelled_share`` of ``train.jsonl`` kept with its text
    (``labelled.jsonl``), the rest without (``audio_only.jsonl``).
-2. ``teacher``: the recipe on the labelled share alone. With ``--lm``, an LM
+2. ``teacher``: the recipe on the labelled share alone (``--teacher DIR`` reuses one trained on
+   the same share elsewhere: ``benchmarks/pretrain.py``'s ``OUT/tuned/seed-S``, its pretrained
+   encoder fine-tuned, for pretraining and pseudo-labels together). With ``--lm``, an LM
    (``konkanivani-train-lm``, ``OUT/lm``) on the corpus's text-only set and the labelled share's
    transcripts, for ``{lm}`` in the labelling flags; each ``--label_variant NAME=FLAGS`` labels the
    audio-only share with the teacher those ways (``labels_1_NAME``), a row of labels alone, or
@@ -83,6 +85,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--full", type=Path,
                    help="a recipe_levers run dir (with final.csv and run/latest.pt) of the recipe "
                         "on all of train.jsonl at the same seed and budget, instead of training it")
+    p.add_argument("--teacher", type=Path,
+                   help="a recipe_levers run dir (with final.csv and run/latest.pt) of a teacher "
+                        "trained on the labelled share, instead of training it: "
+                        "benchmarks/pretrain.py's OUT/tuned/seed-S (the pretrained encoder "
+                        "fine-tuned on the share), say")
     p.add_argument("--adapt", type=int, default=0,
                    help="held-out-voice sentences to synthesize as audio alone (0: no adaptation)")
     p.add_argument("--adapt_steps", type=int, default=500)
@@ -268,7 +275,8 @@ def run_all(args: argparse.Namespace) -> list[dict]:
                                         args.split_seed)
     la = levers_args(args, args.budget_steps)
     stages = []
-    teacher = recipe_levers.run_one(la, "teacher", ["--train_manifest", str(labelled)], args.seed)
+    teacher = args.teacher or recipe_levers.run_one(la, "teacher", ["--train_manifest",
+                                                                     str(labelled)], args.seed)
     stages.append({"stage": "teacher", "dir": teacher})
     model = teacher / "run" / "latest.pt"
     args.lm_path = train_lm(args, model, labelled) if args.lm else None

@@ -132,6 +132,27 @@ def test_a_variant_labels_with_the_weights_asked_and_a_student_variant_gets_the_
     assert trained["student_warm"][:4] == trained["round_1"][:4]  # the same labels
 
 
+def test_a_teacher_given_is_not_trained_and_labels_round_1(tmp_path, monkeypatch):
+    tuned = tmp_path / "pretrain" / "tuned" / "seed-1234"
+    args = pseudo_labels.parse_args([
+        "--out", str(tmp_path), "--rounds", "1", "--full", str(tmp_path / "full"),
+        "--teacher", str(tuned)])
+    monkeypatch.setattr(pseudo_labels, "split_corpus", lambda *a: (tmp_path / "l.jsonl", None))
+    labelled_by, trained = {}, []
+
+    def label(args, teacher, audio, out, flags=None):
+        labelled_by[out.name] = teacher
+        return {}
+
+    monkeypatch.setattr(pseudo_labels, "label", label)
+    monkeypatch.setattr(pseudo_labels.recipe_levers, "run_one", lambda la, name, flags, seed: (
+        trained.append(name) or tmp_path / name / f"seed-{seed}"))
+    stages = {s["stage"]: s for s in pseudo_labels.run_all(args)}
+    assert trained == ["round_1"]
+    assert stages["teacher"]["dir"] == tuned
+    assert labelled_by == {"labels_1": tuned / "run" / "latest.pt"}
+
+
 def test_weights_and_student_variants_are_refused_where_they_name_nothing(tmp_path, capsys):
     for argv, message in (
             (["--variant_weights", "x=latest_training_weights.pt"],
